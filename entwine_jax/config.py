@@ -1,0 +1,107 @@
+# GemmRsConfig: the one printable config of the fused op (mirrors entwine::GemmRsConfig in
+# ffi/gemm_rs.h, plus the Python-only `path`), the global default, and the shape heuristic.
+import contextlib
+import dataclasses
+from typing import Iterator, Optional
+
+import numpy as np
+
+_PATHS = ("auto", "fused", "xla")
+_BLOCK_N = (128, 256)
+_CONSUMER_BLOCK = (128, 256, 512)
+# Reduction tile of the consumer (entwine::kTileM x kTileN).
+_TILE = 128
+
+
+def _check_int(name: str, value, lo: int) -> None:
+    # bool is an int subclass; True as a grid size is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise ValueError(f"GemmRsConfig: {name} must be an int >= {lo}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRsConfig:
+    """Configuration of one gemm_rs call.
+
+    block_n:        producer GEMM block 128 x block_n x 64; 128 or 256.
+    producer_sms:   0: one CTA per GEMM block (shared SM pool); > 0: persistent grid of that size.
+    consumer_grid:  the communication budget x: CTAs of the reduction kernel.
+    consumer_block: threads per consumer CTA; 128, 256 or 512.
+    path:           "auto": fused when it can run, else the XLA reference (logged once);
+                    "fused": same, but a fallback is logged as a warning;
+                    "xla": always the XLA reference (psum_scatter of an fp32 dot).
+    """
+
+    block_n: int = 128
+    producer_sms: int = 0
+    consumer_grid: int = 16
+    consumer_block: int = 512
+    path: str = "auto"
+
+    def __post_init__(self):
+        if self.block_n not in _BLOCK_N or isinstance(self.block_n, bool):
+            raise ValueError(f"GemmRsConfig: block_n must be one of {_BLOCK_N}, got {self.block_n!r}")
+        _check_int("producer_sms", self.producer_sms, 0)
+        _check_int("consumer_grid", self.consumer_grid, 1)
+        if self.consumer_block not in _CONSUMER_BLOCK or isinstance(self.consumer_block, bool):
+            raise ValueError(
+                f"GemmRsConfig: consumer_block must be one of {_CONSUMER_BLOCK}, got {self.consumer_block!r}")
+        if self.path not in _PATHS:
+            raise ValueError(f"GemmRsConfig: path must be one of {_PATHS}, got {self.path!r}")
+
+    def __str__(self) -> str:
+        return (f"GemmRsConfig(block_n={self.block_n}, producer_sms={self.producer_sms}, "
+                f"consumer_grid={self.consumer_grid}, consumer_block={self.consumer_block}, "
+                f"path={self.path})")
+
+
+_default: Optional[GemmRsConfig] = None
+
+
+def set_default_config(config: Optional[GemmRsConfig]) -> Optional[GemmRsConfig]:
+    """Use `config` for every gemm_rs call without an explicit config (None: the heuristic).
+
+    Read at trace time: functions already jitted keep the config they were traced with.
+    Returns the previous default.
+    """
+    global _default
+    if config is not None and not isinstance(config, GemmRsConfig):
+        raise ValueError(f"set_default_config: config must be a GemmRsConfig or None, got {type(config).__name__}")
+    previous, _default = _default, config
+    return previous
+
+
+def get_default_config() -> Optional[GemmRsConfig]:
+    return _default
+
+
+@contextlib.contextmanager
+def using_config(config: Optional[GemmRsConfig]) -> Iterator[None]:
+    """Context manager form of set_default_config."""
+    previous = set_default_config(config)
+    try:
+        yield
+    finally:
+        set_default_config(previous)
+
+
+def heuristic_config(m: int, n: int, k: int, world: int, dtype) -> GemmRsConfig:
+    """Config for a call with x [m, k] (per rank), w [k, n] over `world` ranks.
+
+    Every rule says why; the tuned table (per GPU and shape) overrides these.
+    """
+    del k, dtype  # no rule depends on them yet
+    # The reduction tile is 128x128: a 128-wide producer block publishes each tile as soon as it
+    # is written, the earliest release; 256 only pays off where tuning shows GEMM-bound shapes.
+    block_n = 128
+    # One CTA per GEMM block lets the hardware scheduler share SMs with the consumer (the paper's
+    # shared pool); the persistent split is a tuning choice.
+    producer_sms = 0
+    # 16 CTAs of 512 threads reached ~372 GB/s of remote loads on 2xH200 (link peak 450) while
+    # leaving >100 SMs to the GEMM; more CTAs than tiles in the local partition would only idle.
+    tiles = max(1, (m // max(world, 1) // _TILE) * (n // _TILE))
+    consumer_grid = min(16, tiles)
+    # 512 threads keep enough 16-byte loads in flight per SM to cover NVLink latency.
+    consumer_block = 512
+    return GemmRsConfig(block_n=block_n, producer_sms=producer_sms, consumer_grid=consumer_grid,
+                        consumer_block=consumer_block)

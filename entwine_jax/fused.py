@@ -1,0 +1,452 @@
+"""The fused gemm_rs path: availability, padding, communicators and the ``entwine_gemm_rs`` call.
+
+ops.py asks ``unavailable_reason(...)`` at trace time and, when it is None, calls
+``gemm_rs_local(...)`` inside ``shard_map``. Communicators (one per mesh axis, holding every group
+of that axis) are created and grown here at trace time, before any call that needs them runs.
+
+Mesh discovery: inside ``jit`` jax exposes only the abstract mesh, so the device assignment comes
+from the enclosing ``jax.set_mesh(mesh)`` or, failing that, from ``entwine_jax.setup(mesh, axis)``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import hashlib
+import os
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _distributed
+
+TARGET = "entwine_gemm_rs"
+TILE_M = 128  # reduction tile rows (gemm_rs.h kTileM)
+TILE_N = 128
+ALIGN_K = 8  # 16-byte rows for TMA (gemm_rs.h kAlignK)
+MAX_WORLD = 8
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_DEFAULT_HEAP_MAX_BYTES = 4 << 30
+# Heaps grow in steps of this many bytes per slot so that a sequence of growing shapes reallocates
+# (and synchronises every rank) a few times, not once per shape.
+_SLOT_GRANULE = 2 << 20
+_TILES_GRANULE = 64
+# Cross-process setup (IPC handle exchange, barriers): generous, compilation may run meanwhile.
+_KV_TIMEOUT_MS = 300_000
+
+
+# --- Pure helpers (tested on CPU) ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """Kernel shape of one call: partitions of mp rows padded to mp_pad (multiple of 128)."""
+
+    world: int
+    m: int
+    k: int
+    n: int
+    mp: int
+    mp_pad: int
+    k_pad: int
+    n_pad: int
+
+    @property
+    def needed(self) -> bool:
+        return (self.mp, self.k, self.n) != (self.mp_pad, self.k_pad, self.n_pad)
+
+    @property
+    def tiles_per_partition(self) -> int:
+        return (self.mp_pad // TILE_M) * (self.n_pad // TILE_N)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def padding(m: int, k: int, n: int, world: int, block_n: int) -> Padding:
+    """Pads per-partition rows to 128, N to block_n and K to 8 (zeros add nothing to the sum)."""
+    if m % world:
+        raise ValueError(f"gemm_rs: M={m} is not divisible by the axis size {world}")
+    mp = m // world
+    return Padding(world, m, k, n, mp, _round_up(mp, TILE_M), _round_up(k, ALIGN_K),
+                   _round_up(n, block_n))
+
+
+def pad_operands(x, w, p: Padding, xp=jnp):
+    """x [M, K] -> [W * mp_pad, k_pad] (each partition padded on its own), w [K, N] -> [k_pad, n_pad]."""
+    if (p.mp, p.k) != (p.mp_pad, p.k_pad):
+        x = x.reshape(p.world, p.mp, p.k)
+        x = xp.pad(x, ((0, 0), (0, p.mp_pad - p.mp), (0, p.k_pad - p.k)))
+        x = x.reshape(p.world * p.mp_pad, p.k_pad)
+    if (p.k, p.n) != (p.k_pad, p.n_pad):
+        w = xp.pad(w, ((0, p.k_pad - p.k), (0, p.n_pad - p.n)))
+    return x, w
+
+
+def unpad(y, p: Padding):
+    """The kernel's [mp_pad, n_pad] rows of this rank -> [mp, n]."""
+    return y[: p.mp, : p.n] if (p.mp, p.n) != (p.mp_pad, p.n_pad) else y
+
+
+def required_capacity(p: Padding, itemsize: int) -> tuple[int, int]:
+    """(bytes of one partial slot: the full padded M x N product, reduction tiles per partition)."""
+    return p.world * p.mp_pad * p.n_pad * itemsize, p.tiles_per_partition
+
+
+def heap_bytes(world: int, slot_bytes: int, max_tiles: int) -> int:
+    """Bytes of one rank's heap; mirrors comm::heap_layout (two flag parities, two slots)."""
+    align = lambda b: _round_up(b, 256)  # noqa: E731
+    flags = align(world * max_tiles * 8)
+    return align(2 * flags) + 2 * align(slot_bytes)
+
+
+def heap_max_bytes() -> int:
+    """ENTWINE_HEAP_MAX_BYTES: per-device heap cap; above it the XLA path is used (default 4 GiB)."""
+    value = os.environ.get("ENTWINE_HEAP_MAX_BYTES", "")
+    try:
+        return int(value) if value else _DEFAULT_HEAP_MAX_BYTES
+    except ValueError:
+        raise ValueError(f"ENTWINE_HEAP_MAX_BYTES must be an integer byte count, got {value!r}")
+
+
+def _axes(axis_name) -> tuple[str, ...]:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def device_groups(mesh, axis_name) -> np.ndarray:
+    """[groups, W] array of devices: each row shares all other mesh coordinates; column = rank."""
+    axes = _axes(axis_name)
+    names = tuple(mesh.axis_names)
+    missing = [a for a in axes if a not in names]
+    if missing:
+        raise ValueError(f"axis {missing[0]!r} is not in the mesh axes {names}")
+    along = [names.index(a) for a in axes]
+    others = [i for i in range(len(names)) if i not in along]
+    devices = np.transpose(np.asarray(mesh.devices), others + along)
+    world = int(np.prod([devices.shape[len(others) + i] for i in range(len(along))]))
+    return devices.reshape(-1, world)
+
+
+def comm_id(groups: np.ndarray, axis_name) -> int:
+    """Stable int64 id of a mesh axis' groups, the same in every process (no Python hash())."""
+    ids = np.vectorize(lambda d: int(d.id), otypes=[np.int64])(groups)
+    key = f"{_axes(axis_name)}|{ids.shape}|{ids.ravel().tolist()}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little", signed=True)
+
+
+def config_vector(config) -> np.ndarray:
+    """The one FFI attribute for the kernels' GemmRsConfig (gemm_rs.h order)."""
+    return np.array([config.block_n, config.producer_sms, config.consumer_grid,
+                     config.consumer_block], np.int64)
+
+
+# --- Extension and mesh discovery ---------------------------------------------------------------
+
+_lock = threading.RLock()
+_ext: Any = None
+_ext_reason: str | None = None
+_ext_loaded = False
+_setup_meshes: dict[tuple, Any] = {}
+
+
+def _extension():
+    """(module, None) or (None, reason). Imports and registers the FFI target once."""
+    global _ext, _ext_reason, _ext_loaded
+    with _lock:
+        if not _ext_loaded:
+            _ext_loaded = True
+            try:
+                from . import _entwine
+
+                for name, capsule in _entwine.registrations().items():
+                    jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+                _ext = _entwine
+            except Exception as e:  # ImportError, or a registration the backend refuses
+                _ext_reason = f"extension entwine_jax._entwine unavailable ({type(e).__name__}: {e})"
+        return _ext, _ext_reason
+
+
+def setup(mesh, axis_name) -> None:
+    """Tells the fused path which devices a mesh axis runs on.
+
+    Needed only when ``gemm_rs`` is traced outside ``jax.set_mesh(mesh)`` (inside ``jit`` jax
+    exposes only the abstract mesh). Meshes are matched by axis names and sizes; a later setup of
+    a mesh with the same names and sizes replaces the earlier one.
+    """
+    device_groups(mesh, axis_name)  # validates the axis
+    _setup_meshes[(tuple(mesh.axis_names), tuple(mesh.devices.shape))] = mesh
+
+
+def _find_mesh(axis_name):
+    """The concrete mesh holding axis_name for the current trace, or None."""
+    axes = _axes(axis_name)
+    abstract = jax.sharding.get_abstract_mesh()
+    signature = None
+    if not abstract.empty:
+        signature = (tuple(abstract.axis_names), tuple(abstract.axis_sizes))
+    candidates = []
+    mesh = _distributed.concrete_mesh()
+    if mesh is not None:
+        candidates.append(mesh)
+    candidates += list(_setup_meshes.values())[::-1]  # latest setup first
+    for mesh in candidates:
+        names = tuple(mesh.axis_names)
+        if not all(a in names for a in axes):
+            continue
+        if signature is None or signature == (names, tuple(mesh.devices.shape)):
+            return mesh
+    return None
+
+
+# --- Communicators ------------------------------------------------------------------------------
+
+
+class Unavailable(Exception):
+    """The fused path cannot run this call; the message is the reason shown to the user."""
+
+
+@dataclasses.dataclass
+class _Comm:
+    id: int
+    local: list  # (device, rank, its group's row of devices) for the devices of this process
+    processes: list  # process indices of the mesh
+    slot_bytes: int = 0
+    max_tiles: int = 0
+    generation: int = 0  # bumped per growth: keys of the key-value store are written once
+
+    @property
+    def multiprocess(self) -> bool:
+        return len(self.processes) > 1
+
+
+_comms: dict[int, _Comm] = {}
+_atexit_registered = False
+
+
+def _key(comm: _Comm, what: str) -> str:
+    return f"entwine/{comm.id & 0xFFFFFFFFFFFFFFFF:016x}/{comm.generation}/{what}"
+
+
+def _connect(ext, comm: _Comm) -> None:
+    """Fills every local peer table: local ordinals for ranks of this process, IPC handles else."""
+    me = jax.process_index()
+    if comm.multiprocess:
+        for device, _, _ in comm.local:
+            handle = ext.heap_ipc_handle(comm.id, device.local_hardware_id)
+            _distributed.kv_set(_key(comm, f"heap/{device.id}"), handle)
+    for device, _, row in comm.local:
+        peers = []
+        for peer in row:
+            if peer.process_index == me:
+                peers.append(int(peer.local_hardware_id))
+            else:
+                peers.append(_distributed.kv_get(_key(comm, f"heap/{peer.id}"), _KV_TIMEOUT_MS))
+        ext.comm_connect(comm.id, device.local_hardware_id, peers)
+
+
+def _check_devices(ext, groups: np.ndarray) -> None:
+    me = jax.process_index()
+    local = [d for d in groups.ravel() if d.process_index == me]
+    if not local:
+        raise Unavailable("this process drives no device of the mesh")
+    for d in local:
+        if d.platform != "gpu":
+            raise Unavailable(f"not running on CUDA GPUs (device {d.id} is {d.platform!r})")
+        cc = str(getattr(d, "compute_capability", ""))
+        if cc != "9.0":
+            raise Unavailable(f"needs a Hopper GPU (compute capability 9.0), device {d.id} has {cc!r}")
+    # Ranks driven by one process use raw peer pointers: they must be able to map each other.
+    for row in groups:
+        mine = [int(d.local_hardware_id) for d in row if d.process_index == me]
+        for a in mine:
+            for b in mine:
+                if a != b and not ext.can_access_peer(a, b):
+                    raise Unavailable(f"devices not peer-accessible (local GPUs {a} and {b})")
+
+
+def _ensure_comm(ext, mesh, axis_name, p: Padding, itemsize: int) -> _Comm:
+    """The communicator of this mesh axis with room for p, created or grown now (trace time)."""
+    groups = device_groups(mesh, axis_name)
+    cid = comm_id(groups, axis_name)
+    slot_bytes, max_tiles = required_capacity(p, itemsize)
+    with _lock:
+        comm = _comms.get(cid)
+        if comm is not None and slot_bytes <= comm.slot_bytes and max_tiles <= comm.max_tiles:
+            return comm
+        old = (comm.slot_bytes, comm.max_tiles) if comm else (0, 0)
+        new = (_round_up(max(old[0], slot_bytes), _SLOT_GRANULE),
+               _round_up(max(old[1], max_tiles), _TILES_GRANULE))
+        need = heap_bytes(p.world, *new)
+        if need > heap_max_bytes():
+            raise Unavailable(f"symmetric heap of {need} bytes per device would exceed "
+                              f"ENTWINE_HEAP_MAX_BYTES={heap_max_bytes()}")
+        if comm is None:
+            _check_devices(ext, groups)
+            me = jax.process_index()
+            local = [(d, r, row) for row in groups for r, d in enumerate(row) if d.process_index == me]
+            processes = sorted({int(d.process_index) for d in groups.ravel()})
+            comm = _Comm(cid, local, processes)
+            ext.comm_create(cid, p.world, [(int(d.local_hardware_id), r) for d, r, _ in local], *new)
+            _register_atexit()
+            _comms[cid] = comm
+            comm.slot_bytes, comm.max_tiles = new
+            _connect(ext, comm)
+        else:
+            _grow(ext, comm, new)
+        return comm
+
+
+def _grow(ext, comm: _Comm, new: tuple[int, int]) -> None:
+    # Dispatch is asynchronous: a program launched earlier may not have reached the handler yet and
+    # would run on a freed heap. Wait for everything live, then for our side streams.
+    jax.block_until_ready(jax.live_arrays())
+    ext.comm_synchronize(comm.id)
+    me = jax.process_index()
+    if comm.multiprocess:
+        # No peer may still run a call on our heap, and (CUDA) no peer may still have it open
+        # through IPC when we free it.
+        _distributed.barrier(_key(comm, "idle"), comm.processes, me, _KV_TIMEOUT_MS)
+    ext.comm_disconnect(comm.id)
+    if comm.multiprocess:
+        _distributed.barrier(_key(comm, "closed"), comm.processes, me, _KV_TIMEOUT_MS)
+    ext.comm_grow(comm.id, *new)
+    comm.slot_bytes, comm.max_tiles = new
+    comm.generation += 1
+    _connect(ext, comm)
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        _atexit_registered = True
+        # atexit hooks run before the interpreter tears down the jax.distributed client, so the
+        # key-value store is still up for the barrier in shutdown().
+        atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """Frees every communicator. Runs at exit; in multi-process runs it first waits (bounded) for
+    the other processes, whose producers may still write flags into this process's heaps."""
+    ext, _ = _extension()
+    with _lock:
+        if ext is None or not _comms:
+            return
+        processes = sorted({p for c in _comms.values() for p in c.processes})
+        try:
+            for c in _comms.values():
+                ext.comm_synchronize(c.id)
+            if len(processes) > 1 and _distributed.client() is not None:
+                _distributed.barrier("entwine/shutdown", processes, jax.process_index(), 60_000)
+        except Exception:  # a crashed peer must not keep this process from exiting
+            pass
+        ext.shutdown()
+        _comms.clear()
+
+
+# --- The interface of ops.py --------------------------------------------------------------------
+
+_reason_cache: dict[tuple, str | None] = {}
+
+
+def _reason(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config):
+    if getattr(config, "path", None) == "xla":
+        return "config.path is 'xla'"
+    dtype = jnp.dtype(x_local_aval.dtype)
+    if dtype not in _DTYPES or jnp.dtype(w_aval.dtype) != dtype:
+        return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
+    if scatter_dimension != 0:
+        return f"fused kernels scatter over rows (scatter_dimension=0), got {scatter_dimension}"
+    if not 1 <= axis_size <= MAX_WORLD:
+        return f"axis size {axis_size} outside [1, {MAX_WORLD}]"
+    if len(x_local_aval.shape) != 2 or len(w_aval.shape) != 2:
+        return f"fused path takes 2-D x and w, got {x_local_aval.shape} and {w_aval.shape}"
+    (m, k), (_, n) = x_local_aval.shape, w_aval.shape
+    if m == 0 or n == 0 or k == 0:
+        return f"empty operands x {x_local_aval.shape}, w {w_aval.shape}"
+    p = padding(m, k, n, axis_size, config.block_n)
+    if max(p.world * p.mp_pad, p.n_pad, p.k_pad) >= 2**31:
+        return f"dimension too large for the kernels' int32 shapes: x {x_local_aval.shape}, w {w_aval.shape}"
+    mesh = _find_mesh(axis_name)
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if platform != "gpu":
+        return f"not running on CUDA GPUs (platform {platform!r})"
+    ext, reason = _extension()
+    if reason:
+        return reason
+    if mesh is None:
+        return (f"no concrete mesh for axis {axis_name!r}: call entwine_jax.setup(mesh, "
+                f"{axis_name!r}) first, or trace under jax.set_mesh(mesh)")
+    if device_groups(mesh, axis_name).shape[1] != axis_size:
+        return f"axis {axis_name!r} has {device_groups(mesh, axis_name).shape[1]} devices, not {axis_size}"
+    try:
+        _ensure_comm(ext, mesh, axis_name, p, dtype.itemsize)
+    except Unavailable as e:
+        return str(e)
+    except Exception as e:  # CUDA or key-value store failures during setup
+        return f"communicator setup failed ({type(e).__name__}: {e})"
+    return None
+
+
+def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension,
+                       config) -> str | None:
+    """None when the fused kernels can run this call, else a short reason (never raises for
+    ordinary inputs; creates or grows the communicator as a side effect, cached per call shape)."""
+    try:
+        mesh = _find_mesh(axis_name)
+        key = (tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
+               str(w_aval.dtype), _axes(axis_name), axis_size, scatter_dimension,
+               repr(config), mesh)
+    except Exception as e:
+        return f"cannot inspect the call ({type(e).__name__}: {e})"
+    with _lock:
+        if key not in _reason_cache:
+            try:
+                reason = _reason(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config)
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}"
+            # Only settled answers are cached: the mesh or setup() may still come.
+            if reason is None or mesh is not None:
+                _reason_cache[key] = reason
+            return reason
+        return _reason_cache[key]
+
+
+def gemm_rs_local(x2d, w, *, axis_name, axis_size, config) -> jax.Array:
+    """One rank's fused GEMM + ReduceScatter inside shard_map: [M, K] @ [K, N] -> [M / W, N]."""
+    ext, reason = _extension()
+    if reason:
+        raise RuntimeError(f"entwine gemm_rs: {reason}")
+    mesh = _find_mesh(axis_name)
+    if mesh is None:
+        raise RuntimeError(f"entwine gemm_rs: no concrete mesh for axis {axis_name!r}; call "
+                           f"entwine_jax.setup(mesh, {axis_name!r}) first")
+    (m, k), (_, n) = x2d.shape, w.shape
+    p = padding(m, k, n, axis_size, config.block_n)
+    try:
+        comm = _ensure_comm(ext, mesh, axis_name, p, jnp.dtype(x2d.dtype).itemsize)
+    except Unavailable as e:
+        raise RuntimeError(f"entwine gemm_rs: {e}") from None
+    x_pad, w_pad = pad_operands(x2d, w, p)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype))
+    y = call(x_pad, w_pad, comm_id=np.int64(comm.id), config=config_vector(config))
+    return unpad(y, p)
+
+
+def check_errors() -> None:
+    """Raises RuntimeError if a consumer recorded a device error (a peer that never arrived).
+
+    Reads host-mapped memory without synchronising: block on the results first
+    (``jax.block_until_ready``) to see the errors of the calls made so far.
+    """
+    ext, _ = _extension()
+    if ext is None:
+        return
+    with _lock:
+        for comm in _comms.values():
+            message = ext.error_message(comm.id)
+            if message:
+                raise RuntimeError(message)

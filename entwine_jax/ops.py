@@ -1,0 +1,221 @@
+# gemm_rs: argument checks, config choice, dispatch between the fused kernels (entwine_jax.fused)
+# and the XLA reference, the per-call-site report, and the custom VJP (backward = all-gather).
+import dataclasses
+import functools
+import logging
+import math
+import os
+import sys
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entwine_jax import _log
+from entwine_jax.config import GemmRsConfig, get_default_config, heuristic_config
+from entwine_jax.reference import gemm_rs_reference, gemm_rs_reference_bwd
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_printed: set = set()
+
+
+def extension_status() -> tuple[bool, str]:
+    """(built, reason): whether the compiled extension entwine_jax._entwine can be imported."""
+    try:
+        from entwine_jax import _entwine
+    except ImportError as e:
+        reason = f"entwine_jax._entwine not importable ({e}): pure-Python install, gemm_rs uses the XLA reference path"
+        _log.log_once("extension_status", logging.INFO, "%s", reason)
+        return False, reason
+    return True, f"entwine_jax._entwine built: {getattr(_entwine, '__file__', '?')}"
+
+
+@functools.cache
+def _fused_module() -> tuple[Any, Optional[str]]:
+    """(module, None) when entwine_jax.fused imports, else (None, the error)."""
+    extension_status()  # says once, at INFO, when this is a pure-Python install
+    try:
+        from entwine_jax import fused
+    except Exception as e:  # any failure there must leave the reference path working
+        return None, f"{type(e).__name__}: {e}"
+    return fused, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one call; hashable, so it can be a custom_vjp nondiff argument."""
+    axis_name: Any
+    axis_size: int
+    scatter_dimension: int  # normalised, 0 <= scatter_dimension < x.ndim
+    config: GemmRsConfig
+    reason: Optional[str]  # None: the fused path (on CUDA); else why the XLA reference runs
+
+
+def _check_args(x, w, axis_name, scatter_dimension) -> tuple[int, int]:
+    """Raise ValueError for anything gemm_rs cannot compute; returns (axis_size, scatter dim)."""
+    for name, v in (("x", x), ("w", w)):
+        if not (hasattr(v, "shape") and hasattr(v, "dtype")):
+            raise ValueError(f"gemm_rs: {name} must be an array, got {type(v).__name__}")
+    if x.ndim < 2:
+        raise ValueError(f"gemm_rs: x must have rank >= 2 ([..., K_local]), got rank {x.ndim} (shape {tuple(x.shape)})")
+    if w.ndim != 2:
+        raise ValueError(f"gemm_rs: w must have rank 2 ([K_local, N]), got rank {w.ndim} (shape {tuple(w.shape)})")
+    if jnp.dtype(x.dtype) not in _DTYPES:
+        raise ValueError(f"gemm_rs: x.dtype must be bfloat16 or float16 (or float32 on the XLA path), got {x.dtype}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"gemm_rs: w.dtype must equal x.dtype ({x.dtype}), got {w.dtype}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"gemm_rs: x.shape[-1] (K_local) must equal w.shape[0], got {x.shape[-1]} and "
+                         f"{w.shape[0]} (x shape {tuple(x.shape)}, w shape {tuple(w.shape)})")
+    # Empty contractions and empty scattered dims make XLA fail after lowering (as plain
+    # psum_scatter does); say so here instead.
+    if x.shape[-1] == 0:
+        raise ValueError(f"gemm_rs: x.shape[-1] (K_local) must be > 0, got shape {tuple(x.shape)}")
+    # jax raises NameError for an axis name that no enclosing shard_map binds.
+    try:
+        axis_size = jax.lax.axis_size(axis_name)
+    except NameError as e:
+        raise ValueError(f"gemm_rs: axis_name {axis_name!r} is not bound; call gemm_rs inside jax.shard_map "
+                         f"over a mesh with that axis ({e})") from None
+    out_shape = tuple(x.shape[:-1]) + (w.shape[1],)
+    nd = len(out_shape)
+    sd = scatter_dimension
+    if isinstance(sd, bool) or not isinstance(sd, (int, np.integer)) or not -nd <= sd < nd:
+        raise ValueError(f"gemm_rs: scatter_dimension must be an int in [{-nd}, {nd}) for an output of rank {nd} "
+                         f"(shape {out_shape}), got {sd!r}")
+    sd = int(sd) % nd
+    if out_shape[sd] == 0:
+        raise ValueError(f"gemm_rs: output dim {sd} (the scattered dim) must be > 0, got output shape {out_shape}")
+    if out_shape[sd] % axis_size != 0:
+        raise ValueError(f"gemm_rs: output dim {sd} (size {out_shape[sd]}) must be divisible by the size of axis "
+                         f"{axis_name!r} ({axis_size}); output shape {out_shape}")
+    return axis_size, sd
+
+
+def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
+    """None when the fused kernels can run this call, else the reason they cannot."""
+    if config.path == "xla":
+        return "config.path='xla'"
+    if x.dtype == jnp.float32:
+        return "float32 inputs (the fused kernels take bfloat16/float16)"
+    # The kernels scatter rows: only a scatter over the (flattened) leading dim maps onto them.
+    if sd != 0:
+        return f"scatter_dimension={sd} is not the leading dim (the fused kernels scatter rows)"
+    fused, err = _fused_module()
+    if fused is None:
+        return f"entwine_jax.fused not importable: {err}"
+    x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+    w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
+    try:
+        return fused.unavailable_reason(x2d, w_aval, axis_name=axis_name, axis_size=axis_size,
+                                        scatter_dimension=0, config=config)
+    except Exception as e:  # a bug there must not take the reference path down with it
+        return f"entwine_jax.fused.unavailable_reason raised {type(e).__name__}: {e}"
+
+
+def _report(x, w, plan: _Plan) -> None:
+    """Log the XLA-path reason once per call site; print the choice under ENTWINE_PRINT_CONFIG=1."""
+    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), plan.axis_name, plan.scatter_dimension)
+    site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={plan.axis_name!r} (size "
+            f"{plan.axis_size}) scatter_dimension={plan.scatter_dimension}")
+    if plan.reason is not None:
+        # Asking for "fused" and not getting it deserves a warning; an explicit "xla" needs no news.
+        level = {"fused": logging.WARNING, "xla": logging.DEBUG}.get(plan.config.path, logging.INFO)
+        _log.log_once(("path", key), level, "gemm_rs %s: XLA reference path: %s", site, plan.reason)
+    if os.environ.get("ENTWINE_PRINT_CONFIG", "0") not in ("", "0") and key not in _printed:
+        _printed.add(key)
+        path = "xla" if plan.reason is not None else "fused"
+        why = f" reason: {plan.reason}" if plan.reason is not None else ""
+        print(f"entwine_jax.gemm_rs {site}: path={path} {plan.config}{why}", file=sys.stderr, flush=True)
+
+
+def _fused_forward(x, w, *, plan: _Plan):
+    # Scatter over the leading dim of [B, ..., K] == scatter over the rows of the [B*..., K] view,
+    # since B % W == 0 keeps every rank's block of rows contiguous.
+    fused, _ = _fused_module()
+    x2d = x.reshape(-1, x.shape[-1])
+    y = fused.gemm_rs_local(x2d, w, axis_name=plan.axis_name, axis_size=plan.axis_size, config=plan.config)
+    # platform_dependent needs both branches typed alike: the reference's output varies over every
+    # axis x and w vary over (an FFI call's output may not carry that type).
+    y = _make_varying(y, sorted(_varying_axes(x) | _varying_axes(w), key=str))
+    return y.reshape((x.shape[0] // plan.axis_size,) + tuple(x.shape[1:-1]) + (w.shape[1],))
+
+
+def _forward(x, w, plan: _Plan):
+    reference = functools.partial(gemm_rs_reference, axis_name=plan.axis_name,
+                                  scatter_dimension=plan.scatter_dimension)
+    if plan.reason is not None:
+        return reference(x, w)
+    # The same jitted code must still lower for CPU (or any non-CUDA device) of a mixed program.
+    return jax.lax.platform_dependent(x, w, cuda=functools.partial(_fused_forward, plan=plan), default=reference)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gemm_rs(x, w, plan):
+    return _forward(x, w, plan)
+
+
+def _gemm_rs_fwd(x, w, plan):
+    return _forward(x, w, plan), (x, w)
+
+
+def _gemm_rs_bwd(plan, res, dy):
+    x, w = res
+    return gemm_rs_reference_bwd(x, w, dy, axis_name=plan.axis_name, scatter_dimension=plan.scatter_dimension)
+
+
+_gemm_rs.defvjp(_gemm_rs_fwd, _gemm_rs_bwd)
+
+
+def _axis_names(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _varying_axes(v) -> frozenset:
+    aval = jax.typeof(v)
+    # jax 0.11 keeps the varying axes in aval.manual_axis_type.varying (earlier: aval.vma).
+    varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    if varying is None:
+        varying = getattr(aval, "vma", frozenset())
+    return frozenset(varying)
+
+
+def _make_varying(v, names):
+    # The bwd rule's dx, dw vary over every axis x, w or the all-gather vary over. Under
+    # shard_map's type checks an input that does not vary over one of them must be cast first;
+    # AD then turns that cast into the psum its cotangent needs (e.g. w replicated over a data
+    # axis gets dw summed over it). Without type checks nothing varies and the cast is a no-op.
+    missing = [n for n in names if n not in _varying_axes(v)]
+    for name in missing:
+        v = jax.lax.pcast(v, name, to="varying")
+    return v
+
+
+def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[GemmRsConfig] = None):
+    """Fused GEMM + ReduceScatter, called inside jax.shard_map.
+
+    Computes jax.lax.psum_scatter(x @ w, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+    with fp32 accumulation and the result in x.dtype.
+
+    x: [..., K_local] (contraction dim sharded over axis_name); w: [K_local, N].
+    scatter_dimension indexes the output [..., N]; negative values count from the end.
+    config: a GemmRsConfig; default: set_default_config(), else heuristic_config().
+    """
+    # A list of axis names would not be hashable in the plan; psum_scatter takes a tuple too.
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    axis_size, sd = _check_args(x, w, axis_name, scatter_dimension)
+    if config is not None and not isinstance(config, GemmRsConfig):
+        raise ValueError(f"gemm_rs: config must be a GemmRsConfig or None, got {type(config).__name__}")
+    if config is None:
+        config = get_default_config()
+    if config is None:
+        config = heuristic_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], axis_size, x.dtype)
+    reason = _fused_unavailable(x, w, axis_name, axis_size, sd, config)
+    plan = _Plan(axis_name=axis_name, axis_size=axis_size, scatter_dimension=sd, config=config, reason=reason)
+    _report(x, w, plan)
+    names = sorted(_varying_axes(x) | _varying_axes(w) | set(_axis_names(axis_name)), key=str)
+    x = _make_varying(x, names)
+    w = _make_varying(w, names)
+    return _gemm_rs(x, w, plan)

@@ -1,0 +1,34 @@
+# The XLA reference of gemm_rs, used on every backend where the fused kernels cannot run: an fp32
+# dot followed by an fp32 psum_scatter, cast back to the input dtype (the kernels accumulate in
+# fp32 too), and the matching backward (all_gather, two fp32 dots).
+import jax
+import jax.numpy as jnp
+
+
+def _dot_last_first(x, w):
+    # x [..., K] . w [K, N] -> [..., N] in fp32.
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def gemm_rs_reference(x, w, *, axis_name, scatter_dimension: int = 0):
+    """psum_scatter(x @ w, tiled=True) with fp32 accumulation; output in x.dtype.
+
+    scatter_dimension must already be normalised (0 <= scatter_dimension < x.ndim).
+    """
+    y = _dot_last_first(x, w)
+    y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+    return y.astype(x.dtype)
+
+
+def gemm_rs_reference_bwd(x, w, dy, *, axis_name, scatter_dimension: int = 0):
+    """Cotangents (dx, dw) of gemm_rs: the backward of a reduce-scatter is an all-gather."""
+    # Gather in the cotangent's own dtype (half the bytes of fp32 for bf16/fp16).
+    g = jax.lax.all_gather(dy, axis_name, axis=scatter_dimension, tiled=True)
+    # dx = g @ w.T: contract N.
+    dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    # dw = x.T @ g, contracting over every batch dim of x.
+    batch = tuple(range(x.ndim - 1))
+    dw = jax.lax.dot_general(x, g, ((batch, batch), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)

@@ -1,0 +1,319 @@
+// Process-wide registry of the gemm_rs communicators (see comm.h): allocation, peer pointers and
+// IPC handles, growth and teardown. Everything here runs from Python at trace time or at exit,
+// never from the execute path except find() and error_message().
+#include "comm.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+
+namespace entwine::comm {
+namespace {
+
+struct Comm {
+  int world = 1;
+  Capacity capacity;
+  std::map<int, std::unique_ptr<DeviceComm>> by_device;  // local ordinal -> rank entry
+};
+
+// The map is only changed by create() and shutdown(); entries are never moved (unique_ptr), so a
+// pointer from find() stays valid until shutdown().
+std::mutex registry_mutex;
+std::map<int64_t, Comm>& registry() {
+  static auto* comms = new std::map<int64_t, Comm>();  // leaked: outlives static destructors
+  return *comms;
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear a non-sticky error so later calls are not blamed for it
+    throw std::runtime_error(std::string("entwine comm: ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
+Comm& get(int64_t comm_id) {
+  auto it = registry().find(comm_id);
+  if (it == registry().end()) {
+    throw std::runtime_error("entwine comm: no communicator " + std::to_string(comm_id));
+  }
+  return it->second;
+}
+
+DeviceComm& entry(Comm& comm, int64_t comm_id, int device) {
+  auto it = comm.by_device.find(device);
+  if (it == comm.by_device.end()) {
+    throw std::runtime_error("entwine comm: communicator " + std::to_string(comm_id) +
+                             " has no rank on local device " + std::to_string(device));
+  }
+  return *it->second;
+}
+
+void allocate_heap(DeviceComm& dc, const Capacity& capacity) {
+  check(cudaSetDevice(dc.device), "cudaSetDevice");
+  dc.capacity = capacity;
+  dc.layout = heap_layout(dc.world, capacity);
+  check(cudaMalloc(&dc.heap, dc.layout.total()), "cudaMalloc(heap)");
+  // Zeroed once: flags start below every epoch (the first call uses 1), and never get reset again.
+  check(cudaMemset(dc.heap, 0, dc.layout.total()), "cudaMemset(heap)");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(after heap zeroing)");
+}
+
+void close_imports(DeviceComm& dc) {
+  cudaSetDevice(dc.device);
+  for (int s = 0; s < kMaxWorld; ++s) {
+    if (dc.peer_imported[s]) check(cudaIpcCloseMemHandle(dc.peer_heap[s]), "cudaIpcCloseMemHandle");
+    dc.peer_imported[s] = false;
+    dc.peer_heap[s] = nullptr;
+  }
+  dc.connected = false;
+}
+
+}  // namespace
+
+HeapLayout heap_layout(int world, const Capacity& capacity) {
+  HeapLayout layout;
+  layout.flags_bytes = HeapLayout::align(size_t(world) * size_t(capacity.max_tiles) * sizeof(uint64_t));
+  layout.slot_bytes = HeapLayout::align(capacity.slot_bytes);
+  return layout;
+}
+
+DeviceComm::~DeviceComm() {
+  // Order: nothing of ours may still run, IPC mappings are closed before any heap is freed (CUDA
+  // leaves freeing exported memory that is still open elsewhere undefined), then the rest.
+  cudaSetDevice(device);
+  cudaDeviceSynchronize();
+  for (int s = 0; s < kMaxWorld; ++s) {
+    if (peer_imported[s]) cudaIpcCloseMemHandle(peer_heap[s]);
+  }
+  if (heap) cudaFree(heap);
+  for (cudaEvent_t e : {start, producer_done, consumer_done}) {
+    if (e) cudaEventDestroy(e);
+  }
+  if (producer) cudaStreamDestroy(producer);
+  if (consumer) cudaStreamDestroy(consumer);
+  if (error_host) cudaFreeHost(error_host);
+  cudaGetLastError();
+}
+
+void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
+            const Capacity& capacity) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  if (registry().count(comm_id)) {
+    throw std::runtime_error("entwine comm: communicator " + std::to_string(comm_id) + " exists");
+  }
+  if (world < 1 || world > kMaxWorld) {
+    throw std::runtime_error("entwine comm: world " + std::to_string(world) + " outside [1, 8]");
+  }
+  Comm comm;
+  comm.world = world;
+  comm.capacity = capacity;
+  for (auto [device, rank] : local_ranks) {
+    if (rank < 0 || rank >= world || comm.by_device.count(device)) {
+      throw std::runtime_error("entwine comm: bad local rank " + std::to_string(rank) + " on device " +
+                               std::to_string(device) + " for world " + std::to_string(world));
+    }
+    auto dc = std::make_unique<DeviceComm>();
+    dc->device = device;
+    dc->rank = rank;
+    dc->world = world;
+    check(cudaSetDevice(device), "cudaSetDevice");
+    // Lazy module loading while a consumer spins can deadlock: load both kernels now.
+    check(prepare_kernels(), "prepare_kernels");
+    int least, greatest;
+    check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    check(cudaStreamCreateWithFlags(&dc->producer, cudaStreamNonBlocking), "cudaStreamCreate(producer)");
+    // The consumer goes first on freed SMs so its small grid stays resident next to the GEMM.
+    check(cudaStreamCreateWithPriority(&dc->consumer, cudaStreamNonBlocking, greatest),
+          "cudaStreamCreateWithPriority(consumer)");
+    for (cudaEvent_t* e : {&dc->start, &dc->producer_done, &dc->consumer_done}) {
+      check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
+    }
+    // Portable: one pinned record must be mappable from whichever context the device uses.
+    check(cudaHostAlloc(reinterpret_cast<void**>(&dc->error_host), sizeof(DeviceError),
+                        cudaHostAllocMapped | cudaHostAllocPortable),
+          "cudaHostAlloc(error record)");
+    std::memset(dc->error_host, 0, sizeof(DeviceError));
+    check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dc->error_device), dc->error_host, 0),
+          "cudaHostGetDevicePointer(error record)");
+    allocate_heap(*dc, capacity);
+    comm.by_device[device] = std::move(dc);
+  }
+  registry()[comm_id] = std::move(comm);
+}
+
+bool exists(int64_t comm_id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  return registry().count(comm_id) != 0;
+}
+
+Capacity capacity(int64_t comm_id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  return get(comm_id).capacity;
+}
+
+std::string ipc_handle(int64_t comm_id, int device) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  DeviceComm& dc = entry(get(comm_id), comm_id, device);
+  check(cudaSetDevice(device), "cudaSetDevice");
+  cudaIpcMemHandle_t handle;
+  // The base of a cudaMalloc allocation: peers add the same offsets as on their own heap.
+  check(cudaIpcGetMemHandle(&handle, dc.heap), "cudaIpcGetMemHandle");
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+void connect(int64_t comm_id, int device, const std::vector<Peer>& peers) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  Comm& comm = get(comm_id);
+  DeviceComm& dc = entry(comm, comm_id, device);
+  if (int(peers.size()) != dc.world) {
+    throw std::runtime_error("entwine comm: connect got " + std::to_string(peers.size()) +
+                             " peers for world " + std::to_string(dc.world));
+  }
+  close_imports(dc);
+  check(cudaSetDevice(device), "cudaSetDevice");
+  for (int s = 0; s < dc.world; ++s) {
+    if (const int* local = std::get_if<int>(&peers[s])) {
+      auto it = comm.by_device.find(*local);
+      if (it == comm.by_device.end()) {
+        throw std::runtime_error("entwine comm: rank " + std::to_string(s) + " on local device " +
+                                 std::to_string(*local) + " is not part of the communicator");
+      }
+      if (*local != device) {
+        cudaError_t err = cudaDeviceEnablePeerAccess(*local, 0);
+        // XLA usually enabled it already; that is success, but the error must be cleared.
+        if (err == cudaErrorPeerAccessAlreadyEnabled) {
+          cudaGetLastError();
+          err = cudaSuccess;
+        }
+        check(err, "cudaDeviceEnablePeerAccess");
+      }
+      dc.peer_heap[s] = it->second->heap;
+    } else {
+      const std::string& bytes = std::get<std::string>(peers[s]);
+      cudaIpcMemHandle_t handle;
+      if (bytes.size() != sizeof(handle)) {
+        throw std::runtime_error("entwine comm: IPC handle of rank " + std::to_string(s) + " has " +
+                                 std::to_string(bytes.size()) + " bytes");
+      }
+      std::memcpy(&handle, bytes.data(), sizeof(handle));
+      check(cudaIpcOpenMemHandle(&dc.peer_heap[s], handle, cudaIpcMemLazyEnablePeerAccess),
+            "cudaIpcOpenMemHandle");
+      dc.peer_imported[s] = true;
+    }
+  }
+  if (dc.peer_heap[dc.rank] != dc.heap) {
+    throw std::runtime_error("entwine comm: rank " + std::to_string(dc.rank) +
+                             " is not its own device in the peer list");
+  }
+  dc.connected = true;
+}
+
+void synchronize(int64_t comm_id) {
+  std::vector<int> devices;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    for (auto& [device, dc] : get(comm_id).by_device) devices.push_back(device);
+  }
+  // Outside the lock: a handler of another device may need it to launch the kernels we wait for.
+  for (int device : devices) {
+    check(cudaSetDevice(device), "cudaSetDevice");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+}
+
+void disconnect(int64_t comm_id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (auto& [device, dc] : get(comm_id).by_device) close_imports(*dc);
+}
+
+void grow(int64_t comm_id, const Capacity& capacity) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  Comm& comm = get(comm_id);
+  for (auto& [device, dc] : comm.by_device) {
+    if (dc->connected) throw std::runtime_error("entwine comm: grow() before disconnect()");
+  }
+  for (auto& [device, dc] : comm.by_device) {
+    // Python ran synchronize() and a cross-process barrier before disconnect(): no call is in flight.
+    check(cudaSetDevice(device), "cudaSetDevice");
+    check(cudaFree(dc->heap), "cudaFree(heap)");
+    dc->heap = nullptr;
+    allocate_heap(*dc, capacity);
+  }
+  comm.capacity = capacity;
+}
+
+void shutdown() {
+  std::vector<int> devices;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    for (auto& [id, comm] : registry()) {
+      for (auto& [device, dc] : comm.by_device) devices.push_back(device);
+    }
+  }
+  // Outside the lock, as in synchronize(); a spinning consumer ends at its deadline at the latest.
+  for (int device : devices) {
+    cudaSetDevice(device);
+    cudaDeviceSynchronize();
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  // Close every IPC import of every comm before freeing any heap (DeviceComm's destructor does
+  // both for one entry, but another entry of this process may import a heap freed earlier).
+  for (auto& [id, comm] : registry()) {
+    for (auto& [device, dc] : comm.by_device) {
+      cudaSetDevice(device);
+      for (int s = 0; s < kMaxWorld; ++s) {
+        if (dc->peer_imported[s]) cudaIpcCloseMemHandle(dc->peer_heap[s]);
+        dc->peer_imported[s] = false;
+      }
+    }
+  }
+  registry().clear();
+  cudaGetLastError();
+}
+
+uint64_t timeout_ms() noexcept {
+  // Read once: the deadline is part of every launch and must not change between ranks mid-run.
+  static const uint64_t ms = [] {
+    const char* env = std::getenv("ENTWINE_TIMEOUT_MS");
+    char* end = nullptr;
+    unsigned long long value = env ? std::strtoull(env, &end, 10) : 0;
+    return (env && end != env && value > 0) ? uint64_t(value) : uint64_t(10000);
+  }();
+  return ms;
+}
+
+DeviceComm* find(int64_t comm_id, int device) noexcept {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry().find(comm_id);
+  if (it == registry().end()) return nullptr;
+  auto jt = it->second.by_device.find(device);
+  return jt == it->second.by_device.end() ? nullptr : jt->second.get();
+}
+
+std::optional<std::string> error_message(const DeviceComm& dc) {
+  // Host-mapped and written by the kernel: volatile reads, code last-written by convention.
+  const volatile DeviceError* e = dc.error_host;
+  if (e == nullptr || e->code == 0) return std::nullopt;
+  if (e->code != kErrorDeadline) {
+    return "entwine gemm_rs: rank " + std::to_string(dc.rank) + " recorded device error code " +
+           std::to_string(e->code);
+  }
+  return "entwine gemm_rs: rank " + std::to_string(e->rank) + " waited " +
+         std::to_string(timeout_ms()) + " ms for tile " +
+         std::to_string(e->tile) + " from rank " + std::to_string(e->source) + " (expected epoch " +
+         std::to_string(e->expected) + ", saw " + std::to_string(e->observed) +
+         "); the communicator is unusable until the process restarts";
+}
+
+std::optional<std::string> error_message(int64_t comm_id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (auto& [device, dc] : get(comm_id).by_device) {
+    if (auto msg = error_message(*dc)) return msg;
+  }
+  return std::nullopt;
+}
+
+}  // namespace entwine::comm

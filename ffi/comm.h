@@ -1,0 +1,111 @@
+// Communicators of the fused GEMM + ReduceScatter: per mesh-axis comm id and per local GPU, the
+// symmetric heap (flags + two partial slots), the peer table, the side streams, the events, the
+// epoch counter and the host-mapped device error record. Setup runs from Python (module.cc) at
+// trace time; the FFI handler only looks entries up.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "gemm_rs.h"
+
+namespace entwine::comm {
+
+// Room for the largest call seen so far: one partial slot of M x N elements, in bytes, and the
+// most reduction tiles of one partition.
+struct Capacity {
+  size_t slot_bytes = 0;
+  int64_t max_tiles = 0;
+};
+
+// Heap layout, identical on every rank (peers compute offsets into each other's heaps):
+//   [flags parity 0: world * max_tiles u64][flags parity 1][partial slot 0][partial slot 1]
+// Call e uses flags[e % 2] and partial[e % 2]. The flags are double-buffered like the partials
+// because the kernels index flags by the call's tiles_per_partition: when the shape changes between
+// calls, one flag word can belong to different source ranks in calls e and e+1, and a late write of
+// call e could land after call e+1's; parity makes the two writers of a word be calls e and e+2,
+// which are ordered (see the double-buffer argument in gemm_rs_handler.cc).
+struct HeapLayout {
+  size_t flags_bytes = 0;  // one parity
+  size_t slot_bytes = 0;
+  size_t flags_offset(uint64_t epoch) const { return (epoch % 2) * flags_bytes; }
+  size_t slot_offset(uint64_t epoch) const { return align(2 * flags_bytes) + (epoch % 2) * slot_bytes; }
+  size_t total() const { return align(2 * flags_bytes) + 2 * slot_bytes; }
+  static size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
+};
+HeapLayout heap_layout(int world, const Capacity& capacity);
+
+// One rank of one comm, living on one local GPU of this process.
+struct DeviceComm {
+  int device = 0;  // local CUDA ordinal (XLA's DeviceOrdinal)
+  int rank = 0, world = 1;
+  Capacity capacity;
+  HeapLayout layout;
+  void* heap = nullptr;                 // owned, zeroed at allocation
+  void* peer_heap[kMaxWorld] = {};      // heap base of every rank of the group, as seen from here
+  bool peer_imported[kMaxWorld] = {};   // opened with cudaIpcOpenMemHandle (closed before frees)
+  std::atomic<bool> connected{false};   // peer table filled for the current heap (read by calls)
+  cudaStream_t producer = nullptr;      // default priority
+  cudaStream_t consumer = nullptr;      // highest priority, non-blocking
+  cudaEvent_t start = nullptr, producer_done = nullptr, consumer_done = nullptr;
+  std::atomic<uint64_t> epoch{0};       // last epoch used; the first call uses 1
+  DeviceError* error_host = nullptr;    // host-mapped pinned: read without synchronising
+  DeviceError* error_device = nullptr;  // the same record, as the consumer kernel writes it
+
+  DeviceComm() = default;
+  DeviceComm(const DeviceComm&) = delete;
+  DeviceComm& operator=(const DeviceComm&) = delete;
+  ~DeviceComm();  // frees everything (IPC imports first); errors are ignored at this point
+};
+
+// --- Setup (Python, trace time). Each throws std::runtime_error with the CUDA error string. -------
+
+// Creates the comm's entries for the local ranks: (local device ordinal, rank) pairs. Loads the
+// kernels, creates streams, events and the error record, and allocates a zeroed heap of
+// `capacity` on each device. Creating an existing comm id is an error.
+void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
+            const Capacity& capacity);
+bool exists(int64_t comm_id);
+Capacity capacity(int64_t comm_id);
+
+// This device's heap base as a CUDA IPC handle (64 bytes), for ranks in other processes.
+std::string ipc_handle(int64_t comm_id, int device);
+
+// One entry per rank of `device`'s group: the local ordinal of a rank driven by this process (raw
+// peer pointer; peer access enabled here) or the IPC handle bytes of a rank in another process.
+using Peer = std::variant<int, std::string>;
+void connect(int64_t comm_id, int device, const std::vector<Peer>& peers);
+
+// Waits for all work on every local device of the comm (cudaDeviceSynchronize).
+void synchronize(int64_t comm_id);
+// Closes imported IPC handles and clears the peer tables; calls are rejected until connect().
+void disconnect(int64_t comm_id);
+// Replaces every local heap by a zeroed one of the new capacity. Requires disconnect() on every
+// rank of every process first (CUDA: freeing exported memory a peer still has open is undefined).
+// The epoch counters are kept: flags restart at 0 < next epoch.
+void grow(int64_t comm_id, const Capacity& capacity);
+
+// Destroys every comm (synchronising each device first). Called once at exit from Python.
+void shutdown();
+
+// --- Execute path (FFI handler): lookups only, no CUDA calls, no exceptions. ----------------------
+
+// The entry of (comm_id, device), or nullptr. Entries live until shutdown().
+DeviceComm* find(int64_t comm_id, int device) noexcept;
+
+// Deadline of every consumer wait: ENTWINE_TIMEOUT_MS (default 10000), read once per process.
+uint64_t timeout_ms() noexcept;
+
+// The device error recorded on this entry, formatted for the user, or nullopt.
+std::optional<std::string> error_message(const DeviceComm& dc);
+// The first device error of any local device of the comm (Python's check_errors()).
+std::optional<std::string> error_message(int64_t comm_id);
+
+}  // namespace entwine::comm

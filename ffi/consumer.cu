@@ -1,0 +1,206 @@
+// The consumer: reduces this rank's partition of the W partial outputs, one 128x128 tile at a time,
+// each tile as soon as its W producers have released it. Runs on a high-priority stream next to
+// the producer GEMM, with a small grid (the communication budget x).
+//
+//   producer on rank s (any s)                      consumer on rank r (grid x, block b)
+//   ─────────────────────────                       ───────────────────────────────────
+//   GEMM block -> stores tile t of partition r      CTA j: tiles j, j+x, j+2x, ... (producer order)
+//   into V_s[slot] (its own memory)                   threads 0..W-1: spin on flags_r[s][t] >= e
+//   bar.sync; fence.acq_rel.sys;                      __syncthreads
+//   st.release.sys flags_r[s][t] = e  ──NVLink──▶     16-byte loads of V_0..V_{W-1}[slot] tile t
+//                                                     fp32 sum in rank order, one store to out
+//
+// Pitfalls:
+//  - The waits need a deadline: a peer that never calls must become an error record, not a hang.
+//    The first CTA to time out records (rank, source, tile, expected, observed); the others see
+//    the record and leave.
+//  - Partial data is read with ld.global.cg (L2 only): L1 is not coherent with peer writes and a
+//    stale line from the previous epoch would be silently wrong.
+//  - All W loads of a chunk are issued before the first add, so the order of issue does not
+//    serialise on one peer; the adds run in rank order, which makes results bitwise repeatable.
+//  - The grid must stay well below the SM count: consumer CTAs spin while producers still need
+//    SMs to make progress.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "gemm_rs.h"
+#include "ptx.cuh"
+
+namespace entwine::consumer {
+
+constexpr int kMaxBlock = 512;
+constexpr int kChunkElems = 8;                                   // 16 bytes of 2-byte elements
+constexpr int kChunksPerTile = kTileM * kTileN / kChunkElems;    // 2048
+constexpr int kChunksPerRow = kTileN / kChunkElems;              // 16
+
+struct Params {
+  ConsumerArgs args;
+  int n, rows_per_partition, tiles_n, tiles, rank;
+};
+
+template <class Element>
+struct Pack;
+template <>
+struct Pack<__nv_bfloat16> {
+  static __device__ float2 to_float2(uint32_t v) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v)); }
+  static __device__ uint32_t from_float2(float2 f) {
+    __nv_bfloat162 h = __float22bfloat162_rn(f);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <>
+struct Pack<__half> {
+  static __device__ float2 to_float2(uint32_t v) { return __half22float2(*reinterpret_cast<__half2*>(&v)); }
+  static __device__ uint32_t from_float2(float2 f) {
+    __half2 h = __float22half2_rn(f);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+// Spin until flag >= epoch or the deadline passes. Returns false when the CTA must leave.
+__device__ bool wait_flag(const uint64_t* flag, Params const& p, int source, int tile) {
+  uint64_t const start = ptx::global_timer_ns();
+  uint64_t observed = ptx::load_acquire_sys(flag);
+  while (observed < p.args.epoch) {
+    // Another CTA already recorded a failure (or an earlier call did: the error is sticky).
+    if (*reinterpret_cast<volatile uint32_t*>(&p.args.error->code) != 0) return false;
+    if (ptx::global_timer_ns() - start > p.args.timeout_ns) {
+      // Claim the record, fill it, then publish the code last so a host read that sees the code
+      // also sees the fields.
+      DeviceError* e = p.args.error;
+      if (atomicCAS(&e->code, 0u, kErrorClaimed) == 0u) {
+        e->rank = p.rank;
+        e->source = source;
+        e->tile = tile;
+        e->expected = p.args.epoch;
+        e->observed = observed;
+        __threadfence_system();
+        atomicExch(&e->code, kErrorDeadline);
+      }
+      return false;
+    }
+    observed = ptx::load_acquire_sys(flag);
+  }
+  return true;
+}
+
+template <class Element, int W>
+__global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ const Params p) {
+  // Chunks per thread per step: keep about 8 16-byte loads in flight whatever W is.
+  constexpr int kUnroll = W >= 8 ? 1 : 8 / W;
+  __shared__ int leave;
+  if (threadIdx.x == 0) leave = 0;
+  __syncthreads();
+
+  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    // One thread per source rank waits for that source's release of this tile.
+    if (threadIdx.x < W) {
+      const uint64_t* flag = p.args.flags + int64_t(threadIdx.x) * p.tiles + tile;
+      if (!wait_flag(flag, p, threadIdx.x, tile)) leave = 1;
+    }
+    // Orders the acquires above before every thread's reads below.
+    __syncthreads();
+    if (leave) return;
+
+    int const tile_m = tile / p.tiles_n;
+    int const tile_n = tile % p.tiles_n;
+    int64_t const src0 = (int64_t(p.rank) * p.rows_per_partition + int64_t(tile_m) * kTileM) * p.n + tile_n * kTileN;
+    int64_t const dst0 = int64_t(tile_m) * kTileM * p.n + tile_n * kTileN;
+
+    for (int base = threadIdx.x; base < kChunksPerTile; base += blockDim.x * kUnroll) {
+      uint4 v[kUnroll][W];
+      int64_t offset[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        int const chunk = base + u * blockDim.x;
+        offset[u] = int64_t(chunk / kChunksPerRow) * p.n + (chunk % kChunksPerRow) * kChunkElems;
+        if (chunk < kChunksPerTile) {
+#pragma unroll
+          for (int s = 0; s < W; ++s) {
+            v[u][s] = ptx::load_cg_16(static_cast<const Element*>(p.args.partial[s]) + src0 + offset[u]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        int const chunk = base + u * blockDim.x;
+        if (chunk >= kChunksPerTile) continue;
+        float2 acc[4];
+        uint32_t const* first = reinterpret_cast<uint32_t const*>(&v[u][0]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j] = Pack<Element>::to_float2(first[j]);
+#pragma unroll
+        for (int s = 1; s < W; ++s) {
+          uint32_t const* next = reinterpret_cast<uint32_t const*>(&v[u][s]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float2 f = Pack<Element>::to_float2(next[j]);
+            acc[j].x += f.x;
+            acc[j].y += f.y;
+          }
+        }
+        uint4 out;
+        out.x = Pack<Element>::from_float2(acc[0]);
+        out.y = Pack<Element>::from_float2(acc[1]);
+        out.z = Pack<Element>::from_float2(acc[2]);
+        out.w = Pack<Element>::from_float2(acc[3]);
+        *reinterpret_cast<uint4*>(static_cast<Element*>(p.args.out) + dst0 + offset[u]) = out;
+      }
+    }
+  }
+}
+
+template <class Element>
+cudaError_t launch_typed(ProblemShape const& shape, GemmRsConfig const& config, ConsumerArgs const& args,
+                         cudaStream_t stream) {
+  Params p{args, shape.n, shape.m / shape.world, shape.n / kTileN, shape.tiles_per_partition(), shape.rank};
+  dim3 grid(config.consumer_grid), block(config.consumer_block);
+  switch (shape.world) {
+    case 1: consumer_kernel<Element, 1><<<grid, block, 0, stream>>>(p); break;
+    case 2: consumer_kernel<Element, 2><<<grid, block, 0, stream>>>(p); break;
+    case 3: consumer_kernel<Element, 3><<<grid, block, 0, stream>>>(p); break;
+    case 4: consumer_kernel<Element, 4><<<grid, block, 0, stream>>>(p); break;
+    case 5: consumer_kernel<Element, 5><<<grid, block, 0, stream>>>(p); break;
+    case 6: consumer_kernel<Element, 6><<<grid, block, 0, stream>>>(p); break;
+    case 7: consumer_kernel<Element, 7><<<grid, block, 0, stream>>>(p); break;
+    case 8: consumer_kernel<Element, 8><<<grid, block, 0, stream>>>(p); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+template <class Element>
+cudaError_t prepare_typed() {
+  // cudaFuncGetAttributes forces the module load now, not while a peer's consumer spins.
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaSuccess;
+  auto load = [&](auto kernel) {
+    if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
+  };
+  load(consumer_kernel<Element, 1>);
+  load(consumer_kernel<Element, 2>);
+  load(consumer_kernel<Element, 3>);
+  load(consumer_kernel<Element, 4>);
+  load(consumer_kernel<Element, 5>);
+  load(consumer_kernel<Element, 6>);
+  load(consumer_kernel<Element, 7>);
+  load(consumer_kernel<Element, 8>);
+  return err;
+}
+
+}  // namespace entwine::consumer
+
+namespace entwine {
+
+cudaError_t launch_consumer(DType dtype, ProblemShape const& shape, GemmRsConfig const& config,
+                            ConsumerArgs const& args, cudaStream_t stream) {
+  return dtype == DType::kBF16 ? consumer::launch_typed<__nv_bfloat16>(shape, config, args, stream)
+                               : consumer::launch_typed<__half>(shape, config, args, stream);
+}
+
+cudaError_t prepare_consumer_kernels() {
+  cudaError_t err = consumer::prepare_typed<__nv_bfloat16>();
+  return err != cudaSuccess ? err : consumer::prepare_typed<__half>();
+}
+
+}  // namespace entwine

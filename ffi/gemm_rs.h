@@ -1,0 +1,87 @@
+// Host-side contract of the fused GEMM + ReduceScatter kernels: argument structs, the config, the
+// device error record and the two launchers. Shared by the XLA FFI handler, the one-GPU harness and
+// the kernels; contains no kernel syntax.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace entwine {
+
+// Largest mesh axis the fused path supports (one NVLink node).
+constexpr int kMaxWorld = 8;
+// Reduction tile: the unit of release (one flag per tile and source rank) and of reduction.
+constexpr int kTileM = 128;
+constexpr int kTileN = 128;
+// Shape requirements of the fused kernels (the Python op pads everything else).
+constexpr int kAlignK = 8;  // 16-byte rows for TMA (2-byte elements)
+
+enum class DType : int32_t { kBF16 = 0, kFP16 = 1 };
+
+// The one config of the fused op, mirrored by entwine_jax.GemmRsConfig (Python).
+struct GemmRsConfig {
+  int32_t block_n = 128;         // producer GEMM block: 128 x block_n x 64, block_n in {128, 256}
+  int32_t producer_sms = 0;      // 0: one CTA per GEMM block (shared SM pool); >0: persistent grid
+  int32_t consumer_grid = 16;    // the communication budget x: consumer CTAs
+  int32_t consumer_block = 512;  // consumer threads per CTA, in {128, 256, 512}
+};
+
+// Written by the first consumer CTA whose wait passes its deadline; read by the host.
+struct DeviceError {
+  uint32_t code;      // 0: none, kErrorDeadline (kErrorClaimed while being written)
+  int32_t rank;       // the waiting rank
+  int32_t source;     // the rank whose flag never arrived
+  int32_t tile;       // reduction tile index inside the waiting rank's partition
+  uint64_t expected;  // epoch waited for
+  uint64_t observed;  // last epoch seen in the flag
+};
+constexpr uint32_t kErrorDeadline = 1;
+constexpr uint32_t kErrorClaimed = 0xFFFFFFFFu;  // a CTA is filling the record
+
+// Problem of one rank. x: [M, K] row-major, w: [K, N] row-major; partition q is rows
+// q*M/W .. (q+1)*M/W of the M x N product. Requires (M/W) % 128 == 0, N % block_n == 0, K % 8 == 0.
+struct ProblemShape {
+  int32_t m = 0, n = 0, k = 0;
+  int32_t world = 1, rank = 0;
+  int32_t tiles_per_partition() const { return (m / world / kTileM) * (n / kTileN); }
+};
+
+// Flag array of one owner rank: flags[source * tiles_per_partition + tile] holds the epoch of the
+// last call whose producer on `source` published that tile of the owner's partition.
+struct ProducerArgs {
+  const void* x;
+  const void* w;
+  void* partial;                  // this rank's M x N partial output (slot epoch % 2)
+  uint64_t* flags[kMaxWorld];     // flag array of each owner rank (peer pointers)
+  uint64_t epoch;
+  bool interleave = true;         // false: plain row-major tile order (benchmarks only)
+  bool publish = true;            // false: no flags (benchmarks only)
+};
+
+struct ConsumerArgs {
+  const void* partial[kMaxWorld];  // partial output of each source rank (same slot)
+  const uint64_t* flags;           // this rank's flag array
+  void* out;                       // [M/W, N] row-major, this rank's reduced rows
+  DeviceError* error;
+  uint64_t epoch;
+  uint64_t timeout_ns;
+};
+
+// Validate the shape and config against the kernels' requirements; returns nullptr when they hold,
+// else a static message naming the violated rule.
+const char* check_problem(const ProblemShape& shape, const GemmRsConfig& config);
+
+// Launch the interleaved producer GEMM. Loads nothing lazily once prepare_kernels() has run.
+cudaError_t launch_producer(DType dtype, const ProblemShape& shape, const GemmRsConfig& config,
+                            const ProducerArgs& args, cudaStream_t stream);
+
+// Launch the tile-reduction consumer (grid config.consumer_grid, block config.consumer_block).
+cudaError_t launch_consumer(DType dtype, const ProblemShape& shape, const GemmRsConfig& config,
+                            const ConsumerArgs& args, cudaStream_t stream);
+
+// Load every kernel's module and set its attributes on the current device (call once per device
+// at setup: lazy loading while a consumer spins can deadlock).
+cudaError_t prepare_kernels();
+
+}  // namespace entwine

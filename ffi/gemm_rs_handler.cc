@@ -1,0 +1,204 @@
+// XLA FFI handler `entwine_gemm_rs`: validates one rank's call, then forks XLA's stream into the
+// producer (GEMM) and consumer (reduction) streams of the rank's communicator and joins them back.
+// No kernel syntax here; no allocation, free, synchronisation, IPC or peer-access call either (any
+// of them can deadlock against a consumer spinning on another device of this process).
+#include <cstdint>
+#include <exception>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "comm.h"
+#include "gemm_rs.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace entwine {
+namespace {
+
+#define ENTWINE_RETURN_IF_CUDA(expr)                                                   \
+  do {                                                                                 \
+    cudaError_t err_ = (expr);                                                         \
+    if (err_ != cudaSuccess) {                                                         \
+      return ffi::Error::Internal(std::string("entwine gemm_rs: ") + #expr + ": " +    \
+                                  cudaGetErrorString(err_));                           \
+    }                                                                                  \
+  } while (0)
+
+std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Restores the caller's current device: XLA's thread may rely on it after we return.
+struct DeviceGuard {
+  int previous = -1;
+  cudaError_t set(int device) {
+    cudaGetDevice(&previous);
+    return cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+};
+
+// Double-buffer argument (DESIGN.md). Call e of rank A writes A's partial slot V[e % 2]; the
+// consumers of every rank B read A's V[e % 2] during their call e. A's producer of call e+2 writes
+// V[e % 2] again, and cannot start before every B finished reading it:
+//   A's producer(e+2) starts after A's start event of e+2, recorded on A's XLA stream after it
+//   waited for A's consumer(e+1);
+//   A's consumer(e+1) finished, so it saw a flag of call e+1 from every B (every tile of A's
+//   partition has a contribution from every rank, and the consumer only exits early on a deadline,
+//   which poisons the communicator: later calls are rejected below);
+//   B published in call e+1, so B's producer(e+1) had started, which was after B's XLA stream
+//   waited for B's consumer(e): B's reads of V[e % 2] on every rank had completed.
+// Call e+1 (the other slot) may overlap a slow peer's call e freely. The same chain orders the two
+// writers of one flag word of parity e % 2 (calls e and e+2), which is why the flags are
+// double-buffered too (comm.h). Requires every rank to make the same sequence of calls on the
+// communicator (same epochs), which SPMD programs do.
+ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                     ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
+                     ffi::Span<const int64_t> config) {
+  // --- Validation: everything below is cheap host work on the call's metadata. --------------------
+  comm::DeviceComm* dc = comm::find(comm_id, device);
+  if (dc == nullptr) {
+    return ffi::Error::InvalidArgument(
+        "entwine gemm_rs: no communicator " + std::to_string(comm_id) + " on device " +
+        std::to_string(device) + " (create it through entwine_jax.fused, at trace time)");
+  }
+  if (auto message = comm::error_message(*dc)) return ffi::Error::Internal(*message);
+  if (!dc->connected) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "entwine gemm_rs: communicator " + std::to_string(comm_id) +
+                          " is being resized or was shut down on device " + std::to_string(device));
+  }
+
+  DType dtype;
+  if (x.element_type() == ffi::DataType::BF16) {
+    dtype = DType::kBF16;
+  } else if (x.element_type() == ffi::DataType::F16) {
+    dtype = DType::kFP16;
+  } else {
+    return ffi::Error::InvalidArgument("entwine gemm_rs: x must be bf16 or f16, got dtype code " +
+                                       std::to_string(int(x.element_type())));
+  }
+  if (w.element_type() != x.element_type() || y->element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument("entwine gemm_rs: x, w and y must share one dtype, got codes " +
+                                       std::to_string(int(x.element_type())) + ", " +
+                                       std::to_string(int(w.element_type())) + ", " +
+                                       std::to_string(int(y->element_type())));
+  }
+
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  ProblemShape shape;
+  shape.world = dc->world;
+  shape.rank = dc->rank;
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[0] != xd[1] ||
+      yd[0] * dc->world != xd[0] || yd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument(
+        "entwine gemm_rs: expected x [M, K], w [K, N], y [M / " + std::to_string(dc->world) +
+        ", N], got x " + dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd));
+  }
+  shape.m = int32_t(xd[0]);
+  shape.k = int32_t(xd[1]);
+  shape.n = int32_t(wd[1]);
+
+  if (config.size() != 4) {
+    return ffi::Error::InvalidArgument("entwine gemm_rs: config must hold 4 values (block_n, "
+                                       "producer_sms, consumer_grid, consumer_block), got " +
+                                       std::to_string(config.size()));
+  }
+  GemmRsConfig cfg;
+  cfg.block_n = int32_t(config[0]);
+  cfg.producer_sms = int32_t(config[1]);
+  cfg.consumer_grid = int32_t(config[2]);
+  cfg.consumer_block = int32_t(config[3]);
+  if (const char* rule = check_problem(shape, cfg)) {
+    return ffi::Error::InvalidArgument(
+        std::string("entwine gemm_rs: ") + rule + " (M=" + std::to_string(shape.m) +
+        ", N=" + std::to_string(shape.n) + ", K=" + std::to_string(shape.k) + ", W=" +
+        std::to_string(shape.world) + ", block_n=" + std::to_string(cfg.block_n) + ")");
+  }
+
+  // Python grows the heap at trace time, before any call of a new shape runs; this only catches
+  // a call compiled against another process's (or a shut down) communicator.
+  size_t elem = 2;
+  size_t slot_bytes = size_t(shape.m) * size_t(shape.n) * elem;
+  if (slot_bytes > dc->capacity.slot_bytes || shape.tiles_per_partition() > dc->capacity.max_tiles) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "entwine gemm_rs: call needs " + std::to_string(slot_bytes) + " bytes and " +
+                          std::to_string(shape.tiles_per_partition()) +
+                          " tiles per slot, communicator has " +
+                          std::to_string(dc->capacity.slot_bytes) + " bytes and " +
+                          std::to_string(dc->capacity.max_tiles) + " tiles");
+  }
+
+  // --- Execute: fork XLA's stream into producer and consumer, join both back. --------------------
+  DeviceGuard guard;
+  ENTWINE_RETURN_IF_CUDA(guard.set(device));
+  uint64_t epoch = ++dc->epoch;
+  char* own = static_cast<char*>(dc->heap);
+
+  ConsumerArgs consumer_args{};
+  for (int s = 0; s < dc->world; ++s) {
+    consumer_args.partial[s] = static_cast<char*>(dc->peer_heap[s]) + dc->layout.slot_offset(epoch);
+  }
+  consumer_args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset(epoch));
+  consumer_args.out = y->untyped_data();
+  consumer_args.error = dc->error_device;
+  consumer_args.epoch = epoch;
+  consumer_args.timeout_ns = comm::timeout_ms() * 1000000ull;
+
+  ProducerArgs producer_args{};
+  producer_args.x = x.untyped_data();
+  producer_args.w = w.untyped_data();
+  producer_args.partial = own + dc->layout.slot_offset(epoch);
+  for (int q = 0; q < dc->world; ++q) {
+    // Push: each tile's flag goes into the memory of the rank that owns its partition.
+    producer_args.flags[q] =
+        reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[q]) + dc->layout.flags_offset(epoch));
+  }
+  producer_args.epoch = epoch;
+
+  ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->start, xla_stream));
+  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->consumer, dc->start, 0));
+  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->producer, dc->start, 0));
+  // Consumer first: its small high-priority grid must be resident before the GEMM fills the SMs.
+  ENTWINE_RETURN_IF_CUDA(launch_consumer(dtype, shape, cfg, consumer_args, dc->consumer));
+  ENTWINE_RETURN_IF_CUDA(launch_producer(dtype, shape, cfg, producer_args, dc->producer));
+  ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->producer_done, dc->producer));
+  ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->consumer_done, dc->consumer));
+  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
+  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
+  return ffi::Error::Success();
+}
+
+// Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
+ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
+                      ffi::Span<const int64_t> config) {
+  try {
+    return RunGemmRs(xla_stream, device, x, w, y, comm_id, config);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("entwine gemm_rs: ") + e.what());
+  } catch (...) {
+    return ffi::Error::Internal("entwine gemm_rs: unknown C++ exception");
+  }
+}
+
+}  // namespace
+}  // namespace entwine
+
+// No command-buffer trait: the host epoch counter changes per call, so a captured graph would
+// replay a stale epoch (DESIGN.md: only once the epochs live on the device).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // x
+                                  .Arg<ffi::AnyBuffer>()                     // w
+                                  .Ret<ffi::AnyBuffer>()                     // y
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<ffi::Span<const int64_t>>("config"));  // config

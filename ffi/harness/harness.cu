@@ -1,0 +1,439 @@
+// One-GPU harness for the producer and consumer kernels: W virtual ranks on one GPU (every rank's
+// partials and flags in this GPU's memory, each rank's producer and consumer on its own streams),
+// checked against a float64 host reference, plus the kernel benchmarks.
+//   entwine_harness test              protocol + kernels, W in {1,2,4,8}, several epochs, deadline
+//   entwine_harness sanitize          one small case (for compute-sanitizer)
+//   entwine_harness bench [out.jsonl] producer alone (order/flag costs), consumer bandwidth sweep
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gemm_rs.h"
+
+using namespace entwine;
+
+#define CHECK_CUDA(expr)                                                                        \
+  do {                                                                                          \
+    cudaError_t err_ = (expr);                                                                  \
+    if (err_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(err_)); \
+      std::exit(2);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+namespace {
+
+// Deterministic uniform values in [-1, 1) from (seed, index), identical on host and device.
+__host__ __device__ inline float hash_uniform(uint64_t seed, uint64_t i) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + i + 1;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return float(z >> 40) / float(1ull << 23) - 1.0f;
+}
+
+__global__ void fill_random(uint16_t* out, int64_t count, uint64_t seed, bool bf16) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
+    float v = hash_uniform(seed, i);
+    if (bf16) {
+      __nv_bfloat16 b = __float2bfloat16_rn(v);
+      out[i] = *reinterpret_cast<uint16_t*>(&b);
+    } else {
+      __half h = __float2half_rn(v);
+      out[i] = *reinterpret_cast<uint16_t*>(&h);
+    }
+  }
+}
+
+double to_double(uint16_t bits, bool bf16) {
+  if (bf16) {
+    uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  __half h;
+  std::memcpy(&h, &bits, 2);
+  return double(__half2float(h));
+}
+
+struct Case {
+  int m, n, k, world;
+  bool bf16;
+  GemmRsConfig config;
+};
+
+struct VirtualRank {
+  uint16_t *x = nullptr, *w = nullptr, *partial[2] = {nullptr, nullptr}, *out = nullptr;
+  uint64_t* flags = nullptr;
+  cudaStream_t producer_stream = nullptr, consumer_stream = nullptr;
+};
+
+// All ranks of one problem on this GPU.
+struct World {
+  Case c;
+  std::vector<VirtualRank> ranks;
+  DeviceError* error = nullptr;
+  uint64_t epoch = 0;
+
+  explicit World(Case const& c_) : c(c_), ranks(c_.world) {
+    int lo, hi;
+    CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    size_t const mn = size_t(c.m) * c.n, mk = size_t(c.m) * c.k, kn = size_t(c.k) * c.n;
+    ProblemShape s{c.m, c.n, c.k, c.world, 0};
+    for (auto& r : ranks) {
+      CHECK_CUDA(cudaMalloc(&r.x, mk * 2));
+      CHECK_CUDA(cudaMalloc(&r.w, kn * 2));
+      CHECK_CUDA(cudaMalloc(&r.partial[0], mn * 2));
+      CHECK_CUDA(cudaMalloc(&r.partial[1], mn * 2));
+      CHECK_CUDA(cudaMalloc(&r.out, mn / c.world * 2));
+      CHECK_CUDA(cudaMalloc(&r.flags, sizeof(uint64_t) * c.world * s.tiles_per_partition()));
+      CHECK_CUDA(cudaMemset(r.flags, 0, sizeof(uint64_t) * c.world * s.tiles_per_partition()));
+      CHECK_CUDA(cudaStreamCreateWithPriority(&r.producer_stream, cudaStreamNonBlocking, lo));
+      CHECK_CUDA(cudaStreamCreateWithPriority(&r.consumer_stream, cudaStreamNonBlocking, hi));
+    }
+    CHECK_CUDA(cudaMalloc(&error, sizeof(DeviceError)));
+    CHECK_CUDA(cudaMemset(error, 0, sizeof(DeviceError)));
+  }
+  ~World() {
+    for (auto& r : ranks) {
+      cudaFree(r.x);
+      cudaFree(r.w);
+      cudaFree(r.partial[0]);
+      cudaFree(r.partial[1]);
+      cudaFree(r.out);
+      cudaFree(r.flags);
+      cudaStreamDestroy(r.producer_stream);
+      cudaStreamDestroy(r.consumer_stream);
+    }
+    cudaFree(error);
+  }
+
+  void fill_inputs(uint64_t seed) {
+    for (int r = 0; r < c.world; ++r) {
+      fill_random<<<264, 256>>>(ranks[r].x, int64_t(c.m) * c.k, seed * 131 + 2 * r, c.bf16);
+      fill_random<<<264, 256>>>(ranks[r].w, int64_t(c.k) * c.n, seed * 131 + 2 * r + 1, c.bf16);
+    }
+    CHECK_CUDA(cudaGetLastError());
+  }
+
+  // NaN in both dtypes (0xFFFF): an unwritten output element cannot pass the check.
+  void poison_outputs() {
+    for (auto& r : ranks) CHECK_CUDA(cudaMemset(r.out, 0xFF, size_t(c.m) * c.n / c.world * 2));
+  }
+
+  // One gemm_rs call on every rank (skip_rank: that rank's producer never runs).
+  void call(int skip_rank = -1, uint64_t timeout_ns = 3'000'000'000ull) {
+    ++epoch;
+    int const slot = int(epoch % 2);
+    DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
+    for (int r = 0; r < c.world; ++r) {
+      ProblemShape s{c.m, c.n, c.k, c.world, r};
+      ConsumerArgs a{};
+      for (int q = 0; q < c.world; ++q) a.partial[q] = ranks[q].partial[slot];
+      a.flags = ranks[r].flags;
+      a.out = ranks[r].out;
+      a.error = error;
+      a.epoch = epoch;
+      a.timeout_ns = timeout_ns;
+      CHECK_CUDA(launch_consumer(dtype, s, c.config, a, ranks[r].consumer_stream));
+    }
+    for (int r = 0; r < c.world; ++r) {
+      if (r == skip_rank) continue;
+      ProblemShape s{c.m, c.n, c.k, c.world, r};
+      ProducerArgs a{};
+      a.x = ranks[r].x;
+      a.w = ranks[r].w;
+      a.partial = ranks[r].partial[slot];
+      for (int q = 0; q < c.world; ++q) a.flags[q] = ranks[q].flags;
+      a.epoch = epoch;
+      CHECK_CUDA(launch_producer(dtype, s, c.config, a, ranks[r].producer_stream));
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  std::vector<uint16_t> download(uint16_t const* p, size_t count) {
+    std::vector<uint16_t> h(count);
+    CHECK_CUDA(cudaMemcpy(h.data(), p, count * 2, cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+  // Relative error ||out - ref|| / ||ref|| over about 48 rows per owner (every row of small
+  // partitions; odd stride so the checked rows fall at varying offsets inside the 128-row tiles),
+  // against a float64 host reference; NaN (an unwritten element) fails.
+  double check() {
+    int const mp = c.m / c.world;
+    int const stride = mp <= 48 ? 1 : ((mp / 48) | 1);
+    std::vector<std::vector<double>> ws;
+    for (auto& r : ranks) {
+      auto w = download(r.w, size_t(c.k) * c.n);
+      ws.emplace_back(w.size());
+      for (size_t i = 0; i < w.size(); ++i) ws.back()[i] = to_double(w[i], c.bf16);
+    }
+    double err2 = 0, ref2 = 0;
+    std::vector<double> row(c.n);
+    std::vector<uint16_t> xr(c.k);
+    for (int owner = 0; owner < c.world; ++owner) {
+      auto out = download(ranks[owner].out, size_t(mp) * c.n);
+      for (int i = owner % stride; i < mp; i += stride) {
+        std::fill(row.begin(), row.end(), 0.0);
+        for (int s = 0; s < c.world; ++s) {
+          CHECK_CUDA(cudaMemcpy(xr.data(), ranks[s].x + size_t(owner * mp + i) * c.k, c.k * 2, cudaMemcpyDeviceToHost));
+          for (int kk = 0; kk < c.k; ++kk) {
+            double const xv = to_double(xr[kk], c.bf16);
+            double const* wr = ws[s].data() + size_t(kk) * c.n;
+            for (int j = 0; j < c.n; ++j) row[j] += xv * wr[j];
+          }
+        }
+        for (int j = 0; j < c.n; ++j) {
+          double o = to_double(out[size_t(i) * c.n + j], c.bf16);
+          if (std::isnan(o)) return INFINITY;
+          err2 += (o - row[j]) * (o - row[j]);
+          ref2 += row[j] * row[j];
+        }
+      }
+    }
+    return std::sqrt(err2 / std::max(ref2, 1e-30));
+  }
+
+  std::vector<std::vector<uint16_t>> outputs() {
+    std::vector<std::vector<uint16_t>> o;
+    for (auto& r : ranks) o.push_back(download(r.out, size_t(c.m) * c.n / c.world));
+    return o;
+  }
+
+  DeviceError read_error() {
+    DeviceError e;
+    CHECK_CUDA(cudaMemcpy(&e, error, sizeof e, cudaMemcpyDeviceToHost));
+    return e;
+  }
+};
+
+int failures = 0;
+
+void expect(bool ok, std::string const& what) {
+  std::printf("%s  %s\n", ok ? "PASS" : "FAIL", what.c_str());
+  if (!ok) ++failures;
+}
+
+std::string describe(Case const& c) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "W=%d M=%d N=%d K=%d %s block_n=%d producer_sms=%d x=%d b=%d", c.world, c.m, c.n,
+                c.k, c.bf16 ? "bf16" : "fp16", c.config.block_n, c.config.producer_sms, c.config.consumer_grid,
+                c.config.consumer_block);
+  return buf;
+}
+
+// Several epochs in a row with no resets: fresh inputs and poisoned outputs each epoch, checked
+// against float64; then the same inputs again must give bitwise identical outputs.
+void run_case(Case const& c, int epochs) {
+  if (char const* why = check_problem(ProblemShape{c.m, c.n, c.k, c.world, 0}, c.config)) {
+    expect(false, describe(c) + ": " + why);
+    return;
+  }
+  World world(c);
+  double worst = 0;
+  for (int e = 0; e < epochs; ++e) {
+    world.fill_inputs(1000 + e);
+    world.poison_outputs();
+    world.call();
+    worst = std::max(worst, world.check());
+  }
+  auto first = world.outputs();
+  world.poison_outputs();
+  world.call();
+  bool const bitwise = world.outputs() == first;
+  DeviceError const e = world.read_error();
+  double const tol = c.bf16 ? 1e-2 : 2e-3;
+  char buf[128];
+  std::snprintf(buf, sizeof buf, ": %d epochs, rel err %.2e (tol %.0e), bitwise repeat %s", epochs, worst, tol,
+                bitwise ? "yes" : "NO");
+  expect(worst <= tol && bitwise && e.code == 0, describe(c) + buf);
+}
+
+// A rank whose producer never runs: every other consumer must record the deadline and return.
+void run_deadline(int world_size) {
+  Case c{world_size * 128, 256, 64, world_size, true, GemmRsConfig{128, 0, 4, 256}};
+  World world(c);
+  world.fill_inputs(7);
+  world.call();  // a healthy epoch first
+  int const missing = world_size - 1;
+  auto t0 = std::chrono::steady_clock::now();
+  world.call(missing, 200'000'000ull);
+  double const secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  DeviceError const e = world.read_error();
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "deadline W=%d: code=%u rank=%d source=%d tile=%d expected=%llu observed=%llu after %.2f s",
+                world_size, e.code, e.rank, e.source, e.tile, (unsigned long long)e.expected,
+                (unsigned long long)e.observed, secs);
+  expect(e.code == kErrorDeadline && e.source == missing && e.expected == 2 && e.observed == 1 && secs < 5, buf);
+}
+
+int test_main() {
+  CHECK_CUDA(prepare_kernels());
+  GemmRsConfig const base{128, 0, 8, 512};
+  for (int world : {1, 2, 4, 8}) {
+    for (bool bf16 : {true, false}) {
+      Case c{world * 256, 512, 320, world, bf16, base};  // K = 5 blocks of 64
+      run_case(c, 3);
+    }
+  }
+  // Block shape, persistent grid, block sizes, K tail (K % 64 != 0), larger tiles counts.
+  run_case(Case{2 * 512, 1024, 200, 2, true, GemmRsConfig{256, 0, 16, 512}}, 3);
+  run_case(Case{4 * 256, 768, 136, 4, true, GemmRsConfig{128, 100, 8, 256}}, 3);
+  run_case(Case{2 * 1024, 2048, 1024, 2, true, GemmRsConfig{256, 120, 8, 128}}, 2);
+  run_case(Case{8 * 128, 2560, 512, 8, false, GemmRsConfig{256, 0, 4, 512}}, 2);
+  run_case(Case{2 * 2048, 4096, 1024, 2, true, GemmRsConfig{128, 0, 32, 512}}, 2);
+  run_deadline(2);
+  run_deadline(4);
+  std::printf("harness test: %d failure(s)\n", failures);
+  return failures == 0 ? 0 : 1;
+}
+
+int sanitize_main() {
+  CHECK_CUDA(prepare_kernels());
+  run_case(Case{2 * 128, 256, 72, 2, true, GemmRsConfig{128, 0, 2, 128}}, 2);
+  std::printf("harness sanitize: %d failure(s)\n", failures);
+  return failures == 0 ? 0 : 1;
+}
+
+// ---- benchmarks -----------------------------------------------------------------------------
+
+template <class F>
+float median_ms(F&& launch, cudaStream_t stream, int warmup = 20, int iters = 100) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; ++i) launch();
+  std::vector<float> t(iters);
+  for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaEventRecord(a, stream));
+    launch();
+    CHECK_CUDA(cudaEventRecord(b, stream));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    CHECK_CUDA(cudaEventElapsedTime(&t[i], a, b));
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[iters / 2];
+}
+
+int bench_main(char const* jsonl) {
+  CHECK_CUDA(prepare_kernels());
+  FILE* out = jsonl ? std::fopen(jsonl, "w") : nullptr;
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  // Copy ceiling: a large device-to-device copy, bytes read + written.
+  size_t const copy_bytes = size_t(2) << 30;
+  void *src, *dst;
+  CHECK_CUDA(cudaMalloc(&src, copy_bytes));
+  CHECK_CUDA(cudaMalloc(&dst, copy_bytes));
+  CHECK_CUDA(cudaMemset(src, 1, copy_bytes));
+  float const copy_ms = median_ms([&] { CHECK_CUDA(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, stream)); }, stream, 3, 20);
+  double const copy_gbs = 2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9;
+  cudaFree(src);
+  cudaFree(dst);
+  std::printf("device %s, %d SMs; copy bandwidth %.0f GB/s (read+write)\n", prop.name, prop.multiProcessorCount, copy_gbs);
+  if (out) std::fprintf(out, "{\"kind\":\"copy\",\"gbs\":%.1f,\"device\":\"%s\",\"sms\":%d}\n", copy_gbs, prop.name, prop.multiProcessorCount);
+
+  // Producer alone on the design's suite (W = 2 partitions, the GEMM of one rank).
+  int const suite[][3] = {{4096, 8192, 1024}, {8192, 8192, 1024}, {16384, 8192, 1024}, {8192, 8192, 3584},
+                          {16384, 8192, 3584}, {8192, 16384, 2048}, {16384, 16384, 2048}, {16384, 16384, 6656}};
+  std::printf("\nproducer alone (W=2, bf16), median ms of 100 after 20 warm-ups; TFLOP/s\n");
+  int const sms = prop.multiProcessorCount;
+  struct Variant {
+    char const* name;
+    int block_n, producer_sms;
+    bool interleave, publish;
+  } const variants[] = {{"n256 persist plain", 256, sms, false, false},
+                        {"n256 persist interleave", 256, sms, true, false},
+                        {"n256 persist inter+flags", 256, sms, true, true},
+                        {"n128 persist inter+flags", 128, sms, true, true},
+                        {"n256 1-per-CTA inter+flags", 256, 0, true, true}};
+  std::printf("%6s %6s %5s", "M", "N", "K");
+  for (auto const& v : variants) std::printf(" | %-26s", v.name);
+  std::printf("\n");
+  for (auto const& sh : suite) {
+    Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}};
+    World world(c);
+    world.fill_inputs(3);
+    ProblemShape s{c.m, c.n, c.k, 2, 0};
+    double const flop = 2.0 * c.m * c.n * c.k;
+    std::printf("%6d %6d %5d", c.m, c.n, c.k);
+    for (auto const& v : variants) {
+      GemmRsConfig cfg{v.block_n, v.producer_sms, 16, 512};
+      ProducerArgs a{};
+      a.x = world.ranks[0].x;
+      a.w = world.ranks[0].w;
+      a.partial = world.ranks[0].partial[0];
+      a.flags[0] = world.ranks[0].flags;
+      a.flags[1] = world.ranks[1].flags;
+      a.interleave = v.interleave;
+      a.publish = v.publish;
+      uint64_t epoch = 0;
+      float ms = median_ms([&] { a.epoch = ++epoch; CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream)); }, stream);
+      std::printf(" | %8.3f ms %6.0f TF/s     ", ms, flop / (ms * 1e-3) / 1e12);
+      if (out) std::fprintf(out, "{\"kind\":\"producer\",\"variant\":\"%s\",\"m\":%d,\"n\":%d,\"k\":%d,\"ms\":%.5f}\n", v.name, c.m, c.n, c.k, ms);
+    }
+    std::printf("\n");
+  }
+
+  // Consumer alone with every flag already released: bandwidth vs grid x and block b.
+  std::printf("\nconsumer alone, inputs ready (bf16, M/W x N = 8192 x 8192 reduced rows), GB/s (read+write)\n");
+  for (int world_size : {2, 4, 8}) {
+    Case c{8192 * world_size, 8192, 8, world_size, true, GemmRsConfig{}};
+    World world(c);
+    ProblemShape s{c.m, c.n, c.k, world_size, 0};
+    std::vector<uint64_t> ones(size_t(world_size) * s.tiles_per_partition(), 1);
+    CHECK_CUDA(cudaMemcpy(world.ranks[0].flags, ones.data(), ones.size() * 8, cudaMemcpyHostToDevice));
+    world.fill_inputs(5);
+    for (int r = 0; r < world_size; ++r)
+      CHECK_CUDA(cudaMemcpy(world.ranks[r].partial[0], world.ranks[r].x, size_t(c.m) * c.k * 2, cudaMemcpyDeviceToDevice));
+    double const bytes = double(world_size + 1) * (c.m / world_size) * double(c.n) * 2;
+    std::printf("W=%d:", world_size);
+    for (int b : {128, 256, 512}) {
+      for (int x : {8, 16, 32, 64, 132}) {
+        GemmRsConfig cfg{128, 0, x, b};
+        ConsumerArgs a{};
+        for (int q = 0; q < world_size; ++q) a.partial[q] = world.ranks[q].partial[0];
+        a.flags = world.ranks[0].flags;
+        a.out = world.ranks[0].out;
+        a.error = world.error;
+        a.epoch = 1;
+        a.timeout_ns = 1'000'000'000ull;
+        float ms = median_ms([&] { CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, a, stream)); }, stream);
+        double gbs = bytes / (ms * 1e-3) / 1e9;
+        std::printf(" b%d/x%d %.0f", b, x, gbs);
+        if (out) std::fprintf(out, "{\"kind\":\"consumer\",\"world\":%d,\"grid\":%d,\"block\":%d,\"ms\":%.5f,\"gbs\":%.1f,\"copy_frac\":%.3f}\n", world_size, x, b, ms, gbs, gbs / copy_gbs);
+      }
+    }
+    std::printf("\n");
+  }
+  if (out) std::fclose(out);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  std::string const mode = argc > 1 ? argv[1] : "test";
+  if (mode == "test") return test_main();
+  if (mode == "sanitize") return sanitize_main();
+  if (mode == "bench") return bench_main(argc > 2 ? argv[2] : nullptr);
+  std::fprintf(stderr, "usage: entwine_harness test|sanitize|bench [out.jsonl]\n");
+  return 2;
+}

@@ -1,0 +1,45 @@
+// Dispatch from (dtype, config) to the kernel instantiations, the shape rules the kernels rely on,
+// and eager module loading at setup.
+#include "gemm_rs.h"
+#include "producer.h"
+
+namespace entwine {
+
+cudaError_t prepare_consumer_kernels();  // consumer.cu
+
+const char* check_problem(const ProblemShape& s, const GemmRsConfig& c) {
+  if (s.world < 1 || s.world > kMaxWorld) return "world size must be in [1, 8]";
+  if (s.rank < 0 || s.rank >= s.world) return "rank must be in [0, world)";
+  if (c.block_n != 128 && c.block_n != 256) return "config.block_n must be 128 or 256";
+  if (c.consumer_block != 128 && c.consumer_block != 256 && c.consumer_block != 512)
+    return "config.consumer_block must be 128, 256 or 512";
+  if (c.consumer_grid < 1 || c.consumer_grid > 64) return "config.consumer_grid must be in [1, 64]";
+  if (c.producer_sms < 0) return "config.producer_sms must be >= 0";
+  if (s.m <= 0 || s.n <= 0 || s.k <= 0) return "M, N and K must be positive";
+  if (s.m % s.world != 0 || (s.m / s.world) % kTileM != 0) return "M / world must be a multiple of 128";
+  if (s.n % c.block_n != 0) return "N must be a multiple of config.block_n";
+  if (s.k % kAlignK != 0) return "K must be a multiple of 8 (16-byte rows for TMA)";
+  return nullptr;
+}
+
+cudaError_t launch_producer(DType dtype, const ProblemShape& s, const GemmRsConfig& c, const ProducerArgs& a,
+                            cudaStream_t stream) {
+  bool const wide = c.block_n == 256;
+  if (dtype == DType::kBF16) {
+    return wide ? producer::launch_bf16_n256(s, c, a, stream) : producer::launch_bf16_n128(s, c, a, stream);
+  }
+  return wide ? producer::launch_fp16_n256(s, c, a, stream) : producer::launch_fp16_n128(s, c, a, stream);
+}
+
+cudaError_t prepare_kernels() {
+  cudaError_t (*const steps[])() = {producer::prepare_bf16_n128, producer::prepare_bf16_n256,
+                                    producer::prepare_fp16_n128, producer::prepare_fp16_n256,
+                                    prepare_consumer_kernels};
+  for (auto step : steps) {
+    cudaError_t err = step();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace entwine

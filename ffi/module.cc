@@ -1,0 +1,107 @@
+// nanobind module entwine_jax._entwine: the FFI registrations plus the small communicator API that
+// entwine_jax.fused drives at trace time (create, exchange IPC handles, connect, grow, errors,
+// shutdown). Every failure raises RuntimeError carrying the CUDA error string.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "comm.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in gemm_rs_handler.cc.
+extern "C" XLA_FFI_Error* GemmRs(XLA_FFI_CallFrame* call_frame);
+
+namespace {
+
+namespace comm = entwine::comm;
+
+// Calls that may wait on the GPU release the GIL: an XLA thread may need it meanwhile.
+using NoGil = nb::call_guard<nb::gil_scoped_release>;
+
+}  // namespace
+
+NB_MODULE(_entwine, m) {
+  m.doc() = "entwine_jax CUDA extension: XLA FFI targets and gemm_rs communicators";
+
+  m.def("registrations", [] {
+    nb::dict targets;
+    targets["entwine_gemm_rs"] = nb::capsule(reinterpret_cast<void*>(GemmRs));
+    return targets;
+  }, "{target name: FFI handler capsule}, for jax.ffi.register_ffi_target(platform='CUDA').");
+
+  m.def("can_access_peer", [](int device, int peer) {
+    int ok = 0;
+    cudaError_t err = cudaDeviceCanAccessPeer(&ok, device, peer);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("cudaDeviceCanAccessPeer: ") + cudaGetErrorString(err));
+    }
+    return ok != 0;
+  }, nb::arg("device"), nb::arg("peer"), "Whether local device `device` can map `peer`'s memory.");
+
+  m.def("comm_create",
+        [](int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
+           size_t slot_bytes, int64_t max_tiles) {
+          comm::create(comm_id, world, local_ranks, {slot_bytes, max_tiles});
+        },
+        nb::arg("comm_id"), nb::arg("world"), nb::arg("local_ranks"), nb::arg("slot_bytes"),
+        nb::arg("max_tiles"), NoGil(),
+        "Create the local ranks [(device ordinal, rank)] of a communicator with zeroed heaps.");
+
+  m.def("comm_exists", &comm::exists, nb::arg("comm_id"));
+
+  m.def("comm_capacity", [](int64_t comm_id) {
+    comm::Capacity c = comm::capacity(comm_id);
+    return std::make_pair(c.slot_bytes, c.max_tiles);
+  }, nb::arg("comm_id"), "(slot_bytes, max_tiles) of the communicator's heaps.");
+
+  m.def("heap_ipc_handle", [](int64_t comm_id, int device) {
+    std::string handle = comm::ipc_handle(comm_id, device);
+    return nb::bytes(handle.data(), handle.size());
+  }, nb::arg("comm_id"), nb::arg("device"), "CUDA IPC handle (64 bytes) of this device's heap.");
+
+  m.def("comm_connect", [](int64_t comm_id, int device, const std::vector<nb::object>& peers) {
+    // Per rank of the device's group: an int (local ordinal) or bytes (IPC handle).
+    std::vector<comm::Peer> parsed;
+    for (const nb::object& peer : peers) {
+      if (nb::isinstance<nb::bytes>(peer)) {
+        nb::bytes b = nb::borrow<nb::bytes>(peer);
+        parsed.emplace_back(std::string(b.c_str(), b.size()));
+      } else {
+        parsed.emplace_back(nb::cast<int>(peer));
+      }
+    }
+    nb::gil_scoped_release release;
+    comm::connect(comm_id, device, parsed);
+  }, nb::arg("comm_id"), nb::arg("device"), nb::arg("peers"),
+     "Fill the device's peer table: one int (local device ordinal) or bytes (IPC handle) per rank.");
+
+  m.def("comm_synchronize", &comm::synchronize, nb::arg("comm_id"), NoGil(),
+        "cudaDeviceSynchronize on every local device of the communicator.");
+  m.def("comm_disconnect", &comm::disconnect, nb::arg("comm_id"), NoGil(),
+        "Close imported IPC handles; calls are rejected until comm_connect.");
+  m.def("comm_grow",
+        [](int64_t comm_id, size_t slot_bytes, int64_t max_tiles) {
+          comm::grow(comm_id, {slot_bytes, max_tiles});
+        },
+        nb::arg("comm_id"), nb::arg("slot_bytes"), nb::arg("max_tiles"), NoGil(),
+        "Reallocate the local heaps (disconnected on every rank first); keeps the epochs.");
+
+  m.def("error_message",
+        [](int64_t comm_id) { return comm::error_message(comm_id); },
+        nb::arg("comm_id"), "The device error recorded by a local rank of the comm, or None.");
+
+  m.def("timeout_ms", &comm::timeout_ms, "ENTWINE_TIMEOUT_MS as read by the extension.");
+
+  m.def("shutdown", &comm::shutdown, NoGil(),
+        "Free every communicator (IPC handles closed before heaps are freed).");
+}

@@ -1,0 +1,291 @@
+// The producer: a Hopper GEMM (CUTLASS 3.x SM90 TMA + wgmma mainloop, warp-specialised: one TMA
+// warp, three store warps, two math warpgroups) whose blocks visit the output in the Entwine interleaved order and
+// publish every finished 128x128 reduction tile with an epoch flag pushed into its owner's memory.
+// Included once per (dtype, BLOCK_N) translation unit: each instantiation costs ~35 s to compile.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "gemm_rs.h"
+#include "ptx.cuh"
+
+namespace entwine::producer {
+
+using namespace cute;
+
+template <class Element_, int BLOCK_N_>
+struct ProducerGemm {
+  // ---- core config ---------------------------------------------------------------------------
+  using Element = Element_;                           // bf16 or fp16 in and out, fp32 accumulation
+  static constexpr int BLOCK_M = 128;                 // two math warpgroups of 64 rows each
+  static constexpr int BLOCK_N = BLOCK_N_;            // 128 or 256: publishes BLOCK_N / 128 tiles
+  static constexpr int BLOCK_K = 64;                  // one 128-byte TMA swizzle row of 2-byte types
+  static constexpr int kThreads = 384;                // warp 0: TMA, warps 1-3: stores, warpgroups 1-2: math
+  static constexpr int kMathThreads = 256;
+  static constexpr int kTilesPerBlock = BLOCK_N / kTileN;
+  using TileShape = Shape<Int<BLOCK_M>, Int<BLOCK_N>, Int<BLOCK_K>>;
+  using ClusterShape = Shape<_1, _1, _1>;
+  static_assert(BLOCK_M == kTileM && BLOCK_N % kTileN == 0, "a GEMM block covers whole reduction tiles");
+
+  // ---- epilogue staging: the block's output in shared memory, rows padded by 16 bytes so the
+  //      math warps' 4-byte fragment stores hit 32 distinct banks --------------------------------
+  static constexpr int kSmemPitch = BLOCK_N + 8;
+  struct EpilogueStorage {
+    alignas(128) Element tile[BLOCK_M * kSmemPitch];
+  };
+
+  // ---- mainloop: A = x [M, K] row-major (K-major), B = w [K, N] row-major (N-major) -----------
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Element, cutlass::layout::RowMajor, 8,
+      Element, cutlass::layout::RowMajor, 8,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(EpilogueStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using TiledMma = typename CollectiveMainloop::TiledMma;
+  using MainloopPipeline = typename CollectiveMainloop::MainloopPipeline;
+  using PipelineState = typename CollectiveMainloop::PipelineState;
+  using StrideA = typename CollectiveMainloop::StrideA;
+  using StrideB = typename CollectiveMainloop::StrideB;
+  static_assert(size(TiledMma{}) == kMathThreads, "cooperative mainloop: two math warpgroups");
+
+  struct SharedStorage {
+    typename CollectiveMainloop::TensorStorage mainloop;
+    EpilogueStorage epilogue;
+    typename CollectiveMainloop::PipelineStorage pipeline;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+
+  struct Params {
+    typename CollectiveMainloop::Params mainloop;
+    int m, n, k, world, rank;
+    int m_blocks_per_partition;   // (M / W) / BLOCK_M
+    int n_blocks;                 // N / BLOCK_N
+    int blocks_per_partition;
+    int num_blocks;               // W * blocks_per_partition
+    int tiles_n;                  // N / 128: reduction tiles per row of tiles
+    int tiles_per_partition;
+    Element* partial;
+    uint64_t* flags[kMaxWorld];
+    uint64_t epoch;
+    bool interleave, publish;
+  };
+
+  // Logical block p -> (owner partition, tile row inside it, block column). Interleaved: block p
+  // goes to partition (p + rank + 1) mod W, so every wave feeds all W owners at an even pace and
+  // the ranks start on different owners; inside a partition, blocks run in the consumer's N-major
+  // tile order so the consumer's first tiles are the first ones produced.
+  struct BlockCoord {
+    int owner, tile_m, n_block;
+  };
+  static __device__ BlockCoord block_coord(int p, Params const& params) {
+    int owner, i;
+    if (params.interleave) {
+      owner = (p % params.world + params.rank + 1) % params.world;
+      i = p / params.world;
+    } else {
+      owner = p / params.blocks_per_partition;
+      i = p % params.blocks_per_partition;
+    }
+    return {owner, i / params.n_blocks, i % params.n_blocks};
+  }
+
+  static __device__ void run(Params const& params, char* smem) {
+    SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
+    int const thread_idx = threadIdx.x;
+    int const warp_idx = cutlass::canonical_warp_idx_sync();
+    int const warp_group = cutlass::canonical_warp_group_idx();
+    int const lane_predicate = cute::elect_one_sync();
+
+    if (warp_idx == 0 && lane_predicate) {
+      CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
+    }
+
+    // Mainloop pipeline: warp 0 produces (TMA), the 256 math threads consume.
+    typename MainloopPipeline::Params pipeline_params;
+    if (warp_group == 0 && warp_idx == 0) {
+      pipeline_params.role = MainloopPipeline::ThreadCategory::Producer;
+    }
+    if (warp_group > 0) {
+      pipeline_params.role = MainloopPipeline::ThreadCategory::Consumer;
+    }
+    pipeline_params.is_leader = (thread_idx % cutlass::NumThreadsPerWarpGroup) == 0;
+    pipeline_params.num_consumers = kMathThreads;
+    pipeline_params.transaction_bytes = params.mainloop.tma_transaction_bytes;
+    MainloopPipeline pipeline(storage.pipeline, pipeline_params, ClusterShape{});
+    // Barrier init must be visible to every thread before first use.
+    __syncthreads();
+
+    CollectiveMainloop mainloop;
+    auto problem = make_shape(params.m, params.n, params.k, 1);
+    auto load_inputs = mainloop.load_init(problem, params.mainloop);
+    int const k_tiles = (params.k + BLOCK_K - 1) / BLOCK_K;  // TMA zero-fills the K tail
+
+    if (warp_group == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<40>();
+      if (warp_idx == 0) {
+        PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+        for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
+          BlockCoord c = block_coord(p, params);
+          int m_block = c.owner * params.m_blocks_per_partition + c.tile_m;
+          auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
+          mainloop.load(params.mainloop, pipeline, write_state, load_inputs,
+                        make_coord(m_block, c.n_block, _, 0), k_iter, k_tiles,
+                        cutlass::canonical_lane_idx(), 0u, storage.mainloop);
+          write_state.advance(k_tiles);
+        }
+        mainloop.load_tail(pipeline, write_state);
+      } else {
+        store_and_publish(params, storage.epilogue.tile, thread_idx - cutlass::NumThreadsPerWarp);
+      }
+      return;
+    }
+
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    int const math_idx = thread_idx - cutlass::NumThreadsPerWarpGroup;
+    PipelineState read_state;
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_thread_slice(math_idx);
+    Tensor sC = make_tensor(make_smem_ptr(storage.epilogue.tile),
+                            make_layout(make_shape(Int<BLOCK_M>{}, Int<BLOCK_N>{}),
+                                        make_stride(Int<kSmemPitch>{}, _1{})));
+    Tensor tCsC = thread_mma.partition_C(sC);
+
+    for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
+      Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
+      mainloop.mma(pipeline, read_state, accum, k_tiles, math_idx, storage.mainloop, params.mainloop);
+      mainloop.mma_tail(pipeline, read_state, k_tiles);
+      read_state.advance(k_tiles);
+
+      // The store warps must have copied the previous block out of the staging tile.
+      if (p != int(blockIdx.x)) ptx::named_barrier_sync(kEmptyBarrier, kMathThreads + kStoreThreads);
+      Tensor converted = make_fragment_like<Element>(accum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) converted(i) = Element(accum(i));
+      copy(converted, tCsC);
+      // Hand the staged block to the store warps and go on with the next block's mainloop.
+      ptx::named_barrier_arrive(kFullBarrier, kMathThreads + kStoreThreads);
+    }
+  }
+
+  // Warps 1-3 (idle in the CUTLASS schedule) copy each staged block to the partial output with
+  // coalesced 16-byte stores and publish its tiles, overlapped with the next block's mainloop.
+  static __device__ void store_and_publish(Params const& params, Element const* stage, int store_idx) {
+    constexpr int kChunksPerRow = BLOCK_N / 8;
+    constexpr int kChunks = BLOCK_M * kChunksPerRow;
+    constexpr int kInFlight = 4;
+    for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
+      BlockCoord c = block_coord(p, params);
+      int64_t const row0 = int64_t(c.owner) * (params.m / params.world) + int64_t(c.tile_m) * BLOCK_M;
+      Element* dst = params.partial + row0 * params.n + c.n_block * BLOCK_N;
+      ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
+      for (int base = store_idx; base < kChunks; base += kStoreThreads * kInFlight) {
+        uint4 v[kInFlight];
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < kInFlight; ++u) {
+          int const chunk = base + u * kStoreThreads;
+          if (chunk < kChunks) {
+            v[u] = *reinterpret_cast<uint4 const*>(stage + (chunk / kChunksPerRow) * kSmemPitch + (chunk % kChunksPerRow) * 8);
+          }
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < kInFlight; ++u) {
+          int const chunk = base + u * kStoreThreads;
+          if (chunk < kChunks) {
+            *reinterpret_cast<uint4*>(dst + int64_t(chunk / kChunksPerRow) * params.n + (chunk % kChunksPerRow) * 8) = v[u];
+          }
+        }
+      }
+      // Publish: every store warp's stores precede this barrier; one thread then fences at system
+      // scope and releases the epoch into the owner's flag array (a remote store: push, not pull).
+      ptx::named_barrier_sync(kStoreBarrier, kStoreThreads);
+      if (params.publish && store_idx == 0) {
+        ptx::fence_acq_rel_sys();
+        uint64_t* owner_flags = params.flags[c.owner] + int64_t(params.rank) * params.tiles_per_partition;
+        int const tile0 = c.tile_m * params.tiles_n + c.n_block * kTilesPerBlock;
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < kTilesPerBlock; ++t) ptx::store_release_sys(owner_flags + tile0 + t, params.epoch);
+      }
+      // The staging tile is free again (not after the last block: nobody would wait for it).
+      if (p + int(gridDim.x) < params.num_blocks) {
+        ptx::named_barrier_arrive(kEmptyBarrier, kMathThreads + kStoreThreads);
+      }
+    }
+  }
+
+  // Named barriers between math and store warps; ids below 8 are left to CUTLASS.
+  static constexpr int kStoreThreads = 96;
+  static constexpr int kFullBarrier = 8;   // math -> store: the staging tile holds a block
+  static constexpr int kEmptyBarrier = 9;  // store -> math: the staging tile may be overwritten
+  static constexpr int kStoreBarrier = 10; // among store warps, before the release
+
+  static Params make_params(ProblemShape const& shape, GemmRsConfig const& config, ProducerArgs const& args) {
+    StrideA stride_a{};
+    get<0>(stride_a) = int64_t(shape.k);
+    StrideB stride_b{};
+    get<1>(stride_b) = int64_t(shape.n);
+    typename CollectiveMainloop::Arguments mainloop_args{
+        static_cast<Element const*>(args.x), stride_a, static_cast<Element const*>(args.w), stride_b};
+    Params p{};
+    p.mainloop = CollectiveMainloop::to_underlying_arguments(make_shape(shape.m, shape.n, shape.k, 1),
+                                                            mainloop_args, nullptr);
+    p.m = shape.m;
+    p.n = shape.n;
+    p.k = shape.k;
+    p.world = shape.world;
+    p.rank = shape.rank;
+    p.m_blocks_per_partition = shape.m / shape.world / BLOCK_M;
+    p.n_blocks = shape.n / BLOCK_N;
+    p.blocks_per_partition = p.m_blocks_per_partition * p.n_blocks;
+    p.num_blocks = shape.world * p.blocks_per_partition;
+    p.tiles_n = shape.n / kTileN;
+    p.tiles_per_partition = shape.tiles_per_partition();
+    p.partial = static_cast<Element*>(args.partial);
+    for (int q = 0; q < kMaxWorld; ++q) p.flags[q] = args.flags[q];
+    p.epoch = args.epoch;
+    p.interleave = args.interleave;
+    p.publish = args.publish;
+    (void)config;
+    return p;
+  }
+};
+
+template <class Gemm>
+__global__ void __launch_bounds__(Gemm::kThreads, 1) producer_kernel(CUTE_GRID_CONSTANT typename Gemm::Params const params) {
+  extern __shared__ __align__(128) char smem[];
+  Gemm::run(params, smem);
+}
+
+template <class Gemm>
+cudaError_t prepare() {
+  return cudaFuncSetAttribute(producer_kernel<Gemm>, cudaFuncAttributeMaxDynamicSharedMemorySize, Gemm::kSmemBytes);
+}
+
+template <class Gemm>
+cudaError_t launch(ProblemShape const& shape, GemmRsConfig const& config, ProducerArgs const& args, cudaStream_t stream) {
+  typename Gemm::Params params = Gemm::make_params(shape, config, args);
+  // producer_sms == 0: one CTA per block (the hardware hands freed SMs to either kernel);
+  // otherwise a persistent grid that leaves the rest of the SMs to the consumer.
+  int grid = params.num_blocks;
+  if (config.producer_sms > 0 && config.producer_sms < grid) grid = config.producer_sms;
+  producer_kernel<Gemm><<<grid, Gemm::kThreads, Gemm::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace entwine::producer
+
+// One instantiation per translation unit: defines entwine::producer::prepare_<NAME> / launch_<NAME>.
+#define ENTWINE_DEFINE_PRODUCER(NAME, ELEMENT, BLOCK_N)                                               \
+  namespace entwine::producer {                                                                       \
+  using Gemm_##NAME = ProducerGemm<ELEMENT, BLOCK_N>;                                                 \
+  cudaError_t prepare_##NAME() { return prepare<Gemm_##NAME>(); }                                     \
+  cudaError_t launch_##NAME(ProblemShape const& s, GemmRsConfig const& c, ProducerArgs const& a,      \
+                            cudaStream_t stream) {                                                    \
+    return launch<Gemm_##NAME>(s, c, a, stream);                                                      \
+  }                                                                                                   \
+  }

@@ -1,0 +1,50 @@
+// Memory-model primitives of the tile protocol: system-scope release/acquire on 64-bit epoch flags,
+// the global nanosecond timer for deadlines, and 16-byte loads that bypass L1 (peer data changes
+// between calls; L1 is not coherent with NVLink writes).
+#pragma once
+
+#include <cstdint>
+
+namespace entwine::ptx {
+
+// Release store of an epoch: every write ordered before it (including other threads' writes made
+// visible to this thread by a CTA barrier) is visible system-wide before the flag is.
+__device__ __forceinline__ void store_release_sys(uint64_t* flag, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
+// Acquire load of an epoch flag: reads after it observe what the releasing producer wrote.
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* flag) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// 16-byte load cached in L2 only.
+__device__ __forceinline__ uint4 load_cg_16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Named barrier over `threads` threads (a multiple of 32), id 1..15 (0 is __syncthreads).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Arrive at a named barrier without waiting (the producer side of a barrier handshake).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace entwine::ptx

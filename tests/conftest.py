@@ -1,0 +1,65 @@
+# Test setup: 8 fake CPU devices (set before anything imports jax), the gpu/multigpu markers
+# (skip without GPUs, fail instead under ENTWINE_REQUIRE_GPUS=1), and the CI check that the
+# installed package, not the source tree, is under test (ENTWINE_CI=1).
+import functools
+import os
+import pathlib
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import entwine_jax  # noqa: E402
+from entwine_jax import _log, config, ops  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def cuda_gpu_count() -> int:
+    try:
+        return len(jax.devices("cuda"))
+    except RuntimeError:  # no CUDA backend in this jaxlib or no GPU
+        return 0
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs one CUDA GPU (skipped elsewhere; fails when ENTWINE_REQUIRE_GPUS=1)")
+    config.addinivalue_line("markers", "multigpu: needs two or more CUDA GPUs (same skip/fail rule)")
+    if os.environ.get("ENTWINE_CI") == "1":
+        where = pathlib.Path(entwine_jax.__file__).resolve()
+        if where.parent == REPO / "entwine_jax":
+            raise pytest.UsageError(f"ENTWINE_CI=1: entwine_jax was imported from the source tree ({where}), not the "
+                                    "installed package; run `pytest tests` (not `python -m pytest`) without PYTHONPATH")
+        built, reason = entwine_jax.extension_status()
+        if os.environ.get("ENTWINE_BUILD_CUDA", "ON").upper() not in ("OFF", "0") and not built:
+            raise pytest.UsageError(f"ENTWINE_CI=1: the CUDA extension did not build or import: {reason}")
+
+
+def pytest_report_header(config):
+    built, reason = entwine_jax.extension_status()
+    return [f"entwine_jax {entwine_jax.__version__} from {pathlib.Path(entwine_jax.__file__).parent}",
+            f"extension: {reason}",
+            f"jax {jax.__version__}, default backend {jax.default_backend()}, {len(jax.devices())} devices, "
+            f"{cuda_gpu_count()} CUDA GPUs"]
+
+
+def pytest_runtest_setup(item):
+    need = 2 if item.get_closest_marker("multigpu") else 1 if item.get_closest_marker("gpu") else 0
+    if need and cuda_gpu_count() < need:
+        msg = f"needs {need} CUDA GPU(s), found {cuda_gpu_count()}"
+        if os.environ.get("ENTWINE_REQUIRE_GPUS") == "1":
+            pytest.fail(f"{msg} and ENTWINE_REQUIRE_GPUS=1", pytrace=False)
+        pytest.skip(msg)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_reports():
+    """Each test sees first-call log/print messages and the heuristic default config."""
+    _log.reset_once()
+    ops._printed.clear()
+    previous = config.set_default_config(None)
+    yield
+    config.set_default_config(previous)

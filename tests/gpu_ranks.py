@@ -1,0 +1,359 @@
+"""Multi-process GPU tests of the fused gemm_rs: W processes (jax.distributed on localhost), one
+rank each, sharing one GPU (CUDA IPC between processes of one device) or one GPU each.
+
+    python tests/gpu_ranks.py --world 2 --suite quick            # 2 ranks on GPU 0
+    python tests/gpu_ranks.py --world 4 --suite all              # quick + stress + missing
+    python tests/gpu_ranks.py --world 2 --gpus 2 --suite quick   # one process per GPU
+
+Suites:
+  quick    suite-like and tail shapes, bf16 and fp16, growing (the heap regrows across processes);
+           results checked against a float64 host reference, repeated calls bitwise identical.
+  stress   1000 back-to-back calls: two shapes, three input sets, two call sites, other XLA work
+           in between, every result checked.
+  missing  the last rank skips one call; the others must report the deadline error (with
+           ENTWINE_TIMEOUT_MS=2000) through entwine_jax.fused.check_errors(), never hang.
+
+NCCL refuses two ranks on one GPU, so each rank computes its reference on the host from the shared
+seeds. Every rank prints `ENTWINE_RANK <r> PASS|FAIL <detail>`; the launcher kills every rank of a
+suite after --timeout seconds and prints a one-line summary last. Exit status 0 iff all ranks passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+MISSING_TIMEOUT_MS = 2000
+
+
+# --- Launcher -----------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(args) -> int:
+    # `all` runs the suites as separate launches: the short deadline of `missing` is read once per
+    # process, and would turn the compile-time skew between ranks of the other suites into errors.
+    suites = ["quick", "stress", "missing"] if args.suite == "all" else [args.suite]
+    lines = [launch_suite(args, suite) for suite in suites]
+    ok = all(line.startswith("PASS") for line in lines)
+    print(f"gpu_ranks: world={args.world} gpus={args.gpus}: {'PASS' if ok else 'FAIL'}: " + " | ".join(
+        f"{suite} {line}" for suite, line in zip(suites, lines)), flush=True)
+    return 0 if ok else 1
+
+
+def launch_suite(args, suite) -> str:
+    """Runs one suite on W fresh processes; returns 'PASS (...)' or 'FAIL (...)'."""
+    port = _free_port()
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if suite == "missing":
+        env["ENTWINE_TIMEOUT_MS"] = str(MISSING_TIMEOUT_MS)
+    env.pop("XLA_FLAGS", None)  # fake host devices of the pytest process would confuse the mesh
+    procs, results, lock = [], {}, threading.Lock()
+
+    def pump(rank, proc):
+        for line in proc.stdout:
+            print(f"[{suite} rank {rank}] {line}", end="", flush=True)
+            if line.startswith("ENTWINE_RANK "):
+                _, r, status, *_ = line.split(maxsplit=3)
+                with lock:
+                    results[int(r)] = status
+
+    start = time.monotonic()
+    pumps = []
+    for rank in range(args.world):
+        cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(rank), "--port", str(port),
+               "--world", str(args.world), "--gpus", str(args.gpus), "--suite", suite]
+        # Own session: a timeout kills the rank's whole process group, and nothing else.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        procs.append(proc)
+        pumps.append(threading.Thread(target=pump, args=(rank, proc), daemon=True))
+        pumps[-1].start()
+    timed_out = False
+    for proc in procs:
+        left = args.timeout - (time.monotonic() - start)
+        try:
+            proc.wait(timeout=max(left, 0.1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+    for t in pumps:
+        t.join(timeout=5)
+    passed = [r for r in range(args.world) if results.get(r) == "PASS" and procs[r].returncode == 0]
+    ok = len(passed) == args.world and not timed_out
+    codes = ",".join(str(p.returncode) for p in procs)
+    return (f"{'PASS' if ok else 'FAIL'} ({len(passed)}/{args.world} ranks passed, exit codes {codes}"
+            f"{', killed after the timeout' if timed_out else ''}, {time.monotonic() - start:.1f} s)")
+
+
+# --- One rank -------------------------------------------------------------------------------------------
+
+
+def rank_main(args) -> int:
+    import jax
+
+    jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=args.world,
+                               process_id=args.rank, local_device_ids=[args.rank % args.gpus])
+    try:
+        detail = getattr(Rank(args), args.suite)()
+        print(f"ENTWINE_RANK {args.rank} PASS {detail}", flush=True)
+        return 0
+    except Exception as e:
+        traceback.print_exc()
+        print(f"ENTWINE_RANK {args.rank} FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return 1
+
+
+class Rank:
+    """The checks of one rank. Every rank makes the same calls in the same order (the comm needs it),
+    except where the `missing` suite says otherwise."""
+
+    def __init__(self, args):
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh
+
+        self.args, self.rank, self.world = args, args.rank, args.world
+        # Rank r is process r: the mesh orders the devices by process.
+        devices = sorted(jax.devices(), key=lambda d: d.process_index)
+        self.mesh = Mesh(np.array(devices), ("tp",))
+        self.device = jax.local_devices()[0]
+
+    def log(self, msg):
+        print(f"rank {self.rank}: {msg}", flush=True)
+
+    # -- inputs and reference, from the shared seeds --
+
+    def host_inputs(self, m, n, k, dtype, seed):
+        """Every rank's (x_s [M, K], w_s [K, N]) as float64 of the dtype-rounded values."""
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        xs, ws = [], []
+        for _ in range(self.world):
+            x = (rng.standard_normal((m, k), np.float32) / np.sqrt(self.world * k)).astype(dtype)
+            w = rng.standard_normal((k, n), np.float32).astype(dtype)
+            xs.append(x)
+            ws.append(w)
+        return xs, ws
+
+    def reference(self, xs, ws):
+        import numpy as np
+
+        mp = xs[0].shape[0] // self.world
+        rows = slice(self.rank * mp, (self.rank + 1) * mp)
+        return sum(x[rows].astype(np.float64) @ w.astype(np.float64) for x, w in zip(xs, ws))
+
+    def global_arrays(self, xs, ws):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        x, w = xs[self.rank], ws[self.rank]
+        m, k = x.shape
+        gx = jax.make_array_from_single_device_arrays(
+            (m, k * self.world), NamedSharding(self.mesh, P(None, "tp")), [jax.device_put(x, self.device)])
+        gw = jax.make_array_from_single_device_arrays(
+            (k * self.world, w.shape[1]), NamedSharding(self.mesh, P("tp", None)), [jax.device_put(w, self.device)])
+        return gx, gw
+
+    def local(self, y):
+        import numpy as np
+
+        return np.asarray(y.addressable_shards[0].data)
+
+    # -- the op --
+
+    def gemm_fn(self, m, n, k, dtype, extra_work=False):
+        """jit(shard_map(entwine_jax.gemm_rs)); refuses to run unless it lowers to the fused call
+        (the XLA fallback would need NCCL, which cannot run two ranks on one GPU)."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import fused
+        from entwine_jax.config import heuristic_config
+
+        config = dataclasses.replace(heuristic_config(m, n, k, self.world, dtype), path="fused")
+        with jax.set_mesh(self.mesh):
+            reason = fused.unavailable_reason(
+                jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype), axis_name="tp",
+                axis_size=self.world, scatter_dimension=0, config=config)
+        if reason is not None:
+            raise RuntimeError(f"fused path unavailable for M={m} N={n} K={k}: {reason}")
+
+        def body(x, w):
+            y = entwine_jax.gemm_rs(x, w, axis_name="tp", config=config)
+            if not extra_work:
+                return y, jnp.zeros((1, 1), jnp.float32)
+            # Local XLA work in the same program, next to the custom call (no collective).
+            z = jnp.tanh(jnp.dot(x[:64].astype(jnp.float32), x[:64].astype(jnp.float32).T))
+            return y, z.sum(keepdims=True).reshape(1, 1)
+
+        f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                                  out_specs=(P("tp", None), P("tp", None)), check_vma=False))
+
+        def call(gx, gw):
+            with jax.set_mesh(self.mesh):
+                return f(gx, gw)[0]
+
+        return call
+
+    def check(self, y, ref, what):
+        import numpy as np
+
+        y = y.astype(np.float64)
+        err, norm = np.linalg.norm(y - ref), np.linalg.norm(ref)
+        if not err <= 1e-2 * norm:
+            raise AssertionError(f"{what}: rel error {err / norm:.3g} > 1e-2")
+        return err / max(norm, 1e-30)
+
+    # -- suites --
+
+    def quick(self):
+        import jax.numpy as jnp
+        import numpy as np
+
+        from entwine_jax import fused
+
+        w_ = self.world
+        # Growing sizes: every new shape regrows the heaps of all processes.
+        shapes = [(w_ * 77, 130, 60), (w_ * 128, 256, 64), (w_ * 200, 1000, 1000), (w_ * 129, 257, 72),
+                  (2048, 4096, 1024), (4096, 8192, 1024)]
+        worst = 0.0
+        for dtype in (jnp.bfloat16, jnp.float16):
+            for i, (m, n, k) in enumerate(shapes):
+                xs, ws = self.host_inputs(m, n, k, dtype, seed=100 + i)
+                ref = self.reference(xs, ws)
+                gx, gw = self.global_arrays(xs, ws)
+                f = self.gemm_fn(m, n, k, dtype)
+                ys = [self.local(f(gx, gw)) for _ in range(3)]
+                fused.check_errors()
+                worst = max(worst, self.check(ys[0], ref, f"M={m} N={n} K={k} {dtype.__name__}"))
+                for y in ys[1:]:
+                    if not np.array_equal(y.view(np.uint16), ys[0].view(np.uint16)):
+                        raise AssertionError(f"M={m} N={n} K={k} {dtype.__name__}: repeated calls differ bitwise")
+                self.log(f"quick M={m} N={n} K={k} {dtype.__name__}: ok")
+        return f"quick: {2 * len(shapes)} shapes ok, worst rel error {worst:.2e}"
+
+    def stress(self, calls=1000, batch=16):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from entwine_jax import fused
+
+        w_ = self.world
+        shapes = [(w_ * 256, 512, 256), (w_ * 300, 640, 200)]
+        variants = 3  # consecutive calls of one shape see other data: a stale slot would show
+        data = {}
+        for s, (m, n, k) in enumerate(shapes):
+            sites = [self.gemm_fn(m, n, k, jnp.bfloat16), self.gemm_fn(m, n, k, jnp.bfloat16, extra_work=True)]
+            for v in range(variants):
+                xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=1000 + 10 * s + v)
+                data[s, v] = (self.global_arrays(xs, ws), self.reference(xs, ws), sites)
+        side = jax.device_put(np.ones((512, 512), np.float32), self.device)
+        side_fn = jax.jit(lambda a: jnp.tanh(a @ a) * 0.5)
+        first, pending, checked = {}, [], 0
+        t0 = time.monotonic()
+        for i in range(calls):
+            s, v, site = i % 2, (i // 2) % variants, (i // (2 * variants)) % 2
+            (gx, gw), ref, sites = data[s, v]
+            pending.append(((s, v, site, i), sites[site](gx, gw)))
+            if i % 3 == 0:
+                side = side_fn(side)  # other XLA work between the calls, on the same device
+            if len(pending) == batch or i == calls - 1:
+                for (s_, v_, site_, i_), y in pending:
+                    y = self.local(y)
+                    if (s_, v_) not in first:
+                        self.check(y, data[s_, v_][1], f"stress call {i_} shape {s_} variant {v_}")
+                        first[s_, v_] = y
+                    elif not np.array_equal(y.view(np.uint16), first[s_, v_].view(np.uint16)):
+                        self.check(y, data[s_, v_][1], f"stress call {i_} (site {site_})")
+                        raise AssertionError(f"stress call {i_} shape {s_} variant {v_} site {site_}: "
+                                             "differs bitwise from the first call")
+                    checked += 1
+                pending.clear()
+                fused.check_errors()
+        jax.block_until_ready(side)
+        return f"stress: {checked} calls checked in {time.monotonic() - t0:.1f} s"
+
+    def missing(self):
+        import jax
+        import jax.numpy as jnp
+
+        from entwine_jax import _distributed, fused
+
+        m, n, k = self.world * 128, 128, 64  # one tile per rank: one deadline, not one per tile
+        xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=7)
+        gx, gw = self.global_arrays(xs, ws)
+        f = self.gemm_fn(m, n, k, jnp.bfloat16)
+        self.check(self.local(f(gx, gw)), self.reference(xs, ws), "missing: warm-up call")
+        fused.check_errors()
+        absent = self.world - 1
+        if self.rank == absent:
+            detail = "missing: skipped the call"
+        else:
+            t0 = time.monotonic()
+            jax.block_until_ready(f(gx, gw))
+            waited = time.monotonic() - t0
+            try:
+                fused.check_errors()
+            except RuntimeError as e:
+                message = str(e)
+            else:
+                raise AssertionError(f"no deadline error after {waited:.1f} s although rank {absent} never called")
+            if f"from rank {absent}" not in message or f"waited {MISSING_TIMEOUT_MS} ms" not in message:
+                raise AssertionError(f"deadline error does not name rank {absent} and the timeout: {message}")
+            if waited > 10 * MISSING_TIMEOUT_MS / 1000 + 20:
+                raise AssertionError(f"the deadline took {waited:.1f} s")
+            # The communicator is poisoned: the next call fails in the handler, before any launch.
+            try:
+                jax.block_until_ready(f(gx, gw))
+            except Exception as e:  # XlaRuntimeError
+                if "entwine gemm_rs" not in str(e):
+                    raise
+            else:
+                raise AssertionError("a call after the deadline error did not fail")
+            detail = f"missing: deadline reported after {waited:.1f} s: {message[:120]}"
+        # The absent rank keeps its heap mapped until the others are done with it.
+        _distributed.barrier("entwine_test/missing_done", range(self.world), self.rank, 120_000)
+        return detail
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=2, help="number of ranks (processes), 1..8")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (rank r on GPU r %% gpus)")
+    parser.add_argument("--suite", choices=["quick", "stress", "missing", "all"], default="quick")
+    parser.add_argument("--timeout", type=float, default=900, help="wall-clock limit per suite in seconds; stragglers are killed")
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not 1 <= args.world <= 8:
+        parser.error(f"--world must be in [1, 8], got {args.world}")
+    return launch(args) if args.rank is None else rank_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

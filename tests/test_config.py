@@ -1,0 +1,67 @@
+# GemmRsConfig: validation, printing, the global default and the heuristic.
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from entwine_jax import GemmRsConfig, heuristic_config, set_default_config, using_config
+from entwine_jax.config import get_default_config
+
+
+def test_defaults_and_str():
+    c = GemmRsConfig()
+    assert (c.block_n, c.producer_sms, c.consumer_grid, c.consumer_block, c.path) == (128, 0, 16, 512, "auto")
+    s = str(c)
+    assert s == "GemmRsConfig(block_n=128, producer_sms=0, consumer_grid=16, consumer_block=512, path=auto)"
+    assert "\n" not in s and "\n" not in repr(c)
+
+
+def test_frozen_and_hashable():
+    c = GemmRsConfig(block_n=256)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.block_n = 128
+    assert hash(c) == hash(GemmRsConfig(block_n=256)) and c == GemmRsConfig(block_n=256)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_n=64), r"block_n must be one of \(128, 256\), got 64"),
+    (dict(block_n="128"), r"block_n must be one of \(128, 256\), got '128'"),
+    (dict(producer_sms=-1), r"producer_sms must be an int >= 0, got -1"),
+    (dict(producer_sms=1.5), r"producer_sms must be an int >= 0, got 1.5"),
+    (dict(consumer_grid=0), r"consumer_grid must be an int >= 1, got 0"),
+    (dict(consumer_grid=True), r"consumer_grid must be an int >= 1, got True"),
+    (dict(consumer_block=1024), r"consumer_block must be one of \(128, 256, 512\), got 1024"),
+    (dict(path="cuda"), r"path must be one of \('auto', 'fused', 'xla'\), got 'cuda'"),
+])
+def test_validation(kwargs, match):
+    with pytest.raises(ValueError, match="GemmRsConfig: " + match):
+        GemmRsConfig(**kwargs)
+
+
+def test_valid_values():
+    for block_n in (128, 256):
+        for consumer_block in (128, 256, 512):
+            for path in ("auto", "fused", "xla"):
+                GemmRsConfig(block_n=block_n, consumer_block=consumer_block, path=path, producer_sms=100,
+                             consumer_grid=32)
+
+
+def test_default_config():
+    assert get_default_config() is None
+    c = GemmRsConfig(path="xla")
+    assert set_default_config(c) is None
+    assert get_default_config() is c
+    assert set_default_config(None) is c
+    with using_config(c):
+        assert get_default_config() is c
+    assert get_default_config() is None
+    with pytest.raises(ValueError, match="set_default_config: config must be a GemmRsConfig or None, got dict"):
+        set_default_config({"path": "xla"})
+
+
+def test_heuristic():
+    c = heuristic_config(8192, 8192, 1024, 2, jnp.bfloat16)
+    assert c == GemmRsConfig(block_n=128, producer_sms=0, consumer_grid=16, consumer_block=512, path="auto")
+    # Fewer tiles in the local partition than the default budget: one consumer CTA per tile.
+    assert heuristic_config(256, 256, 64, 2, jnp.float16).consumer_grid == 2
+    assert heuristic_config(16, 16, 16, 8, "bfloat16").consumer_grid == 1

@@ -1,0 +1,176 @@
+# Dispatch between the fused path (entwine_jax.fused) and the XLA reference: the reason is
+# visible (logged once per call site, printed under ENTWINE_PRINT_CONFIG=1), and a fused path that
+# claims availability is wired through platform_dependent so the same code still runs on CPU.
+import logging
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from entwine_jax import GemmRsConfig, gemm_rs, ops, reference, set_default_config
+
+
+def run(x_shape=(32, 64), n=16, world=4, dtype=jnp.bfloat16, sd=0, jit=True, **kwargs):
+    mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, x_shape, jnp.float32).astype(dtype)
+    w = jax.random.normal(kw, (x_shape[-1], n), jnp.float32).astype(dtype)
+    xspec = P(*([None] * (len(x_shape) - 1) + ["tp"]))
+    out = [None] * len(x_shape)
+    out[sd] = "tp"
+    f = jax.shard_map(lambda x, w: gemm_rs(x, w, axis_name="tp", scatter_dimension=sd, **kwargs), mesh=mesh,
+                      in_specs=(xspec, P("tp", None)), out_specs=P(*out))
+    f = jax.jit(f) if jit else f
+    with jax.set_mesh(mesh):
+        y = f(jax.device_put(x, xspec), jax.device_put(w, P("tp", None)))
+    exact = np.einsum("...k,kn->...n", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    return np.asarray(y, np.float64), exact
+
+
+class FakeFused(types.SimpleNamespace):
+    """Stands in for entwine_jax.fused: records calls; its 'kernel' returns zeros (wrong on purpose)."""
+
+    def __init__(self, reason=None):
+        super().__init__(reason=reason, reason_calls=[], local_calls=[])
+
+    def unavailable_reason(self, x_local_aval, w_aval, **kwargs):
+        self.reason_calls.append((x_local_aval, w_aval, kwargs))
+        return self.reason
+
+    def gemm_rs_local(self, x2d, w, *, axis_name, axis_size, config):
+        self.local_calls.append((x2d.shape, w.shape, axis_name, axis_size, config))
+        return jnp.zeros((x2d.shape[0] // axis_size, w.shape[1]), x2d.dtype)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeFused()
+    monkeypatch.setattr(ops, "_fused_module", lambda: (f, None))
+    return f
+
+
+def test_cpu_takes_xla_path_with_visible_reason(caplog, capsys, monkeypatch):
+    # The real entwine_jax.fused (or its absence): on CPU the reference runs and says why.
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        y, exact = run()
+    assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
+    msgs = [r.getMessage() for r in caplog.records if ": XLA reference path: " in r.getMessage()]
+    assert len(msgs) == 1 and msgs[0].split("XLA reference path: ")[1].strip()
+    err = capsys.readouterr().err
+    assert "path=xla" in err and "reason: " in err
+
+
+def test_fused_available_uses_platform_dependent(fake, capsys, monkeypatch):
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    y, exact = run(x_shape=(8, 4, 64), sd=0)
+    # The fake's zeros never run on CPU: platform_dependent picked the reference.
+    assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
+    x_aval, w_aval, kwargs = fake.reason_calls[0]
+    assert x_aval.shape == (32, 16) and w_aval.shape == (16, 16)  # N-D x seen as its 2-D row view
+    assert kwargs["axis_name"] == "tp" and kwargs["axis_size"] == 4 and kwargs["scatter_dimension"] == 0
+    assert isinstance(kwargs["config"], GemmRsConfig)
+    # The CUDA branch was traced with the 2-D view (and discarded at CPU lowering).
+    assert fake.local_calls and fake.local_calls[0][:4] == ((32, 16), (16, 16), "tp", 4)
+    assert "path=fused" in capsys.readouterr().err
+
+
+def test_fused_branch_reshapes_nd(fake):
+    # _fused_forward with a correct stand-in kernel (psum_scatter on the 2-D view) == reference on 3-D x.
+    fake.gemm_rs_local = lambda x2d, w, *, axis_name, axis_size, config: reference.gemm_rs_reference(
+        x2d, w, axis_name=axis_name, scatter_dimension=0)
+    mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+    plan = ops._Plan(axis_name="tp", axis_size=4, scatter_dimension=0, config=GemmRsConfig(), reason=None)
+    x = jax.random.normal(jax.random.key(1), (8, 3, 64), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (64, 8), jnp.float32).astype(jnp.bfloat16)
+    specs = dict(mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None)), out_specs=P("tp", None, None))
+    fused = jax.jit(jax.shard_map(lambda x, w: ops._fused_forward(x, w, plan=plan), **specs))
+    ref = jax.jit(jax.shard_map(lambda x, w: reference.gemm_rs_reference(x, w, axis_name="tp"), **specs))
+    with jax.set_mesh(mesh):
+        xp, wp = jax.device_put(x, P(None, None, "tp")), jax.device_put(w, P("tp", None))
+        np.testing.assert_array_equal(np.asarray(fused(xp, wp), np.float32), np.asarray(ref(xp, wp), np.float32))
+
+
+@pytest.mark.parametrize("kwargs,dtype,sd,reason", [
+    (dict(config=GemmRsConfig(path="xla")), jnp.bfloat16, 0, "config.path='xla'"),
+    ({}, jnp.float32, 0, "float32 inputs (the fused kernels take bfloat16/float16)"),
+    ({}, jnp.bfloat16, 1, "scatter_dimension=1 is not the leading dim (the fused kernels scatter rows)"),
+])
+def test_xla_reasons_before_asking_fused(fake, capsys, monkeypatch, kwargs, dtype, sd, reason):
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    run(dtype=dtype, sd=sd, **kwargs)
+    assert not fake.reason_calls and not fake.local_calls
+    assert f"path=xla" in (err := capsys.readouterr().err) and f"reason: {reason}" in err
+
+
+def test_fused_reason_logged_once_per_call_site(fake, caplog):
+    fake.reason = "no CUDA device in the mesh"
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        run()
+        run(jit=False)  # same call site (shapes, dtype, axis, scatter dim): no repeat
+        run(x_shape=(64, 64))  # a new call site
+    msgs = [r.getMessage() for r in caplog.records if ": XLA reference path: " in r.getMessage()]
+    assert len(msgs) == 2 and all("no CUDA device in the mesh" in m for m in msgs)
+    assert all(r.levelno == logging.INFO for r in caplog.records if ": XLA reference path: " in r.getMessage())
+
+
+def test_path_fused_that_cannot_run_warns(fake, caplog):
+    fake.reason = "extension not built"
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        y, exact = run(config=GemmRsConfig(path="fused"))
+    assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "extension not built" in warnings[0].getMessage()
+
+
+def test_fused_module_errors_fall_back(monkeypatch, capsys):
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    monkeypatch.setattr(ops, "_fused_module", lambda: (None, "ImportError: boom"))
+    run()
+    assert "reason: entwine_jax.fused not importable: ImportError: boom" in capsys.readouterr().err
+
+    broken = FakeFused()
+    broken.unavailable_reason = lambda *a, **k: 1 / 0
+    monkeypatch.setattr(ops, "_fused_module", lambda: (broken, None))
+    y, exact = run(x_shape=(16, 64))
+    assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
+    assert "unavailable_reason raised ZeroDivisionError" in capsys.readouterr().err
+
+
+def test_print_config_once_per_call_site(capsys, monkeypatch):
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    run()
+    run()
+    run(x_shape=(16, 32), n=8, world=2)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("entwine_jax.gemm_rs x=bfloat16[32, 16] w=bfloat16[16, 16] axis='tp' (size 4) "
+                               "scatter_dimension=0: path=xla GemmRsConfig(block_n=128, producer_sms=0, ")
+    assert "axis='tp' (size 2)" in lines[1]
+
+
+def test_no_print_without_env(capsys, monkeypatch):
+    monkeypatch.delenv("ENTWINE_PRINT_CONFIG", raising=False)
+    run()
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "0")
+    run(x_shape=(64, 64))
+    assert capsys.readouterr().err == ""
+
+
+def test_config_choice_reaches_the_fused_path(fake, capsys, monkeypatch):
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    mine = GemmRsConfig(block_n=256, consumer_grid=8)
+    run(config=mine)  # explicit
+    assert fake.reason_calls[-1][2]["config"] is mine and fake.local_calls[-1][4] is mine
+    default = GemmRsConfig(consumer_grid=4, consumer_block=256)
+    set_default_config(default)
+    run(x_shape=(64, 64))  # global default
+    assert fake.reason_calls[-1][2]["config"] is default
+    set_default_config(None)
+    run(x_shape=(128, 64))  # heuristic
+    assert fake.reason_calls[-1][2]["config"] == GemmRsConfig(consumer_grid=1)
+    err = capsys.readouterr().err
+    assert str(mine) in err and str(default) in err

@@ -1,0 +1,422 @@
+# CPU-checkable parts of entwine_jax.fused: the reasons it gives off-GPU, the padding math (pad,
+# reduce-scatter, slice == the unpadded reference), comm ids and device groups, mesh discovery, the
+# communicator setup/growth sequence against a fake extension, and the traced ffi_call.
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from entwine_jax import _distributed, fused
+from entwine_jax.config import GemmRsConfig
+
+CFG = GemmRsConfig()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fused(monkeypatch):
+    """Each test starts with no communicators, no setup() meshes and an empty reason cache."""
+    monkeypatch.setattr(fused, "_comms", {})
+    monkeypatch.setattr(fused, "_setup_meshes", {})
+    monkeypatch.setattr(fused, "_reason_cache", {})
+    monkeypatch.setattr(fused, "_atexit_registered", True)  # no shutdown hook from these tests
+
+
+def _mesh(shape=(2, 4), names=("dp", "tp")):
+    return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+
+
+def _sds(shape, dtype, mesh, spec):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+
+def _ids(groups):
+    return [[d.id for d in row] for row in groups]
+
+
+def _in_shard_map(mesh, fn, in_specs=P(None, "tp"), m=256, k=64, n=128, dtype=jnp.bfloat16):
+    """Traces fn(x_local, w_local) inside shard_map over mesh; returns what fn returned."""
+    out = {}
+
+    def body(x, w):
+        out["value"] = fn(x, w)
+        return x
+
+    x = _sds((m, k * mesh.shape["tp"]), dtype, mesh, in_specs)
+    w = _sds((k * mesh.shape["tp"], n), dtype, mesh, P("tp", None))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(in_specs, P("tp", None)), out_specs=in_specs,
+                      check_vma=False)
+    jax.make_jaxpr(f)(x, w)
+    return out["value"]
+
+
+# --- Reasons off-GPU ------------------------------------------------------------------------------
+
+
+def _reason(x, w, axis_size=4, config=CFG, scatter_dimension=0, axis_name="tp"):
+    return fused.unavailable_reason(x, w, axis_name=axis_name, axis_size=axis_size,
+                                    scatter_dimension=scatter_dimension, config=config)
+
+
+def test_reason_on_cpu_names_the_platform():
+    mesh = _mesh()
+    for ctx in (jax.set_mesh(mesh), _nullcontext()):
+        with ctx:
+            reason = _in_shard_map(mesh, lambda x, w: _reason(jax.typeof(x), jax.typeof(w)))
+        assert reason is not None and "not running on CUDA GPUs" in reason and "cpu" in reason
+
+
+def test_reason_extension_or_setup_when_the_platform_looks_like_gpu(monkeypatch):
+    # Past the platform check, the next missing piece is the extension (pure-Python install) or,
+    # when it is built, the concrete mesh (no set_mesh, no setup()).
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    ext, ext_reason = fused._extension()
+    x, w = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    reason = _reason(x, w)
+    if ext is None:
+        assert "entwine_jax._entwine" in reason and reason == ext_reason
+    else:
+        assert "entwine_jax.setup(mesh, 'tp')" in reason
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(config=GemmRsConfig(path="xla")), "config.path is 'xla'"),
+    (dict(scatter_dimension=1), "scatter_dimension=0"),
+    (dict(axis_size=16), "axis size 16 outside"),
+    (dict(axis_size=3), "M=256 is not divisible by the axis size 3"),
+])
+def test_reason_for_unsupported_calls(kwargs, match):
+    x, w = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    assert match in _reason(x, w, **kwargs)
+
+
+@pytest.mark.parametrize("xd, wd", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float16)])
+def test_reason_for_dtypes(xd, wd):
+    x, w = jax.ShapeDtypeStruct((256, 64), xd), jax.ShapeDtypeStruct((64, 128), wd)
+    assert "bf16 or fp16" in _reason(x, w)
+
+
+def test_reason_never_raises_and_is_cached(monkeypatch):
+    x, w = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    monkeypatch.setattr(fused, "_reason", lambda *a: (_ for _ in ()).throw(KeyError("boom")))
+    assert "KeyError" in _reason(x, w)
+    mesh = _mesh()
+    calls = []
+    monkeypatch.setattr(fused, "_reason", lambda *a: calls.append(a) or "why")
+    with jax.set_mesh(mesh):
+        for _ in range(3):
+            assert _in_shard_map(mesh, lambda x, w: _reason(jax.typeof(x), jax.typeof(w))) == "why"
+    assert len(calls) == 1
+
+
+def test_heap_cap_is_a_reason(monkeypatch):
+    monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(1 << 20))
+    p = fused.padding(8192, 1024, 8192, 4, 128)
+    with pytest.raises(fused.Unavailable, match="ENTWINE_HEAP_MAX_BYTES=1048576"):
+        fused._ensure_comm(None, _mesh(), "tp", p, 2)
+    monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="ENTWINE_HEAP_MAX_BYTES must be an integer"):
+        fused.heap_max_bytes()
+    monkeypatch.delenv("ENTWINE_HEAP_MAX_BYTES")
+    assert fused.heap_max_bytes() == 4 << 30
+
+
+# --- Padding math ---------------------------------------------------------------------------------
+
+
+def _reduce_scatter_padded(xs, ws, world, block_n):
+    """What the kernels compute, simulated in float64 on padded operands, then sliced."""
+    m, k = xs[0].shape
+    p = fused.padding(m, k, ws[0].shape[1], world, block_n)
+    padded = [fused.pad_operands(x, w, p, xp=np) for x, w in zip(xs, ws)]
+    full = sum(xp @ wp for xp, wp in padded)  # [W * mp_pad, n_pad]
+    assert full.shape == (world * p.mp_pad, p.n_pad)
+    assert p.mp_pad % 128 == 0 and p.n_pad % block_n == 0 and p.k_pad % 8 == 0
+    return [fused.unpad(full[r * p.mp_pad:(r + 1) * p.mp_pad], p) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m_per, k, n, block_n", [
+    (128, 64, 128, 128),  # aligned: no padding at all
+    (37, 61, 200, 128),   # everything odd
+    (130, 8, 255, 256),
+    (1, 1, 1, 128),
+])
+def test_pad_then_slice_equals_reference(world, m_per, k, n, block_n):
+    rng = np.random.default_rng(world * 1000 + k)
+    m = m_per * world
+    xs = [rng.standard_normal((m, k)) for _ in range(world)]
+    ws = [rng.standard_normal((k, n)) for _ in range(world)]
+    ref = sum(x @ w for x, w in zip(xs, ws))
+    got = _reduce_scatter_padded(xs, ws, world, block_n)
+    for r in range(world):
+        np.testing.assert_allclose(got[r], ref[r * m_per:(r + 1) * m_per], rtol=1e-12, atol=1e-12)
+
+
+def test_padding_values_and_needed():
+    p = fused.padding(m=2 * 200, k=100, n=300, world=2, block_n=256)
+    assert (p.mp, p.mp_pad, p.k_pad, p.n_pad) == (200, 256, 104, 512)
+    assert p.needed and p.tiles_per_partition == 2 * 4
+    assert not fused.padding(512, 64, 256, 4, 128).needed
+    with pytest.raises(ValueError, match="M=10 is not divisible by the axis size 4"):
+        fused.padding(10, 8, 128, 4, 128)
+
+
+def test_pad_operands_skips_aligned_operands():
+    p = fused.padding(256, 64, 128, 2, 128)
+    x, w = np.ones((256, 64)), np.ones((64, 128))
+    xp, wp = fused.pad_operands(x, w, p, xp=np)
+    assert xp is x and wp is w and fused.unpad(x, p) is x
+
+
+def test_heap_bytes_mirrors_the_layout():
+    # [flags parity 0][flags parity 1][slot 0][slot 1], each region 256-byte aligned.
+    assert fused.heap_bytes(2, 1 << 20, 64) == 2 * 1024 + 2 * (1 << 20)
+    assert fused.heap_bytes(3, 100, 1) == 2 * 256 + 2 * 256
+    p = fused.padding(8192, 1024, 8192, 2, 128)
+    slot, tiles = fused.required_capacity(p, 2)
+    assert slot == 8192 * 8192 * 2 and tiles == 32 * 64
+
+
+def test_config_vector_order():
+    cfg = GemmRsConfig(block_n=256, producer_sms=100, consumer_grid=24, consumer_block=256)
+    v = fused.config_vector(cfg)
+    assert v.dtype == np.int64 and v.tolist() == [256, 100, 24, 256]
+
+
+# --- Groups and comm ids ----------------------------------------------------------------------------
+
+
+def test_groups_1d():
+    mesh = _mesh((8,), ("tp",))
+    assert _ids(fused.device_groups(mesh, "tp")) == [list(range(8))]
+
+
+def test_groups_2d():
+    mesh = _mesh()
+    assert _ids(fused.device_groups(mesh, "tp")) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _ids(fused.device_groups(mesh, "dp")) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _ids(fused.device_groups(mesh, ("dp", "tp"))) == [list(range(8))]
+    assert _ids(fused.device_groups(mesh, ("tp", "dp"))) == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    with pytest.raises(ValueError, match="axis 'pp' is not in the mesh axes"):
+        fused.device_groups(mesh, "pp")
+
+
+def test_groups_follow_the_device_order_of_the_mesh():
+    devices = np.array(jax.devices()[:8])[::-1].reshape(2, 4)
+    mesh = jax.sharding.Mesh(devices, ("dp", "tp"))
+    assert _ids(fused.device_groups(mesh, "tp")) == [[7, 6, 5, 4], [3, 2, 1, 0]]
+
+
+def test_comm_id_is_stable_and_distinguishes_groups():
+    mesh = _mesh()
+    cid = fused.comm_id(fused.device_groups(mesh, "tp"), "tp")
+    again = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
+    assert fused.comm_id(fused.device_groups(again, "tp"), "tp") == cid
+    assert fused.comm_id(fused.device_groups(mesh, "dp"), "dp") != cid
+    assert -(2**63) <= cid < 2**63
+    # Another process computes the same id (no per-process hash seed).
+    code = ("import jax, numpy as np; from entwine_jax import fused; "
+            "m = jax.make_mesh((2, 4), ('dp', 'tp'), devices=jax.devices()[:8]); "
+            "print(fused.comm_id(fused.device_groups(m, 'tp'), 'tp'))")
+    env = dict(os.environ, PYTHONHASHSEED="123",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) == cid
+
+
+# --- Mesh discovery --------------------------------------------------------------------------------
+
+
+def test_find_mesh_from_set_mesh_or_setup():
+    mesh = _mesh()
+    assert _in_shard_map(mesh, lambda x, w: fused._find_mesh("tp")) is None
+    with jax.set_mesh(mesh):
+        assert _in_shard_map(mesh, lambda x, w: fused._find_mesh("tp")) is mesh
+    fused.setup(mesh, "tp")
+    assert _in_shard_map(mesh, lambda x, w: fused._find_mesh("tp")) is mesh
+    # Another shape of mesh is not mistaken for the registered one.
+    other = _mesh((4, 2))
+    assert _in_shard_map(other, lambda x, w: fused._find_mesh("tp")) is None
+    with pytest.raises(ValueError, match="axis 'nope'"):
+        fused.setup(mesh, "nope")
+
+
+# --- Communicator setup against a fake extension -----------------------------------------------------
+
+
+class FakeExt:
+    """Records the communicator calls fused.py makes; no CUDA."""
+
+    def __init__(self):
+        self.calls = []
+        self.error = None
+
+    def __getattr__(self, name):
+        if not name.startswith("comm_") and name not in ("shutdown",):
+            raise AttributeError(name)
+        return lambda *args: self.calls.append((name,) + args)
+
+    def heap_ipc_handle(self, comm_id, device):
+        return bytes([device]) * 64
+
+    def can_access_peer(self, a, b):
+        return True
+
+    def error_message(self, comm_id):
+        return self.error
+
+
+class FakeKV:
+    def __init__(self):
+        self.store = {}
+
+    def key_value_set_bytes(self, key, value):
+        assert key not in self.store, f"key {key} written twice"
+        self.store[key] = value
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        if key not in self.store:
+            raise TimeoutError(f"{key} not set within {timeout_ms} ms")
+        return self.store[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    id: int
+    process_index: int
+    local_hardware_id: int
+    platform: str = "gpu"
+    compute_capability: str = "9.0"
+
+
+class FakeMesh:
+    def __init__(self, devices, names):
+        self.devices = np.array(devices, dtype=object)
+        self.axis_names = names
+
+
+def test_create_grow_and_errors_one_process(monkeypatch):
+    mesh = _mesh()
+    ext = FakeExt()
+    p = fused.padding(256, 64, 128, 4, 128)
+    # CPU devices would be refused by the device checks; everything after them is what we test.
+    monkeypatch.setattr(fused, "_check_devices", lambda *a: None)
+    monkeypatch.setattr(fused, "_extension", lambda: (ext, None))
+    comm = fused._ensure_comm(ext, mesh, "tp", p, 2)
+    assert fused._ensure_comm(ext, mesh, "tp", p, 2) is comm  # enough room: nothing to do
+    assert [c[0] for c in ext.calls] == ["comm_create"] + ["comm_connect"] * 8
+    create = ext.calls[0]
+    assert create[1:3] == (comm.id, 4)
+    assert create[3] == [(d, d % 4) for d in range(8)]
+    assert create[4] % (2 << 20) == 0 and create[5] % 64 == 0
+    # One process: every peer is a local ordinal (raw pointers), the group of the device.
+    assert ext.calls[5] == ("comm_connect", comm.id, 4, [4, 5, 6, 7])
+    # A larger call grows the heap: synchronise, disconnect, grow, reconnect; the id stays.
+    ext.calls.clear()
+    big = fused.padding(4 * 4096, 64, 4096, 4, 128)
+    assert fused._ensure_comm(ext, mesh, "tp", big, 2) is comm
+    assert [c[0] for c in ext.calls] == ["comm_synchronize", "comm_disconnect", "comm_grow"] + ["comm_connect"] * 8
+    assert comm.slot_bytes >= 4 * 4096 * 4096 * 2 and comm.generation == 1
+    # check_errors reports what a consumer recorded.
+    fused.check_errors()
+    ext.error = "entwine gemm_rs: rank 1 waited 2000 ms for tile 7 from rank 0"
+    with pytest.raises(RuntimeError, match="waited 2000 ms for tile 7 from rank 0"):
+        fused.check_errors()
+
+
+def test_connect_across_processes_uses_ipc_handles(monkeypatch):
+    # Process 0 of two, one GPU each (or both on GPU 0): rank 1's heap comes from the KV store.
+    kv = FakeKV()
+    monkeypatch.setattr(_distributed, "client", lambda: kv)
+    devices = [FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)]
+    mesh = FakeMesh(devices, ("tp",))
+    groups = fused.device_groups(mesh, "tp")
+    comm = fused._Comm(fused.comm_id(groups, "tp"), [(devices[0], 0, groups[0])], [0, 1])
+    other = b"\x07" * 64
+    kv.store[fused._key(comm, "heap/1")] = other
+    ext = FakeExt()
+    fused._connect(ext, comm)
+    assert kv.store[fused._key(comm, "heap/0")] == bytes([0]) * 64
+    assert ext.calls == [("comm_connect", comm.id, 0, [0, other])]
+    # A missing peer is a timeout error, not a hang.
+    comm.generation += 1
+    with pytest.raises(TimeoutError):
+        fused._connect(ext, comm)
+
+
+def test_device_checks(monkeypatch):
+    ext = FakeExt()
+    groups = np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 0, 1)]], dtype=object)
+    fused._check_devices(ext, groups)
+    monkeypatch.setattr(ext, "can_access_peer", lambda a, b: False)
+    with pytest.raises(fused.Unavailable, match="devices not peer-accessible"):
+        fused._check_devices(ext, groups)
+    ampere = np.array([[FakeDevice(0, 0, 0, compute_capability="8.0")]], dtype=object)
+    with pytest.raises(fused.Unavailable, match="compute capability 9.0"):
+        fused._check_devices(ext, ampere)
+    remote = np.array([[FakeDevice(0, 1, 0)]], dtype=object)
+    with pytest.raises(fused.Unavailable, match="no device of the mesh"):
+        fused._check_devices(ext, remote)
+
+
+def test_barrier_waits_for_every_process(monkeypatch):
+    kv = FakeKV()
+    monkeypatch.setattr(_distributed, "client", lambda: kv)
+    kv.store["b/1"] = b"1"
+    _distributed.barrier("b", [0, 1], 0, 10)
+    with pytest.raises(TimeoutError):
+        _distributed.barrier("c", [0, 1], 0, 10)
+
+
+# --- The traced call ----------------------------------------------------------------------------
+
+
+def test_gemm_rs_local_traces_one_padded_ffi_call(monkeypatch):
+    mesh = _mesh()
+    ext = FakeExt()
+    monkeypatch.setattr(fused, "_extension", lambda: (ext, None))
+    monkeypatch.setattr(fused, "_check_devices", lambda *a: None)
+    m, k, n = 4 * 37, 61, 200
+
+    def body(x, w):
+        return fused.gemm_rs_local(x, w, axis_name="tp", axis_size=4, config=CFG)
+
+    x = _sds((m, 4 * k), jnp.bfloat16, mesh, P(None, "tp"))
+    w = _sds((4 * k, n), jnp.bfloat16, mesh, P("tp", None))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                      out_specs=P("tp", None), check_vma=False)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(f)(x, w)
+    inner = jaxpr.eqns[0].params["jaxpr"]
+    calls = [e for e in inner.eqns if e.primitive.name == "ffi_call"]
+    assert len(calls) == 1
+    call = calls[0]
+    assert call.params["target_name"] == "entwine_gemm_rs"
+    assert [tuple(v.aval.shape) for v in call.invars] == [(4 * 128, 64), (64, 256)]
+    assert tuple(call.outvars[0].aval.shape) == (128, 256)
+    attrs = dict(call.params["attributes"])
+    comm = next(iter(fused._comms.values()))
+    assert int(attrs["comm_id"]) == comm.id
+    assert np.asarray(getattr(attrs["config"], "val", attrs["config"])).tolist() == [128, 0, 16, 512]
+    assert tuple(inner.outvars[0].aval.shape) == (37, n)
+    # Lowered for CUDA (no GPU needed): the attribute types the handler binds (int64_t, and a
+    # rank-1 i64 tensor, which XLA passes as an array attribute: Span<const int64_t>).
+    with jax.set_mesh(mesh):
+        text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    call_line = next(line for line in text.splitlines() if "entwine_gemm_rs" in line)
+    assert f"comm_id = {comm.id} : i64" in call_line
+    assert "config = dense<[128, 0, 16, 512]> : tensor<4xi64>" in call_line, call_line
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

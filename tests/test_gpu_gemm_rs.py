@@ -1,0 +1,163 @@
+# GPU tests of the fused gemm_rs path. (1) One process driving every local GPU (W = local GPU
+# count, W = 1 on a single H200): suite shapes and shapes with tails, bf16 and fp16, against the
+# fp32-accumulated psum_scatter reference, bitwise repeatable. (2) W processes per GPU or one per GPU,
+# through tests/gpu_ranks.py (the multi-process launcher; see its docstring).
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import entwine_jax
+from entwine_jax import fused
+from entwine_jax.config import GemmRsConfig, heuristic_config
+
+RANKS = pathlib.Path(__file__).with_name("gpu_ranks.py")
+
+# DESIGN.md's benchmark suite (M, N, K_local), the first ones, scaled to fit any GPU count.
+SUITE = [(4096, 8192, 1024), (8192, 8192, 1024), (8192, 8192, 3584), (8192, 16384, 2048)]
+# Tails: M/W and N not multiples of 128, K not a multiple of 64 (and not of 8).
+TAILS = [(200, 1000, 1000), (77, 130, 60), (129, 257, 72), (1, 1, 3)]
+TOL = {jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
+
+
+def _mesh():
+    gpus = jax.devices("cuda")[:8]
+    return jax.sharding.Mesh(np.array(gpus), ("tp",))
+
+
+def _inputs(mesh, m, n, k, dtype, seed):
+    w_count = mesh.shape["tp"]
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, w_count * k), np.float32) / np.sqrt(w_count * k)).astype(dtype)
+    w = rng.standard_normal((w_count * k, n), np.float32).astype(dtype)
+    return (jax.device_put(x, NamedSharding(mesh, P(None, "tp"))),
+            jax.device_put(w, NamedSharding(mesh, P("tp", None))))
+
+
+def _fns(mesh, config):
+    world = mesh.shape["tp"]
+
+    def fused_body(x, w):
+        return fused.gemm_rs_local(x, w, axis_name="tp", axis_size=world, config=config)
+
+    def ref_body(x, w):
+        y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+        return jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True).astype(x.dtype)
+
+    specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
+    return jax.jit(jax.shard_map(fused_body, **specs)), jax.jit(jax.shard_map(ref_body, **specs))
+
+
+def _check(mesh, m, n, k, dtype, block_n=128, seed=0):
+    world = mesh.shape["tp"]
+    config = dataclasses.replace(heuristic_config(m, n, k, world, dtype), block_n=block_n)
+    x, w = _inputs(mesh, m, n, k, dtype, seed)
+    with jax.set_mesh(mesh):
+        reason = fused.unavailable_reason(
+            jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype),
+            axis_name="tp", axis_size=world, scatter_dimension=0, config=config)
+        assert reason is None, reason
+        f, ref = _fns(mesh, config)
+        ys = [np.asarray(f(x, w)) for _ in range(3)]
+        expected = np.asarray(ref(x, w))
+    fused.check_errors()
+    err = np.linalg.norm(ys[0].astype(np.float32) - expected.astype(np.float32))
+    norm = np.linalg.norm(expected.astype(np.float32))
+    assert err <= TOL[dtype] * norm, f"rel error {err / norm:.3g} for M={m} N={n} K={k} W={world} {dtype.__name__}"
+    for y in ys[1:]:
+        assert np.array_equal(y.view(np.uint16), ys[0].view(np.uint16)), "repeated calls differ bitwise"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m, n, k", SUITE)
+def test_suite_shapes(m, n, k, dtype):
+    _check(_mesh(), m, n, k, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("mp, n, k", TAILS)
+def test_tails(mp, n, k, block_n, dtype):
+    mesh = _mesh()
+    _check(mesh, mp * mesh.shape["tp"], n, k, dtype, block_n=block_n, seed=mp)
+
+
+@pytest.mark.gpu
+def test_public_api_takes_the_fused_path():
+    # entwine_jax.gemm_rs under jit lowers to the custom call (not the reference) on Hopper.
+    mesh = _mesh()
+    world = mesh.shape["tp"]
+    x, w = _inputs(mesh, 256 * world, 512, 256, jnp.bfloat16, 3)
+    f = jax.jit(jax.shard_map(lambda x, w: entwine_jax.gemm_rs(x, w, axis_name="tp"), mesh=mesh,
+                              in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
+    with jax.set_mesh(mesh):
+        assert "entwine_gemm_rs" in f.lower(x, w).as_text()
+        y = np.asarray(f(x, w)).astype(np.float32)
+        _, ref = _fns(mesh, GemmRsConfig())
+        expected = np.asarray(ref(x, w)).astype(np.float32)
+    assert np.linalg.norm(y - expected) <= 1e-2 * np.linalg.norm(expected)
+
+
+@pytest.mark.gpu
+def test_setup_without_set_mesh():
+    # Outside jax.set_mesh the mesh comes from entwine_jax.fused.setup().
+    mesh = _mesh()
+    world = mesh.shape["tp"]
+    fused.setup(mesh, "tp")
+    config = heuristic_config(128 * world, 256, 64, world, jnp.bfloat16)
+    x, w = _inputs(mesh, 128 * world, 256, 64, jnp.bfloat16, 4)
+    f, ref = _fns(mesh, config)
+    y, expected = np.asarray(f(x, w)), np.asarray(ref(x, w))
+    assert np.linalg.norm(y.astype(np.float32) - expected.astype(np.float32)) <= 1e-2 * np.linalg.norm(
+        expected.astype(np.float32))
+
+
+@pytest.mark.gpu
+def test_heap_cap_gives_the_xla_path(monkeypatch):
+    mesh = _mesh()
+    world = mesh.shape["tp"]
+    monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(1 << 20))
+    m, n, k = 16384 * world, 16384, 64  # larger than every heap the other tests grew
+    with jax.set_mesh(mesh):
+        reason = fused.unavailable_reason(
+            jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16),
+            axis_name="tp", axis_size=world, scatter_dimension=0, config=GemmRsConfig())
+    assert reason is not None and "ENTWINE_HEAP_MAX_BYTES" in reason
+
+
+def _ranks(*args, timeout=900):
+    cmd = [sys.executable, str(RANKS), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_processes_sharing_one_gpu(world):
+    _ranks("--world", str(world), "--gpus", "1", "--suite", "quick")
+
+
+@pytest.mark.gpu
+def test_stress_1000_calls():
+    _ranks("--world", "2", "--gpus", "1", "--suite", "stress")
+
+
+@pytest.mark.gpu
+def test_rank_that_never_calls_is_reported_not_hung():
+    _ranks("--world", "2", "--gpus", "1", "--suite", "missing")
+
+
+@pytest.mark.multigpu
+def test_one_process_per_gpu():
+    _ranks("--world", "2", "--gpus", "2", "--suite", "all")

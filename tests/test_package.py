@@ -1,0 +1,47 @@
+# The package surface: exports, version, extension status, and the example as a user runs it.
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+import entwine_jax
+from entwine_jax import _log
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_exports():
+    for name in ("gemm_rs", "GemmRsConfig", "set_default_config", "heuristic_config", "extension_status",
+                 "__version__"):
+        assert hasattr(entwine_jax, name), name
+
+
+def test_version_matches_pyproject():
+    pyproject = REPO / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("no pyproject.toml next to the tests")
+    assert tomllib.loads(pyproject.read_text())["project"]["version"] == entwine_jax.__version__
+
+
+def test_extension_status(caplog):
+    _log.reset_once()
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        built, reason = entwine_jax.extension_status()
+        entwine_jax.extension_status()
+    assert isinstance(built, bool) and reason
+    pure = [r for r in caplog.records if "pure-Python install" in r.getMessage()]
+    assert len(pure) == (0 if built else 1)
+
+
+def test_example_runs():
+    # As a user runs it: a fresh interpreter, the same entwine_jax as these tests.
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(entwine_jax.__file__).parents[1]))
+    env.pop("XLA_FLAGS", None)  # the example forces its 8 host devices itself
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "mlp_shard_map.py")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("OK")
