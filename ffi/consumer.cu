@@ -36,6 +36,8 @@ constexpr int kChunksPerRow = kTileN / kChunkElems;              // 16
 struct Params {
   ConsumerArgs args;
   int n, rows_per_partition, tiles_n, tiles, rank;
+  TileOrder order;        // the producer's block order inside a partition
+  int tiles_per_block;    // reduction tiles per producer block (block_n / 128)
 };
 
 template <class Element>
@@ -92,7 +94,14 @@ __global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ c
   if (threadIdx.x == 0) leave = 0;
   __syncthreads();
 
-  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+  // Step through the partition's tiles in production order: step s is tile h of producer block
+  // s / tiles_per_block, so the first tiles reduced are the first ones released.
+  for (int step = blockIdx.x; step < p.tiles; step += gridDim.x) {
+    int block_m, block_n;
+    p.order.block(step / p.tiles_per_block, block_m, block_n);
+    int const tile_m = block_m;
+    int const tile_n = block_n * p.tiles_per_block + step % p.tiles_per_block;
+    int const tile = tile_m * p.tiles_n + tile_n;
     // One thread per source rank waits for that source's release of this tile.
     if (threadIdx.x < W) {
       const uint64_t* flag = p.args.flags + int64_t(threadIdx.x) * p.tiles + tile;
@@ -102,8 +111,6 @@ __global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ c
     __syncthreads();
     if (leave) return;
 
-    int const tile_m = tile / p.tiles_n;
-    int const tile_n = tile % p.tiles_n;
     int64_t const src0 = (int64_t(p.rank) * p.rows_per_partition + int64_t(tile_m) * kTileM) * p.n + tile_n * kTileN;
     int64_t const dst0 = int64_t(tile_m) * kTileM * p.n + tile_n * kTileN;
 
@@ -153,7 +160,11 @@ __global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ c
 template <class Element>
 cudaError_t launch_typed(ProblemShape const& shape, GemmRsConfig const& config, ConsumerArgs const& args,
                          cudaStream_t stream) {
-  Params p{args, shape.n, shape.m / shape.world, shape.n / kTileN, shape.tiles_per_partition(), shape.rank};
+  int const m_blocks = shape.m / shape.world / kTileM;
+  int const n_blocks = shape.n / config.block_n;
+  TileOrder const order{m_blocks, n_blocks, config.raster_rows < m_blocks ? config.raster_rows : m_blocks};
+  Params p{args, shape.n, shape.m / shape.world, shape.n / kTileN, shape.tiles_per_partition(), shape.rank,
+           order, config.block_n / kTileN};
   dim3 grid(config.consumer_grid), block(config.consumer_block);
   switch (shape.world) {
     case 1: consumer_kernel<Element, 1><<<grid, block, 0, stream>>>(p); break;

@@ -25,6 +25,24 @@ struct GemmRsConfig {
   int32_t producer_sms = 0;      // 0: one CTA per GEMM block (shared SM pool); >0: persistent grid
   int32_t consumer_grid = 16;    // the communication budget x: consumer CTAs
   int32_t consumer_block = 512;  // consumer threads per CTA, in {128, 256, 512}
+  int32_t raster_rows = 8;       // blocks of a partition run in groups of this many tile rows
+};
+
+// Production order of the GEMM blocks inside one partition, shared by producer and consumer:
+// groups of `raster_rows` tile rows, each group visited column by column, so the blocks in flight
+// at once share rows of x and columns of w in L2. Block i -> (tile row, block column).
+struct TileOrder {
+  int32_t m_blocks, n_blocks, raster_rows;
+#ifdef __CUDACC__
+  __host__ __device__
+#endif
+  void block(int32_t i, int32_t& tile_m, int32_t& n_block) const {
+    int32_t const per_group = raster_rows * n_blocks;
+    int32_t const group = i / per_group, j = i % per_group;
+    int32_t const rows = m_blocks - group * raster_rows < raster_rows ? m_blocks - group * raster_rows : raster_rows;
+    tile_m = group * raster_rows + j % rows;
+    n_block = j / rows;
+  }
 };
 
 // Written by the first consumer CTA whose wait passes its deadline; read by the host.

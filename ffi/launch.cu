@@ -15,6 +15,7 @@ const char* check_problem(const ProblemShape& s, const GemmRsConfig& c) {
     return "config.consumer_block must be 128, 256 or 512";
   if (c.consumer_grid < 1 || c.consumer_grid > 64) return "config.consumer_grid must be in [1, 64]";
   if (c.producer_sms < 0) return "config.producer_sms must be >= 0";
+  if (c.raster_rows < 1) return "config.raster_rows must be >= 1";
   if (s.m <= 0 || s.n <= 0 || s.k <= 0) return "M, N and K must be positive";
   if (s.m % s.world != 0 || (s.m / s.world) % kTileM != 0) return "M / world must be a multiple of 128";
   if (s.n % c.block_n != 0) return "N must be a multiple of config.block_n";

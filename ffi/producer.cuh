@@ -70,6 +70,7 @@ struct ProducerGemm {
     int num_blocks;               // W * blocks_per_partition
     int tiles_n;                  // N / 128: reduction tiles per row of tiles
     int tiles_per_partition;
+    TileOrder order;
     Element* partial;
     uint64_t* flags[kMaxWorld];
     uint64_t epoch;
@@ -79,7 +80,7 @@ struct ProducerGemm {
   // Logical block p -> (owner partition, tile row inside it, block column). Interleaved: block p
   // goes to partition (p + rank + 1) mod W, so every wave feeds all W owners at an even pace and
   // the ranks start on different owners; inside a partition, blocks run in the consumer's N-major
-  // tile order so the consumer's first tiles are the first ones produced.
+  // TileOrder (grouped rows for L2 reuse), which the consumer walks in the same order.
   struct BlockCoord {
     int owner, tile_m, n_block;
   };
@@ -92,7 +93,9 @@ struct ProducerGemm {
       owner = p / params.blocks_per_partition;
       i = p % params.blocks_per_partition;
     }
-    return {owner, i / params.n_blocks, i % params.n_blocks};
+    BlockCoord c{owner, 0, 0};
+    params.order.block(i, c.tile_m, c.n_block);
+    return c;
   }
 
   static __device__ void run(Params const& params, char* smem) {
@@ -245,12 +248,13 @@ struct ProducerGemm {
     p.num_blocks = shape.world * p.blocks_per_partition;
     p.tiles_n = shape.n / kTileN;
     p.tiles_per_partition = shape.tiles_per_partition();
+    p.order = TileOrder{p.m_blocks_per_partition, p.n_blocks,
+                        config.raster_rows < p.m_blocks_per_partition ? config.raster_rows : p.m_blocks_per_partition};
     p.partial = static_cast<Element*>(args.partial);
     for (int q = 0; q < kMaxWorld; ++q) p.flags[q] = args.flags[q];
     p.epoch = args.epoch;
     p.interleave = args.interleave;
     p.publish = args.publish;
-    (void)config;
     return p;
   }
 };

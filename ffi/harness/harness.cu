@@ -4,6 +4,7 @@
 //   entwine_harness test              protocol + kernels, W in {1,2,4,8}, several epochs, deadline
 //   entwine_harness sanitize          one small case (for compute-sanitizer)
 //   entwine_harness bench [out.jsonl] producer alone (order/flag costs), consumer bandwidth sweep
+//   entwine_harness producer M N K block_n producer_sms raster_rows   (three launches, for ncu)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -293,6 +294,9 @@ int test_main() {
   run_case(Case{2 * 1024, 2048, 1024, 2, true, GemmRsConfig{256, 120, 8, 128}}, 2);
   run_case(Case{8 * 128, 2560, 512, 8, false, GemmRsConfig{256, 0, 4, 512}}, 2);
   run_case(Case{2 * 2048, 4096, 1024, 2, true, GemmRsConfig{128, 0, 32, 512}}, 2);
+  // Raster groups with a partial last group (5 tile rows per partition, groups of 2 and 3).
+  run_case(Case{2 * 640, 1024, 256, 2, true, GemmRsConfig{256, 60, 8, 512, 2}}, 2);
+  run_case(Case{4 * 640, 640, 128, 4, false, GemmRsConfig{128, 0, 8, 256, 3}}, 2);
   run_deadline(2);
   run_deadline(4);
   std::printf("harness test: %d failure(s)\n", failures);
@@ -328,6 +332,29 @@ float median_ms(F&& launch, cudaStream_t stream, int warmup = 20, int iters = 10
   return t[iters / 2];
 }
 
+// A few producer launches of one shape, for ncu: producer M N K block_n producer_sms raster_rows.
+int producer_main(int argc, char** argv) {
+  CHECK_CUDA(prepare_kernels());
+  int const m = std::atoi(argv[2]), n = std::atoi(argv[3]), k = std::atoi(argv[4]);
+  GemmRsConfig cfg{std::atoi(argv[5]), std::atoi(argv[6]), 16, 512, std::atoi(argv[7])};
+  Case c{m, n, k, 2, true, cfg};
+  World world(c);
+  world.fill_inputs(3);
+  ProblemShape s{m, n, k, 2, 0};
+  ProducerArgs a{};
+  a.x = world.ranks[0].x;
+  a.w = world.ranks[0].w;
+  a.partial = world.ranks[0].partial[0];
+  a.flags[0] = world.ranks[0].flags;
+  a.flags[1] = world.ranks[1].flags;
+  for (int i = 0; i < 3; ++i) {
+    a.epoch = i + 1;
+    CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, 0));
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  return 0;
+}
+
 int bench_main(char const* jsonl) {
   CHECK_CUDA(prepare_kernels());
   FILE* out = jsonl ? std::fopen(jsonl, "w") : nullptr;
@@ -356,15 +383,17 @@ int bench_main(char const* jsonl) {
   int const sms = prop.multiProcessorCount;
   struct Variant {
     char const* name;
-    int block_n, producer_sms;
+    int block_n, producer_sms, raster_rows;
     bool interleave, publish;
-  } const variants[] = {{"n256 persist plain", 256, sms, false, false},
-                        {"n256 persist interleave", 256, sms, true, false},
-                        {"n256 persist inter+flags", 256, sms, true, true},
-                        {"n128 persist inter+flags", 128, sms, true, true},
-                        {"n256 1-per-CTA inter+flags", 256, 0, true, true}};
+  } const variants[] = {{"n256 pers plain r1", 256, sms, 1, false, false},
+                        {"n256 pers inter r8", 256, sms, 8, true, false},
+                        {"n256 pers inter+flags r8", 256, sms, 8, true, true},
+                        {"n256 pers inter+flags r4", 256, sms, 4, true, true},
+                        {"n256 pers inter+flags r16", 256, sms, 16, true, true},
+                        {"n128 pers inter+flags r8", 128, sms, 8, true, true},
+                        {"n256 1/CTA inter+flags r8", 256, 0, 8, true, true}};
   std::printf("%6s %6s %5s", "M", "N", "K");
-  for (auto const& v : variants) std::printf(" | %-26s", v.name);
+  for (auto const& v : variants) std::printf(" | %-25s", v.name);
   std::printf("\n");
   for (auto const& sh : suite) {
     Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}};
@@ -374,7 +403,7 @@ int bench_main(char const* jsonl) {
     double const flop = 2.0 * c.m * c.n * c.k;
     std::printf("%6d %6d %5d", c.m, c.n, c.k);
     for (auto const& v : variants) {
-      GemmRsConfig cfg{v.block_n, v.producer_sms, 16, 512};
+      GemmRsConfig cfg{v.block_n, v.producer_sms, 16, 512, v.raster_rows};
       ProducerArgs a{};
       a.x = world.ranks[0].x;
       a.w = world.ranks[0].w;
@@ -385,7 +414,7 @@ int bench_main(char const* jsonl) {
       a.publish = v.publish;
       uint64_t epoch = 0;
       float ms = median_ms([&] { a.epoch = ++epoch; CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream)); }, stream);
-      std::printf(" | %8.3f ms %6.0f TF/s     ", ms, flop / (ms * 1e-3) / 1e12);
+      std::printf(" | %7.3f ms %4.0f TF/s      ", ms, flop / (ms * 1e-3) / 1e12);
       if (out) std::fprintf(out, "{\"kind\":\"producer\",\"variant\":\"%s\",\"m\":%d,\"n\":%d,\"k\":%d,\"ms\":%.5f}\n", v.name, c.m, c.n, c.k, ms);
     }
     std::printf("\n");
@@ -434,6 +463,7 @@ int main(int argc, char** argv) {
   if (mode == "test") return test_main();
   if (mode == "sanitize") return sanitize_main();
   if (mode == "bench") return bench_main(argc > 2 ? argv[2] : nullptr);
+  if (mode == "producer" && argc == 8) return producer_main(argc, argv);
   std::fprintf(stderr, "usage: entwine_harness test|sanitize|bench [out.jsonl]\n");
   return 2;
 }
