@@ -10,9 +10,11 @@ from entwine_jax.config import get_default_config
 
 def test_defaults_and_str():
     c = GemmRsConfig()
-    assert (c.block_n, c.producer_sms, c.consumer_grid, c.consumer_block, c.path) == (128, 0, 16, 512, "auto")
+    assert (c.block_n, c.producer_sms, c.consumer_grid, c.consumer_block, c.raster_rows, c.path) == (
+        128, 0, 16, 512, 8, "auto")
     s = str(c)
-    assert s == "GemmRsConfig(block_n=128, producer_sms=0, consumer_grid=16, consumer_block=512, path=auto)"
+    assert s == ("GemmRsConfig(block_n=128, producer_sms=0, consumer_grid=16, consumer_block=512, "
+                 "raster_rows=8, path=auto)")
     assert "\n" not in s and "\n" not in repr(c)
 
 
@@ -61,7 +63,9 @@ def test_default_config():
 
 def test_heuristic():
     c = heuristic_config(8192, 8192, 1024, 2, jnp.bfloat16)
-    assert c == GemmRsConfig(block_n=128, producer_sms=0, consumer_grid=16, consumer_block=512, path="auto")
+    # CPU: no GPU core count, so the H100/H200 SXM 132 SMs; 16 of them go to the consumer.
+    assert c == GemmRsConfig(block_n=256, producer_sms=116, consumer_grid=16, consumer_block=512, raster_rows=8)
+    assert heuristic_config(8192, 8320, 1024, 2, jnp.bfloat16).block_n == 128  # N % 256 != 0
     # Fewer tiles in the local partition than the default budget: one consumer CTA per tile.
     assert heuristic_config(256, 256, 64, 2, jnp.float16).consumer_grid == 2
     assert heuristic_config(16, 16, 16, 8, "bfloat16").consumer_grid == 1

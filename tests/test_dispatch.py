@@ -148,7 +148,7 @@ def test_print_config_once_per_call_site(capsys, monkeypatch):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2, lines
     assert lines[0].startswith("entwine_jax.gemm_rs x=bfloat16[32, 16] w=bfloat16[16, 16] axis='tp' (size 4) "
-                               "scatter_dimension=0: path=xla GemmRsConfig(block_n=128, producer_sms=0, ")
+                               "scatter_dimension=0: path=xla GemmRsConfig(block_n=128, producer_sms=131, ")
     assert "axis='tp' (size 2)" in lines[1]
 
 
@@ -171,6 +171,6 @@ def test_config_choice_reaches_the_fused_path(fake, capsys, monkeypatch):
     assert fake.reason_calls[-1][2]["config"] is default
     set_default_config(None)
     run(x_shape=(128, 64))  # heuristic
-    assert fake.reason_calls[-1][2]["config"] == GemmRsConfig(consumer_grid=1)
+    assert fake.reason_calls[-1][2]["config"] == GemmRsConfig(consumer_grid=1, producer_sms=131)
     err = capsys.readouterr().err
     assert str(mine) in err and str(default) in err
