@@ -1,0 +1,359 @@
+# The benchmark of DESIGN.md ("Benchmark protocol"): per shape, XLA GEMM, XLA reduce-scatter, XLA
+# GEMM->RS (the baseline), XLA windowed einsum and entwine gemm_rs, one process driving every local
+# device. Prints one comparable line per shape and a geomean; optional JSON and plot.
+# Usage: python -m entwine_jax.bench [--suite design|quick] [--shapes MxNxK,...] [--json f] [--plot f]
+import argparse
+import dataclasses
+import json
+import math
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import entwine_jax
+from entwine_jax.config import GemmRsConfig, heuristic_config
+
+AXIS = "tp"
+# (M, N, K_local) of the bar in DESIGN.md.
+DESIGN_SUITE = [(4096, 8192, 1024), (8192, 8192, 1024), (16384, 8192, 1024), (8192, 8192, 3584),
+                (16384, 8192, 3584), (8192, 16384, 2048), (16384, 16384, 2048), (16384, 16384, 6656)]
+# Budget sweep: same M, N, one communication-bound (small K) and one GEMM-bound (large K) shape.
+SWEEP_SHAPES = [(8192, 8192, 1024), (8192, 8192, 3584)]
+BUDGETS = (4, 8, 12, 16, 24, 32)
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+# Per-compile DebugOptions overrides: they reach the GPU SPMD partitioner without XLA_FLAGS, so the
+# windowed column needs no second process (which would have to share GPU memory with this one).
+WINDOWED_OPTIONS = {"xla_gpu_multi_streamed_windowed_einsum": True,
+                    "xla_gpu_threshold_for_windowed_einsum_mib": 0}
+FUSED_TARGET = "entwine_gemm_rs"
+TOL = 1e-2  # relative Frobenius error vs the baseline, bf16 and fp16 alike (DESIGN.md)
+
+
+def parse_shapes(text):
+    shapes = []
+    for item in filter(None, text.split(",")):
+        if not re.fullmatch(r"\d+x\d+x\d+", item.strip()):
+            raise argparse.ArgumentTypeError(f"--shapes: expected MxNxK_local items like 4096x8192x1024, got {item!r}")
+        shapes.append(tuple(int(v) for v in item.strip().split("x")))
+    return shapes
+
+
+def parse_configs(text):
+    """'block_n=256,consumer_grid=16;block_n=128' -> [{'block_n': 256, 'consumer_grid': 16}, ...]."""
+    fields = {f.name for f in dataclasses.fields(GemmRsConfig)}
+    configs = []
+    for item in filter(None, (s.strip() for s in text.split(";"))):
+        kwargs = {}
+        for pair in filter(None, (s.strip() for s in item.split(","))):
+            key, sep, value = pair.partition("=")
+            if not sep or key.strip() not in fields or not (key.strip() == "path" or value.strip().isdigit()):
+                raise argparse.ArgumentTypeError(
+                    f"--configs: expected key=int (or path=str) with key in {sorted(fields)}, got {pair!r}")
+            kwargs[key.strip()] = value.strip() if key.strip() == "path" else int(value)
+        try:  # validate now, not after minutes of benchmarking
+            GemmRsConfig(**kwargs)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"--configs {item!r}: {e}") from None
+        configs.append(kwargs)
+    return configs
+
+
+class Progress:
+    """tqdm on stderr when installed, else a plain counter (stdout stays the table)."""
+
+    def __init__(self, total):
+        try:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, file=sys.stderr, leave=False)
+        except ImportError:
+            self._bar, self._n, self._total = None, 0, total
+
+    def step(self, what):
+        if self._bar is not None:
+            self._bar.set_description(what)
+            self._bar.update(1)
+        else:
+            self._n += 1
+            print(f"[{self._n}/{self._total}] {what}", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+
+
+def time_ms(fn, args, iters, warmup, batch):
+    """Median per-call ms over batches of `batch` back-to-back dispatches, >= iters calls in all.
+
+    Blocking after every call would add ~20-50 us of host round trip to 0.2 ms kernels; within a
+    batch the device stays busy because each program outlasts its dispatch. One process drives all
+    devices, so a program ends when its slowest device does: the max over ranks is built in.
+    """
+    for _ in range(warmup):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(max(1, math.ceil(iters / batch))):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) * 1e3 / batch)
+    return statistics.median(times)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.dtype = DTYPES[args.dtype]
+        devices = jax.local_devices()[: max(1, args.world)]
+        self.world = len(devices)
+        # Explicit axes: jnp.dot takes out_sharding, as a user of sharding annotations writes it.
+        self.mesh = jax.make_mesh((self.world,), (AXIS,), (jax.sharding.AxisType.Explicit,), devices=devices)
+        try:
+            entwine_jax.setup(self.mesh, AXIS)  # the fused path finds its devices under jit
+        except Exception as e:  # no fused module: gemm_rs will say why it uses XLA
+            print(f"entwine_jax.setup failed ({type(e).__name__}: {e})", file=sys.stderr)
+        self.x_spec, self.w_spec = P(None, AXIS), P(AXIS, None)
+
+    def compile(self, fn, *args, options=None):
+        with jax.set_mesh(self.mesh):
+            lowered = jax.jit(fn).lower(*args)
+            return lowered, lowered.compile(compiler_options=options)
+
+    def shard_map(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def inputs(self, m, n, k, seed):
+        """Global x [M, W*K] and w [W*K, N] sharded on K: fresh normal values per shape, never zeros."""
+        dtype, world = self.dtype, self.world
+
+        def make(key):
+            kx, kw = jax.random.split(jax.random.fold_in(key, jax.lax.axis_index(AXIS)))
+            # w scaled so outputs stay O(1): fp16 must not overflow at K_total = 6656 * 8.
+            w = jax.random.normal(kw, (k, n), jnp.float32) / math.sqrt(k * world)
+            return jax.random.normal(kx, (m, k), jnp.float32).astype(dtype), w.astype(dtype)
+
+        gen = self.shard_map(make, P(), (self.x_spec, self.w_spec))
+        with jax.set_mesh(self.mesh):
+            return jax.jit(gen)(jax.random.key(seed))
+
+    def timed(self, compiled, args):
+        a = self.args
+        return time_ms(compiled, args, a.iters, a.warmup, a.batch)
+
+    def entwine(self, x, w, config):
+        """(compiled, path, reason) of gemm_rs with `config`; path is what the program really runs."""
+        fn = self.shard_map(lambda x, w: entwine_jax.gemm_rs(x, w, axis_name=AXIS, config=config),
+                            (self.x_spec, self.w_spec), P(AXIS))
+        lowered, compiled = self.compile(fn, x, w)
+        # The FFI target in the lowered program is the proof; the reason is for the user.
+        if FUSED_TARGET in lowered.as_text():
+            return compiled, "fused", None
+        try:
+            from entwine_jax import fused
+            m, k, n = x.shape[0], x.shape[1] // self.world, w.shape[1]
+            with jax.set_mesh(self.mesh):
+                reason = fused.unavailable_reason(
+                    jax.ShapeDtypeStruct((m, k), x.dtype), jax.ShapeDtypeStruct((k, n), w.dtype),
+                    axis_name=AXIS, axis_size=self.world, scatter_dimension=0, config=config)
+        except Exception as e:
+            reason = f"entwine_jax.fused unavailable ({type(e).__name__}: {e})"
+        return compiled, "xla", reason or f"{FUSED_TARGET} not in the lowered program"
+
+    def config(self, m, n, k, overrides):
+        # Fields not given come from the heuristic for this shape (what gemm_rs would pick).
+        return dataclasses.replace(heuristic_config(m, n, k, self.world, self.dtype), **overrides)
+
+    def baseline(self, x, w):
+        fn = self.shard_map(lambda x, w: jax.lax.psum_scatter(jnp.dot(x, w), AXIS, scatter_dimension=0, tiled=True),
+                            (self.x_spec, self.w_spec), P(AXIS))
+        return self.compile(fn, x, w)[1]
+
+    def shape_row(self, m, n, k, configs, progress, seed):
+        x, w = self.inputs(m, n, k, seed)
+        name = f"{m}x{n}x{k}"
+        gemm = self.compile(self.shard_map(jnp.dot, (self.x_spec, self.w_spec), P(AXIS)), x, w)[1]
+        gemm_ms = self.timed(gemm, (x, w))
+        progress.step(f"{name} gemm")
+        # RS alone scatters the per-device [M, N] GEMM output (non-zero), the bytes gemm_rs moves.
+        partial = gemm(x, w)
+        rs = self.compile(self.shard_map(lambda y: jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True),
+                                         P(AXIS), P(AXIS)), partial)[1]
+        rs_ms = self.timed(rs, (partial,))
+        del partial
+        progress.step(f"{name} rs")
+        base = self.baseline(x, w)
+        base_ms = self.timed(base, (x, w))
+        progress.step(f"{name} xla gemm->rs")
+        out = NamedSharding(self.mesh, P(AXIS, None))
+        _, windowed = self.compile(lambda x, w: jnp.dot(x, w, out_sharding=out), x, w, options=WINDOWED_OPTIONS)
+        # A windowed reduce-scatter einsum is a while loop of collective-permutes; without one XLA
+        # kept the plain dot + reduce-scatter (e.g. on CPU, whose partitioner ignores the gpu flags).
+        text = windowed.as_text()
+        windowed_loop = bool(re.search(r"\bwhile\b", text)) and "collective-permute" in text
+        windowed_ms = self.timed(windowed, (x, w))
+        progress.step(f"{name} windowed einsum")
+        ref = base(x, w)
+        rel_err = jax.jit(lambda a, b: jnp.sqrt(jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                                                / jnp.sum(jnp.square(b.astype(jnp.float32)))))
+        trials = []
+        for overrides in configs:
+            config = self.config(m, n, k, overrides)
+            compiled, path, reason = self.entwine(x, w, config)
+            err = float(rel_err(compiled(x, w), ref))
+            trials.append({"config": str(config), "path": path, "reason": reason, "rel_err": err,
+                           "ok": err <= TOL, "ms": self.timed(compiled, (x, w))})
+            progress.step(f"{name} entwine {config}")
+        # Best: right results first, then the fused path (an XLA config must not stand in for
+        # entwine's speed when the fused path ran), then time.
+        best = min(trials, key=lambda t: (not t["ok"], t["path"] != "fused", t["ms"]))
+        ms = best["ms"]
+        return {"m": m, "n": n, "k": k, "gemm_ms": gemm_ms, "rs_ms": rs_ms, "xla_gemm_rs_ms": base_ms,
+                "windowed_ms": windowed_ms, "windowed_loop": windowed_loop, "entwine_ms": ms,
+                "speedup": base_ms / ms, "efficiency": max(gemm_ms, rs_ms) / ms, "vs_windowed": windowed_ms / ms,
+                "check": "OK" if best["ok"] else "FAIL", "rel_err": best["rel_err"], "path": best["path"],
+                "reason": best["reason"], "config": best["config"], "configs": trials}
+
+    def sweep_rows(self, m, n, k, progress, seed):
+        x, w = self.inputs(m, n, k, seed)
+        base_ms = self.timed(self.baseline(x, w), (x, w))
+        progress.step(f"{m}x{n}x{k} xla gemm->rs")
+        rows = []
+        for budget in BUDGETS:
+            config = self.config(m, n, k, {"consumer_grid": budget})
+            compiled, path, reason = self.entwine(x, w, config)
+            rows.append({"m": m, "n": n, "k": k, "consumer_grid": budget, "ms": self.timed(compiled, (x, w)),
+                         "xla_gemm_rs_ms": base_ms, "path": path, "reason": reason, "config": str(config)})
+            progress.step(f"{m}x{n}x{k} consumer_grid={budget}")
+        return rows
+
+
+def path_note(row):
+    # A fallback must never read as entwine speed: the reason goes on the row itself.
+    return "path=fused" if row["path"] == "fused" else f"path=xla ({row['reason']})"
+
+
+def geomean(values):
+    # None (JSON null) when no shape passed its check: there is nothing to average.
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def print_table(rows):
+    print(f"{'M':>6} {'N':>6} {'K':>5} | {'gemm_ms':>8} {'rs_ms':>8} {'xla_gemm_rs_ms':>14} {'windowed_ms':>11} "
+          f"{'entwine_ms':>10} | {'speedup':>7} {'efficiency':>10} {'vs_windowed':>11} | check   path config")
+    for r in rows:
+        star = " " if r["windowed_loop"] else "*"
+        print(f"{r['m']:>6} {r['n']:>6} {r['k']:>5} | {r['gemm_ms']:8.3f} {r['rs_ms']:8.3f} "
+              f"{r['xla_gemm_rs_ms']:14.3f} {r['windowed_ms']:10.3f}{star} {r['entwine_ms']:10.3f} | {r['speedup']:7.3f} {r['efficiency']:10.3f} "
+              f"{r['vs_windowed']:11.3f} | {r['check']:<4} {path_note(r)} {r['config']}")
+    ok = [r for r in rows if r["check"] == "OK"]
+    fallback = sum(r["path"] != "fused" for r in ok)
+    means = [geomean([r[key] for r in ok]) or float("nan") for key in ("speedup", "efficiency", "vs_windowed")]
+    print(f"geomean over {len(ok)} checked shapes: speedup {means[0]:.3f}  efficiency {means[1]:.3f}  "
+          f"vs_windowed {means[2]:.3f}"
+          + (f"  WARNING: {fallback} of them ran the XLA fallback, not entwine" if fallback else ""))
+    if any(not r["windowed_loop"] for r in rows):
+        print("* no windowed-einsum loop in the compiled program: XLA kept dot + reduce-scatter for that column")
+
+
+def plot(path, rows, sweep):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot {path}: matplotlib not installed, no plot written", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    if sweep:
+        # The paper's budget figure: end-to-end latency against the consumer grid x.
+        for shape in dict.fromkeys((r["m"], r["n"], r["k"]) for r in sweep):
+            pts = [r for r in sweep if (r["m"], r["n"], r["k"]) == shape]
+            line, = ax.plot([r["consumer_grid"] for r in pts], [r["ms"] for r in pts], "o-",
+                            label="x".join(map(str, shape)) + ("" if pts[0]["path"] == "fused" else " (XLA fallback)"))
+            ax.axhline(pts[0]["xla_gemm_rs_ms"], color=line.get_color(), ls="--", lw=0.8)
+        ax.set(xlabel="consumer grid x (CTAs)", ylabel="gemm_rs latency (ms); dashed: XLA GEMM->RS")
+        ax.legend()
+    else:
+        labels = [f"{r['m']}x{r['n']}x{r['k']}" for r in rows]
+        ax.bar(labels, [r["speedup"] for r in rows],
+               hatch=["" if r["path"] == "fused" else "//" for r in rows])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set(ylabel="speedup vs XLA GEMM->RS (hatched: XLA fallback)")
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m entwine_jax.bench", description=__doc__)
+    p.add_argument("--suite", choices=("design", "quick"), default="design", help="quick: the first 3 design shapes")
+    p.add_argument("--shapes", type=parse_shapes, help="comma-separated MxNxK_local (per-device K); overrides --suite")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--world", type=int, default=8, help="W = min(world, local devices)")
+    p.add_argument("--iters", type=int, default=100, help="timed calls per measurement (at least)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--batch", type=int, default=10, help="back-to-back dispatches per timed batch")
+    p.add_argument("--configs", type=parse_configs, default=[{}],
+                   help="';'-separated GemmRsConfig overrides (e.g. 'block_n=256,consumer_grid=16;block_n=128'); "
+                        "unspecified fields come from heuristic_config; the best per shape is reported")
+    p.add_argument("--sweep-budget", action="store_true", help="latency vs consumer_grid x in %s" % (BUDGETS,))
+    p.add_argument("--json", help="write machine, versions and rows to this file")
+    p.add_argument("--plot", help="write a PNG (speedup per shape, or latency vs x with --sweep-budget)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    bench = Bench(args)
+    default_shapes = SWEEP_SHAPES if args.sweep_budget else DESIGN_SUITE[: 3 if args.suite == "quick" else None]
+    shapes = args.shapes or default_shapes
+    for m, n, k in shapes:
+        if m % bench.world:
+            raise SystemExit(f"shape {m}x{n}x{k}: M={m} is not divisible by W={bench.world}")
+    device = jax.local_devices()[0]
+    machine = f"{bench.world} x {device.device_kind}"
+    print(f"# entwine_jax.bench: {machine} ({device.platform}), jax {jax.__version__}, {args.dtype}, W={bench.world}, "
+          f"median of >= {args.iters} calls in batches of {args.batch} after {args.warmup} warm-ups")
+    print(f"# extension: {entwine_jax.extension_status()[1]}")
+    rows, sweep = [], []
+    if args.sweep_budget:
+        progress = Progress(len(shapes) * (1 + len(BUDGETS)))
+        for i, (m, n, k) in enumerate(shapes):
+            sweep += bench.sweep_rows(m, n, k, progress, args.seed + i)
+        progress.close()
+        print(f"{'M':>6} {'N':>6} {'K':>5} | {'x':>3} {'entwine_ms':>10} {'xla_gemm_rs_ms':>14} | path config")
+        for r in sweep:
+            print(f"{r['m']:>6} {r['n']:>6} {r['k']:>5} | {r['consumer_grid']:>3} {r['ms']:10.3f} "
+                  f"{r['xla_gemm_rs_ms']:14.3f} | {path_note(r)} {r['config']}")
+    else:
+        progress = Progress(len(shapes) * (4 + len(args.configs)))
+        for i, (m, n, k) in enumerate(shapes):
+            rows.append(bench.shape_row(m, n, k, args.configs, progress, args.seed + i))
+        progress.close()
+        print_table(rows)
+    ok = [r for r in rows if r["check"] == "OK"]
+    if args.json:
+        result = {"machine": machine, "device_kind": device.device_kind, "platform": device.platform,
+                  "device_count": bench.world, "jax": jax.__version__, "dtype": args.dtype, "world": bench.world,
+                  "iters": args.iters, "warmup": args.warmup, "batch": args.batch,
+                  "windowed_options": WINDOWED_OPTIONS, "rows": rows, "sweep": sweep,
+                  "geomean": {key: geomean([r[key] for r in ok]) for key in ("speedup", "efficiency", "vs_windowed")}}
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"JSON written to {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(args.plot, rows, sweep)
+    # Non-zero exit when a result was wrong, so scripts and CI notice.
+    return 1 if any(r["check"] == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
