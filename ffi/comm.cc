@@ -95,6 +95,7 @@ DeviceComm::~DeviceComm() {
   if (producer) cudaStreamDestroy(producer);
   if (consumer) cudaStreamDestroy(consumer);
   if (error_host) cudaFreeHost(error_host);
+  if (error_local) cudaFree(error_local);
   cudaGetLastError();
 }
 
@@ -138,6 +139,9 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     std::memset(dc->error_host, 0, sizeof(DeviceError));
     check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dc->error_device), dc->error_host, 0),
           "cudaHostGetDevicePointer(error record)");
+    // The record the consumers poll lives in device memory: polling a host-mapped word crosses PCIe.
+    check(cudaMalloc(reinterpret_cast<void**>(&dc->error_local), sizeof(DeviceError)), "cudaMalloc(error record)");
+    check(cudaMemset(dc->error_local, 0, sizeof(DeviceError)), "cudaMemset(error record)");
     allocate_heap(*dc, capacity);
     comm.by_device[device] = std::move(dc);
   }

@@ -58,6 +58,7 @@ struct DeviceComm {
   std::atomic<uint64_t> epoch{0};       // last epoch used; the first call uses 1
   DeviceError* error_host = nullptr;    // host-mapped pinned: read without synchronising
   DeviceError* error_device = nullptr;  // the same record, as the consumer kernel writes it
+  DeviceError* error_local = nullptr;   // device memory: polled and claimed by the consumers
 
   DeviceComm() = default;
   DeviceComm(const DeviceComm&) = delete;

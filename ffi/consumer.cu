@@ -60,10 +60,22 @@ struct Pack<__half> {
 };
 
 // Spin until flag >= epoch or the deadline passes. Returns false when the CTA must leave.
+// Polls with relaxed system-scope loads and one acquire fence on success (an acquire load per
+// iteration is a stronger, costlier access than the poll needs); the error record and the timer
+// are looked at only every kCheckEvery polls.
 __device__ bool wait_flag(const uint64_t* flag, Params const& p, int source, int tile) {
+  constexpr int kCheckEvery = 256;
+  uint64_t observed = ptx::load_relaxed_sys(flag);
+  if (observed >= p.args.epoch) {
+    ptx::fence_acq_rel_sys();
+    return true;
+  }
   uint64_t const start = ptx::global_timer_ns();
-  uint64_t observed = ptx::load_acquire_sys(flag);
-  while (observed < p.args.epoch) {
+  for (int polls = 1;; ++polls) {
+    __nanosleep(64);
+    observed = ptx::load_relaxed_sys(flag);
+    if (observed >= p.args.epoch) break;
+    if (polls % kCheckEvery != 0) continue;
     // Another CTA already recorded a failure (or an earlier call did: the error is sticky).
     if (*reinterpret_cast<volatile uint32_t*>(&p.args.error->code) != 0) return false;
     if (ptx::global_timer_ns() - start > p.args.timeout_ns) {
@@ -76,13 +88,25 @@ __device__ bool wait_flag(const uint64_t* flag, Params const& p, int source, int
         e->tile = tile;
         e->expected = p.args.epoch;
         e->observed = observed;
-        __threadfence_system();
+        __threadfence();
         atomicExch(&e->code, kErrorDeadline);
+        // The host reads the mirror without synchronising: fields first, code last.
+        if (DeviceError* m = p.args.error_mirror) {
+          m->rank = e->rank;
+          m->source = source;
+          m->tile = tile;
+          m->expected = e->expected;
+          m->observed = observed;
+          __threadfence_system();
+          *reinterpret_cast<volatile uint32_t*>(&m->code) = kErrorDeadline;
+          __threadfence_system();
+        }
       }
       return false;
     }
-    observed = ptx::load_acquire_sys(flag);
   }
+  // Pairs with the producer's release: the partial tile it published is visible from here on.
+  ptx::fence_acq_rel_sys();
   return true;
 }
 

@@ -81,7 +81,8 @@ struct ConsumerArgs {
   const void* partial[kMaxWorld];  // partial output of each source rank (same slot)
   const uint64_t* flags;           // this rank's flag array
   void* out;                       // [M/W, N] row-major, this rank's reduced rows
-  DeviceError* error;
+  DeviceError* error;         // device memory: polled by every waiting CTA, claimed by the first
+  DeviceError* error_mirror;  // host-mapped copy written once on failure (nullptr: none)
   uint64_t epoch;
   uint64_t timeout_ns;
 };

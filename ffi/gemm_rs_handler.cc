@@ -148,7 +148,8 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   }
   consumer_args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset(epoch));
   consumer_args.out = y->untyped_data();
-  consumer_args.error = dc->error_device;
+  consumer_args.error = dc->error_local;
+  consumer_args.error_mirror = dc->error_device;
   consumer_args.epoch = epoch;
   consumer_args.timeout_ns = comm::timeout_ms() * 1000000ull;
 

@@ -13,10 +13,11 @@ __device__ __forceinline__ void store_release_sys(uint64_t* flag, uint64_t value
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
 
-// Acquire load of an epoch flag: reads after it observe what the releasing producer wrote.
-__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* flag) {
+// Relaxed (but not cached-stale) load of an epoch flag, for polling; follow a successful poll with
+// fence_acq_rel_sys() to get acquire semantics.
+__device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* flag) {
   uint64_t value;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
   return value;
 }
 

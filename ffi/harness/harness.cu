@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -355,6 +356,69 @@ int producer_main(int argc, char** argv) {
   return 0;
 }
 
+// Producer and consumer of one rank (W = 1) run together as the FFI handler runs them (forked from
+// a main stream, consumer first on the high-priority stream, joined back): the on-GPU interaction
+// of the two kernels without NVLink. Prints end-to-end ms per (x, producer_sms) next to the
+// producer alone.
+void bench_fused_one_rank(FILE* out, int sms) {
+  std::printf("\nfused, one rank (W=1, bf16, n256 r8): end-to-end ms per consumer grid x and producer grid\n");
+  for (auto const& sh : {std::array<int, 3>{8192, 8192, 1024}, std::array<int, 3>{8192, 8192, 3584}}) {
+    Case c{sh[0], sh[1], sh[2], 1, true, GemmRsConfig{}};
+    World world(c);
+    world.fill_inputs(11);
+    ProblemShape s{c.m, c.n, c.k, 1, 0};
+    auto& r = world.ranks[0];
+    cudaStream_t main_stream;
+    cudaEvent_t fork, producer_done, consumer_done;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking));
+    CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    CHECK_CUDA(cudaEventCreateWithFlags(&producer_done, cudaEventDisableTiming));
+    CHECK_CUDA(cudaEventCreateWithFlags(&consumer_done, cudaEventDisableTiming));
+    std::printf("%5d %5d %5d:", c.m, c.n, c.k);
+    for (int x : {4, 8, 16, 24}) {
+      for (int producer_sms : {0, sms - x, sms}) {
+        GemmRsConfig cfg{256, producer_sms, x, 512, 8};
+        auto call = [&](bool with_consumer) {
+          uint64_t const epoch = ++world.epoch;
+          int const slot = int(epoch % 2);
+          CHECK_CUDA(cudaEventRecord(fork, main_stream));
+          CHECK_CUDA(cudaStreamWaitEvent(r.producer_stream, fork, 0));
+          CHECK_CUDA(cudaStreamWaitEvent(r.consumer_stream, fork, 0));
+          if (with_consumer) {
+            ConsumerArgs ca{};
+            ca.partial[0] = r.partial[slot];
+            ca.flags = r.flags;
+            ca.out = r.out;
+            ca.error = world.error;
+            ca.epoch = epoch;
+            ca.timeout_ns = 2'000'000'000ull;
+            CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, ca, r.consumer_stream));
+          }
+          ProducerArgs pa{};
+          pa.x = r.x;
+          pa.w = r.w;
+          pa.partial = r.partial[slot];
+          pa.flags[0] = r.flags;
+          pa.epoch = epoch;
+          CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, pa, r.producer_stream));
+          CHECK_CUDA(cudaEventRecord(producer_done, r.producer_stream));
+          CHECK_CUDA(cudaEventRecord(consumer_done, r.consumer_stream));
+          CHECK_CUDA(cudaStreamWaitEvent(main_stream, producer_done, 0));
+          CHECK_CUDA(cudaStreamWaitEvent(main_stream, consumer_done, 0));
+        };
+        float const alone = median_ms([&] { call(false); }, main_stream, 10, 50);
+        float const fused = median_ms([&] { call(true); }, main_stream, 10, 50);
+        std::printf(" x%d/p%d %.3f(%.3f)", x, producer_sms, fused, alone);
+        if (out) std::fprintf(out, "{\"kind\":\"fused1\",\"m\":%d,\"n\":%d,\"k\":%d,\"grid\":%d,\"producer_sms\":%d,\"ms\":%.5f,\"producer_ms\":%.5f}\n", c.m, c.n, c.k, x, producer_sms, fused, alone);
+      }
+    }
+    std::printf("\n");
+    DeviceError const e = world.read_error();
+    if (e.code != 0) std::printf("  device error: code %u tile %d\n", e.code, e.tile);
+    cudaStreamDestroy(main_stream);
+  }
+}
+
 int bench_main(char const* jsonl) {
   CHECK_CUDA(prepare_kernels());
   FILE* out = jsonl ? std::fopen(jsonl, "w") : nullptr;
@@ -375,6 +439,9 @@ int bench_main(char const* jsonl) {
   cudaFree(dst);
   std::printf("device %s, %d SMs; copy bandwidth %.0f GB/s (read+write)\n", prop.name, prop.multiProcessorCount, copy_gbs);
   if (out) std::fprintf(out, "{\"kind\":\"copy\",\"gbs\":%.1f,\"device\":\"%s\",\"sms\":%d}\n", copy_gbs, prop.name, prop.multiProcessorCount);
+
+  bench_fused_one_rank(out, prop.multiProcessorCount);
+  if (std::getenv("ENTWINE_BENCH_FUSED_ONLY")) return 0;
 
   // Producer alone on the design's suite (W = 2 partitions, the GEMM of one rank).
   int const suite[][3] = {{4096, 8192, 1024}, {8192, 8192, 1024}, {16384, 8192, 1024}, {8192, 8192, 3584},
