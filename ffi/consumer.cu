@@ -4,10 +4,10 @@
 //
 //   producer on rank s (any s)                      consumer on rank r (grid x, block b)
 //   ─────────────────────────                       ───────────────────────────────────
-//   GEMM block -> stores tile t of partition r      CTA j: tiles j, j+x, j+2x, ... (producer order)
+//   GEMM block -> stores tile t of partition r      CTA j: blocks j, j+x, j+2x, ... (producer order)
 //   into V_s[slot] (its own memory)                   threads 0..W-1: spin on flags_r[s][t] >= e
 //   bar.sync; fence.acq_rel.sys;                      __syncthreads
-//   st.release.sys flags_r[s][t] = e  ──NVLink──▶     16-byte loads of V_0..V_{W-1}[slot] tile t
+//   st.release.sys flags_r[s][t] = e  ──NVLink──▶     16-byte loads of V_0..V_{W-1}[slot] block
 //                                                     fp32 sum in rank order, one store to out
 //
 // Pitfalls:
@@ -30,7 +30,6 @@ namespace entwine::consumer {
 
 constexpr int kMaxBlock = 512;
 constexpr int kChunkElems = 8;                                   // 16 bytes of 2-byte elements
-constexpr int kChunksPerTile = kTileM * kTileN / kChunkElems;    // 2048
 constexpr int kChunksPerRow = kTileN / kChunkElems;              // 16
 
 struct Params {
@@ -112,40 +111,45 @@ __device__ bool wait_flag(const uint64_t* flag, Params const& p, int source, int
 
 template <class Element, int W>
 __global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ const Params p) {
-  // Chunks per thread per step: keep about 8 16-byte loads in flight whatever W is.
-  constexpr int kUnroll = W >= 8 ? 1 : 8 / W;
+  // Chunks per thread per round: keep about 16 16-byte loads in flight whatever W is (the reads
+  // cross NVLink: ~2 us of latency to cover per CTA).
+  constexpr int kUnroll = W >= 8 ? 2 : 16 / W;
   __shared__ int leave;
   if (threadIdx.x == 0) leave = 0;
   __syncthreads();
 
-  // Step through the partition's tiles in production order: step s is tile h of producer block
-  // s / tiles_per_block, so the first tiles reduced are the first ones released.
-  for (int step = blockIdx.x; step < p.tiles; step += gridDim.x) {
-    int block_m, block_n;
-    p.order.block(step / p.tiles_per_block, block_m, block_n);
-    int const tile_m = block_m;
-    int const tile_n = block_n * p.tiles_per_block + step % p.tiles_per_block;
-    int const tile = tile_m * p.tiles_n + tile_n;
-    // One thread per source rank waits for that source's release of this tile.
-    if (threadIdx.x < W) {
-      const uint64_t* flag = p.args.flags + int64_t(threadIdx.x) * p.tiles + tile;
-      if (!wait_flag(flag, p, threadIdx.x, tile)) leave = 1;
+  // One step = one producer block (tiles_per_block 128x128 tiles released together), in
+  // production order, so the first tiles reduced are the first ones released and each wait and
+  // fence is paid once per block, not per tile.
+  int const steps = p.tiles / p.tiles_per_block;
+  int const chunks_per_row = p.tiles_per_block * kChunksPerRow;
+  int const chunks = kTileM * chunks_per_row;
+  for (int step = blockIdx.x; step < steps; step += gridDim.x) {
+    int tile_m, block_n;
+    p.order.block(step, tile_m, block_n);
+    int const tile0 = tile_m * p.tiles_n + block_n * p.tiles_per_block;
+    // One thread per (source rank, tile of the block) waits for that release.
+    if (threadIdx.x < W * p.tiles_per_block) {
+      int const source = threadIdx.x % W;
+      int const tile = tile0 + threadIdx.x / W;
+      if (!wait_flag(p.args.flags + int64_t(source) * p.tiles + tile, p, source, tile)) leave = 1;
     }
     // Orders the acquires above before every thread's reads below.
     __syncthreads();
     if (leave) return;
 
-    int64_t const src0 = (int64_t(p.rank) * p.rows_per_partition + int64_t(tile_m) * kTileM) * p.n + tile_n * kTileN;
-    int64_t const dst0 = int64_t(tile_m) * kTileM * p.n + tile_n * kTileN;
+    int const col0 = block_n * p.tiles_per_block * kTileN;
+    int64_t const src0 = (int64_t(p.rank) * p.rows_per_partition + int64_t(tile_m) * kTileM) * p.n + col0;
+    int64_t const dst0 = int64_t(tile_m) * kTileM * p.n + col0;
 
-    for (int base = threadIdx.x; base < kChunksPerTile; base += blockDim.x * kUnroll) {
+    for (int base = threadIdx.x; base < chunks; base += blockDim.x * kUnroll) {
       uint4 v[kUnroll][W];
       int64_t offset[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         int const chunk = base + u * blockDim.x;
-        offset[u] = int64_t(chunk / kChunksPerRow) * p.n + (chunk % kChunksPerRow) * kChunkElems;
-        if (chunk < kChunksPerTile) {
+        offset[u] = int64_t(chunk / chunks_per_row) * p.n + (chunk % chunks_per_row) * kChunkElems;
+        if (chunk < chunks) {
 #pragma unroll
           for (int s = 0; s < W; ++s) {
             v[u][s] = ptx::load_cg_16(static_cast<const Element*>(p.args.partial[s]) + src0 + offset[u]);
@@ -155,7 +159,7 @@ __global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ c
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         int const chunk = base + u * blockDim.x;
-        if (chunk >= kChunksPerTile) continue;
+        if (chunk >= chunks) continue;
         float2 acc[4];
         uint32_t const* first = reinterpret_cast<uint32_t const*>(&v[u][0]);
 #pragma unroll
