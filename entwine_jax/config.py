@@ -94,14 +94,17 @@ def heuristic_config(m: int, n: int, k: int, world: int, dtype) -> GemmRsConfig:
 
     Every rule says why; the tuned table (per GPU and shape) overrides these.
     """
-    del k, dtype  # no rule depends on them yet
+    del dtype  # no rule depends on it yet
     # 128x256 blocks measured 5-15% faster than 128x128 for the producer alone on H200 (PERF.md);
     # 128 only where N is not a multiple of 256, so no padding is needed.
     block_n = 256 if n % 256 == 0 else 128
-    # 16 CTAs of 512 threads reached ~372 GB/s of remote loads on 2xH200 (link peak 450) while
-    # leaving >100 SMs to the GEMM; more CTAs than tiles in the local partition would only idle.
-    tiles = max(1, (m // max(world, 1) // _TILE) * (n // _TILE))
-    consumer_grid = min(16, tiles)
+    # The budget follows the communication share: each rank moves (M/W) x N x W elements whatever
+    # K is, while the GEMM grows with K. Best of x in {8, 16, 24} on 2xH200 (W=2, PERF.md v5):
+    # x = 24 for K <= 2048, 16 at K = 3584, 8 at K = 6656. More CTAs than blocks of the local
+    # partition would only idle.
+    budget = 24 if k <= 2048 else 16 if k <= 4096 else 8
+    blocks = max(1, (m // max(world, 1) // _TILE) * (n // block_n))
+    consumer_grid = min(budget, blocks)
     # A persistent producer on the SMs the consumer leaves free measured 1.2-1.4x faster than one
     # CTA per block on H200 (its epilogue overlaps the next block's mainloop); never more CTAs than
     # SMs left over, or the extra CTAs would only start once others finish all their work.
