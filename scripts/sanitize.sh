@@ -1,0 +1,17 @@
+#!/bin/bash
+# compute-sanitizer (memcheck, racecheck, synccheck) over the kernels on a small case: two virtual
+# ranks on one GPU, producer + consumer, two epochs (entwine_harness sanitize).
+# Usage: scripts/sanitize.sh [path/to/entwine_harness]   (default: the installed package's)
+set -u
+HARNESS=${1:-$(python3 -c 'import entwine_jax, os; print(os.path.join(os.path.dirname(entwine_jax.__file__), "bin", "entwine_harness"))')}
+status=0
+for tool in memcheck racecheck synccheck; do
+  echo "== compute-sanitizer --tool $tool"
+  log=$(mktemp)
+  timeout ${ENTWINE_SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 "$HARNESS" sanitize >"$log" 2>&1
+  rc=$?
+  tail -4 "$log"
+  [ $rc -eq 0 ] || status=1
+done
+echo "sanitize: $([ $status -eq 0 ] && echo clean || echo ERRORS)"
+exit $status
