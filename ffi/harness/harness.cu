@@ -132,6 +132,16 @@ struct World {
     for (auto& r : ranks) CHECK_CUDA(cudaMemset(r.out, 0xFF, size_t(c.m) * c.n / c.world * 2));
   }
 
+  // Rank r's producer arguments: its inputs, its partial slot, every owner's flag array.
+  ProducerArgs producer_args(int r, int slot = 0) {
+    ProducerArgs a{};
+    a.x = ranks[r].x;
+    a.w = ranks[r].w;
+    a.partial = ranks[r].partial[slot];
+    for (int q = 0; q < c.world; ++q) a.flags[q] = ranks[q].flags;
+    return a;
+  }
+
   // One gemm_rs call on every rank (skip_rank: that rank's producer never runs).
   void call(int skip_rank = -1, uint64_t timeout_ns = 3'000'000'000ull) {
     ++epoch;
@@ -151,11 +161,7 @@ struct World {
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
       ProblemShape s{c.m, c.n, c.k, c.world, r};
-      ProducerArgs a{};
-      a.x = ranks[r].x;
-      a.w = ranks[r].w;
-      a.partial = ranks[r].partial[slot];
-      for (int q = 0; q < c.world; ++q) a.flags[q] = ranks[q].flags;
+      ProducerArgs a = producer_args(r, slot);
       a.epoch = epoch;
       CHECK_CUDA(launch_producer(dtype, s, c.config, a, ranks[r].producer_stream));
     }
@@ -342,12 +348,7 @@ int producer_main(int argc, char** argv) {
   World world(c);
   world.fill_inputs(3);
   ProblemShape s{m, n, k, 2, 0};
-  ProducerArgs a{};
-  a.x = world.ranks[0].x;
-  a.w = world.ranks[0].w;
-  a.partial = world.ranks[0].partial[0];
-  a.flags[0] = world.ranks[0].flags;
-  a.flags[1] = world.ranks[1].flags;
+  ProducerArgs a = world.producer_args(0);
   for (int i = 0; i < 3; ++i) {
     a.epoch = i + 1;
     CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, 0));
@@ -471,12 +472,7 @@ int bench_main(char const* jsonl) {
     std::printf("%6d %6d %5d", c.m, c.n, c.k);
     for (auto const& v : variants) {
       GemmRsConfig cfg{v.block_n, v.producer_sms, 16, 512, v.raster_rows};
-      ProducerArgs a{};
-      a.x = world.ranks[0].x;
-      a.w = world.ranks[0].w;
-      a.partial = world.ranks[0].partial[0];
-      a.flags[0] = world.ranks[0].flags;
-      a.flags[1] = world.ranks[1].flags;
+      ProducerArgs a = world.producer_args(0);
       a.interleave = v.interleave;
       a.publish = v.publish;
       uint64_t epoch = 0;
