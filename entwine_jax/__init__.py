@@ -2,6 +2,7 @@
 # gemm_rs runs the fused CUDA kernels where they can run and the XLA reference everywhere else.
 from entwine_jax.config import GemmRsConfig, heuristic_config, set_default_config, using_config
 from entwine_jax.ops import extension_status, gemm_rs
+from entwine_jax.tuning import tune
 
 __version__ = "0.1.0"
 
@@ -15,4 +16,4 @@ def setup(mesh, axis_name) -> None:
 
 
 __all__ = ["gemm_rs", "GemmRsConfig", "set_default_config", "using_config", "heuristic_config",
-           "extension_status", "setup", "__version__"]
+           "extension_status", "setup", "tune", "__version__"]

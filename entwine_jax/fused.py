@@ -43,7 +43,10 @@ _KV_TIMEOUT_MS = 300_000
 
 @dataclasses.dataclass(frozen=True)
 class Padding:
-    """Kernel shape of one call: partitions of mp rows padded to mp_pad (multiple of 128)."""
+    """Kernel shape of one call. Each rank receives a partition of mp x n_part elements, padded to
+    mp_pad x n_pad (multiples of 128 and block_n); K is padded to k_pad (multiple of 8).
+    Rows (scatter_cols False): partitions are row blocks, mp = M / W, n_part = N.
+    Columns (scatter_cols True): partitions are column blocks, mp = M, n_part = N / W."""
 
     world: int
     m: int
@@ -53,10 +56,15 @@ class Padding:
     mp_pad: int
     k_pad: int
     n_pad: int
+    scatter_cols: bool = False
+
+    @property
+    def n_part(self) -> int:
+        return self.n // self.world if self.scatter_cols else self.n
 
     @property
     def needed(self) -> bool:
-        return (self.mp, self.k, self.n) != (self.mp_pad, self.k_pad, self.n_pad)
+        return (self.mp, self.k, self.n_part) != (self.mp_pad, self.k_pad, self.n_pad)
 
     @property
     def tiles_per_partition(self) -> int:
@@ -67,8 +75,13 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def padding(m: int, k: int, n: int, world: int, block_n: int) -> Padding:
-    """Pads per-partition rows to 128, N to block_n and K to 8 (zeros add nothing to the sum)."""
+def padding(m: int, k: int, n: int, world: int, block_n: int, scatter_cols: bool = False) -> Padding:
+    """Pads each partition to whole 128 x block_n blocks and K to 8 (zeros add nothing to the sum)."""
+    if scatter_cols:
+        if n % world:
+            raise ValueError(f"gemm_rs: N={n} is not divisible by the axis size {world}")
+        return Padding(world, m, k, n, m, _round_up(m, TILE_M), _round_up(k, ALIGN_K),
+                       _round_up(n // world, block_n), True)
     if m % world:
         raise ValueError(f"gemm_rs: M={m} is not divisible by the axis size {world}")
     mp = m // world
@@ -77,7 +90,16 @@ def padding(m: int, k: int, n: int, world: int, block_n: int) -> Padding:
 
 
 def pad_operands(x, w, p: Padding, xp=jnp):
-    """x [M, K] -> [W * mp_pad, k_pad] (each partition padded on its own), w [K, N] -> [k_pad, n_pad]."""
+    """Rows: x [M, K] -> [W * mp_pad, k_pad] (each partition padded on its own), w -> [k_pad, n_pad].
+    Columns: x -> [mp_pad, k_pad], w [K, N] -> [k_pad, W * n_pad] (each partition padded on its own)."""
+    if p.scatter_cols:
+        if (p.mp, p.k) != (p.mp_pad, p.k_pad):
+            x = xp.pad(x, ((0, p.mp_pad - p.mp), (0, p.k_pad - p.k)))
+        if (p.k, p.n_part) != (p.k_pad, p.n_pad):
+            w = w.reshape(p.k, p.world, p.n_part)
+            w = xp.pad(w, ((0, p.k_pad - p.k), (0, 0), (0, p.n_pad - p.n_part)))
+            w = w.reshape(p.k_pad, p.world * p.n_pad)
+        return x, w
     if (p.mp, p.k) != (p.mp_pad, p.k_pad):
         x = x.reshape(p.world, p.mp, p.k)
         x = xp.pad(x, ((0, 0), (0, p.mp_pad - p.mp), (0, p.k_pad - p.k)))
@@ -88,8 +110,8 @@ def pad_operands(x, w, p: Padding, xp=jnp):
 
 
 def unpad(y, p: Padding):
-    """The kernel's [mp_pad, n_pad] rows of this rank -> [mp, n]."""
-    return y[: p.mp, : p.n] if (p.mp, p.n) != (p.mp_pad, p.n_pad) else y
+    """The kernel's [mp_pad, n_pad] partition of this rank -> [mp, n_part]."""
+    return y[: p.mp, : p.n_part] if (p.mp, p.n_part) != (p.mp_pad, p.n_pad) else y
 
 
 def required_capacity(p: Padding, itemsize: int) -> tuple[int, int]:
@@ -358,8 +380,8 @@ def _reason(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, confi
     dtype = jnp.dtype(x_local_aval.dtype)
     if dtype not in _DTYPES or jnp.dtype(w_aval.dtype) != dtype:
         return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
-    if scatter_dimension != 0:
-        return f"fused kernels scatter over rows (scatter_dimension=0), got {scatter_dimension}"
+    if scatter_dimension not in (0, 1):
+        return f"fused kernels scatter over rows (0) or columns (1) of the 2-D product, got {scatter_dimension}"
     if not 1 <= axis_size <= MAX_WORLD:
         return f"axis size {axis_size} outside [1, {MAX_WORLD}]"
     if len(x_local_aval.shape) != 2 or len(w_aval.shape) != 2:
@@ -367,8 +389,10 @@ def _reason(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, confi
     (m, k), (_, n) = x_local_aval.shape, w_aval.shape
     if m == 0 or n == 0 or k == 0:
         return f"empty operands x {x_local_aval.shape}, w {w_aval.shape}"
-    p = padding(m, k, n, axis_size, config.block_n)
-    if max(p.world * p.mp_pad, p.n_pad, p.k_pad) >= 2**31:
+    if (n if scatter_dimension == 1 else m) % axis_size:
+        return f"scattered size not divisible by the axis size {axis_size}"
+    p = padding(m, k, n, axis_size, config.block_n, scatter_dimension == 1)
+    if max(p.world * p.mp_pad, p.world * p.n_pad, p.k_pad) >= 2**31:
         return f"dimension too large for the kernels' int32 shapes: x {x_local_aval.shape}, w {w_aval.shape}"
     mesh = _find_mesh(axis_name)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
@@ -415,8 +439,9 @@ def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, scatter_di
         return _reason_cache[key]
 
 
-def gemm_rs_local(x2d, w, *, axis_name, axis_size, config) -> jax.Array:
-    """One rank's fused GEMM + ReduceScatter inside shard_map: [M, K] @ [K, N] -> [M / W, N]."""
+def gemm_rs_local(x2d, w, *, axis_name, axis_size, config, scatter_dimension=0) -> jax.Array:
+    """One rank's fused GEMM + ReduceScatter inside shard_map: [M, K] @ [K, N] -> [M / W, N]
+    (scatter_dimension 0) or [M, N / W] (scatter_dimension 1)."""
     ext, reason = _extension()
     if reason:
         raise RuntimeError(f"entwine gemm_rs: {reason}")
@@ -425,14 +450,15 @@ def gemm_rs_local(x2d, w, *, axis_name, axis_size, config) -> jax.Array:
         raise RuntimeError(f"entwine gemm_rs: no concrete mesh for axis {axis_name!r}; call "
                            f"entwine_jax.setup(mesh, {axis_name!r}) first")
     (m, k), (_, n) = x2d.shape, w.shape
-    p = padding(m, k, n, axis_size, config.block_n)
+    p = padding(m, k, n, axis_size, config.block_n, scatter_dimension == 1)
     try:
         comm = _ensure_comm(ext, mesh, axis_name, p, jnp.dtype(x2d.dtype).itemsize)
     except Unavailable as e:
         raise RuntimeError(f"entwine gemm_rs: {e}") from None
     x_pad, w_pad = pad_operands(x2d, w, p)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype))
-    y = call(x_pad, w_pad, comm_id=np.int64(comm.id), config=config_vector(config))
+    y = call(x_pad, w_pad, comm_id=np.int64(comm.id), config=config_vector(config),
+             scatter_dimension=np.int64(scatter_dimension))
     return unpad(y, p)
 
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _log
-from entwine_jax.config import GemmRsConfig, get_default_config, heuristic_config
+from entwine_jax import _log, tuning
+from entwine_jax.config import GemmRsConfig, get_default_config
 from entwine_jax.reference import gemm_rs_reference, gemm_rs_reference_bwd
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -114,8 +114,9 @@ def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
         return f"entwine_jax.fused.unavailable_reason raised {type(e).__name__}: {e}"
 
 
-def _report(x, w, plan: _Plan) -> None:
-    """Log the XLA-path reason once per call site; print the choice under ENTWINE_PRINT_CONFIG=1."""
+def _report(x, w, plan: _Plan, source: str = "") -> None:
+    """Log the XLA-path reason once per call site; print the choice (and where the config came
+    from: tuning.SOURCE_*) under ENTWINE_PRINT_CONFIG=1."""
     key = (tuple(x.shape), tuple(w.shape), str(x.dtype), plan.axis_name, plan.scatter_dimension)
     site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={plan.axis_name!r} (size "
             f"{plan.axis_size}) scatter_dimension={plan.scatter_dimension}")
@@ -127,7 +128,8 @@ def _report(x, w, plan: _Plan) -> None:
         _printed.add(key)
         path = "xla" if plan.reason is not None else "fused"
         why = f" reason: {plan.reason}" if plan.reason is not None else ""
-        print(f"entwine_jax.gemm_rs {site}: path={path} {plan.config}{why}", file=sys.stderr, flush=True)
+        print(f"entwine_jax.gemm_rs {site}: path={path} {plan.config} source={source}{why}", file=sys.stderr,
+              flush=True)
 
 
 def _fused_forward(x, w, *, plan: _Plan):
@@ -200,7 +202,8 @@ def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[Gem
 
     x: [..., K_local] (contraction dim sharded over axis_name); w: [K_local, N].
     scatter_dimension indexes the output [..., N]; negative values count from the end.
-    config: a GemmRsConfig; default: set_default_config(), else heuristic_config().
+    config: a GemmRsConfig; default: set_default_config(), else the tuned table (user cache, then
+    shipped; entwine_jax.tuning), else heuristic_config().
     """
     # A list of axis names would not be hashable in the plan; psum_scatter takes a tuple too.
     if isinstance(axis_name, list):
@@ -208,13 +211,15 @@ def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[Gem
     axis_size, sd = _check_args(x, w, axis_name, scatter_dimension)
     if config is not None and not isinstance(config, GemmRsConfig):
         raise ValueError(f"gemm_rs: config must be a GemmRsConfig or None, got {type(config).__name__}")
+    source = tuning.SOURCE_OVERRIDE
     if config is None:
         config = get_default_config()
     if config is None:
-        config = heuristic_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], axis_size, x.dtype)
+        # Keyed by the rows of x as this rank sees them (before the scatter), N, K_local, W, dtype.
+        config, source = tuning.select_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], axis_size, x.dtype)
     reason = _fused_unavailable(x, w, axis_name, axis_size, sd, config)
     plan = _Plan(axis_name=axis_name, axis_size=axis_size, scatter_dimension=sd, config=config, reason=reason)
-    _report(x, w, plan)
+    _report(x, w, plan, source)
     names = sorted(_varying_axes(x) | _varying_axes(w) | set(_axis_names(axis_name)), key=str)
     x = _make_varying(x, names)
     w = _make_varying(w, names)

@@ -34,7 +34,10 @@ constexpr int kChunksPerRow = kTileN / kChunkElems;              // 16
 
 struct Params {
   ConsumerArgs args;
-  int n, rows_per_partition, tiles_n, tiles, rank;
+  int n;                  // leading dimension of the partials (N)
+  int out_cols;           // leading dimension of the output (part_cols)
+  int64_t part_row0, part_col0;  // this rank's partition inside the partials
+  int tiles_n, tiles, rank;
   TileOrder order;        // the producer's block order inside a partition
   int tiles_per_block;    // reduction tiles per producer block (block_n / 128)
 };
@@ -139,20 +142,21 @@ __global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ c
     if (leave) return;
 
     int const col0 = block_n * p.tiles_per_block * kTileN;
-    int64_t const src0 = (int64_t(p.rank) * p.rows_per_partition + int64_t(tile_m) * kTileM) * p.n + col0;
-    int64_t const dst0 = int64_t(tile_m) * kTileM * p.n + col0;
+    int64_t const src0 = (p.part_row0 + int64_t(tile_m) * kTileM) * p.n + p.part_col0 + col0;
+    int64_t const dst0 = int64_t(tile_m) * kTileM * p.out_cols + col0;
 
     for (int base = threadIdx.x; base < chunks; base += blockDim.x * kUnroll) {
       uint4 v[kUnroll][W];
-      int64_t offset[kUnroll];
+      int row[kUnroll], col[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         int const chunk = base + u * blockDim.x;
-        offset[u] = int64_t(chunk / chunks_per_row) * p.n + (chunk % chunks_per_row) * kChunkElems;
+        row[u] = chunk / chunks_per_row;
+        col[u] = (chunk % chunks_per_row) * kChunkElems;
         if (chunk < chunks) {
 #pragma unroll
           for (int s = 0; s < W; ++s) {
-            v[u][s] = ptx::load_cg_16(static_cast<const Element*>(p.args.partial[s]) + src0 + offset[u]);
+            v[u][s] = ptx::load_cg_16(static_cast<const Element*>(p.args.partial[s]) + src0 + int64_t(row[u]) * p.n + col[u]);
           }
         }
       }
@@ -179,7 +183,7 @@ __global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ c
         out.y = Pack<Element>::from_float2(acc[1]);
         out.z = Pack<Element>::from_float2(acc[2]);
         out.w = Pack<Element>::from_float2(acc[3]);
-        *reinterpret_cast<uint4*>(static_cast<Element*>(p.args.out) + dst0 + offset[u]) = out;
+        *reinterpret_cast<uint4*>(static_cast<Element*>(p.args.out) + dst0 + int64_t(row[u]) * p.out_cols + col[u]) = out;
       }
     }
   }
@@ -188,11 +192,19 @@ __global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ c
 template <class Element>
 cudaError_t launch_typed(ProblemShape const& shape, GemmRsConfig const& config, ConsumerArgs const& args,
                          cudaStream_t stream) {
-  int const m_blocks = shape.m / shape.world / kTileM;
-  int const n_blocks = shape.n / config.block_n;
+  int const m_blocks = shape.part_rows() / kTileM;
+  int const n_blocks = shape.part_cols() / config.block_n;
   TileOrder const order{m_blocks, n_blocks, config.raster_rows < m_blocks ? config.raster_rows : m_blocks};
-  Params p{args, shape.n, shape.m / shape.world, shape.n / kTileN, shape.tiles_per_partition(), shape.rank,
-           order, config.block_n / kTileN};
+  Params p{args,
+           shape.n,
+           shape.part_cols(),
+           shape.part_row0(shape.rank),
+           shape.part_col0(shape.rank),
+           shape.part_cols() / kTileN,
+           shape.tiles_per_partition(),
+           shape.rank,
+           order,
+           config.block_n / kTileN};
   dim3 grid(config.consumer_grid), block(config.consumer_block);
   switch (shape.world) {
     case 1: consumer_kernel<Element, 1><<<grid, block, 0, stream>>>(p); break;

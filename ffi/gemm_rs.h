@@ -57,12 +57,21 @@ struct DeviceError {
 constexpr uint32_t kErrorDeadline = 1;
 constexpr uint32_t kErrorClaimed = 0xFFFFFFFFu;  // a CTA is filling the record
 
-// Problem of one rank. x: [M, K] row-major, w: [K, N] row-major; partition q is rows
-// q*M/W .. (q+1)*M/W of the M x N product. Requires (M/W) % 128 == 0, N % block_n == 0, K % 8 == 0.
+// Problem of one rank. x: [M, K] row-major, w: [K, N] row-major. The M x N product is split into W
+// partitions: by rows (partition q = rows q*M/W .. (q+1)*M/W, the default) or by columns
+// (scatter_cols: columns q*N/W .. (q+1)*N/W). Rank q receives partition q, reduced over all ranks,
+// as a row-major [part_rows, part_cols] array. Requires part_rows % 128 == 0,
+// part_cols % block_n == 0, K % 8 == 0.
 struct ProblemShape {
   int32_t m = 0, n = 0, k = 0;
   int32_t world = 1, rank = 0;
-  int32_t tiles_per_partition() const { return (m / world / kTileM) * (n / kTileN); }
+  bool scatter_cols = false;
+  int32_t part_rows() const { return scatter_cols ? m : m / world; }
+  int32_t part_cols() const { return scatter_cols ? n / world : n; }
+  // Offset of partition q inside the M x N partial output.
+  int64_t part_row0(int q) const { return scatter_cols ? 0 : int64_t(q) * part_rows(); }
+  int64_t part_col0(int q) const { return scatter_cols ? int64_t(q) * part_cols() : 0; }
+  int32_t tiles_per_partition() const { return (part_rows() / kTileM) * (part_cols() / kTileN); }
 };
 
 // Flag array of one owner rank: flags[source * tiles_per_partition + tile] holds the epoch of the
@@ -80,7 +89,7 @@ struct ProducerArgs {
 struct ConsumerArgs {
   const void* partial[kMaxWorld];  // partial output of each source rank (same slot)
   const uint64_t* flags;           // this rank's flag array
-  void* out;                       // [M/W, N] row-major, this rank's reduced rows
+  void* out;                       // [part_rows, part_cols] row-major: this rank's reduced partition
   DeviceError* error;         // device memory: polled by every waiting CTA, claimed by the first
   DeviceError* error_mirror;  // host-mapped copy written once on failure (nullptr: none)
   uint64_t epoch;

@@ -60,7 +60,7 @@ struct DeviceGuard {
 // communicator (same epochs), which SPMD programs do.
 ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                     ffi::Span<const int64_t> config) {
+                     ffi::Span<const int64_t> config, int64_t scatter_dimension) {
   // --- Validation: everything below is cheap host work on the call's metadata. --------------------
   comm::DeviceComm* dc = comm::find(comm_id, device);
   if (dc == nullptr) {
@@ -92,14 +92,22 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   }
 
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (scatter_dimension != 0 && scatter_dimension != 1) {
+    return ffi::Error::InvalidArgument("entwine gemm_rs: scatter_dimension must be 0 (rows) or 1 (columns), got " +
+                                       std::to_string(scatter_dimension));
+  }
   ProblemShape shape;
   shape.world = dc->world;
   shape.rank = dc->rank;
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[0] != xd[1] ||
-      yd[0] * dc->world != xd[0] || yd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument(
-        "entwine gemm_rs: expected x [M, K], w [K, N], y [M / " + std::to_string(dc->world) +
-        ", N], got x " + dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd));
+  shape.scatter_cols = scatter_dimension == 1;
+  bool const dims_ok = xd.size() == 2 && wd.size() == 2 && yd.size() == 2 && wd[0] == xd[1] &&
+                       (shape.scatter_cols ? yd[0] == xd[0] && yd[1] * dc->world == wd[1]
+                                           : yd[0] * dc->world == xd[0] && yd[1] == wd[1]);
+  if (!dims_ok) {
+    std::string const expected_y = shape.scatter_cols ? "[M, N / " + std::to_string(dc->world) + "]"
+                                                       : "[M / " + std::to_string(dc->world) + ", N]";
+    return ffi::Error::InvalidArgument("entwine gemm_rs: expected x [M, K], w [K, N], y " + expected_y + ", got x " +
+                                       dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd));
   }
   shape.m = int32_t(xd[0]);
   shape.k = int32_t(xd[1]);
@@ -180,9 +188,9 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
 ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                      ffi::Span<const int64_t> config) {
+                      ffi::Span<const int64_t> config, int64_t scatter_dimension) {
   try {
-    return RunGemmRs(xla_stream, device, x, w, y, comm_id, config);
+    return RunGemmRs(xla_stream, device, x, w, y, comm_id, config, scatter_dimension);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("entwine gemm_rs: ") + e.what());
   } catch (...) {
@@ -203,4 +211,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                                   .Arg<ffi::AnyBuffer>()                     // w
                                   .Ret<ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                  // comm_id
-                                  .Attr<ffi::Span<const int64_t>>("config"));  // config
+                                  .Attr<ffi::Span<const int64_t>>("config")   // config
+                                  .Attr<int64_t>("scatter_dimension"));      // scatter_dimension

@@ -17,8 +17,13 @@ const char* check_problem(const ProblemShape& s, const GemmRsConfig& c) {
   if (c.producer_sms < 0) return "config.producer_sms must be >= 0";
   if (c.raster_rows < 1) return "config.raster_rows must be >= 1";
   if (s.m <= 0 || s.n <= 0 || s.k <= 0) return "M, N and K must be positive";
-  if (s.m % s.world != 0 || (s.m / s.world) % kTileM != 0) return "M / world must be a multiple of 128";
-  if (s.n % c.block_n != 0) return "N must be a multiple of config.block_n";
+  if (s.scatter_cols) {
+    if (s.m % kTileM != 0) return "M must be a multiple of 128";
+    if (s.n % s.world != 0 || (s.n / s.world) % c.block_n != 0) return "N / world must be a multiple of config.block_n";
+  } else {
+    if (s.m % s.world != 0 || (s.m / s.world) % kTileM != 0) return "M / world must be a multiple of 128";
+    if (s.n % c.block_n != 0) return "N must be a multiple of config.block_n";
+  }
   if (s.k % kAlignK != 0) return "K must be a multiple of 8 (16-byte rows for TMA)";
   return nullptr;
 }

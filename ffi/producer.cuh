@@ -64,11 +64,13 @@ struct ProducerGemm {
   struct Params {
     typename CollectiveMainloop::Params mainloop;
     int m, n, k, world, rank;
-    int m_blocks_per_partition;   // (M / W) / BLOCK_M
-    int n_blocks;                 // N / BLOCK_N
+    int m_blocks;                 // part_rows / BLOCK_M: block rows of one partition
+    int n_blocks;                 // part_cols / BLOCK_N: block columns of one partition
+    int64_t part_row_step;        // partition q starts at row q * part_row_step ...
+    int64_t part_col_step;        // ... and column q * part_col_step of the partial output
     int blocks_per_partition;
     int num_blocks;               // W * blocks_per_partition
-    int tiles_n;                  // N / 128: reduction tiles per row of tiles
+    int tiles_n;                  // part_cols / 128: reduction tiles per row of a partition
     int tiles_per_partition;
     TileOrder order;
     Element* partial;
@@ -135,10 +137,12 @@ struct ProducerGemm {
         PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
         for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
           BlockCoord c = block_coord(p, params);
-          int m_block = c.owner * params.m_blocks_per_partition + c.tile_m;
+          // TMA coordinates in whole blocks (partition offsets are multiples of the block).
+          int m_block = int(c.owner * params.part_row_step / BLOCK_M) + c.tile_m;
+          int n_block = int(c.owner * params.part_col_step / BLOCK_N) + c.n_block;
           auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
           mainloop.load(params.mainloop, pipeline, write_state, load_inputs,
-                        make_coord(m_block, c.n_block, _, 0), k_iter, k_tiles,
+                        make_coord(m_block, n_block, _, 0), k_iter, k_tiles,
                         cutlass::canonical_lane_idx(), 0u, storage.mainloop);
           write_state.advance(k_tiles);
         }
@@ -184,8 +188,9 @@ struct ProducerGemm {
     constexpr int kInFlight = 4;
     for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
       BlockCoord c = block_coord(p, params);
-      int64_t const row0 = int64_t(c.owner) * (params.m / params.world) + int64_t(c.tile_m) * BLOCK_M;
-      Element* dst = params.partial + row0 * params.n + c.n_block * BLOCK_N;
+      int64_t const row0 = c.owner * params.part_row_step + int64_t(c.tile_m) * BLOCK_M;
+      int64_t const col0 = c.owner * params.part_col_step + int64_t(c.n_block) * BLOCK_N;
+      Element* dst = params.partial + row0 * params.n + col0;
       ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
       for (int base = store_idx; base < kChunks; base += kStoreThreads * kInFlight) {
         uint4 v[kInFlight];
@@ -242,14 +247,15 @@ struct ProducerGemm {
     p.k = shape.k;
     p.world = shape.world;
     p.rank = shape.rank;
-    p.m_blocks_per_partition = shape.m / shape.world / BLOCK_M;
-    p.n_blocks = shape.n / BLOCK_N;
-    p.blocks_per_partition = p.m_blocks_per_partition * p.n_blocks;
+    p.m_blocks = shape.part_rows() / BLOCK_M;
+    p.n_blocks = shape.part_cols() / BLOCK_N;
+    p.part_row_step = shape.part_row0(1);
+    p.part_col_step = shape.part_col0(1);
+    p.blocks_per_partition = p.m_blocks * p.n_blocks;
     p.num_blocks = shape.world * p.blocks_per_partition;
-    p.tiles_n = shape.n / kTileN;
+    p.tiles_n = shape.part_cols() / kTileN;
     p.tiles_per_partition = shape.tiles_per_partition();
-    p.order = TileOrder{p.m_blocks_per_partition, p.n_blocks,
-                        config.raster_rows < p.m_blocks_per_partition ? config.raster_rows : p.m_blocks_per_partition};
+    p.order = TileOrder{p.m_blocks, p.n_blocks, config.raster_rows < p.m_blocks ? config.raster_rows : p.m_blocks};
     p.partial = static_cast<Element*>(args.partial);
     for (int q = 0; q < kMaxWorld; ++q) p.flags[q] = args.flags[q];
     p.epoch = args.epoch;

@@ -86,9 +86,10 @@ def test_reason_extension_or_setup_when_the_platform_looks_like_gpu(monkeypatch)
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(config=GemmRsConfig(path="xla")), "config.path is 'xla'"),
-    (dict(scatter_dimension=1), "scatter_dimension=0"),
+    (dict(scatter_dimension=2), "rows (0) or columns (1)"),
+    (dict(scatter_dimension=1, axis_size=3), "scattered size not divisible by the axis size 3"),
     (dict(axis_size=16), "axis size 16 outside"),
-    (dict(axis_size=3), "M=256 is not divisible by the axis size 3"),
+    (dict(axis_size=3), "scattered size not divisible by the axis size 3"),
 ])
 def test_reason_for_unsupported_calls(kwargs, match):
     x, w = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
@@ -158,6 +159,30 @@ def test_pad_then_slice_equals_reference(world, m_per, k, n, block_n):
         np.testing.assert_allclose(got[r], ref[r * m_per:(r + 1) * m_per], rtol=1e-12, atol=1e-12)
 
 
+def _reduce_scatter_columns_padded(xs, ws, world, block_n):
+    """Column partitions: rank r receives columns r*N/W .. of the sum, as the kernels lay it out."""
+    m, k = xs[0].shape
+    p = fused.padding(m, k, ws[0].shape[1], world, block_n, scatter_cols=True)
+    padded = [fused.pad_operands(x, w, p, xp=np) for x, w in zip(xs, ws)]
+    full = sum(xp @ wp for xp, wp in padded)  # [mp_pad, W * n_pad]
+    assert full.shape == (p.mp_pad, world * p.n_pad)
+    assert p.mp_pad % 128 == 0 and p.n_pad % block_n == 0 and p.k_pad % 8 == 0
+    return [fused.unpad(full[:, r * p.n_pad:(r + 1) * p.n_pad], p) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("m, k, n_per, block_n", [(128, 64, 256, 256), (37, 61, 100, 128), (1, 1, 1, 256)])
+def test_pad_then_slice_equals_reference_columns(world, m, k, n_per, block_n):
+    rng = np.random.default_rng(world * 100 + k)
+    n = n_per * world
+    xs = [rng.standard_normal((m, k)) for _ in range(world)]
+    ws = [rng.standard_normal((k, n)) for _ in range(world)]
+    ref = sum(x @ w for x, w in zip(xs, ws))
+    got = _reduce_scatter_columns_padded(xs, ws, world, block_n)
+    for r in range(world):
+        np.testing.assert_allclose(got[r], ref[:, r * n_per:(r + 1) * n_per], rtol=1e-12, atol=1e-12)
+
+
 def test_padding_values_and_needed():
     p = fused.padding(m=2 * 200, k=100, n=300, world=2, block_n=256)
     assert (p.mp, p.mp_pad, p.k_pad, p.n_pad) == (200, 256, 104, 512)
@@ -165,6 +190,11 @@ def test_padding_values_and_needed():
     assert not fused.padding(512, 64, 256, 4, 128).needed
     with pytest.raises(ValueError, match="M=10 is not divisible by the axis size 4"):
         fused.padding(10, 8, 128, 4, 128)
+    c = fused.padding(m=200, k=100, n=2 * 300, world=2, block_n=256, scatter_cols=True)
+    assert (c.mp, c.mp_pad, c.k_pad, c.n_part, c.n_pad) == (200, 256, 104, 300, 512)
+    assert c.needed and c.tiles_per_partition == 2 * 4
+    with pytest.raises(ValueError, match="N=10 is not divisible by the axis size 4"):
+        fused.padding(8, 8, 10, 4, 128, scatter_cols=True)
 
 
 def test_pad_operands_skips_aligned_operands():

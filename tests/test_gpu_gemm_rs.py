@@ -41,30 +41,32 @@ def _inputs(mesh, m, n, k, dtype, seed):
             jax.device_put(w, NamedSharding(mesh, P("tp", None))))
 
 
-def _fns(mesh, config):
+def _fns(mesh, config, scatter_dimension=0):
     world = mesh.shape["tp"]
 
     def fused_body(x, w):
-        return fused.gemm_rs_local(x, w, axis_name="tp", axis_size=world, config=config)
+        return fused.gemm_rs_local(x, w, axis_name="tp", axis_size=world, config=config,
+                                   scatter_dimension=scatter_dimension)
 
     def ref_body(x, w):
         y = jnp.dot(x, w, preferred_element_type=jnp.float32)
-        return jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True).astype(x.dtype)
+        return jax.lax.psum_scatter(y, "tp", scatter_dimension=scatter_dimension, tiled=True).astype(x.dtype)
 
-    specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
+    out_spec = P("tp", None) if scatter_dimension == 0 else P(None, "tp")
+    specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=out_spec)
     return jax.jit(jax.shard_map(fused_body, **specs)), jax.jit(jax.shard_map(ref_body, **specs))
 
 
-def _check(mesh, m, n, k, dtype, block_n=128, seed=0):
+def _check(mesh, m, n, k, dtype, block_n=128, seed=0, scatter_dimension=0):
     world = mesh.shape["tp"]
     config = dataclasses.replace(heuristic_config(m, n, k, world, dtype), block_n=block_n)
     x, w = _inputs(mesh, m, n, k, dtype, seed)
     with jax.set_mesh(mesh):
         reason = fused.unavailable_reason(
             jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype),
-            axis_name="tp", axis_size=world, scatter_dimension=0, config=config)
+            axis_name="tp", axis_size=world, scatter_dimension=scatter_dimension, config=config)
         assert reason is None, reason
-        f, ref = _fns(mesh, config)
+        f, ref = _fns(mesh, config, scatter_dimension)
         ys = [np.asarray(f(x, w)) for _ in range(3)]
         expected = np.asarray(ref(x, w))
     fused.check_errors()
@@ -89,6 +91,16 @@ def test_suite_shapes(m, n, k, dtype):
 def test_tails(mp, n, k, block_n, dtype):
     mesh = _mesh()
     _check(mesh, mp * mesh.shape["tp"], n, k, dtype, block_n=block_n, seed=mp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("m, n_per, k", [(4096, 2048, 1024), (200, 300, 72), (1, 1, 3)])
+def test_scatter_columns(m, n_per, k, block_n, dtype):
+    # Partition q = columns q*N/W .. (MaxText's hidden-dimension tensor parallelism).
+    mesh = _mesh()
+    _check(mesh, m, n_per * mesh.shape["tp"], k, dtype, block_n=block_n, seed=m, scatter_dimension=1)
 
 
 @pytest.mark.gpu

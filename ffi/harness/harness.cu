@@ -71,6 +71,12 @@ struct Case {
   int m, n, k, world;
   bool bf16;
   GemmRsConfig config;
+  bool scatter_cols = false;
+  ProblemShape shape(int rank) const {
+    ProblemShape s{m, n, k, world, rank};
+    s.scatter_cols = scatter_cols;
+    return s;
+  }
 };
 
 struct VirtualRank {
@@ -90,7 +96,7 @@ struct World {
     int lo, hi;
     CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     size_t const mn = size_t(c.m) * c.n, mk = size_t(c.m) * c.k, kn = size_t(c.k) * c.n;
-    ProblemShape s{c.m, c.n, c.k, c.world, 0};
+    ProblemShape s = c.shape(0);
     for (auto& r : ranks) {
       CHECK_CUDA(cudaMalloc(&r.x, mk * 2));
       CHECK_CUDA(cudaMalloc(&r.w, kn * 2));
@@ -148,7 +154,7 @@ struct World {
     int const slot = int(epoch % 2);
     DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
     for (int r = 0; r < c.world; ++r) {
-      ProblemShape s{c.m, c.n, c.k, c.world, r};
+      ProblemShape s = c.shape(r);
       ConsumerArgs a{};
       for (int q = 0; q < c.world; ++q) a.partial[q] = ranks[q].partial[slot];
       a.flags = ranks[r].flags;
@@ -160,7 +166,7 @@ struct World {
     }
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
-      ProblemShape s{c.m, c.n, c.k, c.world, r};
+      ProblemShape s = c.shape(r);
       ProducerArgs a = producer_args(r, slot);
       a.epoch = epoch;
       CHECK_CUDA(launch_producer(dtype, s, c.config, a, ranks[r].producer_stream));
@@ -178,8 +184,9 @@ struct World {
   // partitions; odd stride so the checked rows fall at varying offsets inside the 128-row tiles),
   // against a float64 host reference; NaN (an unwritten element) fails.
   double check() {
-    int const mp = c.m / c.world;
-    int const stride = mp <= 48 ? 1 : ((mp / 48) | 1);
+    ProblemShape const s = c.shape(0);
+    int const rows = s.part_rows(), cols = s.part_cols();
+    int const stride = rows <= 48 ? 1 : ((rows / 48) | 1);
     std::vector<std::vector<double>> ws;
     for (auto& r : ranks) {
       auto w = download(r.w, size_t(c.k) * c.n);
@@ -190,22 +197,24 @@ struct World {
     std::vector<double> row(c.n);
     std::vector<uint16_t> xr(c.k);
     for (int owner = 0; owner < c.world; ++owner) {
-      auto out = download(ranks[owner].out, size_t(mp) * c.n);
-      for (int i = owner % stride; i < mp; i += stride) {
+      auto out = download(ranks[owner].out, size_t(rows) * cols);
+      int64_t const row0 = s.part_row0(owner), col0 = s.part_col0(owner);
+      for (int i = owner % stride; i < rows; i += stride) {
         std::fill(row.begin(), row.end(), 0.0);
-        for (int s = 0; s < c.world; ++s) {
-          CHECK_CUDA(cudaMemcpy(xr.data(), ranks[s].x + size_t(owner * mp + i) * c.k, c.k * 2, cudaMemcpyDeviceToHost));
+        for (int src = 0; src < c.world; ++src) {
+          CHECK_CUDA(cudaMemcpy(xr.data(), ranks[src].x + size_t(row0 + i) * c.k, c.k * 2, cudaMemcpyDeviceToHost));
           for (int kk = 0; kk < c.k; ++kk) {
             double const xv = to_double(xr[kk], c.bf16);
-            double const* wr = ws[s].data() + size_t(kk) * c.n;
+            double const* wr = ws[src].data() + size_t(kk) * c.n;
             for (int j = 0; j < c.n; ++j) row[j] += xv * wr[j];
           }
         }
-        for (int j = 0; j < c.n; ++j) {
-          double o = to_double(out[size_t(i) * c.n + j], c.bf16);
+        for (int j = 0; j < cols; ++j) {
+          double const o = to_double(out[size_t(i) * cols + j], c.bf16);
+          double const ref = row[col0 + j];
           if (std::isnan(o)) return INFINITY;
-          err2 += (o - row[j]) * (o - row[j]);
-          ref2 += row[j] * row[j];
+          err2 += (o - ref) * (o - ref);
+          ref2 += ref * ref;
         }
       }
     }
@@ -234,16 +243,16 @@ void expect(bool ok, std::string const& what) {
 
 std::string describe(Case const& c) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "W=%d M=%d N=%d K=%d %s block_n=%d producer_sms=%d x=%d b=%d", c.world, c.m, c.n,
-                c.k, c.bf16 ? "bf16" : "fp16", c.config.block_n, c.config.producer_sms, c.config.consumer_grid,
-                c.config.consumer_block);
+  std::snprintf(buf, sizeof buf, "W=%d M=%d N=%d K=%d %s scatter=%s block_n=%d producer_sms=%d x=%d b=%d r=%d",
+                c.world, c.m, c.n, c.k, c.bf16 ? "bf16" : "fp16", c.scatter_cols ? "cols" : "rows", c.config.block_n,
+                c.config.producer_sms, c.config.consumer_grid, c.config.consumer_block, c.config.raster_rows);
   return buf;
 }
 
 // Several epochs in a row with no resets: fresh inputs and poisoned outputs each epoch, checked
 // against float64; then the same inputs again must give bitwise identical outputs.
 void run_case(Case const& c, int epochs) {
-  if (char const* why = check_problem(ProblemShape{c.m, c.n, c.k, c.world, 0}, c.config)) {
+  if (char const* why = check_problem(c.shape(0), c.config)) {
     expect(false, describe(c) + ": " + why);
     return;
   }
@@ -304,6 +313,11 @@ int test_main() {
   // Raster groups with a partial last group (5 tile rows per partition, groups of 2 and 3).
   run_case(Case{2 * 640, 1024, 256, 2, true, GemmRsConfig{256, 60, 8, 512, 2}}, 2);
   run_case(Case{4 * 640, 640, 128, 4, false, GemmRsConfig{128, 0, 8, 256, 3}}, 2);
+  // Scatter over columns (partition q = columns q*N/W ..): W in {1, 2, 4, 8}, both block widths.
+  run_case(Case{384, 512, 192, 1, true, GemmRsConfig{256, 0, 4, 512}, true}, 2);
+  run_case(Case{640, 2 * 512, 320, 2, true, GemmRsConfig{256, 60, 8, 512, 2}, true}, 3);
+  run_case(Case{512, 4 * 384, 136, 4, false, GemmRsConfig{128, 0, 8, 256, 3}, true}, 2);
+  run_case(Case{256, 8 * 256, 256, 8, true, GemmRsConfig{256, 0, 4, 512}, true}, 2);
   run_deadline(2);
   run_deadline(4);
   std::printf("harness test: %d failure(s)\n", failures);

@@ -1,0 +1,581 @@
+# Tensor-parallel linear layers for Flax (NNX and Linen), used inside jax.shard_map: the
+# row-parallel layer runs entwine_jax.gemm_rs (GEMM + ReduceScatter), its column-parallel partner
+# a plain XLA dot. Parameters carry MaxText-style logical-axis metadata; partition_specs() maps it
+# to the PartitionSpecs of a shard_map's in_specs. Needs flax (`pip install "entwine_jax[layers]"`).
+"""Tensor-parallel linear layers over entwine_jax.gemm_rs, for Flax NNX and Linen.
+
+The layer code runs inside ``jax.shard_map`` and sees local shards. With the tensor-parallel mesh
+axis ``tp`` of size W:
+
+========================  ===========================  ==============================================
+layer                     kernel (global -> local)     input -> output (local)
+========================  ===========================  ==============================================
+row-parallel              ``[in, out] -> [in/W, out]`` ``[T, in/W] -> [T/W, out]``   (``scatter="rows"``)
+                                                       ``[T, in/W] -> [T, out/W]``   (``scatter="hidden"``)
+column-parallel           ``[in, out] -> [in, out/W]`` ``[T, in] -> [T, out/W]``     (``gather=None``)
+                                                       ``[T/W, in] -> [T, out/W]``   (``gather="rows"``)
+                                                       ``[T, in/W] -> [T, out/W]``   (``gather="hidden"``)
+========================  ===========================  ==============================================
+
+``scatter="rows"`` is sequence (token) parallelism, the Entwine paper's layout and the only one the
+fused kernels run: the reduce-scatter splits the output's leading dim (for an N-D input
+``[B, S, in/W]`` that is B; flatten tokens to ``[B*S, in/W]`` to split tokens). ``scatter="hidden"``
+splits the last output dim (MaxText's layout with the embedding sharded over ``tp``); gemm_rs runs
+it on the XLA path. The column-parallel layer's ``gather`` undoes either one.
+
+A tensor-parallel SwiGLU MLP, sequence parallel (per device, x: ``[T/W, D]``)::
+
+    h = jax.lax.all_gather(x, "tp", axis=0, tiled=True)          # [T, D], once for both projections
+    y = down(jax.nn.silu(gate(h)) * up(h))                       # [T/W, D]
+
+with ``gate = ColumnParallelLinear(D, F, rngs=rngs)`` (same for ``up``) and
+``down = RowParallelLinear(F, D, rngs=rngs)``. The attention output projection of ``H`` heads of
+size ``Dh`` is ``RowParallelLinear((H, Dh), D, kernel_axes=("heads", "kv", "embed"))`` applied to
+``[T, H/W, Dh]``.
+
+Bias: the row-parallel bias is added once, after the reduce-scatter, to the output shard (adding it
+before the reduction would add it W times). It is a full ``[out]`` vector replicated over ``tp``;
+with ``scatter="hidden"`` each rank adds its slice. Its gradient sums the output cotangent over
+all rows of all ranks (shard_map inserts the psum over ``tp``, as the bias is replicated there).
+
+Parameters are created at global shape (outside shard_map) with logical-axis metadata
+(``nnx.with_partitioning`` / ``nn.with_logical_partitioning``): row kernel ``("mlp", "embed")``,
+column kernel ``("embed", "mlp")`` by default. ``partition_specs(params, rules)`` turns the
+metadata into the PartitionSpecs of the shard_map's ``in_specs`` with ``DEFAULT_LOGICAL_AXIS_RULES``
+(``"mlp"``, ``"heads"`` -> ``"tp"``; ``"embed"`` -> replicated; ``"batch"`` -> ``"dp"``) or your rules.
+
+Flax NNX creates annotated parameters eagerly sharded (``nnx.use_eager_sharding``, on by default):
+create NNX layers under ``jax.set_mesh(mesh)`` and ``nnx.logical_axis_rules(rules)`` (then the
+parameters come out sharded as the rules say), or under ``nnx.use_eager_sharding(False)``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+try:
+    import flax.linen as nn
+    from flax import nnx
+    from flax.core import meta as flax_meta
+except ImportError as e:  # flax is an optional dependency of entwine_jax
+    raise ImportError(f"entwine_jax.layers needs flax: pip install 'entwine_jax[layers]' ({e})") from e
+
+from entwine_jax.config import GemmRsConfig
+from entwine_jax.ops import gemm_rs
+
+__all__ = ["DEFAULT_LOGICAL_AXIS_RULES", "partition_specs", "row_parallel_linear", "column_parallel_linear",
+           "RowParallelLinear", "ColumnParallelLinear", "RowParallelDense", "ColumnParallelDense"]
+
+# Logical axis -> mesh axis (None: replicated), MaxText's names on a ("dp", "tp") mesh. A logical
+# name may appear once; partition_specs takes the first match.
+DEFAULT_LOGICAL_AXIS_RULES: tuple = (
+    ("batch", "dp"),
+    ("mlp", "tp"),
+    ("heads", "tp"),
+    ("kv_heads", "tp"),
+    ("embed", None),
+    ("kv", None),
+    ("vocab", None),
+    ("norm", None),
+)
+
+_SCATTER = ("rows", "hidden")
+_GATHER = (None, "rows", "hidden")
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+Array = Any
+Initializer = Callable[..., Array]
+default_kernel_init = nnx.initializers.lecun_normal()
+default_bias_init = nnx.initializers.zeros_init()
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks (ValueError naming the argument, the expected and the actual value)
+# ----------------------------------------------------------------------------------------------
+
+def _features(where: str, name: str, value) -> tuple[int, ...]:
+    dims = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    if not dims or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in dims):
+        raise ValueError(f"{where}: {name} must be a positive int or a non-empty tuple of positive ints, "
+                         f"got {value!r}")
+    return tuple(int(d) for d in dims)
+
+
+def _check_choice(where: str, name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{where}: {name} must be one of {choices}, got {value!r}")
+
+
+def _check_dtype(where: str, name: str, dtype) -> None:
+    if dtype is not None and jnp.dtype(dtype) not in _DTYPES:
+        raise ValueError(f"{where}: {name} must be bfloat16, float16, float32 or None, got {jnp.dtype(dtype).name}")
+
+
+def _check_param_dtype(where: str, dtype) -> None:
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"{where}: param_dtype must be a floating dtype, got {jnp.dtype(dtype).name}")
+
+
+def _check_config(where: str, config) -> None:
+    if config is not None and not isinstance(config, GemmRsConfig):
+        raise ValueError(f"{where}: config must be an entwine_jax.GemmRsConfig or None, got {type(config).__name__}")
+
+
+def _check_axes(where: str, name: str, axes, n: int) -> tuple:
+    if not isinstance(axes, (tuple, list)) or len(axes) != n or not all(a is None or isinstance(a, str) for a in axes):
+        raise ValueError(f"{where}: {name} must be a tuple of {n} logical axis names (str or None), got {axes!r}")
+    return tuple(axes)
+
+
+def _check_axis_name(where: str, axis_name) -> Any:
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not names or not all(isinstance(a, str) for a in names):
+        raise ValueError(f"{where}: axis_name must be a mesh axis name (str) or a tuple of them, got {axis_name!r}")
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else axis_name
+
+
+def _check_array(where: str, name: str, v) -> None:
+    if not (hasattr(v, "shape") and hasattr(v, "dtype")):
+        raise ValueError(f"{where}: {name} must be an array, got {type(v).__name__}")
+
+
+def _axis_size(axis_name) -> Optional[int]:
+    """The size of axis_name in the enclosing shard_map, or None when no shard_map binds it."""
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        return None
+
+
+def _bound_axis_size(where: str, axis_name) -> int:
+    size = _axis_size(axis_name)
+    if size is None:
+        raise ValueError(f"{where}: axis_name {axis_name!r} is not bound; call the layer inside jax.shard_map over a "
+                         "mesh with that axis")
+    return size
+
+
+def _compute_dtype(where: str, dtype, *arrays) -> jnp.dtype:
+    # Flax's rule: no dtype given -> the promoted dtype of inputs and parameters.
+    out = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*[a.dtype for a in arrays])
+    if out not in _DTYPES:
+        raise ValueError(f"{where}: the compute dtype must be bfloat16, float16 or float32 (set dtype=), got {out.name}")
+    return out
+
+
+def _flat_init(init: Initializer, n_in: int) -> Initializer:
+    """An initializer for a [*in, *out] kernel that draws it as the 2-D [prod(in), prod(out)] matrix
+    (so fan-in and fan-out count every contracted / produced dim, as flax's DenseGeneral does)."""
+    def wrapped(key, shape, dtype=jnp.float32):
+        flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
+        return jnp.reshape(init(key, flat, dtype), shape)
+    return wrapped
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional cores (shared by the NNX and Linen modules; usable on their own)
+# ----------------------------------------------------------------------------------------------
+
+def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = "rows", dtype=None,
+                        config: Optional[GemmRsConfig] = None, where: str = "row_parallel_linear"):
+    """Row-parallel linear on local shards, inside jax.shard_map: ``gemm_rs(x, kernel) + bias``.
+
+    x: ``[..., *in_local]``; kernel: ``[*in_local, out]`` (the contraction dims sharded over
+    ``axis_name``; ``kernel.ndim - 1`` trailing dims of x are contracted); bias: ``[out]`` or None,
+    replicated, added after the reduce-scatter. ``scatter="rows"``: output ``[rows/W, ..., out]``
+    (x's leading dim split); ``"hidden"``: ``[..., out/W]``. dtype: compute and output dtype
+    (default: promoted from x and kernel). config: passed to gemm_rs.
+    """
+    _check_choice(where, "scatter", scatter, _SCATTER)
+    _check_dtype(where, "dtype", dtype)
+    _check_config(where, config)
+    axis_name = _check_axis_name(where, axis_name)
+    _check_array(where, "x", x)
+    _check_array(where, "kernel", kernel)
+    if kernel.ndim < 2:
+        raise ValueError(f"{where}: kernel must have rank >= 2 ([*in_local, out]), got shape {tuple(kernel.shape)}")
+    n_in = kernel.ndim - 1
+    if x.ndim < n_in + 1:
+        raise ValueError(f"{where}: x must have rank >= {n_in + 1} (a row dim and {n_in} contracted dim(s)), got "
+                         f"shape {tuple(x.shape)}")
+    if tuple(x.shape[-n_in:]) != tuple(kernel.shape[:n_in]):
+        raise ValueError(f"{where}: the last {n_in} dim(s) of x must equal the kernel's contracted dims "
+                         f"{tuple(kernel.shape[:n_in])}, got x shape {tuple(x.shape)} (inside shard_map both are "
+                         f"local shards: x [..., in/W], kernel [in/W, out])")
+    world = _bound_axis_size(where, axis_name)
+    n_out = kernel.shape[-1]
+    dtype = _compute_dtype(where, dtype, x, kernel)
+    if scatter == "rows" and x.shape[0] % world:
+        raise ValueError(f"{where}: scatter='rows' splits x's leading dim over {axis_name!r} (size {world}); it must "
+                         f"be divisible by {world}, got x shape {tuple(x.shape)} (flatten [B, S, ...] to [B*S, ...] to "
+                         "split tokens)")
+    if scatter == "hidden" and n_out % world:
+        raise ValueError(f"{where}: scatter='hidden' splits the output features ({n_out}) over {axis_name!r}; they "
+                         f"must be divisible by its size {world}")
+    if bias is not None:
+        _check_array(where, "bias", bias)
+        if tuple(bias.shape) != (n_out,):
+            raise ValueError(f"{where}: bias must have shape ({n_out},) (all output features, replicated over "
+                             f"{axis_name!r}), got {tuple(bias.shape)}")
+    x2 = x.reshape(tuple(x.shape[:-n_in]) + (-1,)) if n_in > 1 else x
+    w2 = kernel.reshape(-1, n_out) if n_in > 1 else kernel
+    y = gemm_rs(x2.astype(dtype), w2.astype(dtype), axis_name=axis_name,
+                scatter_dimension=0 if scatter == "rows" else -1, config=config)
+    if bias is None:
+        return y
+    b = bias.astype(dtype)
+    if scatter == "hidden":
+        # This rank holds output features [r*n/W, (r+1)*n/W) (psum_scatter's tiled order).
+        shard = n_out // world
+        b = jax.lax.dynamic_slice_in_dim(b, jax.lax.axis_index(axis_name) * shard, shard)
+    # After the reduce-scatter: every output element gets the bias exactly once.
+    return y + b
+
+
+def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Optional[str] = None, dtype=None,
+                           where: str = "column_parallel_linear"):
+    """Column-parallel linear on local shards: ``x @ kernel + bias`` (plain XLA).
+
+    x: ``[..., in]`` (``gather="rows"``: ``[rows/W, ..., in]``, all-gathered over ``axis_name`` first;
+    ``gather="hidden"``: ``[..., in/W]``, likewise); kernel: ``[in, *out_local]`` (output dims
+    sharded over ``axis_name``); bias: ``kernel.shape[1:]`` or None. Output ``[..., *out_local]``.
+    """
+    _check_choice(where, "gather", gather, _GATHER)
+    _check_dtype(where, "dtype", dtype)
+    axis_name = _check_axis_name(where, axis_name)
+    _check_array(where, "x", x)
+    _check_array(where, "kernel", kernel)
+    if kernel.ndim < 2:
+        raise ValueError(f"{where}: kernel must have rank >= 2 ([in, *out_local]), got shape {tuple(kernel.shape)}")
+    if x.ndim < 1 or (gather == "rows" and x.ndim < 2):
+        raise ValueError(f"{where}: x must have rank >= {2 if gather == 'rows' else 1}, got shape {tuple(x.shape)}")
+    dtype = _compute_dtype(where, dtype, x, kernel)
+    if gather is not None:
+        _bound_axis_size(where, axis_name)
+        x = jax.lax.all_gather(x, axis_name, axis=0 if gather == "rows" else x.ndim - 1, tiled=True)
+    if x.shape[-1] != kernel.shape[0]:
+        raise ValueError(f"{where}: x.shape[-1] must equal kernel.shape[0] ({kernel.shape[0]}), got x shape "
+                         f"{tuple(x.shape)}{' after the all-gather' if gather else ''}")
+    if bias is not None:
+        _check_array(where, "bias", bias)
+        if tuple(bias.shape) != tuple(kernel.shape[1:]):
+            raise ValueError(f"{where}: bias must have the kernel's output shape {tuple(kernel.shape[1:])} (local "
+                             f"shard), got {tuple(bias.shape)}")
+    y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32).astype(dtype)
+    return y if bias is None else y + bias.astype(dtype)
+
+
+def _check_local_shards(where: str, axis_name, kernel_shape, expected_global, sharded_dim: int, what: str):
+    """Inside shard_map: the kernel must arrive with dim `sharded_dim` split over axis_name."""
+    world = _bound_axis_size(where, axis_name)
+    expected = list(expected_global)
+    if expected[sharded_dim] % world:
+        raise ValueError(f"{where}: {what} ({expected[sharded_dim]}) must be divisible by the size of {axis_name!r} "
+                         f"({world})")
+    expected[sharded_dim] //= world
+    if tuple(kernel_shape) != tuple(expected):
+        raise ValueError(f"{where}: the kernel arrived with local shape {tuple(kernel_shape)}, expected "
+                         f"{tuple(expected)} (global {tuple(expected_global)} with dim {sharded_dim} split over "
+                         f"{axis_name!r} of size {world}); build the shard_map in_specs with partition_specs(params, "
+                         "rules), whose rules map this kernel's sharded logical axis to the same mesh axis")
+
+
+# ----------------------------------------------------------------------------------------------
+# Flax NNX
+# ----------------------------------------------------------------------------------------------
+
+class RowParallelLinear(nnx.Module):
+    """Row-parallel linear (attention output / MLP down projection) over gemm_rs, Flax NNX.
+
+    Created at global shape: kernel ``[*in_features, out_features]`` with logical axes
+    ``kernel_axes`` (default ``("mlp", "embed")``; for ``in_features=(heads, head_dim)`` pass e.g.
+    ``("heads", "kv", "embed")``), bias ``[out_features]`` with ``bias_axes`` (default
+    ``(kernel_axes[-1],)``, replicated under the default rules). Called inside shard_map on local
+    shards: x ``[rows, ..., in_features[0]/W, *in_features[1:]]`` -> ``[rows/W, ..., out]``
+    (``scatter="rows"``) or ``[rows, ..., out/W]`` (``scatter="hidden"``). See the module docstring.
+    """
+
+    def __init__(self, in_features: Union[int, Sequence[int]], out_features: int, *, axis_name="tp",
+                 scatter: str = "rows", use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
+                 kernel_init: Initializer = default_kernel_init, bias_init: Initializer = default_bias_init,
+                 kernel_axes: Optional[Sequence[Optional[str]]] = None,
+                 bias_axes: Optional[Sequence[Optional[str]]] = None,
+                 config: Optional[GemmRsConfig] = None, rngs: nnx.Rngs):
+        where = type(self).__name__
+        self.in_features = _features(where, "in_features", in_features)
+        (self.out_features,) = _features(where, "out_features", out_features)
+        self.axis_name = _check_axis_name(where, axis_name)
+        _check_choice(where, "scatter", scatter, _SCATTER)
+        _check_choice(where, "use_bias", use_bias, (True, False))
+        _check_dtype(where, "dtype", dtype)
+        _check_param_dtype(where, param_dtype)
+        _check_config(where, config)
+        n_in = len(self.in_features)
+        if kernel_axes is None and n_in != 1:
+            raise ValueError(f"{where}: kernel_axes is required when in_features is a tuple ({self.in_features}); "
+                             "e.g. ('heads', 'kv', 'embed')")
+        self.kernel_axes = _check_axes(where, "kernel_axes", kernel_axes or ("mlp", "embed"), n_in + 1)
+        self.bias_axes = _check_axes(where, "bias_axes", bias_axes or self.kernel_axes[-1:], 1)
+        self.scatter, self.use_bias, self.dtype, self.param_dtype, self.config = (
+            scatter, use_bias, dtype, param_dtype, config)
+        init = nnx.with_partitioning(_flat_init(kernel_init, n_in), self.kernel_axes)
+        self.kernel = nnx.Param(init(rngs.params(), self.in_features + (self.out_features,), param_dtype))
+        self.bias: Optional[nnx.Param] = nnx.data(None)
+        if use_bias:
+            binit = nnx.with_partitioning(bias_init, self.bias_axes)
+            self.bias = nnx.Param(binit(rngs.params(), (self.out_features,), param_dtype))
+
+    def __call__(self, x):
+        where = type(self).__name__
+        kernel = self.kernel[...]
+        _check_local_shards(where, self.axis_name, kernel.shape, self.in_features + (self.out_features,), 0,
+                            "in_features[0]")
+        bias = self.bias[...] if self.bias is not None else None
+        return row_parallel_linear(x, kernel, bias, axis_name=self.axis_name, scatter=self.scatter, dtype=self.dtype,
+                                   config=self.config, where=where)
+
+
+class ColumnParallelLinear(nnx.Module):
+    """Column-parallel linear (MLP up/gate, q/k/v projections), plain XLA, Flax NNX.
+
+    Created at global shape: kernel ``[in_features, *out_features]`` with logical axes
+    ``kernel_axes`` (default ``("embed", "mlp")``; for ``out_features=(heads, head_dim)`` pass e.g.
+    ``("embed", "heads", "kv")``), bias ``out_features`` with ``bias_axes`` (default
+    ``kernel_axes[1:]``). Called inside shard_map: output ``[..., out_features[0]/W, ...]``;
+    ``gather="rows"`` / ``"hidden"`` all-gathers a row- / hidden-scattered input over
+    ``axis_name`` first (the inverse of RowParallelLinear's ``scatter``).
+    """
+
+    def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], *, axis_name="tp",
+                 gather: Optional[str] = None, use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
+                 kernel_init: Initializer = default_kernel_init, bias_init: Initializer = default_bias_init,
+                 kernel_axes: Optional[Sequence[Optional[str]]] = None,
+                 bias_axes: Optional[Sequence[Optional[str]]] = None, rngs: nnx.Rngs):
+        where = type(self).__name__
+        (self.in_features,) = _features(where, "in_features", in_features)
+        self.out_features = _features(where, "out_features", out_features)
+        self.axis_name = _check_axis_name(where, axis_name)
+        _check_choice(where, "gather", gather, _GATHER)
+        _check_choice(where, "use_bias", use_bias, (True, False))
+        _check_dtype(where, "dtype", dtype)
+        _check_param_dtype(where, param_dtype)
+        n_out = len(self.out_features)
+        if kernel_axes is None and n_out != 1:
+            raise ValueError(f"{where}: kernel_axes is required when out_features is a tuple ({self.out_features}); "
+                             "e.g. ('embed', 'heads', 'kv')")
+        self.kernel_axes = _check_axes(where, "kernel_axes", kernel_axes or ("embed", "mlp"), n_out + 1)
+        self.bias_axes = _check_axes(where, "bias_axes", bias_axes or self.kernel_axes[1:], n_out)
+        self.gather, self.use_bias, self.dtype, self.param_dtype = gather, use_bias, dtype, param_dtype
+        init = nnx.with_partitioning(_flat_init(kernel_init, 1), self.kernel_axes)
+        self.kernel = nnx.Param(init(rngs.params(), (self.in_features,) + self.out_features, param_dtype))
+        self.bias: Optional[nnx.Param] = nnx.data(None)
+        if use_bias:
+            binit = nnx.with_partitioning(_flat_init(bias_init, 0), self.bias_axes)
+            self.bias = nnx.Param(binit(rngs.params(), self.out_features, param_dtype))
+
+    def __call__(self, x):
+        where = type(self).__name__
+        kernel = self.kernel[...]
+        _check_local_shards(where, self.axis_name, kernel.shape, (self.in_features,) + self.out_features, 1,
+                            "out_features[0]")
+        bias = self.bias[...] if self.bias is not None else None
+        return column_parallel_linear(x, kernel, bias, axis_name=self.axis_name, gather=self.gather, dtype=self.dtype,
+                                      where=where)
+
+
+# ----------------------------------------------------------------------------------------------
+# Flax Linen
+# ----------------------------------------------------------------------------------------------
+
+def _linen_param(module: nn.Module, name: str, init: Initializer, axes, shape, param_dtype, where: str):
+    """self.param with logical partitioning; says which shard was expected when the stored one differs."""
+    if module.has_variable("params", name):
+        stored = flax_meta.unbox(module.get_variable("params", name))
+        if tuple(stored.shape) != tuple(shape):
+            raise ValueError(f"{where}: parameter {name!r} arrived with shape {tuple(stored.shape)}, expected "
+                             f"{tuple(shape)} for this input (inside shard_map: the local shard); build the shard_map "
+                             "in_specs with partition_specs(params, rules)")
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, param_dtype)
+
+
+class RowParallelDense(nn.Module):
+    """Row-parallel linear over gemm_rs, Flax Linen (the NNX RowParallelLinear's twin).
+
+    ``features``: output features. The last ``contract_dims`` dims of x are contracted (2 for an
+    attention output ``[T, heads, head_dim]``, with ``kernel_axes=("heads", "kv", "embed")``).
+    ``init`` it outside shard_map on the global input (the kernel then has global shape
+    ``[*in, features]``; gemm_rs is skipped while initializing with an unbound axis), ``apply`` it
+    inside shard_map with the parameters placed by ``partition_specs(params, rules)``.
+    """
+    features: int
+    axis_name: Any = "tp"
+    scatter: str = "rows"
+    contract_dims: int = 1
+    use_bias: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+    kernel_axes: Optional[Sequence[Optional[str]]] = None
+    bias_axes: Optional[Sequence[Optional[str]]] = None
+    config: Optional[GemmRsConfig] = None
+
+    @nn.compact
+    def __call__(self, x):
+        where = type(self).__name__
+        (features,) = _features(where, "features", self.features)
+        (n_in,) = _features(where, "contract_dims", self.contract_dims)
+        axis_name = _check_axis_name(where, self.axis_name)
+        _check_choice(where, "scatter", self.scatter, _SCATTER)
+        _check_choice(where, "use_bias", self.use_bias, (True, False))
+        _check_dtype(where, "dtype", self.dtype)
+        _check_param_dtype(where, self.param_dtype)
+        _check_config(where, self.config)
+        _check_array(where, "x", x)
+        if x.ndim < n_in + 1:
+            raise ValueError(f"{where}: x must have rank >= {n_in + 1} (contract_dims={n_in}), got shape "
+                             f"{tuple(x.shape)}")
+        if self.kernel_axes is None and n_in != 1:
+            raise ValueError(f"{where}: kernel_axes is required when contract_dims={n_in}; e.g. ('heads', 'kv', 'embed')")
+        kernel_axes = _check_axes(where, "kernel_axes", self.kernel_axes or ("mlp", "embed"), n_in + 1)
+        bias_axes = _check_axes(where, "bias_axes", self.bias_axes or kernel_axes[-1:], 1)
+        # The kernel's declared shape follows x: global at init (outside shard_map), local inside.
+        kernel = _linen_param(self, "kernel", _flat_init(self.kernel_init, n_in), kernel_axes,
+                              tuple(x.shape[-n_in:]) + (features,), self.param_dtype, where)
+        bias = (_linen_param(self, "bias", self.bias_init, bias_axes, (features,), self.param_dtype, where)
+                if self.use_bias else None)
+        if self.is_initializing() and _axis_size(axis_name) is None:
+            # init outside shard_map: the unsharded math (W = 1), only to give init an output.
+            flat_x = x.reshape(tuple(x.shape[:-n_in]) + (-1,))
+            y = column_parallel_linear(flat_x, kernel.reshape(-1, features), bias, dtype=self.dtype, where=where)
+            return y
+        return row_parallel_linear(x, kernel, bias, axis_name=axis_name, scatter=self.scatter, dtype=self.dtype,
+                                   config=self.config, where=where)
+
+
+class ColumnParallelDense(nn.Module):
+    """Column-parallel linear, plain XLA, Flax Linen (the NNX ColumnParallelLinear's twin).
+
+    ``features``: global output features (int or tuple, e.g. ``(heads, head_dim)`` with
+    ``kernel_axes=("embed", "heads", "kv")``); inside shard_map the kernel is
+    ``[in, features[0]/W, ...]``. ``gather`` as in ColumnParallelLinear.
+    """
+    features: Union[int, Sequence[int]]
+    axis_name: Any = "tp"
+    gather: Optional[str] = None
+    use_bias: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+    kernel_axes: Optional[Sequence[Optional[str]]] = None
+    bias_axes: Optional[Sequence[Optional[str]]] = None
+
+    @nn.compact
+    def __call__(self, x):
+        where = type(self).__name__
+        features = _features(where, "features", self.features)
+        axis_name = _check_axis_name(where, self.axis_name)
+        _check_choice(where, "gather", self.gather, _GATHER)
+        _check_choice(where, "use_bias", self.use_bias, (True, False))
+        _check_dtype(where, "dtype", self.dtype)
+        _check_param_dtype(where, self.param_dtype)
+        _check_array(where, "x", x)
+        if self.kernel_axes is None and len(features) != 1:
+            raise ValueError(f"{where}: kernel_axes is required when features is a tuple ({features}); e.g. "
+                             "('embed', 'heads', 'kv')")
+        kernel_axes = _check_axes(where, "kernel_axes", self.kernel_axes or ("embed", "mlp"), len(features) + 1)
+        bias_axes = _check_axes(where, "bias_axes", self.bias_axes or kernel_axes[1:], len(features))
+        world = _axis_size(axis_name)
+        gather = self.gather
+        if world is None and self.is_initializing():
+            world, gather = 1, None  # init outside shard_map: global shapes, nothing to gather
+        elif world is None:
+            raise ValueError(f"{where}: axis_name {axis_name!r} is not bound; apply the layer inside jax.shard_map "
+                             "over a mesh with that axis")
+        if features[0] % world:
+            raise ValueError(f"{where}: features[0] ({features[0]}) must be divisible by the size of {axis_name!r} "
+                             f"({world})")
+        local = (features[0] // world,) + features[1:]
+        in_features = x.shape[-1] * (world if gather == "hidden" else 1)
+        kernel = _linen_param(self, "kernel", _flat_init(self.kernel_init, 1), kernel_axes, (in_features,) + local,
+                              self.param_dtype, where)
+        bias = (_linen_param(self, "bias", _flat_init(self.bias_init, 0), bias_axes, local, self.param_dtype, where)
+                if self.use_bias else None)
+        return column_parallel_linear(x, kernel, bias, axis_name=axis_name, gather=gather, dtype=self.dtype,
+                                      where=where)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logical axes -> PartitionSpecs
+# ----------------------------------------------------------------------------------------------
+
+def _rules_dict(rules) -> dict:
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    out: dict = {}
+    try:
+        for logical, mesh_axes in items:
+            if not isinstance(logical, str) or not (
+                    mesh_axes is None or isinstance(mesh_axes, str)
+                    or (isinstance(mesh_axes, tuple) and all(isinstance(a, str) for a in mesh_axes))):
+                raise TypeError
+            out.setdefault(logical, mesh_axes)  # first match wins, as in flax
+    except (TypeError, ValueError):
+        raise ValueError("partition_specs: rules must be a mapping or a sequence of (logical axis name, mesh axis "
+                         f"name | tuple of names | None) pairs, got {rules!r}") from None
+    return out
+
+
+def partition_specs(tree, rules=DEFAULT_LOGICAL_AXIS_RULES):
+    """PartitionSpecs for the parameters in `tree`, from their logical-axis metadata and `rules`.
+
+    tree: an NNX ``State`` (``nnx.split(model)[1]``, ``nnx.state(model)``), a Linen variables /
+    params dict as ``init`` returns it (with ``LogicallyPartitioned`` boxes), or any pytree of
+    these and plain arrays. Returns a tree that is a prefix of `tree` (each annotated variable or
+    box replaced by its ``PartitionSpec``; plain arrays: ``P()``, replicated), ready as the
+    ``in_specs`` / ``out_specs`` of ``jax.shard_map`` and for ``NamedSharding``.
+
+    rules: ``(logical name, mesh axis | tuple of mesh axes | None)`` pairs or a dict (first match
+    wins); default ``DEFAULT_LOGICAL_AXIS_RULES``. Every logical name in use must have a rule, so a
+    typo cannot silently replicate a parameter. Linen ``nn.Partitioned`` boxes (mesh axes already)
+    are taken as they are. The flax-native equivalents: ``nnx.get_partition_spec(state)`` under
+    ``nnx.logical_axis_rules(rules)``, and ``nn.logical_to_mesh(nn.get_partition_spec(variables), rules)``.
+    """
+    table = _rules_dict(rules)
+
+    def spec(path, leaf):
+        where = jax.tree_util.keystr(path) or "<root>"
+        if isinstance(leaf, nnx.Variable):
+            names = leaf.get_metadata().get("out_sharding")
+            logical = True
+        elif isinstance(leaf, nn.LogicallyPartitioned):
+            names, logical = leaf.names, True
+        elif isinstance(leaf, flax_meta.Partitioned):
+            names, logical = leaf.names, False
+        elif hasattr(leaf, "shape"):
+            return P()
+        else:
+            return None
+        if not names:
+            return P()
+        names = tuple(names.spec if isinstance(names, jax.sharding.NamedSharding) else names)
+        if not logical:
+            return P(*names)
+        missing = [n for n in names if n is not None and n not in table]
+        if missing:
+            raise ValueError(f"partition_specs: {where} has logical axes {names}; no rule for {missing} (rules: "
+                             f"{table})")
+        mesh_axes = [table[n] if n is not None else None for n in names]
+        used = [a for m in mesh_axes if m is not None for a in (m if isinstance(m, tuple) else (m,))]
+        if len(used) != len(set(used)):
+            raise ValueError(f"partition_specs: {where} has logical axes {names}, which the rules map to {mesh_axes}: "
+                             "a mesh axis may shard only one dim")
+        return P(*mesh_axes)
+
+    is_leaf = lambda v: isinstance(v, (nnx.Variable, flax_meta.AxisMetadata))
+    return jax.tree_util.tree_map_with_path(spec, tree, is_leaf=is_leaf)

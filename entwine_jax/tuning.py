@@ -1,0 +1,504 @@
+# Tuned configs: the table gemm_rs consults between a user override and heuristic_config (the user
+# cache written by tune(), then the shipped tuned_configs.json), and tune(), which fills the cache by
+# timing candidate configs of the fused op end to end on a live mesh.
+"""Tuned GemmRsConfigs: lookup (used by ``gemm_rs`` at trace time) and ``tune()``.
+
+Selection order of a gemm_rs call (DESIGN.md, "Configuration"):
+
+1. ``config=`` or ``set_default_config``          -> source "override"
+2. the user cache (``ENTWINE_TUNE_CACHE``, default ``~/.cache/entwine_jax/tuned.json``)
+                                                  -> source "tuned (user cache)"
+3. the shipped ``entwine_jax/tuned_configs.json`` -> source "tuned (shipped)"
+4. ``heuristic_config``                           -> source "heuristic"
+
+Entries are keyed by (device_kind, world, m, n, k_local, dtype): ``device_kind`` is
+``jax.devices()[0].device_kind`` (e.g. "NVIDIA H200"), ``m`` the rows of x as gemm_rs sees them
+(``prod(x.shape[:-1])``, before the scatter), ``k_local = x.shape[-1]``, ``n = w.shape[1]``,
+``world`` the size of the scatter axis and ``dtype`` the dtype name ("bfloat16", "float16").
+
+Device classes: an entry may also carry ``device_class`` (``"hopper-<SMs>sm"``: compute capability
+9.0 with that many SMs, e.g. "hopper-132sm" for H100 SXM and H200). A GPU with no entry under its
+own ``device_kind`` (in either file) uses an entry of its class: same kernels, same SM split
+(``producer_sms = SMs - consumer_grid``), same NVLink generation. Exact matches always win; such a
+match is reported as e.g. "tuned (shipped) via hopper-132sm".
+
+Files are JSON: ``{"format": 1, ..., "entries": [{device_kind, device_class?, world, m, n, k_local,
+dtype, config: {GemmRsConfig fields}, ms, provenance}, ...]}``. An unreadable file or entry is
+skipped with a warning (logged once); it never breaks gemm_rs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import pathlib
+import sys
+import tempfile
+import threading
+from typing import Any, Iterable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entwine_jax import _log
+from entwine_jax.config import GemmRsConfig, _sm_count, heuristic_config
+
+FORMAT = 1
+SHIPPED_PATH = pathlib.Path(__file__).with_name("tuned_configs.json")
+DEFAULT_CACHE_PATH = pathlib.Path("~/.cache/entwine_jax/tuned.json")
+
+SOURCE_OVERRIDE = "override"
+SOURCE_USER = "tuned (user cache)"
+SOURCE_SHIPPED = "tuned (shipped)"
+SOURCE_HEURISTIC = "heuristic"
+
+_DTYPE_NAMES = ("bfloat16", "float16")
+_KEY_FIELDS = ("device_kind", "world", "m", "n", "k_local", "dtype")
+# Same bound as bench.py: relative Frobenius error vs the XLA reference (DESIGN.md).
+_TOL = 1e-2
+_FUSED_TARGET = "entwine_gemm_rs"
+
+
+def cache_path() -> pathlib.Path:
+    """The user cache: $ENTWINE_TUNE_CACHE, else ~/.cache/entwine_jax/tuned.json."""
+    return pathlib.Path(os.environ.get("ENTWINE_TUNE_CACHE") or DEFAULT_CACHE_PATH).expanduser()
+
+
+def device_class(device) -> Optional[str]:
+    """"hopper-<SMs>sm" for a compute capability 9.0 GPU, else None (no class fallback)."""
+    cc = str(getattr(device, "compute_capability", ""))
+    cores = getattr(device, "core_count", None)
+    if getattr(device, "platform", None) == "gpu" and cc == "9.0" and cores:
+        return f"hopper-{int(cores)}sm"
+    return None
+
+
+def current_device() -> tuple[str, Optional[str]]:
+    """(device_kind, device_class) of jax.devices()[0], the GPU gemm_rs's lookup is keyed by."""
+    device = jax.devices()[0]
+    return str(device.device_kind), device_class(device)
+
+
+# --- Reading tables -------------------------------------------------------------------------------
+
+
+def _key(entry: dict) -> tuple:
+    return tuple(entry[f] for f in _KEY_FIELDS)
+
+
+def _parse_entry(entry: Any) -> tuple[tuple, Optional[str], GemmRsConfig]:
+    """(key, device_class, config) of one entry; ValueError naming what is wrong."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"entry must be an object, got {type(entry).__name__}")
+    missing = [f for f in _KEY_FIELDS + ("config",) if f not in entry]
+    if missing:
+        raise ValueError(f"entry lacks {missing}")
+    if not isinstance(entry["device_kind"], str):
+        raise ValueError(f"device_kind must be a string, got {entry['device_kind']!r}")
+    for f in ("world", "m", "n", "k_local"):
+        if isinstance(entry[f], bool) or not isinstance(entry[f], int) or entry[f] < 1:
+            raise ValueError(f"{f} must be an int >= 1, got {entry[f]!r}")
+    if entry["dtype"] not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {_DTYPE_NAMES}, got {entry['dtype']!r}")
+    cls = entry.get("device_class")
+    if cls is not None and not isinstance(cls, str):
+        raise ValueError(f"device_class must be a string or absent, got {cls!r}")
+    if not isinstance(entry["config"], dict):
+        raise ValueError(f"config must be an object of GemmRsConfig fields, got {entry['config']!r}")
+    try:
+        config = GemmRsConfig(**entry["config"])
+    except TypeError as e:  # unknown field names
+        raise ValueError(f"config {entry['config']!r}: {e}") from None
+    return _key(entry), cls, config
+
+
+@dataclasses.dataclass
+class _Table:
+    exact: dict  # key -> config
+    by_class: dict  # (device_class,) + key[1:] -> (config, device_kind)
+
+
+_tables: dict[str, tuple[tuple, _Table]] = {}
+_tables_lock = threading.Lock()
+
+
+def _read_document(path: pathlib.Path) -> dict:
+    """The parsed file; ValueError when it is not a table of this format."""
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), list):
+        raise ValueError(f"expected an object with \"format\": {FORMAT} and an \"entries\" list")
+    return doc
+
+
+def _load(path: pathlib.Path) -> Optional[_Table]:
+    """The table in `path` (None if absent), re-read only when the file changes."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    # A new inode (os.replace) or size or mtime: tune() in this process is seen by the next trace.
+    signature = (st.st_ino, st.st_size, st.st_mtime_ns)
+    with _tables_lock:
+        cached = _tables.get(str(path))
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+    table = _Table({}, {})
+    try:
+        entries = _read_document(path)["entries"]
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        _log.log_once(("tuned-file", str(path), signature), logging.WARNING,
+                      "tuned configs %s ignored: %s", path, e)
+        entries = []
+    for i, entry in enumerate(entries):
+        try:
+            key, cls, config = _parse_entry(entry)
+        except ValueError as e:
+            _log.log_once(("tuned-entry", str(path), signature, i), logging.WARNING,
+                          "tuned configs %s: entry %d ignored: %s", path, i, e)
+            continue
+        table.exact[key] = config
+        if cls is not None:
+            # First entry of a class wins: a file lists one GPU's measurements per class.
+            table.by_class.setdefault((cls,) + key[1:], (config, key[0]))
+    with _tables_lock:
+        _tables[str(path)] = (signature, table)
+    return table
+
+
+def lookup(m: int, n: int, k: int, world: int, dtype, *, device_kind: Optional[str] = None,
+           device_cls: Optional[str] = None) -> Optional[tuple[GemmRsConfig, str]]:
+    """(config, source) of the tuned entry for this call, or None.
+
+    device_kind/device_cls default to current_device(). Order: user cache then shipped file by
+    exact device_kind, then user cache then shipped file by device class.
+    """
+    if device_kind is None:
+        device_kind, device_cls = current_device()
+    name = jnp.dtype(dtype).name
+    key = (device_kind, int(world), int(m), int(n), int(k), name)
+    tables = [(_load(cache_path()), SOURCE_USER), (_load(SHIPPED_PATH), SOURCE_SHIPPED)]
+    for table, source in tables:
+        if table is not None and key in table.exact:
+            return table.exact[key], source
+    if device_cls is not None:
+        for table, source in tables:
+            hit = table.by_class.get((device_cls,) + key[1:]) if table is not None else None
+            if hit is not None:
+                return hit[0], f"{source} via {device_cls}"
+    return None
+
+
+def select_config(m: int, n: int, k: int, world: int, dtype) -> tuple[GemmRsConfig, str]:
+    """(config, source) for a call without an override: tuned table, else heuristic_config."""
+    try:
+        hit = lookup(m, n, k, world, dtype)
+    except Exception as e:  # a broken table must never take gemm_rs down
+        _log.log_once(("tuned-lookup", type(e).__name__, str(e)), logging.WARNING,
+                      "tuned config lookup failed (%s: %s); using heuristic_config", type(e).__name__, e)
+        hit = None
+    if hit is not None:
+        return hit
+    return heuristic_config(m, n, k, world, dtype), SOURCE_HEURISTIC
+
+
+# --- Writing the user cache -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+    """Exclusive lock on `path`.lock so that concurrent tune() runs merge instead of losing entries."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: atomic replace alone (a concurrent writer's entries may be lost)
+        yield
+        return
+    with open(str(path) + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def write_cache(entries: Iterable[dict], path=None) -> pathlib.Path:
+    """Merge `entries` into the cache file (same key: replaced) with an atomic write; returns the path.
+
+    Entries already in the file under other keys are kept as they are. An unreadable file is
+    replaced (warning). The new file is written next to the old one and renamed over it, so a
+    reader (or a crash) never sees a half-written table.
+    """
+    path = pathlib.Path(path).expanduser() if path is not None else cache_path()
+    new = list(entries)
+    for entry in new:
+        _parse_entry(entry)  # never write what the lookup would refuse
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(path):
+        merged: dict = {}
+        if path.exists():
+            try:
+                for entry in _read_document(path)["entries"]:
+                    if isinstance(entry, dict) and all(f in entry for f in _KEY_FIELDS):
+                        merged[repr(_key(entry))] = entry
+            except (OSError, ValueError) as e:
+                _log.logger.warning("tuned config cache %s was unreadable (%s); writing a new one", path, e)
+        for entry in new:
+            merged[repr(_key(entry))] = entry
+        doc = {"format": FORMAT,
+               "about": "entwine_jax user cache of tuned GemmRsConfigs, written by entwine_jax.tune(); "
+                        "see entwine_jax/tuning.py for the key and the selection order",
+               "entries": sorted(merged.values(), key=lambda e: tuple(str(v) for v in _key(e)))}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    return path
+
+
+# --- tune() -----------------------------------------------------------------------------------------
+
+
+def _config_dict(config: GemmRsConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Optional[int] = None) -> list:
+    """GEMM block x budget x consumer block for one shape: at most 17 configs, heuristic first.
+
+    block_n in {128, 256} x consumer_grid in {8, 16, 24, 32} x consumer_block in {256, 512}, with the
+    producer persistent on the SMs the consumer leaves (measured 1.1-1.25x faster than one CTA per
+    block at every shape on H200, PERF.md v4, so producer_sms = 0 is not tried by default). A budget
+    above the blocks of the local partition would only idle: capped like the heuristic, duplicates
+    dropped. The heuristic's own pick is always tried, so the winner is never worse than it.
+    """
+    sms = sm_count or _sm_count()
+    out = [heuristic_config(m, n, k, world, dtype)]
+    for block_n in (256, 128):
+        blocks = max(1, -(-m // world // 128) * -(-n // block_n))
+        for consumer_grid in (8, 16, 24, 32):
+            grid = min(consumer_grid, blocks)
+            for consumer_block in (512, 256):
+                c = GemmRsConfig(block_n=block_n, producer_sms=max(1, sms - grid), consumer_grid=grid,
+                                 consumer_block=consumer_block, raster_rows=8)
+                if c not in out:
+                    out.append(c)
+    return out
+
+
+def _candidates(m, n, k, world, dtype, candidates) -> list:
+    if candidates is None:
+        return default_candidates(m, n, k, world, dtype)
+    out = []
+    for c in candidates:
+        if isinstance(c, GemmRsConfig):
+            config = c
+        elif isinstance(c, dict):
+            # Overrides on the heuristic (as bench --configs); a budget alone moves the producer too.
+            fields = dict(c)
+            if "consumer_grid" in fields and "producer_sms" not in fields:
+                fields["producer_sms"] = max(1, _sm_count() - int(fields["consumer_grid"]))
+            try:
+                config = dataclasses.replace(heuristic_config(m, n, k, world, dtype), **fields)
+            except TypeError as e:
+                raise ValueError(f"tune: candidate {c!r}: {e}") from None
+        else:
+            raise ValueError(f"tune: candidates must be GemmRsConfigs or dicts of GemmRsConfig fields, got "
+                             f"{type(c).__name__}")
+        if config.path == "xla":
+            raise ValueError(f"tune: candidate {config} has path='xla': tuning times the fused op only")
+        config = dataclasses.replace(config, path="auto")
+        if config not in out:
+            out.append(config)
+    if not out:
+        raise ValueError("tune: candidates is empty")
+    return out
+
+
+def _axis_size(mesh, axis_name) -> int:
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    names = tuple(getattr(mesh, "axis_names", ()))
+    missing = [a for a in axes if a not in names]
+    if missing:
+        raise ValueError(f"tune: axis {missing[0]!r} is not an axis of the mesh (axes {names})")
+    return math.prod(int(mesh.shape[a]) for a in axes)
+
+
+def _check_shapes(shapes, world: int) -> list:
+    out = []
+    for s in shapes:
+        if (not isinstance(s, (tuple, list)) or len(s) != 3
+                or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in s)):
+            raise ValueError(f"tune: shapes must be (M, N, K_local) tuples of positive ints, got {s!r}")
+        m, n, k = (int(v) for v in s)
+        if m % world:
+            raise ValueError(f"tune: shape {(m, n, k)}: M={m} (rows of the local x) must be divisible by the "
+                             f"axis size {world}")
+        out.append((m, n, k))
+    if not out:
+        raise ValueError("tune: shapes is empty")
+    return out
+
+
+def _unavailable(fused, mesh, axis_name, world, shape, dtype, config) -> Optional[str]:
+    m, n, k = shape
+    with jax.set_mesh(mesh):
+        return fused.unavailable_reason(jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype),
+                                        axis_name=axis_name, axis_size=world, scatter_dimension=0, config=config)
+
+
+def _inputs(mesh, axis_name, shape, world, dtype, seed):
+    """Global x [M, W*K] and w [W*K, N] sharded on K; normal values (not zeros), outputs O(1)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    m, n, k = shape
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.jit(lambda key: jax.random.normal(key, (m, world * k), jnp.float32).astype(dtype),
+                out_shardings=NamedSharding(mesh, P(None, axis_name)))(kx)
+    # fp16 must not overflow at large K: scale w so that each output is ~N(0, 1).
+    w = jax.jit(lambda key: (jax.random.normal(key, (world * k, n), jnp.float32) / math.sqrt(world * k)).astype(dtype),
+                out_shardings=NamedSharding(mesh, P(axis_name, None)))(kw)
+    return x, w
+
+
+def _compile(mesh, axis_name, fn, x, w):
+    """(lowered text, compiled) of shard_map(fn) over axis_name, traced under the concrete mesh."""
+    from jax.sharding import PartitionSpec as P
+    f = jax.shard_map(fn, mesh=mesh, in_specs=(P(None, axis_name), P(axis_name, None)), out_specs=P(axis_name))
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(f).lower(x, w)
+        return lowered.as_text(), lowered.compile()
+
+
+def _build(mesh, axis_name, config, x, w):
+    """(compiled gemm_rs with `config`, None) or (None, why it would not run the fused kernels)."""
+    from entwine_jax.ops import gemm_rs
+    text, compiled = _compile(mesh, axis_name, lambda x, w: gemm_rs(x, w, axis_name=axis_name, config=config), x, w)
+    # The FFI target in the lowered program is the proof that the fused kernels run, not XLA.
+    if _FUSED_TARGET not in text:
+        return None, f"{_FUSED_TARGET} not in the lowered program (XLA fallback)"
+    return compiled, None
+
+
+_rel_err = jax.jit(lambda a, b: jnp.sqrt(jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                                         / jnp.sum(jnp.square(b.astype(jnp.float32)))))
+
+
+def _max_over_processes(values: list) -> list:
+    """Per-candidate max over processes (DESIGN.md: max over ranks of the median); NaN = skipped."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float64)))
+    return [float(v) for v in np.max(gathered.reshape(jax.process_count(), -1), axis=0)]
+
+
+def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: int = 50, warmup: int = 10,
+         cache_path=None) -> dict:
+    """Time candidate configs of the fused gemm_rs on `mesh` and store each shape's winner.
+
+    shapes:     (M, N, K_local) per call: M rows of x as gemm_rs sees them (before the scatter),
+                K_local = x.shape[-1], N = w.shape[1]; the world W is the size of `axis_name`.
+    candidates: GemmRsConfigs, or dicts of GemmRsConfig fields applied on heuristic_config (a
+                consumer_grid without producer_sms sets producer_sms = SMs - consumer_grid);
+                default: default_candidates() per shape (GEMM block x budget x consumer block).
+    iters, warmup: timed calls (median of batches of back-to-back dispatches, as bench.py) and
+                warm-ups per candidate.
+    cache_path: the user cache to merge the winners into (default: cache_path()).
+
+    Each candidate is checked once against the XLA reference (relative error <= 1e-2); a wrong
+    one, or one that would not run the fused kernels, is skipped with a warning. Returns
+    {(M, N, K_local): (best GemmRsConfig or None, its ms or None, [{"config", "ms", "rel_err",
+    "skipped"}, ...])}. Raises RuntimeError, with fused.unavailable_reason's words, when the fused
+    path cannot run on this mesh (CPU, no extension, ...): tuning the XLA fallback means nothing.
+
+    Multi-process: every process must call tune() with the same arguments (and environment), so
+    that all run the same candidates in the same order (each is a collective program); times are
+    the max over processes, so every process picks the same winner; only process 0 writes the
+    cache. Other hosts read their own cache: point ENTWINE_TUNE_CACHE at a shared file, or copy
+    it, since every rank must pick the same config. Functions already traced keep their config.
+    """
+    from entwine_jax import ops
+    from entwine_jax.bench import time_ms
+
+    world = _axis_size(mesh, axis_name)
+    shapes = _check_shapes(shapes, world)
+    dtype = jnp.dtype(dtype)
+    if dtype.name not in _DTYPE_NAMES:
+        raise ValueError(f"tune: dtype must be bfloat16 or float16 (the fused kernels' dtypes), got {dtype}")
+    for name, value, lo in (("iters", iters, 1), ("warmup", warmup, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"tune: {name} must be an int >= {lo}, got {value!r}")
+    per_shape = {s: _candidates(*s, world, dtype, candidates) for s in shapes}
+    fused, err = ops._fused_module()
+    if fused is None:
+        raise RuntimeError(f"entwine_jax.tune: the fused path cannot run: entwine_jax.fused not importable ({err})")
+    # Refuse before any timing: every shape must be able to take the fused path on this mesh.
+    for shape in shapes:
+        reason = _unavailable(fused, mesh, axis_name, world, shape, dtype, per_shape[shape][0])
+        if reason is not None:
+            raise RuntimeError(f"entwine_jax.tune: the fused path cannot run shape (M, N, K_local)={shape} on this "
+                               f"mesh: {reason}; refusing to tune the XLA fallback")
+
+    first = mesh.devices.flat[0]
+    kind, cls = str(first.device_kind), device_class(first)
+    batch = min(10, iters)
+    results, entries = {}, []
+    for i, shape in enumerate(shapes):
+        x, w = _inputs(mesh, axis_name, shape, world, dtype, seed=i)
+        ref = _compile(mesh, axis_name, lambda x, w: ops.gemm_rs(x, w, axis_name=axis_name,
+                                                                  config=GemmRsConfig(path="xla")), x, w)[1](x, w)
+        trials = []
+        for config in per_shape[shape]:
+            trial = {"config": config, "ms": None, "rel_err": None, "skipped": None}
+            trials.append(trial)
+            compiled, trial["skipped"] = None, _unavailable(fused, mesh, axis_name, world, shape, dtype, config)
+            if trial["skipped"] is None:
+                compiled, trial["skipped"] = _build(mesh, axis_name, config, x, w)
+            if compiled is not None:
+                trial["rel_err"] = float(_rel_err(compiled(x, w), ref))
+                if not trial["rel_err"] <= _TOL:  # NaN too
+                    trial["skipped"] = f"wrong result: relative error {trial['rel_err']:.3g} > {_TOL}"
+                else:
+                    trial["ms"] = time_ms(compiled, (x, w), iters, warmup, batch)
+            if trial["skipped"]:
+                _log.logger.warning("tune %s %s: %s skipped: %s", kind, shape, config, trial["skipped"])
+        ms = _max_over_processes([t["ms"] if t["ms"] is not None else math.nan for t in trials])
+        for trial, value in zip(trials, ms):
+            trial["ms"] = None if math.isnan(value) else value
+        timed = [t for t in trials if t["ms"] is not None]
+        if not timed:
+            _log.logger.error("tune %s %s: no candidate ran the fused kernels correctly; nothing stored", kind, shape)
+            results[shape] = (None, None, trials)
+            continue
+        best = min(timed, key=lambda t: t["ms"])
+        results[shape] = (best["config"], best["ms"], trials)
+        m, n, k = shape
+        entry = {"device_kind": kind, "world": world, "m": m, "n": n, "k_local": k, "dtype": dtype.name,
+                 "config": _config_dict(best["config"]), "ms": round(best["ms"], 4),
+                 "provenance": {
+                     "machine": f"{world} x {kind}, {jax.process_count()} process(es)",
+                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "command": f"entwine_jax.tune(shapes={shapes}, dtype={dtype.name}, iters={iters}, "
+                                f"warmup={warmup}, {len(trials)} candidates) in: {' '.join(sys.argv)}",
+                     "jax": jax.__version__,
+                     "method": "median end-to-end latency of the fused op, max over processes"}}
+        if cls is not None:
+            entry["device_class"] = cls
+        entries.append(entry)
+    if entries and jax.process_index() == 0:
+        written = write_cache(entries, cache_path)
+        _log.logger.info("tune: %d winner(s) written to %s", len(entries), written)
+    return results

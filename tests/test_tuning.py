@@ -1,0 +1,352 @@
+# Tuned configs: the shipped table, lookup keys and device classes, the selection order seen through
+# gemm_rs (override > user cache > shipped > heuristic, with the ENTWINE_PRINT_CONFIG label), the
+# cache writer (merge, atomic), and tune(): refused where the fused path cannot run, and its loop
+# (candidates, reference check, winner, cache) on CPU with the fused build stubbed.
+import dataclasses
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import entwine_jax
+from entwine_jax import GemmRsConfig, gemm_rs, heuristic_config, ops, set_default_config, tuning
+
+H200 = ("NVIDIA H200", "hopper-132sm")
+TUNED = GemmRsConfig(block_n=128, producer_sms=100, consumer_grid=32, consumer_block=256, raster_rows=4)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """Every test: an empty user cache and an empty shipped table in tmp_path, unless it says otherwise."""
+    monkeypatch.setenv("ENTWINE_TUNE_CACHE", str(tmp_path / "user" / "tuned.json"))
+    monkeypatch.setattr(tuning, "SHIPPED_PATH", tmp_path / "shipped.json")
+
+
+def entry(config=TUNED, device_kind="NVIDIA H200", world=2, m=32, n=16, k=64, dtype="bfloat16", **extra):
+    return dict(device_kind=device_kind, world=world, m=m, n=n, k_local=k, dtype=dtype,
+                config=config if isinstance(config, dict) else dataclasses.asdict(config), **extra)
+
+
+def write_table(path, entries):
+    path.write_text(json.dumps({"format": 1, "entries": entries}))
+
+
+def use_device(monkeypatch, device=H200):
+    monkeypatch.setattr(tuning, "current_device", lambda: device)
+
+
+def run(world=2, x_shape=(32, 64), n=16, dtype=jnp.bfloat16, **kwargs):
+    """gemm_rs on `world` CPU devices: x [..., K] sharded on K; returns (y, exact)."""
+    mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, x_shape, jnp.float32).astype(dtype)
+    w = jax.random.normal(kw, (x_shape[-1], n), jnp.float32).astype(dtype)
+    f = jax.jit(jax.shard_map(lambda x, w: gemm_rs(x, w, axis_name="tp", **kwargs), mesh=mesh,
+                              in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp")))
+    with jax.set_mesh(mesh):
+        y = f(jax.device_put(x, P(None, "tp")), jax.device_put(w, P("tp", None)))
+    return np.asarray(y, np.float64), np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+# --- The shipped table --------------------------------------------------------------------------
+
+
+def test_shipped_table_parses_and_validates(monkeypatch):
+    monkeypatch.undo()  # the real shipped file
+    doc = json.loads(tuning.SHIPPED_PATH.read_text())
+    assert doc["format"] == tuning.FORMAT and "W=4 and W=8" in doc["coverage"]
+    keys = set()
+    for e in doc["entries"]:
+        key, cls, config = tuning._parse_entry(e)
+        assert key not in keys
+        keys.add(key)
+        assert cls == "hopper-132sm" and e["provenance"]["date"] and e["provenance"]["command"]
+        assert e["provenance"]["machine"].startswith("2 x NVIDIA H200")
+        # fp16 is inferred from bf16 and says so.
+        assert e["measured"] == (e["dtype"] == "bfloat16")
+        if e["dtype"] == "float16":
+            assert "not measured" in e["note"]
+        assert (config.block_n, config.consumer_block, config.raster_rows, config.path) == (256, 512, 8, "auto")
+        assert config.producer_sms + config.consumer_grid == 132
+    assert {k[1] for k in keys} == {2}  # no invented W=4/8 entries
+    assert len(keys) == 16 and {k[5] for k in keys} == {"bfloat16", "float16"}
+
+
+@pytest.mark.parametrize("shape,grid", [((4096, 8192, 1024), 24), ((16384, 8192, 3584), 16),
+                                        ((16384, 16384, 6656), 8)])
+def test_shipped_lookup(monkeypatch, shape, grid):
+    monkeypatch.undo()  # the real shipped file
+    monkeypatch.setenv("ENTWINE_TUNE_CACHE", "/nonexistent/tuned.json")
+    for dtype in (jnp.bfloat16, jnp.float16):
+        config, source = tuning.lookup(*shape, 2, dtype, device_kind="NVIDIA H200", device_cls="hopper-132sm")
+        assert source == tuning.SOURCE_SHIPPED and config.consumer_grid == grid
+        assert config.producer_sms == 132 - grid
+    # H100 SXM: no entry of its own, the class entry (measured on H200).
+    config, source = tuning.lookup(*shape, 2, jnp.bfloat16, device_kind="NVIDIA H100 80GB HBM3",
+                                   device_cls="hopper-132sm")
+    assert source == "tuned (shipped) via hopper-132sm" and config.consumer_grid == grid
+    # Not measured: W=4/8, float32, another SM count, another GPU.
+    assert tuning.lookup(*shape, 4, jnp.bfloat16, device_kind="NVIDIA H200", device_cls="hopper-132sm") is None
+    assert tuning.lookup(*shape, 8, jnp.bfloat16, device_kind="NVIDIA H200", device_cls="hopper-132sm") is None
+    assert tuning.lookup(*shape, 2, jnp.float32, device_kind="NVIDIA H200", device_cls="hopper-132sm") is None
+    assert tuning.lookup(*shape, 2, jnp.bfloat16, device_kind="NVIDIA H100 PCIe", device_cls="hopper-114sm") is None
+    assert tuning.lookup(*shape, 2, jnp.bfloat16, device_kind="NVIDIA A100-SXM4-80GB", device_cls=None) is None
+
+
+# --- Lookup --------------------------------------------------------------------------------------
+
+
+def test_device_class():
+    class D:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+    assert tuning.device_class(D(platform="gpu", compute_capability="9.0", core_count=132)) == "hopper-132sm"
+    assert tuning.device_class(D(platform="gpu", compute_capability="8.0", core_count=108)) is None
+    assert tuning.device_class(jax.devices()[0]) is None  # CPU
+    assert tuning.current_device() == (jax.devices()[0].device_kind, None)
+
+
+def test_lookup_key_fields(tmp_path):
+    write_table(tmp_path / "shipped.json", [entry()])
+    hit = dict(m=32, n=16, k=64, world=2, dtype=jnp.bfloat16, device_kind="NVIDIA H200")
+    assert tuning.lookup(**hit) == (TUNED, tuning.SOURCE_SHIPPED)
+    for field, other in [("m", 16), ("n", 32), ("k", 32), ("world", 4), ("dtype", jnp.float16),
+                         ("device_kind", "NVIDIA H100 80GB HBM3")]:
+        assert tuning.lookup(**dict(hit, **{field: other})) is None, field
+
+
+def test_user_cache_beats_shipped_and_exact_beats_class(tmp_path):
+    other = dataclasses.replace(TUNED, consumer_grid=8)
+    write_table(tmp_path / "shipped.json", [entry(other, device_class="hopper-132sm"),
+                                            entry(other, device_kind="NVIDIA H100 80GB HBM3", m=64)])
+    tuning.write_cache([entry(device_class="hopper-132sm"), entry(device_kind="NVIDIA H200", m=64)])
+    args = (32, 16, 64, 2, jnp.bfloat16)
+    assert tuning.lookup(*args, device_kind="NVIDIA H200") == (TUNED, tuning.SOURCE_USER)
+    # Another GPU of the class: the user cache's class entry before the shipped one.
+    assert tuning.lookup(*args, device_kind="NVIDIA H100 80GB HBM3", device_cls="hopper-132sm") == (
+        TUNED, "tuned (user cache) via hopper-132sm")
+    # An exact entry (even shipped) beats a class entry of the user cache.
+    assert tuning.lookup(64, 16, 64, 2, jnp.bfloat16, device_kind="NVIDIA H100 80GB HBM3",
+                         device_cls="hopper-132sm") == (other, tuning.SOURCE_SHIPPED)
+
+
+def test_cache_path_env_and_default(monkeypatch, tmp_path):
+    assert tuning.cache_path() == tmp_path / "user" / "tuned.json"
+    monkeypatch.delenv("ENTWINE_TUNE_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert tuning.cache_path() == tmp_path / ".cache" / "entwine_jax" / "tuned.json"
+
+
+def test_bad_files_are_ignored_with_a_warning(tmp_path, caplog):
+    tuning.cache_path().parent.mkdir(parents=True)
+    tuning.cache_path().write_text("{not json")
+    bad = entry(m=8, config=dict(dataclasses.asdict(TUNED), block_n=64))
+    unknown = entry(m=16, config=dict(dataclasses.asdict(TUNED), tiles=3))
+    write_table(tmp_path / "shipped.json", [bad, unknown, {"device_kind": "x"}, entry()])
+    with caplog.at_level(logging.WARNING, logger="entwine_jax"):
+        assert tuning.lookup(32, 16, 64, 2, jnp.bfloat16, device_kind="NVIDIA H200") == (TUNED, tuning.SOURCE_SHIPPED)
+        assert tuning.lookup(8, 16, 64, 2, jnp.bfloat16, device_kind="NVIDIA H200") is None
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("tuned.json ignored" in m for m in msgs)
+    assert any("entry 0 ignored" in m and "block_n must be one of" in m for m in msgs)
+    assert any("entry 1 ignored" in m and "tiles" in m for m in msgs)
+    assert any("entry 2 ignored" in m and "lacks" in m for m in msgs)
+
+
+def test_table_reread_when_file_changes(tmp_path):
+    write_table(tmp_path / "shipped.json", [entry()])
+    assert tuning.lookup(32, 16, 64, 2, jnp.bfloat16, device_kind="NVIDIA H200")[0] == TUNED
+    other = dataclasses.replace(TUNED, raster_rows=2)
+    tuning.write_cache([entry(other)])
+    assert tuning.lookup(32, 16, 64, 2, jnp.bfloat16, device_kind="NVIDIA H200") == (other, tuning.SOURCE_USER)
+
+
+# --- Selection through gemm_rs -------------------------------------------------------------------
+
+
+def test_selection_order_and_print_label(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    use_device(monkeypatch)
+    shipped = dataclasses.replace(TUNED, consumer_grid=8)
+    write_table(tmp_path / "shipped.json", [entry(shipped)])
+
+    def printed(**kwargs):
+        ops._printed.clear()
+        y, exact = run(**kwargs)
+        assert np.abs(y - exact).max() <= 2e-2 * np.abs(exact).max()
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("entwine_jax.gemm_rs")]
+        assert len(lines) == 1
+        return lines[0]
+
+    # Key: x as gemm_rs sees it, [32, 32] per rank here (K_local = 64 / 2 = 32): no entry yet.
+    line = printed()
+    assert "source=heuristic" in line and str(heuristic_config(32, 16, 32, 2, jnp.bfloat16)) in line
+    assert "reason: " in line  # CPU: the XLA path, and still says why
+    write_table(tmp_path / "shipped.json", [entry(shipped, k=32)])
+    line = printed()
+    assert "source=tuned (shipped)" in line and str(shipped) in line
+    tuning.write_cache([entry(k=32)])
+    line = printed()
+    assert "source=tuned (user cache)" in line and str(TUNED) in line
+    override = GemmRsConfig(consumer_grid=4)
+    line = printed(config=override)
+    assert "source=override" in line and str(override) in line
+    set_default_config(override)
+    line = printed()
+    assert "source=override" in line and str(override) in line
+    set_default_config(None)
+    # Another W, dtype or device kind: the heuristic again.
+    assert "source=heuristic" in printed(world=4, x_shape=(32, 128))
+    assert "source=heuristic" in printed(dtype=jnp.float16)
+    use_device(monkeypatch, ("NVIDIA H100 80GB HBM3", "hopper-132sm"))
+    assert "source=heuristic" in printed()  # the entries carry no device_class
+
+
+def test_class_match_label(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    use_device(monkeypatch, ("NVIDIA H100 80GB HBM3", "hopper-132sm"))
+    write_table(tmp_path / "shipped.json", [entry(k=32, device_class="hopper-132sm")])
+    run()
+    assert "source=tuned (shipped) via hopper-132sm" in capsys.readouterr().err
+
+
+def test_broken_lookup_falls_back_to_heuristic(monkeypatch, caplog):
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+    monkeypatch.setattr(tuning, "lookup", boom)
+    with caplog.at_level(logging.WARNING, logger="entwine_jax"):
+        config, source = tuning.select_config(32, 16, 32, 2, jnp.bfloat16)
+    assert source == tuning.SOURCE_HEURISTIC and config == heuristic_config(32, 16, 32, 2, jnp.bfloat16)
+    assert any("disk on fire" in r.getMessage() for r in caplog.records)
+
+
+# --- The cache writer ----------------------------------------------------------------------------
+
+
+def test_write_cache_merges(tmp_path):
+    path = tmp_path / "deep" / "dir" / "tuned.json"
+    a, b = entry(m=32), entry(m=64)
+    assert tuning.write_cache([a, b], path) == path
+    replaced = entry(dataclasses.replace(TUNED, consumer_grid=2), m=64)
+    tuning.write_cache([replaced, entry(m=128)], path)
+    doc = json.loads(path.read_text())
+    assert doc["format"] == 1
+    assert sorted((e["m"], e["config"]["consumer_grid"]) for e in doc["entries"]) == [(32, 32), (64, 2), (128, 32)]
+    assert sorted(os.listdir(path.parent)) == ["tuned.json", "tuned.json.lock"]  # no temp files left
+
+
+def test_write_cache_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    tuning.write_cache([entry()], path)
+    before = path.read_text()
+
+    def dump_half(doc, f, **kwargs):
+        f.write('{"format": 1, "entr')
+        raise OSError("disk full")
+    monkeypatch.setattr(tuning.json, "dump", dump_half)
+    with pytest.raises(OSError, match="disk full"):
+        tuning.write_cache([entry(m=64)], path)
+    assert path.read_text() == before
+    assert sorted(os.listdir(tmp_path)) == ["tuned.json", "tuned.json.lock"]
+
+
+def test_write_cache_refuses_invalid_and_replaces_unreadable(tmp_path, caplog):
+    path = tmp_path / "tuned.json"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        tuning.write_cache([entry(dtype="float32")], path)
+    assert not path.exists()
+    path.write_text("garbage")
+    with caplog.at_level(logging.WARNING, logger="entwine_jax"):
+        tuning.write_cache([entry()], path)
+    assert "unreadable" in caplog.text and len(json.loads(path.read_text())["entries"]) == 1
+
+
+# --- tune() --------------------------------------------------------------------------------------
+
+
+def test_tune_exported():
+    assert entwine_jax.tune is tuning.tune and "tune" in entwine_jax.__all__
+
+
+def mesh(world=2):
+    return jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
+
+
+def test_tune_refuses_on_cpu_with_the_reason(tmp_path):
+    with pytest.raises(RuntimeError, match=r"cannot run shape \(M, N, K_local\)=\(256, 256, 128\) on this mesh: "
+                                           r"not running on CUDA GPUs.*refusing to tune the XLA fallback"):
+        entwine_jax.tune(mesh(), "tp", [(256, 256, 128)])
+    assert not tuning.cache_path().exists()
+
+
+def test_tune_refuses_without_fused_module(monkeypatch):
+    monkeypatch.setattr(ops, "_fused_module", lambda: (None, "ImportError: no _entwine"))
+    with pytest.raises(RuntimeError, match=r"entwine_jax.fused not importable \(ImportError: no _entwine\)"):
+        entwine_jax.tune(mesh(), "tp", [(256, 256, 128)])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(axis_name="dp"), r"axis 'dp' is not an axis of the mesh \(axes \('tp',\)\)"),
+    (dict(shapes=[(255, 256, 128)]), r"M=255 \(rows of the local x\) must be divisible by the axis size 2"),
+    (dict(shapes=[(256, 256)]), r"shapes must be \(M, N, K_local\) tuples of positive ints, got \(256, 256\)"),
+    (dict(shapes=[]), r"shapes is empty"),
+    (dict(dtype=jnp.float32), r"dtype must be bfloat16 or float16"),
+    (dict(iters=0), r"iters must be an int >= 1, got 0"),
+    (dict(candidates=[GemmRsConfig(path="xla")]), r"has path='xla'"),
+    (dict(candidates=[{"tiles": 2}]), r"candidate \{'tiles': 2\}"),
+    (dict(candidates=["fast"]), r"candidates must be GemmRsConfigs or dicts"),
+])
+def test_tune_argument_errors(kwargs, match):
+    args = dict(dict(mesh=mesh(), axis_name="tp", shapes=[(256, 256, 128)]), **kwargs)
+    with pytest.raises(ValueError, match=r"^tune: .*" + match):
+        entwine_jax.tune(**args)
+
+
+def test_default_candidates():
+    c = tuning.default_candidates(8192, 8192, 1024, 2, jnp.bfloat16, sm_count=132)
+    assert c[0] == heuristic_config(8192, 8192, 1024, 2, jnp.bfloat16) and len(c) == len(set(c)) == 16
+    assert {x.block_n for x in c} == {128, 256} and {x.consumer_grid for x in c} == {8, 16, 24, 32}
+    assert {x.consumer_block for x in c} == {256, 512} and all(x.producer_sms + x.consumer_grid == 132 for x in c)
+    # A small partition: budgets capped at its blocks (2 rows x 2 blocks of 256), duplicates dropped.
+    small = tuning.default_candidates(512, 512, 64, 2, jnp.bfloat16, sm_count=132)
+    assert len(small) <= 17 and max(x.consumer_grid for x in small) == 8
+
+
+def test_tune_loop_on_cpu_with_stubbed_fused_build(monkeypatch):
+    # The real fused path cannot run here: stub the availability and the build (the reference
+    # program stands in for the fused one) and make one candidate wrong, to exercise the loop.
+    wrong = GemmRsConfig(block_n=256, producer_sms=100, consumer_grid=32)
+    good = [GemmRsConfig(block_n=128, producer_sms=124, consumer_grid=8), GemmRsConfig(block_n=128, producer_sms=116, consumer_grid=16)]
+    built = []
+
+    def build(mesh, axis_name, config, x, w):
+        built.append(config)
+        fn = lambda x, w: gemm_rs(x, w, axis_name=axis_name, config=GemmRsConfig(path="xla"))  # noqa: E731
+        if config == wrong:
+            fn = lambda x, w: 2 * gemm_rs(x, w, axis_name=axis_name, config=GemmRsConfig(path="xla"))  # noqa: E731
+        return tuning._compile(mesh, axis_name, fn, x, w)[1], None
+
+    monkeypatch.setattr(tuning, "_unavailable", lambda *a: None)
+    monkeypatch.setattr(tuning, "_build", build)
+    shapes = [(64, 128, 32), (128, 128, 64)]
+    result = entwine_jax.tune(mesh(), "tp", shapes, candidates=[wrong, good[0], {"consumer_grid": 16}],
+                              iters=2, warmup=1)
+    assert set(result) == set(shapes) and len(built) == 6
+    for shape in shapes:
+        best, ms, trials = result[shape]
+        assert best in good and ms > 0 and len(trials) == 3
+        assert trials[0]["config"] == wrong and trials[0]["ms"] is None and "wrong result" in trials[0]["skipped"]
+        assert all(t["ms"] > 0 and t["rel_err"] <= 1e-2 and t["skipped"] is None for t in trials[1:])
+    doc = json.loads(tuning.cache_path().read_text())
+    assert len(doc["entries"]) == 2
+    e = doc["entries"][0]
+    assert (e["device_kind"], e["world"], e["dtype"]) == (jax.devices()[0].device_kind, 2, "bfloat16")
+    assert "entwine_jax.tune(" in e["provenance"]["command"] and e["provenance"]["date"]
+    # The winners are what gemm_rs picks next on this (CPU) device kind.
+    config, source = tuning.select_config(64, 128, 32, 2, jnp.bfloat16)
+    assert source == tuning.SOURCE_USER and config == result[(64, 128, 32)][0]
