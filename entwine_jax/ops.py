@@ -99,9 +99,12 @@ def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
         return "config.path='xla'"
     if x.dtype == jnp.float32:
         return "float32 inputs (the fused kernels take bfloat16/float16)"
-    # The kernels scatter rows: only a scatter over the (flattened) leading dim maps onto them.
-    if sd != 0:
-        return f"scatter_dimension={sd} is not the leading dim (the fused kernels scatter rows)"
+    # The kernels scatter rows or columns of the 2-D [rows, N] view of the product: a scatter over
+    # the (flattened) leading dim or over N maps onto them, a scatter over a middle dim does not.
+    last = x.ndim - 1
+    if sd not in (0, last):
+        return (f"scatter_dimension={sd} is neither the leading dim nor the last (N) dim (the fused "
+                f"kernels scatter rows or columns of the flattened product)")
     fused, err = _fused_module()
     if fused is None:
         return f"entwine_jax.fused not importable: {err}"
@@ -109,7 +112,7 @@ def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
     w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
     try:
         return fused.unavailable_reason(x2d, w_aval, axis_name=axis_name, axis_size=axis_size,
-                                        scatter_dimension=0, config=config)
+                                        scatter_dimension=0 if sd == 0 else 1, config=config)
     except Exception as e:  # a bug there must not take the reference path down with it
         return f"entwine_jax.fused.unavailable_reason raised {type(e).__name__}: {e}"
 
@@ -134,13 +137,18 @@ def _report(x, w, plan: _Plan, source: str = "") -> None:
 
 def _fused_forward(x, w, *, plan: _Plan):
     # Scatter over the leading dim of [B, ..., K] == scatter over the rows of the [B*..., K] view,
-    # since B % W == 0 keeps every rank's block of rows contiguous.
+    # since B % W == 0 keeps every rank's block of rows contiguous; a scatter over N is a scatter
+    # over the columns of that view.
     fused, _ = _fused_module()
     x2d = x.reshape(-1, x.shape[-1])
-    y = fused.gemm_rs_local(x2d, w, axis_name=plan.axis_name, axis_size=plan.axis_size, config=plan.config)
+    columns = plan.scatter_dimension != 0
+    y = fused.gemm_rs_local(x2d, w, axis_name=plan.axis_name, axis_size=plan.axis_size, config=plan.config,
+                            scatter_dimension=1 if columns else 0)
     # platform_dependent needs both branches typed alike: the reference's output varies over every
     # axis x and w vary over (an FFI call's output may not carry that type).
     y = _make_varying(y, sorted(_varying_axes(x) | _varying_axes(w), key=str))
+    if columns:
+        return y.reshape(tuple(x.shape[:-1]) + (w.shape[1] // plan.axis_size,))
     return y.reshape((x.shape[0] // plan.axis_size,) + tuple(x.shape[1:-1]) + (w.shape[1],))
 
 

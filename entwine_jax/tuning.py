@@ -466,9 +466,14 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
             trials.append(trial)
             compiled, trial["skipped"] = None, _unavailable(fused, mesh, axis_name, world, shape, dtype, config)
             if trial["skipped"] is None:
-                compiled, trial["skipped"] = _build(mesh, axis_name, config, x, w)
+                try:
+                    compiled, trial["skipped"] = _build(mesh, axis_name, config, x, w)
+                except Exception as e:  # lowering/compilation: deterministic, so every process skips it
+                    trial["skipped"] = f"does not compile ({type(e).__name__}: {e})"
             if compiled is not None:
                 trial["rel_err"] = float(_rel_err(compiled(x, w), ref))
+                # A consumer that timed out waiting for a peer leaves the communicator unusable: stop.
+                getattr(fused, "check_errors", lambda: None)()
                 if not trial["rel_err"] <= _TOL:  # NaN too
                     trial["skipped"] = f"wrong result: relative error {trial['rel_err']:.3g} > {_TOL}"
                 else:

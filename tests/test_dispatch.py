@@ -40,8 +40,10 @@ class FakeFused(types.SimpleNamespace):
         self.reason_calls.append((x_local_aval, w_aval, kwargs))
         return self.reason
 
-    def gemm_rs_local(self, x2d, w, *, axis_name, axis_size, config):
-        self.local_calls.append((x2d.shape, w.shape, axis_name, axis_size, config))
+    def gemm_rs_local(self, x2d, w, *, axis_name, axis_size, config, scatter_dimension=0):
+        self.local_calls.append((x2d.shape, w.shape, axis_name, axis_size, config, scatter_dimension))
+        if scatter_dimension == 1:
+            return jnp.zeros((x2d.shape[0], w.shape[1] // axis_size), x2d.dtype)
         return jnp.zeros((x2d.shape[0] // axis_size, w.shape[1]), x2d.dtype)
 
 
@@ -75,20 +77,25 @@ def test_fused_available_uses_platform_dependent(fake, capsys, monkeypatch):
     assert isinstance(kwargs["config"], GemmRsConfig)
     # The CUDA branch was traced with the 2-D view (and discarded at CPU lowering).
     assert fake.local_calls and fake.local_calls[0][:4] == ((32, 16), (16, 16), "tp", 4)
+    assert fake.local_calls[0][5] == 0
     assert "path=fused" in capsys.readouterr().err
 
 
-def test_fused_branch_reshapes_nd(fake):
-    # _fused_forward with a correct stand-in kernel (psum_scatter on the 2-D view) == reference on 3-D x.
-    fake.gemm_rs_local = lambda x2d, w, *, axis_name, axis_size, config: reference.gemm_rs_reference(
-        x2d, w, axis_name=axis_name, scatter_dimension=0)
+@pytest.mark.parametrize("sd", [0, 2])
+def test_fused_branch_reshapes_nd(fake, sd):
+    # _fused_forward with a correct stand-in kernel (psum_scatter on the 2-D view, rows or columns)
+    # == reference on 3-D x, scattered over the leading dim or over N.
+    fake.gemm_rs_local = lambda x2d, w, *, axis_name, axis_size, config, scatter_dimension: (
+        reference.gemm_rs_reference(x2d, w, axis_name=axis_name, scatter_dimension=scatter_dimension))
     mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
-    plan = ops._Plan(axis_name="tp", axis_size=4, scatter_dimension=0, config=GemmRsConfig(), reason=None)
+    plan = ops._Plan(axis_name="tp", axis_size=4, scatter_dimension=sd, config=GemmRsConfig(), reason=None)
     x = jax.random.normal(jax.random.key(1), (8, 3, 64), jnp.float32).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (64, 8), jnp.float32).astype(jnp.bfloat16)
-    specs = dict(mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None)), out_specs=P("tp", None, None))
+    out_spec = P("tp", None, None) if sd == 0 else P(None, None, "tp")
+    specs = dict(mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None)), out_specs=out_spec)
     fused = jax.jit(jax.shard_map(lambda x, w: ops._fused_forward(x, w, plan=plan), **specs))
-    ref = jax.jit(jax.shard_map(lambda x, w: reference.gemm_rs_reference(x, w, axis_name="tp"), **specs))
+    ref = jax.jit(jax.shard_map(lambda x, w: reference.gemm_rs_reference(x, w, axis_name="tp", scatter_dimension=sd),
+                                **specs))
     with jax.set_mesh(mesh):
         xp, wp = jax.device_put(x, P(None, None, "tp")), jax.device_put(w, P("tp", None))
         np.testing.assert_array_equal(np.asarray(fused(xp, wp), np.float32), np.asarray(ref(xp, wp), np.float32))
@@ -97,13 +104,26 @@ def test_fused_branch_reshapes_nd(fake):
 @pytest.mark.parametrize("kwargs,dtype,sd,reason", [
     (dict(config=GemmRsConfig(path="xla")), jnp.bfloat16, 0, "config.path='xla'"),
     ({}, jnp.float32, 0, "float32 inputs (the fused kernels take bfloat16/float16)"),
-    ({}, jnp.bfloat16, 1, "scatter_dimension=1 is not the leading dim (the fused kernels scatter rows)"),
 ])
 def test_xla_reasons_before_asking_fused(fake, capsys, monkeypatch, kwargs, dtype, sd, reason):
     monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
     run(dtype=dtype, sd=sd, **kwargs)
     assert not fake.reason_calls and not fake.local_calls
     assert f"path=xla" in (err := capsys.readouterr().err) and f"reason: {reason}" in err
+
+
+def test_middle_scatter_dimension_takes_xla_path(fake, capsys, monkeypatch):
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    run(x_shape=(8, 4, 64), sd=1)
+    assert not fake.reason_calls and not fake.local_calls
+    assert "reason: scatter_dimension=1 is neither the leading dim nor the last (N) dim" in capsys.readouterr().err
+
+
+def test_scatter_over_n_asks_for_column_partitions(fake):
+    y, exact = run(x_shape=(8, 4, 64), n=16, sd=-1)
+    assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()  # CPU: the reference ran
+    assert fake.reason_calls[0][2]["scatter_dimension"] == 1
+    assert fake.local_calls and fake.local_calls[0][0] == (32, 16) and fake.local_calls[0][5] == 1
 
 
 def test_fused_reason_logged_once_per_call_site(fake, caplog):

@@ -317,15 +317,19 @@ def test_default_candidates():
     assert len(small) <= 17 and max(x.consumer_grid for x in small) == 8
 
 
-def test_tune_loop_on_cpu_with_stubbed_fused_build(monkeypatch):
+def test_tune_loop_on_cpu_with_stubbed_fused_build(monkeypatch, caplog):
     # The real fused path cannot run here: stub the availability and the build (the reference
     # program stands in for the fused one) and make one candidate wrong, to exercise the loop.
     wrong = GemmRsConfig(block_n=256, producer_sms=100, consumer_grid=32)
-    good = [GemmRsConfig(block_n=128, producer_sms=124, consumer_grid=8), GemmRsConfig(block_n=128, producer_sms=116, consumer_grid=16)]
+    broken = GemmRsConfig(block_n=256, producer_sms=124, consumer_grid=8)
+    good = [GemmRsConfig(block_n=128, producer_sms=124, consumer_grid=8),
+            GemmRsConfig(block_n=128, producer_sms=116, consumer_grid=16)]
     built = []
 
     def build(mesh, axis_name, config, x, w):
         built.append(config)
+        if config == broken:
+            raise RuntimeError("ptxas died")
         fn = lambda x, w: gemm_rs(x, w, axis_name=axis_name, config=GemmRsConfig(path="xla"))  # noqa: E731
         if config == wrong:
             fn = lambda x, w: 2 * gemm_rs(x, w, axis_name=axis_name, config=GemmRsConfig(path="xla"))  # noqa: E731
@@ -334,14 +338,17 @@ def test_tune_loop_on_cpu_with_stubbed_fused_build(monkeypatch):
     monkeypatch.setattr(tuning, "_unavailable", lambda *a: None)
     monkeypatch.setattr(tuning, "_build", build)
     shapes = [(64, 128, 32), (128, 128, 64)]
-    result = entwine_jax.tune(mesh(), "tp", shapes, candidates=[wrong, good[0], {"consumer_grid": 16}],
-                              iters=2, warmup=1)
-    assert set(result) == set(shapes) and len(built) == 6
+    with caplog.at_level(logging.WARNING, logger="entwine_jax"):
+        result = entwine_jax.tune(mesh(), "tp", shapes, candidates=[wrong, good[0], {"consumer_grid": 16}, broken],
+                                  iters=2, warmup=1)
+    assert caplog.text.count("skipped: wrong result") == 2 and caplog.text.count("skipped: does not compile") == 2
+    assert set(result) == set(shapes) and len(built) == 8
     for shape in shapes:
         best, ms, trials = result[shape]
-        assert best in good and ms > 0 and len(trials) == 3
-        assert trials[0]["config"] == wrong and trials[0]["ms"] is None and "wrong result" in trials[0]["skipped"]
-        assert all(t["ms"] > 0 and t["rel_err"] <= 1e-2 and t["skipped"] is None for t in trials[1:])
+        assert best in good and ms > 0 and [t["config"] for t in trials] == [wrong, *good, broken]
+        assert trials[0]["ms"] is None and "wrong result: relative error" in trials[0]["skipped"]
+        assert all(t["ms"] > 0 and t["rel_err"] <= 1e-2 and t["skipped"] is None for t in trials[1:3])
+        assert trials[3]["ms"] is None and "does not compile (RuntimeError: ptxas died)" == trials[3]["skipped"]
     doc = json.loads(tuning.cache_path().read_text())
     assert len(doc["entries"]) == 2
     e = doc["entries"][0]

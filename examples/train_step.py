@@ -1,0 +1,342 @@
+"""A Llama-style decoder trained with entwine_jax.layers on a dp x tp mesh, checked against plain XLA.
+
+The model: token embedding, decoder blocks (RMSNorm, causal attention with rotary embeddings,
+RMSNorm, SwiGLU MLP), a final RMSNorm and the vocabulary head. Tensor parallel over "tp" with
+sequence parallelism (the Entwine paper's layout): the residual stream of each device holds its
+slice of tokens [T/tp, D]; each block all-gathers the normed tokens, runs the column-parallel q/k/v
+and gate/up projections on its heads / hidden slice, and the row-parallel attention output and MLP
+down projections (entwine_jax.gemm_rs: GEMM + ReduceScatter) return to [T/tp, D]. Data parallel
+over "dp": tokens split, parameters replicated.
+
+The whole train step (forward, backward, optax.adamw update) is one jax.shard_map under jax.jit.
+Parameters are replicated over dp, so shard_map's AD sums their gradients over dp (and over tp
+for the tp-replicated norms and embeddings); the out_specs, which do not mention dp, make a
+missing sum a trace-time error. The same model written with plain jax.numpy on unsharded arrays
+is trained in lockstep from the same initial parameters and batches: both loss curves are printed
+and must agree within TOL[dtype]; exits 1 on mismatch.
+
+Runs anywhere: on CPU it forces 8 host devices (dp=2 x tp=4; gemm_rs takes its XLA path); on
+GPUs it uses them all (tp = up to 8). The fused kernels need Hopper GPUs, bf16/fp16 and aligned
+shapes (the "gpu" preset); elsewhere gemm_rs falls back and logs why once per call site.
+
+    python examples/train_step.py [--steps 5] [--dtype float32|bfloat16] [--preset tiny|gpu]
+"""
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import time
+
+# Before jax is imported: 8 CPU devices unless the caller chose a count (harmless on GPUs).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import entwine_jax  # noqa: E402
+from entwine_jax import layers  # noqa: E402
+
+# Max |loss - reference loss| / reference loss over all steps. float32: both models compute in
+# fp32 and differ only in summation order (~1e-6 measured on CPU); adamw's normalised updates can
+# amplify that a little over the steps. bfloat16: the sharded model computes in bf16 (its params
+# stay fp32) against the fp32 reference, so this bounds bf16 rounding (~3e-3 measured on CPU).
+TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab: int = 256
+    d_model: int = 128
+    heads: int = 8
+    head_dim: int = 16
+    d_ff: int = 256
+    layers: int = 2
+    seq: int = 32
+    batch_per_dp: int = 2
+    lr: float = 3e-3
+    dtype: str = "float32"  # compute dtype of the sharded model; parameters are float32
+
+
+PRESETS = {
+    "tiny": Config(),
+    # Shapes the fused kernels accept (rows per tp group a multiple of tp*128, N and K_local
+    # multiples of 128) for tp <= 8.
+    "gpu": Config(vocab=1024, d_model=1024, heads=8, head_dim=128, d_ff=4096, layers=2, seq=1024, batch_per_dp=2,
+                  dtype="bfloat16"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The tensor-parallel model (Flax NNX + entwine_jax.layers); runs inside shard_map on local shards
+# ----------------------------------------------------------------------------------------------
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim, *, rngs):
+        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",))(
+            rngs.params(), (dim,), jnp.float32))
+
+    def __call__(self, x):
+        return rms_norm(x, self.scale[...])
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs):
+        h, dh, d, dt = cfg.heads, cfg.head_dim, cfg.d_model, cfg.dtype
+        qkv = dict(kernel_axes=("embed", "heads", "kv"), dtype=dt, rngs=rngs)
+        self.q = layers.ColumnParallelLinear(d, (h, dh), **qkv)
+        self.k = layers.ColumnParallelLinear(d, (h, dh), **qkv)
+        self.v = layers.ColumnParallelLinear(d, (h, dh), **qkv)
+        self.out = layers.RowParallelLinear((h, dh), d, kernel_axes=("heads", "kv", "embed"), dtype=dt, rngs=rngs)
+        self.seq = cfg.seq
+
+    def __call__(self, h):
+        # h: [T, D], every token of this dp shard, sequences back to back -> [T/tp, D].
+        t = h.shape[0]
+        q, k, v = (p(h).reshape(t // self.seq, self.seq, *p.kernel.shape[1:]) for p in (self.q, self.k, self.v))
+        o = causal_attention(rope(q), rope(k), v)  # [B, S, heads/tp, Dh]
+        return self.out(o.reshape(t, *o.shape[2:]))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs):
+        d, f, dt = cfg.d_model, cfg.d_ff, cfg.dtype
+        self.gate = layers.ColumnParallelLinear(d, f, dtype=dt, rngs=rngs)
+        self.up = layers.ColumnParallelLinear(d, f, dtype=dt, rngs=rngs)
+        self.down = layers.RowParallelLinear(f, d, dtype=dt, rngs=rngs)
+
+    def __call__(self, h):
+        # h: [T, D] -> [T/tp, D]
+        return self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs):
+        self.attn_norm, self.attn = RMSNorm(cfg.d_model, rngs=rngs), Attention(cfg, rngs=rngs)
+        self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, rngs=rngs), MLP(cfg, rngs=rngs)
+
+    def __call__(self, x):
+        # x: [T/tp, D] (sequence parallel). One all-gather per sub-block feeds all its projections.
+        gather = lambda a: jax.lax.all_gather(a, "tp", axis=0, tiled=True)
+        x = x + self.attn(gather(self.attn_norm(x)))
+        return x + self.mlp(gather(self.mlp_norm(x)))
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs):
+        init = nnx.with_partitioning(nnx.initializers.normal(1.0), ("vocab", "embed"))
+        self.embed = nnx.Param(init(rngs.params(), (cfg.vocab, cfg.d_model), jnp.float32))
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.norm = RMSNorm(cfg.d_model, rngs=rngs)
+        head_init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "vocab"))
+        self.head = nnx.Param(head_init(rngs.params(), (cfg.d_model, cfg.vocab), jnp.float32))
+        self.dtype = cfg.dtype
+
+    def __call__(self, tokens):
+        # tokens: [T/tp] -> logits [T/tp, vocab] in fp32.
+        x = self.embed[...][tokens].astype(self.dtype)
+        for block in self.blocks:
+            x = block(x)
+        return jnp.dot(self.norm(x), self.head[...].astype(self.dtype), preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Math shared by both models (shape-agnostic: local shards or whole arrays)
+# ----------------------------------------------------------------------------------------------
+
+def rms_norm(x, scale, eps=1e-6):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale).astype(x.dtype)
+
+
+def rope(x, base=10000.0):
+    # x: [B, S, heads, Dh]; rotate pairs (i, i + Dh/2) by position-dependent angles.
+    s, dh = x.shape[1], x.shape[-1]
+    freq = base ** (-jnp.arange(dh // 2, dtype=jnp.float32) / (dh // 2))
+    ang = jnp.arange(s, dtype=jnp.float32)[:, None] * freq[None, :]
+    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def causal_attention(q, k, v):
+    # q, k, v: [B, S, heads, Dh]; fp32 scores and softmax.
+    s = q.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(q.shape[-1])
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v, preferred_element_type=jnp.float32).astype(v.dtype)
+
+
+def cross_entropy(logits, targets):
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+
+
+# ----------------------------------------------------------------------------------------------
+# The plain-XLA reference: the same model on unsharded arrays, jax.numpy only, fp32
+# ----------------------------------------------------------------------------------------------
+
+def reference_loss(p, tokens, targets, cfg: Config):
+    """p: the pure-dict parameters (global arrays); tokens, targets: [B*S] -> scalar loss."""
+    x = p["embed"][tokens]
+    for blk in p["blocks"].values():
+        h = rms_norm(x, blk["attn_norm"]["scale"])
+        q, k, v = (jnp.einsum("td,dhe->the", h, blk["attn"][n]["kernel"]).reshape(-1, cfg.seq, cfg.heads,
+                                                                                    cfg.head_dim)
+                   for n in ("q", "k", "v"))
+        o = causal_attention(rope(q), rope(k), v).reshape(-1, cfg.heads, cfg.head_dim)
+        x = x + jnp.einsum("the,hed->td", o, blk["attn"]["out"]["kernel"])
+        h = rms_norm(x, blk["mlp_norm"]["scale"])
+        m = blk["mlp"]
+        x = x + (jax.nn.silu(h @ m["gate"]["kernel"]) * (h @ m["up"]["kernel"])) @ m["down"]["kernel"]
+    return cross_entropy(rms_norm(x, p["norm"]["scale"]) @ p["head"], targets)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+def make_mesh(n_devices: int, platform: str):
+    """dp x tp over all devices: tp = 4 on CPU (8 forced devices: 2 x 4), up to 8 on GPUs."""
+    tp = min(n_devices, 4 if platform == "cpu" else 8)
+    while n_devices % tp:
+        tp -= 1
+    return jax.make_mesh((n_devices // tp, tp), ("dp", "tp"))
+
+
+def make_batch(rng: np.random.Generator, cfg: Config, dp: int):
+    """Random walks through a fixed permutation of the vocabulary (learnable: the next token is a
+    function of the current one); returns tokens and next-token targets, [B*S] each, sequences
+    back to back."""
+    perm = np.random.default_rng(1234).permutation(cfg.vocab)
+    seq = np.empty((cfg.batch_per_dp * dp, cfg.seq + 1), np.int64)
+    seq[:, 0] = rng.integers(0, cfg.vocab, size=seq.shape[0])
+    for i in range(cfg.seq):
+        seq[:, i + 1] = perm[seq[:, i]]
+    return seq[:, :-1].reshape(-1).astype(np.int32), seq[:, 1:].reshape(-1).astype(np.int32)
+
+
+def check_config(cfg: Config, dp: int, tp: int) -> None:
+    rows = cfg.batch_per_dp * cfg.seq
+    for name, value in (("heads", cfg.heads), ("d_ff", cfg.d_ff), ("rows per dp shard (batch_per_dp*seq)", rows)):
+        if value % tp:
+            raise ValueError(f"train_step: {name} ({value}) must be divisible by tp ({tp})")
+
+
+def build(cfg: Config, mesh, *, seed: int = 0):
+    """Returns (train_step, ref_step, state): the jitted sharded and reference steps and the
+    initial (params, opt_state, ref_params, ref_opt_state)."""
+    dp, tp = mesh.shape["dp"], mesh.shape["tp"]
+    check_config(cfg, dp, tp)
+    rules = layers.DEFAULT_LOGICAL_AXIS_RULES
+    # Created at global shape; eager sharding places every parameter as the rules say.
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        model = Decoder(cfg, rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(model)
+    param_specs = layers.partition_specs(state, rules).to_pure_dict()
+    params = state.to_pure_dict()
+    tx = optax.adamw(cfg.lr, weight_decay=0.01)
+    with jax.set_mesh(mesh):
+        opt_state = tx.init(params)
+    opt_specs = optax.tree_map_params(tx, lambda _, s: s, opt_state, param_specs, transform_non_params=lambda _: P(),
+                                      is_leaf=lambda s: isinstance(s, P))
+    # Tokens, sequences back to back: dp splits whole sequences, tp splits each dp shard's rows.
+    tok_spec = P(("dp", "tp"))
+
+    def local_step(params, opt_state, tokens, targets):
+        def loss_fn(params):
+            logits = nnx.merge(graphdef, params)(tokens)
+            # The global mean over every token (equal shard sizes).
+            return jax.lax.pmean(cross_entropy(logits, targets), ("dp", "tp"))
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    train_step = jax.jit(jax.shard_map(local_step, mesh=mesh,
+                                       in_specs=(param_specs, opt_specs, tok_spec, tok_spec),
+                                       out_specs=(param_specs, opt_specs, P())), donate_argnums=(0, 1))
+
+    # The reference: one device, whole arrays, fp32.
+    ref_tx = optax.adamw(cfg.lr, weight_decay=0.01)
+    dev = jax.devices()[0]
+    ref_params = jax.device_put(jax.tree.map(np.asarray, params), dev)
+    # Committed to the device like the step's outputs, so the second step does not recompile.
+    ref_opt_state = jax.device_put(ref_tx.init(ref_params), dev)
+
+    @jax.jit
+    def ref_step(p, s, tokens, targets):
+        loss, grads = jax.value_and_grad(reference_loss)(p, tokens, targets, dataclasses.replace(cfg, dtype="float32"))
+        updates, s = ref_tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    def place(tokens, targets):
+        sharding = jax.sharding.NamedSharding(mesh, tok_spec)
+        return jax.device_put(tokens, sharding), jax.device_put(targets, sharding)
+
+    return train_step, ref_step, place, (params, opt_state, ref_params, ref_opt_state)
+
+
+def train(cfg: Config, steps: int, *, seed: int = 0, verbose: bool = True):
+    """Trains both models for `steps` steps; returns (losses, reference losses, max relative diff)."""
+    mesh = make_mesh(len(jax.devices()), jax.devices()[0].platform)
+    dp, tp = mesh.shape["dp"], mesh.shape["tp"]
+    train_step, ref_step, place, (params, opt_state, ref_params, ref_opt_state) = build(cfg, mesh, seed=seed)
+    rng = np.random.default_rng(seed)
+    losses, ref_losses = [], []
+    for step in range(steps):
+        tokens, targets = make_batch(rng, cfg, dp)
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            params, opt_state, loss = train_step(params, opt_state, *place(tokens, targets))
+        ref_params, ref_opt_state, ref_loss = ref_step(ref_params, ref_opt_state, tokens, targets)
+        losses.append(float(loss))
+        ref_losses.append(float(ref_loss))
+        if verbose:
+            print(f"step {step}: loss {losses[-1]:.6f}  reference {ref_losses[-1]:.6f}  "
+                  f"({time.perf_counter() - t0:.2f} s)", flush=True)
+    diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    return losses, ref_losses, diff
+
+
+def main(argv=None) -> int:
+    on_gpu = jax.devices()[0].platform == "gpu"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if on_gpu else "tiny")
+    ap.add_argument("--dtype", choices=sorted(TOL), default=None,
+                    help="compute dtype of the sharded model (default: the preset's; the fused path needs bfloat16)")
+    args = ap.parse_args(argv)
+    cfg = PRESETS[args.preset]
+    if args.dtype:
+        cfg = dataclasses.replace(cfg, dtype=args.dtype)
+    # Says once per call site why gemm_rs takes the XLA path (CPU, float32, shapes, no extension).
+    logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
+    logging.getLogger("entwine_jax").setLevel(logging.INFO)
+
+    mesh = make_mesh(len(jax.devices()), jax.devices()[0].platform)
+    print(f"mesh dp={mesh.shape['dp']} x tp={mesh.shape['tp']} on {jax.devices()[0].platform} "
+          f"({jax.devices()[0].device_kind}); extension: {entwine_jax.extension_status()[1]}")
+    print(f"preset {args.preset}: {cfg}")
+    t0 = time.perf_counter()
+    losses, ref_losses, diff = train(cfg, args.steps)
+    tol = TOL[cfg.dtype]
+    print(f"losses    {' '.join(f'{v:.5f}' for v in losses)}")
+    print(f"reference {' '.join(f'{v:.5f}' for v in ref_losses)}")
+    print(f"max relative loss difference {diff:.2e} (tolerance {tol:.0e} for {cfg.dtype}); "
+          f"{time.perf_counter() - t0:.1f} s")
+    if not diff <= tol or not all(np.isfinite(losses)):
+        print("MISMATCH")
+        return 1
+    print("OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
