@@ -4,7 +4,7 @@
 # /tmp/site, then runs the GPU tests from outside the source tree so the installed package is used.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-if [ $# -ge 1 ]; then
+if [ $# -ge 1 ] && [ -n "$1" ]; then
   python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site "$1" || exit 1
   export PYTHONPATH=/tmp/site
 fi
