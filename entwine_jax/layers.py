@@ -17,11 +17,12 @@ column-parallel           ``[in, out] -> [in, out/W]`` ``[T, in] -> [T, out/W]``
                                                        ``[T, in/W] -> [T, out/W]``   (``gather="hidden"``)
 ========================  ===========================  ==============================================
 
-``scatter="rows"`` is sequence (token) parallelism, the Entwine paper's layout and the only one the
-fused kernels run: the reduce-scatter splits the output's leading dim (for an N-D input
-``[B, S, in/W]`` that is B; flatten tokens to ``[B*S, in/W]`` to split tokens). ``scatter="hidden"``
-splits the last output dim (MaxText's layout with the embedding sharded over ``tp``); gemm_rs runs
-it on the XLA path. The column-parallel layer's ``gather`` undoes either one.
+``scatter="rows"`` is sequence (token) parallelism, the Entwine paper's layout: the reduce-scatter
+splits the output's leading dim (for an N-D input ``[B, S, in/W]`` that is B; flatten tokens to
+``[B*S, in/W]`` to split tokens). ``scatter="hidden"`` splits the last output dim (MaxText's layout
+with the embedding sharded over ``tp``). gemm_rs maps both onto the fused kernels (rows or column
+partitions of the product) where they can run. The column-parallel layer's ``gather`` undoes
+either one.
 
 A tensor-parallel SwiGLU MLP, sequence parallel (per device, x: ``[T/W, D]``)::
 
@@ -105,6 +106,12 @@ def _features(where: str, name: str, value) -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
+def _feature(where: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+    return int(value)
+
+
 def _check_choice(where: str, name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{where}: {name} must be one of {choices}, got {value!r}")
@@ -163,7 +170,8 @@ def _compute_dtype(where: str, dtype, *arrays) -> jnp.dtype:
     # Flax's rule: no dtype given -> the promoted dtype of inputs and parameters.
     out = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*[a.dtype for a in arrays])
     if out not in _DTYPES:
-        raise ValueError(f"{where}: the compute dtype must be bfloat16, float16 or float32 (set dtype=), got {out.name}")
+        raise ValueError(f"{where}: the compute dtype must be bfloat16, float16 or float32 (set dtype=), "
+                         f"got {out.name}")
     return out
 
 
@@ -308,7 +316,7 @@ class RowParallelLinear(nnx.Module):
                  config: Optional[GemmRsConfig] = None, rngs: nnx.Rngs):
         where = type(self).__name__
         self.in_features = _features(where, "in_features", in_features)
-        (self.out_features,) = _features(where, "out_features", out_features)
+        self.out_features = _feature(where, "out_features", out_features)
         self.axis_name = _check_axis_name(where, axis_name)
         _check_choice(where, "scatter", scatter, _SCATTER)
         _check_choice(where, "use_bias", use_bias, (True, False))
@@ -357,7 +365,7 @@ class ColumnParallelLinear(nnx.Module):
                  kernel_axes: Optional[Sequence[Optional[str]]] = None,
                  bias_axes: Optional[Sequence[Optional[str]]] = None, rngs: nnx.Rngs):
         where = type(self).__name__
-        (self.in_features,) = _features(where, "in_features", in_features)
+        self.in_features = _feature(where, "in_features", in_features)
         self.out_features = _features(where, "out_features", out_features)
         self.axis_name = _check_axis_name(where, axis_name)
         _check_choice(where, "gather", gather, _GATHER)
@@ -428,8 +436,8 @@ class RowParallelDense(nn.Module):
     @nn.compact
     def __call__(self, x):
         where = type(self).__name__
-        (features,) = _features(where, "features", self.features)
-        (n_in,) = _features(where, "contract_dims", self.contract_dims)
+        features = _feature(where, "features", self.features)
+        n_in = _feature(where, "contract_dims", self.contract_dims)
         axis_name = _check_axis_name(where, self.axis_name)
         _check_choice(where, "scatter", self.scatter, _SCATTER)
         _check_choice(where, "use_bias", self.use_bias, (True, False))
@@ -441,7 +449,8 @@ class RowParallelDense(nn.Module):
             raise ValueError(f"{where}: x must have rank >= {n_in + 1} (contract_dims={n_in}), got shape "
                              f"{tuple(x.shape)}")
         if self.kernel_axes is None and n_in != 1:
-            raise ValueError(f"{where}: kernel_axes is required when contract_dims={n_in}; e.g. ('heads', 'kv', 'embed')")
+            raise ValueError(f"{where}: kernel_axes is required when contract_dims={n_in}; "
+                             "e.g. ('heads', 'kv', 'embed')")
         kernel_axes = _check_axes(where, "kernel_axes", self.kernel_axes or ("mlp", "embed"), n_in + 1)
         bias_axes = _check_axes(where, "bias_axes", self.bias_axes or kernel_axes[-1:], 1)
         # The kernel's declared shape follows x: global at init (outside shard_map), local inside.

@@ -224,7 +224,8 @@ def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[Gem
         config = get_default_config()
     if config is None:
         # Keyed by the rows of x as this rank sees them (before the scatter), N, K_local, W, dtype.
-        config, source = tuning.select_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], axis_size, x.dtype)
+        config, source = tuning.select_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], axis_size, x.dtype,
+                                              rows=sd == 0)
     reason = _fused_unavailable(x, w, axis_name, axis_size, sd, config)
     plan = _Plan(axis_name=axis_name, axis_size=axis_size, scatter_dimension=sd, config=config, reason=reason)
     _report(x, w, plan, source)

@@ -15,6 +15,8 @@ Entries are keyed by (device_kind, world, m, n, k_local, dtype): ``device_kind``
 ``jax.devices()[0].device_kind`` (e.g. "NVIDIA H200"), ``m`` the rows of x as gemm_rs sees them
 (``prod(x.shape[:-1])``, before the scatter), ``k_local = x.shape[-1]``, ``n = w.shape[1]``,
 ``world`` the size of the scatter axis and ``dtype`` the dtype name ("bfloat16", "float16").
+Every entry was measured with the scatter over rows (scatter_dimension 0, as tune() times it): a
+scatter over N (column partitions) is not looked up and takes heuristic_config until measured.
 
 Device classes: an entry may also carry ``device_class`` (``"hopper-<SMs>sm"``: compute capability
 9.0 with that many SMs, e.g. "hopper-132sm" for H100 SXM and H200). A GPU with no entry under its
@@ -195,10 +197,13 @@ def lookup(m: int, n: int, k: int, world: int, dtype, *, device_kind: Optional[s
     return None
 
 
-def select_config(m: int, n: int, k: int, world: int, dtype) -> tuple[GemmRsConfig, str]:
-    """(config, source) for a call without an override: tuned table, else heuristic_config."""
+def select_config(m: int, n: int, k: int, world: int, dtype, *, rows: bool = True) -> tuple[GemmRsConfig, str]:
+    """(config, source) for a call without an override: tuned table, else heuristic_config.
+
+    rows: the call scatters rows (scatter_dimension 0); only such calls were tuned.
+    """
     try:
-        hit = lookup(m, n, k, world, dtype)
+        hit = lookup(m, n, k, world, dtype) if rows else None
     except Exception as e:  # a broken table must never take gemm_rs down
         _log.log_once(("tuned-lookup", type(e).__name__, str(e)), logging.WARNING,
                       "tuned config lookup failed (%s: %s); using heuristic_config", type(e).__name__, e)
@@ -407,7 +412,7 @@ def _max_over_processes(values: list) -> list:
 
 def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: int = 50, warmup: int = 10,
          cache_path=None) -> dict:
-    """Time candidate configs of the fused gemm_rs on `mesh` and store each shape's winner.
+    """Time candidate configs of the fused gemm_rs (scatter over rows) on `mesh`; store each winner.
 
     shapes:     (M, N, K_local) per call: M rows of x as gemm_rs sees them (before the scatter),
                 K_local = x.shape[-1], N = w.shape[1]; the world W is the size of `axis_name`.

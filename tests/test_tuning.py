@@ -40,14 +40,15 @@ def use_device(monkeypatch, device=H200):
     monkeypatch.setattr(tuning, "current_device", lambda: device)
 
 
-def run(world=2, x_shape=(32, 64), n=16, dtype=jnp.bfloat16, **kwargs):
-    """gemm_rs on `world` CPU devices: x [..., K] sharded on K; returns (y, exact)."""
+def run(world=2, x_shape=(32, 64), n=16, dtype=jnp.bfloat16, columns=False, **kwargs):
+    """gemm_rs on `world` CPU devices: x [M, K] sharded on K, scatter over rows (or N); (y, exact)."""
     mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, x_shape, jnp.float32).astype(dtype)
     w = jax.random.normal(kw, (x_shape[-1], n), jnp.float32).astype(dtype)
-    f = jax.jit(jax.shard_map(lambda x, w: gemm_rs(x, w, axis_name="tp", **kwargs), mesh=mesh,
-                              in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp")))
+    f = jax.jit(jax.shard_map(lambda x, w: gemm_rs(x, w, axis_name="tp", scatter_dimension=int(columns), **kwargs),
+                              mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                              out_specs=P(None, "tp") if columns else P("tp")))
     with jax.set_mesh(mesh):
         y = f(jax.device_put(x, P(None, "tp")), jax.device_put(w, P("tp", None)))
     return np.asarray(y, np.float64), np.asarray(x, np.float64) @ np.asarray(w, np.float64)
@@ -193,6 +194,8 @@ def test_selection_order_and_print_label(tmp_path, monkeypatch, capsys):
     tuning.write_cache([entry(k=32)])
     line = printed()
     assert "source=tuned (user cache)" in line and str(TUNED) in line
+    # Only row scatters were tuned: a scatter over N is not looked up.
+    assert "source=heuristic" in printed(columns=True)
     override = GemmRsConfig(consumer_grid=4)
     line = printed(config=override)
     assert "source=override" in line and str(override) in line
