@@ -2,7 +2,7 @@
 // partials and flags in this GPU's memory, each rank's producer and consumer on its own streams),
 // checked against a float64 host reference, plus the kernel benchmarks.
 //   entwine_harness test              protocol + kernels, W in {1,2,4,8}, several epochs, deadline
-//   entwine_harness sanitize          one small case (for compute-sanitizer)
+//   entwine_harness sanitize [sequential]   two small cases (for compute-sanitizer)
 //   entwine_harness bench [out.jsonl] producer alone (order/flag costs), consumer bandwidth sweep
 //   entwine_harness producer M N K block_n producer_sms raster_rows   (three launches, for ncu)
 #include <cuda_bf16.h>
@@ -149,10 +149,16 @@ struct World {
   }
 
   // One gemm_rs call on every rank (skip_rank: that rank's producer never runs).
-  void call(int skip_rank = -1, uint64_t timeout_ns = 3'000'000'000ull) {
+  // Sequential (sanitizers that serialise or slow kernels by orders of magnitude): every producer
+  // runs to completion before the consumers start, so no wait can reach its deadline.
+  bool sequential = false;
+  uint64_t timeout_ns = 3'000'000'000ull;
+
+  void call(int skip_rank = -1) {
     ++epoch;
     int const slot = int(epoch % 2);
     DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
+    if (sequential) launch_producers(skip_rank, slot, dtype);
     for (int r = 0; r < c.world; ++r) {
       ProblemShape s = c.shape(r);
       ConsumerArgs a{};
@@ -164,14 +170,18 @@ struct World {
       a.timeout_ns = timeout_ns;
       CHECK_CUDA(launch_consumer(dtype, s, c.config, a, ranks[r].consumer_stream));
     }
+    if (!sequential) launch_producers(skip_rank, slot, dtype);
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  void launch_producers(int skip_rank, int slot, DType dtype) {
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
-      ProblemShape s = c.shape(r);
       ProducerArgs a = producer_args(r, slot);
       a.epoch = epoch;
-      CHECK_CUDA(launch_producer(dtype, s, c.config, a, ranks[r].producer_stream));
+      CHECK_CUDA(launch_producer(dtype, c.shape(r), c.config, a, ranks[r].producer_stream));
     }
-    CHECK_CUDA(cudaDeviceSynchronize());
+    if (sequential) CHECK_CUDA(cudaDeviceSynchronize());
   }
 
   std::vector<uint16_t> download(uint16_t const* p, size_t count) {
@@ -251,12 +261,13 @@ std::string describe(Case const& c) {
 
 // Several epochs in a row with no resets: fresh inputs and poisoned outputs each epoch, checked
 // against float64; then the same inputs again must give bitwise identical outputs.
-void run_case(Case const& c, int epochs) {
+void run_case(Case const& c, int epochs, bool sequential = false) {
   if (char const* why = check_problem(c.shape(0), c.config)) {
     expect(false, describe(c) + ": " + why);
     return;
   }
   World world(c);
+  world.sequential = sequential;
   double worst = 0;
   for (int e = 0; e < epochs; ++e) {
     world.fill_inputs(1000 + e);
@@ -284,7 +295,8 @@ void run_deadline(int world_size) {
   world.call();  // a healthy epoch first
   int const missing = world_size - 1;
   auto t0 = std::chrono::steady_clock::now();
-  world.call(missing, 200'000'000ull);
+  world.timeout_ns = 200'000'000ull;
+  world.call(missing);
   double const secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   DeviceError const e = world.read_error();
   char buf[256];
@@ -324,9 +336,11 @@ int test_main() {
   return failures == 0 ? 0 : 1;
 }
 
-int sanitize_main() {
+// sequential: producers before consumers (racecheck slows the producer past any deadline).
+int sanitize_main(bool sequential) {
   CHECK_CUDA(prepare_kernels());
-  run_case(Case{2 * 128, 256, 72, 2, true, GemmRsConfig{128, 0, 2, 128}}, 2);
+  run_case(Case{2 * 128, 256, 72, 2, true, GemmRsConfig{128, 0, 2, 128}}, 2, sequential);
+  run_case(Case{128, 2 * 256, 72, 2, true, GemmRsConfig{256, 0, 2, 128}, true}, 2, sequential);
   std::printf("harness sanitize: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }
@@ -538,7 +552,7 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string const mode = argc > 1 ? argv[1] : "test";
   if (mode == "test") return test_main();
-  if (mode == "sanitize") return sanitize_main();
+  if (mode == "sanitize") return sanitize_main(argc > 2 && std::string(argv[2]) == "sequential");
   if (mode == "bench") return bench_main(argc > 2 ? argv[2] : nullptr);
   if (mode == "producer" && argc == 8) return producer_main(argc, argv);
   std::fprintf(stderr, "usage: entwine_harness test|sanitize|bench [out.jsonl]\n");
