@@ -15,5 +15,16 @@ def setup(mesh, axis_name) -> None:
     fused.setup(mesh, axis_name)
 
 
+def check_errors() -> None:
+    """Raise RuntimeError if a fused call recorded a device error (a peer rank that never arrived:
+    rank, peer, tile and epochs in the message). Block on the results first
+    (jax.block_until_ready) to cover the calls made so far. A no-op without the extension."""
+    try:
+        from entwine_jax import fused
+    except Exception:  # pure-Python install: no fused calls, no errors
+        return
+    fused.check_errors()
+
+
 __all__ = ["gemm_rs", "GemmRsConfig", "set_default_config", "using_config", "heuristic_config",
-           "extension_status", "setup", "tune", "__version__"]
+           "extension_status", "setup", "check_errors", "tune", "__version__"]

@@ -284,7 +284,7 @@ uint64_t timeout_ms() noexcept {
     const char* env = std::getenv("ENTWINE_TIMEOUT_MS");
     char* end = nullptr;
     unsigned long long value = env ? std::strtoull(env, &end, 10) : 0;
-    return (env && end != env && value > 0) ? uint64_t(value) : uint64_t(10000);
+    return (env && end != env && value > 0) ? uint64_t(value) : uint64_t(60000);
   }();
   return ms;
 }

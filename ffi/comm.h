@@ -101,7 +101,7 @@ void shutdown();
 // The entry of (comm_id, device), or nullptr. Entries live until shutdown().
 DeviceComm* find(int64_t comm_id, int device) noexcept;
 
-// Deadline of every consumer wait: ENTWINE_TIMEOUT_MS (default 10000), read once per process.
+// Deadline of every consumer wait: ENTWINE_TIMEOUT_MS (default 60000: it also has to cover the skew between ranks reaching a call, e.g. compile-time differences on a first call), read once per process.
 uint64_t timeout_ms() noexcept;
 
 // The device error recorded on this entry, formatted for the user, or nullopt.

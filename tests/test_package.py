@@ -16,8 +16,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def test_exports():
     for name in ("gemm_rs", "GemmRsConfig", "set_default_config", "heuristic_config", "extension_status",
-                 "__version__"):
+                 "setup", "check_errors", "tune", "__version__"):
         assert hasattr(entwine_jax, name), name
+    entwine_jax.check_errors()  # no fused call made: nothing to raise
 
 
 def test_version_matches_pyproject():
