@@ -145,6 +145,16 @@ def _check_axis_name(where: str, axis_name) -> Any:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else axis_name
 
 
+def _check_layer_args(where: str, axis_name, mode_name: str, mode, modes, use_bias, dtype, param_dtype) -> Any:
+    """The checks every layer shares (NNX constructors, Linen calls); returns the normalised axis_name."""
+    axis_name = _check_axis_name(where, axis_name)
+    _check_choice(where, mode_name, mode, modes)
+    _check_choice(where, "use_bias", use_bias, (True, False))
+    _check_dtype(where, "dtype", dtype)
+    _check_param_dtype(where, param_dtype)
+    return axis_name
+
+
 def _check_array(where: str, name: str, v) -> None:
     if not (hasattr(v, "shape") and hasattr(v, "dtype")):
         raise ValueError(f"{where}: {name} must be an array, got {type(v).__name__}")
@@ -317,11 +327,7 @@ class RowParallelLinear(nnx.Module):
         where = type(self).__name__
         self.in_features = _features(where, "in_features", in_features)
         self.out_features = _feature(where, "out_features", out_features)
-        self.axis_name = _check_axis_name(where, axis_name)
-        _check_choice(where, "scatter", scatter, _SCATTER)
-        _check_choice(where, "use_bias", use_bias, (True, False))
-        _check_dtype(where, "dtype", dtype)
-        _check_param_dtype(where, param_dtype)
+        self.axis_name = _check_layer_args(where, axis_name, "scatter", scatter, _SCATTER, use_bias, dtype, param_dtype)
         _check_config(where, config)
         n_in = len(self.in_features)
         if kernel_axes is None and n_in != 1:
@@ -367,11 +373,7 @@ class ColumnParallelLinear(nnx.Module):
         where = type(self).__name__
         self.in_features = _feature(where, "in_features", in_features)
         self.out_features = _features(where, "out_features", out_features)
-        self.axis_name = _check_axis_name(where, axis_name)
-        _check_choice(where, "gather", gather, _GATHER)
-        _check_choice(where, "use_bias", use_bias, (True, False))
-        _check_dtype(where, "dtype", dtype)
-        _check_param_dtype(where, param_dtype)
+        self.axis_name = _check_layer_args(where, axis_name, "gather", gather, _GATHER, use_bias, dtype, param_dtype)
         n_out = len(self.out_features)
         if kernel_axes is None and n_out != 1:
             raise ValueError(f"{where}: kernel_axes is required when out_features is a tuple ({self.out_features}); "
@@ -438,11 +440,8 @@ class RowParallelDense(nn.Module):
         where = type(self).__name__
         features = _feature(where, "features", self.features)
         n_in = _feature(where, "contract_dims", self.contract_dims)
-        axis_name = _check_axis_name(where, self.axis_name)
-        _check_choice(where, "scatter", self.scatter, _SCATTER)
-        _check_choice(where, "use_bias", self.use_bias, (True, False))
-        _check_dtype(where, "dtype", self.dtype)
-        _check_param_dtype(where, self.param_dtype)
+        axis_name = _check_layer_args(where, self.axis_name, "scatter", self.scatter, _SCATTER, self.use_bias,
+                                      self.dtype, self.param_dtype)
         _check_config(where, self.config)
         _check_array(where, "x", x)
         if x.ndim < n_in + 1:
@@ -489,11 +488,8 @@ class ColumnParallelDense(nn.Module):
     def __call__(self, x):
         where = type(self).__name__
         features = _features(where, "features", self.features)
-        axis_name = _check_axis_name(where, self.axis_name)
-        _check_choice(where, "gather", self.gather, _GATHER)
-        _check_choice(where, "use_bias", self.use_bias, (True, False))
-        _check_dtype(where, "dtype", self.dtype)
-        _check_param_dtype(where, self.param_dtype)
+        axis_name = _check_layer_args(where, self.axis_name, "gather", self.gather, _GATHER, self.use_bias,
+                                      self.dtype, self.param_dtype)
         _check_array(where, "x", x)
         if self.kernel_axes is None and len(features) != 1:
             raise ValueError(f"{where}: kernel_axes is required when features is a tuple ({features}); e.g. "

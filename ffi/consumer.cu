@@ -192,9 +192,6 @@ __global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ c
 template <class Element>
 cudaError_t launch_typed(ProblemShape const& shape, GemmRsConfig const& config, ConsumerArgs const& args,
                          cudaStream_t stream) {
-  int const m_blocks = shape.part_rows() / kTileM;
-  int const n_blocks = shape.part_cols() / config.block_n;
-  TileOrder const order{m_blocks, n_blocks, config.raster_rows < m_blocks ? config.raster_rows : m_blocks};
   Params p{args,
            shape.n,
            shape.part_cols(),
@@ -203,7 +200,7 @@ cudaError_t launch_typed(ProblemShape const& shape, GemmRsConfig const& config, 
            shape.part_cols() / kTileN,
            shape.tiles_per_partition(),
            shape.rank,
-           order,
+           tile_order(shape, config),
            config.block_n / kTileN};
   dim3 grid(config.consumer_grid), block(config.consumer_block);
   switch (shape.world) {

@@ -74,6 +74,14 @@ struct ProblemShape {
   int32_t tiles_per_partition() const { return (part_rows() / kTileM) * (part_cols() / kTileN); }
 };
 
+// The one block order of a call: the producer runs it and the consumer walks it, so both build it
+// here (a raster group never spans more tile rows than the partition has).
+inline TileOrder tile_order(const ProblemShape& s, const GemmRsConfig& c) {
+  int32_t const m_blocks = s.part_rows() / kTileM;
+  int32_t const n_blocks = s.part_cols() / c.block_n;
+  return TileOrder{m_blocks, n_blocks, c.raster_rows < m_blocks ? c.raster_rows : m_blocks};
+}
+
 // Flag array of one owner rank: flags[source * tiles_per_partition + tile] holds the epoch of the
 // last call whose producer on `source` published that tile of the owner's partition.
 struct ProducerArgs {

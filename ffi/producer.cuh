@@ -64,15 +64,13 @@ struct ProducerGemm {
   struct Params {
     typename CollectiveMainloop::Params mainloop;
     int m, n, k, world, rank;
-    int m_blocks;                 // part_rows / BLOCK_M: block rows of one partition
-    int n_blocks;                 // part_cols / BLOCK_N: block columns of one partition
     int64_t part_row_step;        // partition q starts at row q * part_row_step ...
     int64_t part_col_step;        // ... and column q * part_col_step of the partial output
     int blocks_per_partition;
     int num_blocks;               // W * blocks_per_partition
     int tiles_n;                  // part_cols / 128: reduction tiles per row of a partition
     int tiles_per_partition;
-    TileOrder order;
+    TileOrder order;              // blocks of one partition, in production order
     Element* partial;
     uint64_t* flags[kMaxWorld];
     uint64_t epoch;
@@ -247,15 +245,13 @@ struct ProducerGemm {
     p.k = shape.k;
     p.world = shape.world;
     p.rank = shape.rank;
-    p.m_blocks = shape.part_rows() / BLOCK_M;
-    p.n_blocks = shape.part_cols() / BLOCK_N;
     p.part_row_step = shape.part_row0(1);
     p.part_col_step = shape.part_col0(1);
-    p.blocks_per_partition = p.m_blocks * p.n_blocks;
+    p.order = tile_order(shape, config);
+    p.blocks_per_partition = p.order.m_blocks * p.order.n_blocks;
     p.num_blocks = shape.world * p.blocks_per_partition;
     p.tiles_n = shape.part_cols() / kTileN;
     p.tiles_per_partition = shape.tiles_per_partition();
-    p.order = TileOrder{p.m_blocks, p.n_blocks, config.raster_rows < p.m_blocks ? config.raster_rows : p.m_blocks};
     p.partial = static_cast<Element*>(args.partial);
     for (int q = 0; q < kMaxWorld; ++q) p.flags[q] = args.flags[q];
     p.epoch = args.epoch;

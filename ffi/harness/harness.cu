@@ -148,6 +148,18 @@ struct World {
     return a;
   }
 
+  // Rank r's consumer arguments for the current epoch: every source's partial slot, its own flags.
+  ConsumerArgs consumer_args(int r, int slot) {
+    ConsumerArgs a{};
+    for (int q = 0; q < c.world; ++q) a.partial[q] = ranks[q].partial[slot];
+    a.flags = ranks[r].flags;
+    a.out = ranks[r].out;
+    a.error = error;
+    a.epoch = epoch;
+    a.timeout_ns = timeout_ns;
+    return a;
+  }
+
   // One gemm_rs call on every rank (skip_rank: that rank's producer never runs).
   // Sequential (sanitizers that serialise or slow kernels by orders of magnitude): every producer
   // runs to completion before the consumers start, so no wait can reach its deadline.
@@ -160,15 +172,7 @@ struct World {
     DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
     if (sequential) launch_producers(skip_rank, slot, dtype);
     for (int r = 0; r < c.world; ++r) {
-      ProblemShape s = c.shape(r);
-      ConsumerArgs a{};
-      for (int q = 0; q < c.world; ++q) a.partial[q] = ranks[q].partial[slot];
-      a.flags = ranks[r].flags;
-      a.out = ranks[r].out;
-      a.error = error;
-      a.epoch = epoch;
-      a.timeout_ns = timeout_ns;
-      CHECK_CUDA(launch_consumer(dtype, s, c.config, a, ranks[r].consumer_stream));
+      CHECK_CUDA(launch_consumer(dtype, c.shape(r), c.config, consumer_args(r, slot), ranks[r].consumer_stream));
     }
     if (!sequential) launch_producers(skip_rank, slot, dtype);
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -394,6 +398,7 @@ void bench_fused_one_rank(FILE* out, int sms) {
   for (auto const& sh : {std::array<int, 3>{8192, 8192, 1024}, std::array<int, 3>{8192, 8192, 3584}}) {
     Case c{sh[0], sh[1], sh[2], 1, true, GemmRsConfig{}};
     World world(c);
+    world.timeout_ns = 2'000'000'000ull;
     world.fill_inputs(11);
     ProblemShape s{c.m, c.n, c.k, 1, 0};
     auto& r = world.ranks[0];
@@ -414,20 +419,9 @@ void bench_fused_one_rank(FILE* out, int sms) {
           CHECK_CUDA(cudaStreamWaitEvent(r.producer_stream, fork, 0));
           CHECK_CUDA(cudaStreamWaitEvent(r.consumer_stream, fork, 0));
           if (with_consumer) {
-            ConsumerArgs ca{};
-            ca.partial[0] = r.partial[slot];
-            ca.flags = r.flags;
-            ca.out = r.out;
-            ca.error = world.error;
-            ca.epoch = epoch;
-            ca.timeout_ns = 2'000'000'000ull;
-            CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, ca, r.consumer_stream));
+            CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, world.consumer_args(0, slot), r.consumer_stream));
           }
-          ProducerArgs pa{};
-          pa.x = r.x;
-          pa.w = r.w;
-          pa.partial = r.partial[slot];
-          pa.flags[0] = r.flags;
+          ProducerArgs pa = world.producer_args(0, slot);
           pa.epoch = epoch;
           CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, pa, r.producer_stream));
           CHECK_CUDA(cudaEventRecord(producer_done, r.producer_stream));
@@ -527,11 +521,7 @@ int bench_main(char const* jsonl) {
     for (int b : {128, 256, 512}) {
       for (int x : {8, 16, 32, 64, 132}) {
         GemmRsConfig cfg{128, 0, x, b};
-        ConsumerArgs a{};
-        for (int q = 0; q < world_size; ++q) a.partial[q] = world.ranks[q].partial[0];
-        a.flags = world.ranks[0].flags;
-        a.out = world.ranks[0].out;
-        a.error = world.error;
+        ConsumerArgs a = world.consumer_args(0, 0);
         a.epoch = 1;
         a.timeout_ns = 1'000'000'000ull;
         float ms = median_ms([&] { CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, a, stream)); }, stream);
