@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -16,7 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import entwine_jax
-from entwine_jax.config import GemmRsConfig, heuristic_config
+from entwine_jax.config import GemmRsConfig
+from entwine_jax.tuning import select_config
 
 AXIS = "tp"
 # (M, N, K_local) of the bar in DESIGN.md.
@@ -24,7 +26,7 @@ DESIGN_SUITE = [(4096, 8192, 1024), (8192, 8192, 1024), (16384, 8192, 1024), (81
                 (16384, 8192, 3584), (8192, 16384, 2048), (16384, 16384, 2048), (16384, 16384, 6656)]
 # Budget sweep: same M, N, one communication-bound (small K) and one GEMM-bound (large K) shape.
 SWEEP_SHAPES = [(8192, 8192, 1024), (8192, 8192, 3584)]
-BUDGETS = (4, 8, 12, 16, 24, 32)
+BUDGETS = (8, 12, 16, 20, 24, 28, 32, 40)
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 # Per-compile DebugOptions overrides: they reach the GPU SPMD partitioner without XLA_FLAGS, so the
 # windowed column needs no second process (which would have to share GPU memory with this one).
@@ -121,6 +123,7 @@ class Bench:
         except Exception as e:  # no fused module: gemm_rs will say why it uses XLA
             print(f"entwine_jax.setup failed ({type(e).__name__}: {e})", file=sys.stderr)
         self.x_spec, self.w_spec = P(None, AXIS), P(AXIS, None)
+        self.sm_count = getattr(devices[0], "core_count", None) or 132
 
     def compile(self, fn, *args, options=None):
         with jax.set_mesh(self.mesh):
@@ -168,8 +171,10 @@ class Bench:
         return compiled, "xla", reason or f"{FUSED_TARGET} not in the lowered program"
 
     def config(self, m, n, k, overrides):
-        # Fields not given come from the heuristic for this shape (what gemm_rs would pick).
-        return dataclasses.replace(heuristic_config(m, n, k, self.world, self.dtype), **overrides)
+        # Fields not given come from what gemm_rs picks for this shape without an override: the
+        # tuned table (user cache, then shipped), else heuristic_config.
+        base, _ = select_config(m, n, k, self.world, self.dtype)
+        return dataclasses.replace(base, **overrides)
 
     def baseline(self, x, w):
         fn = self.shard_map(lambda x, w: jax.lax.psum_scatter(jnp.dot(x, w), AXIS, scatter_dimension=0, tiled=True),
@@ -209,7 +214,8 @@ class Bench:
             compiled, path, reason = self.entwine(x, w, config)
             err = float(rel_err(compiled(x, w), ref))
             trials.append({"config": str(config), "path": path, "reason": reason, "rel_err": err,
-                           "ok": err <= TOL, "ms": self.timed(compiled, (x, w))})
+                           "ok": err <= TOL, "ms": self.timed(compiled, (x, w)),
+                           **(self.profile(compiled, (x, w)) or {})})
             progress.step(f"{name} entwine {config}")
         # Best: right results first, then the fused path (an XLA config must not stand in for
         # entwine's speed when the fused path ran), then time.
@@ -218,8 +224,28 @@ class Bench:
         return {"m": m, "n": n, "k": k, "gemm_ms": gemm_ms, "rs_ms": rs_ms, "xla_gemm_rs_ms": base_ms,
                 "windowed_ms": windowed_ms, "windowed_loop": windowed_loop, "entwine_ms": ms,
                 "speedup": base_ms / ms, "efficiency": max(gemm_ms, rs_ms) / ms, "vs_windowed": windowed_ms / ms,
+                **{key: best[key] for key in ("gemm_window_ms", "tail_ms") if key in best},
                 "check": "OK" if best["ok"] else "FAIL", "rel_err": best["rel_err"], "path": best["path"],
                 "reason": best["reason"], "config": best["config"], "configs": trials}
+
+    def profile(self, compiled, args, calls=20):
+        """Median GEMM window and communication tail of isolated fused calls (ENTWINE_PROFILE=1),
+        max over the local ranks: window = fork to producer end, tail = producer end to the end of
+        the later of the two kernels; None when profiling is off or the call did not run fused."""
+        if os.environ.get("ENTWINE_PROFILE") != "1":
+            return None
+        from entwine_jax import fused
+        windows, ends = [], []
+        for _ in range(calls):
+            jax.block_until_ready(compiled(*args))
+            try:
+                timings = fused.last_call_ms(self.mesh, AXIS)
+            except RuntimeError:
+                return None
+            windows.append(max(t[1] for t in timings))
+            ends.append(max(max(t[1], t[2]) for t in timings))
+        window, end = statistics.median(windows), statistics.median(ends)
+        return {"gemm_window_ms": window, "tail_ms": end - window, "isolated_ms": end}
 
     def sweep_rows(self, m, n, k, progress, seed):
         x, w = self.inputs(m, n, k, seed)
@@ -227,10 +253,13 @@ class Bench:
         progress.step(f"{m}x{n}x{k} xla gemm->rs")
         rows = []
         for budget in BUDGETS:
-            config = self.config(m, n, k, {"consumer_grid": budget})
+            # The persistent producer takes the SMs the budget leaves (as the heuristic does).
+            config = self.config(m, n, k, {"consumer_grid": budget, "producer_sms": max(1, self.sm_count - budget)})
             compiled, path, reason = self.entwine(x, w, config)
-            rows.append({"m": m, "n": n, "k": k, "consumer_grid": budget, "ms": self.timed(compiled, (x, w)),
-                         "xla_gemm_rs_ms": base_ms, "path": path, "reason": reason, "config": str(config)})
+            row = {"m": m, "n": n, "k": k, "consumer_grid": budget, "ms": self.timed(compiled, (x, w)),
+                   "xla_gemm_rs_ms": base_ms, "path": path, "reason": reason, "config": str(config)}
+            row.update(self.profile(compiled, (x, w)) or {})
+            rows.append(row)
             progress.step(f"{m}x{n}x{k} consumer_grid={budget}")
         return rows
 
@@ -260,6 +289,11 @@ def print_table(rows):
     print(f"geomean over {len(ok)} checked shapes: speedup {means[0]:.3f}  efficiency {means[1]:.3f}  "
           f"vs_windowed {means[2]:.3f}"
           + (f"  WARNING: {fallback} of them ran the XLA fallback, not entwine" if fallback else ""))
+    if any("tail_ms" in r for r in rows):
+        print("isolated calls (ENTWINE_PROFILE): GEMM window / communication tail, ms")
+        for r in rows:
+            if "tail_ms" in r:
+                print(f"{r['m']:>6} {r['n']:>6} {r['k']:>5} | {r['gemm_window_ms']:8.3f} {r['tail_ms']:8.3f}")
     if any(not r["windowed_loop"] for r in rows):
         print("* no windowed-einsum loop in the compiled program: XLA kept dot + reduce-scatter for that column")
 
@@ -272,17 +306,24 @@ def plot(path, rows, sweep):
     except ImportError:
         print(f"--plot {path}: matplotlib not installed, no plot written", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(9, 4))
     if sweep:
-        # The paper's budget figure: end-to-end latency against the consumer grid x.
-        for shape in dict.fromkeys((r["m"], r["n"], r["k"]) for r in sweep):
+        # The paper's budget figure, one panel per shape: end-to-end latency, the GEMM window and
+        # the communication tail against the consumer grid x.
+        shapes = list(dict.fromkeys((r["m"], r["n"], r["k"]) for r in sweep))
+        fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+        for ax, shape in zip(axes[0], shapes):
             pts = [r for r in sweep if (r["m"], r["n"], r["k"]) == shape]
-            line, = ax.plot([r["consumer_grid"] for r in pts], [r["ms"] for r in pts], "o-",
-                            label="x".join(map(str, shape)) + ("" if pts[0]["path"] == "fused" else " (XLA fallback)"))
-            ax.axhline(pts[0]["xla_gemm_rs_ms"], color=line.get_color(), ls="--", lw=0.8)
-        ax.set(xlabel="consumer grid x (CTAs)", ylabel="gemm_rs latency (ms); dashed: XLA GEMM->RS")
-        ax.legend()
+            xs = [r["consumer_grid"] for r in pts]
+            ax.plot(xs, [r["ms"] for r in pts], "o-", label="gemm_rs (back to back)")
+            if all("tail_ms" in r for r in pts):
+                ax.plot(xs, [r["gemm_window_ms"] for r in pts], "s--", label="GEMM window")
+                ax.plot(xs, [r["tail_ms"] for r in pts], "^:", label="communication tail")
+            ax.axhline(pts[0]["xla_gemm_rs_ms"], color="k", ls="--", lw=0.8, label="XLA GEMM->RS")
+            title = "x".join(map(str, shape)) + ("" if pts[0]["path"] == "fused" else " (XLA fallback)")
+            ax.set(title=title, xlabel="consumer grid x (CTAs)", ylabel="ms")
+            ax.legend(fontsize=8)
     else:
+        fig, ax = plt.subplots(figsize=(9, 4))
         labels = [f"{r['m']}x{r['n']}x{r['k']}" for r in rows]
         ax.bar(labels, [r["speedup"] for r in rows],
                hatch=["" if r["path"] == "fused" else "//" for r in rows])
@@ -305,8 +346,11 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=10, help="back-to-back dispatches per timed batch")
     p.add_argument("--configs", type=parse_configs, default=[{}],
                    help="';'-separated GemmRsConfig overrides (e.g. 'block_n=256,consumer_grid=16;block_n=128'); "
-                        "unspecified fields come from heuristic_config; the best per shape is reported")
+                        "unspecified fields come from the config gemm_rs selects (tuned table, else heuristic_config); "
+                        "the best per shape is reported")
     p.add_argument("--sweep-budget", action="store_true", help="latency vs consumer_grid x in %s" % (BUDGETS,))
+    p.add_argument("--profile", action="store_true",
+                   help="also time the GEMM window and communication tail of isolated calls (on with --sweep-budget)")
     p.add_argument("--json", help="write machine, versions and rows to this file")
     p.add_argument("--plot", help="write a PNG (speedup per shape, or latency vs x with --sweep-budget)")
     p.add_argument("--seed", type=int, default=0)
@@ -315,6 +359,9 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.sweep_budget or args.profile:
+        # Read by the extension when it creates the first communicator: timing events per call.
+        os.environ.setdefault("ENTWINE_PROFILE", "1")
     bench = Bench(args)
     default_shapes = SWEEP_SHAPES if args.sweep_budget else DESIGN_SUITE[: 3 if args.suite == "quick" else None]
     shapes = args.shapes or default_shapes
@@ -332,9 +379,11 @@ def main(argv=None):
         for i, (m, n, k) in enumerate(shapes):
             sweep += bench.sweep_rows(m, n, k, progress, args.seed + i)
         progress.close()
-        print(f"{'M':>6} {'N':>6} {'K':>5} | {'x':>3} {'entwine_ms':>10} {'xla_gemm_rs_ms':>14} | path config")
+        print(f"{'M':>6} {'N':>6} {'K':>5} | {'x':>3} {'entwine_ms':>10} {'gemm_window':>11} {'tail':>6} "
+              f"{'xla_gemm_rs_ms':>14} | path config")
         for r in sweep:
-            print(f"{r['m']:>6} {r['n']:>6} {r['k']:>5} | {r['consumer_grid']:>3} {r['ms']:10.3f} "
+            window = f"{r['gemm_window_ms']:11.3f} {r['tail_ms']:6.3f}" if "tail_ms" in r else f"{'-':>11} {'-':>6}"
+            print(f"{r['m']:>6} {r['n']:>6} {r['k']:>5} | {r['consumer_grid']:>3} {r['ms']:10.3f} {window} "
                   f"{r['xla_gemm_rs_ms']:14.3f} | {path_note(r)} {r['config']}")
     else:
         progress = Progress(len(shapes) * (4 + len(args.configs)))

@@ -476,3 +476,18 @@ def check_errors() -> None:
             message = ext.error_message(comm.id)
             if message:
                 raise RuntimeError(message)
+
+
+def last_call_ms(mesh, axis_name) -> list[tuple[int, float, float]]:
+    """[(local device, producer_ms, consumer_ms)] of the last completed fused call on the mesh
+    axis: milliseconds from the fork of XLA's stream to the end of the producer GEMM (the GEMM
+    window) and to the end of the consumer. Needs ENTWINE_PROFILE=1 before the first call (the
+    extension then records timing events per call); block on the call's result first."""
+    ext, reason = _extension()
+    if reason:
+        raise RuntimeError(f"entwine last_call_ms: {reason}")
+    cid = comm_id(device_groups(mesh, axis_name), axis_name)
+    with _lock:
+        if cid not in _comms:
+            raise RuntimeError(f"entwine last_call_ms: no fused call has run on axis {axis_name!r} of this mesh")
+    return [tuple(t) for t in ext.last_call_ms(cid)]

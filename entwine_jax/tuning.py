@@ -282,25 +282,25 @@ def _config_dict(config: GemmRsConfig) -> dict:
 
 
 def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Optional[int] = None) -> list:
-    """GEMM block x budget x consumer block for one shape: at most 17 configs, heuristic first.
+    """GEMM block x budget for one shape: at most 8 configs, heuristic first.
 
-    block_n in {128, 256} x consumer_grid in {8, 16, 24, 32} x consumer_block in {256, 512}, with the
-    producer persistent on the SMs the consumer leaves (measured 1.1-1.25x faster than one CTA per
-    block at every shape on H200, PERF.md v4, so producer_sms = 0 is not tried by default). A budget
-    above the blocks of the local partition would only idle: capped like the heuristic, duplicates
-    dropped. The heuristic's own pick is always tried, so the winner is never worse than it.
+    The producer's block is the heuristic's (128x256 measured faster than 128x128 on every suite
+    shape, PERF.md; 128 only where N is not a multiple of 256), the consumer block 512 (the most
+    loads in flight per SM, best in the consumer sweep); the budget x in {4, 8, 12, 16, 20, 24, 32},
+    with the producer persistent on the SMs the consumer leaves (measured 1.1-1.25x faster than
+    one CTA per block at every shape on H200, PERF.md v4, so producer_sms = 0 is not tried). A
+    budget above the blocks of the local partition would only idle: capped like the heuristic,
+    duplicates dropped. The heuristic's own pick is always tried, so the winner is never worse.
     """
     sms = sm_count or _sm_count()
-    out = [heuristic_config(m, n, k, world, dtype)]
-    for block_n in (256, 128):
-        blocks = max(1, -(-m // world // 128) * -(-n // block_n))
-        for consumer_grid in (8, 16, 24, 32):
-            grid = min(consumer_grid, blocks)
-            for consumer_block in (512, 256):
-                c = GemmRsConfig(block_n=block_n, producer_sms=max(1, sms - grid), consumer_grid=grid,
-                                 consumer_block=consumer_block, raster_rows=8)
-                if c not in out:
-                    out.append(c)
+    first = heuristic_config(m, n, k, world, dtype)
+    out = [first]
+    blocks = max(1, -(-m // world // 128) * -(-n // first.block_n))
+    for consumer_grid in (4, 8, 12, 16, 20, 24, 32):
+        grid = min(consumer_grid, blocks)
+        c = dataclasses.replace(first, producer_sms=max(1, sms - grid), consumer_grid=grid, consumer_block=512)
+        if c not in out:
+            out.append(c)
     return out
 
 
@@ -512,3 +512,35 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
         written = write_cache(entries, cache_path)
         _log.logger.info("tune: %d winner(s) written to %s", len(entries), written)
     return results
+
+
+def main(argv=None) -> int:
+    """python -m entwine_jax.tuning: tune() over the local GPUs (one process, W = all of them)."""
+    import argparse
+
+    from entwine_jax.bench import DESIGN_SUITE, parse_shapes
+
+    p = argparse.ArgumentParser(prog="python -m entwine_jax.tuning", description=main.__doc__)
+    p.add_argument("--shapes", type=parse_shapes, default=DESIGN_SUITE,
+                   help="comma-separated MxNxK_local (default: the design suite)")
+    p.add_argument("--dtype", choices=_DTYPE_NAMES, default="bfloat16")
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--cache", help="user cache to merge the winners into (default: ENTWINE_TUNE_CACHE or "
+                                    "~/.cache/entwine_jax/tuned.json)")
+    args = p.parse_args(argv)
+    devices = jax.local_devices()
+    mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices)
+    results = tune(mesh, "tp", args.shapes, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
+                   cache_path=args.cache)
+    for (m, n, k), (best, ms, trials) in results.items():
+        print(f"{m}x{n}x{k}: best {best} {'%.3f ms' % ms if ms is not None else ''}")
+        for t in trials:
+            c = t["config"]
+            what = f"{t['ms']:.3f} ms" if t["ms"] is not None else f"skipped: {t['skipped']}"
+            print(f"    p{c.producer_sms}/x{c.consumer_grid}/b{c.consumer_block}/n{c.block_n}: {what}")
+    return 0 if all(best is not None for best, _, _ in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -130,7 +130,7 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     check(cudaStreamCreateWithPriority(&dc->consumer, cudaStreamNonBlocking, greatest),
           "cudaStreamCreateWithPriority(consumer)");
     for (cudaEvent_t* e : {&dc->start, &dc->producer_done, &dc->consumer_done}) {
-      check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
+      check(cudaEventCreateWithFlags(e, profiling() ? cudaEventDefault : cudaEventDisableTiming), "cudaEventCreate");
     }
     // Portable: one pinned record must be mappable from whichever context the device uses.
     check(cudaHostAlloc(reinterpret_cast<void**>(&dc->error_host), sizeof(DeviceError),
@@ -287,6 +287,29 @@ uint64_t timeout_ms() noexcept {
     return (env && end != env && value > 0) ? uint64_t(value) : uint64_t(60000);
   }();
   return ms;
+}
+
+bool profiling() noexcept {
+  static const bool enabled = [] {
+    const char* env = std::getenv("ENTWINE_PROFILE");
+    return env != nullptr && env[0] == '1';
+  }();
+  return enabled;
+}
+
+std::vector<CallTiming> last_call_ms(int64_t comm_id) {
+  if (!profiling()) {
+    throw std::runtime_error("entwine comm: call timings need ENTWINE_PROFILE=1 set before the first gemm_rs");
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::vector<CallTiming> timings;
+  for (auto& [device, dc] : get(comm_id).by_device) {
+    CallTiming t{device, 0.f, 0.f};
+    check(cudaEventElapsedTime(&t.producer_ms, dc->start, dc->producer_done), "cudaEventElapsedTime(producer)");
+    check(cudaEventElapsedTime(&t.consumer_ms, dc->start, dc->consumer_done), "cudaEventElapsedTime(consumer)");
+    timings.push_back(t);
+  }
+  return timings;
 }
 
 DeviceComm* find(int64_t comm_id, int device) noexcept {

@@ -104,6 +104,16 @@ DeviceComm* find(int64_t comm_id, int device) noexcept;
 // Deadline of every consumer wait: ENTWINE_TIMEOUT_MS (default 60000: it also has to cover the skew between ranks reaching a call, e.g. compile-time differences on a first call), read once per process.
 uint64_t timeout_ms() noexcept;
 
+// ENTWINE_PROFILE=1 (read once, before the first communicator): the per-call events record time.
+bool profiling() noexcept;
+// Of the last completed call on each local device: milliseconds from the fork of XLA's stream to
+// the end of the producer (the GEMM window) and to the end of the consumer.
+struct CallTiming {
+  int device;
+  float producer_ms, consumer_ms;
+};
+std::vector<CallTiming> last_call_ms(int64_t comm_id);
+
 // The device error recorded on this entry, formatted for the user, or nullopt.
 std::optional<std::string> error_message(const DeviceComm& dc);
 // The first device error of any local device of the comm (Python's check_errors()).

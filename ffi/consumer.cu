@@ -20,6 +20,8 @@
 //    serialise on one peer; the adds run in rank order, which makes results bitwise repeatable.
 //  - The grid must stay well below the SM count: consumer CTAs spin while producers still need
 //    SMs to make progress.
+#include <type_traits>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -112,81 +114,125 @@ __device__ bool wait_flag(const uint64_t* flag, Params const& p, int source, int
   return true;
 }
 
+// Reduces one step (one producer block: tiles_per_block 128x128 tiles) with `threads` threads,
+// `thread` being this thread's index among them. Its releases must have been acquired.
 template <class Element, int W>
-__global__ void __launch_bounds__(kMaxBlock) consumer_kernel(__grid_constant__ const Params p) {
-  // Chunks per thread per round: keep about 16 16-byte loads in flight whatever W is (the reads
-  // cross NVLink: ~2 us of latency to cover per CTA).
-  constexpr int kUnroll = W >= 8 ? 2 : 16 / W;
-  __shared__ int leave;
-  if (threadIdx.x == 0) leave = 0;
-  __syncthreads();
-
-  // One step = one producer block (tiles_per_block 128x128 tiles released together), in
-  // production order, so the first tiles reduced are the first ones released and each wait and
-  // fence is paid once per block, not per tile.
-  int const steps = p.tiles / p.tiles_per_block;
+__device__ void reduce_step(Params const& p, int step, int thread, int threads) {
+  // Chunks per thread per round: about 16 16-byte loads in flight whatever W is (the reads cross
+  // NVLink: ~2 us of latency to cover per CTA); 8 for W = 1, whose reads are all local.
+  constexpr int kUnroll = W == 1 ? 8 : W >= 8 ? 2 : 16 / W;
   int const chunks_per_row = p.tiles_per_block * kChunksPerRow;
   int const chunks = kTileM * chunks_per_row;
-  for (int step = blockIdx.x; step < steps; step += gridDim.x) {
-    int tile_m, block_n;
-    p.order.block(step, tile_m, block_n);
-    int const tile0 = tile_m * p.tiles_n + block_n * p.tiles_per_block;
-    // One thread per (source rank, tile of the block) waits for that release.
-    if (threadIdx.x < W * p.tiles_per_block) {
-      int const source = threadIdx.x % W;
-      int const tile = tile0 + threadIdx.x / W;
-      if (!wait_flag(p.args.flags + int64_t(source) * p.tiles + tile, p, source, tile)) leave = 1;
+  // threads is a multiple of 32 and chunks_per_row divides 32: chunk c + threads sits
+  // `rows_per_pass` rows below chunk c, so one base offset per round serves every unrolled chunk.
+  int const rows_per_pass = threads / chunks_per_row;
+  int tile_m, block_n;
+  p.order.block(step, tile_m, block_n);
+  int const col0 = block_n * p.tiles_per_block * kTileN;
+  int64_t const src0 = (p.part_row0 + int64_t(tile_m) * kTileM) * p.n + p.part_col0 + col0;
+  int64_t const dst0 = int64_t(tile_m) * kTileM * p.out_cols + col0;
+  int64_t const src_pass = int64_t(rows_per_pass) * p.n, dst_pass = int64_t(rows_per_pass) * p.out_cols;
+
+  for (int base = thread; base < chunks; base += threads * kUnroll) {
+    int const row = base / chunks_per_row, col = (base % chunks_per_row) * kChunkElems;
+    int64_t const src = src0 + int64_t(row) * p.n + col;
+    uint4 v[kUnroll][W];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * threads < chunks) {
+#pragma unroll
+        for (int s = 0; s < W; ++s) v[u][s] = ptx::load_cg_16(static_cast<const Element*>(p.args.partial[s]) + src + u * src_pass);
+      }
     }
-    // Orders the acquires above before every thread's reads below.
-    __syncthreads();
-    if (leave) return;
-
-    int const col0 = block_n * p.tiles_per_block * kTileN;
-    int64_t const src0 = (p.part_row0 + int64_t(tile_m) * kTileM) * p.n + p.part_col0 + col0;
-    int64_t const dst0 = int64_t(tile_m) * kTileM * p.out_cols + col0;
-
-    for (int base = threadIdx.x; base < chunks; base += blockDim.x * kUnroll) {
-      uint4 v[kUnroll][W];
-      int row[kUnroll], col[kUnroll];
+    Element* const dst = static_cast<Element*>(p.args.out) + dst0 + int64_t(row) * p.out_cols + col;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        int const chunk = base + u * blockDim.x;
-        row[u] = chunk / chunks_per_row;
-        col[u] = (chunk % chunks_per_row) * kChunkElems;
-        if (chunk < chunks) {
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * threads >= chunks) continue;
+      float2 acc[4];
+      uint32_t const* first = reinterpret_cast<uint32_t const*>(&v[u][0]);
 #pragma unroll
-          for (int s = 0; s < W; ++s) {
-            v[u][s] = ptx::load_cg_16(static_cast<const Element*>(p.args.partial[s]) + src0 + int64_t(row[u]) * p.n + col[u]);
-          }
+      for (int j = 0; j < 4; ++j) acc[j] = Pack<Element>::to_float2(first[j]);
+#pragma unroll
+      for (int s = 1; s < W; ++s) {
+        uint32_t const* next = reinterpret_cast<uint32_t const*>(&v[u][s]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float2 f = Pack<Element>::to_float2(next[j]);
+          acc[j].x += f.x;
+          acc[j].y += f.y;
         }
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        int const chunk = base + u * blockDim.x;
-        if (chunk >= chunks) continue;
-        float2 acc[4];
-        uint32_t const* first = reinterpret_cast<uint32_t const*>(&v[u][0]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[j] = Pack<Element>::to_float2(first[j]);
-#pragma unroll
-        for (int s = 1; s < W; ++s) {
-          uint32_t const* next = reinterpret_cast<uint32_t const*>(&v[u][s]);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            float2 f = Pack<Element>::to_float2(next[j]);
-            acc[j].x += f.x;
-            acc[j].y += f.y;
-          }
-        }
-        uint4 out;
-        out.x = Pack<Element>::from_float2(acc[0]);
-        out.y = Pack<Element>::from_float2(acc[1]);
-        out.z = Pack<Element>::from_float2(acc[2]);
-        out.w = Pack<Element>::from_float2(acc[3]);
-        *reinterpret_cast<uint4*>(static_cast<Element*>(p.args.out) + dst0 + int64_t(row[u]) * p.out_cols + col[u]) = out;
-      }
+      uint4 out;
+      out.x = Pack<Element>::from_float2(acc[0]);
+      out.y = Pack<Element>::from_float2(acc[1]);
+      out.z = Pack<Element>::from_float2(acc[2]);
+      out.w = Pack<Element>::from_float2(acc[3]);
+      *reinterpret_cast<uint4*>(dst + u * dst_pass) = out;
     }
   }
+}
+
+// Lane l < W * tiles_per_block of the calling warp waits for the release of (source l % W, tile
+// l / W of the step's block). Returns whether every release arrived (false: the CTA must leave).
+template <int W>
+__device__ bool wait_step(Params const& p, int step, int lane) {
+  bool ok = true;
+  if (lane < W * p.tiles_per_block) {
+    int tile_m, block_n;
+    p.order.block(step, tile_m, block_n);
+    int const source = lane % W;
+    int const tile = tile_m * p.tiles_n + block_n * p.tiles_per_block + lane / W;
+    ok = wait_flag(p.args.flags + int64_t(source) * p.tiles + tile, p, source, tile);
+  }
+  return __all_sync(0xffffffffu, ok);
+}
+
+// One step = one producer block (its tiles are released together), in production order, so the
+// first tiles reduced are the first ones released and each wait and fence is paid once per block.
+//
+// Warp 0 only waits: it acquires the releases of step i+1 while the other `consumer_block` threads
+// (the data threads) still load and sum step i, so the flag round trip and the system fence leave
+// the data path. Handshake per step i, on named barriers of parity s = i % 2:
+//   warp 0:  wait flags(i) -> [i >= 2: sync kStepFree+s] -> leave[s] = !ok -> arrive kStepReady+s
+//   data:    sync kStepReady+s -> read leave[s] -> [i+2 < steps: arrive kStepFree+s] -> reduce(i)
+// kStepFree keeps warp 0 from reusing barrier s and leave[s] before the data threads passed step
+// i-2; the barrier pair carries the acquire from warp 0 to the data threads (arrive/sync
+// synchronise at CTA scope).
+constexpr int kStepReady = 1;  // +parity: ids 1, 2
+constexpr int kStepFree = 3;   // +parity: ids 3, 4
+constexpr int kWaiterThreads = 32;
+
+template <class Element, int W>
+__global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__grid_constant__ const Params p) {
+  __shared__ int leave[2];
+  int const steps = p.tiles / p.tiles_per_block;
+  int const my_steps = int(blockIdx.x) < steps ? (steps - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 0;
+  int const threads = int(blockDim.x);                 // waiter warp + data threads
+  int const data_threads = threads - kWaiterThreads;
+
+  if (threadIdx.x < kWaiterThreads) {
+    for (int i = 0; i < my_steps; ++i) {
+      int const s = i & 1;
+      bool const ok = wait_step<W>(p, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x));
+      if (i >= 2) ptx::named_barrier_sync(kStepFree + s, threads);
+      if (threadIdx.x == 0) leave[s] = !ok;
+      ptx::named_barrier_arrive(kStepReady + s, threads);
+      if (!ok) return;
+    }
+    return;
+  }
+  for (int i = 0; i < my_steps; ++i) {
+    int const s = i & 1;
+    ptx::named_barrier_sync(kStepReady + s, threads);
+    if (leave[s]) return;
+    if (i + 2 < my_steps) ptx::named_barrier_arrive(kStepFree + s, threads);
+    reduce_step<Element, W>(p, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x) - kWaiterThreads, data_threads);
+  }
+}
+
+template <class Element, int W>
+void launch_world(Params const& p, int grid, int block, cudaStream_t stream) {
+  consumer_kernel<Element, W><<<grid, block + kWaiterThreads, 0, stream>>>(p);
 }
 
 template <class Element>
@@ -202,16 +248,16 @@ cudaError_t launch_typed(ProblemShape const& shape, GemmRsConfig const& config, 
            shape.rank,
            tile_order(shape, config),
            config.block_n / kTileN};
-  dim3 grid(config.consumer_grid), block(config.consumer_block);
+  int const grid = config.consumer_grid, block = config.consumer_block;
   switch (shape.world) {
-    case 1: consumer_kernel<Element, 1><<<grid, block, 0, stream>>>(p); break;
-    case 2: consumer_kernel<Element, 2><<<grid, block, 0, stream>>>(p); break;
-    case 3: consumer_kernel<Element, 3><<<grid, block, 0, stream>>>(p); break;
-    case 4: consumer_kernel<Element, 4><<<grid, block, 0, stream>>>(p); break;
-    case 5: consumer_kernel<Element, 5><<<grid, block, 0, stream>>>(p); break;
-    case 6: consumer_kernel<Element, 6><<<grid, block, 0, stream>>>(p); break;
-    case 7: consumer_kernel<Element, 7><<<grid, block, 0, stream>>>(p); break;
-    case 8: consumer_kernel<Element, 8><<<grid, block, 0, stream>>>(p); break;
+    case 1: launch_world<Element, 1>(p, grid, block, stream); break;
+    case 2: launch_world<Element, 2>(p, grid, block, stream); break;
+    case 3: launch_world<Element, 3>(p, grid, block, stream); break;
+    case 4: launch_world<Element, 4>(p, grid, block, stream); break;
+    case 5: launch_world<Element, 5>(p, grid, block, stream); break;
+    case 6: launch_world<Element, 6>(p, grid, block, stream); break;
+    case 7: launch_world<Element, 7>(p, grid, block, stream); break;
+    case 8: launch_world<Element, 8>(p, grid, block, stream); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
@@ -225,14 +271,18 @@ cudaError_t prepare_typed() {
   auto load = [&](auto kernel) {
     if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
   };
-  load(consumer_kernel<Element, 1>);
-  load(consumer_kernel<Element, 2>);
-  load(consumer_kernel<Element, 3>);
-  load(consumer_kernel<Element, 4>);
-  load(consumer_kernel<Element, 5>);
-  load(consumer_kernel<Element, 6>);
-  load(consumer_kernel<Element, 7>);
-  load(consumer_kernel<Element, 8>);
+  auto load_world = [&](auto world) {
+    constexpr int W = decltype(world)::value;
+    load(consumer_kernel<Element, W>);
+  };
+  load_world(std::integral_constant<int, 1>{});
+  load_world(std::integral_constant<int, 2>{});
+  load_world(std::integral_constant<int, 3>{});
+  load_world(std::integral_constant<int, 4>{});
+  load_world(std::integral_constant<int, 5>{});
+  load_world(std::integral_constant<int, 6>{});
+  load_world(std::integral_constant<int, 7>{});
+  load_world(std::integral_constant<int, 8>{});
   return err;
 }
 

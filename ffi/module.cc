@@ -2,6 +2,7 @@
 // entwine_jax.fused drives at trace time (create, exchange IPC handles, connect, grow, errors,
 // shutdown). Every failure raises RuntimeError carrying the CUDA error string.
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "comm.h"
@@ -99,6 +101,13 @@ NB_MODULE(_entwine, m) {
   m.def("error_message",
         [](int64_t comm_id) { return comm::error_message(comm_id); },
         nb::arg("comm_id"), "The device error recorded by a local rank of the comm, or None.");
+
+  m.def("last_call_ms", [](int64_t comm_id) {
+    std::vector<std::tuple<int, float, float>> out;
+    for (const comm::CallTiming& t : comm::last_call_ms(comm_id)) out.emplace_back(t.device, t.producer_ms, t.consumer_ms);
+    return out;
+  }, nb::arg("comm_id"), NoGil(),
+     "[(device, producer_ms, consumer_ms)] of the comm's last completed call (needs ENTWINE_PROFILE=1).");
 
   m.def("timeout_ms", &comm::timeout_ms, "ENTWINE_TIMEOUT_MS as read by the extension.");
 

@@ -22,22 +22,24 @@ template <class Element_, int BLOCK_N_>
 struct ProducerGemm {
   // ---- core config ---------------------------------------------------------------------------
   using Element = Element_;                           // bf16 or fp16 in and out, fp32 accumulation
-  static constexpr int BLOCK_M = 128;                 // two math warpgroups of 64 rows each
+  static constexpr int BLOCK_M = 128;
   static constexpr int BLOCK_N = BLOCK_N_;            // 128 or 256: publishes BLOCK_N / 128 tiles
   static constexpr int BLOCK_K = 64;                  // one 128-byte TMA swizzle row of 2-byte types
   static constexpr int kThreads = 384;                // warp 0: TMA, warps 1-3: stores, warpgroups 1-2: math
-  static constexpr int kMathThreads = 256;
+  static constexpr int kMathThreads = 256;            // cooperative: both warpgroups on every block
   static constexpr int kTilesPerBlock = BLOCK_N / kTileN;
   using TileShape = Shape<Int<BLOCK_M>, Int<BLOCK_N>, Int<BLOCK_K>>;
   using ClusterShape = Shape<_1, _1, _1>;
   static_assert(BLOCK_M == kTileM && BLOCK_N % kTileN == 0, "a GEMM block covers whole reduction tiles");
 
-  // ---- epilogue staging: the block's output in shared memory, rows padded by 16 bytes so the
-  //      math warps' 4-byte fragment stores hit 32 distinct banks --------------------------------
-  static constexpr int kSmemPitch = BLOCK_N + 8;
+  // ---- epilogue staging: the finished block in shared memory, unpadded; 16-byte chunk c of row
+  //      r is stored at chunk c ^ (r % 8), so the math warps' fragment stores (8 rows x 16 bytes
+  //      per instruction) and the store warps' row reads both hit 32 distinct banks ------------
+  using StagingSwizzle = Swizzle<3, 3, (BLOCK_N == 256 ? 5 : 4)>;  // chunk bits ^= row bits
   struct EpilogueStorage {
-    alignas(128) Element tile[BLOCK_M * kSmemPitch];
+    alignas(1024) Element tile[BLOCK_M * BLOCK_N];
   };
+  static __device__ int staged_offset(int row, int chunk) { return row * BLOCK_N + ((chunk ^ (row & 7)) * 8); }
 
   // ---- mainloop: A = x [M, K] row-major (K-major), B = w [K, N] row-major (N-major) -----------
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -157,8 +159,8 @@ struct ProducerGemm {
     TiledMma tiled_mma;
     auto thread_mma = tiled_mma.get_thread_slice(math_idx);
     Tensor sC = make_tensor(make_smem_ptr(storage.epilogue.tile),
-                            make_layout(make_shape(Int<BLOCK_M>{}, Int<BLOCK_N>{}),
-                                        make_stride(Int<kSmemPitch>{}, _1{})));
+                            composition(StagingSwizzle{}, make_layout(make_shape(Int<BLOCK_M>{}, Int<BLOCK_N>{}),
+                                                                      make_stride(Int<BLOCK_N>{}, _1{}))));
     Tensor tCsC = thread_mma.partition_C(sC);
 
     for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
@@ -196,7 +198,7 @@ struct ProducerGemm {
         for (int u = 0; u < kInFlight; ++u) {
           int const chunk = base + u * kStoreThreads;
           if (chunk < kChunks) {
-            v[u] = *reinterpret_cast<uint4 const*>(stage + (chunk / kChunksPerRow) * kSmemPitch + (chunk % kChunksPerRow) * 8);
+            v[u] = *reinterpret_cast<uint4 const*>(stage + staged_offset(chunk / kChunksPerRow, chunk % kChunksPerRow));
           }
         }
         CUTLASS_PRAGMA_UNROLL
@@ -207,6 +209,11 @@ struct ProducerGemm {
           }
         }
       }
+      // This thread's shared-memory reads are done (its stores consumed them): the staging tile
+      // may take the next block, if there is one, while the release below waits for the stores.
+      if (p + int(gridDim.x) < params.num_blocks) {
+        ptx::named_barrier_arrive(kEmptyBarrier, kMathThreads + kStoreThreads);
+      }
       // Publish: every store warp's stores precede this barrier; one thread then fences at system
       // scope and releases the epoch into the owner's flag array (a remote store: push, not pull).
       ptx::named_barrier_sync(kStoreBarrier, kStoreThreads);
@@ -216,10 +223,6 @@ struct ProducerGemm {
         int const tile0 = c.tile_m * params.tiles_n + c.n_block * kTilesPerBlock;
         CUTLASS_PRAGMA_UNROLL
         for (int t = 0; t < kTilesPerBlock; ++t) ptx::store_release_sys(owner_flags + tile0 + t, params.epoch);
-      }
-      // The staging tile is free again (not after the last block: nobody would wait for it).
-      if (p + int(gridDim.x) < params.num_blocks) {
-        ptx::named_barrier_arrive(kEmptyBarrier, kMathThreads + kStoreThreads);
       }
     }
   }

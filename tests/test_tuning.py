@@ -78,8 +78,8 @@ def test_shipped_table_parses_and_validates(monkeypatch):
     assert len(keys) == 16 and {k[5] for k in keys} == {"bfloat16", "float16"}
 
 
-@pytest.mark.parametrize("shape,grid", [((4096, 8192, 1024), 24), ((16384, 8192, 3584), 16),
-                                        ((16384, 16384, 6656), 8)])
+@pytest.mark.parametrize("shape,grid", [((4096, 8192, 1024), 16), ((16384, 8192, 3584), 8),
+                                        ((16384, 16384, 6656), 4)])
 def test_shipped_lookup(monkeypatch, shape, grid):
     monkeypatch.undo()  # the real shipped file
     monkeypatch.setenv("ENTWINE_TUNE_CACHE", "/nonexistent/tuned.json")
@@ -311,13 +311,17 @@ def test_tune_argument_errors(kwargs, match):
 
 
 def test_default_candidates():
+    h = heuristic_config(8192, 8192, 1024, 2, jnp.bfloat16)
     c = tuning.default_candidates(8192, 8192, 1024, 2, jnp.bfloat16, sm_count=132)
-    assert c[0] == heuristic_config(8192, 8192, 1024, 2, jnp.bfloat16) and len(c) == len(set(c)) == 16
-    assert {x.block_n for x in c} == {128, 256} and {x.consumer_grid for x in c} == {8, 16, 24, 32}
-    assert {x.consumer_block for x in c} == {256, 512} and all(x.producer_sms + x.consumer_grid == 132 for x in c)
+    assert c[0] == h and len(c) == len(set(c)) and len(c) <= 8
+    assert {x.consumer_grid for x in c} == {4, 8, 12, 16, 20, 24, 32} | {h.consumer_grid}
+    assert {x.block_n for x in c} == {256} and {x.consumer_block for x in c} == {512}
+    assert all(x.producer_sms + x.consumer_grid == 132 for x in c)
+    # N not a multiple of 256: the heuristic's 128-wide block throughout.
+    assert {x.block_n for x in tuning.default_candidates(8192, 8320, 1024, 2, jnp.bfloat16, sm_count=132)} == {128}
     # A small partition: budgets capped at its blocks (2 rows x 2 blocks of 256), duplicates dropped.
     small = tuning.default_candidates(512, 512, 64, 2, jnp.bfloat16, sm_count=132)
-    assert len(small) <= 17 and max(x.consumer_grid for x in small) == 8
+    assert len(small) == len(set(small)) and max(x.consumer_grid for x in small) == 4
 
 
 def test_tune_loop_on_cpu_with_stubbed_fused_build(monkeypatch, caplog):

@@ -463,7 +463,8 @@ int bench_main(char const* jsonl) {
   std::printf("device %s, %d SMs; copy bandwidth %.0f GB/s (read+write)\n", prop.name, prop.multiProcessorCount, copy_gbs);
   if (out) std::fprintf(out, "{\"kind\":\"copy\",\"gbs\":%.1f,\"device\":\"%s\",\"sms\":%d}\n", copy_gbs, prop.name, prop.multiProcessorCount);
 
-  bench_fused_one_rank(out, prop.multiProcessorCount);
+  bool const consumer_only = std::getenv("ENTWINE_BENCH_CONSUMER_ONLY") != nullptr;
+  if (!consumer_only) bench_fused_one_rank(out, prop.multiProcessorCount);
   if (std::getenv("ENTWINE_BENCH_FUSED_ONLY")) return 0;
 
   // Producer alone on the design's suite (W = 2 partitions, the GEMM of one rank).
@@ -480,12 +481,14 @@ int bench_main(char const* jsonl) {
                         {"n256 pers inter+flags r8", 256, sms, 8, true, true},
                         {"n256 pers inter+flags r4", 256, sms, 4, true, true},
                         {"n256 pers inter+flags r16", 256, sms, 16, true, true},
+                        {"n128 pers plain r1", 128, sms, 1, false, false},
                         {"n128 pers inter+flags r8", 128, sms, 8, true, true},
                         {"n256 1/CTA inter+flags r8", 256, 0, 8, true, true}};
   std::printf("%6s %6s %5s", "M", "N", "K");
   for (auto const& v : variants) std::printf(" | %-25s", v.name);
   std::printf("\n");
-  for (auto const& sh : suite) {
+  for (int i = 0; i < (consumer_only ? 0 : 8); ++i) {
+    int const* sh = suite[i];
     Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}};
     World world(c);
     world.fill_inputs(3);
@@ -518,16 +521,17 @@ int bench_main(char const* jsonl) {
       CHECK_CUDA(cudaMemcpy(world.ranks[r].partial[0], world.ranks[r].x, size_t(c.m) * c.k * 2, cudaMemcpyDeviceToDevice));
     double const bytes = double(world_size + 1) * (c.m / world_size) * double(c.n) * 2;
     std::printf("W=%d:", world_size);
+    for (int block_n : {128, 256})
     for (int b : {128, 256, 512}) {
       for (int x : {8, 16, 32, 64, 132}) {
-        GemmRsConfig cfg{128, 0, x, b};
+        GemmRsConfig cfg{block_n, 0, x, b};
         ConsumerArgs a = world.consumer_args(0, 0);
         a.epoch = 1;
         a.timeout_ns = 1'000'000'000ull;
         float ms = median_ms([&] { CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, a, stream)); }, stream);
         double gbs = bytes / (ms * 1e-3) / 1e9;
-        std::printf(" b%d/x%d %.0f", b, x, gbs);
-        if (out) std::fprintf(out, "{\"kind\":\"consumer\",\"world\":%d,\"grid\":%d,\"block\":%d,\"ms\":%.5f,\"gbs\":%.1f,\"copy_frac\":%.3f}\n", world_size, x, b, ms, gbs, gbs / copy_gbs);
+        std::printf(" n%d/b%d/x%d %.0f", block_n, b, x, gbs);
+        if (out) std::fprintf(out, "{\"kind\":\"consumer\",\"block_n\":%d,\"world\":%d,\"grid\":%d,\"block\":%d,\"ms\":%.5f,\"gbs\":%.1f,\"copy_frac\":%.3f}\n", block_n, world_size, x, b, ms, gbs, gbs / copy_gbs);
       }
     }
     std::printf("\n");
