@@ -42,7 +42,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import entwine_jax  # noqa: E402
 from entwine_jax import layers  # noqa: E402
 
-# Max |loss - reference loss| / reference loss over all steps. float32: both models compute in
+# Max |loss - reference loss| / max(reference loss, 1) over all steps (a loss below 1 is compared
+# absolutely: its relative difference says nothing about the model once it has collapsed). float32: both models compute in
 # fp32 and differ only in summation order (measured on CPU, tiny preset: 2e-7 over 5 steps, 7e-6
 # over 8); adamw's normalised updates amplify that slowly over the steps. bfloat16: the sharded
 # model computes in bf16 (its params stay fp32) against the fp32 reference, so this bounds bf16
@@ -70,8 +71,11 @@ PRESETS = {
     "tiny": Config(),
     # Shapes the fused kernels accept (rows per tp group a multiple of tp*128, N and K_local
     # multiples of 128) for tp <= 8.
+    # The task is learnt within a step or two, after which adamw overshoots and the loss swings
+    # between ~0 and ~3.7 (lr 1e-2 on 4x H200: 7.4, 3e-5, 3.8; lr 1e-3: 7.4, 0.88, 3.6, 0.006,
+    # 3.7): hence the absolute comparison below a loss of 1.
     "gpu": Config(vocab=1024, d_model=1024, heads=8, head_dim=128, d_ff=4096, layers=2, seq=1024, batch_per_dp=2,
-                  dtype="bfloat16"),
+                  lr=1e-3, dtype="bfloat16"),
 }
 
 
@@ -287,7 +291,7 @@ def build(cfg: Config, mesh, *, seed: int = 0):
 
 
 def train(cfg: Config, steps: int, *, seed: int = 0, verbose: bool = True):
-    """Trains both models for `steps` steps; returns (losses, reference losses, max relative diff)."""
+    """Trains both models for `steps` steps; returns (losses, reference losses, max difference, relative above 1)."""
     mesh = make_mesh(len(jax.devices()), jax.devices()[0].platform)
     dp = mesh.shape["dp"]
     train_step, ref_step, place, (params, opt_state, ref_params, ref_opt_state) = build(cfg, mesh, seed=seed)
@@ -304,7 +308,7 @@ def train(cfg: Config, steps: int, *, seed: int = 0, verbose: bool = True):
         if verbose:
             print(f"step {step}: loss {losses[-1]:.6f}  reference {ref_losses[-1]:.6f}  "
                   f"({time.perf_counter() - t0:.2f} s)", flush=True)
-    diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    diff = max(abs(a - b) / max(abs(b), 1.0) for a, b in zip(losses, ref_losses))
     return losses, ref_losses, diff
 
 
@@ -332,7 +336,7 @@ def main(argv=None) -> int:
     tol = TOL[cfg.dtype]
     print(f"losses    {' '.join(f'{v:.5f}' for v in losses)}")
     print(f"reference {' '.join(f'{v:.5f}' for v in ref_losses)}")
-    print(f"max relative loss difference {diff:.2e} (tolerance {tol:.0e} for {cfg.dtype}); "
+    print(f"max loss difference (relative, absolute below 1) {diff:.2e} (tolerance {tol:.0e} for {cfg.dtype}); "
           f"{time.perf_counter() - t0:.1f} s")
     if not diff <= tol or not all(np.isfinite(losses)):
         print("MISMATCH")

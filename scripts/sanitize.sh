@@ -1,6 +1,7 @@
 #!/bin/bash
 # compute-sanitizer (memcheck, racecheck, synccheck) over the kernels on a small case: two virtual
-# ranks on one GPU, producer + consumer, two epochs (entwine_harness sanitize).
+# ranks on one GPU, producer + consumer, two epochs (entwine_harness sanitize): results and the
+# producers' partial outputs are checked under every tool.
 # Usage: scripts/sanitize.sh [path/to/entwine_harness]   (default: the installed package's)
 set -u
 HARNESS=${1:-$(python3 -c 'import entwine_jax, os; print(os.path.join(os.path.dirname(entwine_jax.__file__), "bin", "entwine_harness"))')}

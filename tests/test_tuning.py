@@ -60,22 +60,23 @@ def run(world=2, x_shape=(32, 64), n=16, dtype=jnp.bfloat16, columns=False, **kw
 def test_shipped_table_parses_and_validates(monkeypatch):
     monkeypatch.undo()  # the real shipped file
     doc = json.loads(tuning.SHIPPED_PATH.read_text())
-    assert doc["format"] == tuning.FORMAT and "W=4 and W=8" in doc["coverage"]
+    assert doc["format"] == tuning.FORMAT and "W=8: no measurements" in doc["coverage"]
     keys = set()
     for e in doc["entries"]:
         key, cls, config = tuning._parse_entry(e)
         assert key not in keys
         keys.add(key)
         assert cls == "hopper-132sm" and e["provenance"]["date"] and e["provenance"]["command"]
-        assert e["provenance"]["machine"].startswith("2 x NVIDIA H200")
+        # Each W measured on that many H200s.
+        assert e["provenance"]["machine"].startswith(f"{e['world']} x NVIDIA H200")
         # fp16 is inferred from bf16 and says so.
         assert e["measured"] == (e["dtype"] == "bfloat16")
         if e["dtype"] == "float16":
             assert "not measured" in e["note"]
         assert (config.block_n, config.consumer_block, config.raster_rows, config.path) == (256, 512, 8, "auto")
         assert config.producer_sms + config.consumer_grid == 132
-    assert {k[1] for k in keys} == {2}  # no invented W=4/8 entries
-    assert len(keys) == 16 and {k[5] for k in keys} == {"bfloat16", "float16"}
+    assert {k[1] for k in keys} == {2, 4}  # no invented W=8 entries
+    assert len(keys) == 32 and {k[5] for k in keys} == {"bfloat16", "float16"}
 
 
 @pytest.mark.parametrize("shape,grid", [((4096, 8192, 1024), 16), ((16384, 8192, 3584), 8),
@@ -91,8 +92,10 @@ def test_shipped_lookup(monkeypatch, shape, grid):
     config, source = tuning.lookup(*shape, 2, jnp.bfloat16, device_kind="NVIDIA H100 80GB HBM3",
                                    device_cls="hopper-132sm")
     assert source == "tuned (shipped) via hopper-132sm" and config.consumer_grid == grid
-    # Not measured: W=4/8, float32, another SM count, another GPU.
-    assert tuning.lookup(*shape, 4, jnp.bfloat16, device_kind="NVIDIA H200", device_cls="hopper-132sm") is None
+    # W=4: measured on 4x H200 (its own winners: x=12 where W=2 took 16 at K=1024).
+    config, source = tuning.lookup(*shape, 4, jnp.bfloat16, device_kind="NVIDIA H200", device_cls="hopper-132sm")
+    assert source == tuning.SOURCE_SHIPPED and config.consumer_grid == {16: 12}.get(grid, grid)
+    # Not measured: W=8, float32, another SM count, another GPU.
     assert tuning.lookup(*shape, 8, jnp.bfloat16, device_kind="NVIDIA H200", device_cls="hopper-132sm") is None
     assert tuning.lookup(*shape, 2, jnp.float32, device_kind="NVIDIA H200", device_cls="hopper-132sm") is None
     assert tuning.lookup(*shape, 2, jnp.bfloat16, device_kind="NVIDIA H100 PCIe", device_cls="hopper-114sm") is None

@@ -110,6 +110,7 @@ struct World {
     }
     CHECK_CUDA(cudaMalloc(&error, sizeof(DeviceError)));
     CHECK_CUDA(cudaMemset(error, 0, sizeof(DeviceError)));
+    CHECK_CUDA(cudaDeviceSynchronize());  // before any launch on the non-blocking rank streams
   }
   ~World() {
     for (auto& r : ranks) {
@@ -131,11 +132,14 @@ struct World {
       fill_random<<<264, 256>>>(ranks[r].w, int64_t(c.k) * c.n, seed * 131 + 2 * r + 1, c.bf16);
     }
     CHECK_CUDA(cudaGetLastError());
+    // The ranks' streams are non-blocking: they do not wait for the legacy stream by themselves.
+    CHECK_CUDA(cudaDeviceSynchronize());
   }
 
   // NaN in both dtypes (0xFFFF): an unwritten output element cannot pass the check.
   void poison_outputs() {
     for (auto& r : ranks) CHECK_CUDA(cudaMemset(r.out, 0xFF, size_t(c.m) * c.n / c.world * 2));
+    CHECK_CUDA(cudaDeviceSynchronize());
   }
 
   // Rank r's producer arguments: its inputs, its partial slot, every owner's flag array.
@@ -235,6 +239,32 @@ struct World {
     return std::sqrt(err2 / std::max(ref2, 1e-30));
   }
 
+  // Relative error of every rank's partial output (slot `slot`) against its own x @ w in float64,
+  // over every 7th row: tells a wrong producer from a wrong consumer.
+  double check_partials(int slot) {
+    double err2 = 0, ref2 = 0;
+    std::vector<double> row(c.n);
+    for (auto& r : ranks) {
+      auto x = download(r.x, size_t(c.m) * c.k);
+      auto w = download(r.w, size_t(c.k) * c.n);
+      auto part = download(r.partial[slot], size_t(c.m) * c.n);
+      for (int i = 0; i < c.m; i += 7) {
+        std::fill(row.begin(), row.end(), 0.0);
+        for (int kk = 0; kk < c.k; ++kk) {
+          double const xv = to_double(x[size_t(i) * c.k + kk], c.bf16);
+          for (int j = 0; j < c.n; ++j) row[j] += xv * to_double(w[size_t(kk) * c.n + j], c.bf16);
+        }
+        for (int j = 0; j < c.n; ++j) {
+          double const o = to_double(part[size_t(i) * c.n + j], c.bf16);
+          if (std::isnan(o)) return INFINITY;
+          err2 += (o - row[j]) * (o - row[j]);
+          ref2 += row[j] * row[j];
+        }
+      }
+    }
+    return std::sqrt(err2 / std::max(ref2, 1e-30));
+  }
+
   std::vector<std::vector<uint16_t>> outputs() {
     std::vector<std::vector<uint16_t>> o;
     for (auto& r : ranks) o.push_back(download(r.out, size_t(c.m) * c.n / c.world));
@@ -265,19 +295,20 @@ std::string describe(Case const& c) {
 
 // Several epochs in a row with no resets: fresh inputs and poisoned outputs each epoch, checked
 // against float64; then the same inputs again must give bitwise identical outputs.
-void run_case(Case const& c, int epochs, bool sequential = false) {
+void run_case(Case const& c, int epochs, bool sequential = false, bool check_partials = false) {
   if (char const* why = check_problem(c.shape(0), c.config)) {
     expect(false, describe(c) + ": " + why);
     return;
   }
   World world(c);
   world.sequential = sequential;
-  double worst = 0;
+  double worst = 0, worst_partial = 0;
   for (int e = 0; e < epochs; ++e) {
     world.fill_inputs(1000 + e);
     world.poison_outputs();
     world.call();
     worst = std::max(worst, world.check());
+    if (check_partials) worst_partial = std::max(worst_partial, world.check_partials(int(world.epoch % 2)));
   }
   auto first = world.outputs();
   world.poison_outputs();
@@ -288,7 +319,12 @@ void run_case(Case const& c, int epochs, bool sequential = false) {
   char buf[128];
   std::snprintf(buf, sizeof buf, ": %d epochs, rel err %.2e (tol %.0e), bitwise repeat %s", epochs, worst, tol,
                 bitwise ? "yes" : "NO");
-  expect(worst <= tol && bitwise && e.code == 0, describe(c) + buf);
+  std::string what = describe(c) + buf;
+  if (check_partials) {
+    std::snprintf(buf, sizeof buf, ", partials rel err %.2e", worst_partial);
+    what += buf;
+  }
+  expect(worst <= tol && bitwise && e.code == 0 && worst_partial <= tol, what);
 }
 
 // A rank whose producer never runs: every other consumer must record the deadline and return.
@@ -343,8 +379,8 @@ int test_main() {
 // sequential: producers before consumers (racecheck slows the producer past any deadline).
 int sanitize_main(bool sequential) {
   CHECK_CUDA(prepare_kernels());
-  run_case(Case{2 * 128, 256, 72, 2, true, GemmRsConfig{128, 0, 2, 128}}, 2, sequential);
-  run_case(Case{128, 2 * 256, 72, 2, true, GemmRsConfig{256, 0, 2, 128}, true}, 2, sequential);
+  run_case(Case{2 * 128, 256, 72, 2, true, GemmRsConfig{128, 0, 2, 128}}, 2, sequential, true);
+  run_case(Case{128, 2 * 256, 72, 2, true, GemmRsConfig{256, 0, 2, 128}, true}, 2, sequential, true);
   std::printf("harness sanitize: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }
@@ -519,6 +555,7 @@ int bench_main(char const* jsonl) {
     world.fill_inputs(5);
     for (int r = 0; r < world_size; ++r)
       CHECK_CUDA(cudaMemcpy(world.ranks[r].partial[0], world.ranks[r].x, size_t(c.m) * c.k * 2, cudaMemcpyDeviceToDevice));
+    CHECK_CUDA(cudaDeviceSynchronize());
     double const bytes = double(world_size + 1) * (c.m / world_size) * double(c.n) * 2;
     std::printf("W=%d:", world_size);
     for (int block_n : {128, 256})
