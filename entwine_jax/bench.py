@@ -48,10 +48,16 @@ def parse_shapes(text):
 
 
 def parse_configs(text):
-    """'block_n=256,consumer_grid=16;block_n=128' -> [{'block_n': 256, 'consumer_grid': 16}, ...]."""
+    """'block_n=256,consumer_grid=16;block_n=128' -> [{'block_n': 256, 'consumer_grid': 16}, ...].
+
+    An empty item stands for the config gemm_rs selects itself: ';raster_rows=1' times that config
+    and one variant of it."""
     fields = {f.name for f in dataclasses.fields(GemmRsConfig)}
     configs = []
-    for item in filter(None, (s.strip() for s in text.split(";"))):
+    items = [s.strip() for s in text.split(";")]
+    if not any(items):
+        raise argparse.ArgumentTypeError("--configs: no config given")
+    for item in items if len(items) > 1 else items[:1]:
         kwargs = {}
         for pair in filter(None, (s.strip() for s in item.split(","))):
             key, sep, value = pair.partition("=")

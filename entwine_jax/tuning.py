@@ -515,12 +515,12 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
 
 
 def main(argv=None) -> int:
-    """python -m entwine_jax.tuning: tune() over the local GPUs (one process, W = all of them)."""
+    """python -m entwine_jax tune: tune() over the local GPUs (one process, W = all of them)."""
     import argparse
 
     from entwine_jax.bench import DESIGN_SUITE, parse_shapes
 
-    p = argparse.ArgumentParser(prog="python -m entwine_jax.tuning", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m entwine_jax tune", description=main.__doc__)
     p.add_argument("--shapes", type=parse_shapes, default=DESIGN_SUITE,
                    help="comma-separated MxNxK_local (default: the design suite)")
     p.add_argument("--dtype", choices=_DTYPE_NAMES, default="bfloat16")
@@ -531,8 +531,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     devices = jax.local_devices()
     mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices)
-    results = tune(mesh, "tp", args.shapes, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
-                   cache_path=args.cache)
+    try:
+        results = tune(mesh, "tp", args.shapes, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
+                       cache_path=args.cache)
+    except (RuntimeError, ValueError) as e:  # e.g. no fused path on this machine: say why, no traceback
+        print(f"python -m entwine_jax tune: {e}", file=sys.stderr)
+        return 2
     for (m, n, k), (best, ms, trials) in results.items():
         print(f"{m}x{n}x{k}: best {best} {'%.3f ms' % ms if ms is not None else ''}")
         for t in trials:

@@ -1,14 +1,15 @@
-// The consumer: reduces this rank's partition of the W partial outputs, one 128x128 tile at a time,
-// each tile as soon as its W producers have released it. Runs on a high-priority stream next to
-// the producer GEMM, with a small grid (the communication budget x).
+// The consumer: reduces this rank's partition of the W partial outputs, one producer block
+// (128 x block_n) at a time, each as soon as its W producers have released it. Runs on a
+// high-priority stream next to the producer GEMM, with a small grid (the communication budget x).
 //
-//   producer on rank s (any s)                      consumer on rank r (grid x, block b)
+//   producer on rank s (any s)                      consumer on rank r (grid x, block b + 32)
 //   ─────────────────────────                       ───────────────────────────────────
 //   GEMM block -> stores tile t of partition r      CTA j: blocks j, j+x, j+2x, ... (producer order)
-//   into V_s[slot] (its own memory)                   threads 0..W-1: spin on flags_r[s][t] >= e
-//   bar.sync; fence.acq_rel.sys;                      __syncthreads
-//   st.release.sys flags_r[s][t] = e  ──NVLink──▶     16-byte loads of V_0..V_{W-1}[slot] block
-//                                                     fp32 sum in rank order, one store to out
+//   into V_s[slot] (its own memory)                   waiter warp: spins on flags_r[s][t] >= e of
+//   bar.sync; fence.acq_rel.sys;                        block i+1, fence, bar.arrive
+//   st.release.sys flags_r[s][t] = e  ──NVLink──▶     b data threads (meanwhile on block i):
+//                                                       bar.sync, 16-byte loads of V_0..V_{W-1},
+//                                                       fp32 sum in rank order, one store to out
 //
 // Pitfalls:
 //  - The waits need a deadline: a peer that never calls must become an error record, not a hang.
@@ -18,6 +19,10 @@
 //    stale line from the previous epoch would be silently wrong.
 //  - All W loads of a chunk are issued before the first add, so the order of issue does not
 //    serialise on one peer; the adds run in rank order, which makes results bitwise repeatable.
+//  - The waiter may run one block ahead, never two: the named barrier of a parity and its leave
+//    flag are reused only after the data threads have passed them (see consumer_kernel).
+//  - 544 threads per CTA cap ptxas at 96 registers: 16 loads in flight (64 registers) leave little
+//    room, so each round addresses its unrolled chunks from one base offset (no spills).
 //  - The grid must stay well below the SM count: consumer CTAs spin while producers still need
 //    SMs to make progress.
 #include <type_traits>

@@ -117,3 +117,19 @@ def test_time_ms_batches():
 
     bench.time_ms(fn, (1,), iters=5, warmup=2, batch=2)
     assert len(calls) == 2 + 3 * 2  # warm-ups, then ceil(5 / 2) batches of 2
+
+
+def test_parse_configs_empty_item_is_the_selected_config():
+    assert bench.parse_configs(";raster_rows=1") == [{}, {"raster_rows": 1}]
+    assert bench.parse_configs("raster_rows=1;") == [{"raster_rows": 1}, {}]
+    with pytest.raises(argparse.ArgumentTypeError, match="no config given"):
+        bench.parse_configs(" ; ")
+
+
+def test_package_command_line(capsys):
+    from entwine_jax import __main__ as cli
+    assert cli.main([]) == 2 and "usage: python -m entwine_jax {bench,tune}" in capsys.readouterr().err
+    # CPU: tune refuses to time the XLA fallback, and says why without a traceback.
+    assert cli.main(["tune", "--shapes", "256x256x64", "--iters", "1", "--warmup", "1"]) == 2
+    assert "the fused path cannot run" in capsys.readouterr().err
+    assert cli.main(["bench", "--shapes", "256x128x64", "--world", "2", *FAST]) == 0
