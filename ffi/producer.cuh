@@ -22,7 +22,7 @@ template <class Element_, int BLOCK_N_>
 struct ProducerGemm {
   // ---- core config ---------------------------------------------------------------------------
   using Element = Element_;                           // bf16 or fp16 in and out, fp32 accumulation
-  static constexpr int BLOCK_M = 128;
+  static constexpr int BLOCK_M = 128;                 // two math warpgroups of 64 rows each
   static constexpr int BLOCK_N = BLOCK_N_;            // 128 or 256: publishes BLOCK_N / 128 tiles
   static constexpr int BLOCK_K = 64;                  // one 128-byte TMA swizzle row of 2-byte types
   static constexpr int kThreads = 384;                // warp 0: TMA, warps 1-3: stores, warpgroups 1-2: math
