@@ -513,6 +513,8 @@ int bench_main(char const* jsonl) {
     int block_n, producer_sms, raster_rows;
     bool interleave, publish;
   } const variants[] = {{"n256 pers plain r1", 256, sms, 1, false, false},
+                        {"n256 pers plain r8", 256, sms, 8, false, false},
+                        {"n256 pers inter r1", 256, sms, 1, true, false},
                         {"n256 pers inter r8", 256, sms, 8, true, false},
                         {"n256 pers inter+flags r8", 256, sms, 8, true, true},
                         {"n256 pers inter+flags r4", 256, sms, 4, true, true},
