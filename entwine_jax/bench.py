@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import entwine_jax
-from entwine_jax.config import GemmRsConfig
+from entwine_jax.config import GemmRsConfig, with_overrides
 from entwine_jax.tuning import select_config
 
 AXIS = "tp"
@@ -129,7 +129,6 @@ class Bench:
         except Exception as e:  # no fused module: gemm_rs will say why it uses XLA
             print(f"entwine_jax.setup failed ({type(e).__name__}: {e})", file=sys.stderr)
         self.x_spec, self.w_spec = P(None, AXIS), P(AXIS, None)
-        self.sm_count = getattr(devices[0], "core_count", None) or 132
 
     def warm_up(self, seconds=1.0):
         """Back-to-back GEMMs on every device first: an idle GPU starts at a low clock, which
@@ -191,8 +190,7 @@ class Bench:
     def config(self, m, n, k, overrides):
         # Fields not given come from what gemm_rs picks for this shape without an override: the
         # tuned table (user cache, then shipped), else heuristic_config.
-        base, _ = select_config(m, n, k, self.world, self.dtype)
-        return dataclasses.replace(base, **overrides)
+        return with_overrides(select_config(m, n, k, self.world, self.dtype)[0], overrides)
 
     def baseline(self, x, w):
         fn = self.shard_map(lambda x, w: jax.lax.psum_scatter(jnp.dot(x, w), AXIS, scatter_dimension=0, tiled=True),
@@ -271,8 +269,7 @@ class Bench:
         progress.step(f"{m}x{n}x{k} xla gemm->rs")
         rows = []
         for budget in BUDGETS:
-            # The persistent producer takes the SMs the budget leaves (as the heuristic does).
-            config = self.config(m, n, k, {"consumer_grid": budget, "producer_sms": max(1, self.sm_count - budget)})
+            config = self.config(m, n, k, {"consumer_grid": budget})
             compiled, path, reason = self.entwine(x, w, config)
             row = {"m": m, "n": n, "k": k, "consumer_grid": budget, "ms": self.timed(compiled, (x, w)),
                    "xla_gemm_rs_ms": base_ms, "path": path, "reason": reason, "config": str(config)}
@@ -364,8 +361,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=10, help="back-to-back dispatches per timed batch")
     p.add_argument("--configs", type=parse_configs, default=[{}],
                    help="';'-separated GemmRsConfig overrides (e.g. 'block_n=256,consumer_grid=16;block_n=128'); "
-                        "unspecified fields come from the config gemm_rs selects (tuned table, else heuristic_config); "
-                        "the best per shape is reported")
+                        "unspecified fields come from the config gemm_rs selects (tuned table, else heuristic_config), "
+                        "a consumer_grid alone also sets producer_sms = SMs - consumer_grid; the best per shape is reported")
     p.add_argument("--sweep-budget", action="store_true", help="latency vs consumer_grid x in %s" % (BUDGETS,))
     p.add_argument("--profile", action="store_true",
                    help="also time the GEMM window and communication tail of isolated calls (on with --sweep-budget)")

@@ -119,6 +119,17 @@ def heuristic_config(m: int, n: int, k: int, world: int, dtype) -> GemmRsConfig:
                         consumer_block=consumer_block, raster_rows=raster_rows)
 
 
+def with_overrides(base: GemmRsConfig, fields: dict) -> GemmRsConfig:
+    """`base` with `fields` replaced. A consumer_grid given without producer_sms moves the persistent
+    producer onto the SMs the budget leaves (producer_sms = SMs - consumer_grid), as
+    heuristic_config does: a budget alone must not make the two grids outgrow the GPU. Raises
+    TypeError for an unknown field, ValueError for a bad value."""
+    fields = dict(fields)
+    if "consumer_grid" in fields and "producer_sms" not in fields:
+        fields["producer_sms"] = max(1, _sm_count() - int(fields["consumer_grid"]))
+    return dataclasses.replace(base, **fields)
+
+
 def _sm_count() -> int:
     """SMs of the first GPU (jax reports them as core_count); 132 (H100/H200 SXM) elsewhere."""
     try:

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entwine_jax import _log
-from entwine_jax.config import GemmRsConfig, _sm_count, heuristic_config
+from entwine_jax.config import GemmRsConfig, _sm_count, heuristic_config, with_overrides
 
 FORMAT = 1
 SHIPPED_PATH = pathlib.Path(__file__).with_name("tuned_configs.json")
@@ -313,11 +313,8 @@ def _candidates(m, n, k, world, dtype, candidates) -> list:
             config = c
         elif isinstance(c, dict):
             # Overrides on the heuristic (as bench --configs); a budget alone moves the producer too.
-            fields = dict(c)
-            if "consumer_grid" in fields and "producer_sms" not in fields:
-                fields["producer_sms"] = max(1, _sm_count() - int(fields["consumer_grid"]))
             try:
-                config = dataclasses.replace(heuristic_config(m, n, k, world, dtype), **fields)
+                config = with_overrides(heuristic_config(m, n, k, world, dtype), c)
             except TypeError as e:
                 raise ValueError(f"tune: candidate {c!r}: {e}") from None
         else:

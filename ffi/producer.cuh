@@ -39,7 +39,9 @@ struct ProducerGemm {
   struct EpilogueStorage {
     alignas(1024) Element tile[BLOCK_M * BLOCK_N];
   };
-  static __device__ int staged_offset(int row, int chunk) { return row * BLOCK_N + ((chunk ^ (row & 7)) * 8); }
+  // Element offset of 16-byte chunk `chunk` of row `row` (the store warps' reads), from the same
+  // swizzle the math warps' layout applies.
+  static __device__ int staged_offset(int row, int chunk) { return StagingSwizzle{}(row * BLOCK_N + chunk * 8); }
 
   // ---- mainloop: A = x [M, K] row-major (K-major), B = w [K, N] row-major (N-major) -----------
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<

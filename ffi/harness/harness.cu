@@ -198,6 +198,38 @@ struct World {
     return h;
   }
 
+  // Every rank's w in float64, for the host references below.
+  std::vector<std::vector<double>> weights() {
+    std::vector<std::vector<double>> ws;
+    for (auto& r : ranks) {
+      auto w = download(r.w, size_t(c.k) * c.n);
+      ws.emplace_back(w.size());
+      for (size_t i = 0; i < w.size(); ++i) ws.back()[i] = to_double(w[i], c.bf16);
+    }
+    return ws;
+  }
+
+  // row += x_row @ w in float64 (x_row: K elements of x, w: K x N).
+  void add_product_row(std::vector<double>& row, uint16_t const* x_row, std::vector<double> const& w) const {
+    for (int kk = 0; kk < c.k; ++kk) {
+      double const xv = to_double(x_row[kk], c.bf16);
+      double const* wr = w.data() + size_t(kk) * c.n;
+      for (int j = 0; j < c.n; ++j) row[j] += xv * wr[j];
+    }
+  }
+
+  // Accumulates ||got - ref||^2 and ||ref||^2 over `count` elements; false on a NaN (an unwritten
+  // element).
+  bool add_error(uint16_t const* got, double const* ref, int count, double& err2, double& ref2) const {
+    for (int j = 0; j < count; ++j) {
+      double const o = to_double(got[j], c.bf16);
+      if (std::isnan(o)) return false;
+      err2 += (o - ref[j]) * (o - ref[j]);
+      ref2 += ref[j] * ref[j];
+    }
+    return true;
+  }
+
   // Relative error ||out - ref|| / ||ref|| over about 48 rows per owner (every row of small
   // partitions; odd stride so the checked rows fall at varying offsets inside the 128-row tiles),
   // against a float64 host reference; NaN (an unwritten element) fails.
@@ -205,12 +237,7 @@ struct World {
     ProblemShape const s = c.shape(0);
     int const rows = s.part_rows(), cols = s.part_cols();
     int const stride = rows <= 48 ? 1 : ((rows / 48) | 1);
-    std::vector<std::vector<double>> ws;
-    for (auto& r : ranks) {
-      auto w = download(r.w, size_t(c.k) * c.n);
-      ws.emplace_back(w.size());
-      for (size_t i = 0; i < w.size(); ++i) ws.back()[i] = to_double(w[i], c.bf16);
-    }
+    auto const ws = weights();
     double err2 = 0, ref2 = 0;
     std::vector<double> row(c.n);
     std::vector<uint16_t> xr(c.k);
@@ -221,19 +248,9 @@ struct World {
         std::fill(row.begin(), row.end(), 0.0);
         for (int src = 0; src < c.world; ++src) {
           CHECK_CUDA(cudaMemcpy(xr.data(), ranks[src].x + size_t(row0 + i) * c.k, c.k * 2, cudaMemcpyDeviceToHost));
-          for (int kk = 0; kk < c.k; ++kk) {
-            double const xv = to_double(xr[kk], c.bf16);
-            double const* wr = ws[src].data() + size_t(kk) * c.n;
-            for (int j = 0; j < c.n; ++j) row[j] += xv * wr[j];
-          }
+          add_product_row(row, xr.data(), ws[src]);
         }
-        for (int j = 0; j < cols; ++j) {
-          double const o = to_double(out[size_t(i) * cols + j], c.bf16);
-          double const ref = row[col0 + j];
-          if (std::isnan(o)) return INFINITY;
-          err2 += (o - ref) * (o - ref);
-          ref2 += ref * ref;
-        }
+        if (!add_error(out.data() + size_t(i) * cols, row.data() + col0, cols, err2, ref2)) return INFINITY;
       }
     }
     return std::sqrt(err2 / std::max(ref2, 1e-30));
@@ -242,24 +259,16 @@ struct World {
   // Relative error of every rank's partial output (slot `slot`) against its own x @ w in float64,
   // over every 7th row: tells a wrong producer from a wrong consumer.
   double check_partials(int slot) {
+    auto const ws = weights();
     double err2 = 0, ref2 = 0;
     std::vector<double> row(c.n);
-    for (auto& r : ranks) {
-      auto x = download(r.x, size_t(c.m) * c.k);
-      auto w = download(r.w, size_t(c.k) * c.n);
-      auto part = download(r.partial[slot], size_t(c.m) * c.n);
+    for (int r = 0; r < c.world; ++r) {
+      auto x = download(ranks[r].x, size_t(c.m) * c.k);
+      auto part = download(ranks[r].partial[slot], size_t(c.m) * c.n);
       for (int i = 0; i < c.m; i += 7) {
         std::fill(row.begin(), row.end(), 0.0);
-        for (int kk = 0; kk < c.k; ++kk) {
-          double const xv = to_double(x[size_t(i) * c.k + kk], c.bf16);
-          for (int j = 0; j < c.n; ++j) row[j] += xv * to_double(w[size_t(kk) * c.n + j], c.bf16);
-        }
-        for (int j = 0; j < c.n; ++j) {
-          double const o = to_double(part[size_t(i) * c.n + j], c.bf16);
-          if (std::isnan(o)) return INFINITY;
-          err2 += (o - row[j]) * (o - row[j]);
-          ref2 += row[j] * row[j];
-        }
+        add_product_row(row, x.data() + size_t(i) * c.k, ws[r]);
+        if (!add_error(part.data() + size_t(i) * c.n, row.data(), c.n, err2, ref2)) return INFINITY;
       }
     }
     return std::sqrt(err2 / std::max(ref2, 1e-30));
@@ -499,8 +508,7 @@ int bench_main(char const* jsonl) {
   std::printf("device %s, %d SMs; copy bandwidth %.0f GB/s (read+write)\n", prop.name, prop.multiProcessorCount, copy_gbs);
   if (out) std::fprintf(out, "{\"kind\":\"copy\",\"gbs\":%.1f,\"device\":\"%s\",\"sms\":%d}\n", copy_gbs, prop.name, prop.multiProcessorCount);
 
-  bool const consumer_only = std::getenv("ENTWINE_BENCH_CONSUMER_ONLY") != nullptr;
-  if (!consumer_only) bench_fused_one_rank(out, prop.multiProcessorCount);
+  bench_fused_one_rank(out, prop.multiProcessorCount);
   if (std::getenv("ENTWINE_BENCH_FUSED_ONLY")) return 0;
 
   // Producer alone on the design's suite (W = 2 partitions, the GEMM of one rank).
@@ -525,8 +533,7 @@ int bench_main(char const* jsonl) {
   std::printf("%6s %6s %5s", "M", "N", "K");
   for (auto const& v : variants) std::printf(" | %-25s", v.name);
   std::printf("\n");
-  for (int i = 0; i < (consumer_only ? 0 : 8); ++i) {
-    int const* sh = suite[i];
+  for (auto const& sh : suite) {
     Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}};
     World world(c);
     world.fill_inputs(3);
