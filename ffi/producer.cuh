@@ -173,10 +173,15 @@ struct ProducerGemm {
 
       // The store warps must have copied the previous block out of the staging tile.
       if (p != int(blockIdx.x)) ptx::named_barrier_sync(kEmptyBarrier, kMathThreads + kStoreThreads);
-      Tensor converted = make_fragment_like<Element>(accum);
+      // Accumulators 2i and 2i + 1 are adjacent columns of one row (the wgmma C layout) and the
+      // swizzle moves whole 16-byte chunks: one 4-byte shared store per pair.
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); ++i) converted(i) = Element(accum(i));
-      copy(converted, tCsC);
+      for (int i = 0; i < size(accum); i += 2) {
+        cutlass::Array<Element, 2> pair;
+        pair[0] = Element(accum(i));
+        pair[1] = Element(accum(i + 1));
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(&tCsC(i)) = pair;
+      }
       // Hand the staged block to the store warps and go on with the next block's mainloop.
       ptx::named_barrier_arrive(kFullBarrier, kMathThreads + kStoreThreads);
     }
@@ -207,7 +212,7 @@ struct ProducerGemm {
         for (int u = 0; u < kInFlight; ++u) {
           int const chunk = base + u * kStoreThreads;
           if (chunk < kChunks) {
-            *reinterpret_cast<uint4*>(dst + int64_t(chunk / kChunksPerRow) * params.n + (chunk % kChunksPerRow) * 8) = v[u];
+            ptx::store_16(dst + int64_t(chunk / kChunksPerRow) * params.n + (chunk % kChunksPerRow) * 8, v[u]);
           }
         }
       }

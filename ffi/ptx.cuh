@@ -38,6 +38,12 @@ __device__ __forceinline__ uint4 load_cg_16(const void* p) {
   return v;
 }
 
+// 16-byte global store (one STG.128, even where the compiler cannot prove the pointer's alignment).
+__device__ __forceinline__ void store_16(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // Named barrier over `threads` threads (a multiple of 32), id 1..15 (0 is __syncthreads).
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -3,8 +3,9 @@
 // checked against a float64 host reference, plus the kernel benchmarks.
 //   entwine_harness test              protocol + kernels, W in {1,2,4,8}, several epochs, deadline
 //   entwine_harness sanitize [sequential]   two small cases (for compute-sanitizer)
-//   entwine_harness bench [out.jsonl] producer alone (order/flag costs), consumer bandwidth sweep
-//   entwine_harness producer M N K block_n producer_sms raster_rows   (three launches, for ncu)
+//   entwine_harness bench [out.jsonl] [fused|producer|consumer]   fused one-rank grid sweep,
+//                                     producer alone (order/flag costs), consumer bandwidth sweep
+//   entwine_harness producer M N K block_n producer_sms raster_rows [plain]   (three launches, for ncu)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -416,7 +417,8 @@ float median_ms(F&& launch, cudaStream_t stream, int warmup = 20, int iters = 10
   return t[iters / 2];
 }
 
-// A few producer launches of one shape, for ncu: producer M N K block_n producer_sms raster_rows.
+// A few producer launches of one shape, for ncu: producer M N K block_n producer_sms raster_rows
+// [plain] (plain: row-major partitions without flags, else interleaved with flags).
 int producer_main(int argc, char** argv) {
   CHECK_CUDA(prepare_kernels());
   int const m = std::atoi(argv[2]), n = std::atoi(argv[3]), k = std::atoi(argv[4]);
@@ -426,6 +428,7 @@ int producer_main(int argc, char** argv) {
   world.fill_inputs(3);
   ProblemShape s{m, n, k, 2, 0};
   ProducerArgs a = world.producer_args(0);
+  a.interleave = a.publish = !(argc > 8 && std::string(argv[8]) == "plain");
   for (int i = 0; i < 3; ++i) {
     a.epoch = i + 1;
     CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, 0));
@@ -487,7 +490,9 @@ void bench_fused_one_rank(FILE* out, int sms) {
   }
 }
 
-int bench_main(char const* jsonl) {
+// sections: nullptr (all) or one of "fused", "producer", "consumer".
+int bench_main(char const* jsonl, char const* section) {
+  auto wanted = [&](char const* name) { return section == nullptr || std::string(section) == name; };
   CHECK_CUDA(prepare_kernels());
   FILE* out = jsonl ? std::fopen(jsonl, "w") : nullptr;
   cudaDeviceProp prop;
@@ -508,79 +513,82 @@ int bench_main(char const* jsonl) {
   std::printf("device %s, %d SMs; copy bandwidth %.0f GB/s (read+write)\n", prop.name, prop.multiProcessorCount, copy_gbs);
   if (out) std::fprintf(out, "{\"kind\":\"copy\",\"gbs\":%.1f,\"device\":\"%s\",\"sms\":%d}\n", copy_gbs, prop.name, prop.multiProcessorCount);
 
-  bench_fused_one_rank(out, prop.multiProcessorCount);
-  if (std::getenv("ENTWINE_BENCH_FUSED_ONLY")) return 0;
+  if (wanted("fused")) bench_fused_one_rank(out, prop.multiProcessorCount);
 
   // Producer alone on the design's suite (W = 2 partitions, the GEMM of one rank).
-  int const suite[][3] = {{4096, 8192, 1024}, {8192, 8192, 1024}, {16384, 8192, 1024}, {8192, 8192, 3584},
-                          {16384, 8192, 3584}, {8192, 16384, 2048}, {16384, 16384, 2048}, {16384, 16384, 6656}};
-  std::printf("\nproducer alone (W=2, bf16), median ms of 100 after 20 warm-ups; TFLOP/s\n");
-  int const sms = prop.multiProcessorCount;
-  struct Variant {
-    char const* name;
-    int block_n, producer_sms, raster_rows;
-    bool interleave, publish;
-  } const variants[] = {{"n256 pers plain r1", 256, sms, 1, false, false},
-                        {"n256 pers plain r8", 256, sms, 8, false, false},
-                        {"n256 pers inter r1", 256, sms, 1, true, false},
-                        {"n256 pers inter r8", 256, sms, 8, true, false},
-                        {"n256 pers inter+flags r8", 256, sms, 8, true, true},
-                        {"n256 pers inter+flags r4", 256, sms, 4, true, true},
-                        {"n256 pers inter+flags r16", 256, sms, 16, true, true},
-                        {"n128 pers plain r1", 128, sms, 1, false, false},
-                        {"n128 pers inter+flags r8", 128, sms, 8, true, true},
-                        {"n256 1/CTA inter+flags r8", 256, 0, 8, true, true}};
-  std::printf("%6s %6s %5s", "M", "N", "K");
-  for (auto const& v : variants) std::printf(" | %-25s", v.name);
-  std::printf("\n");
-  for (auto const& sh : suite) {
-    Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}};
-    World world(c);
-    world.fill_inputs(3);
-    ProblemShape s{c.m, c.n, c.k, 2, 0};
-    double const flop = 2.0 * c.m * c.n * c.k;
-    std::printf("%6d %6d %5d", c.m, c.n, c.k);
-    for (auto const& v : variants) {
-      GemmRsConfig cfg{v.block_n, v.producer_sms, 16, 512, v.raster_rows};
-      ProducerArgs a = world.producer_args(0);
-      a.interleave = v.interleave;
-      a.publish = v.publish;
-      uint64_t epoch = 0;
-      float ms = median_ms([&] { a.epoch = ++epoch; CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream)); }, stream);
-      std::printf(" | %7.3f ms %4.0f TF/s      ", ms, flop / (ms * 1e-3) / 1e12);
-      if (out) std::fprintf(out, "{\"kind\":\"producer\",\"variant\":\"%s\",\"m\":%d,\"n\":%d,\"k\":%d,\"ms\":%.5f}\n", v.name, c.m, c.n, c.k, ms);
-    }
+  if (wanted("producer")) {
+    int const suite[][3] = {{4096, 8192, 1024}, {8192, 8192, 1024}, {16384, 8192, 1024}, {8192, 8192, 3584},
+                            {16384, 8192, 3584}, {8192, 16384, 2048}, {16384, 16384, 2048}, {16384, 16384, 6656}};
+    std::printf("\nproducer alone (W=2, bf16), median ms of 100 after 20 warm-ups; TFLOP/s\n");
+    int const sms = prop.multiProcessorCount;
+    struct Variant {
+      char const* name;
+      int block_n, producer_sms, raster_rows;
+      bool interleave, publish;
+    } const variants[] = {{"n256 pers plain r1", 256, sms, 1, false, false},
+                          {"n256 pers plain r8", 256, sms, 8, false, false},
+                          {"n256 pers inter r1", 256, sms, 1, true, false},
+                          {"n256 pers inter r8", 256, sms, 8, true, false},
+                          {"n256 pers inter+flags r8", 256, sms, 8, true, true},
+                          {"n256 pers inter+flags r4", 256, sms, 4, true, true},
+                          {"n256 pers inter+flags r16", 256, sms, 16, true, true},
+                          {"n128 pers plain r1", 128, sms, 1, false, false},
+                          {"n128 pers inter+flags r8", 128, sms, 8, true, true},
+                          {"n256 1/CTA inter+flags r8", 256, 0, 8, true, true}};
+    std::printf("%6s %6s %5s", "M", "N", "K");
+    for (auto const& v : variants) std::printf(" | %-25s", v.name);
     std::printf("\n");
+    for (auto const& sh : suite) {
+      Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}};
+      World world(c);
+      world.fill_inputs(3);
+      ProblemShape s{c.m, c.n, c.k, 2, 0};
+      double const flop = 2.0 * c.m * c.n * c.k;
+      std::printf("%6d %6d %5d", c.m, c.n, c.k);
+      for (auto const& v : variants) {
+        GemmRsConfig cfg{v.block_n, v.producer_sms, 16, 512, v.raster_rows};
+        ProducerArgs a = world.producer_args(0);
+        a.interleave = v.interleave;
+        a.publish = v.publish;
+        uint64_t epoch = 0;
+        float ms = median_ms([&] { a.epoch = ++epoch; CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream)); }, stream);
+        std::printf(" | %7.3f ms %4.0f TF/s      ", ms, flop / (ms * 1e-3) / 1e12);
+        if (out) std::fprintf(out, "{\"kind\":\"producer\",\"variant\":\"%s\",\"m\":%d,\"n\":%d,\"k\":%d,\"ms\":%.5f}\n", v.name, c.m, c.n, c.k, ms);
+      }
+      std::printf("\n");
+    }
   }
 
   // Consumer alone with every flag already released: bandwidth vs grid x and block b.
-  std::printf("\nconsumer alone, inputs ready (bf16, M/W x N = 8192 x 8192 reduced rows), GB/s (read+write)\n");
-  for (int world_size : {2, 4, 8}) {
-    Case c{8192 * world_size, 8192, 8, world_size, true, GemmRsConfig{}};
-    World world(c);
-    ProblemShape s{c.m, c.n, c.k, world_size, 0};
-    std::vector<uint64_t> ones(size_t(world_size) * s.tiles_per_partition(), 1);
-    CHECK_CUDA(cudaMemcpy(world.ranks[0].flags, ones.data(), ones.size() * 8, cudaMemcpyHostToDevice));
-    world.fill_inputs(5);
-    for (int r = 0; r < world_size; ++r)
-      CHECK_CUDA(cudaMemcpy(world.ranks[r].partial[0], world.ranks[r].x, size_t(c.m) * c.k * 2, cudaMemcpyDeviceToDevice));
-    CHECK_CUDA(cudaDeviceSynchronize());
-    double const bytes = double(world_size + 1) * (c.m / world_size) * double(c.n) * 2;
-    std::printf("W=%d:", world_size);
-    for (int block_n : {128, 256})
-    for (int b : {128, 256, 512}) {
-      for (int x : {8, 16, 32, 64, 132}) {
-        GemmRsConfig cfg{block_n, 0, x, b};
-        ConsumerArgs a = world.consumer_args(0, 0);
-        a.epoch = 1;
-        a.timeout_ns = 1'000'000'000ull;
-        float ms = median_ms([&] { CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, a, stream)); }, stream);
-        double gbs = bytes / (ms * 1e-3) / 1e9;
-        std::printf(" n%d/b%d/x%d %.0f", block_n, b, x, gbs);
-        if (out) std::fprintf(out, "{\"kind\":\"consumer\",\"block_n\":%d,\"world\":%d,\"grid\":%d,\"block\":%d,\"ms\":%.5f,\"gbs\":%.1f,\"copy_frac\":%.3f}\n", block_n, world_size, x, b, ms, gbs, gbs / copy_gbs);
+  if (wanted("consumer")) {
+    std::printf("\nconsumer alone, inputs ready (bf16, M/W x N = 8192 x 8192 reduced rows), GB/s (read+write)\n");
+    for (int world_size : {2, 4, 8}) {
+      Case c{8192 * world_size, 8192, 8, world_size, true, GemmRsConfig{}};
+      World world(c);
+      ProblemShape s{c.m, c.n, c.k, world_size, 0};
+      std::vector<uint64_t> ones(size_t(world_size) * s.tiles_per_partition(), 1);
+      CHECK_CUDA(cudaMemcpy(world.ranks[0].flags, ones.data(), ones.size() * 8, cudaMemcpyHostToDevice));
+      world.fill_inputs(5);
+      for (int r = 0; r < world_size; ++r)
+        CHECK_CUDA(cudaMemcpy(world.ranks[r].partial[0], world.ranks[r].x, size_t(c.m) * c.k * 2, cudaMemcpyDeviceToDevice));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      double const bytes = double(world_size + 1) * (c.m / world_size) * double(c.n) * 2;
+      std::printf("W=%d:", world_size);
+      for (int block_n : {128, 256})
+      for (int b : {128, 256, 512}) {
+        for (int x : {8, 16, 32, 64, 132}) {
+          GemmRsConfig cfg{block_n, 0, x, b};
+          ConsumerArgs a = world.consumer_args(0, 0);
+          a.epoch = 1;
+          a.timeout_ns = 1'000'000'000ull;
+          float ms = median_ms([&] { CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, a, stream)); }, stream);
+          double gbs = bytes / (ms * 1e-3) / 1e9;
+          std::printf(" n%d/b%d/x%d %.0f", block_n, b, x, gbs);
+          if (out) std::fprintf(out, "{\"kind\":\"consumer\",\"block_n\":%d,\"world\":%d,\"grid\":%d,\"block\":%d,\"ms\":%.5f,\"gbs\":%.1f,\"copy_frac\":%.3f}\n", block_n, world_size, x, b, ms, gbs, gbs / copy_gbs);
+        }
       }
+      std::printf("\n");
     }
-    std::printf("\n");
   }
   if (out) std::fclose(out);
   return 0;
@@ -593,8 +601,8 @@ int main(int argc, char** argv) {
   std::string const mode = argc > 1 ? argv[1] : "test";
   if (mode == "test") return test_main();
   if (mode == "sanitize") return sanitize_main(argc > 2 && std::string(argv[2]) == "sequential");
-  if (mode == "bench") return bench_main(argc > 2 ? argv[2] : nullptr);
-  if (mode == "producer" && argc == 8) return producer_main(argc, argv);
+  if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
+  if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
   std::fprintf(stderr, "usage: entwine_harness test|sanitize|bench [out.jsonl]\n");
   return 2;
 }
