@@ -1,5 +1,5 @@
 // The producer: a Hopper GEMM (CUTLASS 3.x SM90 TMA + wgmma mainloop, warp-specialised: one TMA
-// warp, three store warps, two math warpgroups) whose blocks visit the output in the Entwine interleaved order and
+// warp, one store warp (two more idle), two math warpgroups) whose blocks visit the output in the Entwine interleaved order and
 // publish every finished 128x128 reduction tile with an epoch flag pushed into its owner's memory.
 // Included once per (dtype, BLOCK_N) translation unit: each instantiation costs ~35 s to compile.
 #pragma once
@@ -32,16 +32,13 @@ struct ProducerGemm {
   using ClusterShape = Shape<_1, _1, _1>;
   static_assert(BLOCK_M == kTileM && BLOCK_N % kTileN == 0, "a GEMM block covers whole reduction tiles");
 
-  // ---- epilogue staging: the finished block in shared memory, unpadded; 16-byte chunk c of row
-  //      r is stored at chunk c ^ (r % 8), so the math warps' fragment stores (8 rows x 16 bytes
-  //      per instruction) and the store warps' row reads both hit 32 distinct banks ------------
-  using StagingSwizzle = Swizzle<3, 3, (BLOCK_N == 256 ? 5 : 4)>;  // chunk bits ^= row bits
+  // ---- epilogue staging: the finished block in shared memory, each row contiguous (one bulk copy
+  //      per row) and padded by 16 bytes, so the math warps' fragment stores (8 rows x 16 bytes per
+  //      instruction) hit 32 distinct banks ----------------------------------------------------
+  static constexpr int kStagePitch = BLOCK_N + 8;  // elements
   struct EpilogueStorage {
-    alignas(1024) Element tile[BLOCK_M * BLOCK_N];
+    alignas(128) Element tile[BLOCK_M * kStagePitch];
   };
-  // Element offset of 16-byte chunk `chunk` of row `row` (the store warps' reads), from the same
-  // swizzle the math warps' layout applies.
-  static __device__ int staged_offset(int row, int chunk) { return StagingSwizzle{}(row * BLOCK_N + chunk * 8); }
 
   // ---- mainloop: A = x [M, K] row-major (K-major), B = w [K, N] row-major (N-major) -----------
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -161,8 +158,7 @@ struct ProducerGemm {
     TiledMma tiled_mma;
     auto thread_mma = tiled_mma.get_thread_slice(math_idx);
     Tensor sC = make_tensor(make_smem_ptr(storage.epilogue.tile),
-                            composition(StagingSwizzle{}, make_layout(make_shape(Int<BLOCK_M>{}, Int<BLOCK_N>{}),
-                                                                      make_stride(Int<BLOCK_N>{}, _1{}))));
+                            make_layout(make_shape(Int<BLOCK_M>{}, Int<BLOCK_N>{}), make_stride(Int<kStagePitch>{}, _1{})));
     Tensor tCsC = thread_mma.partition_C(sC);
 
     for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
@@ -173,8 +169,8 @@ struct ProducerGemm {
 
       // The store warps must have copied the previous block out of the staging tile.
       if (p != int(blockIdx.x)) ptx::named_barrier_sync(kEmptyBarrier, kMathThreads + kStoreThreads);
-      // Accumulators 2i and 2i + 1 are adjacent columns of one row (the wgmma C layout) and the
-      // swizzle moves whole 16-byte chunks: one 4-byte shared store per pair.
+      // Accumulators 2i and 2i + 1 are adjacent columns of one row (the wgmma C layout): one 4-byte
+      // shared store per pair.
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(accum); i += 2) {
         cutlass::Array<Element, 2> pair;
@@ -182,54 +178,51 @@ struct ProducerGemm {
         pair[1] = Element(accum(i + 1));
         *reinterpret_cast<cutlass::Array<Element, 2>*>(&tCsC(i)) = pair;
       }
-      // Hand the staged block to the store warps and go on with the next block's mainloop.
+      // The bulk copies read the staging tile through the async proxy.
+      ptx::fence_proxy_async_shared();
+      // Hand the staged block to the store warp and go on with the next block's mainloop.
       ptx::named_barrier_arrive(kFullBarrier, kMathThreads + kStoreThreads);
     }
   }
 
-  // Warps 1-3 (idle in the CUTLASS schedule) copy each staged block to the partial output with
-  // coalesced 16-byte stores and publish its tiles, overlapped with the next block's mainloop.
+  // Warp 1 (idle in the CUTLASS schedule, as are warps 2-3, which only keep the barrier counts)
+  // copies each staged block to the partial output with one bulk copy per row (the TMA engine:
+  // no load/store instructions compete with the mainloop) and publishes its tiles, overlapped with
+  // the next block's mainloop.
   static __device__ void store_and_publish(Params const& params, Element const* stage, int store_idx) {
-    constexpr int kChunksPerRow = BLOCK_N / 8;
-    constexpr int kChunks = BLOCK_M * kChunksPerRow;
-    constexpr int kInFlight = 4;
+    constexpr uint32_t kRowBytes = BLOCK_N * sizeof(Element);
     for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
       BlockCoord c = block_coord(p, params);
       int64_t const row0 = c.owner * params.part_row_step + int64_t(c.tile_m) * BLOCK_M;
       int64_t const col0 = c.owner * params.part_col_step + int64_t(c.n_block) * BLOCK_N;
       Element* dst = params.partial + row0 * params.n + col0;
       ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
-      for (int base = store_idx; base < kChunks; base += kStoreThreads * kInFlight) {
-        uint4 v[kInFlight];
-        CUTLASS_PRAGMA_UNROLL
-        for (int u = 0; u < kInFlight; ++u) {
-          int const chunk = base + u * kStoreThreads;
-          if (chunk < kChunks) {
-            v[u] = *reinterpret_cast<uint4 const*>(stage + staged_offset(chunk / kChunksPerRow, chunk % kChunksPerRow));
-          }
+      if (store_idx == 0) {
+        for (int row = 0; row < BLOCK_M; ++row) {
+          ptx::bulk_store(dst + int64_t(row) * params.n, stage + row * kStagePitch, kRowBytes);
         }
-        CUTLASS_PRAGMA_UNROLL
-        for (int u = 0; u < kInFlight; ++u) {
-          int const chunk = base + u * kStoreThreads;
-          if (chunk < kChunks) {
-            ptx::store_16(dst + int64_t(chunk / kChunksPerRow) * params.n + (chunk % kChunksPerRow) * 8, v[u]);
-          }
-        }
+        ptx::bulk_commit();
+        ptx::bulk_wait_read();
       }
-      // This thread's shared-memory reads are done (its stores consumed them): the staging tile
-      // may take the next block, if there is one, while the release below waits for the stores.
+      __syncwarp();
+      // The copies have read the staging tile: it may take the next block, if there is one, while
+      // the release below waits for the copies' writes.
       if (p + int(gridDim.x) < params.num_blocks) {
         ptx::named_barrier_arrive(kEmptyBarrier, kMathThreads + kStoreThreads);
       }
-      // Publish: every store warp's stores precede this barrier; one thread then fences at system
-      // scope and releases the epoch into the owner's flag array (a remote store: push, not pull).
-      ptx::named_barrier_sync(kStoreBarrier, kStoreThreads);
-      if (params.publish && store_idx == 0) {
-        ptx::fence_acq_rel_sys();
-        uint64_t* owner_flags = params.flags[c.owner] + int64_t(params.rank) * params.tiles_per_partition;
-        int const tile0 = c.tile_m * params.tiles_n + c.n_block * kTilesPerBlock;
-        CUTLASS_PRAGMA_UNROLL
-        for (int t = 0; t < kTilesPerBlock; ++t) ptx::store_release_sys(owner_flags + tile0 + t, params.epoch);
+      // Publish: the copies' writes are complete (wait_group 0, not .read) and ordered before the
+      // generic proxy; the system fence and release then push the epoch into the owner's flag array
+      // (a remote store: push, not pull).
+      if (store_idx == 0) {
+        ptx::bulk_wait();
+        if (params.publish) {
+          ptx::fence_proxy_async_global();
+          ptx::fence_acq_rel_sys();
+          uint64_t* owner_flags = params.flags[c.owner] + int64_t(params.rank) * params.tiles_per_partition;
+          int const tile0 = c.tile_m * params.tiles_n + c.n_block * kTilesPerBlock;
+          CUTLASS_PRAGMA_UNROLL
+          for (int t = 0; t < kTilesPerBlock; ++t) ptx::store_release_sys(owner_flags + tile0 + t, params.epoch);
+        }
       }
     }
   }
@@ -238,7 +231,6 @@ struct ProducerGemm {
   static constexpr int kStoreThreads = 96;
   static constexpr int kFullBarrier = 8;   // math -> store: the staging tile holds a block
   static constexpr int kEmptyBarrier = 9;  // store -> math: the staging tile may be overwritten
-  static constexpr int kStoreBarrier = 10; // among store warps, before the release
 
   static Params make_params(ProblemShape const& shape, GemmRsConfig const& config, ProducerArgs const& args) {
     StrideA stride_a{};
