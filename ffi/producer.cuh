@@ -159,7 +159,10 @@ struct ProducerGemm {
     auto thread_mma = tiled_mma.get_thread_slice(math_idx);
     Tensor sC = make_tensor(make_smem_ptr(storage.epilogue.tile),
                             make_layout(make_shape(Int<BLOCK_M>{}, Int<BLOCK_N>{}), make_stride(Int<kStagePitch>{}, _1{})));
-    Tensor tCsC = thread_mma.partition_C(sC);
+    // stmatrix: each instruction stores four 8x8 matrices (16 bytes per thread) of the fragment.
+    auto staging_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma);
+    auto thread_staging = staging_copy.get_thread_slice(math_idx);
+    Tensor tSsC = thread_staging.partition_D(sC);
 
     for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
       Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
@@ -169,15 +172,10 @@ struct ProducerGemm {
 
       // The store warps must have copied the previous block out of the staging tile.
       if (p != int(blockIdx.x)) ptx::named_barrier_sync(kEmptyBarrier, kMathThreads + kStoreThreads);
-      // Accumulators 2i and 2i + 1 are adjacent columns of one row (the wgmma C layout): one 4-byte
-      // shared store per pair.
+      Tensor converted = make_fragment_like<Element>(accum);
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); i += 2) {
-        cutlass::Array<Element, 2> pair;
-        pair[0] = Element(accum(i));
-        pair[1] = Element(accum(i + 1));
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(&tCsC(i)) = pair;
-      }
+      for (int i = 0; i < size(accum); ++i) converted(i) = Element(accum(i));
+      copy(staging_copy, thread_staging.retile_S(converted), tSsC);
       // The bulk copies read the staging tile through the async proxy.
       ptx::fence_proxy_async_shared();
       // Hand the staged block to the store warp and go on with the next block's mainloop.
