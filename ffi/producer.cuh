@@ -1,5 +1,5 @@
 // The producer: a Hopper GEMM (CUTLASS 3.x SM90 TMA + wgmma mainloop, warp-specialised: one TMA
-// warp, one store warp (two more idle), two math warpgroups) whose blocks visit the output in the Entwine interleaved order and
+// warp, one store warp, two math warpgroups; warps 2-3 exit at once) whose blocks visit the output in the Entwine interleaved order and
 // publish every finished 128x128 reduction tile with an epoch flag pushed into its owner's memory.
 // Included once per (dtype, BLOCK_N) translation unit: each instantiation costs ~35 s to compile.
 #pragma once
@@ -146,8 +146,8 @@ struct ProducerGemm {
           write_state.advance(k_tiles);
         }
         mainloop.load_tail(pipeline, write_state);
-      } else {
-        store_and_publish(params, storage.epilogue.tile, thread_idx - cutlass::NumThreadsPerWarp);
+      } else if (warp_idx == 1) {
+        store_and_publish(params, storage.epilogue.tile, cutlass::canonical_lane_idx());
       }
       return;
     }
@@ -183,11 +183,11 @@ struct ProducerGemm {
     }
   }
 
-  // Warp 1 (idle in the CUTLASS schedule, as are warps 2-3, which only keep the barrier counts)
-  // copies each staged block to the partial output with one bulk copy per row (the TMA engine:
-  // no load/store instructions compete with the mainloop) and publishes its tiles, overlapped with
-  // the next block's mainloop.
-  static __device__ void store_and_publish(Params const& params, Element const* stage, int store_idx) {
+  // Warp 1 (idle in the CUTLASS schedule) copies each staged block to the partial output with one
+  // bulk copy per row (the TMA engine: no load/store instructions compete with the mainloop) and
+  // publishes its tiles, overlapped with the next block's mainloop. Lane 0 does the work; the
+  // other lanes keep the barrier counts whole-warp.
+  static __device__ void store_and_publish(Params const& params, Element const* stage, int lane) {
     constexpr uint32_t kRowBytes = BLOCK_N * sizeof(Element);
     for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
       BlockCoord c = block_coord(p, params);
@@ -195,7 +195,7 @@ struct ProducerGemm {
       int64_t const col0 = c.owner * params.part_col_step + int64_t(c.n_block) * BLOCK_N;
       Element* dst = params.partial + row0 * params.n + col0;
       ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
-      if (store_idx == 0) {
+      if (lane == 0) {
         for (int row = 0; row < BLOCK_M; ++row) {
           ptx::bulk_store(dst + int64_t(row) * params.n, stage + row * kStagePitch, kRowBytes);
         }
@@ -211,7 +211,7 @@ struct ProducerGemm {
       // Publish: the copies' writes are complete (wait_group 0, not .read) and ordered before the
       // generic proxy; the system fence and release then push the epoch into the owner's flag array
       // (a remote store: push, not pull).
-      if (store_idx == 0) {
+      if (lane == 0) {
         ptx::bulk_wait();
         if (params.publish) {
           ptx::fence_proxy_async_global();
@@ -225,8 +225,8 @@ struct ProducerGemm {
     }
   }
 
-  // Named barriers between math and store warps; ids below 8 are left to CUTLASS.
-  static constexpr int kStoreThreads = 96;
+  // Named barriers between the math warps and the store warp; ids below 8 are left to CUTLASS.
+  static constexpr int kStoreThreads = 32;
   static constexpr int kFullBarrier = 8;   // math -> store: the staging tile holds a block
   static constexpr int kEmptyBarrier = 9;  // store -> math: the staging tile may be overwritten
 
