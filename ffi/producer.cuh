@@ -25,7 +25,7 @@ struct ProducerGemm {
   static constexpr int BLOCK_M = 128;                 // two math warpgroups of 64 rows each
   static constexpr int BLOCK_N = BLOCK_N_;            // 128 or 256: publishes BLOCK_N / 128 tiles
   static constexpr int BLOCK_K = 64;                  // one 128-byte TMA swizzle row of 2-byte types
-  static constexpr int kThreads = 384;                // warp 0: TMA, warps 1-3: stores, warpgroups 1-2: math
+  static constexpr int kThreads = 384;                // warp 0: TMA, warp 1: stores, warps 2-3: exit, warpgroups 1-2: math
   static constexpr int kMathThreads = 256;            // cooperative: both warpgroups on every block
   static constexpr int kTilesPerBlock = BLOCK_N / kTileN;
   using TileShape = Shape<Int<BLOCK_M>, Int<BLOCK_N>, Int<BLOCK_K>>;
@@ -170,7 +170,7 @@ struct ProducerGemm {
       mainloop.mma_tail(pipeline, read_state, k_tiles);
       read_state.advance(k_tiles);
 
-      // The store warps must have copied the previous block out of the staging tile.
+      // The store warp's bulk copies must have read the previous block out of the staging tile.
       if (p != int(blockIdx.x)) ptx::named_barrier_sync(kEmptyBarrier, kMathThreads + kStoreThreads);
       Tensor converted = make_fragment_like<Element>(accum);
       CUTLASS_PRAGMA_UNROLL
