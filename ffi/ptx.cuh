@@ -1,6 +1,7 @@
 // Memory-model primitives of the tile protocol: system-scope release/acquire on 64-bit epoch flags,
-// the global nanosecond timer for deadlines, and 16-byte loads that bypass L1 (peer data changes
-// between calls; L1 is not coherent with NVLink writes).
+// the global nanosecond timer for deadlines, 16-byte loads that bypass L1 (peer data changes
+// between calls; L1 is not coherent with NVLink writes), the producer's bulk copies (TMA engine)
+// with their proxy fences, and named barriers.
 #pragma once
 
 #include <cstdint>
@@ -36,12 +37,6 @@ __device__ __forceinline__ uint4 load_cg_16(const void* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
-}
-
-// 16-byte global store (one STG.128, even where the compiler cannot prove the pointer's alignment).
-__device__ __forceinline__ void store_16(void* p, uint4 v) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
 }
 
 // Bulk copy (the TMA engine, async proxy) of `bytes` (a multiple of 16, both addresses 16-byte
