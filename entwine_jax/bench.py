@@ -97,23 +97,35 @@ class Progress:
 
 
 def time_ms(fn, args, iters, warmup, batch):
-    """Median per-call ms over batches of `batch` back-to-back dispatches, >= iters calls in all.
+    """Median per-call ms over batches of `batch` back-to-back dispatches, >= iters calls in all."""
+    return time_interleaved({"fn": (fn, args)}, iters, warmup, batch)["fn"]
 
-    Blocking after every call would add ~20-50 us of host round trip to 0.2 ms kernels; within a
-    batch the device stays busy because each program outlasts its dispatch. One process drives all
-    devices, so a program ends when its slowest device does: the max over ranks is built in.
+
+def time_interleaved(programs, iters, warmup, batch):
+    """{name: (fn, args)} -> {name: median per-call ms}, the programs timed in rounds: every round
+    times one batch of `batch` back-to-back dispatches of each program in turn, >= iters calls per
+    program in all.
+
+    Rounds, not one program after the other: back-to-back GEMMs hold an H200 at its power cap,
+    where the clock, and with it a program's time, depends on what ran just before (PERF.md v7).
+    Interleaving gives every program the same history. Blocking after every call would add
+    ~20-50 us of host round trip to 0.2 ms kernels; within a batch the device stays busy because
+    each program outlasts its dispatch. One process drives all devices, so a program ends when its
+    slowest device does: the max over ranks is built in.
     """
-    for _ in range(warmup):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(max(1, math.ceil(iters / batch))):
-        t0 = time.perf_counter()
-        for _ in range(batch):
+    for fn, args in programs.values():
+        for _ in range(warmup):
             out = fn(*args)
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) * 1e3 / batch)
-    return statistics.median(times)
+    times = {name: [] for name in programs}
+    for _ in range(max(1, math.ceil(iters / batch))):
+        for name, (fn, args) in programs.items():
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) * 1e3 / batch)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 class Bench:
@@ -132,7 +144,9 @@ class Bench:
 
     def warm_up(self, seconds=1.0):
         """Back-to-back GEMMs on every device first: an idle GPU starts at a low clock, which
-        otherwise lands on the first shape's columns (measured: its XLA and entwine times ~20% high).
+        otherwise lands on the first shape's columns (measured: its XLA and entwine times ~20% high;
+        one second was not enough in PERF.md v6/v7, when the columns were timed one after the other;
+        they are now timed in interleaved rounds, so a slow start weighs on all of them alike).
         GPUs only: on CPU the timings mean nothing anyway."""
         if self.mesh.devices.flat[0].platform != "gpu":
             return
@@ -164,9 +178,9 @@ class Bench:
         with jax.set_mesh(self.mesh):
             return jax.jit(gen)(jax.random.key(seed))
 
-    def timed(self, compiled, args):
+    def timed_interleaved(self, programs):
         a = self.args
-        return time_ms(compiled, args, a.iters, a.warmup, a.batch)
+        return time_interleaved(programs, a.iters, a.warmup, a.batch)
 
     def entwine(self, x, w, config):
         """(compiled, path, reason) of gemm_rs with `config`; path is what the program really runs."""
@@ -198,20 +212,18 @@ class Bench:
         return self.compile(fn, x, w)[1]
 
     def shape_row(self, m, n, k, configs, progress, seed):
+        """Compiles XLA's GEMM, RS, GEMM->RS and windowed einsum and gemm_rs for every config, checks
+        gemm_rs against GEMM->RS, then times all of them in interleaved rounds."""
         x, w = self.inputs(m, n, k, seed)
         name = f"{m}x{n}x{k}"
         gemm = self.compile(self.shard_map(jnp.dot, (self.x_spec, self.w_spec), P(AXIS)), x, w)[1]
-        gemm_ms = self.timed(gemm, (x, w))
         progress.step(f"{name} gemm")
         # RS alone scatters the per-device [M, N] GEMM output (non-zero), the bytes gemm_rs moves.
         partial = gemm(x, w)
         rs = self.compile(self.shard_map(lambda y: jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True),
                                          P(AXIS), P(AXIS)), partial)[1]
-        rs_ms = self.timed(rs, (partial,))
-        del partial
         progress.step(f"{name} rs")
         base = self.baseline(x, w)
-        base_ms = self.timed(base, (x, w))
         progress.step(f"{name} xla gemm->rs")
         out = NamedSharding(self.mesh, P(AXIS, None))
         _, windowed = self.compile(lambda x, w: jnp.dot(x, w, out_sharding=out), x, w, options=WINDOWED_OPTIONS)
@@ -219,20 +231,26 @@ class Bench:
         # kept the plain dot + reduce-scatter (e.g. on CPU, whose partitioner ignores the gpu flags).
         text = windowed.as_text()
         windowed_loop = bool(re.search(r"\bwhile\b", text)) and "collective-permute" in text
-        windowed_ms = self.timed(windowed, (x, w))
         progress.step(f"{name} windowed einsum")
         ref = base(x, w)
         rel_err = jax.jit(lambda a, b: jnp.sqrt(jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
                                                 / jnp.sum(jnp.square(b.astype(jnp.float32)))))
+        programs = {"gemm": (gemm, (x, w)), "rs": (rs, (partial,)), "base": (base, (x, w)),
+                    "windowed": (windowed, (x, w))}
         trials = []
-        for overrides in configs:
+        for i, overrides in enumerate(configs):
             config = self.config(m, n, k, overrides)
             compiled, path, reason = self.entwine(x, w, config)
             err = float(rel_err(compiled(x, w), ref))
             trials.append({"config": str(config), "path": path, "reason": reason, "rel_err": err,
-                           "ok": err <= TOL, "ms": self.timed(compiled, (x, w)),
-                           **(self.profile(compiled, (x, w)) or {})})
+                           "ok": err <= TOL, **(self.profile(compiled, (x, w)) or {})})
+            programs[f"entwine {i}"] = (compiled, (x, w))
             progress.step(f"{name} entwine {config}")
+        times = self.timed_interleaved(programs)
+        del programs, partial
+        gemm_ms, rs_ms, base_ms, windowed_ms = (times[key] for key in ("gemm", "rs", "base", "windowed"))
+        for i, trial in enumerate(trials):
+            trial["ms"] = times[f"entwine {i}"]
         # Best: right results first, then the fused path (an XLA config must not stand in for
         # entwine's speed when the fused path ran), then time.
         best = min(trials, key=lambda t: (not t["ok"], t["path"] != "fused", t["ms"]))
@@ -265,17 +283,21 @@ class Bench:
 
     def sweep_rows(self, m, n, k, progress, seed):
         x, w = self.inputs(m, n, k, seed)
-        base_ms = self.timed(self.baseline(x, w), (x, w))
+        programs = {"base": (self.baseline(x, w), (x, w))}
         progress.step(f"{m}x{n}x{k} xla gemm->rs")
         rows = []
         for budget in BUDGETS:
             config = self.config(m, n, k, {"consumer_grid": budget})
             compiled, path, reason = self.entwine(x, w, config)
-            row = {"m": m, "n": n, "k": k, "consumer_grid": budget, "ms": self.timed(compiled, (x, w)),
-                   "xla_gemm_rs_ms": base_ms, "path": path, "reason": reason, "config": str(config)}
+            programs[budget] = (compiled, (x, w))
+            row = {"m": m, "n": n, "k": k, "consumer_grid": budget, "path": path, "reason": reason,
+                   "config": str(config)}
             row.update(self.profile(compiled, (x, w)) or {})
             rows.append(row)
             progress.step(f"{m}x{n}x{k} consumer_grid={budget}")
+        times = self.timed_interleaved(programs)
+        for row in rows:
+            row.update(ms=times[row["consumer_grid"]], xla_gemm_rs_ms=times["base"])
         return rows
 
 
@@ -386,7 +408,8 @@ def main(argv=None):
     device = jax.local_devices()[0]
     machine = f"{bench.world} x {device.device_kind}"
     print(f"# entwine_jax.bench: {machine} ({device.platform}), jax {jax.__version__}, {args.dtype}, W={bench.world}, "
-          f"median of >= {args.iters} calls in batches of {args.batch} after {args.warmup} warm-ups")
+          f"median of >= {args.iters} calls in batches of {args.batch} after {args.warmup} warm-ups, "
+          f"the programs of a shape timed in interleaved rounds")
     print(f"# extension: {entwine_jax.extension_status()[1]}")
     rows, sweep = [], []
     bench.warm_up()

@@ -433,7 +433,7 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
     it, since every rank must pick the same config. Functions already traced keep their config.
     """
     from entwine_jax import ops
-    from entwine_jax.bench import time_ms
+    from entwine_jax.bench import time_interleaved
 
     world = _axis_size(mesh, axis_name)
     shapes = _check_shapes(shapes, world)
@@ -462,8 +462,8 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
         x, w = _inputs(mesh, axis_name, shape, world, dtype, seed=i)
         ref = _compile(mesh, axis_name, lambda x, w: ops.gemm_rs(x, w, axis_name=axis_name,
                                                                   config=GemmRsConfig(path="xla")), x, w)[1](x, w)
-        trials = []
-        for config in per_shape[shape]:
+        trials, programs = [], {}
+        for index, config in enumerate(per_shape[shape]):
             trial = {"config": config, "ms": None, "rel_err": None, "skipped": None}
             trials.append(trial)
             compiled, trial["skipped"] = None, _unavailable(fused, mesh, axis_name, world, shape, dtype, config)
@@ -479,9 +479,12 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
                 if not trial["rel_err"] <= _TOL:  # NaN too
                     trial["skipped"] = f"wrong result: relative error {trial['rel_err']:.3g} > {_TOL}"
                 else:
-                    trial["ms"] = time_ms(compiled, (x, w), iters, warmup, batch)
+                    programs[index] = (compiled, (x, w))
             if trial["skipped"]:
                 _log.logger.warning("tune %s %s: %s skipped: %s", kind, shape, config, trial["skipped"])
+        # The candidates are timed in interleaved rounds, so each sees the same power-cap history.
+        for index, ms in (time_interleaved(programs, iters, warmup, batch) if programs else {}).items():
+            trials[index]["ms"] = ms
         ms = _max_over_processes([t["ms"] if t["ms"] is not None else math.nan for t in trials])
         for trial, value in zip(trials, ms):
             trial["ms"] = None if math.isnan(value) else value

@@ -119,6 +119,21 @@ def test_time_ms_batches():
     assert len(calls) == 2 + 3 * 2  # warm-ups, then ceil(5 / 2) batches of 2
 
 
+def test_time_interleaved_runs_the_programs_in_rounds():
+    calls = []
+
+    def program(name):
+        def fn():
+            calls.append(name)
+            return jnp.zeros(())
+        return fn
+
+    times = bench.time_interleaved({"a": (program("a"), ()), "b": (program("b"), ())}, iters=5, warmup=1, batch=2)
+    assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
+    # Warm-ups first, then ceil(5 / 2) rounds, each one batch of a then one batch of b.
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+
+
 def test_parse_configs_empty_item_is_the_selected_config():
     assert bench.parse_configs(";raster_rows=1") == [{}, {"raster_rows": 1}]
     assert bench.parse_configs("raster_rows=1;") == [{"raster_rows": 1}, {}]
