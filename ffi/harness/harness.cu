@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -417,6 +418,38 @@ float median_ms(F&& launch, cudaStream_t stream, int warmup = 20, int iters = 10
   return t[iters / 2];
 }
 
+// Median per-launch ms of each launcher, timed in interleaved rounds (one batch of `per_round`
+// launches of each in turn): back-to-back GEMMs run an H200 at its power cap, where a kernel's
+// time depends on what ran just before it, so every variant gets the same history (PERF.md v7).
+std::vector<float> interleaved_median_ms(std::vector<std::function<void()>> const& launches, cudaStream_t stream,
+                                         int warmup = 10, int rounds = 20, int per_round = 5) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  for (auto const& launch : launches)
+    for (int i = 0; i < warmup; ++i) launch();
+  std::vector<std::vector<float>> t(launches.size());
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t v = 0; v < launches.size(); ++v) {
+      CHECK_CUDA(cudaEventRecord(a, stream));
+      for (int i = 0; i < per_round; ++i) launches[v]();
+      CHECK_CUDA(cudaEventRecord(b, stream));
+      CHECK_CUDA(cudaEventSynchronize(b));
+      float ms;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+      t[v].push_back(ms / per_round);
+    }
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::vector<float> medians;
+  for (auto& times : t) {
+    std::sort(times.begin(), times.end());
+    medians.push_back(times[times.size() / 2]);
+  }
+  return medians;
+}
+
 // A few producer launches of one shape, for ncu: producer M N K block_n producer_sms raster_rows
 // [plain] (plain: row-major partitions without flags, else interleaved with flags).
 int producer_main(int argc, char** argv) {
@@ -519,7 +552,7 @@ int bench_main(char const* jsonl, char const* section) {
   if (wanted("producer")) {
     int const suite[][3] = {{4096, 8192, 1024}, {8192, 8192, 1024}, {16384, 8192, 1024}, {8192, 8192, 3584},
                             {16384, 8192, 3584}, {8192, 16384, 2048}, {16384, 16384, 2048}, {16384, 16384, 6656}};
-    std::printf("\nproducer alone (W=2, bf16), median ms of 100 after 20 warm-ups; TFLOP/s\n");
+    std::printf("\nproducer alone (W=2, bf16), median ms of 20 rounds of 5 launches, the variants interleaved; TFLOP/s\n");
     int const sms = prop.multiProcessorCount;
     struct Variant {
       char const* name;
@@ -545,15 +578,22 @@ int bench_main(char const* jsonl, char const* section) {
       ProblemShape s{c.m, c.n, c.k, 2, 0};
       double const flop = 2.0 * c.m * c.n * c.k;
       std::printf("%6d %6d %5d", c.m, c.n, c.k);
+      std::vector<std::function<void()>> launches;
       for (auto const& v : variants) {
-        GemmRsConfig cfg{v.block_n, v.producer_sms, 16, 512, v.raster_rows};
+        GemmRsConfig const cfg{v.block_n, v.producer_sms, 16, 512, v.raster_rows};
         ProducerArgs a = world.producer_args(0);
         a.interleave = v.interleave;
         a.publish = v.publish;
-        uint64_t epoch = 0;
-        float ms = median_ms([&] { a.epoch = ++epoch; CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream)); }, stream);
-        std::printf(" | %7.3f ms %4.0f TF/s      ", ms, flop / (ms * 1e-3) / 1e12);
-        if (out) std::fprintf(out, "{\"kind\":\"producer\",\"variant\":\"%s\",\"m\":%d,\"n\":%d,\"k\":%d,\"ms\":%.5f}\n", v.name, c.m, c.n, c.k, ms);
+        a.epoch = 0;
+        launches.push_back([=, &s]() mutable {
+          ++a.epoch;
+          CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream));
+        });
+      }
+      std::vector<float> const ms = interleaved_median_ms(launches, stream);
+      for (size_t i = 0; i < ms.size(); ++i) {
+        std::printf(" | %7.3f ms %4.0f TF/s      ", ms[i], flop / (ms[i] * 1e-3) / 1e12);
+        if (out) std::fprintf(out, "{\"kind\":\"producer\",\"variant\":\"%s\",\"m\":%d,\"n\":%d,\"k\":%d,\"ms\":%.5f}\n", variants[i].name, c.m, c.n, c.k, ms[i]);
       }
       std::printf("\n");
     }
