@@ -130,15 +130,27 @@ def test_heap_cap_is_a_reason(monkeypatch):
 # --- Padding math ---------------------------------------------------------------------------------
 
 
-def _reduce_scatter_padded(xs, ws, world, block_n):
-    """What the kernels compute, simulated in float64 on padded operands, then sliced."""
+def _reduce_scatter_padded(xs, ws, world, block_n, scatter_cols=False):
+    """What the kernels compute, simulated in float64 on padded operands, then sliced: rank r
+    receives rows (scatter_cols: columns) r*M/W .. of the sum, as the kernels lay it out."""
     m, k = xs[0].shape
-    p = fused.padding(m, k, ws[0].shape[1], world, block_n)
+    p = fused.padding(m, k, ws[0].shape[1], world, block_n, scatter_cols=scatter_cols)
     padded = [fused.pad_operands(x, w, p, xp=np) for x, w in zip(xs, ws)]
-    full = sum(xp @ wp for xp, wp in padded)  # [W * mp_pad, n_pad]
-    assert full.shape == (world * p.mp_pad, p.n_pad)
+    full = sum(xp @ wp for xp, wp in padded)
     assert p.mp_pad % 128 == 0 and p.n_pad % block_n == 0 and p.k_pad % 8 == 0
+    if scatter_cols:
+        assert full.shape == (p.mp_pad, world * p.n_pad)
+        return [fused.unpad(full[:, r * p.n_pad:(r + 1) * p.n_pad], p) for r in range(world)]
+    assert full.shape == (world * p.mp_pad, p.n_pad)
     return [fused.unpad(full[r * p.mp_pad:(r + 1) * p.mp_pad], p) for r in range(world)]
+
+
+def _random_terms(world, m, k, n, seed):
+    """Every rank's x [m, k] and w [k, n], and the float64 sum of their products."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((m, k)) for _ in range(world)]
+    ws = [rng.standard_normal((k, n)) for _ in range(world)]
+    return xs, ws, sum(x @ w for x, w in zip(xs, ws))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -149,36 +161,17 @@ def _reduce_scatter_padded(xs, ws, world, block_n):
     (1, 1, 1, 128),
 ])
 def test_pad_then_slice_equals_reference(world, m_per, k, n, block_n):
-    rng = np.random.default_rng(world * 1000 + k)
-    m = m_per * world
-    xs = [rng.standard_normal((m, k)) for _ in range(world)]
-    ws = [rng.standard_normal((k, n)) for _ in range(world)]
-    ref = sum(x @ w for x, w in zip(xs, ws))
+    xs, ws, ref = _random_terms(world, m_per * world, k, n, seed=world * 1000 + k)
     got = _reduce_scatter_padded(xs, ws, world, block_n)
     for r in range(world):
         np.testing.assert_allclose(got[r], ref[r * m_per:(r + 1) * m_per], rtol=1e-12, atol=1e-12)
 
 
-def _reduce_scatter_columns_padded(xs, ws, world, block_n):
-    """Column partitions: rank r receives columns r*N/W .. of the sum, as the kernels lay it out."""
-    m, k = xs[0].shape
-    p = fused.padding(m, k, ws[0].shape[1], world, block_n, scatter_cols=True)
-    padded = [fused.pad_operands(x, w, p, xp=np) for x, w in zip(xs, ws)]
-    full = sum(xp @ wp for xp, wp in padded)  # [mp_pad, W * n_pad]
-    assert full.shape == (p.mp_pad, world * p.n_pad)
-    assert p.mp_pad % 128 == 0 and p.n_pad % block_n == 0 and p.k_pad % 8 == 0
-    return [fused.unpad(full[:, r * p.n_pad:(r + 1) * p.n_pad], p) for r in range(world)]
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 @pytest.mark.parametrize("m, k, n_per, block_n", [(128, 64, 256, 256), (37, 61, 100, 128), (1, 1, 1, 256)])
 def test_pad_then_slice_equals_reference_columns(world, m, k, n_per, block_n):
-    rng = np.random.default_rng(world * 100 + k)
-    n = n_per * world
-    xs = [rng.standard_normal((m, k)) for _ in range(world)]
-    ws = [rng.standard_normal((k, n)) for _ in range(world)]
-    ref = sum(x @ w for x, w in zip(xs, ws))
-    got = _reduce_scatter_columns_padded(xs, ws, world, block_n)
+    xs, ws, ref = _random_terms(world, m, k, n_per * world, seed=world * 100 + k)
+    got = _reduce_scatter_padded(xs, ws, world, block_n, scatter_cols=True)
     for r in range(world):
         np.testing.assert_allclose(got[r], ref[:, r * n_per:(r + 1) * n_per], rtol=1e-12, atol=1e-12)
 

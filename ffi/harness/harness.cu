@@ -398,26 +398,6 @@ int sanitize_main(bool sequential) {
 
 // ---- benchmarks -----------------------------------------------------------------------------
 
-template <class F>
-float median_ms(F&& launch, cudaStream_t stream, int warmup = 20, int iters = 100) {
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
-  for (int i = 0; i < warmup; ++i) launch();
-  std::vector<float> t(iters);
-  for (int i = 0; i < iters; ++i) {
-    CHECK_CUDA(cudaEventRecord(a, stream));
-    launch();
-    CHECK_CUDA(cudaEventRecord(b, stream));
-    CHECK_CUDA(cudaEventSynchronize(b));
-    CHECK_CUDA(cudaEventElapsedTime(&t[i], a, b));
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(t.begin(), t.end());
-  return t[iters / 2];
-}
-
 // Median per-launch ms of each launcher, timed in interleaved rounds (one batch of `per_round`
 // launches of each in turn): back-to-back GEMMs run an H200 at its power cap, where a kernel's
 // time depends on what ran just before it, so every variant gets the same history (PERF.md v7).
@@ -448,6 +428,11 @@ std::vector<float> interleaved_median_ms(std::vector<std::function<void()>> cons
     medians.push_back(times[times.size() / 2]);
   }
   return medians;
+}
+
+// Median ms of `iters` single launches, each timed on its own, after `warmup` launches.
+float median_ms(std::function<void()> const& launch, cudaStream_t stream, int warmup = 20, int iters = 100) {
+  return interleaved_median_ms({launch}, stream, warmup, iters, 1)[0];
 }
 
 // A few producer launches of one shape, for ncu: producer M N K block_n producer_sms raster_rows
