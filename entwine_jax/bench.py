@@ -108,7 +108,9 @@ def time_interleaved(programs, iters, warmup, batch):
 
     Rounds, not one program after the other: back-to-back GEMMs hold an H200 at its power cap,
     where the clock, and with it a program's time, depends on what ran just before (PERF.md v7).
-    Interleaving gives every program the same history. Blocking after every call would add
+    Interleaving gives every program the same history, and round r starts with program r mod n,
+    so no program always runs right after the same one (the position in a round biased a variant
+    by up to 5% in the harness, PERF.md v8). Blocking after every call would add
     ~20-50 us of host round trip to 0.2 ms kernels; within a batch the device stays busy because
     each program outlasts its dispatch. One process drives all devices, so a program ends when its
     slowest device does: the max over ranks is built in.
@@ -118,8 +120,10 @@ def time_interleaved(programs, iters, warmup, batch):
             out = fn(*args)
         jax.block_until_ready(out)
     times = {name: [] for name in programs}
-    for _ in range(max(1, math.ceil(iters / batch))):
-        for name, (fn, args) in programs.items():
+    names = list(programs)
+    for r in range(max(1, math.ceil(iters / batch))):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, args = programs[name]
             t0 = time.perf_counter()
             for _ in range(batch):
                 out = fn(*args)

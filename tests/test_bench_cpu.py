@@ -130,8 +130,8 @@ def test_time_interleaved_runs_the_programs_in_rounds():
 
     times = bench.time_interleaved({"a": (program("a"), ()), "b": (program("b"), ())}, iters=5, warmup=1, batch=2)
     assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
-    # Warm-ups first, then ceil(5 / 2) rounds, each one batch of a then one batch of b.
-    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    # Warm-ups first, then ceil(5 / 2) rounds of one batch of each, round r starting with program r mod 2.
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
 
 
 def test_parse_configs_empty_item_is_the_selected_config():

@@ -8,6 +8,7 @@
 //   entwine_harness producer M N K block_n producer_sms raster_rows [plain]   (three launches, for ncu)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
@@ -399,8 +400,9 @@ int sanitize_main(bool sequential) {
 // ---- benchmarks -----------------------------------------------------------------------------
 
 // Median per-launch ms of each launcher, timed in interleaved rounds (one batch of `per_round`
-// launches of each in turn): back-to-back GEMMs run an H200 at its power cap, where a kernel's
-// time depends on what ran just before it, so every variant gets the same history (PERF.md v7).
+// launches of each in turn, round r starting with launcher r mod n): back-to-back GEMMs run an
+// H200 at its power cap, where a kernel's time depends on what ran just before it, so every variant
+// gets the same history and no variant always follows the same one (PERF.md v7, v8).
 std::vector<float> interleaved_median_ms(std::vector<std::function<void()>> const& launches, cudaStream_t stream,
                                          int warmup = 10, int rounds = 20, int per_round = 5) {
   cudaEvent_t a, b;
@@ -410,9 +412,10 @@ std::vector<float> interleaved_median_ms(std::vector<std::function<void()>> cons
     for (int i = 0; i < warmup; ++i) launch();
   std::vector<std::vector<float>> t(launches.size());
   for (int r = 0; r < rounds; ++r) {
-    for (size_t v = 0; v < launches.size(); ++v) {
+    for (size_t i = 0; i < launches.size(); ++i) {
+      size_t const v = (r + i) % launches.size();
       CHECK_CUDA(cudaEventRecord(a, stream));
-      for (int i = 0; i < per_round; ++i) launches[v]();
+      for (int j = 0; j < per_round; ++j) launches[v]();
       CHECK_CUDA(cudaEventRecord(b, stream));
       CHECK_CUDA(cudaEventSynchronize(b));
       float ms;
@@ -434,6 +437,97 @@ std::vector<float> interleaved_median_ms(std::vector<std::function<void()>> cons
 float median_ms(std::function<void()> const& launch, cudaStream_t stream, int warmup = 20, int iters = 100) {
   return interleaved_median_ms({launch}, stream, warmup, iters, 1)[0];
 }
+
+// cuBLASLt (the library behind XLA's GEMM), loaded at run time so the harness builds without it:
+// the producer bench times it in the same interleaved rounds as the producer, so both see the same
+// power-cap history. Like XLA's autotuner, it times the heuristic's candidate algorithms once per
+// shape and keeps the fastest. Searched as libcublasLt.so.13 on the loader path (LD_LIBRARY_PATH).
+struct CublasLt {
+  struct Algo {
+    uint64_t data[8];
+  };
+  struct HeuristicResult {
+    Algo algo;
+    size_t workspace_size;
+    int state;
+    float waves_count;
+    int reserved[4];
+  };
+  using Create = int (*)(void**);
+  using DescCreate = int (*)(void**, int, int);
+  using LayoutCreate = int (*)(void**, int, uint64_t, uint64_t, int64_t);
+  using PrefCreate = int (*)(void**);
+  using PrefSet = int (*)(void*, int, void const*, size_t);
+  using Heuristic = int (*)(void*, void*, void*, void*, void*, void*, void*, int, HeuristicResult*, int*);
+  using Matmul = int (*)(void*, void*, void const*, void const*, void*, void const*, void*, void const*, void const*,
+                         void*, void*, void*, Algo const*, void*, size_t, cudaStream_t);
+  static constexpr int kBF16 = 14 /* CUDA_R_16BF */, kF32 = 0 /* CUDA_R_32F */, kCompute32F = 68;
+  static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+  void* handle = nullptr;
+  DescCreate desc_create = nullptr;
+  LayoutCreate layout_create = nullptr;
+  PrefCreate pref_create = nullptr;
+  PrefSet pref_set = nullptr;
+  Heuristic heuristic = nullptr;
+  Matmul matmul = nullptr;
+  void* workspace = nullptr;
+
+  static CublasLt* load() {
+    void* lib = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return nullptr;
+    static CublasLt lt;
+    auto create = reinterpret_cast<Create>(dlsym(lib, "cublasLtCreate"));
+    lt.desc_create = reinterpret_cast<DescCreate>(dlsym(lib, "cublasLtMatmulDescCreate"));
+    lt.layout_create = reinterpret_cast<LayoutCreate>(dlsym(lib, "cublasLtMatrixLayoutCreate"));
+    lt.pref_create = reinterpret_cast<PrefCreate>(dlsym(lib, "cublasLtMatmulPreferenceCreate"));
+    lt.pref_set = reinterpret_cast<PrefSet>(dlsym(lib, "cublasLtMatmulPreferenceSetAttribute"));
+    lt.heuristic = reinterpret_cast<Heuristic>(dlsym(lib, "cublasLtMatmulAlgoGetHeuristic"));
+    lt.matmul = reinterpret_cast<Matmul>(dlsym(lib, "cublasLtMatmul"));
+    if (!create || !lt.desc_create || !lt.layout_create || !lt.pref_create || !lt.pref_set || !lt.heuristic ||
+        !lt.matmul || create(&lt.handle) != 0)
+      return nullptr;
+    CHECK_CUDA(cudaMalloc(&lt.workspace, kWorkspaceBytes));
+    return &lt;
+  }
+
+  // Row-major bf16 y[M, N] = x[M, K] @ w[K, N] with fp32 accumulation (column-major: y^T = w^T x^T),
+  // with the fastest of the heuristic's algorithms; returns the launcher.
+  std::function<void()> gemm(int m, int n, int k, void const* x, void const* w, void* y, cudaStream_t stream) const {
+    void *desc, *a, *b, *d, *pref;
+    check(desc_create(&desc, kCompute32F, kF32));
+    check(layout_create(&a, kBF16, n, k, n));
+    check(layout_create(&b, kBF16, k, m, k));
+    check(layout_create(&d, kBF16, n, m, n));
+    check(pref_create(&pref));
+    uint64_t const max_workspace = kWorkspaceBytes;
+    check(pref_set(pref, 1 /* CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES */, &max_workspace, sizeof max_workspace));
+    HeuristicResult results[16];
+    int count = 0;
+    check(heuristic(handle, desc, a, b, d, d, pref, 16, results, &count));
+    if (count == 0) check(-1);
+    static float const alpha = 1.0f, beta = 0.0f;
+    Matmul const run = matmul;
+    void* const lt = handle;
+    void* const ws = workspace;
+    std::vector<std::function<void()>> candidates;
+    for (int i = 0; i < count; ++i) {
+      if (results[i].state != 0) continue;
+      Algo const algo = results[i].algo;
+      candidates.push_back([=]() { check(run(lt, desc, &alpha, w, a, x, b, &beta, y, d, y, d, &algo, ws, kWorkspaceBytes, stream)); });
+    }
+    std::vector<float> const ms = interleaved_median_ms(candidates, stream, 3, 5, 3);
+    size_t const best = std::min_element(ms.begin(), ms.end()) - ms.begin();
+    return candidates[best];
+  }
+
+  static void check(int status) {
+    if (status != 0) {
+      std::fprintf(stderr, "cuBLASLt call failed: status %d\n", status);
+      std::exit(2);
+    }
+  }
+};
 
 // A few producer launches of one shape, for ncu: producer M N K block_n producer_sms raster_rows
 // [plain] (plain: row-major partitions without flags, else interleaved with flags).
@@ -544,17 +638,16 @@ int bench_main(char const* jsonl, char const* section) {
       int block_n, producer_sms, raster_rows;
       bool interleave, publish;
     } const variants[] = {{"n256 pers plain r1", 256, sms, 1, false, false},
-                          {"n256 pers plain r8", 256, sms, 8, false, false},
-                          {"n256 pers inter r1", 256, sms, 1, true, false},
                           {"n256 pers inter r8", 256, sms, 8, true, false},
                           {"n256 pers inter+flags r8", 256, sms, 8, true, true},
-                          {"n256 pers inter+flags r4", 256, sms, 4, true, true},
                           {"n256 pers inter+flags r16", 256, sms, 16, true, true},
-                          {"n128 pers plain r1", 128, sms, 1, false, false},
                           {"n128 pers inter+flags r8", 128, sms, 8, true, true},
                           {"n256 1/CTA inter+flags r8", 256, 0, 8, true, true}};
+    CublasLt const* cublas = CublasLt::load();
+    if (!cublas) std::printf("(libcublasLt.so.13 not found: no cuBLAS column)\n");
     std::printf("%6s %6s %5s", "M", "N", "K");
     for (auto const& v : variants) std::printf(" | %-25s", v.name);
+    if (cublas) std::printf(" | %-25s | %s", "cuBLASLt (fastest algo)", "cuBLAS/shipped");
     std::printf("\n");
     for (auto const& sh : suite) {
       Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}};
@@ -575,11 +668,19 @@ int bench_main(char const* jsonl, char const* section) {
           CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream));
         });
       }
+      if (cublas) {
+        void const* x = world.ranks[0].x;
+        void const* w = world.ranks[0].w;
+        void* y = world.ranks[0].partial[1];
+        launches.push_back(cublas->gemm(c.m, c.n, c.k, x, w, y, stream));
+      }
       std::vector<float> const ms = interleaved_median_ms(launches, stream);
       for (size_t i = 0; i < ms.size(); ++i) {
+        char const* name = i < std::size(variants) ? variants[i].name : "cublas";
         std::printf(" | %7.3f ms %4.0f TF/s      ", ms[i], flop / (ms[i] * 1e-3) / 1e12);
-        if (out) std::fprintf(out, "{\"kind\":\"producer\",\"variant\":\"%s\",\"m\":%d,\"n\":%d,\"k\":%d,\"ms\":%.5f}\n", variants[i].name, c.m, c.n, c.k, ms[i]);
+        if (out) std::fprintf(out, "{\"kind\":\"producer\",\"variant\":\"%s\",\"m\":%d,\"n\":%d,\"k\":%d,\"ms\":%.5f}\n", name, c.m, c.n, c.k, ms[i]);
       }
+      if (cublas) std::printf(" | %.3f", ms.back() / ms[2]);
       std::printf("\n");
     }
   }
