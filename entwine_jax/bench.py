@@ -96,11 +96,6 @@ class Progress:
             self._bar.close()
 
 
-def time_ms(fn, args, iters, warmup, batch):
-    """Median per-call ms over batches of `batch` back-to-back dispatches, >= iters calls in all."""
-    return time_interleaved({"fn": (fn, args)}, iters, warmup, batch)["fn"]
-
-
 def time_interleaved(programs, iters, warmup, batch):
     """{name: (fn, args)} -> {name: median per-call ms}, the programs timed in rounds: every round
     times one batch of `batch` back-to-back dispatches of each program in turn, >= iters calls per

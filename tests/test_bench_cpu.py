@@ -108,17 +108,6 @@ def test_parsers():
         bench.main(["--shapes", "100x128x64", *FAST])
 
 
-def test_time_ms_batches():
-    calls = []
-
-    def fn(v):
-        calls.append(v)
-        return jnp.zeros(())
-
-    bench.time_ms(fn, (1,), iters=5, warmup=2, batch=2)
-    assert len(calls) == 2 + 3 * 2  # warm-ups, then ceil(5 / 2) batches of 2
-
-
 def test_time_interleaved_runs_the_programs_in_rounds():
     calls = []
 
