@@ -25,8 +25,6 @@
 //    room, so each round addresses its unrolled chunks from one base offset (no spills).
 //  - The grid must stay well below the SM count: consumer CTAs spin while producers still need
 //    SMs to make progress.
-#include <type_traits>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -276,18 +274,14 @@ cudaError_t prepare_typed() {
   auto load = [&](auto kernel) {
     if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
   };
-  auto load_world = [&](auto world) {
-    constexpr int W = decltype(world)::value;
-    load(consumer_kernel<Element, W>);
-  };
-  load_world(std::integral_constant<int, 1>{});
-  load_world(std::integral_constant<int, 2>{});
-  load_world(std::integral_constant<int, 3>{});
-  load_world(std::integral_constant<int, 4>{});
-  load_world(std::integral_constant<int, 5>{});
-  load_world(std::integral_constant<int, 6>{});
-  load_world(std::integral_constant<int, 7>{});
-  load_world(std::integral_constant<int, 8>{});
+  load(consumer_kernel<Element, 1>);
+  load(consumer_kernel<Element, 2>);
+  load(consumer_kernel<Element, 3>);
+  load(consumer_kernel<Element, 4>);
+  load(consumer_kernel<Element, 5>);
+  load(consumer_kernel<Element, 6>);
+  load(consumer_kernel<Element, 7>);
+  load(consumer_kernel<Element, 8>);
   return err;
 }
 

@@ -179,7 +179,7 @@ struct ProducerGemm {
       for (int i = 0; i < size(accum); ++i) converted(i) = Element(accum(i));
       copy(staging_copy, thread_staging.retile_S(converted), tSsC);
       // The bulk copies read the staging tile through the async proxy.
-      ptx::fence_proxy_async_shared();
+      cute::tma_store_fence();
       // Hand the staged block to the store warp and go on with the next block's mainloop.
       ptx::named_barrier_arrive(kFullBarrier, kMathThreads + kStoreThreads);
     }
@@ -190,7 +190,7 @@ struct ProducerGemm {
   // publishes its tiles, overlapped with the next block's mainloop. Lane 0 does the work; the
   // other lanes keep the barrier counts whole-warp.
   static __device__ void store_and_publish(Params const& params, Element const* stage, int lane) {
-    constexpr uint32_t kRowBytes = BLOCK_N * sizeof(Element);
+    constexpr int kRowBytes = BLOCK_N * sizeof(Element);
     for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
       BlockCoord c = block_coord(p, params);
       int64_t const row0 = c.owner * params.part_row_step + int64_t(c.tile_m) * BLOCK_M;
@@ -199,10 +199,10 @@ struct ProducerGemm {
       ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
       if (lane == 0) {
         for (int row = 0; row < BLOCK_M; ++row) {
-          ptx::bulk_store(dst + int64_t(row) * params.n, stage + row * kStagePitch, kRowBytes);
+          SM90_BULK_COPY_S2G::copy(stage + row * kStagePitch, dst + int64_t(row) * params.n, kRowBytes);
         }
-        ptx::bulk_commit();
-        ptx::bulk_wait_read();
+        cute::tma_store_arrive();
+        cute::tma_store_wait<0>();
       }
       __syncwarp();
       // The copies have read the staging tile: it may take the next block, if there is one, while

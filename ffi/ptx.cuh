@@ -1,7 +1,7 @@
 // Memory-model primitives of the tile protocol: system-scope release/acquire on 64-bit epoch flags,
 // the global nanosecond timer for deadlines, 16-byte loads that bypass L1 (peer data changes
-// between calls; L1 is not coherent with NVLink writes), the producer's bulk copies (TMA engine)
-// with their proxy fences, and named barriers.
+// between calls; L1 is not coherent with NVLink writes), what the producer's release needs beyond
+// cute's bulk-copy primitives (write completion, the global proxy fence), and named barriers.
 #pragma once
 
 #include <cstdint>
@@ -39,20 +39,9 @@ __device__ __forceinline__ uint4 load_cg_16(const void* p) {
   return v;
 }
 
-// Bulk copy (the TMA engine, async proxy) of `bytes` (a multiple of 16, both addresses 16-byte
-// aligned) from this CTA's shared memory to global memory, in the calling thread's bulk group.
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
-  uint32_t const smem = static_cast<uint32_t>(__cvta_generic_to_shared(src));
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// The calling thread's bulk copies have finished reading shared memory (it may be overwritten).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-// The calling thread's bulk copies are complete: their global writes are performed.
+// The calling thread's bulk copies are complete: their global writes are performed (cute's
+// tma_store_wait waits only for the reads of shared memory).
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Orders this thread's generic-proxy shared-memory writes before later async-proxy (bulk copy) reads.
-__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // Orders completed async-proxy global writes before this thread's later generic-proxy operations.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
