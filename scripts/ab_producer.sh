@@ -19,11 +19,13 @@ for r in $(seq 1 "$ROUNDS"); do
     /tmp/ab_$v/entwine_jax/bin/entwine_harness bench "$LOGS/producer_${v}_r$r.jsonl" producer > "$LOGS/producer_${v}_r$r.log" 2>&1
   done
 done
-# Summary: per shape, the shipped variant's median over rounds and its ratio to cuBLAS, per build.
+# Summary: per shape, the median over rounds of each block width's interleaved+flags variant and its
+# ratio to cuBLAS, per build.
 python3 - "$LOGS" "$ROUNDS" "$@" <<'PY'
 import json, sys, statistics, collections
 logs, rounds, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-print("producer (n256 pers inter+flags r8) ms, median over rounds; cuBLAS in the same rounds; ratio = cuBLAS/producer")
+shown = ["n256 pers inter+flags r8", "n128 pers inter+flags r8"]
+print("producer ms (median over rounds) and cuBLAS / producer, cuBLAS timed in the same rounds")
 rows = collections.defaultdict(dict)
 for v in names:
     ms = collections.defaultdict(list)
@@ -34,11 +36,13 @@ for v in names:
                 ms[(d["m"], d["n"], d["k"], d["variant"])].append(d["ms"])
     for (m, n, k, var), t in ms.items():
         rows[(m, n, k)][(v, var)] = statistics.median(t)
-print(f"{'shape':>18}" + "".join(f" | {v:>8} ms  cuBLAS  ratio" for v in names))
+print(f"{'shape':>18}" + "".join(f" | {v}:{s.split()[0]:>5} ms ratio" for v in names for s in shown) + " | cuBLAS")
 for shape, d in rows.items():
     line = f"{'x'.join(map(str, shape)):>18}"
     for v in names:
-        p, c = d.get((v, "n256 pers inter+flags r8")), d.get((v, "cublas"))
-        line += f" | {p:8.3f} {c or float('nan'):8.3f} {(c / p) if c else float('nan'):6.3f}"
-    print(line)
+        c = d.get((v, "cublas"), float("nan"))
+        for s in shown:
+            p = d.get((v, s), float("nan"))
+            line += f" | {' ' * (len(v) + 1)}{p:8.3f} {c / p:5.3f}"
+    print(line + f" | {d.get((names[0], 'cublas'), float('nan')):.3f}")
 PY

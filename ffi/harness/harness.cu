@@ -554,7 +554,7 @@ int producer_main(int argc, char** argv) {
 // of the two kernels without NVLink. Prints end-to-end ms per (x, producer_sms) next to the
 // producer alone.
 void bench_fused_one_rank(FILE* out, int sms) {
-  std::printf("\nfused, one rank (W=1, bf16, n256 r8): end-to-end ms per consumer grid x and producer grid\n");
+  std::printf("\nfused, one rank (W=1, bf16, r8): end-to-end ms per block width, consumer grid x and producer grid\n");
   for (auto const& sh : {std::array<int, 3>{8192, 8192, 1024}, std::array<int, 3>{8192, 8192, 3584}}) {
     Case c{sh[0], sh[1], sh[2], 1, true, GemmRsConfig{}};
     World world(c);
@@ -569,9 +569,10 @@ void bench_fused_one_rank(FILE* out, int sms) {
     CHECK_CUDA(cudaEventCreateWithFlags(&producer_done, cudaEventDisableTiming));
     CHECK_CUDA(cudaEventCreateWithFlags(&consumer_done, cudaEventDisableTiming));
     std::printf("%5d %5d %5d:", c.m, c.n, c.k);
+    for (int block_n : {256, 128})
     for (int x : {4, 8, 16, 24}) {
       for (int producer_sms : {0, sms - x, sms}) {
-        GemmRsConfig cfg{256, producer_sms, x, 512, 8};
+        GemmRsConfig cfg{block_n, producer_sms, x, 512, 8};
         auto call = [&](bool with_consumer) {
           uint64_t const epoch = ++world.epoch;
           int const slot = int(epoch % 2);
@@ -591,8 +592,8 @@ void bench_fused_one_rank(FILE* out, int sms) {
         };
         float const alone = median_ms([&] { call(false); }, main_stream, 10, 50);
         float const fused = median_ms([&] { call(true); }, main_stream, 10, 50);
-        std::printf(" x%d/p%d %.3f(%.3f)", x, producer_sms, fused, alone);
-        if (out) std::fprintf(out, "{\"kind\":\"fused1\",\"m\":%d,\"n\":%d,\"k\":%d,\"grid\":%d,\"producer_sms\":%d,\"ms\":%.5f,\"producer_ms\":%.5f}\n", c.m, c.n, c.k, x, producer_sms, fused, alone);
+        std::printf(" n%d/x%d/p%d %.3f(%.3f)", block_n, x, producer_sms, fused, alone);
+        if (out) std::fprintf(out, "{\"kind\":\"fused1\",\"m\":%d,\"n\":%d,\"k\":%d,\"block_n\":%d,\"grid\":%d,\"producer_sms\":%d,\"ms\":%.5f,\"producer_ms\":%.5f}\n", c.m, c.n, c.k, block_n, x, producer_sms, fused, alone);
       }
     }
     std::printf("\n");
@@ -642,6 +643,8 @@ int bench_main(char const* jsonl, char const* section) {
                           {"n256 pers inter r8", 256, sms, 8, true, false},
                           {"n256 pers inter+flags r8", 256, sms, 8, true, true},
                           {"n256 pers inter+flags r16", 256, sms, 16, true, true},
+                          {"n128 pers plain r8", 128, sms, 8, false, false},
+                          {"n128 pers inter r8", 128, sms, 8, true, false},
                           {"n128 pers inter+flags r8", 128, sms, 8, true, true},
                           {"n256 1/CTA inter+flags r8", 256, 0, 8, true, true}};
     constexpr size_t kShipped = 3;  // inter+flags r8; plain r8 vs inter r8 is the order, inter r8 vs kShipped the flags
