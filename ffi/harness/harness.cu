@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -457,6 +458,7 @@ struct CublasLt {
   using DescCreate = int (*)(void**, int, int);
   using LayoutCreate = int (*)(void**, int, uint64_t, uint64_t, int64_t);
   using PrefCreate = int (*)(void**);
+  using Destroy = int (*)(void*);
   using PrefSet = int (*)(void*, int, void const*, size_t);
   using Heuristic = int (*)(void*, void*, void*, void*, void*, void*, void*, int, HeuristicResult*, int*);
   using Matmul = int (*)(void*, void*, void const*, void const*, void*, void const*, void*, void const*, void const*,
@@ -471,6 +473,7 @@ struct CublasLt {
   PrefSet pref_set = nullptr;
   Heuristic heuristic = nullptr;
   Matmul matmul = nullptr;
+  Destroy desc_destroy = nullptr, layout_destroy = nullptr, pref_destroy = nullptr;
   void* workspace = nullptr;
 
   static CublasLt* load() {
@@ -484,8 +487,11 @@ struct CublasLt {
     lt.pref_set = reinterpret_cast<PrefSet>(dlsym(lib, "cublasLtMatmulPreferenceSetAttribute"));
     lt.heuristic = reinterpret_cast<Heuristic>(dlsym(lib, "cublasLtMatmulAlgoGetHeuristic"));
     lt.matmul = reinterpret_cast<Matmul>(dlsym(lib, "cublasLtMatmul"));
+    lt.desc_destroy = reinterpret_cast<Destroy>(dlsym(lib, "cublasLtMatmulDescDestroy"));
+    lt.layout_destroy = reinterpret_cast<Destroy>(dlsym(lib, "cublasLtMatrixLayoutDestroy"));
+    lt.pref_destroy = reinterpret_cast<Destroy>(dlsym(lib, "cublasLtMatmulPreferenceDestroy"));
     if (!create || !lt.desc_create || !lt.layout_create || !lt.pref_create || !lt.pref_set || !lt.heuristic ||
-        !lt.matmul || create(&lt.handle) != 0)
+        !lt.matmul || !lt.desc_destroy || !lt.layout_destroy || !lt.pref_destroy || create(&lt.handle) != 0)
       return nullptr;
     CHECK_CUDA(cudaMalloc(&lt.workspace, kWorkspaceBytes));
     return &lt;
@@ -505,7 +511,16 @@ struct CublasLt {
     HeuristicResult results[16];
     int count = 0;
     check(heuristic(handle, desc, a, b, d, d, pref, 16, results, &count));
+    check(pref_destroy(pref));
     if (count == 0) check(-1);
+    // The descriptors live as long as the launchers that use them.
+    Destroy const destroy_desc = desc_destroy, destroy_layout = layout_destroy;
+    std::shared_ptr<void> const descriptors(desc, [=](void* p) {
+      destroy_layout(a);
+      destroy_layout(b);
+      destroy_layout(d);
+      destroy_desc(p);
+    });
     static float const alpha = 1.0f, beta = 0.0f;
     Matmul const run = matmul;
     void* const lt = handle;
@@ -514,7 +529,9 @@ struct CublasLt {
     for (int i = 0; i < count; ++i) {
       if (results[i].state != 0) continue;
       Algo const algo = results[i].algo;
-      candidates.push_back([=]() { check(run(lt, desc, &alpha, w, a, x, b, &beta, y, d, y, d, &algo, ws, kWorkspaceBytes, stream)); });
+      candidates.push_back([=]() {
+        check(run(lt, descriptors.get(), &alpha, w, a, x, b, &beta, y, d, y, d, &algo, ws, kWorkspaceBytes, stream));
+      });
     }
     std::vector<float> const ms = interleaved_median_ms(candidates, stream, 3, 5, 3);
     size_t const best = std::min_element(ms.begin(), ms.end()) - ms.begin();
