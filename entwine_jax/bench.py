@@ -57,7 +57,7 @@ def parse_configs(text):
     items = [s.strip() for s in text.split(";")]
     if not any(items):
         raise argparse.ArgumentTypeError("--configs: no config given")
-    for item in items if len(items) > 1 else items[:1]:
+    for item in items:
         kwargs = {}
         for pair in filter(None, (s.strip() for s in item.split(","))):
             key, sep, value = pair.partition("=")

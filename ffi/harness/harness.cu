@@ -751,6 +751,8 @@ int main(int argc, char** argv) {
   if (mode == "sanitize") return sanitize_main(argc > 2 && std::string(argv[2]) == "sequential");
   if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
   if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
-  std::fprintf(stderr, "usage: entwine_harness test|sanitize|bench [out.jsonl]\n");
+  std::fprintf(stderr,
+               "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
+               "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n");
   return 2;
 }
