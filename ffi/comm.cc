@@ -96,6 +96,7 @@ DeviceComm::~DeviceComm() {
   if (consumer) cudaStreamDestroy(consumer);
   if (error_host) cudaFreeHost(error_host);
   if (error_local) cudaFree(error_local);
+  if (split_workspace) cudaFree(split_workspace);
   cudaGetLastError();
 }
 
@@ -142,6 +143,8 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     // The record the consumers poll lives in device memory: polling a host-mapped word crosses PCIe.
     check(cudaMalloc(reinterpret_cast<void**>(&dc->error_local), sizeof(DeviceError)), "cudaMalloc(error record)");
     check(cudaMemset(dc->error_local, 0, sizeof(DeviceError)), "cudaMemset(error record)");
+    check(cudaMalloc(&dc->split_workspace, kSplitWorkspaceBytes), "cudaMalloc(split workspace)");
+    check(cudaMemset(dc->split_workspace, 0, kSplitWorkspaceBytes), "cudaMemset(split workspace)");
     allocate_heap(*dc, capacity);
     comm.by_device[device] = std::move(dc);
   }

@@ -59,6 +59,7 @@ struct DeviceComm {
   DeviceError* error_host = nullptr;    // host-mapped pinned: read without synchronising
   DeviceError* error_device = nullptr;  // the same record, as the consumer kernel writes it
   DeviceError* error_local = nullptr;   // device memory: polled and claimed by the consumers
+  void* split_workspace = nullptr;      // the producer's split tail (gemm_rs.h), zeroed once
 
   DeviceComm() = default;
   DeviceComm(const DeviceComm&) = delete;

@@ -207,7 +207,7 @@ constexpr int kWaiterThreads = 32;
 
 template <class Element, int W>
 __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__grid_constant__ const Params p) {
-  __shared__ int leave[2];
+  __shared__ uint32_t leave[2];
   int const steps = p.tiles / p.tiles_per_block;
   int const my_steps = int(blockIdx.x) < steps ? (steps - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 0;
   int const threads = int(blockDim.x);                 // waiter warp + data threads
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__
       int const s = i & 1;
       bool const ok = wait_step<W>(p, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x));
       if (i >= 2) ptx::named_barrier_sync(kStepFree + s, threads);
-      if (threadIdx.x == 0) leave[s] = !ok;
+      if (threadIdx.x == 0) ptx::store_shared_word(&leave[s], !ok);
       ptx::named_barrier_arrive(kStepReady + s, threads);
       if (!ok) return;
     }
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__
   for (int i = 0; i < my_steps; ++i) {
     int const s = i & 1;
     ptx::named_barrier_sync(kStepReady + s, threads);
-    if (leave[s]) return;
+    if (ptx::load_shared_word(&leave[s])) return;
     if (i + 2 < my_steps) ptx::named_barrier_arrive(kStepFree + s, threads);
     reduce_step<Element, W>(p, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x) - kWaiterThreads, data_threads);
   }

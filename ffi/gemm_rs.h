@@ -82,6 +82,16 @@ inline TileOrder tile_order(const ProblemShape& s, const GemmRsConfig& c) {
   return TileOrder{m_blocks, n_blocks, c.raster_rows < m_blocks ? c.raster_rows : m_blocks};
 }
 
+// Split tail of a persistent producer grid (producer.cuh): the last one-and-a-fraction waves of
+// blocks are divided evenly in K over the grid, and a block computed in two pieces by two CTAs
+// meets in one slot of this workspace: an arrival counter, a ready sequence and an fp32 partial
+// block. One workspace per producer stream (calls on one stream run one after the other), zeroed
+// once at allocation; the counters are never reset (each call adds two arrivals per used slot).
+constexpr int kSplitSlots = 160;  // a grid of G CTAs uses slots 0 .. G-2: grids above 161 do not split
+constexpr size_t kSplitCountersBytes = 4096;  // u32 arrive[kSplitSlots], u32 ready[kSplitSlots]
+constexpr size_t kSplitSlotBytes = size_t(kTileM) * 256 * sizeof(float);  // the widest block, fp32
+constexpr size_t kSplitWorkspaceBytes = kSplitCountersBytes + kSplitSlots * kSplitSlotBytes;
+
 // Flag array of one owner rank: flags[source * tiles_per_partition + tile] holds the epoch of the
 // last call whose producer on `source` published that tile of the owner's partition.
 struct ProducerArgs {
@@ -90,6 +100,8 @@ struct ProducerArgs {
   void* partial;                  // this rank's M x N partial output (slot epoch % 2)
   uint64_t* flags[kMaxWorld];     // flag array of each owner rank (peer pointers)
   uint64_t epoch;
+  void* split_workspace = nullptr;  // kSplitWorkspaceBytes, zeroed once, one per producer stream;
+                                    // nullptr: a persistent grid does not split its tail
   bool interleave = true;         // false: plain row-major tile order (benchmarks only)
   bool publish = true;            // false: no flags (benchmarks only)
 };

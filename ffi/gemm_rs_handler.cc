@@ -171,6 +171,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
         reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[q]) + dc->layout.flags_offset(epoch));
   }
   producer_args.epoch = epoch;
+  producer_args.split_workspace = dc->split_workspace;  // used only by this device's producer stream
 
   ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->start, xla_stream));
   ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->consumer, dc->start, 0));

@@ -2,7 +2,8 @@
 // warp, one store warp, two math warpgroups; warps 2-3 exit at once) whose blocks visit the output
 // in the Entwine interleaved order and publish every finished 128x128 reduction tile with an epoch
 // flag pushed into its owner's memory. The math warps stage each block in shared memory; the store
-// warp copies it out with bulk copies (the TMA engine) while the next block's mainloop runs.
+// warp copies it out with bulk copies (the TMA engine) while the next block's mainloop runs. A
+// persistent grid splits its last waves in K so that no SM idles through a partial last wave.
 // Included once per (dtype, BLOCK_N) translation unit: each instantiation costs ~35 s to compile.
 #pragma once
 
@@ -40,6 +41,8 @@ struct ProducerGemm {
   static constexpr int kStagePitch = BLOCK_N + 8;  // elements
   struct EpilogueStorage {
     alignas(128) Element tile[BLOCK_M * kStagePitch];
+    uint32_t split_arrival;  // math thread 0 -> math threads: this CTA's arrival at a split slot
+    uint32_t skip;           // math -> store warp: the staged unit was a first-arriving split piece
   };
 
   // ---- mainloop: A = x [M, K] row-major (K-major), B = w [K, N] row-major (N-major) -----------
@@ -71,6 +74,13 @@ struct ProducerGemm {
     int64_t part_col_step;        // ... and column q * part_col_step of the partial output
     int blocks_per_partition;
     int num_blocks;               // W * blocks_per_partition
+    int grid;                     // CTAs: num_blocks, or a persistent grid of config.producer_sms
+    int k_tiles;                  // ceil(K / BLOCK_K): TMA zero-fills the K tail
+    int split_first_block;        // blocks from here on are split in K over the grid (num_blocks: none)
+    int64_t split_iters;          // (num_blocks - split_first_block) * k_tiles (< 2^31: at most 2 grids' blocks)
+    uint32_t* split_arrive;       // the split workspace (gemm_rs.h): arrival counters,
+    uint32_t* split_ready;        // ready sequences,
+    float* split_partials;        // and fp32 partial blocks, one per slot
     int tiles_n;                  // part_cols / 128: reduction tiles per row of a partition
     int tiles_per_partition;
     TileOrder order;              // blocks of one partition, in production order
@@ -101,6 +111,42 @@ struct ProducerGemm {
     return c;
   }
 
+  // One unit of a CTA's work: k-tiles [k_begin, k_end) of logical block p. slot >= 0: the block is
+  // split between this CTA and a neighbour, which meet in that workspace slot.
+  struct Unit {
+    int p, k_begin, k_end, slot;
+  };
+
+  // A CTA's units, the same sequence for its three roles: the blocks blockIdx.x + i * grid below
+  // split_first_block (whole waves), then its 1/grid share of the split region's k-tiles, in order.
+  // Every share is at least one block long, so a block has at most two pieces: its head (from
+  // k = 0) ends the share of CTA c and its tail starts the share of CTA c + 1; both use slot c.
+  struct WorkIter {
+    int p, it, end;
+    __device__ explicit WorkIter(Params const& params)
+        : p(blockIdx.x),
+          it(int(params.split_iters * blockIdx.x / params.grid)),
+          end(int(params.split_iters * (blockIdx.x + 1) / params.grid)) {}
+    __device__ bool next(Params const& params, Unit& u) {
+      if (p < params.split_first_block) {
+        u = Unit{p, 0, params.k_tiles, -1};
+        p += params.grid;
+        return true;
+      }
+      if (it >= end) return false;
+      int const k_begin = it % params.k_tiles;
+      int const k_end = k_begin + end - it < params.k_tiles ? k_begin + end - it : params.k_tiles;
+      u = Unit{params.split_first_block + it / params.k_tiles, k_begin, k_end, -1};
+      if (k_begin > 0) {
+        u.slot = int(blockIdx.x) - 1;
+      } else if (k_end < params.k_tiles) {
+        u.slot = int(blockIdx.x);
+      }
+      it += k_end - k_begin;
+      return true;
+    }
+  };
+
   static __device__ void run(Params const& params, char* smem) {
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
     int const thread_idx = threadIdx.x;
@@ -130,26 +176,27 @@ struct ProducerGemm {
     CollectiveMainloop mainloop;
     auto problem = make_shape(params.m, params.n, params.k, 1);
     auto load_inputs = mainloop.load_init(problem, params.mainloop);
-    int const k_tiles = (params.k + BLOCK_K - 1) / BLOCK_K;  // TMA zero-fills the K tail
 
     if (warp_group == 0) {
       cutlass::arch::warpgroup_reg_dealloc<40>();
       if (warp_idx == 0) {
         PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
-        for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
-          BlockCoord c = block_coord(p, params);
+        WorkIter work(params);
+        for (Unit u; work.next(params, u);) {
+          BlockCoord c = block_coord(u.p, params);
           // TMA coordinates in whole blocks (partition offsets are multiples of the block).
           int m_block = int(c.owner * params.part_row_step / BLOCK_M) + c.tile_m;
           int n_block = int(c.owner * params.part_col_step / BLOCK_N) + c.n_block;
-          auto k_iter = cute::make_coord_iterator(shape<3>(get<0>(load_inputs)));
+          auto k_shape = shape<3>(get<0>(load_inputs));
+          auto k_iter = cute::make_coord_iterator(idx2crd(u.k_begin, k_shape), k_shape);
           mainloop.load(params.mainloop, pipeline, write_state, load_inputs,
-                        make_coord(m_block, n_block, _, 0), k_iter, k_tiles,
+                        make_coord(m_block, n_block, _, 0), k_iter, u.k_end - u.k_begin,
                         cutlass::canonical_lane_idx(), 0u, storage.mainloop);
-          write_state.advance(k_tiles);
+          write_state.advance(u.k_end - u.k_begin);
         }
         mainloop.load_tail(pipeline, write_state);
       } else if (warp_idx == 1) {
-        store_and_publish(params, storage.epilogue.tile, cutlass::canonical_lane_idx());
+        store_and_publish(params, storage.epilogue.tile, &storage.epilogue.skip, cutlass::canonical_lane_idx());
       }
       return;
     }
@@ -166,38 +213,99 @@ struct ProducerGemm {
     auto thread_staging = staging_copy.get_thread_slice(math_idx);
     Tensor tSsC = thread_staging.partition_D(sC);
 
-    for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
+    WorkIter work(params);
+    bool first = true;
+    for (Unit u; work.next(params, u); first = false) {
+      int const k_count = u.k_end - u.k_begin;
       Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
-      mainloop.mma(pipeline, read_state, accum, k_tiles, math_idx, storage.mainloop, params.mainloop);
-      mainloop.mma_tail(pipeline, read_state, k_tiles);
-      read_state.advance(k_tiles);
+      mainloop.mma(pipeline, read_state, accum, k_count, math_idx, storage.mainloop, params.mainloop);
+      mainloop.mma_tail(pipeline, read_state, k_count);
+      read_state.advance(k_count);
+      bool const write = u.slot < 0 || join_split(params, u.slot, accum, math_idx, storage.epilogue.split_arrival);
 
       // The store warp's bulk copies must have read the previous block out of the staging tile.
-      if (p != int(blockIdx.x)) ptx::named_barrier_sync(kEmptyBarrier, kMathThreads + kStoreThreads);
-      Tensor converted = make_fragment_like<Element>(accum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); ++i) converted(i) = Element(accum(i));
-      copy(staging_copy, thread_staging.retile_S(converted), tSsC);
-      // The bulk copies read the staging tile through the async proxy.
-      cute::tma_store_fence();
+      if (!first) ptx::named_barrier_sync(kEmptyBarrier, kMathThreads + kStoreThreads);
+      if (write) {
+        Tensor converted = make_fragment_like<Element>(accum);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) converted(i) = Element(accum(i));
+        copy(staging_copy, thread_staging.retile_S(converted), tSsC);
+        // The bulk copies read the staging tile through the async proxy.
+        cute::tma_store_fence();
+      }
+      if (math_idx == 0) ptx::store_shared_word(&storage.epilogue.skip, !write);
       // Hand the staged block to the store warp and go on with the next block's mainloop.
       ptx::named_barrier_arrive(kFullBarrier, kMathThreads + kStoreThreads);
     }
+  }
+
+  // The two pieces of a split block meet in workspace slot `slot`. The first of the two CTAs to
+  // arrive leaves its fp32 sum there and writes nothing else; the second adds it to its own sum and
+  // writes and publishes the block. A sum of two terms does not depend on which came first, so the
+  // output stays bitwise reproducible. The second waits only for a CTA that has already arrived
+  // (running, writing 128 KB), so the wait cannot deadlock even if the two never run at once.
+  // Pitfall: the arrival parity assumes every call adds exactly two arrivals per used slot, i.e.
+  // no producer launch on this workspace was ever killed half-way (which also kills the context).
+  template <class Accum>
+  static __device__ bool join_split(Params const& params, int slot, Accum& accum, int math_idx,
+                                    uint32_t& arrival_word) {
+    if (math_idx == 0) ptx::store_shared_word(&arrival_word, atomicAdd(params.split_arrive + slot, 1u));
+    ptx::named_barrier_sync(kSplitBarrier, kMathThreads);
+    uint32_t const arrival = ptx::load_shared_word(&arrival_word);
+    uint32_t const sequence = arrival / 2 + 1;  // this call's use of the slot
+    // Vector i of thread t at i * kMathThreads + t: every warp instruction moves 512 contiguous bytes.
+    float4* partial = reinterpret_cast<float4*>(params.split_partials) + size_t(slot) * (kSplitSlotBytes / 16) + math_idx;
+    constexpr int kVectors = decltype(size(accum))::value / 4;
+    if (arrival % 2 == 0) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kVectors; ++i) {
+        __stcg(partial + i * kMathThreads, make_float4(accum(4 * i), accum(4 * i + 1), accum(4 * i + 2), accum(4 * i + 3)));
+      }
+      // Every math thread's stores, then one GPU-scope release (cumulative over the barrier).
+      ptx::named_barrier_sync(kSplitBarrier, kMathThreads);
+      if (math_idx == 0) {
+        __threadfence();
+        ptx::store_release_gpu(params.split_ready + slot, sequence);
+      }
+      return false;
+    }
+    if (math_idx == 0) {
+      // A deadline, not a hang: the other CTA has arrived, so only a broken device gets here.
+      uint64_t const deadline = ptx::global_timer_ns() + kSplitTimeoutNs;
+      while (int32_t(ptx::load_acquire_gpu(params.split_ready + slot) - sequence) < 0) {
+        if (ptx::global_timer_ns() > deadline) __trap();
+      }
+    }
+    ptx::named_barrier_sync(kSplitBarrier, kMathThreads);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVectors; ++i) {
+      float4 const v = __ldcg(partial + i * kMathThreads);
+      accum(4 * i) += v.x;
+      accum(4 * i + 1) += v.y;
+      accum(4 * i + 2) += v.z;
+      accum(4 * i + 3) += v.w;
+    }
+    return true;
   }
 
   // Warp 1 (idle in the CUTLASS schedule) copies each staged block to the partial output with one
   // bulk copy per row (the TMA engine: no load/store instructions compete with the mainloop) and
   // publishes its tiles, overlapped with the next block's mainloop. Lane 0 does the work; the
   // other lanes keep the barrier counts whole-warp.
-  static __device__ void store_and_publish(Params const& params, Element const* stage, int lane) {
+  static __device__ void store_and_publish(Params const& params, Element const* stage, uint32_t* skip_word, int lane) {
     constexpr int kRowBytes = BLOCK_N * sizeof(Element);
-    for (int p = blockIdx.x; p < params.num_blocks; p += gridDim.x) {
-      BlockCoord c = block_coord(p, params);
+    WorkIter work(params);
+    Unit next;
+    for (bool more = work.next(params, next); more;) {
+      Unit const u = next;
+      more = work.next(params, next);
+      BlockCoord c = block_coord(u.p, params);
       int64_t const row0 = c.owner * params.part_row_step + int64_t(c.tile_m) * BLOCK_M;
       int64_t const col0 = c.owner * params.part_col_step + int64_t(c.n_block) * BLOCK_N;
       Element* dst = params.partial + row0 * params.n + col0;
       ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
-      if (lane == 0) {
+      bool const skip = ptx::load_shared_word(skip_word) != 0;
+      if (lane == 0 && !skip) {
         for (int row = 0; row < BLOCK_M; ++row) {
           SM90_BULK_COPY_S2G::copy(stage + row * kStagePitch, dst + int64_t(row) * params.n, kRowBytes);
         }
@@ -207,13 +315,11 @@ struct ProducerGemm {
       __syncwarp();
       // The copies have read the staging tile: it may take the next block, if there is one, while
       // the release below waits for the copies' writes.
-      if (p + int(gridDim.x) < params.num_blocks) {
-        ptx::named_barrier_arrive(kEmptyBarrier, kMathThreads + kStoreThreads);
-      }
+      if (more) ptx::named_barrier_arrive(kEmptyBarrier, kMathThreads + kStoreThreads);
       // Publish: the copies' writes are complete (wait_group 0, not .read) and ordered before the
       // generic proxy; the system fence and release then push the epoch into the owner's flag array
       // (a remote store: push, not pull).
-      if (lane == 0) {
+      if (lane == 0 && !skip) {
         ptx::bulk_wait();
         if (params.publish) {
           ptx::fence_proxy_async_global();
@@ -231,6 +337,12 @@ struct ProducerGemm {
   static constexpr int kStoreThreads = 32;
   static constexpr int kFullBarrier = 8;   // math -> store: the staging tile holds a block
   static constexpr int kEmptyBarrier = 9;  // store -> math: the staging tile may be overwritten
+  static constexpr int kSplitBarrier = 10;  // math threads among themselves, at a split slot
+  static constexpr uint64_t kSplitTimeoutNs = 10'000'000'000ull;
+  // A split costs a CTA one more block start, 128 KB of fp32 written or read and the wait for the
+  // other piece: split only when the last wave leaves at least this many k-tiles per CTA idle on
+  // average. Measured (PERF.md v11): 15.5 (16384x8192x1024) lost 0.8%, 27 gained 0.9%, 31 gained 2%.
+  static constexpr int kSplitMinIdleKTiles = 16;
 
   static Params make_params(ProblemShape const& shape, GemmRsConfig const& config, ProducerArgs const& args) {
     StrideA stride_a{};
@@ -252,6 +364,23 @@ struct ProducerGemm {
     p.order = tile_order(shape, config);
     p.blocks_per_partition = p.order.m_blocks * p.order.n_blocks;
     p.num_blocks = shape.world * p.blocks_per_partition;
+    // producer_sms == 0: one CTA per block (the hardware hands freed SMs to either kernel);
+    // otherwise a persistent grid that leaves the rest of the SMs to the consumer.
+    p.grid = config.producer_sms > 0 && config.producer_sms < p.num_blocks ? config.producer_sms : p.num_blocks;
+    p.k_tiles = (shape.k + BLOCK_K - 1) / BLOCK_K;
+    // Split tail: whole waves run as before, except the last full one, which joins the partial last
+    // wave in the split region, divided evenly in k-tiles over the grid. So every CTA does about
+    // (1 + remainder / grid) blocks' work there instead of one or two whole blocks.
+    int const remainder = p.num_blocks % p.grid;
+    bool const split = args.split_workspace != nullptr && p.grid < p.num_blocks && p.grid - 1 <= kSplitSlots &&
+                       remainder != 0 &&
+                       int64_t(p.grid - remainder) * p.k_tiles >= int64_t(kSplitMinIdleKTiles) * p.grid;
+    p.split_first_block = split ? (p.num_blocks / p.grid - 1) * p.grid : p.num_blocks;
+    p.split_iters = int64_t(p.num_blocks - p.split_first_block) * p.k_tiles;
+    char* const workspace = static_cast<char*>(args.split_workspace);
+    p.split_arrive = reinterpret_cast<uint32_t*>(workspace);
+    p.split_ready = split ? p.split_arrive + kSplitSlots : nullptr;
+    p.split_partials = split ? reinterpret_cast<float*>(workspace + kSplitCountersBytes) : nullptr;
     p.tiles_n = shape.part_cols() / kTileN;
     p.tiles_per_partition = shape.tiles_per_partition();
     p.partial = static_cast<Element*>(args.partial);
@@ -277,11 +406,7 @@ cudaError_t prepare() {
 template <class Gemm>
 cudaError_t launch(ProblemShape const& shape, GemmRsConfig const& config, ProducerArgs const& args, cudaStream_t stream) {
   typename Gemm::Params params = Gemm::make_params(shape, config, args);
-  // producer_sms == 0: one CTA per block (the hardware hands freed SMs to either kernel);
-  // otherwise a persistent grid that leaves the rest of the SMs to the consumer.
-  int grid = params.num_blocks;
-  if (config.producer_sms > 0 && config.producer_sms < grid) grid = config.producer_sms;
-  producer_kernel<Gemm><<<grid, Gemm::kThreads, Gemm::kSmemBytes, stream>>>(params);
+  producer_kernel<Gemm><<<params.grid, Gemm::kThreads, Gemm::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
 

@@ -22,6 +22,16 @@ __device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* flag) {
   return value;
 }
 
+// GPU-scope release/acquire of a 32-bit sequence (the producer's split-block handoff between CTAs).
+__device__ __forceinline__ void store_release_gpu(uint32_t* flag, uint32_t value) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire_gpu(const uint32_t* flag) {
+  uint32_t value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+  return value;
+}
+
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
@@ -44,6 +54,12 @@ __device__ __forceinline__ uint4 load_cg_16(const void* p) {
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 // Orders completed async-proxy global writes before this thread's later generic-proxy operations.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// A shared-memory word handed from one warp role to another across bar.arrive -> bar.sync (which
+// orders it): written and read with atomics, so the handoff is race-free by the memory model's
+// definition, and visible as such to compute-sanitizer racecheck, which does not order bar.arrive.
+__device__ __forceinline__ void store_shared_word(uint32_t* word, uint32_t value) { atomicExch(word, value); }
+__device__ __forceinline__ uint32_t load_shared_word(uint32_t* word) { return atomicOr(word, 0u); }
 
 // Named barrier over `threads` threads (a multiple of 32), id 1..15 (0 is __syncthreads).
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
