@@ -317,8 +317,8 @@ struct ProducerGemm {
       // the release below waits for the copies' writes.
       if (more) ptx::named_barrier_arrive(kEmptyBarrier, kMathThreads + kStoreThreads);
       // Publish: the copies' writes are complete (wait_group 0, not .read) and ordered before the
-      // generic proxy; the system fence and release then push the epoch into the owner's flag array
-      // (a remote store: push, not pull).
+      // generic proxy; one system fence then releases all of the block's flags, pushed into the
+      // owner's flag array (remote stores: push, not pull).
       if (lane == 0 && !skip) {
         ptx::bulk_wait();
         if (params.publish) {
@@ -327,7 +327,7 @@ struct ProducerGemm {
           uint64_t* owner_flags = params.flags[c.owner] + int64_t(params.rank) * params.tiles_per_partition;
           int const tile0 = c.tile_m * params.tiles_n + c.n_block * kTilesPerBlock;
           CUTLASS_PRAGMA_UNROLL
-          for (int t = 0; t < kTilesPerBlock; ++t) ptx::store_release_sys(owner_flags + tile0 + t, params.epoch);
+          for (int t = 0; t < kTilesPerBlock; ++t) ptx::store_relaxed_sys(owner_flags + tile0 + t, params.epoch);
         }
       }
     }

@@ -8,10 +8,12 @@
 
 namespace entwine::ptx {
 
-// Release store of an epoch: every write ordered before it (including other threads' writes made
-// visible to this thread by a CTA barrier) is visible system-wide before the flag is.
-__device__ __forceinline__ void store_release_sys(uint64_t* flag, uint64_t value) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+// Strong relaxed store of an epoch flag. After fence_acq_rel_sys() it is a release: every write
+// ordered before the fence (including other threads' writes made visible to this thread by a CTA
+// barrier) is visible system-wide before the flag is. One fence can release several flags; each
+// st.release.sys would compile to a system fence of its own.
+__device__ __forceinline__ void store_relaxed_sys(uint64_t* flag, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
 
 // Relaxed (but not cached-stale) load of an epoch flag, for polling; follow a successful poll with
