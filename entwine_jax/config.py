@@ -29,6 +29,8 @@ class GemmRsConfig:
     consumer_block: threads per consumer CTA; 128, 256 or 512.
     raster_rows:    the producer visits each partition in groups of this many 128-row tile rows,
                     column by column inside a group (L2 reuse); the consumer follows that order.
+    split_tail:     a persistent producer splits its partial last wave in K over the whole grid
+                    (when that leaves enough work per CTA); False: whole blocks to the end.
     path:           "auto": fused when it can run, else the XLA reference (logged once);
                     "fused": same, but a fallback is logged as a warning;
                     "xla": always the XLA reference (psum_scatter of an fp32 dot).
@@ -39,6 +41,7 @@ class GemmRsConfig:
     consumer_grid: int = 16
     consumer_block: int = 512
     raster_rows: int = 8
+    split_tail: bool = False
     path: str = "auto"
 
     def __post_init__(self):
@@ -50,13 +53,17 @@ class GemmRsConfig:
             raise ValueError(
                 f"GemmRsConfig: consumer_block must be one of {_CONSUMER_BLOCK}, got {self.consumer_block!r}")
         _check_int("raster_rows", self.raster_rows, 1)
+        # 0 and 1 too: bench --configs and JSON tables spell it as an int.
+        if self.split_tail not in (True, False) or not isinstance(self.split_tail, (bool, np.bool_, int, np.integer)):
+            raise ValueError(f"GemmRsConfig: split_tail must be a bool, got {self.split_tail!r}")
+        object.__setattr__(self, "split_tail", bool(self.split_tail))
         if self.path not in _PATHS:
             raise ValueError(f"GemmRsConfig: path must be one of {_PATHS}, got {self.path!r}")
 
     def __str__(self) -> str:
         return (f"GemmRsConfig(block_n={self.block_n}, producer_sms={self.producer_sms}, "
                 f"consumer_grid={self.consumer_grid}, consumer_block={self.consumer_block}, "
-                f"raster_rows={self.raster_rows}, path={self.path})")
+                f"raster_rows={self.raster_rows}, split_tail={self.split_tail}, path={self.path})")
 
 
 _default: Optional[GemmRsConfig] = None
@@ -115,8 +122,13 @@ def heuristic_config(m: int, n: int, k: int, world: int, dtype) -> GemmRsConfig:
     # Groups of 8 tile rows keep the blocks in flight on a few rows of x and columns of w: measured
     # up to 12% faster than row-major on N = 16384 (PERF.md).
     raster_rows = 8
+    # The split tail makes the producer alone 2-3% faster where the last wave is nearly empty
+    # (PERF.md v11), but end to end it was 0-4% slower on the suite shapes it applies to: the
+    # last full wave's tiles are then released at the very end with the rest, so the reduction
+    # left after the GEMM grows. tune() tries it.
+    split_tail = False
     return GemmRsConfig(block_n=block_n, producer_sms=producer_sms, consumer_grid=consumer_grid,
-                        consumer_block=consumer_block, raster_rows=raster_rows)
+                        consumer_block=consumer_block, raster_rows=raster_rows, split_tail=split_tail)
 
 
 def with_overrides(base: GemmRsConfig, fields: dict) -> GemmRsConfig:

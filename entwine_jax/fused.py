@@ -163,7 +163,7 @@ def comm_id(groups: np.ndarray, axis_name) -> int:
 def config_vector(config) -> np.ndarray:
     """The one FFI attribute for the kernels' GemmRsConfig (gemm_rs.h order)."""
     return np.array([config.block_n, config.producer_sms, config.consumer_grid,
-                     config.consumer_block, config.raster_rows], np.int64)
+                     config.consumer_block, config.raster_rows, int(config.split_tail)], np.int64)
 
 
 # --- Extension and mesh discovery ---------------------------------------------------------------

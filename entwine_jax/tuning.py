@@ -282,7 +282,7 @@ def _config_dict(config: GemmRsConfig) -> dict:
 
 
 def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Optional[int] = None) -> list:
-    """GEMM block x budget for one shape: at most 8 configs, heuristic first.
+    """GEMM block x budget for one shape: at most 9 configs, heuristic first.
 
     The producer's block is the heuristic's (128x256 measured faster than 128x128 on every suite
     shape, PERF.md; 128 only where N is not a multiple of 256), the consumer block 512 (the most
@@ -290,7 +290,8 @@ def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Opti
     with the producer persistent on the SMs the consumer leaves (measured 1.1-1.25x faster than
     one CTA per block at every shape on H200, PERF.md v4, so producer_sms = 0 is not tried). A
     budget above the blocks of the local partition would only idle: capped like the heuristic,
-    duplicates dropped. The heuristic's own pick is always tried, so the winner is never worse.
+    duplicates dropped. The heuristic's own pick is always tried, so the winner is never worse;
+    last, the heuristic's pick with the producer's split tail.
     """
     sms = sm_count or _sm_count()
     first = heuristic_config(m, n, k, world, dtype)
@@ -301,6 +302,10 @@ def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Opti
         c = dataclasses.replace(first, producer_sms=max(1, sms - grid), consumer_grid=grid, consumer_block=512)
         if c not in out:
             out.append(c)
+    # The split tail at the heuristic's budget (off by default: PERF.md v11).
+    split = dataclasses.replace(first, split_tail=True)
+    if split not in out:
+        out.append(split)
     return out
 
 

@@ -26,6 +26,7 @@ struct GemmRsConfig {
   int32_t consumer_grid = 16;    // the communication budget x: consumer CTAs
   int32_t consumer_block = 512;  // consumer threads per CTA, in {128, 256, 512}
   int32_t raster_rows = 8;       // blocks of a partition run in groups of this many tile rows
+  int32_t split_tail = 0;        // 1: a persistent grid splits its partial last wave in K (producer.cuh)
 };
 
 // Production order of the GEMM blocks inside one partition, shared by producer and consumer:
@@ -100,8 +101,8 @@ struct ProducerArgs {
   void* partial;                  // this rank's M x N partial output (slot epoch % 2)
   uint64_t* flags[kMaxWorld];     // flag array of each owner rank (peer pointers)
   uint64_t epoch;
-  void* split_workspace = nullptr;  // kSplitWorkspaceBytes, zeroed once, one per producer stream;
-                                    // nullptr: a persistent grid does not split its tail
+  void* split_workspace = nullptr;  // kSplitWorkspaceBytes, zeroed once, one per producer stream
+                                    // (required when config.split_tail is 1)
   bool interleave = true;         // false: plain row-major tile order (benchmarks only)
   bool publish = true;            // false: no flags (benchmarks only)
 };

@@ -113,9 +113,9 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   shape.k = int32_t(xd[1]);
   shape.n = int32_t(wd[1]);
 
-  if (config.size() != 5) {
-    return ffi::Error::InvalidArgument("entwine gemm_rs: config must hold 5 values (block_n, "
-                                       "producer_sms, consumer_grid, consumer_block, raster_rows), got " +
+  if (config.size() != 6) {
+    return ffi::Error::InvalidArgument("entwine gemm_rs: config must hold 6 values (block_n, producer_sms, "
+                                       "consumer_grid, consumer_block, raster_rows, split_tail), got " +
                                        std::to_string(config.size()));
   }
   GemmRsConfig cfg;
@@ -124,6 +124,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   cfg.consumer_grid = int32_t(config[2]);
   cfg.consumer_block = int32_t(config[3]);
   cfg.raster_rows = int32_t(config[4]);
+  cfg.split_tail = int32_t(config[5]);
   if (const char* rule = check_problem(shape, cfg)) {
     return ffi::Error::InvalidArgument(
         std::string("entwine gemm_rs: ") + rule + " (M=" + std::to_string(shape.m) +

@@ -16,6 +16,7 @@ const char* check_problem(const ProblemShape& s, const GemmRsConfig& c) {
   if (c.consumer_grid < 1 || c.consumer_grid > 64) return "config.consumer_grid must be in [1, 64]";
   if (c.producer_sms < 0) return "config.producer_sms must be >= 0";
   if (c.raster_rows < 1) return "config.raster_rows must be >= 1";
+  if (c.split_tail != 0 && c.split_tail != 1) return "config.split_tail must be 0 or 1";
   if (s.m <= 0 || s.n <= 0 || s.k <= 0) return "M, N and K must be positive";
   if (s.scatter_cols) {
     if (s.m % kTileM != 0) return "M must be a multiple of 128";

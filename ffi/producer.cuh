@@ -372,7 +372,8 @@ struct ProducerGemm {
     // wave in the split region, divided evenly in k-tiles over the grid. So every CTA does about
     // (1 + remainder / grid) blocks' work there instead of one or two whole blocks.
     int const remainder = p.num_blocks % p.grid;
-    bool const split = args.split_workspace != nullptr && p.grid < p.num_blocks && p.grid - 1 <= kSplitSlots &&
+    bool const split = config.split_tail && args.split_workspace != nullptr && p.grid < p.num_blocks &&
+                       p.grid - 1 <= kSplitSlots &&
                        remainder != 0 &&
                        int64_t(p.grid - remainder) * p.k_tiles >= int64_t(kSplitMinIdleKTiles) * p.grid;
     p.split_first_block = split ? (p.num_blocks / p.grid - 1) * p.grid : p.num_blocks;

@@ -24,7 +24,7 @@ done
 python3 - "$LOGS" "$ROUNDS" "$@" <<'PY'
 import json, sys, statistics, collections
 logs, rounds, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-shown = ["n256 pers inter+flags r8", "n128 pers inter+flags r8"]
+shown = ["n256 pers inter+flags r8", "n256 pers inter+flags r8 split", "n128 pers inter+flags r8"]
 print("producer ms (median over rounds) and cuBLAS / producer, cuBLAS timed in the same rounds")
 rows = collections.defaultdict(dict)
 for v in names:
@@ -36,7 +36,7 @@ for v in names:
                 ms[(d["m"], d["n"], d["k"], d["variant"])].append(d["ms"])
     for (m, n, k, var), t in ms.items():
         rows[(m, n, k)][(v, var)] = statistics.median(t)
-print(f"{'shape':>18}" + "".join(f" | {v}:{s.split()[0]:>5} ms ratio" for v in names for s in shown) + " | cuBLAS")
+print(f"{'shape':>18}" + "".join(f" | {v}:{s.split()[0] + (' split' if s.endswith('split') else ''):>5} ms ratio" for v in names for s in shown) + " | cuBLAS")
 for shape, d in rows.items():
     line = f"{'x'.join(map(str, shape)):>18}"
     for v in names:

@@ -2,6 +2,7 @@
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from entwine_jax import GemmRsConfig, heuristic_config, set_default_config, using_config
@@ -10,11 +11,11 @@ from entwine_jax.config import get_default_config
 
 def test_defaults_and_str():
     c = GemmRsConfig()
-    assert (c.block_n, c.producer_sms, c.consumer_grid, c.consumer_block, c.raster_rows, c.path) == (
-        128, 0, 16, 512, 8, "auto")
+    assert (c.block_n, c.producer_sms, c.consumer_grid, c.consumer_block, c.raster_rows, c.split_tail,
+            c.path) == (128, 0, 16, 512, 8, False, "auto")
     s = str(c)
     assert s == ("GemmRsConfig(block_n=128, producer_sms=0, consumer_grid=16, consumer_block=512, "
-                 "raster_rows=8, path=auto)")
+                 "raster_rows=8, split_tail=False, path=auto)")
     assert "\n" not in s and "\n" not in repr(c)
 
 
@@ -34,10 +35,20 @@ def test_frozen_and_hashable():
     (dict(consumer_grid=True), r"consumer_grid must be an int >= 1, got True"),
     (dict(consumer_block=1024), r"consumer_block must be one of \(128, 256, 512\), got 1024"),
     (dict(path="cuda"), r"path must be one of \('auto', 'fused', 'xla'\), got 'cuda'"),
+    (dict(split_tail=2), r"split_tail must be a bool, got 2"),
+    (dict(split_tail="no"), r"split_tail must be a bool, got 'no'"),
+    (dict(split_tail=1.0), r"split_tail must be a bool, got 1.0"),
 ])
 def test_validation(kwargs, match):
     with pytest.raises(ValueError, match="GemmRsConfig: " + match):
         GemmRsConfig(**kwargs)
+
+
+def test_split_tail_from_int():
+    # bench --configs and JSON tables spell it 0/1; the config stores a bool (equal and same hash).
+    assert GemmRsConfig(split_tail=0).split_tail is False and GemmRsConfig(split_tail=1).split_tail is True
+    assert GemmRsConfig(split_tail=np.int64(0)) == GemmRsConfig(split_tail=False)
+    assert hash(GemmRsConfig(split_tail=0)) == hash(GemmRsConfig())
 
 
 def test_valid_values():

@@ -207,9 +207,10 @@ def test_heap_bytes_mirrors_the_layout():
 
 
 def test_config_vector_order():
-    cfg = GemmRsConfig(block_n=256, producer_sms=100, consumer_grid=24, consumer_block=256, raster_rows=4)
+    cfg = GemmRsConfig(block_n=256, producer_sms=100, consumer_grid=24, consumer_block=256, raster_rows=4,
+                       split_tail=False)
     v = fused.config_vector(cfg)
-    assert v.dtype == np.int64 and v.tolist() == [256, 100, 24, 256, 4]
+    assert v.dtype == np.int64 and v.tolist() == [256, 100, 24, 256, 4, 0]
 
 
 # --- Groups and comm ids ----------------------------------------------------------------------------
@@ -426,7 +427,7 @@ def test_gemm_rs_local_traces_one_padded_ffi_call(monkeypatch):
     attrs = dict(call.params["attributes"])
     comm = next(iter(fused._comms.values()))
     assert int(attrs["comm_id"]) == comm.id
-    assert np.asarray(getattr(attrs["config"], "val", attrs["config"])).tolist() == [128, 0, 16, 512, 8]
+    assert np.asarray(getattr(attrs["config"], "val", attrs["config"])).tolist() == [128, 0, 16, 512, 8, 0]
     assert tuple(inner.outvars[0].aval.shape) == (37, n)
     # Lowered for CUDA (no GPU needed): the attribute types the handler binds (int64_t, and a
     # rank-1 i64 tensor, which XLA passes as an array attribute: Span<const int64_t>).
@@ -434,7 +435,7 @@ def test_gemm_rs_local_traces_one_padded_ffi_call(monkeypatch):
         text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     call_line = next(line for line in text.splitlines() if "entwine_gemm_rs" in line)
     assert f"comm_id = {comm.id} : i64" in call_line
-    assert "config = dense<[128, 0, 16, 512, 8]> : tensor<5xi64>" in call_line, call_line
+    assert "config = dense<[128, 0, 16, 512, 8, 0]> : tensor<6xi64>" in call_line, call_line
 
 
 class _nullcontext:

@@ -382,11 +382,11 @@ int test_main() {
   run_case(Case{2 * 2048, 4096, 1024, 2, true, GemmRsConfig{128, 0, 32, 512}}, 2);
   // Persistent grids G that split their tail in K: B blocks, R = B % G, T k-tiles with
   // (G - R) * T >= 16 * G (producer.cuh). Odd grids, K tails, both widths and dtypes, rows and columns.
-  run_case(Case{2 * 1024, 1024, 2000, 2, true, GemmRsConfig{128, 7, 8, 512}}, 3);     // B 128, R 2, T 32
-  run_case(Case{2 * 1024, 1024, 2000, 2, false, GemmRsConfig{128, 7, 8, 512}}, 2);    // B 128, R 2, T 32
-  run_case(Case{4 * 512, 1024, 1480, 4, false, GemmRsConfig{256, 7, 8, 256}}, 2);     // B 64, R 1, T 24
-  run_case(Case{8 * 256, 1024, 1152, 8, true, GemmRsConfig{256, 9, 8, 512, 2}}, 2);   // B 64, R 1, T 18
-  run_case(Case{512, 2 * 1024, 1600, 2, true, GemmRsConfig{256, 6, 8, 512}, true}, 2);  // B 32, R 2, T 25
+  run_case(Case{2 * 1024, 1024, 2000, 2, true, GemmRsConfig{128, 7, 8, 512, 8, 1}}, 3);     // B 128, R 2, T 32
+  run_case(Case{2 * 1024, 1024, 2000, 2, false, GemmRsConfig{128, 7, 8, 512, 8, 1}}, 2);    // B 128, R 2, T 32
+  run_case(Case{4 * 512, 1024, 1480, 4, false, GemmRsConfig{256, 7, 8, 256, 8, 1}}, 2);     // B 64, R 1, T 24
+  run_case(Case{8 * 256, 1024, 1152, 8, true, GemmRsConfig{256, 9, 8, 512, 2, 1}}, 2);      // B 64, R 1, T 18
+  run_case(Case{512, 2 * 1024, 1600, 2, true, GemmRsConfig{256, 6, 8, 512, 8, 1}, true}, 2);  // B 32, R 2, T 25
   // Raster groups with a partial last group (5 tile rows per partition, groups of 2 and 3).
   run_case(Case{2 * 640, 1024, 256, 2, true, GemmRsConfig{256, 60, 8, 512, 2}}, 2);
   run_case(Case{4 * 640, 640, 128, 4, false, GemmRsConfig{128, 0, 8, 256, 3}}, 2);
@@ -407,7 +407,7 @@ int sanitize_main(bool sequential) {
   run_case(Case{2 * 128, 256, 72, 2, true, GemmRsConfig{128, 0, 2, 128}}, 2, sequential, true);
   run_case(Case{128, 2 * 256, 72, 2, true, GemmRsConfig{256, 0, 2, 128}, true}, 2, sequential, true);
   // Split tail (B 16, G 5, R 1, T 20); 4 consumer steps per CTA reuse the waiter's handoff words.
-  run_case(Case{2 * 256, 512, 1280, 2, true, GemmRsConfig{128, 5, 2, 128}}, 2, sequential, true);
+  run_case(Case{2 * 256, 512, 1280, 2, true, GemmRsConfig{128, 5, 2, 128, 8, 1}}, 2, sequential, true);
   std::printf("harness sanitize: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }
@@ -668,12 +668,12 @@ int bench_main(char const* jsonl, char const* section) {
     struct Variant {
       char const* name;
       int block_n, producer_sms, raster_rows;
-      bool interleave, publish, split = true;
+      bool interleave, publish, split = false;
     } const variants[] = {{"n256 pers plain r1", 256, sms, 1, false, false},
                           {"n256 pers plain r8", 256, sms, 8, false, false},
                           {"n256 pers inter r8", 256, sms, 8, true, false},
                           {"n256 pers inter+flags r8", 256, sms, 8, true, true},
-                          {"n256 pers inter+flags r8 nosplit", 256, sms, 8, true, true, false},
+                          {"n256 pers inter+flags r8 split", 256, sms, 8, true, true, true},
                           {"n256 pers inter+flags r16", 256, sms, 16, true, true},
                           {"n128 pers plain r8", 128, sms, 8, false, false},
                           {"n128 pers inter r8", 128, sms, 8, true, false},
@@ -698,11 +698,10 @@ int bench_main(char const* jsonl, char const* section) {
       std::printf("%6d %6d %5d", c.m, c.n, c.k);
       std::vector<std::function<void()>> launches;
       for (auto const& v : variants) {
-        GemmRsConfig const cfg{v.block_n, v.producer_sms, 16, 512, v.raster_rows};
+        GemmRsConfig const cfg{v.block_n, v.producer_sms, 16, 512, v.raster_rows, v.split};
         ProducerArgs a = world.producer_args(0);
         a.interleave = v.interleave;
         a.publish = v.publish;
-        if (!v.split) a.split_workspace = nullptr;
         a.epoch = 0;
         launches.push_back([=, &s]() mutable {
           ++a.epoch;
