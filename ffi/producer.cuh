@@ -2,8 +2,9 @@
 // warp, one store warp, two math warpgroups; warps 2-3 exit at once) whose blocks visit the output
 // in the Entwine interleaved order and publish every finished 128x128 reduction tile with an epoch
 // flag pushed into its owner's memory. The math warps stage each block in shared memory; the store
-// warp copies it out with bulk copies (the TMA engine) while the next block's mainloop runs. A
-// persistent grid splits its last waves in K so that no SM idles through a partial last wave.
+// warp copies it out with bulk copies (the TMA engine) while the next block's mainloop runs. With
+// config.split_tail, a persistent grid splits its last waves in K so that no SM idles through a
+// partial last wave.
 // Included once per (dtype, BLOCK_N) translation unit: each instantiation costs ~35 s to compile.
 #pragma once
 
