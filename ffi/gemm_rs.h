@@ -93,6 +93,17 @@ constexpr size_t kSplitCountersBytes = 4096;  // u32 arrive[kSplitSlots], u32 re
 constexpr size_t kSplitSlotBytes = size_t(kTileM) * 256 * sizeof(float);  // the widest block, fp32
 constexpr size_t kSplitWorkspaceBytes = kSplitCountersBytes + kSplitSlots * kSplitSlotBytes;
 
+// The producer's grid and work split for one call: computed on the host for the kernel's
+// parameters, and by the harness (which checks that its split-tail cases do split).
+constexpr int kProducerBlockK = 64;  // the producer GEMM block's K extent
+struct ProducerSchedule {
+  int32_t num_blocks;         // GEMM blocks of all W partitions
+  int32_t grid;               // CTAs: num_blocks, or a persistent grid of config.producer_sms
+  int32_t k_tiles;            // ceil(K / kProducerBlockK): TMA zero-fills the K tail
+  int32_t split_first_block;  // blocks from here on are split in K over the grid (num_blocks: none)
+};
+ProducerSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c);
+
 // Flag array of one owner rank: flags[source * tiles_per_partition + tile] holds the epoch of the
 // last call whose producer on `source` published that tile of the owner's partition.
 struct ProducerArgs {
@@ -102,7 +113,7 @@ struct ProducerArgs {
   uint64_t* flags[kMaxWorld];     // flag array of each owner rank (peer pointers)
   uint64_t epoch;
   void* split_workspace = nullptr;  // kSplitWorkspaceBytes, zeroed once, one per producer stream
-                                    // (required when config.split_tail is 1)
+                                    // (nullptr: nothing splits, whatever config.split_tail says)
   bool interleave = true;         // false: plain row-major tile order (benchmarks only)
   bool publish = true;            // false: no flags (benchmarks only)
 };

@@ -29,6 +29,29 @@ const char* check_problem(const ProblemShape& s, const GemmRsConfig& c) {
   return nullptr;
 }
 
+// A split costs a CTA one more block start, 128 KB of fp32 written or read and the wait for the
+// other piece: split only when the last wave leaves at least this many k-tiles per CTA idle on
+// average. Measured (PERF.md v11): 15.5 (16384x8192x1024) lost 0.8%, 27 gained 0.9%, 31 gained 2%.
+constexpr int kSplitMinIdleKTiles = 16;
+
+ProducerSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c) {
+  TileOrder const order = tile_order(s, c);
+  ProducerSchedule p{};
+  p.num_blocks = s.world * order.m_blocks * order.n_blocks;
+  // producer_sms == 0: one CTA per block (the hardware hands freed SMs to either kernel);
+  // otherwise a persistent grid that leaves the rest of the SMs to the consumer.
+  p.grid = c.producer_sms > 0 && c.producer_sms < p.num_blocks ? c.producer_sms : p.num_blocks;
+  p.k_tiles = (s.k + kProducerBlockK - 1) / kProducerBlockK;
+  // Split tail: whole waves run as before, except the last full one, which joins the partial last
+  // wave in the split region, divided evenly in k-tiles over the grid. So every CTA does about
+  // (1 + remainder / grid) blocks' work there instead of one or two whole blocks.
+  int32_t const remainder = p.num_blocks % p.grid;
+  bool const split = c.split_tail && p.grid < p.num_blocks && p.grid - 1 <= kSplitSlots && remainder != 0 &&
+                     int64_t(p.grid - remainder) * p.k_tiles >= int64_t(kSplitMinIdleKTiles) * p.grid;
+  p.split_first_block = split ? (p.num_blocks / p.grid - 1) * p.grid : p.num_blocks;
+  return p;
+}
+
 cudaError_t launch_producer(DType dtype, const ProblemShape& s, const GemmRsConfig& c, const ProducerArgs& a,
                             cudaStream_t stream) {
   bool const wide = c.block_n == 256;

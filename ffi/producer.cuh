@@ -28,7 +28,7 @@ struct ProducerGemm {
   using Element = Element_;                           // bf16 or fp16 in and out, fp32 accumulation
   static constexpr int BLOCK_M = 128;                 // two math warpgroups of 64 rows each
   static constexpr int BLOCK_N = BLOCK_N_;            // 128 or 256: publishes BLOCK_N / 128 tiles
-  static constexpr int BLOCK_K = 64;                  // one 128-byte TMA swizzle row of 2-byte types
+  static constexpr int BLOCK_K = kProducerBlockK;     // one 128-byte TMA swizzle row of 2-byte types
   static constexpr int kThreads = 384;                // warp 0: TMA, warp 1: stores, warps 2-3: exit, warpgroups 1-2: math
   static constexpr int kMathThreads = 256;            // cooperative: both warpgroups on every block
   static constexpr int kTilesPerBlock = BLOCK_N / kTileN;
@@ -340,10 +340,6 @@ struct ProducerGemm {
   static constexpr int kEmptyBarrier = 9;  // store -> math: the staging tile may be overwritten
   static constexpr int kSplitBarrier = 10;  // math threads among themselves, at a split slot
   static constexpr uint64_t kSplitTimeoutNs = 10'000'000'000ull;
-  // A split costs a CTA one more block start, 128 KB of fp32 written or read and the wait for the
-  // other piece: split only when the last wave leaves at least this many k-tiles per CTA idle on
-  // average. Measured (PERF.md v11): 15.5 (16384x8192x1024) lost 0.8%, 27 gained 0.9%, 31 gained 2%.
-  static constexpr int kSplitMinIdleKTiles = 16;
 
   static Params make_params(ProblemShape const& shape, GemmRsConfig const& config, ProducerArgs const& args) {
     StrideA stride_a{};
@@ -364,20 +360,12 @@ struct ProducerGemm {
     p.part_col_step = shape.part_col0(1);
     p.order = tile_order(shape, config);
     p.blocks_per_partition = p.order.m_blocks * p.order.n_blocks;
-    p.num_blocks = shape.world * p.blocks_per_partition;
-    // producer_sms == 0: one CTA per block (the hardware hands freed SMs to either kernel);
-    // otherwise a persistent grid that leaves the rest of the SMs to the consumer.
-    p.grid = config.producer_sms > 0 && config.producer_sms < p.num_blocks ? config.producer_sms : p.num_blocks;
-    p.k_tiles = (shape.k + BLOCK_K - 1) / BLOCK_K;
-    // Split tail: whole waves run as before, except the last full one, which joins the partial last
-    // wave in the split region, divided evenly in k-tiles over the grid. So every CTA does about
-    // (1 + remainder / grid) blocks' work there instead of one or two whole blocks.
-    int const remainder = p.num_blocks % p.grid;
-    bool const split = config.split_tail && args.split_workspace != nullptr && p.grid < p.num_blocks &&
-                       p.grid - 1 <= kSplitSlots &&
-                       remainder != 0 &&
-                       int64_t(p.grid - remainder) * p.k_tiles >= int64_t(kSplitMinIdleKTiles) * p.grid;
-    p.split_first_block = split ? (p.num_blocks / p.grid - 1) * p.grid : p.num_blocks;
+    ProducerSchedule const schedule = producer_schedule(shape, config);
+    p.num_blocks = schedule.num_blocks;
+    p.grid = schedule.grid;
+    p.k_tiles = schedule.k_tiles;
+    bool const split = schedule.split_first_block < schedule.num_blocks && args.split_workspace != nullptr;
+    p.split_first_block = split ? schedule.split_first_block : p.num_blocks;
     p.split_iters = int64_t(p.num_blocks - p.split_first_block) * p.k_tiles;
     char* const workspace = static_cast<char*>(args.split_workspace);
     p.split_arrive = reinterpret_cast<uint32_t*>(workspace);

@@ -318,6 +318,11 @@ void run_case(Case const& c, int epochs, bool sequential = false, bool check_par
     expect(false, describe(c) + ": " + why);
     return;
   }
+  // A case that asks for the split tail is built to split: make sure it does (rank 0's schedule).
+  if (c.config.split_tail) {
+    ProducerSchedule const s = producer_schedule(c.shape(0), c.config);
+    expect(s.split_first_block < s.num_blocks, describe(c) + ": split_tail set but nothing splits");
+  }
   World world(c);
   world.sequential = sequential;
   double worst = 0, worst_partial = 0;
