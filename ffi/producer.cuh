@@ -74,14 +74,8 @@ struct ProducerGemm {
     int64_t part_row_step;        // partition q starts at row q * part_row_step ...
     int64_t part_col_step;        // ... and column q * part_col_step of the partial output
     int blocks_per_partition;
-    int num_blocks;               // W * blocks_per_partition
-    int grid;                     // CTAs: num_blocks, or a persistent grid of config.producer_sms
-    int k_tiles;                  // ceil(K / BLOCK_K): TMA zero-fills the K tail
-    int split_first_block;        // blocks from here on are split in K over the grid (num_blocks: none)
-    int64_t split_iters;          // (num_blocks - split_first_block) * k_tiles (< 2^31: at most 2 grids' blocks)
-    uint32_t* split_arrive;       // the split workspace (gemm_rs.h): arrival counters,
-    uint32_t* split_ready;        // ready sequences,
-    float* split_partials;        // and fp32 partial blocks, one per slot
+    ProducerSchedule schedule;    // blocks, grid, k-tiles, split region (launch.cu; none without a workspace)
+    char* split_workspace;        // gemm_rs.h: arrival counters, ready sequences, fp32 partial blocks
     int tiles_n;                  // part_cols / 128: reduction tiles per row of a partition
     int tiles_per_partition;
     TileOrder order;              // blocks of one partition, in production order
@@ -123,24 +117,27 @@ struct ProducerGemm {
   // Every share is at least one block long, so a block has at most two pieces: its head (from
   // k = 0) ends the share of CTA c and its tail starts the share of CTA c + 1; both use slot c.
   struct WorkIter {
-    int p, it, end;
-    __device__ explicit WorkIter(Params const& params)
-        : p(blockIdx.x),
-          it(int(params.split_iters * blockIdx.x / params.grid)),
-          end(int(params.split_iters * (blockIdx.x + 1) / params.grid)) {}
-    __device__ bool next(Params const& params, Unit& u) {
-      if (p < params.split_first_block) {
-        u = Unit{p, 0, params.k_tiles, -1};
-        p += params.grid;
+    ProducerSchedule const& s;
+    int p, it, end;  // next whole block; this CTA's k-tiles [it, end) of the split region
+    __device__ explicit WorkIter(Params const& params) : s(params.schedule), p(blockIdx.x) {
+      // (< 2^31: the split region holds less than two grids' blocks)
+      int64_t const split_iters = int64_t(s.num_blocks - s.split_first_block) * s.k_tiles;
+      it = int(split_iters * blockIdx.x / s.grid);
+      end = int(split_iters * (blockIdx.x + 1) / s.grid);
+    }
+    __device__ bool next(Unit& u) {
+      if (p < s.split_first_block) {
+        u = Unit{p, 0, s.k_tiles, -1};
+        p += s.grid;
         return true;
       }
       if (it >= end) return false;
-      int const k_begin = it % params.k_tiles;
-      int const k_end = k_begin + end - it < params.k_tiles ? k_begin + end - it : params.k_tiles;
-      u = Unit{params.split_first_block + it / params.k_tiles, k_begin, k_end, -1};
+      int const k_begin = it % s.k_tiles;
+      int const k_end = k_begin + end - it < s.k_tiles ? k_begin + end - it : s.k_tiles;
+      u = Unit{s.split_first_block + it / s.k_tiles, k_begin, k_end, -1};
       if (k_begin > 0) {
         u.slot = int(blockIdx.x) - 1;
-      } else if (k_end < params.k_tiles) {
+      } else if (k_end < s.k_tiles) {
         u.slot = int(blockIdx.x);
       }
       it += k_end - k_begin;
@@ -183,7 +180,7 @@ struct ProducerGemm {
       if (warp_idx == 0) {
         PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
         WorkIter work(params);
-        for (Unit u; work.next(params, u);) {
+        for (Unit u; work.next(u);) {
           BlockCoord c = block_coord(u.p, params);
           // TMA coordinates in whole blocks (partition offsets are multiples of the block).
           int m_block = int(c.owner * params.part_row_step / BLOCK_M) + c.tile_m;
@@ -216,7 +213,7 @@ struct ProducerGemm {
 
     WorkIter work(params);
     bool first = true;
-    for (Unit u; work.next(params, u); first = false) {
+    for (Unit u; work.next(u); first = false) {
       int const k_count = u.k_end - u.k_begin;
       Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       mainloop.mma(pipeline, read_state, accum, k_count, math_idx, storage.mainloop, params.mainloop);
@@ -250,12 +247,14 @@ struct ProducerGemm {
   template <class Accum>
   static __device__ bool join_split(Params const& params, int slot, Accum& accum, int math_idx,
                                     uint32_t& arrival_word) {
-    if (math_idx == 0) ptx::store_shared_word(&arrival_word, atomicAdd(params.split_arrive + slot, 1u));
+    uint32_t* const arrive = reinterpret_cast<uint32_t*>(params.split_workspace) + slot;
+    uint32_t* const ready = arrive + kSplitSlots;
+    if (math_idx == 0) ptx::store_shared_word(&arrival_word, atomicAdd(arrive, 1u));
     ptx::named_barrier_sync(kSplitBarrier, kMathThreads);
     uint32_t const arrival = ptx::load_shared_word(&arrival_word);
     uint32_t const sequence = arrival / 2 + 1;  // this call's use of the slot
     // Vector i of thread t at i * kMathThreads + t: every warp instruction moves 512 contiguous bytes.
-    float4* partial = reinterpret_cast<float4*>(params.split_partials) + size_t(slot) * (kSplitSlotBytes / 16) + math_idx;
+    float4* partial = reinterpret_cast<float4*>(params.split_workspace + kSplitCountersBytes + slot * kSplitSlotBytes) + math_idx;
     constexpr int kVectors = decltype(size(accum))::value / 4;
     if (arrival % 2 == 0) {
       CUTLASS_PRAGMA_UNROLL
@@ -266,14 +265,14 @@ struct ProducerGemm {
       ptx::named_barrier_sync(kSplitBarrier, kMathThreads);
       if (math_idx == 0) {
         __threadfence();
-        ptx::store_release_gpu(params.split_ready + slot, sequence);
+        ptx::store_release_gpu(ready, sequence);
       }
       return false;
     }
     if (math_idx == 0) {
       // A deadline, not a hang: the other CTA has arrived, so only a broken device gets here.
       uint64_t const deadline = ptx::global_timer_ns() + kSplitTimeoutNs;
-      while (int32_t(ptx::load_acquire_gpu(params.split_ready + slot) - sequence) < 0) {
+      while (int32_t(ptx::load_acquire_gpu(ready) - sequence) < 0) {
         if (ptx::global_timer_ns() > deadline) __trap();
       }
     }
@@ -297,9 +296,9 @@ struct ProducerGemm {
     constexpr int kRowBytes = BLOCK_N * sizeof(Element);
     WorkIter work(params);
     Unit next;
-    for (bool more = work.next(params, next); more;) {
+    for (bool more = work.next(next); more;) {
       Unit const u = next;
-      more = work.next(params, next);
+      more = work.next(next);
       BlockCoord c = block_coord(u.p, params);
       int64_t const row0 = c.owner * params.part_row_step + int64_t(c.tile_m) * BLOCK_M;
       int64_t const col0 = c.owner * params.part_col_step + int64_t(c.n_block) * BLOCK_N;
@@ -360,17 +359,9 @@ struct ProducerGemm {
     p.part_col_step = shape.part_col0(1);
     p.order = tile_order(shape, config);
     p.blocks_per_partition = p.order.m_blocks * p.order.n_blocks;
-    ProducerSchedule const schedule = producer_schedule(shape, config);
-    p.num_blocks = schedule.num_blocks;
-    p.grid = schedule.grid;
-    p.k_tiles = schedule.k_tiles;
-    bool const split = schedule.split_first_block < schedule.num_blocks && args.split_workspace != nullptr;
-    p.split_first_block = split ? schedule.split_first_block : p.num_blocks;
-    p.split_iters = int64_t(p.num_blocks - p.split_first_block) * p.k_tiles;
-    char* const workspace = static_cast<char*>(args.split_workspace);
-    p.split_arrive = reinterpret_cast<uint32_t*>(workspace);
-    p.split_ready = split ? p.split_arrive + kSplitSlots : nullptr;
-    p.split_partials = split ? reinterpret_cast<float*>(workspace + kSplitCountersBytes) : nullptr;
+    p.schedule = producer_schedule(shape, config);
+    p.split_workspace = static_cast<char*>(args.split_workspace);
+    if (!p.split_workspace) p.schedule.split_first_block = p.schedule.num_blocks;
     p.tiles_n = shape.part_cols() / kTileN;
     p.tiles_per_partition = shape.tiles_per_partition();
     p.partial = static_cast<Element*>(args.partial);
@@ -396,7 +387,7 @@ cudaError_t prepare() {
 template <class Gemm>
 cudaError_t launch(ProblemShape const& shape, GemmRsConfig const& config, ProducerArgs const& args, cudaStream_t stream) {
   typename Gemm::Params params = Gemm::make_params(shape, config, args);
-  producer_kernel<Gemm><<<params.grid, Gemm::kThreads, Gemm::kSmemBytes, stream>>>(params);
+  producer_kernel<Gemm><<<params.schedule.grid, Gemm::kThreads, Gemm::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
 
