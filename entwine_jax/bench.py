@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import entwine_jax
+from entwine_jax import ops
 from entwine_jax.config import GemmRsConfig, with_overrides
 from entwine_jax.tuning import select_config
 
@@ -190,12 +191,11 @@ class Bench:
         if FUSED_TARGET in lowered.as_text():
             return compiled, "fused", None
         try:
-            from entwine_jax import fused
             m, k, n = x.shape[0], x.shape[1] // self.world, w.shape[1]
             with jax.set_mesh(self.mesh):
-                reason = fused.unavailable_reason(
+                reason = ops._fused_unavailable(
                     jax.ShapeDtypeStruct((m, k), x.dtype), jax.ShapeDtypeStruct((k, n), w.dtype),
-                    axis_name=AXIS, axis_size=self.world, scatter_dimension=0, config=config)
+                    AXIS, self.world, 0, config)
         except Exception as e:
             reason = f"entwine_jax.fused unavailable ({type(e).__name__}: {e})"
         return compiled, "xla", reason or f"{FUSED_TARGET} not in the lowered program"

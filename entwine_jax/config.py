@@ -31,8 +31,10 @@ class GemmRsConfig:
                     column by column inside a group (L2 reuse); the consumer follows that order.
     split_tail:     a persistent producer splits its partial last wave in K over the whole grid
                     (when that leaves enough work per CTA); False: whole blocks to the end.
-    path:           "auto": fused when it can run, else the XLA reference (logged once);
-                    "fused": same, but a fallback is logged as a warning;
+    path:           "auto": fused when it can run and the axis size is > 1, else the XLA
+                    reference (logged once);
+                    "fused": fused when it can run (also on an axis of size 1), else the
+                    reference with a warning;
                     "xla": always the XLA reference (psum_scatter of an fp32 dot).
     """
 

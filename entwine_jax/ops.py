@@ -97,6 +97,10 @@ def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
     """None when the fused kernels can run this call, else the reason they cannot."""
     if config.path == "xla":
         return "config.path='xla'"
+    if axis_size == 1 and config.path == "auto":
+        # Nothing to reduce or scatter: the fused op would only add a copy of the whole product
+        # (measured 0.43-0.73x of XLA's GEMM on one H200, docs/PERF.md v12).
+        return "axis size 1: nothing to reduce or scatter, XLA's GEMM alone is faster (path='fused' runs the kernels anyway)"
     if x.dtype == jnp.float32:
         return "float32 inputs (the fused kernels take bfloat16/float16)"
     # The kernels scatter rows or columns of the 2-D [rows, N] view of the product: a scatter over

@@ -441,6 +441,9 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
     from entwine_jax.bench import time_interleaved
 
     world = _axis_size(mesh, axis_name)
+    if world == 1:
+        raise ValueError(f"tune: axis {axis_name!r} has size 1: gemm_rs runs XLA's GEMM there (nothing to reduce "
+                         f"or scatter), so there is no fused config to tune")
     shapes = _check_shapes(shapes, world)
     dtype = jnp.dtype(dtype)
     if dtype.name not in _DTYPE_NAMES:

@@ -112,6 +112,18 @@ def test_xla_reasons_before_asking_fused(fake, capsys, monkeypatch, kwargs, dtyp
     assert f"path=xla" in (err := capsys.readouterr().err) and f"reason: {reason}" in err
 
 
+def test_axis_of_size_one_takes_xla_path_unless_fused_is_asked(fake, capsys, monkeypatch):
+    # W = 1: nothing to reduce or scatter; "auto" keeps XLA's GEMM, "fused" still runs the kernels.
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    y, exact = run(world=1)
+    assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
+    assert not fake.reason_calls and not fake.local_calls
+    assert "reason: axis size 1: nothing to reduce or scatter" in capsys.readouterr().err
+    run(world=1, x_shape=(64, 64), config=GemmRsConfig(path="fused"))
+    assert fake.reason_calls[0][2]["axis_size"] == 1 and fake.local_calls
+    assert "path=fused" in capsys.readouterr().err
+
+
 def test_middle_scatter_dimension_takes_xla_path(fake, capsys, monkeypatch):
     monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
     run(x_shape=(8, 4, 64), sd=1)

@@ -105,17 +105,24 @@ def test_scatter_columns(m, n_per, k, block_n, dtype):
 
 @pytest.mark.gpu
 def test_public_api_takes_the_fused_path():
-    # entwine_jax.gemm_rs under jit lowers to the custom call (not the reference) on Hopper.
+    # entwine_jax.gemm_rs under jit lowers to the custom call (not the reference) on Hopper. On one
+    # GPU (W = 1) the default keeps XLA's GEMM (nothing to reduce) and path="fused" forces the call.
     mesh = _mesh()
     world = mesh.shape["tp"]
     x, w = _inputs(mesh, 256 * world, 512, 256, jnp.bfloat16, 3)
-    f = jax.jit(jax.shard_map(lambda x, w: entwine_jax.gemm_rs(x, w, axis_name="tp"), mesh=mesh,
-                              in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
+
+    def fn(config):
+        return jax.jit(jax.shard_map(lambda x, w: entwine_jax.gemm_rs(x, w, axis_name="tp", config=config), mesh=mesh,
+                                     in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
+
     with jax.set_mesh(mesh):
-        assert "entwine_gemm_rs" in f.lower(x, w).as_text()
-        y = np.asarray(f(x, w)).astype(np.float32)
         _, ref = _fns(mesh, GemmRsConfig())
         expected = np.asarray(ref(x, w)).astype(np.float32)
+        if world == 1:
+            assert "entwine_gemm_rs" not in fn(None).lower(x, w).as_text()
+        f = fn(GemmRsConfig(path="fused") if world == 1 else None)
+        assert "entwine_gemm_rs" in f.lower(x, w).as_text()
+        y = np.asarray(f(x, w)).astype(np.float32)
     assert np.linalg.norm(y - expected) <= 1e-2 * np.linalg.norm(expected)
 
 

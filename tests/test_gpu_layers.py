@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
+from entwine_jax.config import GemmRsConfig  # noqa: E402
 from entwine_jax.layers import DEFAULT_LOGICAL_AXIS_RULES, RowParallelLinear, partition_specs  # noqa: E402
 
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "train_step.py"
@@ -24,8 +25,10 @@ def row_parallel_check(mesh, scatter, expect_fused=True):
     world = mesh.shape["tp"]
     rows, d_in, d_out = 256 * world, 512 * world, 1024
     with jax.set_mesh(mesh), nnx.logical_axis_rules(DEFAULT_LOGICAL_AXIS_RULES):
+        # One GPU (W = 1): "auto" would keep XLA's GEMM; the test is about the fused wiring.
+        config = GemmRsConfig(path="fused") if world == 1 and expect_fused else None
         layer = RowParallelLinear(d_in, d_out, scatter=scatter, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                                  rngs=nnx.Rngs(0))
+                                  config=config, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(layer)
     specs = partition_specs(state, DEFAULT_LOGICAL_AXIS_RULES)
     out_spec = P("tp", None) if scatter == "rows" else P(None, "tp")

@@ -313,6 +313,11 @@ def test_tune_argument_errors(kwargs, match):
         entwine_jax.tune(**args)
 
 
+def test_tune_refuses_an_axis_of_size_one():
+    with pytest.raises(ValueError, match=r"^tune: axis 'tp' has size 1: gemm_rs runs XLA's GEMM there"):
+        entwine_jax.tune(mesh(1), "tp", [(256, 256, 128)])
+
+
 def test_default_candidates():
     h = heuristic_config(8192, 8192, 1024, 2, jnp.bfloat16)
     c = tuning.default_candidates(8192, 8192, 1024, 2, jnp.bfloat16, sm_count=132)
