@@ -6,12 +6,15 @@
 //   entwine_harness bench [out.jsonl] [fused|producer|consumer]   fused one-rank grid sweep,
 //                                     producer alone (order/flag costs), consumer bandwidth sweep
 //   entwine_harness producer M N K block_n producer_sms raster_rows [plain]   (three launches, for ncu)
+//   entwine_harness energy M N K [seconds] [names]   steady-state time, board power and energy per
+//                                     GEMM of the producer and of every cuBLASLt algorithm
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -20,6 +23,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "gemm_rs.h"
@@ -517,8 +522,16 @@ struct CublasLt {
   }
 
   // Row-major bf16 y[M, N] = x[M, K] @ w[K, N] with fp32 accumulation (column-major: y^T = w^T x^T),
-  // with the fastest of the heuristic's algorithms; returns the launcher.
+  // with the fastest of the heuristic's algorithms (timed in interleaved rounds); returns the launcher.
   std::function<void()> gemm(int m, int n, int k, void const* x, void const* w, void* y, cudaStream_t stream) const {
+    std::vector<std::function<void()>> const all = candidates(m, n, k, x, w, y, stream);
+    std::vector<float> const ms = interleaved_median_ms(all, stream, 3, 5, 3);
+    return all[std::min_element(ms.begin(), ms.end()) - ms.begin()];
+  }
+
+  // The launchers of every algorithm the heuristic offers, in its order.
+  std::vector<std::function<void()>> candidates(int m, int n, int k, void const* x, void const* w, void* y,
+                                                cudaStream_t stream) const {
     void *desc, *a, *b, *d, *pref;
     check(desc_create(&desc, kCompute32F, kF32));
     check(layout_create(&a, kBF16, n, k, n));
@@ -544,17 +557,15 @@ struct CublasLt {
     Matmul const run = matmul;
     void* const lt = handle;
     void* const ws = workspace;
-    std::vector<std::function<void()>> candidates;
+    std::vector<std::function<void()>> launchers;
     for (int i = 0; i < count; ++i) {
       if (results[i].state != 0) continue;
       Algo const algo = results[i].algo;
-      candidates.push_back([=]() {
+      launchers.push_back([=]() {
         check(run(lt, descriptors.get(), &alpha, w, a, x, b, &beta, y, d, y, d, &algo, ws, kWorkspaceBytes, stream));
       });
     }
-    std::vector<float> const ms = interleaved_median_ms(candidates, stream, 3, 5, 3);
-    size_t const best = std::min_element(ms.begin(), ms.end()) - ms.begin();
-    return candidates[best];
+    return launchers;
   }
 
   static void check(int status) {
@@ -564,6 +575,177 @@ struct CublasLt {
     }
   }
 };
+
+// NVML, loaded at run time: the board's energy counter (mJ) and the SM clock, for the energy mode.
+struct Nvml {
+  using Init = int (*)();
+  using ByPci = int (*)(char const*, void**);
+  using Energy = int (*)(void*, unsigned long long*);
+  using Clock = int (*)(void*, int, unsigned*);
+  void* device = nullptr;
+  Energy energy = nullptr;
+  Clock clock = nullptr;
+
+  static Nvml const* load() {
+    void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return nullptr;
+    static Nvml nv;
+    auto init = reinterpret_cast<Init>(dlsym(lib, "nvmlInit_v2"));
+    auto by_pci = reinterpret_cast<ByPci>(dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
+    nv.energy = reinterpret_cast<Energy>(dlsym(lib, "nvmlDeviceGetTotalEnergyConsumption"));
+    nv.clock = reinterpret_cast<Clock>(dlsym(lib, "nvmlDeviceGetClockInfo"));
+    char bus[32];
+    CHECK_CUDA(cudaDeviceGetPCIBusId(bus, sizeof bus, 0));
+    if (!init || !by_pci || !nv.energy || !nv.clock || init() != 0 || by_pci(bus, &nv.device) != 0) return nullptr;
+    return &nv;
+  }
+  unsigned long long millijoules() const {
+    unsigned long long mj = 0;
+    energy(device, &mj);
+    return mj;
+  }
+  unsigned sm_mhz() const {
+    unsigned mhz = 0;
+    clock(device, 1 /* NVML_CLOCK_SM */, &mhz);
+    return mhz;
+  }
+  // The first counter update after now: (host seconds, mJ) at an update boundary, so that a window
+  // between two boundaries does not depend on how often the counter updates.
+  std::pair<double, unsigned long long> next_update() const {
+    unsigned long long const start = millijoules();
+    unsigned long long now = start;
+    while (now == start) now = millijoules();
+    return {std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(), now};
+  }
+};
+
+// One launcher alone, back to back for `seconds` after a 0.3 s ramp (the power cap's steady state):
+// ms per launch, mean board power (energy counter between two updates) and the mean SM clock.
+struct SteadyState {
+  double ms, watts, mhz;
+};
+SteadyState steady_state(Nvml const& nv, std::function<void()> const& launch, float est_ms, cudaStream_t stream,
+                         double seconds) {
+  // A feeder thread keeps at most two batches of ~20 ms in flight, so the GPU never idles and the
+  // queue drains quickly when the window ends.
+  int const batch = std::max(1, int(20.0f / est_ms));
+  std::atomic<bool> stop{false};
+  std::atomic<long> launched{0};
+  cudaEvent_t begin, end, in_flight[2];
+  CHECK_CUDA(cudaEventCreate(&begin));
+  CHECK_CUDA(cudaEventCreate(&end));
+  for (auto& e : in_flight) CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  CHECK_CUDA(cudaEventRecord(begin, stream));
+  std::thread feeder([&] {
+    // This thread's first CUDA call makes the device's primary context current here; the producer's
+    // launch encodes TMA descriptors through the driver API, which needs it.
+    CHECK_CUDA(cudaSetDevice(0));
+    CHECK_CUDA(cudaFree(nullptr));
+    for (long i = 0; !stop.load(); ++i) {
+      if (i >= 2) CHECK_CUDA(cudaEventSynchronize(in_flight[i % 2]));
+      for (int j = 0; j < batch; ++j) launch();
+      CHECK_CUDA(cudaEventRecord(in_flight[i % 2], stream));
+      launched += batch;
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto const [t0, e0] = nv.next_update();
+  double mhz = 0;
+  int samples = 0;
+  for (double t = t0; t < t0 + seconds; t = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count()) {
+    mhz += nv.sm_mhz();
+    ++samples;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  auto const [t1, e1] = nv.next_update();
+  stop = true;
+  feeder.join();
+  CHECK_CUDA(cudaEventRecord(end, stream));
+  CHECK_CUDA(cudaEventSynchronize(end));
+  float total_ms;
+  CHECK_CUDA(cudaEventElapsedTime(&total_ms, begin, end));
+  for (auto e : {begin, end, in_flight[0], in_flight[1]}) cudaEventDestroy(e);
+  return {total_ms / double(launched.load()), double(e1 - e0) / (t1 - t0) / 1e3, mhz / samples};
+}
+
+// Energy per GEMM under the power cap: the shipped producer, two variants that move more or fewer
+// bytes, and every cuBLASLt algorithm the heuristic offers, each alone in its steady state.
+//   entwine_harness energy M N K [seconds] [names]   (names: one launch of each, in order, for ncu)
+int energy_main(int m, int n, int k, double seconds, bool names_only) {
+  CHECK_CUDA(prepare_kernels());
+  Nvml const* nv = names_only ? nullptr : Nvml::load();
+  if (!names_only && !nv) {
+    std::fprintf(stderr, "libnvidia-ml.so.1 not found: no energy counter\n");
+    return 2;
+  }
+  CublasLt const* cublas = CublasLt::load();
+  if (!cublas) {
+    std::fprintf(stderr, "libcublasLt.so.13 not found\n");
+    return 2;
+  }
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Case c{m, n, k, 2, true, GemmRsConfig{}};
+  World world(c);
+  world.fill_inputs(3);
+  ProblemShape s{m, n, k, 2, 0};
+  int const sms = [] {
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+    return prop.multiProcessorCount;
+  }();
+  struct Variant {
+    char const* name;
+    int block_n, raster_rows;
+    bool interleave;
+  } const variants[] = {{"n256 inter+flags r8 (shipped)", 256, 8, true},
+                        {"n256 plain r1", 256, 1, false},
+                        {"n128 inter+flags r8", 128, 8, true}};
+  std::vector<std::string> names;
+  std::vector<std::function<void()>> launches;
+  for (auto const& v : variants) {
+    GemmRsConfig const cfg{v.block_n, sms, 16, 512, v.raster_rows};
+    ProducerArgs a = world.producer_args(0);
+    a.interleave = a.publish = v.interleave;
+    a.epoch = 0;
+    names.push_back(v.name);
+    launches.push_back([=, &s]() mutable {
+      ++a.epoch;
+      CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream));
+    });
+  }
+  std::vector<std::function<void()>> const algos =
+      cublas->candidates(m, n, k, world.ranks[0].x, world.ranks[0].w, world.ranks[0].partial[1], stream);
+  for (size_t i = 0; i < algos.size(); ++i) {
+    names.push_back("cuBLASLt algo " + std::to_string(i));
+    launches.push_back(algos[i]);
+  }
+  if (names_only) {
+    for (size_t i = 0; i < launches.size(); ++i) {
+      std::printf("launch %zu: %s\n", i, names[i].c_str());
+      launches[i]();
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+    }
+    return 0;
+  }
+  std::vector<float> const est = interleaved_median_ms(launches, stream, 3, 5, 3);
+  double const gflop = 2.0 * m * n * k / 1e9;
+  std::printf("%dx%dx%d bf16, each launcher alone for %.1f s after a 0.3 s ramp, two passes (rotated):\n", m, n, k, seconds);
+  std::printf("%-32s %9s %8s %8s %9s %9s\n", "launcher", "ms", "TFLOP/s", "W", "SM MHz", "mJ/GEMM");
+  std::vector<std::vector<SteadyState>> runs(launches.size());
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t j = 0; j < launches.size(); ++j) {
+      size_t const i = (j + pass * launches.size() / 2) % launches.size();
+      runs[i].push_back(steady_state(*nv, launches[i], est[i], stream, seconds));
+    }
+  }
+  for (size_t i = 0; i < launches.size(); ++i) {
+    for (auto const& r : runs[i]) {
+      std::printf("%-32s %9.4f %8.0f %8.1f %9.0f %9.2f\n", names[i].c_str(), r.ms, gflop / r.ms, r.watts, r.mhz, r.watts * r.ms);
+    }
+  }
+  return 0;
+}
 
 // A few producer launches of one shape, for ncu: producer M N K block_n producer_sms raster_rows
 // [plain] (plain: row-major partitions without flags, else interleaved with flags).
@@ -774,8 +956,13 @@ int main(int argc, char** argv) {
   if (mode == "sanitize") return sanitize_main(argc > 2 && std::string(argv[2]) == "sequential");
   if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
   if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
+  if (mode == "energy" && argc >= 5) {
+    return energy_main(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), argc > 5 ? std::atof(argv[5]) : 1.0,
+                       argc > 6 && std::string(argv[6]) == "names");
+  }
   std::fprintf(stderr,
                "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
-               "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n");
+               "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n"
+               "       entwine_harness energy M N K [seconds] [names]\n");
   return 2;
 }
