@@ -8,6 +8,8 @@
 //   entwine_harness producer M N K block_n producer_sms raster_rows [plain]   (three launches, for ncu)
 //   entwine_harness energy M N K [seconds] [names]   steady-state time, board power and energy per
 //                                     GEMM of the producer and of every cuBLASLt algorithm
+//   entwine_harness energy suite [seconds]   the same on the design suite: order and flag costs and
+//                                     the ratio to cuBLASLt's fastest algorithm, one line per shape
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <dlfcn.h>
@@ -668,9 +670,38 @@ SteadyState steady_state(Nvml const& nv, std::function<void()> const& launch, fl
   return {total_ms / double(launched.load()), double(e1 - e0) / (t1 - t0) / 1e3, mhz / samples};
 }
 
-// Energy per GEMM under the power cap: the shipped producer, two variants that move more or fewer
-// bytes, and every cuBLASLt algorithm the heuristic offers, each alone in its steady state.
-//   entwine_harness energy M N K [seconds] [names]   (names: one launch of each, in order, for ncu)
+// One producer configuration of rank 0 of `world` as a launcher (a fresh epoch per launch).
+std::function<void()> producer_launcher(World& world, ProblemShape const& s, GemmRsConfig const& cfg, bool interleave,
+                                        bool publish, cudaStream_t stream) {
+  ProducerArgs a = world.producer_args(0);
+  a.interleave = interleave;
+  a.publish = publish;
+  a.epoch = 0;
+  return [=, &s]() mutable {
+    ++a.epoch;
+    CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream));
+  };
+}
+
+// Two passes over the launchers in rotated order, each launcher alone in its steady state.
+std::vector<std::vector<SteadyState>> steady_passes(Nvml const& nv, std::vector<std::function<void()>> const& launches,
+                                                    cudaStream_t stream, double seconds) {
+  std::vector<float> const est = interleaved_median_ms(launches, stream, 3, 5, 3);
+  std::vector<std::vector<SteadyState>> runs(launches.size());
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t j = 0; j < launches.size(); ++j) {
+      size_t const i = (j + pass * launches.size() / 2) % launches.size();
+      runs[i].push_back(steady_state(nv, launches[i], est[i], stream, seconds));
+    }
+  }
+  return runs;
+}
+
+// Energy per GEMM under the power cap, each launcher alone in its steady state.
+//   energy M N K [seconds] [names]: the shipped producer, two variants that move more or fewer bytes
+//     and every cuBLASLt algorithm the heuristic offers (names: one launch of each, in order, for ncu);
+//   energy suite [seconds]: DESIGN.md's suite, the producer without and with the interleaved order
+//     and the flags against cuBLASLt's fastest algorithm, one line per shape.
 int energy_main(int m, int n, int k, double seconds, bool names_only) {
   CHECK_CUDA(prepare_kernels());
   Nvml const* nv = names_only ? nullptr : Nvml::load();
@@ -685,63 +716,86 @@ int energy_main(int m, int n, int k, double seconds, bool names_only) {
   }
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  Case c{m, n, k, 2, true, GemmRsConfig{}};
-  World world(c);
-  world.fill_inputs(3);
-  ProblemShape s{m, n, k, 2, 0};
-  int const sms = [] {
-    cudaDeviceProp prop;
-    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-    return prop.multiProcessorCount;
-  }();
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  int const sms = prop.multiProcessorCount;
+  bool const suite = m == 0;
+  std::vector<std::array<int, 3>> const shapes =
+      suite ? std::vector<std::array<int, 3>>{{4096, 8192, 1024}, {8192, 8192, 1024}, {16384, 8192, 1024},
+                                              {8192, 8192, 3584}, {16384, 8192, 3584}, {8192, 16384, 2048},
+                                              {16384, 16384, 2048}, {16384, 16384, 6656}}
+            : std::vector<std::array<int, 3>>{{m, n, k}};
   struct Variant {
     char const* name;
     int block_n, raster_rows;
-    bool interleave;
-  } const variants[] = {{"n256 inter+flags r8 (shipped)", 256, 8, true},
-                        {"n256 plain r1", 256, 1, false},
-                        {"n128 inter+flags r8", 128, 8, true}};
-  std::vector<std::string> names;
-  std::vector<std::function<void()>> launches;
-  for (auto const& v : variants) {
-    GemmRsConfig const cfg{v.block_n, sms, 16, 512, v.raster_rows};
-    ProducerArgs a = world.producer_args(0);
-    a.interleave = a.publish = v.interleave;
-    a.epoch = 0;
-    names.push_back(v.name);
-    launches.push_back([=, &s]() mutable {
-      ++a.epoch;
-      CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream));
-    });
+    bool interleave, publish;
+  };
+  std::vector<Variant> const variants =
+      suite ? std::vector<Variant>{{"plain r8", 256, 8, false, false},
+                                   {"inter r8", 256, 8, true, false},
+                                   {"inter+flags r8 (shipped)", 256, 8, true, true}}
+            : std::vector<Variant>{{"n256 inter+flags r8 (shipped)", 256, 8, true, true},
+                                   {"n256 plain r1", 256, 1, false, false},
+                                   {"n128 inter+flags r8", 128, 8, true, true}};
+  if (suite) {
+    std::printf("producer alone (W=2, bf16) and cuBLASLt's fastest algorithm, each alone for %.1f s after a 0.3 s ramp,\n"
+                "two passes; ms per GEMM (mean of the passes), shipped's and cuBLASLt's board W and SM MHz\n", seconds);
+    std::printf("%6s %6s %5s | %8s | %8s | %8s | %8s | %13s | %13s | %s\n", "M", "N", "K", "plain r8", "inter r8", "shipped",
+                "cuBLASLt", "shipped W/MHz", "cuBLAS W/MHz", "cuBLASLt / shipped");
   }
-  std::vector<std::function<void()>> const algos =
-      cublas->candidates(m, n, k, world.ranks[0].x, world.ranks[0].w, world.ranks[0].partial[1], stream);
-  for (size_t i = 0; i < algos.size(); ++i) {
-    names.push_back("cuBLASLt algo " + std::to_string(i));
-    launches.push_back(algos[i]);
-  }
-  if (names_only) {
-    for (size_t i = 0; i < launches.size(); ++i) {
-      std::printf("launch %zu: %s\n", i, names[i].c_str());
-      launches[i]();
-      CHECK_CUDA(cudaStreamSynchronize(stream));
+  for (auto const& sh : shapes) {
+    Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}};
+    World world(c);
+    world.fill_inputs(3);
+    ProblemShape s{c.m, c.n, c.k, 2, 0};
+    std::vector<std::string> names;
+    std::vector<std::function<void()>> launches;
+    for (auto const& v : variants) {
+      names.push_back(v.name);
+      launches.push_back(producer_launcher(world, s, GemmRsConfig{v.block_n, sms, 16, 512, v.raster_rows}, v.interleave,
+                                           v.publish, stream));
     }
-    return 0;
-  }
-  std::vector<float> const est = interleaved_median_ms(launches, stream, 3, 5, 3);
-  double const gflop = 2.0 * m * n * k / 1e9;
-  std::printf("%dx%dx%d bf16, each launcher alone for %.1f s after a 0.3 s ramp, two passes (rotated):\n", m, n, k, seconds);
-  std::printf("%-32s %9s %8s %8s %9s %9s\n", "launcher", "ms", "TFLOP/s", "W", "SM MHz", "mJ/GEMM");
-  std::vector<std::vector<SteadyState>> runs(launches.size());
-  for (int pass = 0; pass < 2; ++pass) {
-    for (size_t j = 0; j < launches.size(); ++j) {
-      size_t const i = (j + pass * launches.size() / 2) % launches.size();
-      runs[i].push_back(steady_state(*nv, launches[i], est[i], stream, seconds));
+    void const* x = world.ranks[0].x;
+    void const* w = world.ranks[0].w;
+    void* y = world.ranks[0].partial[1];
+    if (suite) {
+      names.push_back("cuBLASLt (fastest algo)");
+      launches.push_back(cublas->gemm(c.m, c.n, c.k, x, w, y, stream));
+    } else {
+      std::vector<std::function<void()>> const algos = cublas->candidates(c.m, c.n, c.k, x, w, y, stream);
+      for (size_t i = 0; i < algos.size(); ++i) {
+        names.push_back("cuBLASLt algo " + std::to_string(i));
+        launches.push_back(algos[i]);
+      }
     }
-  }
-  for (size_t i = 0; i < launches.size(); ++i) {
-    for (auto const& r : runs[i]) {
-      std::printf("%-32s %9.4f %8.0f %8.1f %9.0f %9.2f\n", names[i].c_str(), r.ms, gflop / r.ms, r.watts, r.mhz, r.watts * r.ms);
+    if (names_only) {
+      for (size_t i = 0; i < launches.size(); ++i) {
+        std::printf("launch %zu: %s\n", i, names[i].c_str());
+        launches[i]();
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+      }
+      continue;
+    }
+    std::vector<std::vector<SteadyState>> const runs = steady_passes(*nv, launches, stream, seconds);
+    if (suite) {
+      auto mean = [&](size_t i, double SteadyState::*field) { return (runs[i][0].*field + runs[i][1].*field) / 2; };
+      size_t const shipped = 2, lt = 3;
+      std::printf("%6d %6d %5d", c.m, c.n, c.k);
+      for (size_t i = 0; i < launches.size(); ++i) std::printf(" | %8.4f", mean(i, &SteadyState::ms));
+      std::printf(" | %6.0f %6.0f | %6.0f %6.0f | %.3f\n", mean(shipped, &SteadyState::watts), mean(shipped, &SteadyState::mhz),
+                  mean(lt, &SteadyState::watts), mean(lt, &SteadyState::mhz),
+                  mean(lt, &SteadyState::ms) / mean(shipped, &SteadyState::ms));
+    } else {
+      double const gflop = 2.0 * c.m * c.n * c.k / 1e9;
+      std::printf("%dx%dx%d bf16, each launcher alone for %.1f s after a 0.3 s ramp, two passes (rotated):\n", c.m, c.n,
+                  c.k, seconds);
+      std::printf("%-32s %9s %8s %8s %9s %9s\n", "launcher", "ms", "TFLOP/s", "W", "SM MHz", "mJ/GEMM");
+      for (size_t i = 0; i < launches.size(); ++i) {
+        for (auto const& r : runs[i]) {
+          std::printf("%-32s %9.4f %8.0f %8.1f %9.0f %9.2f\n", names[i].c_str(), r.ms, gflop / r.ms, r.watts, r.mhz,
+                      r.watts * r.ms);
+        }
+      }
     }
   }
   return 0;
@@ -886,14 +940,7 @@ int bench_main(char const* jsonl, char const* section) {
       std::vector<std::function<void()>> launches;
       for (auto const& v : variants) {
         GemmRsConfig const cfg{v.block_n, v.producer_sms, 16, 512, v.raster_rows, v.split};
-        ProducerArgs a = world.producer_args(0);
-        a.interleave = v.interleave;
-        a.publish = v.publish;
-        a.epoch = 0;
-        launches.push_back([=, &s]() mutable {
-          ++a.epoch;
-          CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream));
-        });
+        launches.push_back(producer_launcher(world, s, cfg, v.interleave, v.publish, stream));
       }
       if (cublas) {
         void const* x = world.ranks[0].x;
@@ -956,6 +1003,9 @@ int main(int argc, char** argv) {
   if (mode == "sanitize") return sanitize_main(argc > 2 && std::string(argv[2]) == "sequential");
   if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
   if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
+  if (mode == "energy" && argc >= 3 && std::string(argv[2]) == "suite") {
+    return energy_main(0, 0, 0, argc > 3 ? std::atof(argv[3]) : 1.0, false);
+  }
   if (mode == "energy" && argc >= 5) {
     return energy_main(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), argc > 5 ? std::atof(argv[5]) : 1.0,
                        argc > 6 && std::string(argv[6]) == "names");
@@ -963,6 +1013,6 @@ int main(int argc, char** argv) {
   std::fprintf(stderr,
                "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
                "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n"
-               "       entwine_harness energy M N K [seconds] [names]\n");
+               "       entwine_harness energy M N K [seconds] [names] | energy suite [seconds]\n");
   return 2;
 }
