@@ -701,7 +701,8 @@ std::vector<std::vector<SteadyState>> steady_passes(Nvml const& nv, std::vector<
 //   energy M N K [seconds] [names]: the shipped producer, two variants that move more or fewer bytes
 //     and every cuBLASLt algorithm the heuristic offers (names: one launch of each, in order, for ncu);
 //   energy suite [seconds]: DESIGN.md's suite, the producer without and with the interleaved order
-//     and the flags against cuBLASLt's fastest algorithm, one line per shape.
+//     and the flags (and with raster groups of 16 rows) against cuBLASLt's fastest algorithm, one
+//     line per shape.
 int energy_main(int m, int n, int k, double seconds, bool names_only) {
   CHECK_CUDA(prepare_kernels());
   Nvml const* nv = names_only ? nullptr : Nvml::load();
@@ -733,15 +734,16 @@ int energy_main(int m, int n, int k, double seconds, bool names_only) {
   std::vector<Variant> const variants =
       suite ? std::vector<Variant>{{"plain r8", 256, 8, false, false},
                                    {"inter r8", 256, 8, true, false},
-                                   {"inter+flags r8 (shipped)", 256, 8, true, true}}
+                                   {"inter+flags r8 (shipped)", 256, 8, true, true},
+                                   {"inter+flags r16", 256, 16, true, true}}
             : std::vector<Variant>{{"n256 inter+flags r8 (shipped)", 256, 8, true, true},
                                    {"n256 plain r1", 256, 1, false, false},
                                    {"n128 inter+flags r8", 128, 8, true, true}};
   if (suite) {
     std::printf("producer alone (W=2, bf16) and cuBLASLt's fastest algorithm, each alone for %.1f s after a 0.3 s ramp,\n"
                 "two passes; ms per GEMM (mean of the passes), shipped's and cuBLASLt's board W and SM MHz\n", seconds);
-    std::printf("%6s %6s %5s | %8s | %8s | %8s | %8s | %13s | %13s | %s\n", "M", "N", "K", "plain r8", "inter r8", "shipped",
-                "cuBLASLt", "shipped W/MHz", "cuBLAS W/MHz", "cuBLASLt / shipped");
+    std::printf("%6s %6s %5s | %8s | %8s | %8s | %8s | %8s | %13s | %13s | %s\n", "M", "N", "K", "plain r8", "inter r8",
+                "shipped", "r16", "cuBLASLt", "shipped W/MHz", "cuBLAS W/MHz", "cuBLASLt / shipped");
   }
   for (auto const& sh : shapes) {
     Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}};
@@ -779,7 +781,7 @@ int energy_main(int m, int n, int k, double seconds, bool names_only) {
     std::vector<std::vector<SteadyState>> const runs = steady_passes(*nv, launches, stream, seconds);
     if (suite) {
       auto mean = [&](size_t i, double SteadyState::*field) { return (runs[i][0].*field + runs[i][1].*field) / 2; };
-      size_t const shipped = 2, lt = 3;
+      size_t const shipped = 2, lt = 4;
       std::printf("%6d %6d %5d", c.m, c.n, c.k);
       for (size_t i = 0; i < launches.size(); ++i) std::printf(" | %8.4f", mean(i, &SteadyState::ms));
       std::printf(" | %6.0f %6.0f | %6.0f %6.0f | %.3f\n", mean(shipped, &SteadyState::watts), mean(shipped, &SteadyState::mhz),
