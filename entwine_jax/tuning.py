@@ -282,7 +282,7 @@ def _config_dict(config: GemmRsConfig) -> dict:
 
 
 def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Optional[int] = None) -> list:
-    """GEMM block x budget for one shape: at most 9 configs, heuristic first.
+    """GEMM block x budget for one shape: at most 10 configs, heuristic first.
 
     The producer's block is the heuristic's (128x256 measured faster than 128x128 on every suite
     shape, PERF.md; 128 only where N is not a multiple of 256), the consumer block 512 (the most
@@ -291,7 +291,9 @@ def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Opti
     one CTA per block at every shape on H200, PERF.md v4, so producer_sms = 0 is not tried). A
     budget above the blocks of the local partition would only idle: capped like the heuristic,
     duplicates dropped. The heuristic's own pick is always tried, so the winner is never worse;
-    last, the heuristic's pick with the producer's split tail.
+    last, the heuristic's pick with the producer's split tail, and with raster groups of 16 tile
+    rows where the partition has more than 8 (the producer alone: 1-3% faster at K = 1024, 0.3-1.6%
+    slower at K >= 2048, PERF.md v13; end to end r16 lost on the large shapes in v8).
     """
     sms = sm_count or _sm_count()
     first = heuristic_config(m, n, k, world, dtype)
@@ -306,6 +308,11 @@ def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Opti
     split = dataclasses.replace(first, split_tail=True)
     if split not in out:
         out.append(split)
+    # Raster groups of 16 rows: a different order only where a partition has more than 8 tile rows.
+    if m // world // 128 > first.raster_rows:
+        wide_raster = dataclasses.replace(first, raster_rows=16)
+        if wide_raster not in out:
+            out.append(wide_raster)
     return out
 
 

@@ -321,9 +321,13 @@ def test_tune_refuses_an_axis_of_size_one():
 def test_default_candidates():
     h = heuristic_config(8192, 8192, 1024, 2, jnp.bfloat16)
     c = tuning.default_candidates(8192, 8192, 1024, 2, jnp.bfloat16, sm_count=132)
-    assert c[0] == h and len(c) == len(set(c)) and len(c) <= 9
-    # The split tail is tried once, at the heuristic's budget; everything else keeps the default.
+    assert c[0] == h and len(c) == len(set(c)) and len(c) <= 10
+    # The split tail and raster groups of 16 rows are tried once each, at the heuristic's budget;
+    # everything else keeps the default.
     assert [x for x in c if x.split_tail] == [dataclasses.replace(h, split_tail=True)] and not h.split_tail
+    assert [x for x in c if x.raster_rows != h.raster_rows] == [dataclasses.replace(h, raster_rows=16)]
+    # A partition of 8 tile rows or fewer: 16-row groups would be the same order, so not tried.
+    assert {x.raster_rows for x in tuning.default_candidates(2048, 8192, 1024, 2, jnp.bfloat16, sm_count=132)} == {8}
     assert {x.consumer_grid for x in c} == {4, 8, 12, 16, 20, 24, 32} | {h.consumer_grid}
     assert {x.block_n for x in c} == {256} and {x.consumer_block for x in c} == {512}
     assert all(x.producer_sms + x.consumer_grid == 132 for x in c)
