@@ -622,7 +622,8 @@ struct Nvml {
 };
 
 // One launcher alone, back to back for `seconds` after a 0.3 s ramp (the power cap's steady state):
-// ms per launch, mean board power (energy counter between two updates) and the mean SM clock.
+// ms per launch over the whole run (ramp included: GPU time / launches), and over the window after
+// the ramp the mean board power (energy counter between two updates) and the mean SM clock.
 struct SteadyState {
   double ms, watts, mhz;
 };
