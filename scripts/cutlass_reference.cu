@@ -1,7 +1,8 @@
 // Stock CUTLASS 3.x SM90 GEMMs (bf16, x row-major [M, K], w row-major [K, N], fp32 accumulation),
 // timed like the harness times the producer: 20 warm-up launches, then the median over 15 batches
-// of 20 back-to-back launches, and the steady state (~1 s back to back), on hashed random inputs (zero-filled inputs draw less power and run
-// at a higher clock: they read up to 19% faster and are not a valid reference).
+// of 20 back-to-back launches, and the steady state (~1 s back to back), on hashed random inputs
+// (zero-filled inputs draw less power and run at a higher clock: they read up to 19% faster and are
+// not a valid reference).
 // One schedule per binary:
 //   nvcc -O3 -DNDEBUG -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -DCUTLASS_ENABLE_GDC_FOR_SM90=0 \
 //     -I<cutlass>/include -I<cutlass>/tools/util/include -DPINGPONG=1 -DCLUSTER_M=2 -DTILE_N=128 \

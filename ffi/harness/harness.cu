@@ -578,6 +578,15 @@ struct CublasLt {
   }
 };
 
+// DESIGN.md's benchmark suite (M, N, K of one rank's GEMM; W = 2 partitions).
+constexpr std::array<int, 3> kDesignSuite[] = {{4096, 8192, 1024},  {8192, 8192, 1024},  {16384, 8192, 1024},
+                                               {8192, 8192, 3584},  {16384, 8192, 3584}, {8192, 16384, 2048},
+                                               {16384, 16384, 2048}, {16384, 16384, 6656}};
+
+double host_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 // NVML, loaded at run time: the board's energy counter (mJ) and the SM clock, for the energy mode.
 struct Nvml {
   using Init = int (*)();
@@ -617,7 +626,7 @@ struct Nvml {
     unsigned long long const start = millijoules();
     unsigned long long now = start;
     while (now == start) now = millijoules();
-    return {std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(), now};
+    return {host_seconds(), now};
   }
 };
 
@@ -655,7 +664,7 @@ SteadyState steady_state(Nvml const& nv, std::function<void()> const& launch, fl
   auto const [t0, e0] = nv.next_update();
   double mhz = 0;
   int samples = 0;
-  for (double t = t0; t < t0 + seconds; t = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count()) {
+  for (double t = t0; t < t0 + seconds; t = host_seconds()) {
     mhz += nv.sm_mhz();
     ++samples;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -704,7 +713,7 @@ std::vector<std::vector<SteadyState>> steady_passes(Nvml const& nv, std::vector<
 //   energy suite [seconds]: DESIGN.md's suite, the producer without and with the interleaved order
 //     and the flags (and with raster groups of 16 rows) against cuBLASLt's fastest algorithm, one
 //     line per shape.
-int energy_main(int m, int n, int k, double seconds, bool names_only) {
+int energy_main(bool suite, int m, int n, int k, double seconds, bool names_only) {
   CHECK_CUDA(prepare_kernels());
   Nvml const* nv = names_only ? nullptr : Nvml::load();
   if (!names_only && !nv) {
@@ -721,11 +730,8 @@ int energy_main(int m, int n, int k, double seconds, bool names_only) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   int const sms = prop.multiProcessorCount;
-  bool const suite = m == 0;
   std::vector<std::array<int, 3>> const shapes =
-      suite ? std::vector<std::array<int, 3>>{{4096, 8192, 1024}, {8192, 8192, 1024}, {16384, 8192, 1024},
-                                              {8192, 8192, 3584}, {16384, 8192, 3584}, {8192, 16384, 2048},
-                                              {16384, 16384, 2048}, {16384, 16384, 6656}}
+      suite ? std::vector<std::array<int, 3>>(std::begin(kDesignSuite), std::end(kDesignSuite))
             : std::vector<std::array<int, 3>>{{m, n, k}};
   struct Variant {
     char const* name;
@@ -782,7 +788,7 @@ int energy_main(int m, int n, int k, double seconds, bool names_only) {
     std::vector<std::vector<SteadyState>> const runs = steady_passes(*nv, launches, stream, seconds);
     if (suite) {
       auto mean = [&](size_t i, double SteadyState::*field) { return (runs[i][0].*field + runs[i][1].*field) / 2; };
-      size_t const shipped = 2, lt = 4;
+      size_t const shipped = 2, lt = launches.size() - 1;  // the variants' third; cuBLASLt last
       std::printf("%6d %6d %5d", c.m, c.n, c.k);
       for (size_t i = 0; i < launches.size(); ++i) std::printf(" | %8.4f", mean(i, &SteadyState::ms));
       std::printf(" | %6.0f %6.0f | %6.0f %6.0f | %.3f\n", mean(shipped, &SteadyState::watts), mean(shipped, &SteadyState::mhz),
@@ -905,8 +911,6 @@ int bench_main(char const* jsonl, char const* section) {
 
   // Producer alone on the design's suite (W = 2 partitions, the GEMM of one rank).
   if (wanted("producer")) {
-    int const suite[][3] = {{4096, 8192, 1024}, {8192, 8192, 1024}, {16384, 8192, 1024}, {8192, 8192, 3584},
-                            {16384, 8192, 3584}, {8192, 16384, 2048}, {16384, 16384, 2048}, {16384, 16384, 6656}};
     std::printf("\nproducer alone (W=2, bf16), median ms of 20 rounds of 5 launches, the variants interleaved; TFLOP/s\n");
     int const sms = prop.multiProcessorCount;
     struct Variant {
@@ -933,7 +937,7 @@ int bench_main(char const* jsonl, char const* section) {
     for (auto const& v : variants) std::printf(" | %-25s", v.name);
     if (cublas) std::printf(" | %-25s | %s", "cuBLASLt (fastest algo)", "cuBLAS/shipped");
     std::printf("\n");
-    for (auto const& sh : suite) {
+    for (auto const& sh : kDesignSuite) {
       Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}};
       World world(c);
       world.fill_inputs(3);
@@ -1007,11 +1011,11 @@ int main(int argc, char** argv) {
   if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
   if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
   if (mode == "energy" && argc >= 3 && std::string(argv[2]) == "suite") {
-    return energy_main(0, 0, 0, argc > 3 ? std::atof(argv[3]) : 1.0, false);
+    return energy_main(true, 0, 0, 0, argc > 3 ? std::atof(argv[3]) : 1.0, false);
   }
   if (mode == "energy" && argc >= 5) {
-    return energy_main(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]), argc > 5 ? std::atof(argv[5]) : 1.0,
-                       argc > 6 && std::string(argv[6]) == "names");
+    return energy_main(false, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]),
+                       argc > 5 ? std::atof(argv[5]) : 1.0, argc > 6 && std::string(argv[6]) == "names");
   }
   std::fprintf(stderr,
                "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
