@@ -630,37 +630,50 @@ struct Nvml {
   }
 };
 
-// One launcher alone, back to back for `seconds` after a 0.3 s ramp (the power cap's steady state):
-// ms per launch over the whole run (ramp included: GPU time / launches), and over the window after
-// the ramp the mean board power (energy counter between two updates) and the mean SM clock.
+// One launcher alone, back to back for `seconds` after a 0.3 s ramp (the power cap's steady state),
+// measured over the window after the ramp: ms per launch (GPU time between two events that the
+// feeder records at batch boundaries), the mean board power (energy counter between two updates)
+// and the mean SM clock.
 struct SteadyState {
   double ms, watts, mhz;
 };
 SteadyState steady_state(Nvml const& nv, std::function<void()> const& launch, float est_ms, cudaStream_t stream,
                          double seconds) {
   // A feeder thread keeps at most two batches of ~20 ms in flight, so the GPU never idles and the
-  // queue drains quickly when the window ends.
+  // queue drains quickly when the window ends. Asked to, it records a timing event after its next
+  // batch: marks 0 and 1 bound the window's launches.
   int const batch = std::max(1, int(20.0f / est_ms));
   std::atomic<bool> stop{false};
-  std::atomic<long> launched{0};
-  cudaEvent_t begin, end, in_flight[2];
-  CHECK_CUDA(cudaEventCreate(&begin));
-  CHECK_CUDA(cudaEventCreate(&end));
+  std::atomic<int> marks_wanted{0}, marks_done{0};
+  long mark_launches[2] = {0, 0};
+  cudaEvent_t mark[2], in_flight[2];
+  for (auto& e : mark) CHECK_CUDA(cudaEventCreate(&e));
   for (auto& e : in_flight) CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  CHECK_CUDA(cudaEventRecord(begin, stream));
   std::thread feeder([&] {
     // This thread's first CUDA call makes the device's primary context current here; the producer's
     // launch encodes TMA descriptors through the driver API, which needs it.
     CHECK_CUDA(cudaSetDevice(0));
     CHECK_CUDA(cudaFree(nullptr));
+    long launched = 0;
     for (long i = 0; !stop.load(); ++i) {
       if (i >= 2) CHECK_CUDA(cudaEventSynchronize(in_flight[i % 2]));
       for (int j = 0; j < batch; ++j) launch();
       CHECK_CUDA(cudaEventRecord(in_flight[i % 2], stream));
       launched += batch;
+      int const m = marks_done.load();
+      if (m < marks_wanted.load()) {
+        CHECK_CUDA(cudaEventRecord(mark[m], stream));
+        mark_launches[m] = launched;
+        marks_done = m + 1;
+      }
     }
   });
+  auto wait_for_mark = [&](int m) {
+    marks_wanted = m + 1;
+    while (marks_done.load() <= m) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  wait_for_mark(0);
   auto const [t0, e0] = nv.next_update();
   double mhz = 0;
   int samples = 0;
@@ -670,14 +683,14 @@ SteadyState steady_state(Nvml const& nv, std::function<void()> const& launch, fl
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   auto const [t1, e1] = nv.next_update();
+  wait_for_mark(1);
   stop = true;
   feeder.join();
-  CHECK_CUDA(cudaEventRecord(end, stream));
-  CHECK_CUDA(cudaEventSynchronize(end));
-  float total_ms;
-  CHECK_CUDA(cudaEventElapsedTime(&total_ms, begin, end));
-  for (auto e : {begin, end, in_flight[0], in_flight[1]}) cudaEventDestroy(e);
-  return {total_ms / double(launched.load()), double(e1 - e0) / (t1 - t0) / 1e3, mhz / samples};
+  CHECK_CUDA(cudaEventSynchronize(mark[1]));
+  float window_ms;
+  CHECK_CUDA(cudaEventElapsedTime(&window_ms, mark[0], mark[1]));
+  for (auto e : {mark[0], mark[1], in_flight[0], in_flight[1]}) cudaEventDestroy(e);
+  return {window_ms / double(mark_launches[1] - mark_launches[0]), double(e1 - e0) / (t1 - t0) / 1e3, mhz / samples};
 }
 
 // One producer configuration of rank 0 of `world` as a launcher (a fresh epoch per launch).
