@@ -104,11 +104,7 @@ def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
     if x.dtype == jnp.float32:
         return "float32 inputs (the fused kernels take bfloat16/float16)"
     # The kernels scatter rows or columns of the 2-D [rows, N] view of the product: a scatter over
-    # the (flattened) leading dim or over N maps onto them, a scatter over a middle dim does not.
-    last = x.ndim - 1
-    if sd not in (0, last):
-        return (f"scatter_dimension={sd} is neither the leading dim nor the last (N) dim (the fused "
-                f"kernels scatter rows or columns of the flattened product)")
+    # N is a column scatter, any other (after _rows_by_partition for a middle dim) a row scatter.
     fused, err = _fused_module()
     if fused is None:
         return f"entwine_jax.fused not importable: {err}"
@@ -116,7 +112,7 @@ def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
     w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
     try:
         return fused.unavailable_reason(x2d, w_aval, axis_name=axis_name, axis_size=axis_size,
-                                        scatter_dimension=0 if sd == 0 else 1, config=config)
+                                        scatter_dimension=1 if sd == x.ndim - 1 else 0, config=config)
     except Exception as e:  # a bug there must not take the reference path down with it
         return f"entwine_jax.fused.unavailable_reason raised {type(e).__name__}: {e}"
 
@@ -135,25 +131,41 @@ def _report(x, w, plan: _Plan, source: str = "") -> None:
         _printed.add(key)
         path = "xla" if plan.reason is not None else "fused"
         why = f" reason: {plan.reason}" if plan.reason is not None else ""
+        if plan.reason is None and 0 < plan.scatter_dimension < x.ndim - 1:
+            why = " (a middle dim: x's rows are permuted first, one copy of x)"
         print(f"entwine_jax.gemm_rs {site}: path={path} {plan.config} source={source}{why}", file=sys.stderr,
               flush=True)
 
 
+def _rows_by_partition(x, sd: int, world: int):
+    """x [..., K] -> the [rows, K] view in which the W slices of output dim `sd` are W contiguous
+    blocks of rows, each in the row-major order of its slice: [P, D, R, K] (dims before sd, dim sd,
+    dims after it) -> [W, P, D/W, R, K]. For sd = 0 that is the plain reshape; for a middle dim it
+    costs one copy of x (a transpose XLA runs before the custom call)."""
+    lead = x.shape[:-1]
+    p, d, r = math.prod(lead[:sd]), lead[sd], math.prod(lead[sd + 1:])
+    if p == 1:
+        return x.reshape(-1, x.shape[-1])
+    blocks = x.reshape(p, world, d // world, r, x.shape[-1])
+    return jnp.swapaxes(blocks, 0, 1).reshape(-1, x.shape[-1])
+
+
 def _fused_forward(x, w, *, plan: _Plan):
-    # Scatter over the leading dim of [B, ..., K] == scatter over the rows of the [B*..., K] view,
-    # since B % W == 0 keeps every rank's block of rows contiguous; a scatter over N is a scatter
-    # over the columns of that view.
+    # A scatter over N is a scatter over the columns of the [rows, K] view of x; a scatter over any
+    # other output dim is a scatter over its rows, once _rows_by_partition has made every rank's
+    # slice a contiguous block of rows (for the leading dim it already is, since B % W == 0).
     fused, _ = _fused_module()
-    x2d = x.reshape(-1, x.shape[-1])
-    columns = plan.scatter_dimension != 0
-    y = fused.gemm_rs_local(x2d, w, axis_name=plan.axis_name, axis_size=plan.axis_size, config=plan.config,
+    sd, world, lead = plan.scatter_dimension, plan.axis_size, tuple(x.shape[:-1])
+    columns = sd == x.ndim - 1
+    x2d = x.reshape(-1, x.shape[-1]) if columns else _rows_by_partition(x, sd, world)
+    y = fused.gemm_rs_local(x2d, w, axis_name=plan.axis_name, axis_size=world, config=plan.config,
                             scatter_dimension=1 if columns else 0)
     # platform_dependent needs both branches typed alike: the reference's output varies over every
     # axis x and w vary over (an FFI call's output may not carry that type).
     y = _make_varying(y, sorted(_varying_axes(x) | _varying_axes(w), key=str))
     if columns:
-        return y.reshape(tuple(x.shape[:-1]) + (w.shape[1] // plan.axis_size,))
-    return y.reshape((x.shape[0] // plan.axis_size,) + tuple(x.shape[1:-1]) + (w.shape[1],))
+        return y.reshape(lead + (w.shape[1] // world,))
+    return y.reshape(lead[:sd] + (lead[sd] // world,) + lead[sd + 1:] + (w.shape[1],))
 
 
 def _forward(x, w, plan: _Plan):
@@ -229,7 +241,7 @@ def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[Gem
     if config is None:
         # Keyed by the rows of x as this rank sees them (before the scatter), N, K_local, W, dtype.
         config, source = tuning.select_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], axis_size, x.dtype,
-                                              rows=sd == 0)
+                                              rows=sd != x.ndim - 1)
     reason = _fused_unavailable(x, w, axis_name, axis_size, sd, config)
     plan = _Plan(axis_name=axis_name, axis_size=axis_size, scatter_dimension=sd, config=config, reason=reason)
     _report(x, w, plan, source)

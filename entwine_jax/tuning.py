@@ -200,7 +200,8 @@ def lookup(m: int, n: int, k: int, world: int, dtype, *, device_kind: Optional[s
 def select_config(m: int, n: int, k: int, world: int, dtype, *, rows: bool = True) -> tuple[GemmRsConfig, str]:
     """(config, source) for a call without an override: tuned table, else heuristic_config.
 
-    rows: the call scatters rows (scatter_dimension 0); only such calls were tuned.
+    rows: the call scatters rows of the [rows, N] view of the product (any output dim but N; a middle
+    dim after a permutation of x's rows): the same kernels as scatter_dimension 0, the only calls tuned.
     """
     try:
         hit = lookup(m, n, k, world, dtype) if rows else None

@@ -6,8 +6,9 @@ rank each, sharing one GPU (CUDA IPC between processes of one device) or one GPU
     python tests/gpu_ranks.py --world 2 --gpus 2 --suite quick   # one process per GPU
 
 Suites:
-  quick    suite-like and tail shapes, bf16 and fp16, growing (the heap regrows across processes);
-           results checked against a float64 host reference, repeated calls bitwise identical.
+  quick    suite-like and tail shapes, bf16 and fp16, growing (the heap regrows across processes),
+           then x [B, S, K] scattered over S; results checked against a float64 host reference,
+           repeated calls bitwise identical.
   stress   1000 back-to-back calls: two shapes, three input sets, two call sites, other XLA work
            in between, every result checked.
   missing  the last rank skips one call; the others must report the deadline error (with
@@ -254,7 +255,48 @@ class Rank:
                     if not np.array_equal(y.view(np.uint16), ys[0].view(np.uint16)):
                         raise AssertionError(f"M={m} N={n} K={k} {dtype.__name__}: repeated calls differ bitwise")
                 self.log(f"quick M={m} N={n} K={k} {dtype.__name__}: ok")
-        return f"quick: {2 * len(shapes)} shapes ok, worst rel error {worst:.2e}"
+        # [B, S, K] scattered over S (sequence parallelism): rows permuted before the fused call.
+        for i, (b, s, n, k) in enumerate([(3, w_ * 100, 257, 72), (2, w_ * 1024, 2048, 1024)]):
+            worst = max(worst, self.middle_dim(b, s, n, k, jnp.bfloat16, seed=200 + i))
+            self.log(f"quick B={b} S={s} N={n} K={k} scattered over S: ok")
+        return f"quick: {2 * len(shapes) + 2} shapes ok, worst rel error {worst:.2e}"
+
+    def middle_dim(self, b, s, n, k, dtype, seed):
+        """entwine_jax.gemm_rs on x [B, S, K] with scatter_dimension=1 (the fused path must take it)
+        against the host reference: rank r holds rows r*S/W .. of dim 1 of sum_ranks(x @ w)."""
+        import dataclasses
+
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import fused
+        from entwine_jax.config import heuristic_config
+
+        xs, ws = self.host_inputs(b * s, n, k, dtype, seed)
+        xs = [x.reshape(b, s, k) for x in xs]
+        part = slice(self.rank * s // self.world, (self.rank + 1) * s // self.world)
+        ref = sum(x[:, part].astype(np.float64) @ w.astype(np.float64) for x, w in zip(xs, ws))
+        gx = jax.make_array_from_single_device_arrays(
+            (b, s, k * self.world), NamedSharding(self.mesh, P(None, None, "tp")),
+            [jax.device_put(xs[self.rank], self.device)])
+        gw = jax.make_array_from_single_device_arrays(
+            (k * self.world, n), NamedSharding(self.mesh, P("tp", None)), [jax.device_put(ws[self.rank], self.device)])
+        config = dataclasses.replace(heuristic_config(b * s, n, k, self.world, dtype), path="fused")
+        body = lambda x, w: entwine_jax.gemm_rs(x, w, axis_name="tp", scatter_dimension=1, config=config)
+        f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P(None, None, "tp"), P("tp", None)),
+                                  out_specs=P(None, "tp", None)))
+        with jax.set_mesh(self.mesh):
+            if "entwine_gemm_rs" not in f.lower(gx, gw).as_text():
+                raise AssertionError(f"B={b} S={s} N={n} K={k}: a scatter over S did not lower to the fused call")
+            ys = [self.local(f(gx, gw)) for _ in range(2)]
+        fused.check_errors()
+        if ys[0].shape != (b, s // self.world, n):
+            raise AssertionError(f"scatter over S: local result of shape {ys[0].shape}")
+        if not np.array_equal(ys[1].view(np.uint16), ys[0].view(np.uint16)):
+            raise AssertionError(f"B={b} S={s} N={n} K={k} scattered over S: repeated calls differ bitwise")
+        return self.check(ys[0], ref, f"B={b} S={s} N={n} K={k} scattered over S")
 
     def stress(self, calls=1000, batch=16):
         import jax

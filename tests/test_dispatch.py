@@ -81,24 +81,29 @@ def test_fused_available_uses_platform_dependent(fake, capsys, monkeypatch):
     assert "path=fused" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("sd", [0, 2])
-def test_fused_branch_reshapes_nd(fake, sd):
+@pytest.mark.parametrize("x_shape,sd", [((8, 3, 64), 0), ((8, 3, 64), 2), ((3, 8, 64), 1), ((2, 8, 3, 64), 1),
+                                         ((2, 3, 12, 64), 2), ((1, 8, 5, 64), 1), ((2, 4, 5, 64), 3)])
+def test_fused_branch_reshapes_nd(fake, x_shape, sd):
     # _fused_forward with a correct stand-in kernel (psum_scatter on the 2-D view, rows or columns)
-    # == reference on 3-D x, scattered over the leading dim or over N.
+    # == reference on N-D x, scattered over the leading dim, a middle dim (rows permuted so that
+    # every rank's slice is a block of rows) or N. Bitwise: the stand-in sums exactly as the reference.
     fake.gemm_rs_local = lambda x2d, w, *, axis_name, axis_size, config, scatter_dimension: (
         reference.gemm_rs_reference(x2d, w, axis_name=axis_name, scatter_dimension=scatter_dimension))
     mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
     plan = ops._Plan(axis_name="tp", axis_size=4, scatter_dimension=sd, config=GemmRsConfig(), reason=None)
-    x = jax.random.normal(jax.random.key(1), (8, 3, 64), jnp.float32).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), x_shape, jnp.float32).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (64, 8), jnp.float32).astype(jnp.bfloat16)
-    out_spec = P("tp", None, None) if sd == 0 else P(None, None, "tp")
-    specs = dict(mesh=mesh, in_specs=(P(None, None, "tp"), P("tp", None)), out_specs=out_spec)
+    x_spec = P(*([None] * (len(x_shape) - 1)), "tp")
+    out_spec = P(*[("tp" if d == sd else None) for d in range(len(x_shape))])
+    specs = dict(mesh=mesh, in_specs=(x_spec, P("tp", None)), out_specs=out_spec)
     fused = jax.jit(jax.shard_map(lambda x, w: ops._fused_forward(x, w, plan=plan), **specs))
     ref = jax.jit(jax.shard_map(lambda x, w: reference.gemm_rs_reference(x, w, axis_name="tp", scatter_dimension=sd),
                                 **specs))
     with jax.set_mesh(mesh):
-        xp, wp = jax.device_put(x, P(None, None, "tp")), jax.device_put(w, P("tp", None))
-        np.testing.assert_array_equal(np.asarray(fused(xp, wp), np.float32), np.asarray(ref(xp, wp), np.float32))
+        xp, wp = jax.device_put(x, x_spec), jax.device_put(w, P("tp", None))
+        y = np.asarray(fused(xp, wp), np.float32)
+        np.testing.assert_array_equal(y, np.asarray(ref(xp, wp), np.float32))
+    assert y.shape == x_shape[:-1] + (8,)
 
 
 @pytest.mark.parametrize("kwargs,dtype,sd,reason", [
@@ -124,11 +129,15 @@ def test_axis_of_size_one_takes_xla_path_unless_fused_is_asked(fake, capsys, mon
     assert "path=fused" in capsys.readouterr().err
 
 
-def test_middle_scatter_dimension_takes_xla_path(fake, capsys, monkeypatch):
+def test_middle_scatter_dimension_asks_for_row_partitions(fake, capsys, monkeypatch):
+    # [B, S, K] scattered over S: the fused path, as a row scatter of the permuted [B*S, K] view.
     monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
-    run(x_shape=(8, 4, 64), sd=1)
-    assert not fake.reason_calls and not fake.local_calls
-    assert "reason: scatter_dimension=1 is neither the leading dim nor the last (N) dim" in capsys.readouterr().err
+    y, exact = run(x_shape=(3, 8, 64), sd=1)
+    assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()  # CPU: the reference ran
+    assert fake.reason_calls[0][0].shape == (24, 16) and fake.reason_calls[0][2]["scatter_dimension"] == 0
+    assert fake.local_calls and fake.local_calls[0][0] == (24, 16) and fake.local_calls[0][5] == 0
+    err = capsys.readouterr().err
+    assert "path=fused" in err and "x's rows are permuted first, one copy of x" in err
 
 
 def test_scatter_over_n_asks_for_column_partitions(fake):
