@@ -11,18 +11,21 @@ axis ``tp`` of size W:
 layer                     kernel (global -> local)     input -> output (local)
 ========================  ===========================  ==============================================
 row-parallel              ``[in, out] -> [in/W, out]`` ``[T, in/W] -> [T/W, out]``   (``scatter="rows"``)
+                                                       ``[B, S, in/W] -> [B, S/W, out]`` (``"sequence"``)
                                                        ``[T, in/W] -> [T, out/W]``   (``scatter="hidden"``)
 column-parallel           ``[in, out] -> [in, out/W]`` ``[T, in] -> [T, out/W]``     (``gather=None``)
                                                        ``[T/W, in] -> [T, out/W]``   (``gather="rows"``)
+                                                       ``[B, S/W, in] -> [B, S, out/W]`` (``"sequence"``)
                                                        ``[T, in/W] -> [T, out/W]``   (``gather="hidden"``)
 ========================  ===========================  ==============================================
 
 ``scatter="rows"`` is sequence (token) parallelism, the Entwine paper's layout: the reduce-scatter
-splits the output's leading dim (for an N-D input ``[B, S, in/W]`` that is B; flatten tokens to
-``[B*S, in/W]`` to split tokens). ``scatter="hidden"`` splits the last output dim (MaxText's layout
-with the embedding sharded over ``tp``). gemm_rs maps both onto the fused kernels (rows or column
-partitions of the product) where they can run. The column-parallel layer's ``gather`` undoes
-either one.
+splits the output's leading dim (for an N-D input ``[B, S, in/W]`` that is B).
+``scatter="sequence"`` splits dim 1, the S of ``[B, S, in/W]``, keeping the batch dim whole.
+``scatter="hidden"`` splits the last output dim (MaxText's layout with the embedding sharded over
+``tp``). gemm_rs maps all three onto the fused kernels (row or column partitions of the product;
+for "sequence" after a permutation of x's rows, one copy of x) where they can run. The
+column-parallel layer's ``gather`` undoes any of them.
 
 A tensor-parallel SwiGLU MLP, sequence parallel (per device, x: ``[T/W, D]``)::
 
@@ -85,8 +88,11 @@ DEFAULT_LOGICAL_AXIS_RULES: tuple = (
     ("norm", None),
 )
 
-_SCATTER = ("rows", "hidden")
-_GATHER = (None, "rows", "hidden")
+_SCATTER = ("rows", "sequence", "hidden")
+_GATHER = (None, "rows", "sequence", "hidden")
+# The output dim each scatter splits (gemm_rs's scatter_dimension) and the input dim each gather joins.
+_SCATTER_DIM = {"rows": 0, "sequence": 1, "hidden": -1}
+_GATHER_DIM = {"rows": 0, "sequence": 1, "hidden": -1}
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 Array = Any
 Initializer = Callable[..., Array]
@@ -205,7 +211,8 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
     x: ``[..., *in_local]``; kernel: ``[*in_local, out]`` (the contraction dims sharded over
     ``axis_name``; ``kernel.ndim - 1`` trailing dims of x are contracted); bias: ``[out]`` or None,
     replicated, added after the reduce-scatter. ``scatter="rows"``: output ``[rows/W, ..., out]``
-    (x's leading dim split); ``"hidden"``: ``[..., out/W]``. dtype: compute and output dtype
+    (x's leading dim split); ``"sequence"``: ``[B, S/W, ..., out]`` (dim 1 split); ``"hidden"``:
+    ``[..., out/W]``. dtype: compute and output dtype
     (default: promoted from x and kernel). config: passed to gemm_rs.
     """
     _check_choice(where, "scatter", scatter, _SCATTER)
@@ -231,6 +238,10 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
         raise ValueError(f"{where}: scatter='rows' splits x's leading dim over {axis_name!r} (size {world}); it must "
                          f"be divisible by {world}, got x shape {tuple(x.shape)} (flatten [B, S, ...] to [B*S, ...] to "
                          "split tokens)")
+    if scatter == "sequence" and (x.ndim < n_in + 2 or x.shape[1] % world):
+        raise ValueError(f"{where}: scatter='sequence' splits x's dim 1 over {axis_name!r} (size {world}); x needs a "
+                         f"batch dim, that dim and {n_in} contracted dim(s), and dim 1 divisible by {world}, got x "
+                         f"shape {tuple(x.shape)}")
     if scatter == "hidden" and n_out % world:
         raise ValueError(f"{where}: scatter='hidden' splits the output features ({n_out}) over {axis_name!r}; they "
                          f"must be divisible by its size {world}")
@@ -242,7 +253,7 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
     x2 = x.reshape(tuple(x.shape[:-n_in]) + (-1,)) if n_in > 1 else x
     w2 = kernel.reshape(-1, n_out) if n_in > 1 else kernel
     y = gemm_rs(x2.astype(dtype), w2.astype(dtype), axis_name=axis_name,
-                scatter_dimension=0 if scatter == "rows" else -1, config=config)
+                scatter_dimension=_SCATTER_DIM[scatter], config=config)
     if bias is None:
         return y
     b = bias.astype(dtype)
@@ -259,7 +270,7 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     """Column-parallel linear on local shards: ``x @ kernel + bias`` (plain XLA).
 
     x: ``[..., in]`` (``gather="rows"``: ``[rows/W, ..., in]``, all-gathered over ``axis_name`` first;
-    ``gather="hidden"``: ``[..., in/W]``, likewise); kernel: ``[in, *out_local]`` (output dims
+    ``gather="sequence"``: ``[B, S/W, ..., in]``, ``gather="hidden"``: ``[..., in/W]``, likewise); kernel: ``[in, *out_local]`` (output dims
     sharded over ``axis_name``); bias: ``kernel.shape[1:]`` or None. Output ``[..., *out_local]``.
     """
     _check_choice(where, "gather", gather, _GATHER)
@@ -269,12 +280,14 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     _check_array(where, "kernel", kernel)
     if kernel.ndim < 2:
         raise ValueError(f"{where}: kernel must have rank >= 2 ([in, *out_local]), got shape {tuple(kernel.shape)}")
-    if x.ndim < 1 or (gather == "rows" and x.ndim < 2):
-        raise ValueError(f"{where}: x must have rank >= {2 if gather == 'rows' else 1}, got shape {tuple(x.shape)}")
+    min_rank = {"rows": 2, "sequence": 3}.get(gather, 1)
+    if x.ndim < min_rank:
+        raise ValueError(f"{where}: x must have rank >= {min_rank}{f' for gather={gather!r}' if gather else ''}, got "
+                         f"shape {tuple(x.shape)}")
     dtype = _compute_dtype(where, dtype, x, kernel)
     if gather is not None:
         _bound_axis_size(where, axis_name)
-        x = jax.lax.all_gather(x, axis_name, axis=0 if gather == "rows" else x.ndim - 1, tiled=True)
+        x = jax.lax.all_gather(x, axis_name, axis=_GATHER_DIM[gather] % x.ndim, tiled=True)
     if x.shape[-1] != kernel.shape[0]:
         raise ValueError(f"{where}: x.shape[-1] must equal kernel.shape[0] ({kernel.shape[0]}), got x shape "
                          f"{tuple(x.shape)}{' after the all-gather' if gather else ''}")
@@ -315,7 +328,8 @@ class RowParallelLinear(nnx.Module):
     ``("heads", "kv", "embed")``), bias ``[out_features]`` with ``bias_axes`` (default
     ``(kernel_axes[-1],)``, replicated under the default rules). Called inside shard_map on local
     shards: x ``[rows, ..., in_features[0]/W, *in_features[1:]]`` -> ``[rows/W, ..., out]``
-    (``scatter="rows"``) or ``[rows, ..., out/W]`` (``scatter="hidden"``). See the module docstring.
+    (``scatter="rows"``), ``[B, S/W, ..., out]`` (``"sequence"``) or ``[rows, ..., out/W]``
+    (``"hidden"``). See the module docstring.
     """
 
     def __init__(self, in_features: Union[int, Sequence[int]], out_features: int, *, axis_name="tp",
@@ -361,8 +375,8 @@ class ColumnParallelLinear(nnx.Module):
     ``kernel_axes`` (default ``("embed", "mlp")``; for ``out_features=(heads, head_dim)`` pass e.g.
     ``("embed", "heads", "kv")``), bias ``out_features`` with ``bias_axes`` (default
     ``kernel_axes[1:]``). Called inside shard_map: output ``[..., out_features[0]/W, ...]``;
-    ``gather="rows"`` / ``"hidden"`` all-gathers a row- / hidden-scattered input over
-    ``axis_name`` first (the inverse of RowParallelLinear's ``scatter``).
+    ``gather="rows"`` / ``"sequence"`` / ``"hidden"`` all-gathers a row- / sequence- /
+    hidden-scattered input over ``axis_name`` first (the inverse of RowParallelLinear's ``scatter``).
     """
 
     def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], *, axis_name="tp",

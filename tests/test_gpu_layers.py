@@ -1,5 +1,5 @@
 # The layers on the fused path (GPU): an NNX RowParallelLinear over every local GPU in bf16 lowers
-# to the entwine_gemm_rs custom call in both scatter modes and matches the unsharded product, and
+# to the entwine_gemm_rs custom call in the three scatter modes and matches the unsharded product, and
 # the training-step example's GPU preset trains in lockstep with plain XLA.
 import pathlib
 import subprocess
@@ -24,6 +24,9 @@ def row_parallel_check(mesh, scatter, expect_fused=True):
     """Forward of a bf16 RowParallelLinear inside shard_map against the float64 product."""
     world = mesh.shape["tp"]
     rows, d_in, d_out = 256 * world, 512 * world, 1024
+    # "sequence" splits S of [B, S, in]: the same rows as [2, rows / 2, in].
+    x_shape = (2, rows // 2, d_in) if scatter == "sequence" else (rows, d_in)
+    x_spec = P(*([None] * (len(x_shape) - 1)), "tp")
     with jax.set_mesh(mesh), nnx.logical_axis_rules(DEFAULT_LOGICAL_AXIS_RULES):
         # One GPU (W = 1): "auto" would keep XLA's GEMM; the test is about the fused wiring.
         config = GemmRsConfig(path="fused") if world == 1 and expect_fused else None
@@ -31,12 +34,12 @@ def row_parallel_check(mesh, scatter, expect_fused=True):
                                   config=config, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(layer)
     specs = partition_specs(state, DEFAULT_LOGICAL_AXIS_RULES)
-    out_spec = P("tp", None) if scatter == "rows" else P(None, "tp")
+    out_spec = {"rows": P("tp", None), "sequence": P(None, "tp", None), "hidden": P(None, "tp")}[scatter]
     f = jax.jit(jax.shard_map(lambda p, x: nnx.merge(graphdef, p)(x), mesh=mesh,
-                              in_specs=(specs, P(None, "tp")), out_specs=out_spec))
-    x = jax.random.normal(jax.random.key(1), (rows, d_in), jnp.float32).astype(jnp.bfloat16)
+                              in_specs=(specs, x_spec), out_specs=out_spec))
+    x = jax.random.normal(jax.random.key(1), x_shape, jnp.float32).astype(jnp.bfloat16)
     with jax.set_mesh(mesh):
-        x = jax.device_put(x, P(None, "tp"))
+        x = jax.device_put(x, x_spec)
         if expect_fused:
             assert "entwine_gemm_rs" in f.lower(state, x).as_text()
         y = np.asarray(f(state, x), np.float64)
@@ -47,7 +50,7 @@ def row_parallel_check(mesh, scatter, expect_fused=True):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scatter", ["rows", "hidden"])
+@pytest.mark.parametrize("scatter", ["rows", "sequence", "hidden"])
 def test_row_parallel_layer_takes_the_fused_path(scatter):
     mesh = jax.make_mesh((len(jax.devices("cuda")[:8]),), ("tp",), devices=jax.devices("cuda")[:8])
     row_parallel_check(mesh, scatter)

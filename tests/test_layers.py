@@ -1,6 +1,6 @@
 # entwine_jax.layers on 8 fake CPU devices (a dp=2 x tp=4 mesh; gemm_rs takes its XLA path):
 # NNX and Linen row/column-parallel layers against psum_scatter and the unsharded math, forward
-# and gradients, both scatter modes, the bias added once after the reduce-scatter, logical-axis
+# and gradients, the three scatter modes, the bias added once after the reduce-scatter, logical-axis
 # metadata and partition_specs, and the ValueErrors for bad arguments.
 import pathlib
 import re
@@ -281,11 +281,61 @@ def test_partition_specs_errors():
         partition_specs(variables, {"mlp": 3})
 
 
+# ---------------------------------------------------------------- sequence parallelism over dim 1
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_sequence_parallel_round_trip(mesh, api):
+    # [B, S, D]: gather="sequence" (all-gather over S) -> column-parallel -> row-parallel
+    # scatter="sequence" (reduce-scatter over S): forward and gradients against the unsharded math.
+    b, s, d, f = 2, 16, 24, 32
+    x = normal(11, (b, s, d))
+    cot = normal(12, (b, s, d))
+    if api == "nnx":
+        g_up, p_up, s_up = nnx_layer(mesh, ColumnParallelLinear, d, f, gather="sequence", use_bias=True,
+                                     bias_init=nnx.initializers.normal(1.0))
+        g_dn, p_dn, s_dn = nnx_layer(mesh, RowParallelLinear, f, d, scatter="sequence", use_bias=True,
+                                     bias_init=nnx.initializers.normal(1.0))
+        params, specs = {"up": p_up, "down": p_dn}, {"up": s_up, "down": s_dn}
+        fn = lambda p, x: nnx.merge(g_dn, p["down"])(nnx.merge(g_up, p["up"])(x))
+    else:
+        up = ColumnParallelDense(f, gather="sequence", use_bias=True, bias_init=nn.initializers.normal(1.0))
+        down = RowParallelDense(d, scatter="sequence", use_bias=True, bias_init=nn.initializers.normal(1.0))
+        p_up, s_up = linen_layer(mesh, up, x)
+        p_dn, s_dn = linen_layer(mesh, down, jnp.ones((b, s, f)))
+        params, specs = {"up": p_up, "down": p_dn}, {"up": s_up, "down": s_dn}
+        fn = lambda p, x: down.apply(p["down"], up.apply(p["up"], x))
+    seq = P("dp", "tp", None)  # [B, S/W, D] per rank: what both ends of the block hold
+    y, gp, gx = run(mesh, fn, params, specs, x, seq, seq, cot)
+    pu, pd = unbox(params["up"]), unbox(params["down"])
+    xs, c = np.asarray(x), np.asarray(cot)
+    h = xs @ pu["kernel"] + pu["bias"]
+    assert y.shape == (b, s, d)
+    assert rel_err(y, h @ pd["kernel"] + pd["bias"]) <= TOL[jnp.float32]
+    gd, gu = unbox(gp["down"]), unbox(gp["up"])
+    assert rel_err(gd["kernel"], h.reshape(-1, f).T @ c.reshape(-1, d)) <= TOL[jnp.float32]
+    assert rel_err(gd["bias"], c.sum((0, 1))) <= TOL[jnp.float32]
+    ch = c @ pd["kernel"].T
+    assert rel_err(gu["kernel"], xs.reshape(-1, d).T @ ch.reshape(-1, f)) <= TOL[jnp.float32]
+    assert rel_err(gx, ch @ pu["kernel"].T) <= TOL[jnp.float32]
+
+
+def test_sequence_scatter_asks_gemm_rs_for_dim_1(mesh, monkeypatch):
+    seen = []
+    real = layers.gemm_rs
+    monkeypatch.setattr(layers, "gemm_rs", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    graphdef, params, specs = nnx_layer(mesh, RowParallelLinear, IN, OUT, scatter="sequence")
+    f = jax.jit(jax.shard_map(lambda p, x: nnx.merge(graphdef, p)(x), mesh=mesh,
+                              in_specs=(specs, P("dp", None, "tp")), out_specs=P("dp", "tp", None)))
+    with jax.set_mesh(mesh):
+        y = f(params, jax.device_put(jnp.ones((2, 8, IN)), P("dp", None, "tp")))
+    assert y.shape == (2, 8, OUT) and seen and all(kw["scatter_dimension"] == 1 for kw in seen)
+
+
 # ---------------------------------------------------------------- bad arguments
 
 CTOR_ERRORS = [
     (RowParallelLinear, (IN, OUT), dict(scatter="cols"), r"RowParallelLinear: scatter must be one of \('rows', "
-                                                         r"'hidden'\), got 'cols'"),
+                                                         r"'sequence', 'hidden'\), got 'cols'"),
     (RowParallelLinear, (0, OUT), {}, r"RowParallelLinear: in_features must be a positive int .*got 0"),
     (RowParallelLinear, (IN, (4, 6)), {}, r"out_features must be a positive int, got \(4, 6\)"),
     (RowParallelLinear, (IN, OUT), dict(dtype=jnp.int32),
@@ -298,7 +348,7 @@ CTOR_ERRORS = [
     (RowParallelLinear, (IN, OUT), dict(axis_name=3), r"axis_name must be a mesh axis name \(str\)"),
     (RowParallelLinear, (IN, OUT), dict(use_bias="yes"), r"use_bias must be one of \(True, False\), got 'yes'"),
     (ColumnParallelLinear, (IN, OUT), dict(gather="cols"), r"ColumnParallelLinear: gather must be one of \(None, "
-                                                           r"'rows', 'hidden'\), got 'cols'"),
+                                                           r"'rows', 'sequence', 'hidden'\), got 'cols'"),
     (ColumnParallelLinear, (IN, (4, 6)), {}, r"kernel_axes is required when out_features is a tuple"),
 ]
 
@@ -355,6 +405,17 @@ def test_functional_errors(mesh):
                                          r"divisible by its size 4"):
         trace_local(mesh, lambda p, x: layers.row_parallel_linear(x, jnp.ones((IN // 4, 22)), scatter="hidden"),
                     {}, {}, (ROWS, IN), P("dp", "tp"))
+    with pytest.raises(ValueError, match=r"scatter='sequence' splits x's dim 1 over 'tp' \(size 4\); x needs a batch "
+                                         r"dim, that dim and 1 contracted dim\(s\), .*got x shape \(8, 8\)"):
+        trace_local(mesh, lambda p, x: layers.row_parallel_linear(x, k, scatter="sequence"), {}, {}, (ROWS, IN),
+                    P("dp", "tp"))
+    with pytest.raises(ValueError, match=r"scatter='sequence' .*dim 1 divisible by 4, got x shape \(1, 6, 8\)"):
+        trace_local(mesh, lambda p, x: layers.row_parallel_linear(x, k, scatter="sequence"), {}, {}, (2, 6, IN),
+                    P("dp", None, "tp"))
+    with pytest.raises(ValueError, match=r"column_parallel_linear: x must have rank >= 3 for gather='sequence', got "
+                                         r"shape \(8, 32\)"):
+        trace_local(mesh, lambda p, x: layers.column_parallel_linear(x, jnp.ones((IN, 6)), gather="sequence"), {},
+                    {}, (ROWS, IN), P("dp", None))
     with pytest.raises(ValueError, match=r"column_parallel_linear: x.shape\[-1\] must equal kernel.shape\[0\] \(32\), "
                                          r"got x shape \(32, 8\) after the all-gather"):
         trace_local(mesh, lambda p, x: layers.column_parallel_linear(x, jnp.ones((IN, 6)), gather="rows"), {}, {},
@@ -363,7 +424,7 @@ def test_functional_errors(mesh):
 
 # ---------------------------------------------------------------- the MaxText recipe's island
 
-@pytest.mark.parametrize("scatter", ["hidden", "rows"])
+@pytest.mark.parametrize("scatter", ["hidden", "sequence"])
 def test_maxtext_recipe_island(scatter):
     # examples/maxtext_integration.md's entwine_row_parallel, run as written on a MaxText-like
     # (data, fsdp, tensor) mesh with auto axes: the attention output projection, bf16 compute.
