@@ -7,8 +7,8 @@ rank each, sharing one GPU (CUDA IPC between processes of one device) or one GPU
 
 Suites:
   quick    suite-like and tail shapes, bf16 and fp16, growing (the heap regrows across processes),
-           then x [B, S, K] scattered over S; results checked against a float64 host reference,
-           repeated calls bitwise identical.
+           then x [B, S, K] scattered over S, then gemm_rs inside lax.scan; results checked against
+           a float64 host reference, repeated calls bitwise identical.
   stress   1000 back-to-back calls: two shapes, three input sets, two call sites, other XLA work
            in between, every result checked.
   missing  the last rank skips one call; the others must report the deadline error (with
@@ -259,7 +259,46 @@ class Rank:
         for i, (b, s, n, k) in enumerate([(3, w_ * 100, 257, 72), (2, w_ * 1024, 2048, 1024)]):
             worst = max(worst, self.middle_dim(b, s, n, k, jnp.bfloat16, seed=200 + i))
             self.log(f"quick B={b} S={s} N={n} K={k} scattered over S: ok")
-        return f"quick: {2 * len(shapes) + 2} shapes ok, worst rel error {worst:.2e}"
+        # MaxText's scan_layers: the custom call inside lax.scan, once per step of a device loop.
+        worst = max(worst, self.scan_layers(w_ * 256, 512, 256, layers=3, dtype=jnp.bfloat16, seed=300))
+        self.log("quick gemm_rs inside lax.scan (3 steps): ok")
+        return f"quick: {2 * len(shapes) + 3} shapes ok, worst rel error {worst:.2e}"
+
+    def scan_layers(self, m, n, k, layers, dtype, seed):
+        """jax.lax.scan over `layers` weight matrices, gemm_rs in the body, against the host reference."""
+        import dataclasses
+
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import fused
+        from entwine_jax.config import heuristic_config
+
+        xs, _ = self.host_inputs(m, n, k, dtype, seed)
+        w_layers = [self.host_inputs(m, n, k, dtype, seed + 1 + i)[1] for i in range(layers)]
+        gx, _ = self.global_arrays(xs, w_layers[0])
+        gws = jax.make_array_from_single_device_arrays(
+            (layers, k * self.world, n), NamedSharding(self.mesh, P(None, "tp", None)),
+            [jax.device_put(np.stack([wl[self.rank] for wl in w_layers]), self.device)])
+        config = dataclasses.replace(heuristic_config(m, n, k, self.world, dtype), path="fused")
+
+        def body(x, ws):
+            return jax.lax.scan(lambda c, w: (c, entwine_jax.gemm_rs(x, w, axis_name="tp", config=config)), None, ws)[1]
+
+        f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P(None, "tp"), P(None, "tp", None)),
+                                  out_specs=P(None, "tp", None)))
+        with jax.set_mesh(self.mesh):
+            lowered = f.lower(gx, gws).as_text()
+            if "entwine_gemm_rs" not in lowered or "while" not in lowered:
+                raise AssertionError("gemm_rs inside lax.scan did not lower to the fused call in a loop")
+            ys = self.local(f(gx, gws))
+        fused.check_errors()
+        worst = 0.0
+        for i, wl in enumerate(w_layers):
+            worst = max(worst, self.check(ys[i], self.reference(xs, wl), f"scan step {i}"))
+        return worst
 
     def middle_dim(self, b, s, n, k, dtype, seed):
         """entwine_jax.gemm_rs on x [B, S, K] with scatter_dimension=1 (the fused path must take it)

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import entwine_jax
 from entwine_jax import fused
 from entwine_jax.config import GemmRsConfig, heuristic_config
+from entwine_jax.reference import gemm_rs_reference
 
 RANKS = pathlib.Path(__file__).with_name("gpu_ranks.py")
 
@@ -138,6 +139,47 @@ def test_setup_without_set_mesh():
     y, expected = np.asarray(f(x, w)), np.asarray(ref(x, w))
     assert np.linalg.norm(y.astype(np.float32) - expected.astype(np.float32)) <= 1e-2 * np.linalg.norm(
         expected.astype(np.float32))
+
+
+@pytest.mark.gpu
+def test_inside_scan_and_remat():
+    # MaxText's scan_layers and remat: gemm_rs in the body of lax.scan (a while loop on the device
+    # that executes the custom call once per step) and under jax.checkpoint with gradients (the
+    # backward recomputes the fused forward). On one GPU (W = 1) path="fused" forces the call.
+    mesh = _mesh()
+    world = mesh.shape["tp"]
+    layers, m, n, k = 3, 256 * world, 512, 256
+    config = GemmRsConfig(path="fused") if world == 1 else None
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((m, world * k), np.float32) / np.sqrt(world * k), jnp.bfloat16)
+    ws = jnp.asarray(rng.standard_normal((layers, world * k, n), np.float32), jnp.bfloat16)
+    cot = jnp.asarray(rng.standard_normal((layers, m, n), np.float32), jnp.float32)
+    specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp", None)), out_specs=P(None, "tp", None))
+
+    def scanned(op):
+        def body(x, ws):
+            return jax.lax.scan(lambda c, w: (c, op(x, w)), None, ws)[1]
+        return jax.shard_map(body, **specs)
+
+    fused_op = lambda x, w: entwine_jax.gemm_rs(x, w, axis_name="tp", config=config)
+    ref_op = lambda x, w: gemm_rs_reference(x, w, axis_name="tp")
+    f, ref = jax.jit(scanned(jax.checkpoint(fused_op))), jax.jit(scanned(ref_op))
+    loss = lambda g: lambda x, ws: jnp.sum(g(x, ws).astype(jnp.float32) * cot)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
+        ws = jax.device_put(ws, NamedSharding(mesh, P(None, "tp", None)))
+        lowered = f.lower(x, ws).as_text()
+        assert "entwine_gemm_rs" in lowered and "while" in lowered
+        y, expected = np.asarray(f(x, ws), np.float32), np.asarray(ref(x, ws), np.float32)
+        grads = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, ws)
+        grads_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(x, ws)
+    fused.check_errors()
+    assert y.shape == (layers, m, n)
+    for i in range(layers):
+        assert np.linalg.norm(y[i] - expected[i]) <= 1e-2 * np.linalg.norm(expected[i]), f"scan step {i}"
+    for g, g_ref, name in zip(grads, grads_ref, ("dx", "dw")):
+        g, g_ref = np.asarray(g, np.float32), np.asarray(g_ref, np.float32)
+        assert np.linalg.norm(g - g_ref) <= 1e-2 * np.linalg.norm(g_ref), name
 
 
 @pytest.mark.gpu
