@@ -88,11 +88,11 @@ DEFAULT_LOGICAL_AXIS_RULES: tuple = (
     ("norm", None),
 )
 
-_SCATTER = ("rows", "sequence", "hidden")
-_GATHER = (None, "rows", "sequence", "hidden")
-# The output dim each scatter splits (gemm_rs's scatter_dimension) and the input dim each gather joins.
-_SCATTER_DIM = {"rows": 0, "sequence": 1, "hidden": -1}
-_GATHER_DIM = {"rows": 0, "sequence": 1, "hidden": -1}
+# The dim each layout splits over the axis: the row-parallel output's (gemm_rs's scatter_dimension)
+# and, to undo it, the column-parallel input's (the all-gather's axis).
+_SPLIT_DIM = {"rows": 0, "sequence": 1, "hidden": -1}
+_SCATTER = tuple(_SPLIT_DIM)
+_GATHER = (None, *_SPLIT_DIM)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 Array = Any
 Initializer = Callable[..., Array]
@@ -253,7 +253,7 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
     x2 = x.reshape(tuple(x.shape[:-n_in]) + (-1,)) if n_in > 1 else x
     w2 = kernel.reshape(-1, n_out) if n_in > 1 else kernel
     y = gemm_rs(x2.astype(dtype), w2.astype(dtype), axis_name=axis_name,
-                scatter_dimension=_SCATTER_DIM[scatter], config=config)
+                scatter_dimension=_SPLIT_DIM[scatter], config=config)
     if bias is None:
         return y
     b = bias.astype(dtype)
@@ -270,8 +270,9 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     """Column-parallel linear on local shards: ``x @ kernel + bias`` (plain XLA).
 
     x: ``[..., in]`` (``gather="rows"``: ``[rows/W, ..., in]``, all-gathered over ``axis_name`` first;
-    ``gather="sequence"``: ``[B, S/W, ..., in]``, ``gather="hidden"``: ``[..., in/W]``, likewise); kernel: ``[in, *out_local]`` (output dims
-    sharded over ``axis_name``); bias: ``kernel.shape[1:]`` or None. Output ``[..., *out_local]``.
+    ``gather="sequence"``: ``[B, S/W, ..., in]``, ``gather="hidden"``: ``[..., in/W]``, likewise);
+    kernel: ``[in, *out_local]`` (output dims sharded over ``axis_name``); bias: ``kernel.shape[1:]``
+    or None. Output ``[..., *out_local]``.
     """
     _check_choice(where, "gather", gather, _GATHER)
     _check_dtype(where, "dtype", dtype)
@@ -287,7 +288,7 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     dtype = _compute_dtype(where, dtype, x, kernel)
     if gather is not None:
         _bound_axis_size(where, axis_name)
-        x = jax.lax.all_gather(x, axis_name, axis=_GATHER_DIM[gather] % x.ndim, tiled=True)
+        x = jax.lax.all_gather(x, axis_name, axis=_SPLIT_DIM[gather] % x.ndim, tiled=True)
     if x.shape[-1] != kernel.shape[0]:
         raise ValueError(f"{where}: x.shape[-1] must equal kernel.shape[0] ({kernel.shape[0]}), got x shape "
                          f"{tuple(x.shape)}{' after the all-gather' if gather else ''}")

@@ -164,16 +164,28 @@ class Rank:
         return sum(x[rows].astype(np.float64) @ w.astype(np.float64) for x, w in zip(xs, ws))
 
     def global_arrays(self, xs, ws):
+        """Global x [..., K*W] and w [..., K*W, N] from this rank's shards, split over their K dim."""
         import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
 
+        def place(a, k_dim):
+            shape, spec = list(a.shape), [None] * a.ndim
+            shape[k_dim] *= self.world
+            spec[k_dim] = "tp"
+            return jax.make_array_from_single_device_arrays(
+                tuple(shape), NamedSharding(self.mesh, P(*spec)), [jax.device_put(a, self.device)])
+
         x, w = xs[self.rank], ws[self.rank]
-        m, k = x.shape
-        gx = jax.make_array_from_single_device_arrays(
-            (m, k * self.world), NamedSharding(self.mesh, P(None, "tp")), [jax.device_put(x, self.device)])
-        gw = jax.make_array_from_single_device_arrays(
-            (k * self.world, w.shape[1]), NamedSharding(self.mesh, P("tp", None)), [jax.device_put(w, self.device)])
-        return gx, gw
+        return place(x, x.ndim - 1), place(w, w.ndim - 2)
+
+    def fused_config(self, m, n, k, dtype):
+        """The heuristic's config with path="fused": a call that cannot take it fails loudly (the XLA
+        fallback would need NCCL, which cannot run two ranks on one GPU)."""
+        import dataclasses
+
+        from entwine_jax.config import heuristic_config
+
+        return dataclasses.replace(heuristic_config(m, n, k, self.world, dtype), path="fused")
 
     def local(self, y):
         import numpy as np
@@ -185,17 +197,14 @@ class Rank:
     def gemm_fn(self, m, n, k, dtype, extra_work=False):
         """jit(shard_map(entwine_jax.gemm_rs)); refuses to run unless it lowers to the fused call
         (the XLA fallback would need NCCL, which cannot run two ranks on one GPU)."""
-        import dataclasses
-
         import jax
         import jax.numpy as jnp
         from jax.sharding import PartitionSpec as P
 
         import entwine_jax
         from entwine_jax import fused
-        from entwine_jax.config import heuristic_config
 
-        config = dataclasses.replace(heuristic_config(m, n, k, self.world, dtype), path="fused")
+        config = self.fused_config(m, n, k, dtype)
         with jax.set_mesh(self.mesh):
             reason = fused.unavailable_reason(
                 jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype), axis_name="tp",
@@ -266,23 +275,18 @@ class Rank:
 
     def scan_layers(self, m, n, k, layers, dtype, seed):
         """jax.lax.scan over `layers` weight matrices, gemm_rs in the body, against the host reference."""
-        import dataclasses
-
         import jax
         import numpy as np
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import PartitionSpec as P
 
         import entwine_jax
         from entwine_jax import fused
-        from entwine_jax.config import heuristic_config
 
         xs, _ = self.host_inputs(m, n, k, dtype, seed)
         w_layers = [self.host_inputs(m, n, k, dtype, seed + 1 + i)[1] for i in range(layers)]
-        gx, _ = self.global_arrays(xs, w_layers[0])
-        gws = jax.make_array_from_single_device_arrays(
-            (layers, k * self.world, n), NamedSharding(self.mesh, P(None, "tp", None)),
-            [jax.device_put(np.stack([wl[self.rank] for wl in w_layers]), self.device)])
-        config = dataclasses.replace(heuristic_config(m, n, k, self.world, dtype), path="fused")
+        # w of every rank stacked over the layers: [layers, K, N] per rank.
+        gx, gws = self.global_arrays(xs, [np.stack([wl[r] for wl in w_layers]) for r in range(self.world)])
+        config = self.fused_config(m, n, k, dtype)
 
         def body(x, ws):
             return jax.lax.scan(lambda c, w: (c, entwine_jax.gemm_rs(x, w, axis_name="tp", config=config)), None, ws)[1]
@@ -303,26 +307,19 @@ class Rank:
     def middle_dim(self, b, s, n, k, dtype, seed):
         """entwine_jax.gemm_rs on x [B, S, K] with scatter_dimension=1 (the fused path must take it)
         against the host reference: rank r holds rows r*S/W .. of dim 1 of sum_ranks(x @ w)."""
-        import dataclasses
-
         import jax
         import numpy as np
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import PartitionSpec as P
 
         import entwine_jax
         from entwine_jax import fused
-        from entwine_jax.config import heuristic_config
 
         xs, ws = self.host_inputs(b * s, n, k, dtype, seed)
         xs = [x.reshape(b, s, k) for x in xs]
         part = slice(self.rank * s // self.world, (self.rank + 1) * s // self.world)
         ref = sum(x[:, part].astype(np.float64) @ w.astype(np.float64) for x, w in zip(xs, ws))
-        gx = jax.make_array_from_single_device_arrays(
-            (b, s, k * self.world), NamedSharding(self.mesh, P(None, None, "tp")),
-            [jax.device_put(xs[self.rank], self.device)])
-        gw = jax.make_array_from_single_device_arrays(
-            (k * self.world, n), NamedSharding(self.mesh, P("tp", None)), [jax.device_put(ws[self.rank], self.device)])
-        config = dataclasses.replace(heuristic_config(b * s, n, k, self.world, dtype), path="fused")
+        gx, gw = self.global_arrays(xs, ws)
+        config = self.fused_config(b * s, n, k, dtype)
         body = lambda x, w: entwine_jax.gemm_rs(x, w, axis_name="tp", scatter_dimension=1, config=config)
         f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P(None, None, "tp"), P("tp", None)),
                                   out_specs=P(None, "tp", None)))

@@ -833,12 +833,9 @@ int producer_main(int argc, char** argv) {
   World world(c);
   world.fill_inputs(3);
   ProblemShape s{m, n, k, 2, 0};
-  ProducerArgs a = world.producer_args(0);
-  a.interleave = a.publish = !(argc > 8 && std::string(argv[8]) == "plain");
-  for (int i = 0; i < 3; ++i) {
-    a.epoch = i + 1;
-    CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, 0));
-  }
+  bool const interleave_and_publish = !(argc > 8 && std::string(argv[8]) == "plain");
+  std::function<void()> launch = producer_launcher(world, s, cfg, interleave_and_publish, interleave_and_publish, 0);
+  for (int i = 0; i < 3; ++i) launch();
   CHECK_CUDA(cudaDeviceSynchronize());
   return 0;
 }
