@@ -93,6 +93,13 @@ def _check_args(x, w, axis_name, scatter_dimension) -> tuple[int, int]:
     return axis_size, sd
 
 
+def _kernel_scatter_dim(x, sd: int) -> int:
+    """The fused kernels scatter rows (0) or columns (1) of the [rows, N] view of the product: a
+    scatter over N is a column scatter; any other output dim is a row scatter (a middle dim after
+    _rows_by_partition)."""
+    return 1 if sd == x.ndim - 1 else 0
+
+
 def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
     """None when the fused kernels can run this call, else the reason they cannot."""
     if config.path == "xla":
@@ -103,8 +110,6 @@ def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
         return "axis size 1: nothing to reduce or scatter, XLA's GEMM alone is faster (path='fused' runs the kernels anyway)"
     if x.dtype == jnp.float32:
         return "float32 inputs (the fused kernels take bfloat16/float16)"
-    # The kernels scatter rows or columns of the 2-D [rows, N] view of the product: a scatter over
-    # N is a column scatter, any other (after _rows_by_partition for a middle dim) a row scatter.
     fused, err = _fused_module()
     if fused is None:
         return f"entwine_jax.fused not importable: {err}"
@@ -112,7 +117,7 @@ def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
     w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
     try:
         return fused.unavailable_reason(x2d, w_aval, axis_name=axis_name, axis_size=axis_size,
-                                        scatter_dimension=1 if sd == x.ndim - 1 else 0, config=config)
+                                        scatter_dimension=_kernel_scatter_dim(x, sd), config=config)
     except Exception as e:  # a bug there must not take the reference path down with it
         return f"entwine_jax.fused.unavailable_reason raised {type(e).__name__}: {e}"
 
@@ -156,10 +161,10 @@ def _fused_forward(x, w, *, plan: _Plan):
     # slice a contiguous block of rows (for the leading dim it already is, since B % W == 0).
     fused, _ = _fused_module()
     sd, world, lead = plan.scatter_dimension, plan.axis_size, tuple(x.shape[:-1])
-    columns = sd == x.ndim - 1
+    columns = _kernel_scatter_dim(x, sd)
     x2d = x.reshape(-1, x.shape[-1]) if columns else _rows_by_partition(x, sd, world)
     y = fused.gemm_rs_local(x2d, w, axis_name=plan.axis_name, axis_size=world, config=plan.config,
-                            scatter_dimension=1 if columns else 0)
+                            scatter_dimension=columns)
     # platform_dependent needs both branches typed alike: the reference's output varies over every
     # axis x and w vary over (an FFI call's output may not carry that type).
     y = _make_varying(y, sorted(_varying_axes(x) | _varying_axes(w), key=str))
@@ -241,7 +246,7 @@ def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[Gem
     if config is None:
         # Keyed by the rows of x as this rank sees them (before the scatter), N, K_local, W, dtype.
         config, source = tuning.select_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], axis_size, x.dtype,
-                                              rows=sd != x.ndim - 1)
+                                              rows=_kernel_scatter_dim(x, sd) == 0)
     reason = _fused_unavailable(x, w, axis_name, axis_size, sd, config)
     plan = _Plan(axis_name=axis_name, axis_size=axis_size, scatter_dimension=sd, config=config, reason=reason)
     _report(x, w, plan, source)
