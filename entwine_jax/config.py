@@ -108,11 +108,11 @@ def heuristic_config(m: int, n: int, k: int, world: int, dtype) -> GemmRsConfig:
     # 128 only where N is not a multiple of 256, so no padding is needed.
     block_n = 256 if n % 256 == 0 else 128
     # The budget follows the communication share: each rank moves (M/W) x N x W elements whatever
-    # K is, while the GEMM grows with K. Best of x in {4, 8, 12, 16, 20, 24, 32} by tune() on
-    # 2xH200 (W=2, PERF.md v6): x = 16 at K = 1024, 12 at K = 2048, 8 at K = 3584, 4 at K = 6656
-    # (below K = 1024 not measured: 16 kept). More CTAs than blocks of the local partition would
-    # only idle.
-    budget = 16 if k <= 1024 else 12 if k <= 2048 else 8 if k <= 4096 else 4
+    # K is, while the GEMM grows with K. Best of x in {4, 8, ..., 32} end to end on 2xH200 (W=2,
+    # PERF.md v16): x = 24 at K = 1024 (10-20% faster than 16 there), 12 at K = 2048, 8 at
+    # K = 3584, 4 at K = 6656 (below K = 1024 not measured: 24 kept). More CTAs than blocks of the
+    # local partition would only idle.
+    budget = 24 if k <= 1024 else 12 if k <= 2048 else 8 if k <= 4096 else 4
     blocks = max(1, (m // max(world, 1) // _TILE) * (n // block_n))
     consumer_grid = min(budget, blocks)
     # A persistent producer on the SMs the consumer leaves free measured 1.2-1.4x faster than one

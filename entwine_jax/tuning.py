@@ -282,38 +282,45 @@ def _config_dict(config: GemmRsConfig) -> dict:
     return dataclasses.asdict(config)
 
 
+# Budgets tried by default_candidates. End to end on 2x H200 (PERF.md v16) x = 24-32 won at K = 1024,
+# 12 at K = 2048, 8 at K = 3584 and 4 at K = 6656.
+TUNE_BUDGETS = (4, 8, 12, 16, 20, 24, 28, 32)
+
+
 def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Optional[int] = None) -> list:
-    """GEMM block x budget for one shape: at most 10 configs, heuristic first.
+    """Stage 1 of tune(): GEMM block x budget for one shape, heuristic first.
 
     The producer's block is the heuristic's (128x256 measured faster than 128x128 on every suite
     shape, PERF.md; 128 only where N is not a multiple of 256), the consumer block 512 (the most
-    loads in flight per SM, best in the consumer sweep); the budget x in {4, 8, 12, 16, 20, 24, 32},
-    with the producer persistent on the SMs the consumer leaves (measured 1.1-1.25x faster than
-    one CTA per block at every shape on H200, PERF.md v4, so producer_sms = 0 is not tried). A
-    budget above the blocks of the local partition would only idle: capped like the heuristic,
-    duplicates dropped. The heuristic's own pick is always tried, so the winner is never worse;
-    last, the heuristic's pick with the producer's split tail, and with raster groups of 16 tile
-    rows where the partition has more than 8 (the producer alone: 1-3% faster at K = 1024, 0.3-1.6%
-    slower at K >= 2048, PERF.md v13; end to end r16 lost on the large shapes in v8).
+    loads in flight per SM, best in the consumer sweep); the budget x in TUNE_BUDGETS, with the producer
+    persistent on the SMs the consumer leaves (measured 1.1-1.25x faster than one CTA per block at
+    every shape on H200, PERF.md v4, so producer_sms = 0 is not tried). A budget above the blocks of
+    the local partition would only idle: capped like the heuristic, duplicates dropped. The
+    heuristic's own pick is always tried, so the winner is never worse.
     """
     sms = sm_count or _sm_count()
     first = heuristic_config(m, n, k, world, dtype)
     out = [first]
     blocks = max(1, -(-m // world // 128) * -(-n // first.block_n))
-    for consumer_grid in (4, 8, 12, 16, 20, 24, 32):
+    for consumer_grid in TUNE_BUDGETS:
         grid = min(consumer_grid, blocks)
         c = dataclasses.replace(first, producer_sms=max(1, sms - grid), consumer_grid=grid, consumer_block=512)
         if c not in out:
             out.append(c)
-    # The split tail at the heuristic's budget (off by default: PERF.md v11).
-    split = dataclasses.replace(first, split_tail=True)
-    if split not in out:
-        out.append(split)
-    # Raster groups of 16 rows: a different order only where a partition has more than 8 tile rows.
-    if m // world // 128 > first.raster_rows:
-        wide_raster = dataclasses.replace(first, raster_rows=16)
-        if wide_raster not in out:
-            out.append(wide_raster)
+    return out
+
+
+def refined_candidates(best: GemmRsConfig, m: int, world: int) -> list:
+    """Stage 2 of tune(): stage 1's winner, then the same config with the producer's split tail,
+    and with raster groups of 16 tile rows where a partition has more than 8. Both change the
+    producer only, so they are tried at the budget that won (the producer alone: the split is 2-3%
+    faster where the last wave is nearly empty, PERF.md v11; r16 1-3% faster at K = 1024 and
+    0.3-1.6% slower at K >= 2048, v13; end to end each won on some suite shapes, v16)."""
+    out = [best]
+    for variant in (dataclasses.replace(best, split_tail=True),
+                    dataclasses.replace(best, raster_rows=16) if m // world // 128 > best.raster_rows else None):
+        if variant is not None and variant not in out:
+            out.append(variant)
     return out
 
 
@@ -428,7 +435,9 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
                 K_local = x.shape[-1], N = w.shape[1]; the world W is the size of `axis_name`.
     candidates: GemmRsConfigs, or dicts of GemmRsConfig fields applied on heuristic_config (a
                 consumer_grid without producer_sms sets producer_sms = SMs - consumer_grid);
-                default: default_candidates() per shape (GEMM block x budget x consumer block).
+                default: two stages per shape, default_candidates() (GEMM block x budget), then
+                refined_candidates() (stage 1's winner, with the split tail, with 16-row raster
+                groups), timed again together; the winner is the fastest of stage 2.
     iters, warmup: timed calls (median of batches of back-to-back dispatches, as bench.py) and
                 warm-ups per candidate.
     cache_path: the user cache to merge the winners into (default: cache_path()).
@@ -436,7 +445,7 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
     Each candidate is checked once against the XLA reference (relative error <= 1e-2); a wrong
     one, or one that would not run the fused kernels, is skipped with a warning. Returns
     {(M, N, K_local): (best GemmRsConfig or None, its ms or None, [{"config", "ms", "rel_err",
-    "skipped"}, ...])}. Raises RuntimeError, with fused.unavailable_reason's words, when the fused
+    "skipped", "stage"}, ...])}. Raises RuntimeError, with fused.unavailable_reason's words, when the fused
     path cannot run on this mesh (CPU, no extension, ...): tuning the XLA fallback means nothing.
 
     Multi-process: every process must call tune() with the same arguments (and environment), so
@@ -478,37 +487,51 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
         x, w = _inputs(mesh, axis_name, shape, world, dtype, seed=i)
         ref = _compile(mesh, axis_name, lambda x, w: ops.gemm_rs(x, w, axis_name=axis_name,
                                                                   config=GemmRsConfig(path="xla")), x, w)[1](x, w)
-        trials, programs = [], {}
-        for index, config in enumerate(per_shape[shape]):
-            trial = {"config": config, "ms": None, "rel_err": None, "skipped": None}
-            trials.append(trial)
-            compiled, trial["skipped"] = None, _unavailable(fused, mesh, axis_name, world, shape, dtype, config)
-            if trial["skipped"] is None:
-                try:
-                    compiled, trial["skipped"] = _build(mesh, axis_name, config, x, w)
-                except Exception as e:  # lowering/compilation: deterministic, so every process skips it
-                    trial["skipped"] = f"does not compile ({type(e).__name__}: {e})"
-            if compiled is not None:
-                trial["rel_err"] = float(_rel_err(compiled(x, w), ref))
-                # A consumer that timed out waiting for a peer leaves the communicator unusable: stop.
-                getattr(fused, "check_errors", lambda: None)()
-                if not trial["rel_err"] <= _TOL:  # NaN too
-                    trial["skipped"] = f"wrong result: relative error {trial['rel_err']:.3g} > {_TOL}"
-                else:
-                    programs[index] = (compiled, (x, w))
-            if trial["skipped"]:
-                _log.logger.warning("tune %s %s: %s skipped: %s", kind, shape, config, trial["skipped"])
-        # The candidates are timed in interleaved rounds, so each sees the same power-cap history.
-        for index, ms in (time_interleaved(programs, iters, warmup, batch) if programs else {}).items():
-            trials[index]["ms"] = ms
-        ms = _max_over_processes([t["ms"] if t["ms"] is not None else math.nan for t in trials])
-        for trial, value in zip(trials, ms):
-            trial["ms"] = None if math.isnan(value) else value
+
+        def run_round(configs, stage):
+            """Build, check and time `configs` (one interleaved round); their trials, in order."""
+            trials, programs = [], {}
+            for index, config in enumerate(configs):
+                trial = {"config": config, "ms": None, "rel_err": None, "skipped": None, "stage": stage}
+                trials.append(trial)
+                compiled, trial["skipped"] = None, _unavailable(fused, mesh, axis_name, world, shape, dtype, config)
+                if trial["skipped"] is None:
+                    try:
+                        compiled, trial["skipped"] = _build(mesh, axis_name, config, x, w)
+                    except Exception as e:  # lowering/compilation: deterministic, so every process skips it
+                        trial["skipped"] = f"does not compile ({type(e).__name__}: {e})"
+                if compiled is not None:
+                    trial["rel_err"] = float(_rel_err(compiled(x, w), ref))
+                    # A consumer that timed out waiting for a peer leaves the communicator unusable: stop.
+                    getattr(fused, "check_errors", lambda: None)()
+                    if not trial["rel_err"] <= _TOL:  # NaN too
+                        trial["skipped"] = f"wrong result: relative error {trial['rel_err']:.3g} > {_TOL}"
+                    else:
+                        programs[index] = (compiled, (x, w))
+                if trial["skipped"]:
+                    _log.logger.warning("tune %s %s: %s skipped: %s", kind, shape, config, trial["skipped"])
+            # The candidates are timed in interleaved rounds, so each sees the same power-cap history.
+            for index, ms in (time_interleaved(programs, iters, warmup, batch) if programs else {}).items():
+                trials[index]["ms"] = ms
+            ms = _max_over_processes([t["ms"] if t["ms"] is not None else math.nan for t in trials])
+            for trial, value in zip(trials, ms):
+                trial["ms"] = None if math.isnan(value) else value
+            return trials
+
+        trials = run_round(per_shape[shape], 1)
         timed = [t for t in trials if t["ms"] is not None]
         if not timed:
             _log.logger.error("tune %s %s: no candidate ran the fused kernels correctly; nothing stored", kind, shape)
             results[shape] = (None, None, trials)
             continue
+        if candidates is None:
+            # Stage 2: the producer variants at the winning budget, timed again beside the winner
+            # (every process has the same stage-1 times, so the same winner and the same round).
+            refined = refined_candidates(min(timed, key=lambda t: t["ms"])["config"], shape[0], world)
+            if len(refined) > 1:
+                stage2 = run_round(refined, 2)
+                trials += stage2
+                timed = [t for t in stage2 if t["ms"] is not None] or timed
         best = min(timed, key=lambda t: t["ms"])
         results[shape] = (best["config"], best["ms"], trials)
         m, n, k = shape
@@ -558,7 +581,9 @@ def main(argv=None) -> int:
         for t in trials:
             c = t["config"]
             what = f"{t['ms']:.3f} ms" if t["ms"] is not None else f"skipped: {t['skipped']}"
-            print(f"    p{c.producer_sms}/x{c.consumer_grid}/b{c.consumer_block}/n{c.block_n}: {what}")
+            split = "/split" if c.split_tail else ""
+            print(f"    stage {t['stage']} p{c.producer_sms}/x{c.consumer_grid}/b{c.consumer_block}/n{c.block_n}/"
+                  f"r{c.raster_rows}{split}: {what}")
     return 0 if all(best is not None for best, _, _ in results.values()) else 1
 
 

@@ -74,8 +74,8 @@ def test_default_config():
 
 def test_heuristic():
     c = heuristic_config(8192, 8192, 1024, 2, jnp.bfloat16)
-    # CPU: no GPU core count, so the H100/H200 SXM 132 SMs; 16 of them go to the consumer (K <= 1024).
-    assert c == GemmRsConfig(block_n=256, producer_sms=116, consumer_grid=16, consumer_block=512, raster_rows=8)
+    # CPU: no GPU core count, so the H100/H200 SXM 132 SMs; 24 of them go to the consumer (K <= 1024).
+    assert c == GemmRsConfig(block_n=256, producer_sms=108, consumer_grid=24, consumer_block=512, raster_rows=8)
     assert heuristic_config(8192, 16384, 2048, 2, jnp.bfloat16).consumer_grid == 12
     assert heuristic_config(8192, 8192, 3584, 2, jnp.bfloat16).consumer_grid == 8
     assert heuristic_config(8192, 8192, 6656, 2, jnp.bfloat16).consumer_grid == 4

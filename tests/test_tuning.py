@@ -69,19 +69,20 @@ def test_shipped_table_parses_and_validates(monkeypatch):
         assert cls == "hopper-132sm" and e["provenance"]["date"] and e["provenance"]["command"]
         # Each W measured on that many H200s.
         assert e["provenance"]["machine"].startswith(f"{e['world']} x NVIDIA H200")
-        # fp16 is inferred from bf16 and says so.
-        assert e["measured"] == (e["dtype"] == "bfloat16")
-        if e["dtype"] == "float16":
+        # W=2: both dtypes measured (v16); W=4: fp16 is inferred from bf16 and says so.
+        assert e["measured"] == (e["world"] == 2 or e["dtype"] == "bfloat16")
+        if not e["measured"]:
             assert "not measured" in e["note"]
-        assert (config.block_n, config.consumer_block, config.raster_rows, config.path) == (256, 512, 8, "auto")
+        assert (config.block_n, config.consumer_block, config.path) == (256, 512, "auto")
+        assert config.raster_rows in (8, 16) and config.split_tail in (False, True)
         assert config.producer_sms + config.consumer_grid == 132
     assert {k[1] for k in keys} == {2, 4}  # no invented W=8 entries
     assert len(keys) == 32 and {k[5] for k in keys} == {"bfloat16", "float16"}
 
 
-@pytest.mark.parametrize("shape,grid", [((4096, 8192, 1024), 16), ((16384, 8192, 3584), 8),
-                                        ((16384, 16384, 6656), 4)])
-def test_shipped_lookup(monkeypatch, shape, grid):
+@pytest.mark.parametrize("shape,grid,w4_grid", [((8192, 8192, 1024), 24, 12), ((16384, 8192, 3584), 8, 8),
+                                                 ((16384, 16384, 6656), 4, 4)])
+def test_shipped_lookup(monkeypatch, shape, grid, w4_grid):
     monkeypatch.undo()  # the real shipped file
     monkeypatch.setenv("ENTWINE_TUNE_CACHE", "/nonexistent/tuned.json")
     for dtype in (jnp.bfloat16, jnp.float16):
@@ -92,9 +93,9 @@ def test_shipped_lookup(monkeypatch, shape, grid):
     config, source = tuning.lookup(*shape, 2, jnp.bfloat16, device_kind="NVIDIA H100 80GB HBM3",
                                    device_cls="hopper-132sm")
     assert source == "tuned (shipped) via hopper-132sm" and config.consumer_grid == grid
-    # W=4: measured on 4x H200 (its own winners: x=12 where W=2 took 16 at K=1024).
+    # W=4: measured on 4x H200 (v6, its own winners: x=12 at K=1024).
     config, source = tuning.lookup(*shape, 4, jnp.bfloat16, device_kind="NVIDIA H200", device_cls="hopper-132sm")
-    assert source == tuning.SOURCE_SHIPPED and config.consumer_grid == {16: 12}.get(grid, grid)
+    assert source == tuning.SOURCE_SHIPPED and config.consumer_grid == w4_grid
     # Not measured: W=8, float32, another SM count, another GPU.
     assert tuning.lookup(*shape, 8, jnp.bfloat16, device_kind="NVIDIA H200", device_cls="hopper-132sm") is None
     assert tuning.lookup(*shape, 2, jnp.float32, device_kind="NVIDIA H200", device_cls="hopper-132sm") is None
@@ -321,21 +322,28 @@ def test_tune_refuses_an_axis_of_size_one():
 def test_default_candidates():
     h = heuristic_config(8192, 8192, 1024, 2, jnp.bfloat16)
     c = tuning.default_candidates(8192, 8192, 1024, 2, jnp.bfloat16, sm_count=132)
-    assert c[0] == h and len(c) == len(set(c)) and len(c) <= 10
-    # The split tail and raster groups of 16 rows are tried once each, at the heuristic's budget;
-    # everything else keeps the default.
-    assert [x for x in c if x.split_tail] == [dataclasses.replace(h, split_tail=True)] and not h.split_tail
-    assert [x for x in c if x.raster_rows != h.raster_rows] == [dataclasses.replace(h, raster_rows=16)]
-    # A partition of 8 tile rows or fewer: 16-row groups would be the same order, so not tried.
-    assert {x.raster_rows for x in tuning.default_candidates(2048, 8192, 1024, 2, jnp.bfloat16, sm_count=132)} == {8}
-    assert {x.consumer_grid for x in c} == {4, 8, 12, 16, 20, 24, 32} | {h.consumer_grid}
-    assert {x.block_n for x in c} == {256} and {x.consumer_block for x in c} == {512}
+    assert c[0] == h and len(c) == len(set(c))
+    # Stage 1 varies the budget only; the producer keeps the heuristic's order and no split.
+    assert {x.consumer_grid for x in c} == set(tuning.TUNE_BUDGETS) | {h.consumer_grid}
+    assert {(x.block_n, x.consumer_block, x.raster_rows, x.split_tail) for x in c} == {(256, 512, 8, False)}
     assert all(x.producer_sms + x.consumer_grid == 132 for x in c)
     # N not a multiple of 256: the heuristic's 128-wide block throughout.
     assert {x.block_n for x in tuning.default_candidates(8192, 8320, 1024, 2, jnp.bfloat16, sm_count=132)} == {128}
     # A small partition: budgets capped at its blocks (2 rows x 2 blocks of 256), duplicates dropped.
     small = tuning.default_candidates(512, 512, 64, 2, jnp.bfloat16, sm_count=132)
     assert len(small) == len(set(small)) and max(x.consumer_grid for x in small) == 4
+
+
+def test_refined_candidates():
+    best = GemmRsConfig(block_n=256, producer_sms=108, consumer_grid=24)
+    r = tuning.refined_candidates(best, 8192, 2)
+    # The winner first, then the split tail and 16-row raster groups at the winning budget.
+    assert r == [best, dataclasses.replace(best, split_tail=True), dataclasses.replace(best, raster_rows=16)]
+    # A partition of 8 tile rows or fewer: 16-row groups would be the same order, so not tried.
+    assert tuning.refined_candidates(best, 2048, 2) == [best, dataclasses.replace(best, split_tail=True)]
+    # A winner that already splits: no duplicate.
+    split = dataclasses.replace(best, split_tail=True)
+    assert tuning.refined_candidates(split, 2048, 2) == [split]
 
 
 def test_tune_loop_on_cpu_with_stubbed_fused_build(monkeypatch, caplog):
@@ -378,3 +386,23 @@ def test_tune_loop_on_cpu_with_stubbed_fused_build(monkeypatch, caplog):
     # The winners are what gemm_rs picks next on this (CPU) device kind.
     config, source = tuning.select_config(64, 128, 32, 2, jnp.bfloat16)
     assert source == tuning.SOURCE_USER and config == result[(64, 128, 32)][0]
+
+
+def test_tune_two_stages_on_cpu_with_stubbed_timing(monkeypatch):
+    # Default candidates: stage 1 picks a budget, stage 2 times the winner again beside its split
+    # and 16-row raster variants; the fastest of stage 2 is stored. Timing and build are stubbed.
+    slow = GemmRsConfig(block_n=256, producer_sms=116, consumer_grid=16)
+    fast = GemmRsConfig(block_n=256, producer_sms=108, consumer_grid=24)
+    rounds = iter([{0: 2.0, 1: 1.0}, {0: 1.0, 1: 0.9, 2: 1.1}])
+    monkeypatch.setattr(tuning, "default_candidates", lambda *a, **k: [slow, fast])
+    monkeypatch.setattr(tuning, "_unavailable", lambda *a: None)
+    monkeypatch.setattr(tuning, "_build", lambda mesh, axis_name, config, x, w: (tuning._compile(
+        mesh, axis_name, lambda x, w: gemm_rs(x, w, axis_name=axis_name, config=GemmRsConfig(path="xla")), x, w)[1], None))
+    monkeypatch.setattr(entwine_jax.bench, "time_interleaved", lambda programs, *a: next(rounds))
+    best, ms, trials = entwine_jax.tune(mesh(), "tp", [(4096, 128, 32)], iters=2, warmup=1)[(4096, 128, 32)]
+    assert best == dataclasses.replace(fast, split_tail=True) and ms == 0.9
+    assert [(t["stage"], t["config"]) for t in trials] == [
+        (1, slow), (1, fast), (2, fast), (2, dataclasses.replace(fast, split_tail=True)),
+        (2, dataclasses.replace(fast, raster_rows=16))]
+    doc = json.loads(tuning.cache_path().read_text())
+    assert doc["entries"][0]["config"]["split_tail"] is True
