@@ -15,8 +15,12 @@ for tool in memcheck racecheck synccheck; do
   [ $tool = racecheck ] && mode=sequential
   timeout ${ENTWINE_SANITIZE_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 9 "$HARNESS" sanitize $mode >"$log" 2>&1
   rc=$?
-  tail -4 "$log"
-  [ $rc -eq 0 ] || status=1
+  if [ $rc -eq 0 ]; then
+    tail -4 "$log"
+  else  # the first reports in full: where, which kernel, which accesses
+    grep -v '^PASS' "$log" | head -60
+    status=1
+  fi
 done
 echo "sanitize: $([ $status -eq 0 ] && echo clean || echo ERRORS)"
 exit $status
