@@ -114,7 +114,7 @@ def test_xla_reasons_before_asking_fused(fake, capsys, monkeypatch, kwargs, dtyp
     monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
     run(dtype=dtype, sd=sd, **kwargs)
     assert not fake.reason_calls and not fake.local_calls
-    assert f"path=xla" in (err := capsys.readouterr().err) and f"reason: {reason}" in err
+    assert "path=xla" in (err := capsys.readouterr().err) and f"reason: {reason}" in err
 
 
 def test_axis_of_size_one_takes_xla_path_unless_fused_is_asked(fake, capsys, monkeypatch):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from entwine_jax import GemmRsConfig, gemm_rs
+from entwine_jax import gemm_rs
 
 
 def trace(x_shape, w_shape, x_dtype=jnp.bfloat16, w_dtype=None, world=4, **kwargs):
