@@ -310,14 +310,27 @@ def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Opti
     return out
 
 
-def refined_candidates(best: GemmRsConfig, m: int, world: int) -> list:
-    """Stage 2 of tune(): stage 1's winner, then the same config with the producer's split tail,
-    and with raster groups of 16 tile rows where a partition has more than 8. Both change the
-    producer only, so they are tried at the budget that won (the producer alone: the split is 2-3%
-    faster where the last wave is nearly empty, PERF.md v11; r16 1-3% faster at K = 1024 and
-    0.3-1.6% slower at K >= 2048, v13; end to end each won on some suite shapes, v16)."""
+def _split_applies(m: int, n: int, k: int, world: int, config: GemmRsConfig) -> bool:
+    """Whether split_tail=True changes the producer's schedule of a row scatter: the rule of
+    producer_schedule() in ffi/launch.cu (keep the two in step). Elsewhere the flag runs the same
+    kernel schedule as without it."""
+    num_blocks = world * (m // world // 128) * (n // config.block_n)
+    grid = config.producer_sms if 0 < config.producer_sms < num_blocks else num_blocks
+    remainder, k_tiles = num_blocks % grid, -(-k // 64)
+    return (grid < num_blocks and grid - 1 <= 160 and remainder != 0
+            and (grid - remainder) * k_tiles >= 16 * grid)
+
+
+def refined_candidates(best: GemmRsConfig, m: int, n: int, k: int, world: int) -> list:
+    """Stage 2 of tune(): stage 1's winner, then the same config with the producer's split tail
+    where it changes the schedule, and with raster groups of 16 tile rows where a partition has
+    more than 8. Both change the producer only, so they are tried at the budget that won (the
+    producer alone: the split is 2-3% faster where the last wave is nearly empty, PERF.md v11; r16
+    1-3% faster at K = 1024 and 0.3-1.6% slower at K >= 2048, v13; end to end each won on some
+    suite shapes, v16)."""
     out = [best]
-    for variant in (dataclasses.replace(best, split_tail=True),
+    split = dataclasses.replace(best, split_tail=True)
+    for variant in (split if _split_applies(m, n, k, world, split) else None,
                     dataclasses.replace(best, raster_rows=16) if m // world // 128 > best.raster_rows else None):
         if variant is not None and variant not in out:
             out.append(variant)
@@ -527,7 +540,7 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
         if candidates is None:
             # Stage 2: the producer variants at the winning budget, timed again beside the winner
             # (every process has the same stage-1 times, so the same winner and the same round).
-            refined = refined_candidates(min(timed, key=lambda t: t["ms"])["config"], shape[0], world)
+            refined = refined_candidates(min(timed, key=lambda t: t["ms"])["config"], *shape, world)
             if len(refined) > 1:
                 stage2 = run_round(refined, 2)
                 trials += stage2

@@ -75,6 +75,8 @@ def test_shipped_table_parses_and_validates(monkeypatch):
             assert "not measured" in e["note"]
         assert (config.block_n, config.consumer_block, config.path) == (256, 512, "auto")
         assert config.raster_rows in (8, 16) and config.split_tail in (False, True)
+        # A split flag that would not change the producer's schedule is never stored.
+        assert not config.split_tail or tuning._split_applies(e["m"], e["n"], e["k_local"], e["world"], config)
         assert config.producer_sms + config.consumer_grid == 132
     assert {k[1] for k in keys} == {2, 4}  # no invented W=8 entries
     assert len(keys) == 32 and {k[5] for k in keys} == {"bfloat16", "float16"}
@@ -335,15 +337,24 @@ def test_default_candidates():
 
 
 def test_refined_candidates():
-    best = GemmRsConfig(block_n=256, producer_sms=108, consumer_grid=24)
-    r = tuning.refined_candidates(best, 8192, 2)
+    best = GemmRsConfig(block_n=256, producer_sms=124, consumer_grid=8)
+    # 16384x8192x3584, W=2: 2 x 64 x 32 = 4096 blocks on 124 CTAs leave 4 of them in the last wave,
+    # 120 CTAs idle for 56 k-tiles each: the split applies (producer_schedule in ffi/launch.cu).
+    r = tuning.refined_candidates(best, 16384, 8192, 3584, 2)
     # The winner first, then the split tail and 16-row raster groups at the winning budget.
     assert r == [best, dataclasses.replace(best, split_tail=True), dataclasses.replace(best, raster_rows=16)]
     # A partition of 8 tile rows or fewer: 16-row groups would be the same order, so not tried.
-    assert tuning.refined_candidates(best, 2048, 2) == [best, dataclasses.replace(best, split_tail=True)]
+    assert tuning.refined_candidates(best, 2048, 8192, 3584, 2) == [best, dataclasses.replace(best, split_tail=True)]
     # A winner that already splits: no duplicate.
     split = dataclasses.replace(best, split_tail=True)
-    assert tuning.refined_candidates(split, 2048, 2) == [split]
+    assert tuning.refined_candidates(split, 2048, 8192, 3584, 2) == [split]
+    # 4096x8192x1024 on 100 CTAs: 1024 blocks leave 24 in the last wave, 76 CTAs idle for 16 k-tiles
+    # each (< 16 per CTA of the grid on average): the split would run the same schedule, not tried.
+    wide = GemmRsConfig(block_n=256, producer_sms=100, consumer_grid=32)
+    assert tuning.refined_candidates(wide, 4096, 8192, 1024, 2) == [wide, dataclasses.replace(wide, raster_rows=16)]
+    # Whole waves (no remainder) and grids of more than 161 CTAs never split.
+    assert not tuning._split_applies(4096, 8192, 1024, 2, dataclasses.replace(wide, producer_sms=128, split_tail=True))
+    assert not tuning._split_applies(16384, 8192, 3584, 2, GemmRsConfig(block_n=256, producer_sms=0, split_tail=True))
 
 
 def test_tune_loop_on_cpu_with_stubbed_fused_build(monkeypatch, caplog):
@@ -399,6 +410,8 @@ def test_tune_two_stages_on_cpu_with_stubbed_timing(monkeypatch):
     monkeypatch.setattr(tuning, "_build", lambda mesh, axis_name, config, x, w: (tuning._compile(
         mesh, axis_name, lambda x, w: gemm_rs(x, w, axis_name=axis_name, config=GemmRsConfig(path="xla")), x, w)[1], None))
     monkeypatch.setattr(entwine_jax.bench, "time_interleaved", lambda programs, *a: next(rounds))
+    # A small shape for the CPU, on which the split is taken to change the schedule.
+    monkeypatch.setattr(tuning, "_split_applies", lambda *a: True)
     best, ms, trials = entwine_jax.tune(mesh(), "tp", [(4096, 128, 32)], iters=2, warmup=1)[(4096, 128, 32)]
     assert best == dataclasses.replace(fast, split_tail=True) and ms == 0.9
     assert [(t["stage"], t["config"]) for t in trials] == [
