@@ -310,15 +310,22 @@ def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Opti
     return out
 
 
+# The producer's split rule, from ffi/gemm_rs.h and ffi/launch.cu (keep in step): k-tiles of
+# kProducerBlockK, at most kSplitSlots + 1 CTAs, and a split only when the CTAs the partial last
+# wave leaves idle average at least kSplitMinIdleKTiles k-tiles per CTA of the grid.
+_PRODUCER_BLOCK_K = 64
+_SPLIT_SLOTS = 160
+_SPLIT_MIN_IDLE_K_TILES = 16
+
+
 def _split_applies(m: int, n: int, k: int, world: int, config: GemmRsConfig) -> bool:
-    """Whether split_tail=True changes the producer's schedule of a row scatter: the rule of
-    producer_schedule() in ffi/launch.cu (keep the two in step). Elsewhere the flag runs the same
-    kernel schedule as without it."""
+    """Whether split_tail=True changes the producer's schedule of a row scatter (producer_schedule()
+    in ffi/launch.cu); elsewhere the flag runs the same schedule as without it."""
     num_blocks = world * (m // world // 128) * (n // config.block_n)
     grid = config.producer_sms if 0 < config.producer_sms < num_blocks else num_blocks
-    remainder, k_tiles = num_blocks % grid, -(-k // 64)
-    return (grid < num_blocks and grid - 1 <= 160 and remainder != 0
-            and (grid - remainder) * k_tiles >= 16 * grid)
+    remainder, k_tiles = num_blocks % grid, -(-k // _PRODUCER_BLOCK_K)
+    return (grid < num_blocks and grid - 1 <= _SPLIT_SLOTS and remainder != 0
+            and (grid - remainder) * k_tiles >= _SPLIT_MIN_IDLE_K_TILES * grid)
 
 
 def refined_candidates(best: GemmRsConfig, m: int, n: int, k: int, world: int) -> list:
@@ -330,10 +337,11 @@ def refined_candidates(best: GemmRsConfig, m: int, n: int, k: int, world: int) -
     suite shapes, v16)."""
     out = [best]
     split = dataclasses.replace(best, split_tail=True)
-    for variant in (split if _split_applies(m, n, k, world, split) else None,
-                    dataclasses.replace(best, raster_rows=16) if m // world // 128 > best.raster_rows else None):
-        if variant is not None and variant not in out:
-            out.append(variant)
+    if split != best and _split_applies(m, n, k, world, split):
+        out.append(split)
+    wide_raster = dataclasses.replace(best, raster_rows=16)
+    if wide_raster != best and m // world // 128 > best.raster_rows:
+        out.append(wide_raster)
     return out
 
 
