@@ -448,7 +448,7 @@ def _max_over_processes(values: list) -> list:
     return [float(v) for v in np.max(gathered.reshape(jax.process_count(), -1), axis=0)]
 
 
-def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: int = 50, warmup: int = 10,
+def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: int = 200, warmup: int = 10,
          cache_path=None) -> dict:
     """Time candidate configs of the fused gemm_rs (scatter over rows) on `mesh`; store each winner.
 
@@ -460,7 +460,9 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
                 refined_candidates() (stage 1's winner, with the split tail, with 16-row raster
                 groups), timed again together; the winner is the fastest of stage 2.
     iters, warmup: timed calls (median of batches of back-to-back dispatches, as bench.py) and
-                warm-ups per candidate.
+                warm-ups per candidate. Identical programs read up to 2.3% (fused op) and 5.2% (XLA's
+                GEMM) apart at 50 calls and at most 0.9% at 200 (one H200, scripts/timing_spread.py,
+                PERF.md v17): fewer calls cannot tell the candidates' few-% differences apart.
     cache_path: the user cache to merge the winners into (default: cache_path()).
 
     Each candidate is checked once against the XLA reference (relative error <= 1e-2); a wrong
@@ -584,7 +586,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", type=parse_shapes, default=DESIGN_SUITE,
                    help="comma-separated MxNxK_local (default: the design suite)")
     p.add_argument("--dtype", choices=_DTYPE_NAMES, default="bfloat16")
-    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--iters", type=int, default=200, help="timed calls per candidate (see tune())")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--cache", help="user cache to merge the winners into (default: ENTWINE_TUNE_CACHE or "
                                     "~/.cache/entwine_jax/tuned.json)")
