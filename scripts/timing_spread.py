@@ -1,34 +1,39 @@
 # How far apart do identical programs read under bench.time_interleaved, the timing of the bench and
 # of tune()? Times `copies` copies of one program, each compiled on its own, in interleaved rounds,
-# and prints the spread (slowest / fastest - 1) of each repetition: for XLA's GEMM and for the fused
-# op on one GPU (W = 1, path="fused"). A spread is the smallest difference those tools can resolve.
-# Usage: python scripts/timing_spread.py [copies]   (one GPU is enough; docs/PERF.md v17)
+# and prints the spread (slowest / fastest - 1) of each repetition: gemm_rs on the XLA path and on
+# the fused path, over the first W local GPUs (W = 1: XLA's GEMM, and the fused kernels with
+# path="fused"). A spread is the smallest difference those tools can resolve.
+# Usage: python scripts/timing_spread.py [copies] [W]   (docs/PERF.md v17)
 import sys
 
 import jax
 import jax.numpy as jnp
 
 import entwine_jax
-from entwine_jax import GemmRsConfig, tuning
+from entwine_jax import GemmRsConfig, gemm_rs, tuning
 from entwine_jax.bench import time_interleaved
 
 copies = int(sys.argv[1]) if len(sys.argv) > 1 else 6
-mesh = jax.make_mesh((1,), ("tp",), devices=jax.local_devices()[:1])
+world = min(int(sys.argv[2]) if len(sys.argv) > 2 else 1, len(jax.local_devices()))
+mesh = jax.make_mesh((world,), ("tp",), devices=jax.local_devices()[:world])
 entwine_jax.setup(mesh, "tp")
-fused = GemmRsConfig(block_n=256, producer_sms=116, consumer_grid=16, raster_rows=8, path="fused")
+configs = {"XLA path": GemmRsConfig(path="xla"),
+           "fused": GemmRsConfig(block_n=256, producer_sms=116, consumer_grid=16, raster_rows=8, path="fused")}
 for shape, dtype in [((8192, 8192, 1024), jnp.bfloat16), ((16384, 16384, 6656), jnp.float16)]:
-    x, w = tuning._inputs(mesh, "tp", shape, 1, dtype, seed=0)
-    makers = {
-        "XLA dot": lambda: tuning._compile(mesh, "tp", lambda x, w: jnp.dot(x, w), x, w)[1],
-        "fused W=1": lambda: tuning._build(mesh, "tp", fused, x, w)[0],
-    }
-    for kind, make in makers.items():
-        programs = {c: (make(), (x, w)) for c in range(copies)}
-        if programs[0][0] is None:
+    x, w = tuning._inputs(mesh, "tp", shape, world, dtype, seed=0)
+    for kind, config in configs.items():
+        make = lambda: tuning._compile(mesh, "tp", lambda x, w: gemm_rs(x, w, axis_name="tp", config=config), x, w)
+        programs = {}
+        for c in range(copies):
+            text, compiled = make()
+            if kind == "fused" and tuning._FUSED_TARGET not in text:
+                break
+            programs[c] = (compiled, (x, w))
+        if not programs:
             print(f"{kind}: the fused path does not run here")
             continue
         for iters, batch in [(50, 10), (50, 10), (50, 10), (200, 10), (200, 2)]:
             ms = time_interleaved(programs, iters, 10, batch)
             lo, hi = min(ms.values()), max(ms.values())
-            print(f"{'x'.join(map(str, shape))} {jnp.dtype(dtype).name} {kind:9s} iters {iters:3d} batch {batch:2d}: "
+            print(f"W={world} {'x'.join(map(str, shape))} {jnp.dtype(dtype).name} {kind:8s} iters {iters:3d} batch {batch:2d}: "
                   f"spread {100 * (hi / lo - 1):4.1f}% | " + " ".join(f"{ms[c]:.4f}" for c in range(copies)), flush=True)
