@@ -448,6 +448,22 @@ def _max_over_processes(values: list) -> list:
     return [float(v) for v in np.max(gathered.reshape(jax.process_count(), -1), axis=0)]
 
 
+# Identical programs read up to 0.9% apart at 200 timed calls (one H200, PERF.md v17): a lead below
+# this is not a measured difference.
+_RESOLUTION = 0.01
+
+
+def runner_up_margin(trials):
+    """How far the fastest timed trial of the deciding round (the last stage that timed any) leads
+    the next one of that round: second / first - 1; None with fewer than two timed trials."""
+    timed = [t for t in trials if t["ms"] is not None]
+    if not timed:
+        return None
+    stage = max(t["stage"] for t in timed)
+    ms = sorted(t["ms"] for t in timed if t["stage"] == stage)
+    return ms[1] / ms[0] - 1 if len(ms) > 1 else None
+
+
 def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: int = 200, warmup: int = 10,
          cache_path=None) -> dict:
     """Time candidate configs of the fused gemm_rs (scatter over rows) on `mesh`; store each winner.
@@ -600,7 +616,12 @@ def main(argv=None) -> int:
         print(f"python -m entwine_jax tune: {e}", file=sys.stderr)
         return 2
     for (m, n, k), (best, ms, trials) in results.items():
-        print(f"{m}x{n}x{k}: best {best} {'%.3f ms' % ms if ms is not None else ''}")
+        margin = runner_up_margin(trials)
+        ahead = f" ({100 * margin:.1f}% ahead of the next in its round)" if margin is not None else ""
+        print(f"{m}x{n}x{k}: best {best} {'%.3f ms' % ms if ms is not None else ''}{ahead}")
+        if margin is not None and margin < _RESOLUTION:
+            print(f"    the winner leads by less than the timing resolves ({100 * _RESOLUTION:.0f}%): "
+                  f"the top candidates are equally good; more --iters narrows it")
         for t in trials:
             c = t["config"]
             what = f"{t['ms']:.3f} ms" if t["ms"] is not None else f"skipped: {t['skipped']}"

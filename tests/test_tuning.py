@@ -419,3 +419,18 @@ def test_tune_two_stages_on_cpu_with_stubbed_timing(monkeypatch):
         (2, dataclasses.replace(fast, raster_rows=16))]
     doc = json.loads(tuning.cache_path().read_text())
     assert doc["entries"][0]["config"]["split_tail"] is True
+    # The deciding round is stage 2: the winner (0.9 ms) leads the next of that round (1.0) by 11%.
+    assert tuning.runner_up_margin(trials) == pytest.approx(1.0 / 0.9 - 1)
+
+
+def test_runner_up_margin():
+    def trial(stage, ms):
+        return {"stage": stage, "ms": ms}
+
+    # The last stage that timed anything decides; untimed (skipped) trials do not count.
+    assert tuning.runner_up_margin([trial(1, 1.0), trial(1, 2.0), trial(2, 1.5), trial(2, 1.2), trial(2, None)]) \
+        == pytest.approx(1.5 / 1.2 - 1)
+    assert tuning.runner_up_margin([trial(1, 1.0), trial(1, 1.004), trial(2, None)]) == pytest.approx(0.004)
+    assert tuning.runner_up_margin([trial(1, 1.0)]) is None
+    assert tuning.runner_up_margin([trial(1, None)]) is None
+    assert tuning.runner_up_margin([]) is None
