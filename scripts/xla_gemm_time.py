@@ -1,9 +1,15 @@
 """Time XLA's own GEMM (jnp.dot, bf16 in/out, fp32 accumulation) on the design's suite shapes, one GPU.
 
-Per-call time = wall time of 20 back-to-back asynchronous calls / 20 (the GPU stays busy: the kernels
-are longer than dispatch), median of 15 batches after warm-up. Prints a table and writes JSON lines.
-Usage: python scripts/xla_gemm_time.py [out.jsonl]
+Default: per-call time = wall time of 20 back-to-back asynchronous calls / 20 (the GPU stays busy:
+the kernels are longer than dispatch), median of 15 batches after warm-up.
+--steady SECONDS: each shape alone, back to back for SECONDS after a 0.3 s ramp, two passes, the way
+`entwine_harness energy suite SECONDS` times the producer and cuBLASLt (the power cap's steady state):
+the host keeps two batches of ~20 ms queued and times the window between two batch completions.
+Prints a table (with the mean SM clock of the window, from NVML, where it loads) and writes JSON lines.
+Usage: python scripts/xla_gemm_time.py [--steady SECONDS] [out.jsonl]
 """
+import collections
+import ctypes
 import json
 import sys
 import time
@@ -29,18 +35,87 @@ def per_call_ms(fn, *args, batch=20, batches=15):
     return float(np.median(times))
 
 
+def sm_clock_reader():
+    """A function returning the SM clock of GPU 0 in MHz through NVML, or None without NVML."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle = ctypes.c_void_p()
+        if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) != 0:
+            return None
+    except OSError:
+        return None
+    mhz = ctypes.c_uint()
+
+    def read():
+        nvml.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(mhz))  # 1: NVML_CLOCK_SM
+        return mhz.value
+    return read
+
+
+def steady_ms(fn, x, w, seconds, clock, ramp=0.3):
+    """ms per call over a window of `seconds` after `ramp`, calls back to back; and the mean SM MHz."""
+    batch = max(1, int(20.0 / per_call_ms(fn, x, w, batch=5, batches=3)))
+    queued = collections.deque()
+    launched = 0
+    marks = []  # (host time at a batch's completion, calls completed by then)
+    mhz = []
+    start = time.perf_counter()
+    while True:
+        for _ in range(batch):
+            y = fn(x, w)
+        launched += batch
+        queued.append((y, launched))
+        if len(queued) < 2:
+            continue
+        # Block on the older batch while the newer one keeps the GPU busy.
+        y_old, done = queued.popleft()
+        y_old.block_until_ready()
+        now = time.perf_counter()
+        if now - start < ramp:
+            continue
+        marks.append((now, done))
+        if clock:
+            mhz.append(clock())
+        if now - marks[0][0] >= seconds:
+            break
+    for y_old, _ in queued:
+        y_old.block_until_ready()
+    (t0, n0), (t1, n1) = marks[0], marks[-1]
+    return (t1 - t0) * 1e3 / (n1 - n0), (float(np.mean(mhz)) if mhz else float("nan"))
+
+
 def main():
-    out = open(sys.argv[1], "w") if len(sys.argv) > 1 else None
+    args = sys.argv[1:]
+    steady = None
+    if args[:1] == ["--steady"]:
+        steady = float(args[1])
+        args = args[2:]
+    out = open(args[0], "w") if args else None
     dot = jax.jit(lambda x, w: jnp.dot(x, w))
-    print(f"{jax.devices()[0].device_kind}: XLA jnp.dot bf16")
+    inputs = {}
     for m, n, k in SUITE:
         kx, kw = jax.random.split(jax.random.key(m + n + k))
-        x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-        w = jax.random.normal(kw, (k, n), jnp.bfloat16)
-        ms = per_call_ms(dot, x, w)
-        print(f"{m:6d} {n:6d} {k:5d}  {ms:8.3f} ms  {2 * m * n * k / ms / 1e9:6.0f} TF/s")
+        inputs[m, n, k] = (jax.random.normal(kx, (m, k), jnp.bfloat16), jax.random.normal(kw, (k, n), jnp.bfloat16))
+    if steady is None:
+        print(f"{jax.devices()[0].device_kind}: XLA jnp.dot bf16")
+        for (m, n, k), (x, w) in inputs.items():
+            ms = per_call_ms(dot, x, w)
+            print(f"{m:6d} {n:6d} {k:5d}  {ms:8.3f} ms  {2 * m * n * k / ms / 1e9:6.0f} TF/s")
+            if out:
+                out.write(json.dumps({"kind": "xla_gemm", "m": m, "n": n, "k": k, "ms": ms}) + "\n")
+        return
+    clock = sm_clock_reader()
+    print(f"{jax.devices()[0].device_kind}: XLA jnp.dot bf16, each shape alone for {steady:.1f} s after a 0.3 s ramp, "
+          "two passes; ms per call (mean of the passes), SM MHz")
+    passes = [{shape: steady_ms(dot, x, w, steady, clock) for shape, (x, w) in inputs.items()} for _ in range(2)]
+    for shape in inputs:
+        m, n, k = shape
+        ms = (passes[0][shape][0] + passes[1][shape][0]) / 2
+        mhz = (passes[0][shape][1] + passes[1][shape][1]) / 2
+        print(f"{m:6d} {n:6d} {k:5d}  {ms:8.4f} ms  ({passes[0][shape][0]:.4f}, {passes[1][shape][0]:.4f})  {mhz:5.0f} MHz")
         if out:
-            out.write(json.dumps({"kind": "xla_gemm", "m": m, "n": n, "k": k, "ms": ms}) + "\n")
+            out.write(json.dumps({"kind": "xla_gemm_steady", "m": m, "n": n, "k": k, "ms": ms,
+                                  "passes_ms": [p[shape][0] for p in passes], "sm_mhz": mhz}) + "\n")
 
 
 if __name__ == "__main__":
