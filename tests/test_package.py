@@ -46,3 +46,28 @@ def test_example_runs():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().endswith("OK")
+
+
+def _guarded_compile(script):
+    """Runs cmake/wgmma_guard.sh with a stand-in compiler (a bash script) and returns the result."""
+    guard = REPO / "cmake" / "wgmma_guard.sh"
+    if not guard.exists():
+        pytest.skip("no cmake/wgmma_guard.sh next to the tests")
+    return subprocess.run(["bash", str(guard), "bash", "-c", script], capture_output=True, text=True)
+
+
+def test_wgmma_guard_fails_a_serialized_compile():
+    # ptxas's own line (CUDA 13.0), printed as info with -Xptxas=-v: the build must stop on it.
+    info = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+            "due to non wgmma instructions reading accumulator registers of a wgmma between start and end of "
+            "the pipeline stage in the function 'k'")
+    result = _guarded_compile(f'echo "{info}" >&2')
+    assert result.returncode == 1
+    assert "(C7514)" in result.stderr and "ptxas serialized wgmma" in result.stderr
+
+
+def test_wgmma_guard_passes_clean_and_failing_compiles_through():
+    clean = _guarded_compile('echo "ptxas info    : Used 168 registers, used 16 barriers" >&2')
+    assert clean.returncode == 0 and "Used 168 registers" in clean.stderr
+    broken = _guarded_compile('echo "producer.cuh(42): error: expected a ;" >&2; exit 2')
+    assert broken.returncode == 2 and "expected a ;" in broken.stderr
