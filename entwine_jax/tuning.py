@@ -310,9 +310,9 @@ def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Opti
     return out
 
 
-# The producer's split rule, from ffi/gemm_rs.h and ffi/launch.cu (keep in step): k-tiles of
-# kProducerBlockK, at most kSplitSlots + 1 CTAs, and a split only when the CTAs the partial last
-# wave leaves idle average at least kSplitMinIdleKTiles k-tiles per CTA of the grid.
+# The producer's split rule, from ffi/gemm_rs.h and ffi/launch.cu (a CPU test checks that the
+# constants agree): k-tiles of kProducerBlockK, at most kSplitSlots + 1 CTAs, and a split only when
+# the CTAs the partial last wave leaves idle average at least kSplitMinIdleKTiles k-tiles per CTA.
 _PRODUCER_BLOCK_K = 64
 _SPLIT_SLOTS = 160
 _SPLIT_MIN_IDLE_K_TILES = 16
