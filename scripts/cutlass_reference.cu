@@ -8,7 +8,9 @@
 //     -I<cutlass>/include -I<cutlass>/tools/util/include -DPINGPONG=1 -DCLUSTER_M=2 -DTILE_N=128 \
 //     scripts/cutlass_reference.cu -o cutlass_pp_2x1
 // (<cutlass> = the nvidia-cutlass wheel's cutlass_library/source). PINGPONG=0 builds the cooperative
-// schedule; CLUSTER_M=2 pairs CTAs along M and multicasts w's tiles.
+// schedule; CLUSTER_M=2 pairs CTAs along M and multicasts w's tiles. TRANSPOSED=1 computes the same y
+// as y^T = w^T x^T (cuBLAS's view of row-major operands): the tile is TILE_M columns of y by TILE_N
+// rows, w is the M-major A operand and x the K-major B operand.
 #include <algorithm>
 #include <cstdio>
 #include <vector>
@@ -23,8 +25,26 @@
 
 using namespace cute;
 using Element = cutlass::bfloat16_t;
-using TileShape = Shape<_128, Int<TILE_N>, _64>;
-using ClusterShape = Shape<Int<CLUSTER_M>, _1, _1>;
+#ifndef TRANSPOSED
+#define TRANSPOSED 0
+#endif
+#ifndef TILE_M
+#define TILE_M 128
+#endif
+using TileShape = Shape<Int<TILE_M>, Int<TILE_N>, _64>;
+#if TRANSPOSED
+using LayoutA = cutlass::layout::ColumnMajor;  // w: [K, N] row-major is w^T [N, K] M-major
+using LayoutB = cutlass::layout::ColumnMajor;  // x: [M, K] row-major is x^T [K, M] K-major
+using LayoutD = cutlass::layout::ColumnMajor;  // y: [M, N] row-major is y^T [N, M] column-major
+#else
+using LayoutA = cutlass::layout::RowMajor;
+using LayoutB = cutlass::layout::RowMajor;
+using LayoutD = cutlass::layout::RowMajor;
+#endif
+#ifndef CLUSTER_N
+#define CLUSTER_N 1
+#endif
+using ClusterShape = Shape<Int<CLUSTER_M>, Int<CLUSTER_N>, _1>;
 #if PINGPONG
 using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
@@ -35,10 +55,10 @@ using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-    Element, cutlass::layout::RowMajor, 8, Element, cutlass::layout::RowMajor, 8, EpilogueSchedule>::CollectiveOp;
+    Element, LayoutD, 8, Element, LayoutD, 8, EpilogueSchedule>::CollectiveOp;
 using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-    Element, cutlass::layout::RowMajor, 8, Element, cutlass::layout::RowMajor, 8, float, TileShape, ClusterShape,
+    Element, LayoutA, 8, Element, LayoutB, 8, float, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
     KernelSchedule>::CollectiveOp;
 using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
@@ -56,7 +76,7 @@ __global__ void fill_random(Element* p, size_t n, uint32_t seed) {
 }
 
 int main() {
-  int const shapes[][3] = {{16384, 8192, 1024}, {8192, 8192, 1024}, {16384, 8192, 3584}, {16384, 16384, 2048}};
+  int const shapes[][3] = {{16384, 8192, 1024}, {8192, 8192, 1024}, {4096, 8192, 1024}, {16384, 16384, 2048}};
   for (auto const& s : shapes) {
     int const m = s[0], n = s[1], k = s[2];
     Element *x, *w, *y;
@@ -65,13 +85,20 @@ int main() {
     cudaMalloc(&y, size_t(m) * n * sizeof(Element));
     fill_random<<<1024, 256>>>(x, size_t(m) * k, 1);
     fill_random<<<1024, 256>>>(w, size_t(k) * n, 2);
-    auto stride_x = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(m, k, 1));
-    auto stride_w = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(n, k, 1));
-    auto stride_y = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(m, n, 1));
+#if TRANSPOSED
+    int const gm = n, gn = m;  // the GEMM's own M and N
+    Element *a = w, *b = x;
+#else
+    int const gm = m, gn = n;
+    Element *a = x, *b = w;
+#endif
+    auto stride_a = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(gm, k, 1));
+    auto stride_b = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(gn, k, 1));
+    auto stride_y = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(gm, gn, 1));
     cutlass::KernelHardwareInfo hw;
     hw.device_id = 0;
     hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
-    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm, {m, n, k, 1}, {x, stride_x, w, stride_w},
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm, {gm, gn, k, 1}, {a, stride_a, b, stride_b},
                                   {{1.0f, 0.0f}, y, stride_y, y, stride_y}, hw};
     Gemm gemm;
     void* workspace = nullptr;
@@ -105,8 +132,8 @@ int main() {
     cudaEventSynchronize(stop);
     float steady = 0;
     cudaEventElapsedTime(&steady, start, stop);
-    std::printf("%s 128x%d cluster %dx1 %dx%dx%d: %.4f ms batches, %.4f ms steady (%s)\n", PINGPONG ? "pingpong" : "cooperative",
-                TILE_N, CLUSTER_M, m, n, k, ms[ms.size() / 2], steady / timed, cudaGetErrorString(cudaGetLastError()));
+    std::printf("%s%s %dx%d cluster %dx%d %dx%dx%d: %.4f ms batches, %.4f ms steady (%s)\n", PINGPONG ? "pingpong" : "cooperative",
+                TRANSPOSED ? " transposed" : "", TILE_M, TILE_N, CLUSTER_M, CLUSTER_N, m, n, k, ms[ms.size() / 2], steady / timed, cudaGetErrorString(cudaGetLastError()));
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
     cudaFree(x);

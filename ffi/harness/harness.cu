@@ -8,8 +8,9 @@
 //   entwine_harness producer M N K block_n producer_sms raster_rows [plain]   (three launches, for ncu)
 //   entwine_harness energy M N K [seconds] [names]   steady-state time, board power and energy per
 //                                     GEMM of the producer and of every cuBLASLt algorithm
-//   entwine_harness energy suite [seconds]   the same on the design suite: order and flag costs and
-//                                     the ratio to cuBLASLt's fastest algorithm, one line per shape
+//   entwine_harness energy suite [seconds] [shapes]   the same on the design suite (its first
+//                                     `shapes` shapes): order and flag costs and the ratio to
+//                                     cuBLASLt's fastest algorithm, one line per shape
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <dlfcn.h>
@@ -723,9 +724,9 @@ std::vector<std::vector<SteadyState>> steady_passes(Nvml const& nv, std::vector<
 // Energy per GEMM under the power cap, each launcher alone in its steady state.
 //   energy M N K [seconds] [names]: the shipped producer, two variants that move more or fewer bytes
 //     and every cuBLASLt algorithm the heuristic offers (names: one launch of each, in order, for ncu);
-//   energy suite [seconds]: DESIGN.md's suite, the producer without and with the interleaved order
-//     and the flags (and with raster groups of 16 rows) against cuBLASLt's fastest algorithm, one
-//     line per shape.
+//   energy suite [seconds] [shapes]: DESIGN.md's suite (its first `shapes` shapes, when given; passed
+//     in m), the producer without and with the interleaved order and the flags (and with raster
+//     groups of 16 rows) against cuBLASLt's fastest algorithm, one line per shape.
 int energy_main(bool suite, int m, int n, int k, double seconds, bool names_only) {
   CHECK_CUDA(prepare_kernels());
   Nvml const* nv = names_only ? nullptr : Nvml::load();
@@ -744,7 +745,9 @@ int energy_main(bool suite, int m, int n, int k, double seconds, bool names_only
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   int const sms = prop.multiProcessorCount;
   std::vector<std::array<int, 3>> const shapes =
-      suite ? std::vector<std::array<int, 3>>(std::begin(kDesignSuite), std::end(kDesignSuite))
+      suite ? std::vector<std::array<int, 3>>(std::begin(kDesignSuite),
+                                              m > 0 && m < int(std::size(kDesignSuite)) ? std::begin(kDesignSuite) + m
+                                                                                       : std::end(kDesignSuite))
             : std::vector<std::array<int, 3>>{{m, n, k}};
   struct Variant {
     char const* name;
@@ -1021,7 +1024,7 @@ int main(int argc, char** argv) {
   if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
   if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
   if (mode == "energy" && argc >= 3 && std::string(argv[2]) == "suite") {
-    return energy_main(true, 0, 0, 0, argc > 3 ? std::atof(argv[3]) : 1.0, false);
+    return energy_main(true, argc > 4 ? std::atoi(argv[4]) : 0, 0, 0, argc > 3 ? std::atof(argv[3]) : 1.0, false);
   }
   if (mode == "energy" && argc >= 5) {
     return energy_main(false, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]),
@@ -1030,6 +1033,6 @@ int main(int argc, char** argv) {
   std::fprintf(stderr,
                "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
                "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n"
-               "       entwine_harness energy M N K [seconds] [names] | energy suite [seconds]\n");
+               "       entwine_harness energy M N K [seconds] [names] | energy suite [seconds] [shapes]\n");
   return 2;
 }
