@@ -359,7 +359,6 @@ def test_refined_candidates():
     assert not tuning._split_applies(16384, 8192, 3584, 2, GemmRsConfig(block_n=256, producer_sms=0, split_tail=True))
 
 
-
 def test_split_rule_constants_match_the_producer():
     # tuning._split_applies restates producer_schedule()'s rule in Python: its constants must be the C++ ones.
     ffi = pathlib.Path(__file__).resolve().parents[1] / "ffi"
@@ -373,6 +372,7 @@ def test_split_rule_constants_match_the_producer():
     assert constant("kProducerBlockK") == tuning._PRODUCER_BLOCK_K
     assert constant("kSplitSlots") == tuning._SPLIT_SLOTS
     assert constant("kSplitMinIdleKTiles") == tuning._SPLIT_MIN_IDLE_K_TILES
+
 
 def test_tune_loop_on_cpu_with_stubbed_fused_build(monkeypatch, caplog):
     # The real fused path cannot run here: stub the availability and the build (the reference

@@ -724,10 +724,10 @@ std::vector<std::vector<SteadyState>> steady_passes(Nvml const& nv, std::vector<
 // Energy per GEMM under the power cap, each launcher alone in its steady state.
 //   energy M N K [seconds] [names]: the shipped producer, two variants that move more or fewer bytes
 //     and every cuBLASLt algorithm the heuristic offers (names: one launch of each, in order, for ncu);
-//   energy suite [seconds] [shapes]: DESIGN.md's suite (its first `shapes` shapes, when given; passed
-//     in m), the producer without and with the interleaved order and the flags (and with raster
-//     groups of 16 rows) against cuBLASLt's fastest algorithm, one line per shape.
-int energy_main(bool suite, int m, int n, int k, double seconds, bool names_only) {
+//   energy suite [seconds] [shapes]: DESIGN.md's suite (or its first `shapes` shapes), the producer
+//     without and with the interleaved order and the flags (and with raster groups of 16 rows)
+//     against cuBLASLt's fastest algorithm, one line per shape.
+int energy_main(bool suite, std::vector<std::array<int, 3>> const& shapes, double seconds, bool names_only) {
   CHECK_CUDA(prepare_kernels());
   Nvml const* nv = names_only ? nullptr : Nvml::load();
   if (!names_only && !nv) {
@@ -744,11 +744,6 @@ int energy_main(bool suite, int m, int n, int k, double seconds, bool names_only
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   int const sms = prop.multiProcessorCount;
-  std::vector<std::array<int, 3>> const shapes =
-      suite ? std::vector<std::array<int, 3>>(std::begin(kDesignSuite),
-                                              m > 0 && m < int(std::size(kDesignSuite)) ? std::begin(kDesignSuite) + m
-                                                                                       : std::end(kDesignSuite))
-            : std::vector<std::array<int, 3>>{{m, n, k}};
   struct Variant {
     char const* name;
     int block_n, raster_rows;
@@ -1024,10 +1019,13 @@ int main(int argc, char** argv) {
   if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
   if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
   if (mode == "energy" && argc >= 3 && std::string(argv[2]) == "suite") {
-    return energy_main(true, argc > 4 ? std::atoi(argv[4]) : 0, 0, 0, argc > 3 ? std::atof(argv[3]) : 1.0, false);
+    int const count = argc > 4 ? std::atoi(argv[4]) : 0;
+    auto const end = count > 0 && count < int(std::size(kDesignSuite)) ? std::begin(kDesignSuite) + count
+                                                                        : std::end(kDesignSuite);
+    return energy_main(true, {std::begin(kDesignSuite), end}, argc > 3 ? std::atof(argv[3]) : 1.0, false);
   }
   if (mode == "energy" && argc >= 5) {
-    return energy_main(false, std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]),
+    return energy_main(false, {{std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4])}},
                        argc > 5 ? std::atof(argv[5]) : 1.0, argc > 6 && std::string(argv[6]) == "names");
   }
   std::fprintf(stderr,
