@@ -11,8 +11,21 @@
 // schedule; CLUSTER_M=2 pairs CTAs along M and multicasts w's tiles. TRANSPOSED=1 computes the same y
 // as y^T = w^T x^T (cuBLAS's view of row-major operands): the tile is TILE_M columns of y by TILE_N
 // rows, w is the M-major A operand and x the K-major B operand.
+// ENTWINE=1 (with PINGPONG=1 TRANSPOSED=1 TILE_N=192, no cluster) keeps the stock ping-pong kernel and
+// adds the Entwine producer's two costs, to measure them on the core that passes 0.97x: a tile
+// scheduler that interleaves the W row partitions (raster groups of ENTWINE_RASTER block rows,
+// env, default 8), and an epilogue node whose end() publishes the block like the library's
+// producer (bulk-store completion, proxy fence, one system fence, relaxed system-scope flags; the
+// 128-row tile shared by a pair of 192-row blocks is published by the second of the pair through a
+// per-pair counter). Each shape runs six variants (PERF v20): plain raster, interleaved, interleaved
+// + flags, interleaved + flags published one block late, and interleaved with the store wait alone
+// or the wait and the system fence. W = 2; partition q's blocks are block rows [q*P, (q+1)*P),
+// P = ceil(M/2/192), so at M/2 = 8192 the last block of a partition straddles the next one: right
+// for timing, not a library layout. ENTWINE_STOCK_SCHEDULER=1 / ENTWINE_STOCK_FUSION=1 swap one of
+// the two pieces back to stock's.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include <cute/tensor.hpp>
@@ -25,6 +38,175 @@
 
 using namespace cute;
 using Element = cutlass::bfloat16_t;
+#ifndef ENTWINE
+#define ENTWINE 0
+#endif
+#if ENTWINE
+// What the scheduler and the publishing epilogue read: set with cudaMemcpyToSymbol before a run.
+struct EntwineRun {
+  int world, rank, raster, part_blocks, m_blocks;  // part_blocks: block rows (192 rows of y) per partition
+  int interleave, publish;
+  uint64_t epoch;
+  uint64_t* flags;     // one per 128x128 tile: [tile row][m block]
+  uint32_t* counters;  // one per pair of 192-row blocks: [pair][m block]
+};
+__constant__ EntwineRun kRun;
+
+// Logical block p -> its (m block, n block), in the Entwine order (see the scheduler below).
+__device__ void entwine_block_coord(int p, int& m_block, int& n_block) {
+  int const per_part = kRun.part_blocks * kRun.m_blocks;
+  int const q = kRun.interleave ? (p % kRun.world + kRun.rank + 1) % kRun.world : p / per_part;
+  int const i = kRun.interleave ? p / kRun.world : p % per_part;
+  int const per_group = kRun.raster * kRun.m_blocks, group = i / per_group, j = i % per_group;
+  int const rows = min(kRun.raster, kRun.part_blocks - group * kRun.raster);
+  m_block = j / rows;
+  n_block = q * kRun.part_blocks + group * kRun.raster + j % rows;
+}
+
+// The persistent scheduler with the Entwine order. The GEMM's M blocks are y's 128-column blocks, its
+// N blocks y's 192-row blocks. Block p goes to partition (p + rank + 1) mod W; inside a partition,
+// raster groups of `raster` block rows are walked column by column, rows fastest.
+class EntwineScheduler : public cutlass::gemm::kernel::detail::StaticPersistentTileScheduler<EntwineScheduler> {
+  using Base = cutlass::gemm::kernel::detail::StaticPersistentTileScheduler<EntwineScheduler>;
+
+ public:
+  using Base::Base;
+  using Params = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params;
+  using RasterOrder = typename Params::RasterOrder;
+  using RasterOrderOptions = typename Params::RasterOrderOptions;
+  using Arguments = typename Base::Arguments;
+  static constexpr bool IsDynamicPersistent = false;
+  using Pipeline = cutlass::PipelineEmpty;
+  using PipelineStorage = typename Pipeline::SharedStorage;
+  using ThrottlePipeline = cutlass::PipelineEmpty;
+  using ThrottlePipelineStorage = typename ThrottlePipeline::SharedStorage;
+  struct CLCResponse {};
+  class SharedStorage {
+   public:
+    CUTLASS_DEVICE PipelineStorage pipeline() { return PipelineStorage{}; }
+    CUTLASS_DEVICE ThrottlePipelineStorage throttle_pipeline() { return ThrottlePipelineStorage{}; }
+    CUTLASS_DEVICE CLCResponse* data() { return nullptr; }
+  };
+
+  static CUTLASS_DEVICE cute::tuple<int32_t, int32_t> get_work_idx_m_and_n(
+      uint64_t p, cutlass::FastDivmodU64Pow2 const&, cutlass::FastDivmodU64Pow2 const&, cutlass::FastDivmodU64 const&,
+      int32_t, RasterOrder) {
+    int m_block, n_block;
+    entwine_block_coord(int(p), m_block, n_block);
+    return {m_block, n_block};
+  }
+
+  template <class ProblemShape, class ElementAccumulator>
+  static size_t get_workspace_size(Arguments const&, ProblemShape, cutlass::KernelHardwareInfo const&, uint32_t,
+                                   const uint32_t = 1, uint32_t = 1) {
+    return 0;
+  }
+  template <class ProblemShape, class ElementAccumulator>
+  static cutlass::Status initialize_workspace(Arguments const&, void*, cudaStream_t, ProblemShape,
+                                              cutlass::KernelHardwareInfo const&, uint32_t, const uint32_t = 1,
+                                              uint32_t = 1, cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+};
+struct EntwineSchedulerTag {};
+namespace cutlass::gemm::kernel::detail {
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
+struct TileSchedulerSelector<EntwineSchedulerTag, ArchTag, TileShape, ClusterShape, Stages> {
+  using Scheduler = EntwineScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail
+
+// Logical block index p of the block at (m_block, n_block): the inverse of the scheduler's order.
+__device__ int entwine_block_index(int m_block, int n_block) {
+  int const q = n_block / kRun.part_blocks, row = n_block % kRun.part_blocks, group = row / kRun.raster;
+  int const rows = min(kRun.raster, kRun.part_blocks - group * kRun.raster);
+  int const i = group * kRun.raster * kRun.m_blocks + m_block * rows + row % kRun.raster;
+  return kRun.interleave ? i * kRun.world + (q - kRun.rank - 1 + 2 * kRun.world) % kRun.world
+                         : q * kRun.part_blocks * kRun.m_blocks + i;
+}
+
+// Publishes a block whose bulk stores are complete: proxy fence, the pair's counter (GPU-scope
+// acquire-release), one system fence, then the flags of its own tile and, for the second of the
+// pair, of the shared middle tile.
+__device__ void entwine_publish(int m_block, int n_block) {
+  int const pair = n_block / 2, own = 3 * pair + (n_block % 2 ? 2 : 0);
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  uint32_t* counter = kRun.counters + size_t(pair) * kRun.m_blocks + m_block;
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  uint64_t* flags = kRun.flags + m_block;
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flags + size_t(own) * kRun.m_blocks), "l"(kRun.epoch) : "memory");
+  if (old & 1)  // the second of the pair: the shared middle tile is complete
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flags + size_t(3 * pair + 1) * kRun.m_blocks), "l"(kRun.epoch) : "memory");
+}
+
+// Bulk-store groups one block's epilogue commits per issuing thread (checked against the
+// collective's epilogue tile below).
+constexpr int kEpilogueSubtiles = 12;
+
+// The epilogue's output conversion plus the publication in end(), which the collective calls after
+// it has issued the block's last bulk store. Warp 0 of the math warpgroup issued the stores, so its
+// lanes wait for their completion (wait_group, not .read). publish 1: this block, at once (warp 0
+// waits for its stores). publish 2: the warpgroup's previous block, whose stores completed under
+// this block's mainloop (wait_group kEpilogueSubtiles leaves this block's groups pending); the
+// warpgroup's last block is published at once.
+struct Publish : cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
+                                                         cutlass::FloatRoundStyle::round_to_nearest> {
+  using Base = cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
+                                                       cutlass::FloatRoundStyle::round_to_nearest>;
+  using Base::Base;
+  struct ConsumerStoreCallbacks : Base::ConsumerStoreCallbacks {
+    int m_block, n_block, thread_idx;
+    CUTLASS_DEVICE ConsumerStoreCallbacks(Params const& params, int m, int n, int t)
+        : Base::ConsumerStoreCallbacks(params), m_block(m), n_block(n), thread_idx(t) {}
+    CUTLASS_DEVICE void end() {
+      if (!kRun.publish || thread_idx >= 32) return;
+      if (kRun.publish != 2) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        __syncwarp();
+        if (thread_idx == 0 && kRun.publish == 1) entwine_publish(m_block, n_block);
+        if (thread_idx == 0 && kRun.publish == 4) asm volatile("fence.acq_rel.sys;" ::: "memory");
+        return;  // publish 3: the wait alone; 4: the wait and the system fence
+      }
+      int const grid = int(gridDim.x * gridDim.y * gridDim.z);
+      int const p = entwine_block_index(m_block, n_block);
+      int const total = kRun.part_blocks * kRun.world * kRun.m_blocks;
+      bool const last = p + 2 * grid >= total;
+      if (last)
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      else
+        asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kEpilogueSubtiles) : "memory");
+      __syncwarp();
+      if (thread_idx != 0) return;
+      // The warpgroup's blocks are p, p + 2 grid, ... (the ping-pong's two warpgroups alternate).
+      if (p >= 2 * grid) {
+        int m_prev, n_prev;
+        entwine_block_coord(p - 2 * grid, m_prev, n_prev);
+        entwine_publish(m_prev, n_prev);
+      }
+      if (last) entwine_publish(m_block, n_block);
+    }
+  };
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    return ConsumerStoreCallbacks(this->params, int(get<0>(args.tile_coord_mnkl)), int(get<1>(args.tile_coord_mnkl)), args.thread_idx);
+  }
+};
+#if ENTWINE_STOCK_FUSION  // diagnostics: stock epilogue, or stock scheduler
+using Fusion = cutlass::epilogue::fusion::LinearCombination<Element, float>;
+#else
+using Fusion = cutlass::epilogue::fusion::Sm90EVT<Publish, cutlass::epilogue::fusion::Sm90AccFetch>;
+#endif
+#if ENTWINE_STOCK_SCHEDULER
+using SchedulerTag = void;
+#else
+using SchedulerTag = EntwineSchedulerTag;
+#endif
+#else
+using Fusion = cutlass::epilogue::fusion::LinearCombination<Element, float>;
+using SchedulerTag = void;
+#endif
 #ifndef TRANSPOSED
 #define TRANSPOSED 0
 #endif
@@ -55,13 +237,17 @@ using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-    Element, LayoutD, 8, Element, LayoutD, 8, EpilogueSchedule>::CollectiveOp;
+    Element, LayoutD, 8, Element, LayoutD, 8, EpilogueSchedule, Fusion>::CollectiveOp;
 using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
     Element, LayoutA, 8, Element, LayoutB, 8, float, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
     KernelSchedule>::CollectiveOp;
-using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+#if ENTWINE
+static_assert(TILE_M / size<0>(typename Epilogue::EpilogueTile{}) * (TILE_N / size<1>(typename Epilogue::EpilogueTile{})) == kEpilogueSubtiles,
+              "kEpilogueSubtiles: one bulk-store group per epilogue subtile");
+#endif
+using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue, SchedulerTag>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
 // Values in [-1, 1) from a hash of the index.
@@ -75,10 +261,69 @@ __global__ void fill_random(Element* p, size_t n, uint32_t seed) {
   }
 }
 
+// Checks y after a run that followed a poisoning memset (0xFF bytes: NaN): counts entries still NaN
+// and the largest error of 512 sampled entries against an fp32 dot product.
+__global__ void check_y(Element const* x, Element const* w, Element const* y, int m, int n, int k,
+                        unsigned long long* nan_count, float* max_err) {
+  size_t const total = size_t(m) * n;
+  unsigned long long nans = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x)
+    nans += isnan(float(y[i]));
+  atomicAdd(nan_count, nans);
+  if (blockIdx.x == 0 && threadIdx.x < 512) {
+    uint32_t h = (threadIdx.x + 1) * 2654435761u;
+    h ^= h >> 15;
+    int const row = int(h % uint32_t(m)), col = int((h / 7) % uint32_t(n));
+    float ref = 0;
+    for (int kk = 0; kk < k; ++kk) ref += float(x[size_t(row) * k + kk]) * float(w[size_t(kk) * n + col]);
+    atomicMax(reinterpret_cast<int*>(max_err), __float_as_int(fabsf(ref - float(y[size_t(row) * n + col]))));
+  }
+}
+
+// Median of 15 batches of 20 launches, then the steady state under the power cap, as
+// `entwine_harness energy` measures the producer and cuBLASLt: back to back for ~1 s after a ~0.3 s ramp.
+static void time_gemm(Gemm& gemm, char const* label, int m, int n, int k) {
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (int i = 0; i < 20; ++i) gemm.run();
+  std::vector<float> ms;
+  for (int batch = 0; batch < 15; ++batch) {
+    cudaEventRecord(start);
+    for (int i = 0; i < 20; ++i) gemm.run();
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float t = 0;
+    cudaEventElapsedTime(&t, start, stop);
+    ms.push_back(t / 20);
+  }
+  std::sort(ms.begin(), ms.end());
+  int const ramp = int(300.0f / ms[ms.size() / 2]) + 1, timed = int(1000.0f / ms[ms.size() / 2]) + 1;
+  for (int i = 0; i < ramp; ++i) gemm.run();
+  cudaEventRecord(start);
+  for (int i = 0; i < timed; ++i) gemm.run();
+  cudaEventRecord(stop);
+  cudaEventSynchronize(stop);
+  float steady = 0;
+  cudaEventElapsedTime(&steady, start, stop);
+  std::printf("%s%s %dx%d cluster %dx%d%s %dx%dx%d: %.4f ms batches, %.4f ms steady (%s)\n", PINGPONG ? "pingpong" : "cooperative",
+              TRANSPOSED ? " transposed" : "", TILE_M, TILE_N, CLUSTER_M, CLUSTER_N, label, m, n, k, ms[ms.size() / 2],
+              steady / timed, cudaGetErrorString(cudaGetLastError()));
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+
 int main() {
   int const shapes[][3] = {{16384, 8192, 1024}, {8192, 8192, 1024}, {4096, 8192, 1024}, {16384, 16384, 2048}};
   for (auto const& s : shapes) {
     int const m = s[0], n = s[1], k = s[2];
+#if ENTWINE
+    // The scheduler's partitions must tile the GEMM's block rows exactly (W = 2).
+    if ((m / 2 + TILE_N - 1) / TILE_N * 2 != (m + TILE_N - 1) / TILE_N) {
+      std::printf("%dx%dx%d: W * ceil(M/W/192) != ceil(M/192), skipped\n", m, n, k);
+      continue;
+    }
+#endif
     Element *x, *w, *y;
     cudaMalloc(&x, size_t(m) * k * sizeof(Element));
     cudaMalloc(&w, size_t(k) * n * sizeof(Element));
@@ -98,8 +343,13 @@ int main() {
     cutlass::KernelHardwareInfo hw;
     hw.device_id = 0;
     hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+    typename Epilogue::FusionCallbacks::Arguments fusion{};
+#if !ENTWINE || ENTWINE_STOCK_FUSION
+    fusion.alpha = 1.0f;
+    fusion.beta = 0.0f;
+#endif
     typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm, {gm, gn, k, 1}, {a, stride_a, b, stride_b},
-                                  {{1.0f, 0.0f}, y, stride_y, y, stride_y}, hw};
+                                  {fusion, y, stride_y, y, stride_y}, hw};
     Gemm gemm;
     void* workspace = nullptr;
     if (size_t bytes = Gemm::get_workspace_size(args)) cudaMalloc(&workspace, bytes);
@@ -107,35 +357,54 @@ int main() {
       std::printf("%dx%dx%d: CUTLASS cannot run this configuration\n", m, n, k);
       return 1;
     }
-    cudaEvent_t start, stop;
-    cudaEventCreate(&start);
-    cudaEventCreate(&stop);
-    for (int i = 0; i < 20; ++i) gemm.run();
-    std::vector<float> ms;
-    for (int batch = 0; batch < 15; ++batch) {
-      cudaEventRecord(start);
-      for (int i = 0; i < 20; ++i) gemm.run();
-      cudaEventRecord(stop);
-      cudaEventSynchronize(stop);
-      float t = 0;
-      cudaEventElapsedTime(&t, start, stop);
-      ms.push_back(t / 20);
+    unsigned long long* nan_count;
+    float* max_err;
+    cudaMalloc(&nan_count, sizeof(unsigned long long));
+    cudaMalloc(&max_err, sizeof(float));
+#if ENTWINE
+    static_assert(TRANSPOSED && PINGPONG && TILE_M == 128 && TILE_N == 192 && CLUSTER_M == 1 && CLUSTER_N == 1,
+                  "ENTWINE=1 is the transposed 128x192 ping-pong without clusters");
+    int const world = 2, part_blocks = (m / world + TILE_N - 1) / TILE_N, m_blocks = n / TILE_M;
+    char const* raster_env = std::getenv("ENTWINE_RASTER");
+    int const raster = raster_env ? std::atoi(raster_env) : 8;
+    size_t const tile_rows = size_t(part_blocks) * world * 3 / 2 + 2, pairs = size_t(part_blocks) * world / 2 + 1;
+    EntwineRun run{world, 0, raster, part_blocks, m_blocks, 0, 0, 1, nullptr, nullptr};
+    cudaMalloc(&run.flags, tile_rows * m_blocks * sizeof(uint64_t));
+    cudaMalloc(&run.counters, pairs * m_blocks * sizeof(uint32_t));
+    cudaMemset(run.flags, 0, tile_rows * m_blocks * sizeof(uint64_t));
+    cudaMemset(run.counters, 0, pairs * m_blocks * sizeof(uint32_t));
+    int const variants[][2] = {{0, 0}, {1, 0}, {1, 1}, {1, 2}, {1, 3}, {1, 4}};
+    for (auto const& v : variants) {
+      run.interleave = v[0];
+      run.publish = v[1];
+      cudaMemcpyToSymbol(kRun, &run, sizeof(run));
+      char label[64];
+      std::snprintf(label, sizeof label, " r%d %s", raster, v[1] == 4 ? "inter+wait+sysfence" : v[1] == 3 ? "inter+wait" : v[1] == 2 ? "inter+deferred flags" : v[1] ? "inter+flags" : v[0] ? "inter" : "plain");
+#else
+    {
+      char const* label = "";
+#endif
+      cudaMemset(y, 0xFF, size_t(m) * n * sizeof(Element));
+      cudaMemset(nan_count, 0, sizeof(unsigned long long));
+      cudaMemset(max_err, 0, sizeof(float));
+      gemm.run();
+      check_y<<<1024, 512>>>(x, w, y, m, n, k, nan_count, max_err);
+      unsigned long long nans = 0;
+      float err = 0;
+      cudaMemcpy(&nans, nan_count, sizeof nans, cudaMemcpyDeviceToHost);
+      cudaMemcpy(&err, max_err, sizeof err, cudaMemcpyDeviceToHost);
+      std::printf("check%s %dx%dx%d: %llu entries unwritten, max error of 512 samples %.4f\n", label, m, n, k, nans, err);
+      time_gemm(gemm, label, m, n, k);
     }
-    std::sort(ms.begin(), ms.end());
-    // Steady state under the power cap, as `entwine_harness energy` measures the producer and
-    // cuBLASLt: back to back for ~1.3 s, timed after a ~0.3 s ramp.
-    int const ramp = int(300.0f / ms[ms.size() / 2]) + 1, timed = int(1000.0f / ms[ms.size() / 2]) + 1;
-    for (int i = 0; i < ramp; ++i) gemm.run();
-    cudaEventRecord(start);
-    for (int i = 0; i < timed; ++i) gemm.run();
-    cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
-    float steady = 0;
-    cudaEventElapsedTime(&steady, start, stop);
-    std::printf("%s%s %dx%d cluster %dx%d %dx%dx%d: %.4f ms batches, %.4f ms steady (%s)\n", PINGPONG ? "pingpong" : "cooperative",
-                TRANSPOSED ? " transposed" : "", TILE_M, TILE_N, CLUSTER_M, CLUSTER_N, m, n, k, ms[ms.size() / 2], steady / timed, cudaGetErrorString(cudaGetLastError()));
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
+#if ENTWINE
+    uint64_t flag0 = 0;
+    cudaMemcpy(&flag0, run.flags, sizeof flag0, cudaMemcpyDeviceToHost);
+    std::printf("flag of tile 0 after the runs: %llu (expected 1)\n", (unsigned long long)flag0);
+    cudaFree(run.flags);
+    cudaFree(run.counters);
+#endif
+    cudaFree(nan_count);
+    cudaFree(max_err);
     cudaFree(x);
     cudaFree(w);
     cudaFree(y);
