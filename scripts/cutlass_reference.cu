@@ -46,6 +46,7 @@ using Element = cutlass::bfloat16_t;
 struct EntwineRun {
   int world, rank, raster, part_blocks, m_blocks;  // part_blocks: block rows (192 rows of y) per partition
   int interleave, publish;
+  int rotate;  // blocks: partition q's order starts q * rotate blocks in (publish 2 assumes 0)
   uint64_t epoch;
   uint64_t* flags;     // one per 128x128 tile: [tile row][m block]
   uint32_t* counters;  // one per pair of 192-row blocks: [pair][m block]
@@ -55,8 +56,11 @@ __constant__ EntwineRun kRun;
 // Logical block p -> its (m block, n block), in the Entwine order (see the scheduler below).
 __device__ void entwine_block_coord(int p, int& m_block, int& n_block) {
   int const per_part = kRun.part_blocks * kRun.m_blocks;
-  int const q = kRun.interleave ? (p % kRun.world + kRun.rank + 1) % kRun.world : p / per_part;
-  int const i = kRun.interleave ? p / kRun.world : p % per_part;
+  // interleave 1: the partition changes every block; 2: every two blocks (neighbouring CTAs share x)
+  int const run = kRun.interleave == 2 ? 2 : 1, r = p / run;
+  int const q = kRun.interleave ? (r % kRun.world + kRun.rank + 1) % kRun.world : p / per_part;
+  int i = kRun.interleave ? r / kRun.world * run + p % run : p % per_part;
+  i = (i + q * kRun.rotate) % per_part;  // partition q starts kRun.rotate blocks into its order
   int const per_group = kRun.raster * kRun.m_blocks, group = i / per_group, j = i % per_group;
   int const rows = min(kRun.raster, kRun.part_blocks - group * kRun.raster);
   m_block = j / rows;
@@ -116,7 +120,8 @@ struct TileSchedulerSelector<EntwineSchedulerTag, ArchTag, TileShape, ClusterSha
 };
 }  // namespace cutlass::gemm::kernel::detail
 
-// Logical block index p of the block at (m_block, n_block): the inverse of the scheduler's order.
+// Logical block index p of the block at (m_block, n_block): the inverse of the scheduler's order
+// (interleave 0 or 1, rotate 0: the cases publish 2 runs with).
 __device__ int entwine_block_index(int m_block, int n_block) {
   int const q = n_block / kRun.part_blocks, row = n_block % kRun.part_blocks, group = row / kRun.raster;
   int const rows = min(kRun.raster, kRun.part_blocks - group * kRun.raster);
@@ -368,18 +373,22 @@ int main() {
     char const* raster_env = std::getenv("ENTWINE_RASTER");
     int const raster = raster_env ? std::atoi(raster_env) : 8;
     size_t const tile_rows = size_t(part_blocks) * world * 3 / 2 + 2, pairs = size_t(part_blocks) * world / 2 + 1;
-    EntwineRun run{world, 0, raster, part_blocks, m_blocks, 0, 0, 1, nullptr, nullptr};
+    EntwineRun run{world, 0, raster, part_blocks, m_blocks, 0, 0, 0, 1, nullptr, nullptr};
     cudaMalloc(&run.flags, tile_rows * m_blocks * sizeof(uint64_t));
     cudaMalloc(&run.counters, pairs * m_blocks * sizeof(uint32_t));
     cudaMemset(run.flags, 0, tile_rows * m_blocks * sizeof(uint64_t));
     cudaMemset(run.counters, 0, pairs * m_blocks * sizeof(uint32_t));
-    int const variants[][2] = {{0, 0}, {1, 0}, {1, 1}, {1, 2}, {1, 3}, {1, 4}};
+    // {interleave, publish, rotate: half a partition in whole block rows}
+    int const half = part_blocks / 2 * m_blocks;
+    int const variants[][3] = {{0, 0, 0}, {1, 0, 0}, {1, 1, 0}, {1, 2, 0}, {1, 3, 0}, {1, 4, 0}, {1, 0, half}, {1, 1, half},
+                               {2, 0, 0}, {2, 1, 0}};
     for (auto const& v : variants) {
       run.interleave = v[0];
       run.publish = v[1];
+      run.rotate = v[2];
       cudaMemcpyToSymbol(kRun, &run, sizeof(run));
       char label[64];
-      std::snprintf(label, sizeof label, " r%d %s", raster, v[1] == 4 ? "inter+wait+sysfence" : v[1] == 3 ? "inter+wait" : v[1] == 2 ? "inter+deferred flags" : v[1] ? "inter+flags" : v[0] ? "inter" : "plain");
+      std::snprintf(label, sizeof label, " r%d%s%s %s", raster, v[2] ? " rotated" : "", v[0] == 2 ? " runs of 2" : "", v[1] == 4 ? "inter+wait+sysfence" : v[1] == 3 ? "inter+wait" : v[1] == 2 ? "inter+deferred flags" : v[1] ? "inter+flags" : v[0] ? "inter" : "plain");
 #else
     {
       char const* label = "";
