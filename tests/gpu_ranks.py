@@ -2,7 +2,7 @@
 rank each, sharing one GPU (CUDA IPC between processes of one device) or one GPU each.
 
     python tests/gpu_ranks.py --world 2 --suite quick            # 2 ranks on GPU 0
-    python tests/gpu_ranks.py --world 4 --suite all              # quick + stress + missing
+    python tests/gpu_ranks.py --world 4 --suite all              # quick + stress + missing + cmdbuf
     python tests/gpu_ranks.py --world 2 --gpus 2 --suite quick   # one process per GPU
 
 Suites:
@@ -13,6 +13,11 @@ Suites:
            in between, every result checked.
   missing  the last rank skips one call; the others must report the deadline error (with
            ENTWINE_TIMEOUT_MS=2000) through entwine_jax.fused.check_errors(), never hang.
+  cmdbuf   XLA command buffers (CUDA graphs) enabled for fusions and custom calls, graphs of any
+           size: 24 calls on three input sets of one shape, two call sites, every result checked.
+           The handler is not declared command-buffer compatible (its epochs are host values), so
+           XLA must run it outside the graphs; a captured, replayed call would reuse a stale epoch
+           and return another call's result or a deadline error.
 
 NCCL refuses two ranks on one GPU, so each rank computes its reference on the host from the shared
 seeds. Every rank prints `ENTWINE_RANK <r> PASS|FAIL <detail>`; the launcher kills every rank of a
@@ -32,6 +37,8 @@ import time
 import traceback
 
 MISSING_TIMEOUT_MS = 2000
+# Command buffers for fusions and custom calls, however small the graph.
+CMDBUF_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 
 # --- Launcher -----------------------------------------------------------------------------------------
@@ -46,7 +53,7 @@ def _free_port() -> int:
 def launch(args) -> int:
     # `all` runs the suites as separate launches: the short deadline of `missing` is read once per
     # process, and would turn the compile-time skew between ranks of the other suites into errors.
-    suites = ["quick", "stress", "missing"] if args.suite == "all" else [args.suite]
+    suites = ["quick", "stress", "missing", "cmdbuf"] if args.suite == "all" else [args.suite]
     lines = [launch_suite(args, suite) for suite in suites]
     ok = all(line.startswith("PASS") for line in lines)
     print(f"gpu_ranks: world={args.world} gpus={args.gpus}: {'PASS' if ok else 'FAIL'}: " + " | ".join(
@@ -61,6 +68,8 @@ def launch_suite(args, suite) -> str:
     if suite == "missing":
         env["ENTWINE_TIMEOUT_MS"] = str(MISSING_TIMEOUT_MS)
     env.pop("XLA_FLAGS", None)  # fake host devices of the pytest process would confuse the mesh
+    if suite == "cmdbuf":
+        env["XLA_FLAGS"] = CMDBUF_XLA_FLAGS
     procs, results, lock = [], {}, threading.Lock()
 
     def pump(rank, proc):
@@ -376,6 +385,28 @@ class Rank:
         jax.block_until_ready(side)
         return f"stress: {checked} calls checked in {time.monotonic() - t0:.1f} s"
 
+    def cmdbuf(self, calls=24):
+        import jax.numpy as jnp
+
+        from entwine_jax import fused
+
+        if CMDBUF_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+            raise AssertionError("the cmdbuf suite runs with command buffers enabled (launch it through the launcher)")
+        m, n, k = self.world * 256, 512, 256
+        sites = [self.gemm_fn(m, n, k, jnp.bfloat16), self.gemm_fn(m, n, k, jnp.bfloat16, extra_work=True)]
+        data = []
+        for v in range(3):
+            xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=500 + v)
+            data.append((self.global_arrays(xs, ws), self.reference(xs, ws)))
+        worst = 0.0
+        for i in range(calls):
+            v, site = i % 3, (i // 3) % 2
+            (gx, gw), ref = data[v]
+            y = self.local(sites[site](gx, gw))
+            fused.check_errors()
+            worst = max(worst, self.check(y, ref, f"cmdbuf call {i} (inputs {v}, site {site})"))
+        return f"cmdbuf: {calls} calls with command buffers enabled checked, worst rel error {worst:.2e}"
+
     def missing(self):
         import jax
         import jax.numpy as jnp
@@ -423,7 +454,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2, help="number of ranks (processes), 1..8")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (rank r on GPU r %% gpus)")
-    parser.add_argument("--suite", choices=["quick", "stress", "missing", "all"], default="quick")
+    parser.add_argument("--suite", choices=["quick", "stress", "missing", "cmdbuf", "all"], default="quick")
     parser.add_argument("--timeout", type=float, default=900, help="wall-clock limit per suite in seconds; stragglers are killed")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)

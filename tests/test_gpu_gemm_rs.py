@@ -210,6 +210,12 @@ def test_processes_sharing_one_gpu(world):
 
 
 @pytest.mark.gpu
+def test_command_buffers_enabled():
+    # XLA's command buffers on for custom calls: the handler (not graph safe) must stay outside them.
+    _ranks("--world", "2", "--gpus", "1", "--suite", "cmdbuf")
+
+
+@pytest.mark.gpu
 def test_stress_1000_calls():
     _ranks("--world", "2", "--gpus", "1", "--suite", "stress")
 
