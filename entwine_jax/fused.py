@@ -456,7 +456,9 @@ def gemm_rs_local(x2d, w, *, axis_name, axis_size, config, scatter_dimension=0) 
     except Unavailable as e:
         raise RuntimeError(f"entwine gemm_rs: {e}") from None
     x_pad, w_pad = pad_operands(x2d, w, p)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype))
+    # Under jax.vmap the call runs once per batch element (a loop on the device, like lax.scan):
+    # each element is its own reduce-scatter, with its own epoch.
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype), vmap_method="sequential")
     y = call(x_pad, w_pad, comm_id=np.int64(comm.id), config=config_vector(config),
              scatter_dimension=np.int64(scatter_dimension))
     return unpad(y, p)

@@ -7,8 +7,9 @@ rank each, sharing one GPU (CUDA IPC between processes of one device) or one GPU
 
 Suites:
   quick    suite-like and tail shapes, bf16 and fp16, growing (the heap regrows across processes),
-           then x [B, S, K] scattered over S, then gemm_rs inside lax.scan; results checked against
-           a float64 host reference, repeated calls bitwise identical.
+           then x [B, S, K] scattered over S, jax.vmap(gemm_rs) (w batched or shared), gemm_rs
+           inside lax.scan; results checked against a float64 host reference, repeated calls
+           bitwise identical.
   stress   1000 back-to-back calls: two shapes, three input sets, two call sites, other XLA work
            in between, every result checked.
   missing  the last rank skips one call; the others must report the deadline error (with
@@ -277,10 +278,46 @@ class Rank:
         for i, (b, s, n, k) in enumerate([(3, w_ * 100, 257, 72), (2, w_ * 1024, 2048, 1024)]):
             worst = max(worst, self.middle_dim(b, s, n, k, jnp.bfloat16, seed=200 + i))
             self.log(f"quick B={b} S={s} N={n} K={k} scattered over S: ok")
+        # jax.vmap over a leading batch dim, w batched or shared: one fused call per element.
+        for shared_w in (False, True):
+            worst = max(worst, self.vmapped(3, w_ * 256, 512, 256, jnp.bfloat16, shared_w, seed=400 + shared_w))
+            self.log(f"quick jax.vmap (w {'shared' if shared_w else 'batched'}): ok")
         # MaxText's scan_layers: the custom call inside lax.scan, once per step of a device loop.
         worst = max(worst, self.scan_layers(w_ * 256, 512, 256, layers=3, dtype=jnp.bfloat16, seed=300))
         self.log("quick gemm_rs inside lax.scan (3 steps): ok")
-        return f"quick: {2 * len(shapes) + 3} shapes ok, worst rel error {worst:.2e}"
+        return f"quick: {2 * len(shapes) + 5} shapes ok, worst rel error {worst:.2e}"
+
+    def vmapped(self, b, m, n, k, dtype, shared_w, seed):
+        """jax.vmap(gemm_rs) over b elements inside shard_map (w batched or shared) against the host
+        reference of every element; the program must contain the fused call."""
+        import jax
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import fused
+
+        elems = [self.host_inputs(m, n, k, dtype, seed + 10 * i) for i in range(b)]
+        if shared_w:
+            elems = [(xs, elems[0][1]) for xs, _ in elems]
+        x_ranks = [np.stack([xs[r] for xs, _ in elems]) for r in range(self.world)]
+        w_ranks = [elems[0][1][r] if shared_w else np.stack([ws[r] for _, ws in elems]) for r in range(self.world)]
+        gx, gw = self.global_arrays(x_ranks, w_ranks)
+        config = self.fused_config(m, n, k, dtype)
+        op = jax.vmap(lambda x, w: entwine_jax.gemm_rs(x, w, axis_name="tp", config=config),
+                      in_axes=(0, None if shared_w else 0))
+        w_spec = P("tp", None) if shared_w else P(None, "tp", None)
+        f = jax.jit(jax.shard_map(op, mesh=self.mesh, in_specs=(P(None, None, "tp"), w_spec),
+                                  out_specs=P(None, "tp", None)))
+        with jax.set_mesh(self.mesh):
+            if "entwine_gemm_rs" not in f.lower(gx, gw).as_text():
+                raise AssertionError("jax.vmap(gemm_rs) did not lower to the fused call")
+            ys = self.local(f(gx, gw))
+        fused.check_errors()
+        what = f"vmap over {b} (w {'shared' if shared_w else 'batched'})"
+        if ys.shape != (b, m // self.world, n):
+            raise AssertionError(f"{what}: local result of shape {ys.shape}")
+        return max(self.check(ys[i], self.reference(*elems[i]), f"{what}, element {i}") for i in range(b))
 
     def scan_layers(self, m, n, k, layers, dtype, seed):
         """jax.lax.scan over `layers` weight matrices, gemm_rs in the body, against the host reference."""
