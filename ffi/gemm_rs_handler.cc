@@ -145,6 +145,20 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
                           std::to_string(dc->capacity.max_tiles) + " tiles");
   }
 
+  // A captured call would be replayed with this call's host epoch and slot: another call's result,
+  // silently (tests/gpu_ranks.py --suite cmdbuf saw it). XLA captures only handlers with the
+  // command-buffer trait, which this one lacks; refuse any other capture (a user's own stream
+  // capture, or an XLA that captures anyway) instead of recording it.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  ENTWINE_RETURN_IF_CUDA(cudaStreamIsCapturing(xla_stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "entwine gemm_rs: cannot be captured into a CUDA graph (an XLA command buffer or a "
+                      "stream capture): its epochs are host values, so a replay would return a stale "
+                      "result. Leave CUSTOM_CALL out of --xla_gpu_enable_command_buffer, or use "
+                      "GemmRsConfig(path=\"xla\")");
+  }
+
   // --- Execute: fork XLA's stream into producer and consumer, join both back. --------------------
   DeviceGuard guard;
   ENTWINE_RETURN_IF_CUDA(guard.set(device));

@@ -18,7 +18,7 @@ Suites:
            size: 24 calls on three input sets of one shape, two call sites, every result checked.
            The handler is not declared command-buffer compatible (its epochs are host values), so
            XLA must run it outside the graphs; a captured, replayed call would reuse a stale epoch
-           and return another call's result or a deadline error.
+           and return another call's result, which is why the handler refuses to be captured.
 
 NCCL refuses two ranks on one GPU, so each rank computes its reference on the host from the shared
 seeds. Every rank prints `ENTWINE_RANK <r> PASS|FAIL <detail>`; the launcher kills every rank of a
