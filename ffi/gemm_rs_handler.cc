@@ -146,9 +146,9 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   }
 
   // A captured call would be replayed with this call's host epoch and slot: another call's result,
-  // silently (tests/gpu_ranks.py --suite cmdbuf saw it). XLA captures only handlers with the
-  // command-buffer trait, which this one lacks; refuse any other capture (a user's own stream
-  // capture, or an XLA that captures anyway) instead of recording it.
+  // silently (a build with the command-buffer trait did that in tests/gpu_ranks.py --suite cmdbuf,
+  // PERF v20). XLA captures only handlers with the trait, which this one lacks; refuse any other
+  // capture (a user's own stream capture, or an XLA that captures anyway) instead of recording it.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   ENTWINE_RETURN_IF_CUDA(cudaStreamIsCapturing(xla_stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) {
