@@ -17,9 +17,10 @@
 // env, default 8), and an epilogue node whose end() publishes the block like the library's
 // producer (bulk-store completion, proxy fence, one system fence, relaxed system-scope flags; the
 // 128-row tile shared by a pair of 192-row blocks is published by the second of the pair through a
-// per-pair counter). Each shape runs six variants (PERF v20): plain raster, interleaved, interleaved
-// + flags, interleaved + flags published one block late, and interleaved with the store wait alone
-// or the wait and the system fence. W = 2; partition q's blocks are block rows [q*P, (q+1)*P),
+// per-pair counter). Each shape runs the variants listed in main() (PERF v20): plain raster,
+// interleaved, + flags, + flags published one block late, the store wait alone or with the system
+// fence, partition 1's order rotated by half a partition, and partitions alternating every two
+// blocks. W = 2; partition q's blocks are block rows [q*P, (q+1)*P),
 // P = ceil(M/2/192), so at M/2 = 8192 the last block of a partition straddles the next one: right
 // for timing, not a library layout. ENTWINE_STOCK_SCHEDULER=1 / ENTWINE_STOCK_FUSION=1 swap one of
 // the two pieces back to stock's.
@@ -42,11 +43,23 @@ using Element = cutlass::bfloat16_t;
 #define ENTWINE 0
 #endif
 #if ENTWINE
+constexpr int kEntwineWorld = 2;  // partitions (W)
+
+// What end() does after a block's last bulk store (see Publish below).
+enum PublishMode : int {
+  kNoPublish,     // nothing
+  kPublish,       // wait for the block's stores, then publish it
+  kDeferred,      // publish the warpgroup's previous block instead (its stores are long complete)
+  kWaitOnly,      // diagnostic: the wait alone
+  kWaitAndFence,  // diagnostic: the wait and the system fence, no counter or flags
+};
+
 // What the scheduler and the publishing epilogue read: set with cudaMemcpyToSymbol before a run.
 struct EntwineRun {
   int world, rank, raster, part_blocks, m_blocks;  // part_blocks: block rows (192 rows of y) per partition
-  int interleave, publish;
-  int rotate;  // blocks: partition q's order starts q * rotate blocks in (publish 2 assumes 0)
+  int interleave;  // 0: partitions one after the other; 1: alternating every block; 2: every two blocks
+  PublishMode publish;
+  int rotate;  // blocks: partition q's order starts q * rotate blocks in (kDeferred assumes 0)
   uint64_t epoch;
   uint64_t* flags;     // one per 128x128 tile: [tile row][m block]
   uint32_t* counters;  // one per pair of 192-row blocks: [pair][m block]
@@ -56,7 +69,6 @@ __constant__ EntwineRun kRun;
 // Logical block p -> its (m block, n block), in the Entwine order (see the scheduler below).
 __device__ void entwine_block_coord(int p, int& m_block, int& n_block) {
   int const per_part = kRun.part_blocks * kRun.m_blocks;
-  // interleave 1: the partition changes every block; 2: every two blocks (neighbouring CTAs share x)
   int const run = kRun.interleave == 2 ? 2 : 1, r = p / run;
   int const q = kRun.interleave ? (r % kRun.world + kRun.rank + 1) % kRun.world : p / per_part;
   int i = kRun.interleave ? r / kRun.world * run + p % run : p % per_part;
@@ -121,7 +133,7 @@ struct TileSchedulerSelector<EntwineSchedulerTag, ArchTag, TileShape, ClusterSha
 }  // namespace cutlass::gemm::kernel::detail
 
 // Logical block index p of the block at (m_block, n_block): the inverse of the scheduler's order
-// (interleave 0 or 1, rotate 0: the cases publish 2 runs with).
+// (interleave 0 or 1, rotate 0: the cases kDeferred runs with).
 __device__ int entwine_block_index(int m_block, int n_block) {
   int const q = n_block / kRun.part_blocks, row = n_block % kRun.part_blocks, group = row / kRun.raster;
   int const rows = min(kRun.raster, kRun.part_blocks - group * kRun.raster);
@@ -152,10 +164,8 @@ constexpr int kEpilogueSubtiles = 12;
 
 // The epilogue's output conversion plus the publication in end(), which the collective calls after
 // it has issued the block's last bulk store. Warp 0 of the math warpgroup issued the stores, so its
-// lanes wait for their completion (wait_group, not .read). publish 1: this block, at once (warp 0
-// waits for its stores). publish 2: the warpgroup's previous block, whose stores completed under
-// this block's mainloop (wait_group kEpilogueSubtiles leaves this block's groups pending); the
-// warpgroup's last block is published at once.
+// lanes wait for their completion (wait_group, not .read). kDeferred: wait_group kEpilogueSubtiles
+// leaves this block's groups pending, and the warpgroup's last block is published at once.
 struct Publish : cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
                                                          cutlass::FloatRoundStyle::round_to_nearest> {
   using Base = cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
@@ -166,13 +176,13 @@ struct Publish : cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::threa
     CUTLASS_DEVICE ConsumerStoreCallbacks(Params const& params, int m, int n, int t)
         : Base::ConsumerStoreCallbacks(params), m_block(m), n_block(n), thread_idx(t) {}
     CUTLASS_DEVICE void end() {
-      if (!kRun.publish || thread_idx >= 32) return;
-      if (kRun.publish != 2) {
+      if (kRun.publish == kNoPublish || thread_idx >= 32) return;
+      if (kRun.publish != kDeferred) {
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
         __syncwarp();
-        if (thread_idx == 0 && kRun.publish == 1) entwine_publish(m_block, n_block);
-        if (thread_idx == 0 && kRun.publish == 4) asm volatile("fence.acq_rel.sys;" ::: "memory");
-        return;  // publish 3: the wait alone; 4: the wait and the system fence
+        if (thread_idx == 0 && kRun.publish == kPublish) entwine_publish(m_block, n_block);
+        if (thread_idx == 0 && kRun.publish == kWaitAndFence) asm volatile("fence.acq_rel.sys;" ::: "memory");
+        return;
       }
       int const grid = int(gridDim.x * gridDim.y * gridDim.z);
       int const p = entwine_block_index(m_block, n_block);
@@ -323,8 +333,8 @@ int main() {
   for (auto const& s : shapes) {
     int const m = s[0], n = s[1], k = s[2];
 #if ENTWINE
-    // The scheduler's partitions must tile the GEMM's block rows exactly (W = 2).
-    if ((m / 2 + TILE_N - 1) / TILE_N * 2 != (m + TILE_N - 1) / TILE_N) {
+    // The scheduler's partitions must tile the GEMM's block rows exactly.
+    if ((m / kEntwineWorld + TILE_N - 1) / TILE_N * kEntwineWorld != (m + TILE_N - 1) / TILE_N) {
       std::printf("%dx%dx%d: W * ceil(M/W/192) != ceil(M/192), skipped\n", m, n, k);
       continue;
     }
@@ -369,26 +379,42 @@ int main() {
 #if ENTWINE
     static_assert(TRANSPOSED && PINGPONG && TILE_M == 128 && TILE_N == 192 && CLUSTER_M == 1 && CLUSTER_N == 1,
                   "ENTWINE=1 is the transposed 128x192 ping-pong without clusters");
-    int const world = 2, part_blocks = (m / world + TILE_N - 1) / TILE_N, m_blocks = n / TILE_M;
+    int const world = kEntwineWorld, part_blocks = (m / world + TILE_N - 1) / TILE_N, m_blocks = n / TILE_M;
     char const* raster_env = std::getenv("ENTWINE_RASTER");
     int const raster = raster_env ? std::atoi(raster_env) : 8;
     size_t const tile_rows = size_t(part_blocks) * world * 3 / 2 + 2, pairs = size_t(part_blocks) * world / 2 + 1;
-    EntwineRun run{world, 0, raster, part_blocks, m_blocks, 0, 0, 0, 1, nullptr, nullptr};
+    EntwineRun run{world, 0, raster, part_blocks, m_blocks, 0, kNoPublish, 0, 1, nullptr, nullptr};
     cudaMalloc(&run.flags, tile_rows * m_blocks * sizeof(uint64_t));
     cudaMalloc(&run.counters, pairs * m_blocks * sizeof(uint32_t));
     cudaMemset(run.flags, 0, tile_rows * m_blocks * sizeof(uint64_t));
     cudaMemset(run.counters, 0, pairs * m_blocks * sizeof(uint32_t));
-    // {interleave, publish, rotate: half a partition in whole block rows}
-    int const half = part_blocks / 2 * m_blocks;
-    int const variants[][3] = {{0, 0, 0}, {1, 0, 0}, {1, 1, 0}, {1, 2, 0}, {1, 3, 0}, {1, 4, 0}, {1, 0, half}, {1, 1, half},
-                               {2, 0, 0}, {2, 1, 0}};
-    for (auto const& v : variants) {
-      run.interleave = v[0];
-      run.publish = v[1];
-      run.rotate = v[2];
+    int const half = part_blocks / 2 * m_blocks;  // a rotation by half a partition, in whole block rows
+    struct Variant {
+      int interleave;
+      PublishMode publish;
+      int rotate;
+      char const* name;
+    };
+    Variant const variants[] = {
+        {0, kNoPublish, 0, "plain"},
+        {1, kNoPublish, 0, "inter"},
+        {1, kPublish, 0, "inter+flags"},
+        {1, kDeferred, 0, "inter+deferred flags"},
+        {1, kWaitOnly, 0, "inter+wait"},
+        {1, kWaitAndFence, 0, "inter+wait+sysfence"},
+        {1, kNoPublish, half, "inter"},
+        {1, kPublish, half, "inter+flags"},
+        {2, kNoPublish, 0, "inter"},
+        {2, kPublish, 0, "inter+flags"},
+    };
+    for (Variant const& v : variants) {
+      run.interleave = v.interleave;
+      run.publish = v.publish;
+      run.rotate = v.rotate;
       cudaMemcpyToSymbol(kRun, &run, sizeof(run));
       char label[64];
-      std::snprintf(label, sizeof label, " r%d%s%s %s", raster, v[2] ? " rotated" : "", v[0] == 2 ? " runs of 2" : "", v[1] == 4 ? "inter+wait+sysfence" : v[1] == 3 ? "inter+wait" : v[1] == 2 ? "inter+deferred flags" : v[1] ? "inter+flags" : v[0] ? "inter" : "plain");
+      std::snprintf(label, sizeof label, " r%d%s%s %s", raster, v.rotate ? " rotated" : "",
+                    v.interleave == 2 ? " runs of 2" : "", v.name);
 #else
     {
       char const* label = "";
