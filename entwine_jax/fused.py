@@ -160,10 +160,11 @@ def comm_id(groups: np.ndarray, axis_name) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little", signed=True)
 
 
-def config_vector(config) -> np.ndarray:
-    """The one FFI attribute for the kernels' GemmRsConfig (gemm_rs.h order)."""
-    return np.array([config.block_n, config.producer_sms, config.consumer_grid,
-                     config.consumer_block, config.raster_rows, int(config.split_tail)], np.int64)
+def config_attributes(config) -> dict:
+    """The kernels' GemmRsConfig as named FFI attributes (decoded by name in gemm_rs/handler.cc)."""
+    return dict(block_n=np.int64(config.block_n), producer_sms=np.int64(config.producer_sms),
+                consumer_grid=np.int64(config.consumer_grid), consumer_block=np.int64(config.consumer_block),
+                raster_rows=np.int64(config.raster_rows), split_tail=bool(config.split_tail))
 
 
 # --- Extension and mesh discovery ---------------------------------------------------------------
@@ -459,8 +460,8 @@ def gemm_rs_local(x2d, w, *, axis_name, axis_size, config, scatter_dimension=0) 
     # Under jax.vmap the call runs once per batch element (a loop on the device, like lax.scan):
     # each element is its own reduce-scatter, with its own epoch.
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype), vmap_method="sequential")
-    y = call(x_pad, w_pad, comm_id=np.int64(comm.id), config=config_vector(config),
-             scatter_dimension=np.int64(scatter_dimension))
+    y = call(x_pad, w_pad, comm_id=np.int64(comm.id), scatter_dimension=np.int64(scatter_dimension),
+             **config_attributes(config))
     return unpad(y, p)
 
 

@@ -14,13 +14,15 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include "comm.h"
+#include "ag_gemm/ag_gemm.h"
+#include "common/comm.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
-// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in gemm_rs_handler.cc.
+// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in gemm_rs/handler.cc and ag_gemm/handler.cc.
 extern "C" XLA_FFI_Error* GemmRs(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AgGemm(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -37,6 +39,7 @@ NB_MODULE(_entwine, m) {
   m.def("registrations", [] {
     nb::dict targets;
     targets["entwine_gemm_rs"] = nb::capsule(reinterpret_cast<void*>(GemmRs));
+    targets["entwine_ag_gemm"] = nb::capsule(reinterpret_cast<void*>(AgGemm));
     return targets;
   }, "{target name: FFI handler capsule}, for jax.ffi.register_ffi_target(platform='CUDA').");
 
@@ -59,12 +62,27 @@ NB_MODULE(_entwine, m) {
         nb::arg("max_tiles"), NoGil(),
         "Create the local ranks [(device ordinal, rank)] of a communicator with zeroed heaps.");
 
-  m.def("comm_exists", &comm::exists, nb::arg("comm_id"));
-
-  m.def("comm_capacity", [](int64_t comm_id) {
-    comm::Capacity c = comm::capacity(comm_id);
-    return std::make_pair(c.slot_bytes, c.max_tiles);
-  }, nb::arg("comm_id"), "(slot_bytes, max_tiles) of the communicator's heaps.");
+  m.def("ag_plan",
+        [](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
+           int max_chunks) {
+          entwine::AgProblem problem{rows, cols, n, world, 0, gather_k};
+          entwine::AgGemmConfig config{block_n, gemm_sms, raster_rows, max_chunks};
+          entwine::AgPlan p = entwine::ag_plan(problem, config);
+          nb::dict d;
+          d["error"] = p.error ? nb::cast(std::string(p.error)) : nb::none();
+          d["chunks"] = p.chunks;
+          d["chunk_tiles"] = p.chunk_tiles;
+          d["num_blocks"] = p.num_blocks;
+          d["grid"] = p.grid;
+          d["k_tiles"] = p.k_tiles;
+          d["slot_bytes"] = p.slot_bytes;
+          d["flags"] = p.flags;
+          return d;
+        },
+        nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
+        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"),
+        "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h): {error: None or the violated rule, chunks, "
+        "chunk_tiles, num_blocks, grid, k_tiles, slot_bytes, flags}.");
 
   m.def("heap_ipc_handle", [](int64_t comm_id, int device) {
     std::string handle = comm::ipc_handle(comm_id, device);
@@ -109,7 +127,6 @@ NB_MODULE(_entwine, m) {
   }, nb::arg("comm_id"), NoGil(),
      "[(device, producer_ms, consumer_ms)] of the comm's last completed call (needs ENTWINE_PROFILE=1).");
 
-  m.def("timeout_ms", &comm::timeout_ms, "ENTWINE_TIMEOUT_MS as read by the extension.");
 
   m.def("shutdown", &comm::shutdown, NoGil(),
         "Free every communicator (IPC handles closed before heaps are freed).");

@@ -206,11 +206,13 @@ def test_heap_bytes_mirrors_the_layout():
     assert slot == 8192 * 8192 * 2 and tiles == 32 * 64
 
 
-def test_config_vector_order():
+def test_config_attributes_are_named():
     cfg = GemmRsConfig(block_n=256, producer_sms=100, consumer_grid=24, consumer_block=256, raster_rows=4,
                        split_tail=False)
-    v = fused.config_vector(cfg)
-    assert v.dtype == np.int64 and v.tolist() == [256, 100, 24, 256, 4, 0]
+    attrs = fused.config_attributes(cfg)
+    assert {k: int(v) for k, v in attrs.items()} == dict(block_n=256, producer_sms=100, consumer_grid=24,
+                                                        consumer_block=256, raster_rows=4, split_tail=0)
+    assert isinstance(attrs["split_tail"], bool) and attrs["block_n"].dtype == np.int64
 
 
 # --- Groups and comm ids ----------------------------------------------------------------------------

@@ -30,7 +30,7 @@
 #include <utility>
 #include <vector>
 
-#include "gemm_rs.h"
+#include "gemm_rs/gemm_rs.h"
 
 using namespace entwine;
 

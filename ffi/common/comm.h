@@ -1,7 +1,7 @@
-// Communicators of the fused GEMM + ReduceScatter: per mesh-axis comm id and per local GPU, the
-// symmetric heap (flags + two partial slots), the peer table, the side streams, the events, the
-// epoch counter and the host-mapped device error record. Setup runs from Python (module.cc) at
-// trace time; the FFI handler only looks entries up.
+// Communicators of the fused ops (gemm_rs and ag_gemm share them): per mesh-axis comm id and per
+// local GPU, the symmetric heap (flags + two slots), the peer table, the side streams, the events,
+// the epoch counter and the host-mapped device error record. Setup runs from Python (module.cc) at
+// trace time; the FFI handlers only look entries up. Layout and protocol: docs/design.md.
 #pragma once
 
 #include <atomic>
@@ -14,12 +14,13 @@
 
 #include <cuda_runtime.h>
 
-#include "gemm_rs.h"
+#include "common/protocol.h"
 
 namespace entwine::comm {
 
-// Room for the largest call seen so far: one partial slot of M x N elements, in bytes, and the
-// most reduction tiles of one partition.
+// Room for the largest call seen so far, of either op: one slot in bytes (gemm_rs: the M x N
+// partial output; ag_gemm: the W gathered shards), and the most flags per source rank (gemm_rs:
+// reduction tiles of one partition; ag_gemm: chunks of one shard).
 struct Capacity {
   size_t slot_bytes = 0;
   int64_t max_tiles = 0;
@@ -31,7 +32,8 @@ struct Capacity {
 // because the kernels index flags by the call's tiles_per_partition: when the shape changes between
 // calls, one flag word can belong to different source ranks in calls e and e+1, and a late write of
 // call e could land after call e+1's; parity makes the two writers of a word be calls e and e+2,
-// which are ordered (see the double-buffer argument in gemm_rs_handler.cc).
+// which are ordered (docs/design.md, "The double-buffer argument"; it holds across the two ops,
+// which share the epochs: every call of either op takes a flag from every peer).
 struct HeapLayout {
   size_t flags_bytes = 0;  // one parity
   size_t slot_bytes = 0;
@@ -55,11 +57,15 @@ struct DeviceComm {
   cudaStream_t producer = nullptr;      // default priority
   cudaStream_t consumer = nullptr;      // highest priority, non-blocking
   cudaEvent_t start = nullptr, producer_done = nullptr, consumer_done = nullptr;
+  // ag_gemm: stream d (1 <= d < world) pushes this rank's shard to rank (rank + d) % world, so
+  // every link carries a transfer from the start of a call; each joins back through its event.
+  cudaStream_t transfer[kMaxWorld] = {};
+  cudaEvent_t transfer_done[kMaxWorld] = {};
   std::atomic<uint64_t> epoch{0};       // last epoch used; the first call uses 1
   DeviceError* error_host = nullptr;    // host-mapped pinned: read without synchronising
   DeviceError* error_device = nullptr;  // the same record, as the consumer kernel writes it
   DeviceError* error_local = nullptr;   // device memory: polled and claimed by the consumers
-  void* split_workspace = nullptr;      // the producer's split tail (gemm_rs.h), zeroed once
+  void* split_workspace = nullptr;      // the gemm_rs producer's split tail (gemm_rs.h), zeroed once
 
   DeviceComm() = default;
   DeviceComm(const DeviceComm&) = delete;
@@ -101,6 +107,11 @@ void shutdown();
 
 // The entry of (comm_id, device), or nullptr. Entries live until shutdown().
 DeviceComm* find(int64_t comm_id, int device) noexcept;
+
+// Writes `value` to device (or peer device) memory from `stream` once the stream's earlier work is
+// complete, behind a system-wide memory fence, with no SM involved (cuStreamWriteValue64 through the
+// runtime's driver entry point): ag_gemm's release of a pushed chunk.
+cudaError_t stream_write_value64(cudaStream_t stream, uint64_t* address, uint64_t value) noexcept;
 
 // Deadline of every consumer wait: ENTWINE_TIMEOUT_MS (default 60000: it also has to cover the skew between ranks reaching a call, e.g. compile-time differences on a first call), read once per process.
 uint64_t timeout_ms() noexcept;

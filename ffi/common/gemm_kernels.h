@@ -1,14 +1,18 @@
-// Entry points of the producer instantiations (one per translation unit, see producer.cuh).
+// Entry points of the GEMM instantiations (one per translation unit, see gemm_kernel.cuh): the
+// gemm_rs producer and the ag_gemm consumer of each (dtype, BLOCK_N).
 #pragma once
 
-#include "gemm_rs.h"
+#include "ag_gemm/ag_gemm.h"
+#include "gemm_rs/gemm_rs.h"
 
 namespace entwine::producer {
 
 #define ENTWINE_DECLARE_PRODUCER(NAME)                                                               \
   cudaError_t prepare_##NAME();                                                                      \
   cudaError_t launch_##NAME(ProblemShape const& s, GemmRsConfig const& c, ProducerArgs const& a,     \
-                            cudaStream_t stream);
+                            cudaStream_t stream);                                                    \
+  cudaError_t launch_gather_##NAME(AgProblem const& s, AgGemmConfig const& c, AgPlan const& p,       \
+                                   AgGemmArgs const& a, cudaStream_t stream);
 
 ENTWINE_DECLARE_PRODUCER(bf16_n128)
 ENTWINE_DECLARE_PRODUCER(bf16_n256)

@@ -1,10 +1,12 @@
-// The producer: a Hopper GEMM (CUTLASS 3.x SM90 TMA + wgmma mainloop, warp-specialised: one TMA
-// warp, one store warp, two math warpgroups; warps 2-3 exit at once) whose blocks visit the output
-// in the Entwine interleaved order and publish every finished 128x128 reduction tile with an epoch
-// flag pushed into its owner's memory. The math warps stage each block in shared memory; the store
-// warp copies it out with bulk copies (the TMA engine) while the next block's mainloop runs. With
-// config.split_tail, a persistent grid splits its last waves in K so that no SM idles through a
-// partial last wave.
+// The GEMM of both fused ops: a Hopper GEMM (CUTLASS 3.x SM90 TMA + wgmma mainloop,
+// warp-specialised: one TMA warp, one store warp, two math warpgroups; warps 2-3 exit at once).
+// The math warps stage each block in shared memory; the store warp copies it out with bulk copies
+// (the TMA engine) while the next block's mainloop runs. Two modes (docs/design.md):
+//  - gemm_rs producer: blocks visit the output in the Entwine interleaved order and publish every
+//    finished 128x128 reduction tile with an epoch flag pushed into its owner's memory. With
+//    config.split_tail, a persistent grid splits its last waves in K.
+//  - ag_gemm consumer: blocks visit the gathered operand in arrival order (local shard first), and
+//    the TMA warp waits on a chunk's flag before it loads a byte of that chunk.
 // Included once per (dtype, BLOCK_N) translation unit: each instantiation costs ~35 s to compile.
 #pragma once
 
@@ -15,8 +17,10 @@
 #include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include "gemm_rs.h"
-#include "ptx.cuh"
+#include "ag_gemm/ag_gemm.h"
+#include "common/wait.cuh"
+#include "gemm_rs/gemm_rs.h"
+#include "common/ptx.cuh"
 
 namespace entwine::producer {
 
@@ -68,9 +72,13 @@ struct ProducerGemm {
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
 
+  enum Mode : int { kReduceScatter = 0, kGatherRows = 1, kGatherK = 2 };
+
   struct Params {
-    typename CollectiveMainloop::Params mainloop;
-    int m, n, k, world, rank;
+    typename CollectiveMainloop::Params mainloop;        // A: x (gemm_rs) or the gathered slot (ag_gemm)
+    typename CollectiveMainloop::Params mainloop_local;  // ag_gemm: A = the local shard, x itself
+    int mode;
+    int m, n, k, l, m_local, world, rank;
     int64_t part_row_step;        // partition q starts at row q * part_row_step ...
     int64_t part_col_step;        // ... and column q * part_col_step of the partial output
     int blocks_per_partition;
@@ -83,6 +91,12 @@ struct ProducerGemm {
     uint64_t* flags[kMaxWorld];
     uint64_t epoch;
     bool interleave, publish;
+    // ag_gemm: flags[source * chunks + chunk] of this rank; blocks of one chunk in `order`
+    const uint64_t* gather_flags;
+    int chunks, chunk_tiles, shard_tiles, blocks_per_chunk, k_tiles_per_source;
+    DeviceError* error;
+    DeviceError* error_mirror;
+    uint64_t timeout_ns;
   };
 
   // Logical block p -> (owner partition, tile row inside it, block column). Interleaved: block p
@@ -93,6 +107,7 @@ struct ProducerGemm {
     int owner, tile_m, n_block;
   };
   static __device__ BlockCoord block_coord(int p, Params const& params) {
+    if (params.mode != kReduceScatter) return gather_block_coord(p, params);
     int owner, i;
     if (params.interleave) {
       owner = (p % params.world + params.rank + 1) % params.world;
@@ -103,6 +118,32 @@ struct ProducerGemm {
     }
     BlockCoord c{owner, 0, 0};
     params.order.block(i, c.tile_m, c.n_block);
+    return c;
+  }
+
+  // ag_gemm: position p -> (source shard, tile row inside it, block column), in arrival order. Rows
+  // layout: the local shard's blocks first (no wait), then chunk by chunk, for each chunk the peers
+  // in the order their pushes start (rank r-1 pushes to r first, see the handler). Contraction
+  // layout: chunk by chunk (every block loops over all shards; source is unused).
+  static __device__ BlockCoord gather_block_coord(int p, Params const& params) {
+    int const per_chunk = params.blocks_per_chunk;
+    int source = 0, chunk, i;
+    if (params.mode == kGatherK) {
+      chunk = p / per_chunk;
+      i = p % per_chunk;
+    } else if (p < params.chunks * per_chunk) {
+      source = params.rank;
+      chunk = p / per_chunk;
+      i = p % per_chunk;
+    } else {
+      int const j = p - params.chunks * per_chunk, per_round = (params.world - 1) * per_chunk;
+      chunk = j / per_round;
+      source = (params.rank + params.world - 1 - (j % per_round) / per_chunk) % params.world;
+      i = j % per_chunk;
+    }
+    BlockCoord c{source, 0, 0};
+    params.order.block(i, c.tile_m, c.n_block);
+    c.tile_m += chunk * params.chunk_tiles;
     return c;
   }
 
@@ -154,6 +195,7 @@ struct ProducerGemm {
 
     if (warp_idx == 0 && lane_predicate) {
       CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
+      if (params.mode != kReduceScatter) CollectiveMainloop::prefetch_tma_descriptors(params.mainloop_local);
     }
 
     // Mainloop pipeline: warp 0 produces (TMA), the 256 math threads consume.
@@ -172,13 +214,17 @@ struct ProducerGemm {
     __syncthreads();
 
     CollectiveMainloop mainloop;
-    auto problem = make_shape(params.m, params.n, params.k, 1);
-    auto load_inputs = mainloop.load_init(problem, params.mainloop);
+    auto load_inputs = mainloop.load_init(make_shape(params.m, params.n, params.k, params.l), params.mainloop);
+    auto load_local = mainloop.load_init(make_shape(params.m_local, params.n, params.k, 1), params.mainloop_local);
 
     if (warp_group == 0) {
       cutlass::arch::warpgroup_reg_dealloc<40>();
       if (warp_idx == 0) {
         PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+        if (params.mode != kReduceScatter) {
+          load_gathered(params, mainloop, pipeline, write_state, load_inputs, load_local, storage.mainloop);
+          return;
+        }
         WorkIter work(params);
         for (Unit u; work.next(u);) {
           BlockCoord c = block_coord(u.p, params);
@@ -288,6 +334,52 @@ struct ProducerGemm {
     return true;
   }
 
+  // ag_gemm's TMA warp: every block's A comes from the local shard (x) or from a peer's chunk in the
+  // gathered slot, which is loaded only after the whole warp has seen the chunk's flag carry this
+  // call's epoch (wait_flag: acquire, then the proxy fence that orders the TMA engine's reads after
+  // it). A CTA's consecutive blocks mostly share a chunk, so the wait is skipped when it repeats.
+  template <class Pipeline, class State, class Inputs>
+  static __device__ void load_gathered(Params const& params, CollectiveMainloop& mainloop, Pipeline& pipeline,
+                                       State& write_state, Inputs const& load_inputs, Inputs const& load_local,
+                                       typename CollectiveMainloop::TensorStorage& smem) {
+    int const lane = cutlass::canonical_lane_idx();
+    int waited_source = -1, waited_chunk = -1;
+    bool ok = true;  // false once a wait ran past its deadline: the rest loads without waiting
+    auto k_shape = shape<3>(get<0>(load_inputs));
+    auto load = [&](bool local, int m_block, int n_block, int batch, int source, int chunk) {
+      if (!local && (source != waited_source || chunk != waited_chunk)) {
+        ok = ok && wait::wait_flag_warp(params.gather_flags + source * params.chunks + chunk, params.epoch,
+                                        params.timeout_ns, params.error, params.error_mirror, params.rank,
+                                        source, chunk, WaitSite::kGatherChunk);
+        // The TMA engine (async proxy) reads what the acquire made visible to this thread.
+        ptx::fence_proxy_async_global();
+        waited_source = source;
+        waited_chunk = chunk;
+      }
+      auto k_iter = cute::make_coord_iterator(idx2crd(0, k_shape), k_shape);
+      mainloop.load(local ? params.mainloop_local : params.mainloop, pipeline, write_state,
+                    local ? load_local : load_inputs, make_coord(m_block, n_block, _, batch), k_iter,
+                    params.k_tiles_per_source, lane, 0u, smem);
+      write_state.advance(params.k_tiles_per_source);
+    };
+    WorkIter work(params);
+    for (Unit u; work.next(u);) {
+      BlockCoord c = block_coord(u.p, params);
+      int const chunk = c.tile_m / params.chunk_tiles;
+      if (params.mode == kGatherRows) {
+        bool const local = c.owner == params.rank;
+        load(local, (local ? 0 : c.owner * params.shard_tiles) + c.tile_m, c.n_block, 0, c.owner, chunk);
+      } else {
+        // The K loop: the local shard, then the peers in arrival order (r-1 first).
+        for (int d = 0; d < params.world; ++d) {
+          int const source = (params.rank + params.world - d) % params.world;
+          load(d == 0, c.tile_m, c.n_block, d == 0 ? 0 : source, source, chunk);
+        }
+      }
+    }
+    mainloop.load_tail(pipeline, write_state);
+  }
+
   // Warp 1 (idle in the CUTLASS schedule) copies each staged block to the partial output with one
   // bulk copy per row (the TMA engine: no load/store instructions compete with the mainloop) and
   // publishes its tiles, overlapped with the next block's mainloop. Lane 0 does the work; the
@@ -350,6 +442,10 @@ struct ProducerGemm {
     Params p{};
     p.mainloop = CollectiveMainloop::to_underlying_arguments(make_shape(shape.m, shape.n, shape.k, 1),
                                                             mainloop_args, nullptr);
+    p.mainloop_local = p.mainloop;
+    p.mode = kReduceScatter;
+    p.l = 1;
+    p.m_local = shape.m;
     p.m = shape.m;
     p.n = shape.n;
     p.k = shape.k;
@@ -369,6 +465,68 @@ struct ProducerGemm {
     p.epoch = args.epoch;
     p.interleave = args.interleave;
     p.publish = args.publish;
+    return p;
+  }
+
+  // ag_gemm. Rows layout: A = the slot [world * rows, cols] (peers) or x [rows, cols] (local), B = w.
+  // Contraction layout: A = the slot as a batch of world shards [rows, cols] (peers, batch = source)
+  // or x (local), B = w as a batch of world slices [cols, n] (local: the rank's own slice).
+  static Params make_gather_params(AgProblem const& pr, AgGemmConfig const& config, AgPlan const& plan,
+                                   AgGemmArgs const& args) {
+    StrideA stride_a{};
+    get<0>(stride_a) = int64_t(pr.cols);
+    StrideB stride_b{};
+    get<1>(stride_b) = int64_t(pr.n);
+    auto const* x = static_cast<Element const*>(args.x);
+    auto const* gathered = static_cast<Element const*>(args.gathered);
+    auto const* w = static_cast<Element const*>(args.w);
+    Params p{};
+    p.mode = pr.gather_k ? kGatherK : kGatherRows;
+    p.n = pr.n;
+    p.k = pr.cols;
+    p.m_local = pr.rows;
+    if (pr.gather_k) {
+      p.m = pr.rows;
+      p.l = pr.world;
+      get<2>(stride_a) = int64_t(pr.rows) * pr.cols;
+      get<2>(stride_b) = int64_t(pr.cols) * pr.n;
+      p.mainloop = CollectiveMainloop::to_underlying_arguments(
+          make_shape(p.m, p.n, p.k, p.l), {gathered, stride_a, w, stride_b}, nullptr);
+      p.mainloop_local = CollectiveMainloop::to_underlying_arguments(
+          make_shape(p.m_local, p.n, p.k, 1), {x, stride_a, w + int64_t(pr.rank) * pr.cols * pr.n, stride_b},
+          nullptr);
+    } else {
+      p.m = pr.world * pr.rows;
+      p.l = 1;
+      p.mainloop = CollectiveMainloop::to_underlying_arguments(
+          make_shape(p.m, p.n, p.k, 1), {gathered, stride_a, w, stride_b}, nullptr);
+      p.mainloop_local = CollectiveMainloop::to_underlying_arguments(
+          make_shape(p.m_local, p.n, p.k, 1), {x, stride_a, w, stride_b}, nullptr);
+    }
+    p.world = pr.world;
+    p.rank = pr.rank;
+    // The store warp writes block (source, tile row, column) to y at row source * part_row_step + ...
+    p.part_row_step = pr.gather_k ? 0 : pr.rows;
+    p.part_col_step = 0;
+    p.order = TileOrder{plan.chunk_tiles, plan.n_blocks,
+                        config.raster_rows < plan.chunk_tiles ? config.raster_rows : plan.chunk_tiles};
+    p.blocks_per_partition = plan.chunk_tiles * plan.n_blocks;
+    p.blocks_per_chunk = plan.chunk_tiles * plan.n_blocks;
+    p.schedule = ProducerSchedule{plan.num_blocks, plan.grid, (pr.gather_k ? pr.world : 1) * plan.k_tiles,
+                                  plan.num_blocks};
+    p.k_tiles_per_source = plan.k_tiles;
+    p.split_workspace = nullptr;
+    p.partial = static_cast<Element*>(args.y);
+    p.publish = false;
+    p.interleave = false;
+    p.epoch = args.epoch;
+    p.gather_flags = args.flags;
+    p.chunks = plan.chunks;
+    p.chunk_tiles = plan.chunk_tiles;
+    p.shard_tiles = plan.tile_rows;
+    p.error = args.error;
+    p.error_mirror = args.error_mirror;
+    p.timeout_ns = args.timeout_ns;
     return p;
   }
 };
@@ -391,6 +549,14 @@ cudaError_t launch(ProblemShape const& shape, GemmRsConfig const& config, Produc
   return cudaGetLastError();
 }
 
+template <class Gemm>
+cudaError_t launch_gather(AgProblem const& problem, AgGemmConfig const& config, AgPlan const& plan,
+                          AgGemmArgs const& args, cudaStream_t stream) {
+  typename Gemm::Params params = Gemm::make_gather_params(problem, config, plan, args);
+  producer_kernel<Gemm><<<params.schedule.grid, Gemm::kThreads, Gemm::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
 }  // namespace entwine::producer
 
 // One instantiation per translation unit: defines entwine::producer::prepare_<NAME> / launch_<NAME>.
@@ -401,5 +567,9 @@ cudaError_t launch(ProblemShape const& shape, GemmRsConfig const& config, Produc
   cudaError_t launch_##NAME(ProblemShape const& s, GemmRsConfig const& c, ProducerArgs const& a,      \
                             cudaStream_t stream) {                                                    \
     return launch<Gemm_##NAME>(s, c, a, stream);                                                      \
+  }                                                                                                   \
+  cudaError_t launch_gather_##NAME(AgProblem const& s, AgGemmConfig const& c, AgPlan const& p,        \
+                                   AgGemmArgs const& a, cudaStream_t stream) {                        \
+    return launch_gather<Gemm_##NAME>(s, c, p, a, stream);                                            \
   }                                                                                                   \
   }

@@ -1,7 +1,7 @@
 // Dispatch from (dtype, config) to the kernel instantiations, the shape rules the kernels rely on,
 // and eager module loading at setup.
-#include "gemm_rs.h"
-#include "producer.h"
+#include "gemm_rs/gemm_rs.h"
+#include "common/gemm_kernels.h"
 
 namespace entwine {
 

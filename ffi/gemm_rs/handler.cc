@@ -8,8 +8,8 @@
 
 #include <cuda_runtime.h>
 
-#include "comm.h"
-#include "gemm_rs.h"
+#include "common/comm.h"
+#include "gemm_rs/gemm_rs.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -44,7 +44,7 @@ struct DeviceGuard {
   }
 };
 
-// Double-buffer argument (DESIGN.md). Call e of rank A writes A's partial slot V[e % 2]; the
+// Double-buffer argument (docs/design.md, "The double-buffer argument"). Call e of rank A writes A's partial slot V[e % 2]; the
 // consumers of every rank B read A's V[e % 2] during their call e. A's producer of call e+2 writes
 // V[e % 2] again, and cannot start before every B finished reading it:
 //   A's producer(e+2) starts after A's start event of e+2, recorded on A's XLA stream after it
@@ -59,8 +59,8 @@ struct DeviceGuard {
 // double-buffered too (comm.h). Requires every rank to make the same sequence of calls on the
 // communicator (same epochs), which SPMD programs do.
 ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                     ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                     ffi::Span<const int64_t> config, int64_t scatter_dimension) {
+                     ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t scatter_dimension,
+                     GemmRsConfig const& cfg) {
   // --- Validation: everything below is cheap host work on the call's metadata. --------------------
   comm::DeviceComm* dc = comm::find(comm_id, device);
   if (dc == nullptr) {
@@ -113,18 +113,6 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   shape.k = int32_t(xd[1]);
   shape.n = int32_t(wd[1]);
 
-  if (config.size() != 6) {
-    return ffi::Error::InvalidArgument("entwine gemm_rs: config must hold 6 values (block_n, producer_sms, "
-                                       "consumer_grid, consumer_block, raster_rows, split_tail), got " +
-                                       std::to_string(config.size()));
-  }
-  GemmRsConfig cfg;
-  cfg.block_n = int32_t(config[0]);
-  cfg.producer_sms = int32_t(config[1]);
-  cfg.consumer_grid = int32_t(config[2]);
-  cfg.consumer_block = int32_t(config[3]);
-  cfg.raster_rows = int32_t(config[4]);
-  cfg.split_tail = int32_t(config[5]);
   if (const char* rule = check_problem(shape, cfg)) {
     return ffi::Error::InvalidArgument(
         std::string("entwine gemm_rs: ") + rule + " (M=" + std::to_string(shape.m) +
@@ -146,8 +134,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   }
 
   // A captured call would be replayed with this call's host epoch and slot: another call's result,
-  // silently (a build with the command-buffer trait did that in tests/gpu_ranks.py --suite cmdbuf,
-  // PERF v20). XLA captures only handlers with the trait, which this one lacks; refuse any other
+  // silently. XLA captures only handlers with the trait, which this one lacks; refuse any other
   // capture (a user's own stream capture, or an XLA that captures anyway) instead of recording it.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   ENTWINE_RETURN_IF_CUDA(cudaStreamIsCapturing(xla_stream, &capture));
@@ -203,10 +190,18 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
 ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                      ffi::Span<const int64_t> config, int64_t scatter_dimension) {
+                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t scatter_dimension, int64_t block_n,
+                      int64_t producer_sms, int64_t consumer_grid, int64_t consumer_block, int64_t raster_rows,
+                      bool split_tail) {
+  GemmRsConfig cfg;
+  cfg.block_n = int32_t(block_n);
+  cfg.producer_sms = int32_t(producer_sms);
+  cfg.consumer_grid = int32_t(consumer_grid);
+  cfg.consumer_block = int32_t(consumer_block);
+  cfg.raster_rows = int32_t(raster_rows);
+  cfg.split_tail = split_tail ? 1 : 0;
   try {
-    return RunGemmRs(xla_stream, device, x, w, y, comm_id, config, scatter_dimension);
+    return RunGemmRs(xla_stream, device, x, w, y, comm_id, scatter_dimension, cfg);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("entwine gemm_rs: ") + e.what());
   } catch (...) {
@@ -218,7 +213,7 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
 }  // namespace entwine
 
 // No command-buffer trait: the host epoch counter changes per call, so a captured graph would
-// replay a stale epoch (DESIGN.md: only once the epochs live on the device).
+// replay a stale epoch (docs/design.md, "Graph safety").
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
@@ -227,5 +222,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                                   .Arg<ffi::AnyBuffer>()                     // w
                                   .Ret<ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                  // comm_id
-                                  .Attr<ffi::Span<const int64_t>>("config")   // config
-                                  .Attr<int64_t>("scatter_dimension"));      // scatter_dimension
+                                  .Attr<int64_t>("scatter_dimension")        // scatter_dimension
+                                  .Attr<int64_t>("block_n")                  // config.block_n
+                                  .Attr<int64_t>("producer_sms")             // config.producer_sms
+                                  .Attr<int64_t>("consumer_grid")            // config.consumer_grid
+                                  .Attr<int64_t>("consumer_block")           // config.consumer_block
+                                  .Attr<int64_t>("raster_rows")              // config.raster_rows
+                                  .Attr<bool>("split_tail"));                // config.split_tail

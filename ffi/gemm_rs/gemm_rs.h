@@ -7,17 +7,15 @@
 
 #include <cuda_runtime.h>
 
+#include "common/protocol.h"
+
 namespace entwine {
 
-// Largest mesh axis the fused path supports (one NVLink node).
-constexpr int kMaxWorld = 8;
 // Reduction tile: the unit of release (one flag per tile and source rank) and of reduction.
 constexpr int kTileM = 128;
 constexpr int kTileN = 128;
 // Shape requirements of the fused kernels (the Python op pads everything else).
 constexpr int kAlignK = 8;  // 16-byte rows for TMA (2-byte elements)
-
-enum class DType : int32_t { kBF16 = 0, kFP16 = 1 };
 
 // The one config of the fused op, mirrored by entwine_jax.GemmRsConfig (Python).
 struct GemmRsConfig {
@@ -45,18 +43,6 @@ struct TileOrder {
     n_block = j / rows;
   }
 };
-
-// Written by the first consumer CTA whose wait passes its deadline; read by the host.
-struct DeviceError {
-  uint32_t code;      // 0: none, kErrorDeadline (kErrorClaimed while being written)
-  int32_t rank;       // the waiting rank
-  int32_t source;     // the rank whose flag never arrived
-  int32_t tile;       // reduction tile index inside the waiting rank's partition
-  uint64_t expected;  // epoch waited for
-  uint64_t observed;  // last epoch seen in the flag
-};
-constexpr uint32_t kErrorDeadline = 1;
-constexpr uint32_t kErrorClaimed = 0xFFFFFFFFu;  // a CTA is filling the record
 
 // Problem of one rank. x: [M, K] row-major, w: [K, N] row-major. The M x N product is split into W
 // partitions: by rows (partition q = rows q*M/W .. (q+1)*M/W, the default) or by columns

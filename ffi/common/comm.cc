@@ -1,7 +1,9 @@
 // Process-wide registry of the gemm_rs communicators (see comm.h): allocation, peer pointers and
 // IPC handles, growth and teardown. Everything here runs from Python at trace time or at exit,
 // never from the execute path except find() and error_message().
-#include "comm.h"
+#include "common/comm.h"
+
+#include <cuda.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -9,6 +11,8 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+
+#include "gemm_rs/gemm_rs.h"
 
 namespace entwine::comm {
 namespace {
@@ -92,6 +96,10 @@ DeviceComm::~DeviceComm() {
   for (cudaEvent_t e : {start, producer_done, consumer_done}) {
     if (e) cudaEventDestroy(e);
   }
+  for (int d = 0; d < kMaxWorld; ++d) {
+    if (transfer_done[d]) cudaEventDestroy(transfer_done[d]);
+    if (transfer[d]) cudaStreamDestroy(transfer[d]);
+  }
   if (producer) cudaStreamDestroy(producer);
   if (consumer) cudaStreamDestroy(consumer);
   if (error_host) cudaFreeHost(error_host);
@@ -133,6 +141,12 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     for (cudaEvent_t* e : {&dc->start, &dc->producer_done, &dc->consumer_done}) {
       check(cudaEventCreateWithFlags(e, profiling() ? cudaEventDefault : cudaEventDisableTiming), "cudaEventCreate");
     }
+    for (int d = 1; d < world; ++d) {
+      check(cudaStreamCreateWithFlags(&dc->transfer[d], cudaStreamNonBlocking), "cudaStreamCreate(transfer)");
+      check(cudaEventCreateWithFlags(&dc->transfer_done[d], cudaEventDisableTiming), "cudaEventCreate(transfer)");
+    }
+    // Resolved now: the execute path must not load anything.
+    check(stream_write_value64(nullptr, nullptr, 0), "cuStreamWriteValue64 entry point");
     // Portable: one pinned record must be mappable from whichever context the device uses.
     check(cudaHostAlloc(reinterpret_cast<void**>(&dc->error_host), sizeof(DeviceError),
                         cudaHostAllocMapped | cudaHostAllocPortable),
@@ -281,6 +295,37 @@ void shutdown() {
   cudaGetLastError();
 }
 
+namespace {
+
+using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+WriteValue64 write_value64_entry() noexcept {
+  static const WriteValue64 fn = [] {
+    void* entry = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &entry, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return WriteValue64(nullptr);
+    }
+    return reinterpret_cast<WriteValue64>(entry);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+cudaError_t stream_write_value64(cudaStream_t stream, uint64_t* address, uint64_t value) noexcept {
+  WriteValue64 const fn = write_value64_entry();
+  if (fn == nullptr) return cudaErrorNotSupported;
+  if (address == nullptr) return cudaSuccess;  // create(): only resolves the entry point
+  // Flags 0: the write is preceded by a fence that makes the stream's earlier writes (the chunk's
+  // copy) visible system-wide first: the release of the chunk.
+  CUresult const r = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value, 0);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorLaunchFailure;
+}
+
 uint64_t timeout_ms() noexcept {
   // Read once: the deadline is part of every launch and must not change between ranks mid-run.
   static const uint64_t ms = [] {
@@ -331,10 +376,14 @@ std::optional<std::string> error_message(const DeviceComm& dc) {
     return "entwine gemm_rs: rank " + std::to_string(dc.rank) + " recorded device error code " +
            std::to_string(e->code);
   }
-  return "entwine gemm_rs: rank " + std::to_string(e->rank) + " waited " +
-         std::to_string(timeout_ms()) + " ms for tile " +
-         std::to_string(e->tile) + " from rank " + std::to_string(e->source) + " (expected epoch " +
-         std::to_string(e->expected) + ", saw " + std::to_string(e->observed) +
+  std::string const what = e->op == int32_t(WaitSite::kGatherChunk)
+                               ? "entwine ag_gemm: rank " + std::to_string(e->rank) + " waited " +
+                                     std::to_string(timeout_ms()) + " ms for chunk " + std::to_string(e->tile) +
+                                     " of the shard of rank " + std::to_string(e->source)
+                               : "entwine gemm_rs: rank " + std::to_string(e->rank) + " waited " +
+                                     std::to_string(timeout_ms()) + " ms for tile " + std::to_string(e->tile) +
+                                     " from rank " + std::to_string(e->source);
+  return what + " (expected epoch " + std::to_string(e->expected) + ", saw " + std::to_string(e->observed) +
          "); the communicator is unusable until the process restarts";
 }
 

@@ -28,8 +28,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "gemm_rs.h"
-#include "ptx.cuh"
+#include "gemm_rs/gemm_rs.h"
+#include "common/ptx.cuh"
+#include "common/wait.cuh"
 
 namespace entwine::consumer {
 
@@ -86,29 +87,8 @@ __device__ bool wait_flag(const uint64_t* flag, Params const& p, int source, int
     // Another CTA already recorded a failure (or an earlier call did: the error is sticky).
     if (*reinterpret_cast<volatile uint32_t*>(&p.args.error->code) != 0) return false;
     if (ptx::global_timer_ns() - start > p.args.timeout_ns) {
-      // Claim the record, fill it, then publish the code last so a host read that sees the code
-      // also sees the fields.
-      DeviceError* e = p.args.error;
-      if (atomicCAS(&e->code, 0u, kErrorClaimed) == 0u) {
-        e->rank = p.rank;
-        e->source = source;
-        e->tile = tile;
-        e->expected = p.args.epoch;
-        e->observed = observed;
-        __threadfence();
-        atomicExch(&e->code, kErrorDeadline);
-        // The host reads the mirror without synchronising: fields first, code last.
-        if (DeviceError* m = p.args.error_mirror) {
-          m->rank = e->rank;
-          m->source = source;
-          m->tile = tile;
-          m->expected = e->expected;
-          m->observed = observed;
-          __threadfence_system();
-          *reinterpret_cast<volatile uint32_t*>(&m->code) = kErrorDeadline;
-          __threadfence_system();
-        }
-      }
+      wait::record_deadline(p.args.error, p.args.error_mirror, p.rank, source, tile, p.args.epoch, observed,
+                            WaitSite::kReduceTile);
       return false;
     }
   }

@@ -1,0 +1,71 @@
+// Host-side contract of the fused AllGather + GEMM (ag_gemm): the config, the problem of one rank,
+// its plan (computed once per call, here, for the handler, the kernels and Python alike), the
+// kernel arguments and the launcher. No kernel syntax. Protocol: docs/design.md, "ag_gemm".
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "common/protocol.h"
+
+namespace entwine {
+
+// The one config of ag_gemm, mirrored by entwine_jax.AgGemmConfig (Python).
+struct AgGemmConfig {
+  int32_t block_n = 256;     // GEMM block: 128 x block_n x 64, block_n in {128, 256}
+  int32_t gemm_sms = 0;      // 0: one CTA per GEMM block; > 0: persistent grid of that many CTAs
+  int32_t raster_rows = 8;   // blocks of a chunk run in groups of this many tile rows (L2 reuse)
+  int32_t max_chunks = 8;    // a shard travels in at most this many chunks of whole tile rows, one flag each
+};
+
+// One rank's problem. Every rank holds a shard of `rows` x `cols` elements (row-major, padded by the
+// Python op: rows % 128 == 0, cols % 8 == 0) and w [world * cols, n] (gather_k) or [cols, n].
+//   rows layout (gather_k false): A = the W shards stacked, [world * rows, cols]; y = A @ w,
+//     [world * rows, n]. Block rows of shard s need only shard s.
+//   contraction layout (gather_k true): A = [rows, world * cols], shard s holding columns
+//     s*cols .. (s+1)*cols; y = sum_s shard_s @ w[s*cols:(s+1)*cols], [rows, n]. Every block needs
+//     every shard, so its K loop runs over the local shard first, then the peers' in arrival order.
+struct AgProblem {
+  int32_t rows = 0, cols = 0, n = 0;
+  int32_t world = 1, rank = 0;
+  bool gather_k = false;
+};
+
+// Everything static about one call, from the problem and the config: the kernels run exactly
+// this, the handler sizes the transfers with it, Python sizes the heap with it.
+struct AgPlan {
+  const char* error;      // nullptr, or the rule the problem or config violates
+  int32_t tile_rows;      // rows / 128
+  int32_t chunks;         // chunks per shard (divides tile_rows, <= config.max_chunks)
+  int32_t chunk_tiles;    // tile rows per chunk
+  int32_t n_blocks;       // n / block_n
+  int32_t k_tiles;        // k-tiles of one shard: ceil(cols / 64) (TMA zero-fills the tail)
+  int32_t num_blocks;     // GEMM blocks of the call
+  int32_t grid;           // GEMM CTAs
+  int64_t shard_bytes;    // one shard
+  int64_t slot_bytes;     // the gathered operand: world shards
+  int64_t flags;          // flag words per rank: world * chunks
+};
+AgPlan ag_plan(const AgProblem& problem, const AgGemmConfig& config);
+
+// The kernel's arguments. The gathered slot holds the W shards at s * shard_bytes (source-major);
+// the local shard is read from x itself and never copied before the GEMM.
+struct AgGemmArgs {
+  const void* x;              // the local shard [rows, cols]
+  const void* gathered;       // this rank's slot (epoch % 2): peers push their shards into it
+  const void* w;
+  void* y;
+  const uint64_t* flags;      // this rank's flags (epoch % 2): flags[source * chunks + chunk]
+  DeviceError* error;         // device memory, polled and claimed by waiting CTAs
+  DeviceError* error_mirror;  // host-mapped copy written once on failure
+  uint64_t epoch;
+  uint64_t timeout_ns;
+};
+
+// Launch the GEMM that consumes the gathered operand as it arrives (its TMA warp waits on each
+// chunk's flag). The transfers are the handler's (copy engines, no SMs).
+cudaError_t launch_ag_gemm(DType dtype, const AgProblem& problem, const AgGemmConfig& config, const AgPlan& plan,
+                           const AgGemmArgs& args, cudaStream_t stream);
+
+}  // namespace entwine

@@ -1,0 +1,228 @@
+// XLA FFI handler `entwine_ag_gemm`: validates one rank's call, then forks XLA's stream into the
+// transfer streams (this rank's shard pushed to every peer by the copy engines, one flag per chunk)
+// and the GEMM stream (the GEMM consuming the gathered operand as it arrives), and joins them back.
+// No kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (see gemm_rs).
+#include <cstdint>
+#include <exception>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "ag_gemm/ag_gemm.h"
+#include "common/comm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace entwine {
+namespace {
+
+#define ENTWINE_RETURN_IF_CUDA(expr)                                                   \
+  do {                                                                                 \
+    cudaError_t err_ = (expr);                                                         \
+    if (err_ != cudaSuccess) {                                                         \
+      return ffi::Error::Internal(std::string("entwine ag_gemm: ") + #expr + ": " +    \
+                                  cudaGetErrorString(err_));                           \
+    }                                                                                  \
+  } while (0)
+
+std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Restores the caller's current device: XLA's thread may rely on it after we return.
+struct DeviceGuard {
+  int previous = -1;
+  cudaError_t set(int device) {
+    cudaGetDevice(&previous);
+    return cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+};
+
+// Double-buffer argument (docs/design.md, "The double-buffer argument"). In call e, rank q pushes
+// its shard into rank r's slot G_r[e % 2] and r's GEMM reads it. q's pushes of call e+2 into the
+// same slot start after q's start event of e+2, recorded on q's XLA stream after q's call e+1 was
+// joined; q's GEMM of e+1 saw r's flag of e+1, which r's transfer stream wrote after r's start
+// event of e+1, i.e. after r's call e (its GEMM and its copy of the gathered operand out of the
+// slot) was joined. So no push overwrites a slot its owner still reads. The same chain orders the
+// two writers of a flag word of one parity; it also holds when calls of gemm_rs and ag_gemm
+// alternate on one communicator, since every call of either op takes a flag from every peer.
+ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
+                     bool gather_k, int64_t block_n, int64_t gemm_sms, int64_t raster_rows, int64_t max_chunks) {
+  comm::DeviceComm* dc = comm::find(comm_id, device);
+  if (dc == nullptr) {
+    return ffi::Error::InvalidArgument("entwine ag_gemm: no communicator " + std::to_string(comm_id) +
+                                       " on device " + std::to_string(device) +
+                                       " (create it through entwine_jax, at trace time)");
+  }
+  if (auto message = comm::error_message(*dc)) return ffi::Error::Internal(*message);
+  if (!dc->connected) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "entwine ag_gemm: communicator " + std::to_string(comm_id) +
+                          " is being resized or was shut down on device " + std::to_string(device));
+  }
+
+  DType dtype;
+  if (x.element_type() == ffi::DataType::BF16) {
+    dtype = DType::kBF16;
+  } else if (x.element_type() == ffi::DataType::F16) {
+    dtype = DType::kFP16;
+  } else {
+    return ffi::Error::InvalidArgument("entwine ag_gemm: x must be bf16 or f16, got dtype code " +
+                                       std::to_string(int(x.element_type())));
+  }
+  if (w.element_type() != x.element_type() || y->element_type() != x.element_type() ||
+      gathered->element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument("entwine ag_gemm: x, w, y and the gathered output must share one dtype");
+  }
+
+  AgProblem problem;
+  problem.world = dc->world;
+  problem.rank = dc->rank;
+  problem.gather_k = gather_k;
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions(), gd = gathered->dimensions();
+  int64_t const world = dc->world;
+  bool dims_ok = xd.size() == 2 && wd.size() == 2 && yd.size() == 2;
+  if (dims_ok) {
+    int64_t const rows = xd[0], cols = xd[1];
+    dims_ok = wd[0] == (gather_k ? world * cols : cols) && yd[0] == (gather_k ? rows : world * rows) && yd[1] == wd[1];
+    // The gathered output: [world, rows, cols] (source-major), or empty when not asked for.
+    bool const no_gathered = gathered->element_count() == 0;
+    dims_ok = dims_ok && (no_gathered || (gd.size() == 3 && gd[0] == world && gd[1] == rows && gd[2] == cols));
+  }
+  if (!dims_ok) {
+    return ffi::Error::InvalidArgument(
+        std::string("entwine ag_gemm: expected x [rows, cols], w ") +
+        (gather_k ? "[W * cols, N], y [rows, N]" : "[cols, N], y [W * rows, N]") +
+        ", gathered [W, rows, cols] or empty; got x " + dims_string(xd) + ", w " + dims_string(wd) + ", y " +
+        dims_string(yd) + ", gathered " + dims_string(gd) + " with W = " + std::to_string(world));
+  }
+  problem.rows = int32_t(xd[0]);
+  problem.cols = int32_t(xd[1]);
+  problem.n = int32_t(wd[1]);
+
+  AgGemmConfig config;
+  config.block_n = int32_t(block_n);
+  config.gemm_sms = int32_t(gemm_sms);
+  config.raster_rows = int32_t(raster_rows);
+  config.max_chunks = int32_t(max_chunks);
+  AgPlan const plan = ag_plan(problem, config);
+  if (plan.error != nullptr) {
+    return ffi::Error::InvalidArgument(std::string("entwine ag_gemm: ") + plan.error + " (rows=" +
+                                       std::to_string(problem.rows) + ", cols=" + std::to_string(problem.cols) +
+                                       ", N=" + std::to_string(problem.n) + ", W=" + std::to_string(world) + ")");
+  }
+  if (size_t(plan.slot_bytes) > dc->capacity.slot_bytes || plan.chunks > dc->capacity.max_tiles) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "entwine ag_gemm: call needs " + std::to_string(plan.slot_bytes) + " bytes and " +
+                          std::to_string(plan.chunks) + " chunks per slot, communicator has " +
+                          std::to_string(dc->capacity.slot_bytes) + " bytes and " +
+                          std::to_string(dc->capacity.max_tiles) + " flags per source");
+  }
+
+  // The epoch is a host value passed to the kernel: a captured call would replay a stale epoch.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  ENTWINE_RETURN_IF_CUDA(cudaStreamIsCapturing(xla_stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "entwine ag_gemm: cannot be captured into a CUDA graph (an XLA command buffer or a "
+                      "stream capture): its epochs are host values, so a replay would return a stale "
+                      "result. Leave CUSTOM_CALL out of --xla_gpu_enable_command_buffer, or use "
+                      "AgGemmConfig(path=\"xla\")");
+  }
+
+  DeviceGuard guard;
+  ENTWINE_RETURN_IF_CUDA(guard.set(device));
+  uint64_t const epoch = ++dc->epoch;
+  int const rank = dc->rank;
+  char* const own = static_cast<char*>(dc->heap);
+  char* const own_slot = own + dc->layout.slot_offset(epoch);
+  int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
+  char const* const shard = static_cast<char const*>(x.untyped_data());
+
+  ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->start, xla_stream));
+  // Pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk, each chunk released by
+  // its flag in the receiver's memory (written after the copy, behind a system fence). Rank r thus
+  // receives from r-1 first on every link at once; the GEMM visits peers in that order.
+  for (int d = 1; d < world; ++d) {
+    int const peer = (rank + d) % int(world);
+    cudaStream_t const stream = dc->transfer[d];
+    ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(stream, dc->start, 0));
+    char* const peer_slot = static_cast<char*>(dc->peer_heap[peer]) + dc->layout.slot_offset(epoch);
+    uint64_t* const peer_flags =
+        reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[peer]) + dc->layout.flags_offset(epoch));
+    for (int c = 0; c < plan.chunks; ++c) {
+      ENTWINE_RETURN_IF_CUDA(cudaMemcpyAsync(peer_slot + rank * plan.shard_bytes + c * chunk_bytes,
+                                             shard + c * chunk_bytes, chunk_bytes, cudaMemcpyDeviceToDevice, stream));
+      ENTWINE_RETURN_IF_CUDA(comm::stream_write_value64(stream, peer_flags + rank * plan.chunks + c, epoch));
+    }
+    ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->transfer_done[d], stream));
+  }
+
+  AgGemmArgs args{};
+  args.x = x.untyped_data();
+  args.gathered = own_slot;
+  args.w = w.untyped_data();
+  args.y = y->untyped_data();
+  args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset(epoch));
+  args.error = dc->error_local;
+  args.error_mirror = dc->error_device;
+  args.epoch = epoch;
+  args.timeout_ns = comm::timeout_ms() * 1000000ull;
+  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->producer, dc->start, 0));
+  ENTWINE_RETURN_IF_CUDA(launch_ag_gemm(dtype, problem, config, plan, args, dc->producer));
+  if (gathered->element_count() != 0) {
+    // After the GEMM, which acquired every chunk: the slot holds every peer's shard of this call.
+    char* const out = static_cast<char*>(gathered->untyped_data());
+    for (int s = 0; s < world; ++s) {
+      char const* const from = s == rank ? shard : own_slot + s * plan.shard_bytes;
+      ENTWINE_RETURN_IF_CUDA(cudaMemcpyAsync(out + s * plan.shard_bytes, from, plan.shard_bytes,
+                                             cudaMemcpyDeviceToDevice, dc->producer));
+    }
+  }
+  ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->producer_done, dc->producer));
+  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
+  for (int d = 1; d < world; ++d) {
+    ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(xla_stream, dc->transfer_done[d], 0));
+  }
+  return ffi::Error::Success();
+}
+
+// Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
+ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
+                      bool gather_k, int64_t block_n, int64_t gemm_sms, int64_t raster_rows, int64_t max_chunks) {
+  try {
+    return RunAgGemm(xla_stream, device, x, w, y, gathered, comm_id, gather_k, block_n, gemm_sms, raster_rows,
+                     max_chunks);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("entwine ag_gemm: ") + e.what());
+  } catch (...) {
+    return ffi::Error::Internal("entwine ag_gemm: unknown C++ exception");
+  }
+}
+
+}  // namespace
+}  // namespace entwine
+
+// No command-buffer trait: the epoch is a host value (docs/design.md, "Graph safety").
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // x: the local shard
+                                  .Arg<ffi::AnyBuffer>()                     // w
+                                  .Ret<ffi::AnyBuffer>()                     // y
+                                  .Ret<ffi::AnyBuffer>()                     // gathered (or empty)
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<bool>("gather_k")                    // gather_k
+                                  .Attr<int64_t>("block_n")                  // block_n
+                                  .Attr<int64_t>("gemm_sms")                 // gemm_sms
+                                  .Attr<int64_t>("raster_rows")              // raster_rows
+                                  .Attr<int64_t>("max_chunks"));             // max_chunks

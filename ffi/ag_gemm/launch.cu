@@ -1,0 +1,67 @@
+// ag_gemm's plan (the shape rules of its kernels, in one place) and the dispatch from (dtype,
+// config) to the GEMM instantiations it shares with gemm_rs.
+#include "ag_gemm/ag_gemm.h"
+#include "common/gemm_kernels.h"
+#include "gemm_rs/gemm_rs.h"
+
+namespace entwine {
+
+namespace {
+
+// A chunk is whole tile rows and every shard has the same chunks: the largest divisor of the
+// shard's tile rows that is at most max_chunks (a prime number of tile rows travels in one chunk
+// or in one chunk per tile row).
+int32_t chunk_count(int32_t tile_rows, int32_t max_chunks) {
+  for (int32_t c = max_chunks < tile_rows ? max_chunks : tile_rows; c > 1; --c) {
+    if (tile_rows % c == 0) return c;
+  }
+  return 1;
+}
+
+}  // namespace
+
+AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
+  AgPlan plan{};
+  auto fail = [&](const char* rule) {
+    plan.error = rule;
+    return plan;
+  };
+  if (p.world < 1 || p.world > kMaxWorld) return fail("world size must be in [1, 8]");
+  if (p.rank < 0 || p.rank >= p.world) return fail("rank must be in [0, world)");
+  if (c.block_n != 128 && c.block_n != 256) return fail("config.block_n must be 128 or 256");
+  if (c.gemm_sms < 0) return fail("config.gemm_sms must be >= 0");
+  if (c.raster_rows < 1) return fail("config.raster_rows must be >= 1");
+  if (c.max_chunks < 1 || c.max_chunks > 64) return fail("config.max_chunks must be in [1, 64]");
+  if (p.rows <= 0 || p.cols <= 0 || p.n <= 0) return fail("rows, cols and N must be positive");
+  if (p.rows % kTileM != 0) return fail("shard rows must be a multiple of 128");
+  if (p.cols % kAlignK != 0) return fail("shard columns must be a multiple of 8 (16-byte rows for TMA)");
+  if (p.n % c.block_n != 0) return fail("N must be a multiple of config.block_n");
+  // int32 coordinates in the kernels (the gathered operand's rows, w's rows).
+  if (int64_t(p.world) * p.rows >= (int64_t(1) << 31) || int64_t(p.world) * p.cols >= (int64_t(1) << 31)) {
+    return fail("the gathered operand has 2^31 rows or columns or more");
+  }
+  plan.tile_rows = p.rows / kTileM;
+  plan.chunks = chunk_count(plan.tile_rows, c.max_chunks);
+  plan.chunk_tiles = plan.tile_rows / plan.chunks;
+  plan.n_blocks = p.n / c.block_n;
+  plan.k_tiles = (p.cols + kProducerBlockK - 1) / kProducerBlockK;
+  plan.num_blocks = (p.gather_k ? 1 : p.world) * plan.tile_rows * plan.n_blocks;
+  plan.grid = c.gemm_sms > 0 && c.gemm_sms < plan.num_blocks ? c.gemm_sms : plan.num_blocks;
+  plan.shard_bytes = int64_t(p.rows) * p.cols * 2;
+  plan.slot_bytes = p.world * plan.shard_bytes;
+  plan.flags = int64_t(p.world) * plan.chunks;
+  return plan;
+}
+
+cudaError_t launch_ag_gemm(DType dtype, const AgProblem& s, const AgGemmConfig& c, const AgPlan& plan,
+                           const AgGemmArgs& a, cudaStream_t stream) {
+  bool const wide = c.block_n == 256;
+  if (dtype == DType::kBF16) {
+    return wide ? producer::launch_gather_bf16_n256(s, c, plan, a, stream)
+                : producer::launch_gather_bf16_n128(s, c, plan, a, stream);
+  }
+  return wide ? producer::launch_gather_fp16_n256(s, c, plan, a, stream)
+              : producer::launch_gather_fp16_n128(s, c, plan, a, stream);
+}
+
+}  // namespace entwine

@@ -1,0 +1,35 @@
+// What every fused op shares with the communicator: the largest group, the element types, and the
+// device error record that a bounded wait fills instead of hanging (docs/design.md, "Bounded waits").
+// No kernel syntax: included by handlers, kernels and the harness.
+#pragma once
+
+#include <cstdint>
+
+namespace entwine {
+
+// Largest mesh axis the fused ops support (one NVLink node).
+constexpr int kMaxWorld = 8;
+
+enum class DType : int32_t { kBF16 = 0, kFP16 = 1 };
+
+// Which wait of which op ran past its deadline (DeviceError::op).
+enum class WaitSite : int32_t {
+  kReduceTile = 0,  // gemm_rs consumer: a 128x128 tile of a peer's partial output
+  kGatherChunk = 1,  // ag_gemm GEMM: a chunk of rows of a peer's shard
+};
+
+// Written by the first CTA whose wait passes its deadline; read by the host.
+struct DeviceError {
+  uint32_t code;      // 0: none, kErrorDeadline (kErrorClaimed while being written)
+  int32_t rank;       // the waiting rank
+  int32_t source;     // the rank whose flag never arrived
+  int32_t tile;       // gemm_rs: reduction tile of the waiting rank's partition; ag_gemm: chunk of the source
+  uint64_t expected;  // epoch waited for
+  uint64_t observed;  // last epoch seen in the flag
+  int32_t op;         // WaitSite
+  int32_t pad_;
+};
+constexpr uint32_t kErrorDeadline = 1;
+constexpr uint32_t kErrorClaimed = 0xFFFFFFFFu;  // a CTA is filling the record
+
+}  // namespace entwine
