@@ -535,20 +535,44 @@ class ColumnParallelDense(nn.Module):
 # Logical axes -> PartitionSpecs
 # ----------------------------------------------------------------------------------------------
 
-def _rules_dict(rules) -> dict:
+def _rules_list(rules) -> list:
+    """rules as an ordered list of (logical name, mesh axes) pairs; mesh axes a str, a tuple of
+    str, or None (an empty list or tuple, as in MaxText's ``['activation_kv_length', []]``, is None).
+    Lists of mesh axes (MaxText's yml) become tuples."""
     items = rules.items() if isinstance(rules, Mapping) else rules
-    out: dict = {}
+    out: list = []
     try:
         for logical, mesh_axes in items:
+            if isinstance(mesh_axes, list):
+                mesh_axes = tuple(mesh_axes)
             if not isinstance(logical, str) or not (
                     mesh_axes is None or isinstance(mesh_axes, str)
                     or (isinstance(mesh_axes, tuple) and all(isinstance(a, str) for a in mesh_axes))):
                 raise TypeError
-            out.setdefault(logical, mesh_axes)  # first match wins, as in flax
+            out.append((logical, mesh_axes if mesh_axes != () else None))
     except (TypeError, ValueError):
         raise ValueError("partition_specs: rules must be a mapping or a sequence of (logical axis name, mesh axis "
                          f"name | tuple of names | None) pairs, got {rules!r}") from None
     return out
+
+
+def _resolve(names: tuple, rules: list) -> list:
+    """Flax's rule resolution (flax.linen.spmd._logical_to_mesh_axes): the rules are walked in
+    order; a rule assigns its mesh axes to the dim named by its logical name when that dim is still
+    unassigned and none of the axes is taken by another dim, else the next rule for that name gets
+    its chance. A dim whose rules are all blocked stays replicated (None)."""
+    unassigned = object()
+    result: list = [unassigned if n is not None else None for n in names]
+    taken: set = set()
+    for logical, mesh_axes in rules:
+        if logical not in names:
+            continue
+        pos = names.index(logical)
+        axes = () if mesh_axes is None else (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+        if result[pos] is unassigned and not taken.intersection(axes):
+            result[pos] = mesh_axes
+            taken.update(axes)
+    return [None if r is unassigned else r for r in result]
 
 
 def partition_specs(tree, rules=DEFAULT_LOGICAL_AXIS_RULES):
@@ -560,13 +584,19 @@ def partition_specs(tree, rules=DEFAULT_LOGICAL_AXIS_RULES):
     box replaced by its ``PartitionSpec``; plain arrays: ``P()``, replicated), ready as the
     ``in_specs`` / ``out_specs`` of ``jax.shard_map`` and for ``NamedSharding``.
 
-    rules: ``(logical name, mesh axis | tuple of mesh axes | None)`` pairs or a dict (first match
-    wins); default ``DEFAULT_LOGICAL_AXIS_RULES``. Every logical name in use must have a rule, so a
+    rules: ``(logical name, mesh axis | tuple or list of mesh axes | None)`` pairs or a dict;
+    default ``DEFAULT_LOGICAL_AXIS_RULES``. They are resolved as Flax resolves them
+    (``nn.logical_to_mesh_axes``): in order of precedence, and a rule whose mesh axes another dim
+    of the same parameter already took is skipped for the next rule of that name (MaxText's
+    ``("mlp", "embed")`` kernel: ``mlp`` takes ``fsdp_transpose`` and ``tensor``, so ``embed``
+    falls back from its first rule, which also names ``fsdp_transpose``, to its second). A dim
+    whose rules are all blocked is replicated. Every logical name in use must have a rule, so a
     typo cannot silently replicate a parameter. Linen ``nn.Partitioned`` boxes (mesh axes already)
     are taken as they are. The flax-native equivalents: ``nnx.get_partition_spec(state)`` under
     ``nnx.logical_axis_rules(rules)``, and ``nn.logical_to_mesh(nn.get_partition_spec(variables), rules)``.
     """
-    table = _rules_dict(rules)
+    table = _rules_list(rules)
+    known = {logical for logical, _ in table}
 
     def spec(path, leaf):
         where = jax.tree_util.keystr(path) or "<root>"
@@ -586,16 +616,14 @@ def partition_specs(tree, rules=DEFAULT_LOGICAL_AXIS_RULES):
         names = tuple(names.spec if isinstance(names, jax.sharding.NamedSharding) else names)
         if not logical:
             return P(*names)
-        missing = [n for n in names if n is not None and n not in table]
+        missing = [n for n in names if n is not None and n not in known]
         if missing:
             raise ValueError(f"partition_specs: {where} has logical axes {names}; no rule for {missing} (rules: "
-                             f"{table})")
-        mesh_axes = [table[n] if n is not None else None for n in names]
-        used = [a for m in mesh_axes if m is not None for a in (m if isinstance(m, tuple) else (m,))]
-        if len(used) != len(set(used)):
-            raise ValueError(f"partition_specs: {where} has logical axes {names}, which the rules map to {mesh_axes}: "
-                             "a mesh axis may shard only one dim")
-        return P(*mesh_axes)
+                             f"{dict(table)})")
+        repeated = sorted({n for n in names if n is not None and names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"partition_specs: {where} has logical axes {names}; {repeated} name more than one dim")
+        return P(*_resolve(names, table))
 
     is_leaf = lambda v: isinstance(v, (nnx.Variable, flax_meta.AxisMetadata))
     return jax.tree_util.tree_map_with_path(spec, tree, is_leaf=is_leaf)

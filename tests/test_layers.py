@@ -273,12 +273,38 @@ def test_partition_specs_errors():
     with pytest.raises(ValueError, match=r"\['params'\]\['kernel'\] has logical axes \('mlp', 'embed'\); no rule "
                                          r"for \['mlp'\]"):
         partition_specs(variables, [("embed", None)])
-    with pytest.raises(ValueError, match=r"which the rules map to \['tp', 'tp'\]: a mesh axis may shard only one dim"):
-        partition_specs(variables, {"mlp": "tp", "embed": "tp"})
+    with pytest.raises(ValueError, match=r"has logical axes \('mlp', 'mlp'\); \['mlp'\] name more than one dim"):
+        partition_specs({"k": nn.LogicallyPartitioned(jnp.ones((2, 2)), ("mlp", "mlp"))}, RULES)
     with pytest.raises(ValueError, match=r"rules must be a mapping or a sequence of \(logical axis name, mesh axis"):
         partition_specs(variables, [("mlp",)])
     with pytest.raises(ValueError, match=r"rules must be"):
         partition_specs(variables, {"mlp": 3})
+
+
+def test_partition_specs_rule_fallback():
+    """A rule whose mesh axis another dim already took is skipped for the next rule of that name, as
+    in Flax; MaxText's rules (lists of axes) for its MLP and attention-output kernels."""
+    variables = RowParallelDense(OUT).init(jax.random.key(0), jnp.ones((ROWS, IN)))
+    # embed's only rule is blocked by mlp: replicated, as nn.logical_to_mesh_axes says.
+    assert partition_specs(variables, {"mlp": "tp", "embed": "tp"})["params"]["kernel"] == P("tp", None)
+    maxtext_rules = [  # excerpt of MaxText 0.2.5's base.yml, in its order
+        ["heads", ["tensor", "tensor_sequence", "autoregressive"]],
+        ["kv", []],
+        ["embed_attn", ["fsdp", "fsdp_transpose", "context", "context_usp_ulysses", "expert"]],
+        ["mlp", ["fsdp_transpose", "tensor", "tensor_sequence", "autoregressive"]],
+        ["embed", ["fsdp", "fsdp_transpose", "context", "context_usp_ulysses", "expert"]],
+        ["embed", ["fsdp", "context", "context_usp_ulysses", "expert"]],
+    ]
+    tree = {"wo": nn.LogicallyPartitioned(jnp.ones((4, 2)), ("mlp", "embed")),
+            "out": nn.LogicallyPartitioned(jnp.ones((4, 2, 2)), ("heads", "kv", "embed_attn"))}
+    specs = partition_specs(tree, maxtext_rules)
+    assert specs["wo"] == P(("fsdp_transpose", "tensor", "tensor_sequence", "autoregressive"),
+                            ("fsdp", "context", "context_usp_ulysses", "expert"))
+    assert specs["out"] == P(("tensor", "tensor_sequence", "autoregressive"), None,
+                             ("fsdp", "fsdp_transpose", "context", "context_usp_ulysses", "expert"))
+    flax_rules = [(n, tuple(a) if a else None) for n, a in maxtext_rules]
+    for key, box in tree.items():
+        assert specs[key] == nn.logical_to_mesh_axes(box.names, flax_rules)
 
 
 # ---------------------------------------------------------------- sequence parallelism over dim 1
