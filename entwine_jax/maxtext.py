@@ -1,0 +1,531 @@
+# MaxText integration: entwine_jax.maxtext.enable() routes MaxText's tensor-parallel projections
+# (MLP wo / wi_*, attention out / query / key / value) through gemm_rs and ag_gemm by patching three
+# MaxText methods at runtime; disable() puts them back. Parameters, their paths and MaxText's
+# checkpoint_name tags are untouched. Written against MaxText 0.2.5 (docs/maxtext.md).
+"""Route MaxText's row-parallel projections through ``entwine_jax.gemm_rs`` (and its column-parallel
+ones through ``entwine_jax.ag_gemm`` where this entwine_jax has it).
+
+Call :func:`enable` once at startup, before the train step is traced (e.g. before
+``train.main``); nothing in MaxText's files or configs changes::
+
+    import entwine_jax.maxtext
+    entwine_jax.maxtext.enable()
+    from maxtext.trainers.pre_train import train
+    train.main(argv)
+
+What is patched (all restored by :func:`disable`):
+
+* ``MlpBlock.__call__`` and ``Attention.__call__`` (``maxtext.layers.linears`` /
+  ``maxtext.layers.attentions``) only mark, for the length of the call, which of their child
+  ``DenseGeneral`` modules is which projection, with the activation axis names the layer itself
+  uses (``MlpBlock.intermediate_logical``, ``Attention.out_axis_names``, ...), then run MaxText's
+  own code unchanged.
+* ``DenseGeneral.__call__`` runs a marked projection as a ``jax.shard_map`` island over the whole
+  mesh calling ``gemm_rs`` / ``ag_gemm`` on the module's own kernel; any other ``DenseGeneral``
+  call, and every marked one this module cannot serve, runs MaxText's code (the reason is logged
+  once per projection at INFO on the ``entwine_jax`` logger, and kept in :func:`stats`).
+
+Layouts come from MaxText's logical-axis rules (the Flax rule context MaxText's train step runs
+under, else ``config.logical_axis_rules``), resolved on the layer's mesh with MaxText's own
+``logical_to_mesh_axes`` (size-1 mesh axes dropped):
+
+* the tensor axis T: the one mesh axis that shards the projection's contraction dim
+  (row-parallel: ``activation_mlp`` / ``activation_heads`` of the input) or its output feature
+  dim (column-parallel: ``activation_mlp`` / ``activation_kv_heads``);
+* the layout: T on the embed dim of the decoder activations (``activation_embed``, MaxText's
+  ``tensor`` axis: gemm_rs scatters the hidden dim, ag_gemm gathers it) or on their sequence dim
+  (``activation_norm_length``, the ``tensor_sequence`` axis: scatter / gather dim 1);
+* the batch axes: whatever the activation's batch dim maps to (``activation_batch`` ->
+  ``data``, ``fsdp``, ``fsdp_transpose``, ``expert``, those of size > 1).
+
+Kept as MaxText's own layer (logged once): quantised ``DenseGeneral`` (``quant``, fp8 or scaled
+weights, which includes TransformerEngine's ``te_comm_gemm_overlap``), a bias, host-offloaded
+parameters, a non-default ``matmul_precision``, kernel axes other than MaxText's, context
+parallelism (the sequence dim sharded on the island's input), 2-D tensor parallelism (the
+contraction or output features over more than one mesh axis), no tensor parallelism, an output
+replicated over T (an all-reduce), inference modes (prefill, decode), shapes T does not divide, and
+column-parallel projections while ``entwine_jax`` has no ``ag_gemm``.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import logging
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import entwine_jax
+from entwine_jax import _log
+from entwine_jax.config import GemmRsConfig
+
+__all__ = ["enable", "disable", "enabled", "is_enabled", "stats", "reset_stats", "TESTED_MAXTEXT_VERSIONS"]
+
+TESTED_MAXTEXT_VERSIONS = ("0.2.5",)
+
+ROW, COLUMN = "gemm_rs", "ag_gemm"
+_TRAIN = "train"
+# The decoder layer's activation names around the MLP and attention blocks (LlamaDecoderLayer and
+# the other MaxText decoders): the input of wi / query / key / value's callers and the layout the
+# decoder constrains wo's and out's outputs to.
+_DECODER_ACTIVATION = ("activation_batch", "activation_norm_length", "activation_embed")
+# MaxText's kernel logical axes per projection (linears.py, attentions.py); another value means a
+# layout this module was not written for.
+_KERNEL_AXES = {
+    "wo": ("mlp", "embed"),
+    "wi": ("embed", "mlp"),
+    "out": ("heads", "kv", "embed_attn"),
+    "query": ("embed_attn", "q_heads", "kv"),
+    "key": ("embed_attn", "kv_heads", "kv_head_dim"),
+    "value": ("embed_attn", "kv_heads", "kv_head_dim"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """One projection of one MaxText layer call, as the layer describes it."""
+    name: str          # "mlp/wo", "attention/query", ...: the key of stats() and of the log
+    kind: str          # ROW or COLUMN
+    mesh: Any          # the layer's jax.sharding.Mesh
+    config: Any        # the layer's MaxText config (shard_mode, logical_axis_rules)
+    kernel_axes: tuple
+    x_names: tuple     # logical axes of the projection's input
+    out_names: tuple   # logical axes of its output (row-parallel: unless the caller passes out_sharding)
+
+
+@dataclasses.dataclass
+class _State:
+    originals: dict = dataclasses.field(default_factory=dict)  # (class, attribute) -> original function
+    gemm_rs_config: Optional[GemmRsConfig] = None
+    ag_gemm_config: Any = None
+    column_parallel: bool = True
+    routed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    kept: dict = dataclasses.field(default_factory=dict)
+    setup_done: set = dataclasses.field(default_factory=set)
+
+
+_state = _State()
+# id(DenseGeneral) -> _Site for the DenseGenerals of the MaxText layer calls in progress. A context
+# variable rather than an attribute on the module, so that the model's graph (and with it nnx.split,
+# checkpoints and parameter paths) is the same with and without the integration.
+_sites: contextvars.ContextVar[dict] = contextvars.ContextVar("entwine_maxtext_sites", default={})
+
+
+# ----------------------------------------------------------------------------------------------
+# The switch
+# ----------------------------------------------------------------------------------------------
+
+def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Any = None,
+           column_parallel: bool = True) -> None:
+    """Route MaxText's tensor-parallel projections through entwine_jax (see the module docstring).
+
+    Call before MaxText traces its train step (building the model before or after does not
+    matter: the routing is decided at trace time). Calling it again replaces the settings.
+
+    gemm_rs_config: passed to every ``gemm_rs`` call (default: the tuned table / heuristic).
+    ag_gemm_config: passed to every ``ag_gemm`` call.
+    column_parallel: False keeps MaxText's own wi_* / query / key / value projections.
+    """
+    if gemm_rs_config is not None and not isinstance(gemm_rs_config, GemmRsConfig):
+        raise ValueError(f"entwine_jax.maxtext.enable: gemm_rs_config must be an entwine_jax.GemmRsConfig or None, "
+                         f"got {type(gemm_rs_config).__name__}")
+    if column_parallel not in (True, False):
+        raise ValueError(f"entwine_jax.maxtext.enable: column_parallel must be a bool, got {column_parallel!r}")
+    linears, attentions = _maxtext_modules()
+    _state.gemm_rs_config, _state.ag_gemm_config, _state.column_parallel = (
+        gemm_rs_config, ag_gemm_config, column_parallel)
+    if _state.originals:
+        return  # already patched; the settings above apply from the next trace on
+    patches = {
+        (linears.DenseGeneral, "__call__"): _dense_general_call,
+        (linears.MlpBlock, "__call__"): _mlp_block_call,
+        (attentions.Attention, "__call__"): _attention_call,
+    }
+    for (cls, attr), wrapper in patches.items():
+        original = cls.__dict__[attr]
+        _state.originals[(cls, attr)] = original
+        setattr(cls, attr, _patched(original, wrapper))
+    _log.logger.info("entwine_jax.maxtext: enabled (MaxText %s; row-parallel -> gemm_rs, column-parallel -> %s)",
+                     _maxtext_version(), "ag_gemm" if _column_available() else "MaxText (no entwine_jax.ag_gemm)")
+
+
+def disable() -> None:
+    """Put MaxText's methods back. Programs traced while enabled keep their islands; programs traced
+    afterwards are stock MaxText."""
+    for (cls, attr), original in _state.originals.items():
+        setattr(cls, attr, original)
+    _state.originals.clear()
+
+
+def is_enabled() -> bool:
+    return bool(_state.originals)
+
+
+@contextlib.contextmanager
+def enabled(**kwargs):
+    """``with enabled(): ...``: enable(**kwargs) for the block, then disable() (if it was off)."""
+    was = is_enabled()
+    enable(**kwargs)
+    try:
+        yield
+    finally:
+        if not was:
+            disable()
+
+
+def stats() -> dict:
+    """What the traces since the last reset_stats() did: ``{"routed": {site: traced calls},
+    "kept": {site: reason}}``, sites such as ``"mlp/wo"``, ``"attention/out"``. A site is counted
+    each time a routed call is traced (a scanned layer stack traces its body once; remat and the
+    backward pass may trace it again)."""
+    return {"routed": dict(_state.routed), "kept": dict(_state.kept)}
+
+
+def reset_stats() -> None:
+    _state.routed.clear()
+    _state.kept.clear()
+
+
+def _patched(original, wrapper):
+    """A plain function (so that it binds as a method) calling wrapper(original, self, ...)."""
+    def patched(self, *args, **kwargs):
+        return wrapper(original, self, *args, **kwargs)
+    return functools.wraps(original)(patched)
+
+
+def _maxtext_modules():
+    try:
+        from maxtext.layers import attentions, linears
+    except ImportError as e:
+        raise ImportError(f"entwine_jax.maxtext needs MaxText (pip install 'maxtext[tpu]==0.2.5'): {e}") from e
+    for cls, attr in ((linears.DenseGeneral, "__call__"), (linears.MlpBlock, "__call__"),
+                      (attentions.Attention, "__call__")):
+        if attr not in cls.__dict__:
+            raise RuntimeError(f"entwine_jax.maxtext: {cls.__module__}.{cls.__name__} has no {attr} of its own in "
+                               f"MaxText {_maxtext_version()}; this integration was written for MaxText "
+                               f"{', '.join(TESTED_MAXTEXT_VERSIONS)}")
+    if _maxtext_version() not in TESTED_MAXTEXT_VERSIONS:
+        _log.log_once(("maxtext-version", _maxtext_version()), logging.WARNING,
+                      "entwine_jax.maxtext: MaxText %s is not one of the tested versions %s; compare losses with "
+                      "and without enable()", _maxtext_version(), TESTED_MAXTEXT_VERSIONS)
+    return linears, attentions
+
+
+def _maxtext_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("maxtext")
+    except Exception:
+        return "unknown"
+
+
+def _column_available() -> bool:
+    return hasattr(entwine_jax, "ag_gemm")
+
+
+# ----------------------------------------------------------------------------------------------
+# The three patched methods
+# ----------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _marked(sites: dict):
+    token = _sites.set({**_sites.get(), **sites})
+    try:
+        yield
+    finally:
+        _sites.reset(token)
+
+
+def _mlp_block_call(original, self, inputs, *args, **kwargs):
+    mode = getattr(self, "model_mode", None)
+    if mode not in (None, _TRAIN):
+        _keep("mlp/wo", f"model_mode={mode!r} (inference) is left to MaxText")
+        return original(self, inputs, *args, **kwargs)
+    site = functools.partial(_Site, mesh=self.mesh, config=self.config)
+    intermediate = tuple(self.intermediate_logical)
+    sites = {id(self.wo): site(name="mlp/wo", kind=ROW, kernel_axes=_KERNEL_AXES["wo"], x_names=intermediate,
+                               out_names=_DECODER_ACTIVATION)}
+    if not self.config.fused_mlp:
+        for idx in range(len(self.activations)):
+            name = "wi" if len(self.activations) == 1 else f"wi_{idx}"
+            sites[id(getattr(self, name))] = site(name=f"mlp/{name}", kind=COLUMN, kernel_axes=_KERNEL_AXES["wi"],
+                                                  x_names=_DECODER_ACTIVATION, out_names=intermediate)
+    else:
+        _keep("mlp/wi", "fused_mlp (one wi kernel [embed, num_activations, mlp]) is left to MaxText")
+    with _marked(sites):
+        return original(self, inputs, *args, **kwargs)
+
+
+def _attention_call(original, self, inputs_q, inputs_kv, *args, **kwargs):
+    mode = kwargs.get("model_mode", _TRAIN)
+    if mode != _TRAIN:
+        _keep("attention/out", f"model_mode={mode!r} (inference) is left to MaxText")
+        return original(self, inputs_q, inputs_kv, *args, **kwargs)
+    site = functools.partial(_Site, mesh=self.mesh, config=self.config)
+    sites = {}
+    if getattr(self, "out", None) is not None:
+        sites[id(self.out)] = site(name="attention/out", kind=ROW, kernel_axes=_KERNEL_AXES["out"],
+                                   x_names=tuple(self.out_axis_names), out_names=_DECODER_ACTIVATION)
+    for proj, out_names in (("query", self.query_axis_names), ("key", self.key_axis_names),
+                            ("value", self.value_axis_names)):
+        module = getattr(self, proj, None)
+        if module is not None and id(module) not in sites:  # value may be key (share_kv_projections)
+            sites[id(module)] = site(name=f"attention/{proj}", kind=COLUMN, kernel_axes=_KERNEL_AXES[proj],
+                                     x_names=tuple(self.input_axis_names), out_names=tuple(out_names))
+    with _marked(sites):
+        return original(self, inputs_q, inputs_kv, *args, **kwargs)
+
+
+def _dense_general_call(original, self, inputs, _initializing: bool = False, out_sharding=None,
+                        slice_bounds=None):
+    site = _sites.get().get(id(self))
+    if site is None or _initializing:
+        return original(self, inputs, _initializing, out_sharding, slice_bounds)
+    plan = _plan(self, site, inputs, out_sharding, slice_bounds)
+    if isinstance(plan, str):
+        _keep(site.name, plan)
+        return original(self, inputs, _initializing, out_sharding, slice_bounds)
+    _state.routed[site.name] += 1
+    return _island(self, site, plan, inputs)
+
+
+def _keep(name: str, reason: str) -> None:
+    _state.kept[name] = reason
+    _log.log_once(("maxtext-keep", name, reason), logging.INFO,
+                  "entwine_jax.maxtext: %s keeps MaxText's DenseGeneral: %s", name, reason)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout: from MaxText's logical axes to the island's specs
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    axis: str          # the tensor axis T
+    x_spec: P          # the island's in_specs / out_specs
+    kernel_spec: P
+    out_spec: P
+    dimension: int     # gemm_rs's scatter_dimension or ag_gemm's gather_dimension
+    layout: str        # "hidden" or "sequence"
+
+
+def _mesh_dims(names, site: _Site) -> list:
+    """Per dim, the mesh axes of size > 1 that MaxText's rules give `names` (a tuple per dim)."""
+    import flax.linen as nn
+    from maxtext.utils.sharding import logical_to_mesh_axes
+    # MaxText's own layers resolve with rules=None, i.e. the Flax rule context of the train step;
+    # outside it (a model called by hand) the config's rules are what that context would hold.
+    rules = None if nn.get_logical_axis_rules() else site.config.logical_axis_rules
+    spec = logical_to_mesh_axes(tuple(names), site.mesh, rules=rules)
+    return [_axes(entry, site.mesh) for entry in spec]
+
+
+def _axes(entry, mesh) -> tuple:
+    if entry is None or entry == P.UNCONSTRAINED:
+        return ()
+    entry = (entry,) if isinstance(entry, str) else tuple(entry)
+    return tuple(a for a in entry if mesh.shape.get(a, 1) > 1)
+
+
+def _entry(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _fmt(dims) -> str:
+    return "P(" + ", ".join(repr(_entry(d)) for d in dims) + ")"
+
+
+def _module_reason(dense, site: _Site, inputs, slice_bounds) -> Optional[str]:
+    """Why MaxText's DenseGeneral must run this call itself, from the module alone."""
+    from maxtext.common.common_types import is_fp8_dtype
+    if dense.quant is not None:
+        return f"quantised DenseGeneral (quant={type(dense.quant).__name__})"
+    if getattr(dense, "kernel_scale", None) is not None or is_fp8_dtype(getattr(dense, "weight_dtype", None)):
+        return "quantised weights (kernel_scale / fp8 weight_dtype)"
+    if dense.bias is not None:
+        return "a bias (gemm_rs / ag_gemm take none)"
+    if slice_bounds is not None:
+        return "a sliced kernel (slice_bounds)"
+    if dense.parameter_memory_host_offload:
+        return "parameter_memory_host_offload"
+    if dense.matmul_precision != "default":
+        return f"matmul_precision={dense.matmul_precision!r} (the ops compute at the default precision)"
+    if tuple(dense.kernel_axes) != site.kernel_axes:
+        return f"kernel logical axes {tuple(dense.kernel_axes)}, not MaxText's {site.kernel_axes}"
+    n_in = len(dense.axis)
+    want_in = n_in if site.kind == ROW else 1
+    if n_in != want_in or tuple(a % inputs.ndim for a in dense.axis) != tuple(range(inputs.ndim - n_in, inputs.ndim)):
+        return f"contraction axes {dense.axis} of an input of rank {inputs.ndim}: not the trailing {want_in} dim(s)"
+    if inputs.ndim != 2 + n_in:
+        return f"an input of rank {inputs.ndim} (expected [batch, sequence, *features])"
+    return None
+
+
+def _plan(dense, site: _Site, inputs, out_sharding, slice_bounds):
+    """The island's layout, or the reason (a str) to keep MaxText's DenseGeneral."""
+    if site.kind == COLUMN and not _state.column_parallel:
+        return "column_parallel=False"
+    if site.kind == COLUMN and not _column_available():
+        return "entwine_jax has no ag_gemm yet"
+    reason = _module_reason(dense, site, inputs, slice_bounds)
+    if reason is not None:
+        return reason
+    x = _mesh_dims(site.x_names, site)
+    if len(x) != inputs.ndim:
+        return f"input logical axes {site.x_names} for an input of rank {inputs.ndim}"
+    kernel_shape = tuple(dense.in_features_shape) + tuple(dense.out_features_shape)
+    if site.kind == ROW:
+        return _row_plan(site, x, kernel_shape, inputs.shape, out_sharding)
+    return _column_plan(site, x, kernel_shape, inputs.shape)
+
+
+def _row_plan(site: _Site, x: list, kernel_shape: tuple, x_shape: tuple, out_sharding):
+    """gemm_rs: x [B, S, *in] with in[0] over T -> [B, S, E/T] ("hidden") or [B, S/T, E] ("sequence")."""
+    mesh = site.mesh
+    # The layout the caller asks for (LlamaDecoderLayer passes its activation sharding), else the
+    # decoder's activation names.
+    if isinstance(out_sharding, NamedSharding) and len(out_sharding.spec) == 3:
+        out = [_axes(e, mesh) for e in out_sharding.spec]
+    else:
+        out = _mesh_dims(site.out_names, site)
+    contraction = [a for dims in x[2:] for a in dims]
+    if not contraction:
+        return f"no tensor parallelism: the contraction dims of {site.x_names} are not sharded ({_fmt(x)})"
+    if len(contraction) > 1 or not x[2]:
+        return (f"2-D tensor parallelism: the contraction dims are sharded over {tuple(contraction)} ({_fmt(x)}); "
+                "gemm_rs reduces over one mesh axis, on the leading contraction dim")
+    axis = contraction[0]
+    width = mesh.shape[axis]
+    if x[1]:
+        return f"context parallelism: the sequence dim of the input is sharded over {x[1]} ({_fmt(x)})"
+    if out[0] != x[0]:
+        return f"the output's batch axes {out[0]} are not the input's {x[0]}"
+    if axis in x[0]:
+        return f"the tensor axis {axis!r} also shards the batch"
+    if out[1] == () and out[2] == (axis,):
+        layout, dimension = "hidden", 2
+    elif out[1] == (axis,) and out[2] == ():
+        layout, dimension = "sequence", 1
+    else:
+        return (f"output layout {_fmt(out)} is neither the hidden nor the sequence scatter of {axis!r} (an all-reduce "
+                "keeps MaxText's dot)")
+    batch, seq = x_shape[0], x_shape[1]
+    n_out = kernel_shape[-1]
+    if batch % _size(mesh, x[0]) or kernel_shape[0] % width or (seq if layout == "sequence" else n_out) % width:
+        return (f"shapes: batch {batch} over {x[0]}, {kernel_shape[0]} contraction rows and "
+                f"{'sequence ' + str(seq) if layout == 'sequence' else str(n_out) + ' features'} over {axis!r} "
+                f"(size {width}) do not divide")
+    rest = (None,) * (len(kernel_shape) - 2)
+    b = _entry(x[0])
+    out_spec = P(b, None, axis) if layout == "hidden" else P(b, axis, None)
+    return _Plan(axis=axis, x_spec=P(b, None, axis, *rest), kernel_spec=P(axis, *rest, None), out_spec=out_spec,
+                 dimension=dimension, layout=layout)
+
+
+def _column_plan(site: _Site, x: list, kernel_shape: tuple, x_shape: tuple):
+    """ag_gemm: x [B, S, E/T] ("hidden") or [B, S/T, E] ("sequence") -> [B, S, F/T, ...]."""
+    mesh = site.mesh
+    out = _mesh_dims(site.out_names, site)
+    if len(out) != 1 + len(kernel_shape):
+        return f"output logical axes {site.out_names} for an output of rank {1 + len(kernel_shape)}"
+    features = [a for dims in out[2:] for a in dims]
+    if not features:
+        return f"no tensor parallelism: the output features of {site.out_names} are not sharded ({_fmt(out)})"
+    if len(features) > 1 or not out[2]:
+        return f"2-D tensor parallelism: the output features are sharded over {tuple(features)} ({_fmt(out)})"
+    axis = features[0]
+    width = mesh.shape[axis]
+    if out[0] != x[0]:
+        return f"the output's batch axes {out[0]} are not the input's {x[0]}"
+    if out[1]:
+        return f"context parallelism: the output's sequence dim is sharded over {out[1]} ({_fmt(out)})"
+    if x[1] == () and x[2] == (axis,):
+        layout, dimension = "hidden", -1
+    elif x[1] == (axis,) and x[2] == ():
+        layout, dimension = "sequence", 1
+    elif axis not in x[1] + x[2]:
+        return f"the input {_fmt(x)} is replicated over {axis!r}: nothing to all-gather"
+    else:
+        return f"input layout {_fmt(x)} is neither the hidden nor the sequence split over {axis!r}"
+    batch, seq = x_shape[0], x_shape[1]
+    if batch % _size(mesh, x[0]) or kernel_shape[1] % width or (seq if layout == "sequence" else kernel_shape[0]) % width:
+        return f"shapes: batch {batch}, sequence {seq}, kernel {kernel_shape} do not divide over {axis!r} (size {width})"
+    rest = (None,) * (len(kernel_shape) - 2)
+    b = _entry(x[0])
+    x_spec = P(b, None, axis) if layout == "hidden" else P(b, axis, None)
+    return _Plan(axis=axis, x_spec=x_spec, kernel_spec=P(None, axis, *rest), out_spec=P(b, None, axis, *rest),
+                 dimension=dimension, layout=layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# The island
+# ----------------------------------------------------------------------------------------------
+
+def _kernel_value(dense):
+    """The kernel array, as DenseGeneral.__call__ reads it (an nnx.Param, or a bridged value)."""
+    kernel = dense.kernel
+    if hasattr(kernel, "get_value"):
+        kernel = kernel.get_value()
+    elif isinstance(kernel, dict) and "value" in kernel:
+        kernel = kernel["value"]
+    else:
+        kernel = getattr(kernel, "value", kernel)
+    return getattr(kernel, "value", kernel)
+
+
+def _island(dense, site: _Site, plan: _Plan, inputs):
+    from maxtext.common.common_types import ShardMode
+    mesh = site.mesh
+    x = jnp.asarray(inputs, dense.dtype)
+    # Cast before the island, as DenseGeneral does, so that the FSDP all-gather moves compute-dtype bytes.
+    kernel = jnp.asarray(_kernel_value(dense), dense.dtype)
+    if site.config.shard_mode == ShardMode.EXPLICIT:
+        # Under explicit sharding shard_map takes its operands only in the in_specs layout: gather the
+        # FSDP shards of the kernel (and move x) first, as MaxText's dot would.
+        x = jax.sharding.reshard(x, NamedSharding(mesh, plan.x_spec))
+        kernel = jax.sharding.reshard(kernel, NamedSharding(mesh, plan.kernel_spec))
+    _setup_fused(mesh, plan.axis)
+    if site.kind == ROW:
+        local = functools.partial(_row_local, axis=plan.axis, dimension=plan.dimension, config=_state.gemm_rs_config)
+    else:
+        local = functools.partial(_column_local, axis=plan.axis, dimension=plan.dimension,
+                                  config=_state.ag_gemm_config)
+    return jax.shard_map(local, mesh=mesh, in_specs=(plan.x_spec, plan.kernel_spec), out_specs=plan.out_spec)(x, kernel)
+
+
+def _row_local(x, kernel, *, axis, dimension, config):
+    # [b, s, *in_local] . [*in_local, E] as the 2-D GEMM gemm_rs takes (heads and head_dim of the
+    # attention output contract together: heads is the major dim, so the local block is contiguous).
+    k = math.prod(kernel.shape[:-1])
+    return entwine_jax.gemm_rs(x.reshape(x.shape[:2] + (k,)), kernel.reshape(k, kernel.shape[-1]), axis_name=axis,
+                               scatter_dimension=dimension, config=config)
+
+
+def _column_local(x, kernel, *, axis, dimension, config):
+    # [b, s, E(/T)] . [E, F_local, *rest] -> [b, s, F_local, *rest] through the 2-D [E, F_local * rest].
+    out_features = kernel.shape[1:]
+    y = entwine_jax.ag_gemm(x, kernel.reshape(kernel.shape[0], -1), axis_name=axis, gather_dimension=dimension,
+                            config=config)
+    return y.reshape(y.shape[:2] + out_features)
+
+
+def _setup_fused(mesh, axis) -> None:
+    """entwine_jax.setup for the fused path (a no-op without the extension): MaxText traces under
+    jax.set_mesh, but not every trace of a model is (e.g. nnx.eval_shape)."""
+    key = (id(mesh), axis)
+    if key in _state.setup_done:
+        return
+    _state.setup_done.add(key)
+    if entwine_jax.extension_status()[0]:
+        entwine_jax.setup(mesh, axis)

@@ -1,0 +1,128 @@
+# MaxText integration (entwine_jax.maxtext) on 8 fake CPU devices: MaxText's own train loop on its
+# own tiny llama2-style decoder (2 layers, synthetic data, 3 steps), stock and with enable(), same
+# losses; the lowered train step holds the islands' collectives (stock MaxText's holds none).
+# Skipped without MaxText (pip install "maxtext[tpu]==0.2.5"; .ci/maxtext.sh); ~2 min on 2 cores.
+import json
+import logging
+import os
+import pathlib
+
+import jax
+import pytest
+
+maxtext = pytest.importorskip("maxtext", reason="MaxText is not installed (pip install 'maxtext[tpu]==0.2.5'; "
+                                                  "see .ci/maxtext.sh)")
+
+import entwine_jax  # noqa: E402
+from entwine_jax import maxtext as entwine_maxtext  # noqa: E402
+
+# MaxText's own base config, shrunk: 2 llama2 decoder layers (scanned, full remat: base.yml's
+# defaults), emb 256, 8 heads of 32, mlp 512, vocab 512, 128 tokens per device-batch row.
+TINY = ["hardware=cpu", "dataset_type=synthetic", "steps=3", "enable_checkpointing=false", "per_device_batch_size=1",
+        "max_target_length=128", "base_emb_dim=256", "base_num_query_heads=8", "base_num_kv_heads=8",
+        "base_mlp_dim=512", "head_dim=32", "base_num_decoder_layers=2", "vocab_size=512", "attention=dot_product",
+        "log_config=false", "skip_jax_distributed_system=true", "enable_tensorboard=false",
+        "jax_cache_dir="]  # no persistent compilation cache: every run compiles its own program
+
+# name -> (MaxText overrides, loss tolerance). float32 runs match stock MaxText to rounding; bf16
+# differs a little because gemm_rs reduces its partial products in fp32 (stock XLA in bf16).
+VARIANTS = {
+    # MaxText's `tensor` axis: the hidden dim scattered (gemm_rs scatter_dimension=2), Shardy.
+    "tensor4_fsdp2_bf16": (["ici_tensor_parallelism=4", "ici_fsdp_parallelism=2"], 2e-3),
+    # Sequence parallelism on `tensor_sequence`: the sequence dim scattered (dim 1); unscanned layers.
+    "tensor_sequence4_fsdp2": (["ici_tensor_sequence_parallelism=4", "ici_fsdp_parallelism=2", "dtype=float32",
+                                "scan_layers=false", "remat_policy=minimal"], 1e-5),
+    # Batch over fsdp_transpose (and the mlp kernel dim over fsdp_transpose + tensor), GSPMD.
+    "tensor4_fsdp_transpose2_gspmd": (["ici_tensor_parallelism=4", "ici_fsdp_parallelism=1",
+                                       "ici_fsdp_transpose_parallelism=2", "dtype=float32", "shardy=false"], 1e-5),
+    # Explicit sharding: the island's operands are resharded first.
+    "tensor4_fsdp2_explicit": (["ici_tensor_parallelism=4", "ici_fsdp_parallelism=2", "dtype=float32",
+                                "shard_mode=explicit"], 1e-5),
+}
+ROW_SITES = {"mlp/wo", "attention/out"}
+COLUMN_SITES = {"mlp/wi_0", "mlp/wi_1", "attention/query", "attention/key", "attention/value"}
+
+
+@pytest.fixture(scope="module")
+def train_main():
+    if len(jax.devices()) < 8:
+        pytest.skip(f"needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8), found "
+                    f"{len(jax.devices())}")
+    from maxtext.trainers.pre_train import train
+    return train.main
+
+
+def _train(train_main, tmp_path, name, overrides, routed: bool):
+    """Runs MaxText's train.main; returns (losses, StableHLO text of the train step, stats)."""
+    run = f"{name}_{'entwine' if routed else 'stock'}"
+    metrics, ir_dir = tmp_path / f"{run}.jsonl", tmp_path / f"{run}_ir"
+    base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
+    argv = ["train", str(base), f"run_name={run}", f"base_output_directory={tmp_path / 'out'}",
+            f"metrics_file={metrics}", *TINY, *overrides]
+    entwine_maxtext.reset_stats()
+    previous = os.environ.get("JAX_DUMP_IR_TO", "")  # the flag's value unless updated
+    jax.config.update("jax_dump_ir_to", str(ir_dir))
+    try:
+        if routed:
+            with entwine_maxtext.enabled():
+                train_main(argv)
+        else:
+            train_main(argv)
+    finally:
+        jax.config.update("jax_dump_ir_to", previous)
+    losses = [json.loads(line)["learning/loss"] for line in metrics.read_text().splitlines()]
+    (step,) = sorted(ir_dir.glob("*jit_train_step*.mlir"))
+    return losses, step.read_text(), entwine_maxtext.stats()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_losses_match_stock_maxtext(train_main, tmp_path, name, caplog):
+    overrides, tol = VARIANTS[name]
+    stock, stock_ir, stock_stats = _train(train_main, tmp_path, name, overrides, routed=False)
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        routed, routed_ir, stats = _train(train_main, tmp_path, name, overrides, routed=True)
+    print(f"{name}: stock MaxText losses {stock}, with entwine_jax.maxtext {routed}, routed {stats['routed']}")
+    assert len(stock) == len(routed) == 3
+    assert max(abs(a - b) for a, b in zip(stock, routed)) <= tol, (stock, routed)
+    assert not entwine_maxtext.is_enabled()
+    # Both row-parallel projections went through gemm_rs; stock MaxText ran none of them.
+    assert stock_stats == {"routed": {}, "kept": {}}
+    assert set(stats["routed"]) >= ROW_SITES, stats
+    # The lowered train step: stock MaxText leaves every collective to the partitioner; with the
+    # integration each island's psum_scatter (the reference of gemm_rs on CPU) is in the program.
+    assert stock_ir.count("stablehlo.reduce_scatter") == 0
+    assert routed_ir.count("stablehlo.reduce_scatter") >= len(ROW_SITES)
+    if hasattr(entwine_jax, "ag_gemm"):
+        assert set(stats["routed"]) >= COLUMN_SITES, stats
+    else:
+        assert {site: stats["kept"].get(site) for site in COLUMN_SITES} == {
+            site: "entwine_jax has no ag_gemm yet" for site in COLUMN_SITES}
+        assert "attention/query keeps MaxText's DenseGeneral: entwine_jax has no ag_gemm yet" in caplog.text
+
+
+def test_kept_layouts_are_logged(train_main, tmp_path, caplog):
+    """Context parallelism is not served: MaxText's layers run, the reason is logged once, and the
+    losses are stock MaxText's exactly."""
+    overrides = ["ici_tensor_parallelism=2", "ici_context_parallelism=2", "ici_fsdp_parallelism=2", "dtype=float32"]
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        routed, routed_ir, stats = _train(train_main, tmp_path, "context", overrides, routed=True)
+    assert stats["routed"] == {}, stats
+    assert stats["kept"]["mlp/wo"].startswith("context parallelism: the sequence dim of the input is sharded over "
+                                              "('context',)")
+    assert caplog.text.count("mlp/wo keeps MaxText's DenseGeneral: context parallelism") == 1
+    assert routed_ir.count("stablehlo.reduce_scatter") == 0
+
+
+def test_enable_disable_restores_maxtext():
+    from maxtext.layers import attentions, linears
+    before = (linears.DenseGeneral.__call__, linears.MlpBlock.__call__, attentions.Attention.__call__)
+    entwine_maxtext.enable()
+    entwine_maxtext.enable()  # idempotent
+    assert linears.DenseGeneral.__call__ is not before[0] and entwine_maxtext.is_enabled()
+    assert linears.DenseGeneral.__call__.__wrapped__ is before[0]
+    entwine_maxtext.disable()
+    assert (linears.DenseGeneral.__call__, linears.MlpBlock.__call__, attentions.Attention.__call__) == before
+    assert not entwine_maxtext.is_enabled()
+    with pytest.raises(ValueError, match=r"gemm_rs_config must be an entwine_jax.GemmRsConfig or None, got dict"):
+        entwine_maxtext.enable(gemm_rs_config={})
+    assert not entwine_maxtext.is_enabled()
