@@ -2,8 +2,6 @@
 # NNX and Linen row/column-parallel layers against psum_scatter and the unsharded math, forward
 # and gradients, the three scatter modes, the bias added once after the reduce-scatter, logical-axis
 # metadata and partition_specs, and the ValueErrors for bad arguments.
-import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -446,23 +444,3 @@ def test_functional_errors(mesh):
                                          r"got x shape \(32, 8\) after the all-gather"):
         trace_local(mesh, lambda p, x: layers.column_parallel_linear(x, jnp.ones((IN, 6)), gather="rows"), {}, {},
                     (ROWS, IN), P("dp", "tp"))
-
-
-# ---------------------------------------------------------------- the MaxText recipe's island
-
-@pytest.mark.parametrize("scatter", ["hidden", "sequence"])
-def test_maxtext_recipe_island(scatter):
-    # examples/maxtext_integration.md's entwine_row_parallel, run as written on a MaxText-like
-    # (data, fsdp, tensor) mesh with auto axes: the attention output projection, bf16 compute.
-    md = (pathlib.Path(__file__).resolve().parents[1] / "examples" / "maxtext_integration.md").read_text()
-    namespace = {}
-    exec(re.search(r"```python\n(import jax\n.*?)```", md, re.S).group(1), namespace)
-    island = namespace["entwine_row_parallel"]
-    mesh = jax.make_mesh((2, 1, 4), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    x, k = normal(11, (4, 16, 8, 4)), normal(12, (8, 4, 32))
-    f = jax.jit(lambda x, k: island(x, k, mesh=mesh, scatter=scatter, dtype=jnp.bfloat16))
-    with jax.set_mesh(mesh):
-        y = f(x, k)
-    assert y.shape == (4, 16, 32) and y.dtype == jnp.bfloat16
-    assert y.sharding.spec == (P("data", None, "tensor") if scatter == "hidden" else P("data", "tensor"))
-    assert rel_err(y, np.einsum("bshd,hde->bse", np.asarray(x), np.asarray(k))) <= TOL[jnp.bfloat16]
