@@ -270,6 +270,8 @@ def _attention_call(original, self, inputs_q, inputs_kv, *args, **kwargs):
         return original(self, inputs_q, inputs_kv, *args, **kwargs)
     site = functools.partial(_Site, mesh=self.mesh, config=self.config)
     sites = {}
+    if getattr(self.config, "fused_qkv", False):
+        _keep("attention/qkv_proj", "fused_qkv (one kernel for query, key and value) is left to MaxText")
     if getattr(self, "out", None) is not None:
         sites[id(self.out)] = site(name="attention/out", kind=ROW, kernel_axes=_KERNEL_AXES["out"],
                                    x_names=tuple(self.out_axis_names), out_names=_DECODER_ACTIVATION)
