@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from entwine_jax import _log
-from entwine_jax.config import AgGemmConfig, GemmRsConfig, ag_heuristic_config
+from entwine_jax.config import AgGemmConfig, GemmRsConfig, _sm_count, ag_heuristic_config
 from entwine_jax.ops import _DTYPES, _axis_names, _fused_module, _make_varying, _varying_axes, gemm_rs
 from entwine_jax.reference import ag_gemm_reference, matmul_weight_grad
 
@@ -194,6 +194,9 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
         raise ValueError(f"ag_gemm: config must be an AgGemmConfig or None, got {type(config).__name__}")
     if not isinstance(return_gathered, bool):
         raise ValueError(f"ag_gemm: return_gathered must be a bool, got {return_gathered!r}")
+    if config is not None and config.gemm_sms >= _sm_count() and config.path != "xla":
+        raise ValueError(f"ag_gemm: config.gemm_sms must leave an SM free for the chunk releases: at most "
+                         f"{_sm_count() - 1} on this GPU, got {config.gemm_sms}")
     source = "override"
     if config is None:
         config, source = ag_heuristic_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], axis_size,

@@ -163,7 +163,9 @@ class AgGemmConfig:
     """Configuration of one ag_gemm call (mirrors entwine::AgGemmConfig in ffi/ag_gemm/ag_gemm.h).
 
     block_n:     GEMM block 128 x block_n x 64; 128 or 256.
-    gemm_sms:    0: one CTA per GEMM block; > 0: persistent grid of that many CTAs.
+    gemm_sms:    the GEMM's persistent grid; 0: every SM but one. It must leave at least one SM
+                 free: the one-warp kernels that release each pushed chunk need it while the GEMM's
+                 CTAs wait for chunks.
     raster_rows: blocks of a chunk run in groups of this many 128-row tile rows (L2 reuse).
     max_chunks:  each rank's shard travels in at most this many chunks of whole tile rows, each
                  released by its own flag (more chunks: the GEMM starts on a peer's rows sooner).
@@ -197,6 +199,6 @@ def ag_heuristic_config(rows: int, n: int, cols: int, world: int, dtype, path: s
     del rows, cols, world, dtype  # no rule depends on them yet
     # As for gemm_rs's producer: 128x256 blocks where N allows them without padding.
     block_n = 256 if n % 256 == 0 else 128
-    # The copy engines move the shards, so the GEMM may hold every SM: a persistent grid of one CTA
-    # per SM (its epilogue overlaps the next block's mainloop, as in gemm_rs's producer).
-    return AgGemmConfig(block_n=block_n, gemm_sms=_sm_count(), raster_rows=8, max_chunks=8, path=path)
+    # The copy engines move the shards, so the GEMM may hold every SM but the one the chunk releases
+    # need (gemm_sms=0): a persistent grid, whose epilogue overlaps the next block's mainloop.
+    return AgGemmConfig(block_n=block_n, gemm_sms=0, raster_rows=8, max_chunks=8, path=path)

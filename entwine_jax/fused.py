@@ -554,8 +554,15 @@ def ag_unpad(y, gathered, p: AgPadding):
     return y, gathered
 
 
+def ag_gemm_sms(config) -> int:
+    """The GEMM grid the kernels run: config.gemm_sms, or every SM of the GPU but one."""
+    from entwine_jax.config import _sm_count
+
+    return config.gemm_sms or _sm_count() - 1
+
+
 def _ag_plan(ext, p: AgPadding, config) -> dict:
-    return ext.ag_plan(p.rows_pad, p.cols_pad, p.n_pad, p.world, p.gather_k, config.block_n, config.gemm_sms,
+    return ext.ag_plan(p.rows_pad, p.cols_pad, p.n_pad, p.world, p.gather_k, config.block_n, ag_gemm_sms(config),
                        config.raster_rows, config.max_chunks)
 
 
@@ -643,6 +650,6 @@ def ag_gemm_local(x2d, w, *, axis_name, axis_size, config, gather_k, return_gath
                                         jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)),
                             vmap_method="sequential")
     y, gathered = call(x_pad, w_pad, comm_id=np.int64(comm.id), gather_k=bool(gather_k),
-                       block_n=np.int64(config.block_n), gemm_sms=np.int64(config.gemm_sms),
+                       block_n=np.int64(config.block_n), gemm_sms=np.int64(ag_gemm_sms(config)),
                        raster_rows=np.int64(config.raster_rows), max_chunks=np.int64(config.max_chunks))
     return ag_unpad(y, gathered if return_gathered else None, p)

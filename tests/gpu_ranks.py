@@ -591,7 +591,9 @@ class Rank:
             h = entwine_jax.ag_gemm(x, w1_, axis_name="tp", config=up)
             a = jax.nn.silu(h.astype(jnp.float32)).astype(dtype)
             y = entwine_jax.gemm_rs(a, w2_, axis_name="tp", config=down)
-            return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32))
+            # Squared, so that the forward's y is needed by the backward (a linear loss would let
+            # XLA drop the forward gemm_rs).
+            return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32)) + 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32)))
 
         grads = jax.grad(loss, argnums=(0, 1, 2))
         f = jax.jit(jax.shard_map(grads, mesh=self.mesh,
@@ -615,14 +617,17 @@ class Rank:
         x = np.concatenate([a.astype(np.float64) for a in xs])
         c = np.concatenate([a.astype(np.float64) for a in cs])
         sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+        y = sum((lambda h: h / (1 + np.exp(-h)))(x @ w1[r].astype(np.float64)) @ w2[r].astype(np.float64)
+                for r in range(self.world))
+        dy = c + y  # d(sum(y c) + sum(y^2) / 2) / dy
         dx_ref = np.zeros_like(x)
         for r in range(self.world):
             h = x @ w1[r].astype(np.float64)
-            da = c @ w2[r].astype(np.float64).T
+            da = dy @ w2[r].astype(np.float64).T
             dh = da * (sig(h) * (1 + h * (1 - sig(h))))
             if r == self.rank:
                 a = h * sig(h)
-                dw1_ref, dw2_ref = x.T @ dh, a.T @ c
+                dw1_ref, dw2_ref = x.T @ dh, a.T @ dy
             dx_ref += dh @ w1[r].astype(np.float64).T
         rows = slice(self.rank * tl, (self.rank + 1) * tl)
         what = f"MLP T={t} D={d} F/W={f_local} {dtype.__name__}"
