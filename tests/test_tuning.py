@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import GemmRsConfig, gemm_rs, heuristic_config, ops, set_default_config, tuning
+from entwine_jax import GemmRsConfig, gemm_rs, heuristic_config, ops, set_default_config, timing, tuning
 
 H200 = ("NVIDIA H200", "hopper-132sm")
 TUNED = GemmRsConfig(block_n=128, producer_sms=100, consumer_grid=32, consumer_block=256, raster_rows=4)
@@ -426,7 +426,7 @@ def test_tune_two_stages_on_cpu_with_stubbed_timing(monkeypatch):
     monkeypatch.setattr(tuning, "_unavailable", lambda *a: None)
     monkeypatch.setattr(tuning, "_build", lambda mesh, axis_name, config, x, w: (tuning._compile(
         mesh, axis_name, lambda x, w: gemm_rs(x, w, axis_name=axis_name, config=GemmRsConfig(path="xla")), x, w)[1], None))
-    monkeypatch.setattr(entwine_jax.bench, "time_interleaved", lambda programs, *a: next(rounds))
+    monkeypatch.setattr(timing, "time_interleaved", lambda programs, *a, **k: next(rounds))
     # A small shape for the CPU, on which the split is taken to change the schedule.
     monkeypatch.setattr(tuning, "_split_applies", lambda *a: True)
     best, ms, trials = entwine_jax.tune(mesh(), "tp", [(4096, 128, 32)], iters=2, warmup=1)[(4096, 128, 32)]
