@@ -362,12 +362,15 @@ def test_refined_candidates():
 def test_split_rule_constants_match_the_producer():
     # tuning._split_applies restates producer_schedule()'s rule in Python: its constants must be the C++ ones.
     ffi = pathlib.Path(__file__).resolve().parents[1] / "ffi"
-    if not (ffi / "gemm_rs.h").exists():
+    if not ffi.is_dir():
         pytest.skip("no ffi/ sources next to the tests")
-    source = (ffi / "gemm_rs.h").read_text() + (ffi / "launch.cu").read_text()
+    # Wherever the sources keep them (ffi/gemm_rs/gemm_rs.h and launch.cu now): a missing constant fails.
+    source = "".join(f.read_text() for f in sorted(ffi.rglob("*")) if f.suffix in (".h", ".cu", ".cuh", ".cc"))
 
     def constant(name):
-        return int(re.search(rf"constexpr (?:int|size_t) {name} = (\d+);", source).group(1))
+        found = re.findall(rf"constexpr (?:int|size_t) {name} = (\d+);", source)
+        assert len(found) == 1, f"{name}: {len(found)} definitions in ffi/"
+        return int(found[0])
 
     assert constant("kProducerBlockK") == tuning._PRODUCER_BLOCK_K
     assert constant("kSplitSlots") == tuning._SPLIT_SLOTS
