@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 import entwine_jax
@@ -17,6 +18,8 @@ from entwine_jax import __main__ as cli
 from entwine_jax import _log
 
 PACKAGE = pathlib.Path(entwine_jax.__file__).resolve().parent
+# In-process tests of what happens without CUDA GPUs need a default backend that is not CUDA.
+cpu_only = pytest.mark.skipif(_log.default_platform() == "cuda", reason="the default backend is CUDA here")
 
 
 def run_module(*args, env=None, timeout=120):
@@ -62,13 +65,14 @@ def test_bad_arguments_exit_2(capsys):
     assert "expected MxNxK_local items" in capsys.readouterr().err
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", ["bf16", "bfloat16", "fp16", "float16"])
 def test_tune_on_cpu_answers_at_once_and_blames_the_missing_gpus(dtype, capsys, tmp_path):
     t0 = time.perf_counter()
     assert cli.main(["tune", "--dtype", dtype, "--cache", str(tmp_path / "c.json")]) == 2
     assert time.perf_counter() - t0 < 5
     err = capsys.readouterr().err
-    assert "python -m entwine_jax tune: no CUDA GPUs (JAX platform 'cpu', 8 device(s))" in err
+    assert f"python -m entwine_jax tune: no CUDA GPUs (JAX platform 'cpu', {len(jax.local_devices())} device(s))" in err
     assert "nothing to tune on this machine" in err and not (tmp_path / "c.json").exists()
 
 
@@ -178,9 +182,13 @@ def test_fallback_level(path, backend, level):
     assert _log.fallback_level(path, backend) == level
 
 
-def test_fallback_level_default_backend_here():
-    assert _log.default_platform() == "cpu"
-    assert _log.fallback_level("auto") == logging.INFO
+def test_fallback_level_follows_the_default_backend():
+    try:
+        cuda = jax.default_backend() == "gpu" and bool(jax.devices("cuda"))
+    except RuntimeError:
+        cuda = False
+    assert (_log.default_platform() == "cuda") == cuda
+    assert _log.fallback_level("auto") == (logging.WARNING if cuda else logging.INFO)
 
 
 # --- no library module imports the bench ------------------------------------------------------------
