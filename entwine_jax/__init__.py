@@ -6,6 +6,9 @@ from entwine_jax.config import (AgGemmConfig, GemmRsConfig, ag_heuristic_config,
                                 set_default_config, using_config)
 from entwine_jax.ops import extension_status, gemm_rs
 from entwine_jax.tuning import tune
+from entwine_jax import _log
+
+_log.warn_if_source_tree()
 
 __version__ = "0.1.0"
 

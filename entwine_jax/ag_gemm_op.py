@@ -3,7 +3,6 @@
 # docs/design.md, "ag_gemm").
 import dataclasses
 import functools
-import logging
 import math
 import os
 import sys
@@ -95,7 +94,7 @@ def _report(x, w, plan: _Plan, source: str) -> None:
     site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={plan.axis_name!r} (size "
             f"{plan.axis_size}) gather_dimension={plan.gather_dimension}")
     if plan.reason is not None:
-        level = {"fused": logging.WARNING, "xla": logging.DEBUG}.get(plan.config.path, logging.INFO)
+        level = _log.fallback_level(plan.config.path)
         _log.log_once(("ag_path", key), level, "ag_gemm %s: XLA reference path: %s", site, plan.reason)
     if os.environ.get("ENTWINE_PRINT_CONFIG", "0") not in ("", "0") and key not in _printed:
         _printed.add(key)

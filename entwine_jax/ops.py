@@ -27,7 +27,7 @@ def extension_status() -> tuple[bool, str]:
         from entwine_jax import _entwine
     except ImportError as e:
         reason = f"entwine_jax._entwine not importable ({e}): pure-Python install, gemm_rs uses the XLA reference path"
-        _log.log_once("extension_status", logging.INFO, "%s", reason)
+        _log.log_once("extension_status", logging.WARNING if _log.cuda_gpus_present() else logging.INFO, "%s", reason)
         return False, reason
     return True, f"entwine_jax._entwine built: {getattr(_entwine, '__file__', '?')}"
 
@@ -131,7 +131,7 @@ def _report(x, w, plan: _Plan, source: str = "") -> None:
             f"{plan.axis_size}) scatter_dimension={plan.scatter_dimension}")
     if plan.reason is not None:
         # Asking for "fused" and not getting it deserves a warning; an explicit "xla" needs no news.
-        level = {"fused": logging.WARNING, "xla": logging.DEBUG}.get(plan.config.path, logging.INFO)
+        level = _log.fallback_level(plan.config.path)
         _log.log_once(("path", key), level, "gemm_rs %s: XLA reference path: %s", site, plan.reason)
     if os.environ.get("ENTWINE_PRINT_CONFIG", "0") not in ("", "0") and key not in _printed:
         _printed.add(key)
