@@ -152,6 +152,20 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   char const* const shard = static_cast<char const*>(x.untyped_data());
 
   ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->start, xla_stream));
+  AgGemmArgs args{};
+  args.x = x.untyped_data();
+  args.gathered = own_slot;
+  args.w = w.untyped_data();
+  args.y = y->untyped_data();
+  args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset(epoch));
+  args.error = dc->error_local;
+  args.error_mirror = dc->error_device;
+  args.epoch = epoch;
+  args.timeout_ns = comm::timeout_ms() * 1000000ull;
+  // The GEMM first: its local shard needs nothing from a peer, so it starts while the host still
+  // enqueues the pushes (2 calls per chunk and peer).
+  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->producer, dc->start, 0));
+  ENTWINE_RETURN_IF_CUDA(launch_ag_gemm(dtype, problem, config, plan, args, dc->producer));
   // Pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
   // released by its flag in the receiver's memory (launch_release, after the copy). Rank r thus
   // receives from r-1 first on every link at once; the GEMM visits peers in that order.
@@ -170,18 +184,6 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
     ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->transfer_done[d], stream));
   }
 
-  AgGemmArgs args{};
-  args.x = x.untyped_data();
-  args.gathered = own_slot;
-  args.w = w.untyped_data();
-  args.y = y->untyped_data();
-  args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset(epoch));
-  args.error = dc->error_local;
-  args.error_mirror = dc->error_device;
-  args.epoch = epoch;
-  args.timeout_ns = comm::timeout_ms() * 1000000ull;
-  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->producer, dc->start, 0));
-  ENTWINE_RETURN_IF_CUDA(launch_ag_gemm(dtype, problem, config, plan, args, dc->producer));
   if (gathered->element_count() != 0) {
     // After the GEMM, which acquired every chunk: the slot holds every peer's shard of this call.
     char* const out = static_cast<char*>(gathered->untyped_data());
