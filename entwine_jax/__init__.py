@@ -1,8 +1,14 @@
-# entwine_jax: fused, overlapped GEMM + ReduceScatter for tensor-parallel JAX on Hopper GPUs.
-# gemm_rs runs the fused CUDA kernels where they can run and the XLA reference everywhere else.
-from entwine_jax.config import GemmRsConfig, heuristic_config, set_default_config, using_config
+# entwine_jax: fused, overlapped GEMM + ReduceScatter (gemm_rs) and AllGather + GEMM (ag_gemm) for
+# tensor-parallel JAX on Hopper GPUs; each is the other's backward. Both run the fused CUDA kernels
+# where they can run and the XLA reference everywhere else.
+from entwine_jax.ag_gemm_op import ag_gemm
+from entwine_jax.config import (AgGemmConfig, GemmRsConfig, ag_heuristic_config, heuristic_config,
+                                set_default_config, using_config)
 from entwine_jax.ops import extension_status, gemm_rs
 from entwine_jax.tuning import tune
+from entwine_jax import _log
+
+_log.warn_if_source_tree()
 
 __version__ = "0.1.0"
 
@@ -26,5 +32,5 @@ def check_errors() -> None:
     fused.check_errors()
 
 
-__all__ = ["gemm_rs", "GemmRsConfig", "set_default_config", "using_config", "heuristic_config",
+__all__ = ["gemm_rs", "ag_gemm", "GemmRsConfig", "AgGemmConfig", "ag_heuristic_config", "set_default_config", "using_config", "heuristic_config",
            "extension_status", "setup", "check_errors", "tune", "__version__"]

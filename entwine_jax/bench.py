@@ -1,7 +1,11 @@
 # The benchmark of DESIGN.md ("Benchmark protocol"): per shape, XLA GEMM, XLA reduce-scatter, XLA
 # GEMM->RS (the baseline), XLA windowed einsum and entwine gemm_rs, one process driving every local
 # device. Prints one comparable line per shape and a geomean; optional JSON and plot.
-# Usage: python -m entwine_jax.bench [--suite design|quick] [--shapes MxNxK,...] [--json f] [--plot f]
+"""The benchmark of DESIGN.md: per shape, XLA's GEMM, reduce-scatter, GEMM->reduce-scatter (the
+baseline) and windowed einsum against entwine's gemm_rs, one process driving every local device; one
+line per shape and a geomean. Without CUDA GPUs the timings mean nothing: it then runs one small
+smoke shape (unless --shapes is given) with fewer calls. On GPUs it refuses to time the XLA path
+when the compiled extension is missing (--allow-xla times it anyway)."""
 import argparse
 import dataclasses
 import json
@@ -17,18 +21,22 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import ops
+from entwine_jax import _log, ops
 from entwine_jax.config import GemmRsConfig, with_overrides
+# Re-exported: scripts and tests take the protocol's pieces from here too.
+from entwine_jax.timing import DESIGN_SUITE, SHORT_NAMES, TOL, parse_dtype, parse_shapes, rel_err  # noqa: F401
+from entwine_jax.timing import rounds, time_interleaved
 from entwine_jax.tuning import select_config
 
 AXIS = "tp"
-# (M, N, K_local) of the bar in DESIGN.md.
-DESIGN_SUITE = [(4096, 8192, 1024), (8192, 8192, 1024), (16384, 8192, 1024), (8192, 8192, 3584),
-                (16384, 8192, 3584), (8192, 16384, 2048), (16384, 16384, 2048), (16384, 16384, 6656)]
 # Budget sweep: same M, N, one communication-bound (small K) and one GEMM-bound (large K) shape.
 SWEEP_SHAPES = [(8192, 8192, 1024), (8192, 8192, 3584)]
 BUDGETS = (8, 12, 16, 20, 24, 28, 32, 40)
-DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+# Without CUDA GPUs: one shape that compiles and runs in about a second on CPU (M adjusted to W).
+SMOKE_SHAPE = (256, 256, 64)
+# Timed calls and warm-ups per program: on CUDA GPUs, and elsewhere (where timings mean nothing).
+GPU_ITERS, GPU_WARMUP = 100, 20
+SMOKE_ITERS, SMOKE_WARMUP = 10, 2
 # Per-compile DebugOptions overrides: they reach the GPU SPMD partitioner without XLA_FLAGS, so the
 # windowed column needs no second process (which would have to share GPU memory with this one).
 # Each row records whether the loop was really built; if not, starting the whole bench with these
@@ -36,16 +44,6 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 WINDOWED_OPTIONS = {"xla_gpu_multi_streamed_windowed_einsum": True,
                     "xla_gpu_threshold_for_windowed_einsum_mib": 0}
 FUSED_TARGET = "entwine_gemm_rs"
-TOL = 1e-2  # relative Frobenius error vs the baseline, bf16 and fp16 alike (DESIGN.md)
-
-
-def parse_shapes(text):
-    shapes = []
-    for item in filter(None, text.split(",")):
-        if not re.fullmatch(r"\d+x\d+x\d+", item.strip()):
-            raise argparse.ArgumentTypeError(f"--shapes: expected MxNxK_local items like 4096x8192x1024, got {item!r}")
-        shapes.append(tuple(int(v) for v in item.strip().split("x")))
-    return shapes
 
 
 def parse_configs(text):
@@ -75,63 +73,45 @@ def parse_configs(text):
 
 
 class Progress:
-    """tqdm on stderr when installed, else a plain counter (stdout stays the table)."""
+    """Timed rounds done out of all, on stderr (stdout stays the table): a tqdm bar when tqdm is
+    installed, else a line per phase and at most one per 2 s of rounds. Compiles and checks are
+    phases, shown as the bar's description, not counted: the count is timed work."""
 
     def __init__(self, total):
+        self.done, self.total, self.what = 0, total, ""
         try:
             from tqdm import tqdm
-            self._bar = tqdm(total=total, file=sys.stderr, leave=False)
+            self._bar = tqdm(total=total, file=sys.stderr, leave=False, unit="round")
         except ImportError:
-            self._bar, self._n, self._total = None, 0, total
+            self._bar, self._printed = None, 0.0
 
-    def step(self, what):
+    def _line(self):
+        print(f"[{self.done}/{self.total} timed rounds] {self.what}", file=sys.stderr, flush=True)
+        self._printed = time.monotonic()
+
+    def phase(self, what):
+        self.what = what
         if self._bar is not None:
             self._bar.set_description(what)
-            self._bar.update(1)
         else:
-            self._n += 1
-            print(f"[{self._n}/{self._total}] {what}", file=sys.stderr, flush=True)
+            self._line()
+
+    def step(self, _round=None):
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        elif self.done == self.total or time.monotonic() - self._printed >= 2.0:
+            self._line()
 
     def close(self):
         if self._bar is not None:
             self._bar.close()
 
 
-def time_interleaved(programs, iters, warmup, batch):
-    """{name: (fn, args)} -> {name: median per-call ms}, the programs timed in rounds: every round
-    times one batch of `batch` back-to-back dispatches of each program in turn, >= iters calls per
-    program in all.
-
-    Rounds, not one program after the other: back-to-back GEMMs hold an H200 at its power cap,
-    where the clock, and with it a program's time, depends on what ran just before (PERF.md v7).
-    Interleaving gives every program the same history, and round r starts with program r mod n,
-    so no program always runs right after the same one (the position in a round biased a variant
-    by up to 5% in the harness, PERF.md v8). Blocking after every call would add
-    ~20-50 us of host round trip to 0.2 ms kernels; within a batch the device stays busy because
-    each program outlasts its dispatch. One process drives all devices, so a program ends when its
-    slowest device does: the max over ranks is built in.
-    """
-    for fn, args in programs.values():
-        for _ in range(warmup):
-            out = fn(*args)
-        jax.block_until_ready(out)
-    times = {name: [] for name in programs}
-    names = list(programs)
-    for r in range(max(1, math.ceil(iters / batch))):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            fn, args = programs[name]
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - t0) * 1e3 / batch)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.dtype = DTYPES[args.dtype]
+        self.dtype = jnp.dtype(args.dtype)
         devices = jax.local_devices()[: max(1, args.world)]
         self.world = len(devices)
         # Explicit axes: jnp.dot takes out_sharding, as a user of sharding annotations writes it.
@@ -178,9 +158,9 @@ class Bench:
         with jax.set_mesh(self.mesh):
             return jax.jit(gen)(jax.random.key(seed))
 
-    def timed_interleaved(self, programs):
+    def timed_interleaved(self, programs, progress):
         a = self.args
-        return time_interleaved(programs, a.iters, a.warmup, a.batch)
+        return time_interleaved(programs, a.iters, a.warmup, a.batch, on_round=progress.step)
 
     def entwine(self, x, w, config):
         """(compiled, path, reason) of gemm_rs with `config`; path is what the program really runs."""
@@ -213,39 +193,35 @@ class Bench:
     def shape_row(self, m, n, k, configs, progress, seed):
         """Compiles XLA's GEMM, RS, GEMM->RS and windowed einsum and gemm_rs for every config, checks
         gemm_rs against GEMM->RS, then times all of them in interleaved rounds."""
-        x, w = self.inputs(m, n, k, seed)
         name = f"{m}x{n}x{k}"
+        progress.phase(f"{name}: compiling XLA gemm, rs, gemm->rs, windowed einsum")
+        x, w = self.inputs(m, n, k, seed)
         gemm = self.compile(self.shard_map(jnp.dot, (self.x_spec, self.w_spec), P(AXIS)), x, w)[1]
-        progress.step(f"{name} gemm")
         # RS alone scatters the per-device [M, N] GEMM output (non-zero), the bytes gemm_rs moves.
         partial = gemm(x, w)
         rs = self.compile(self.shard_map(lambda y: jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True),
                                          P(AXIS), P(AXIS)), partial)[1]
-        progress.step(f"{name} rs")
         base = self.baseline(x, w)
-        progress.step(f"{name} xla gemm->rs")
         out = NamedSharding(self.mesh, P(AXIS, None))
         _, windowed = self.compile(lambda x, w: jnp.dot(x, w, out_sharding=out), x, w, options=WINDOWED_OPTIONS)
         # A windowed reduce-scatter einsum is a while loop of collective-permutes; without one XLA
         # kept the plain dot + reduce-scatter (e.g. on CPU, whose partitioner ignores the gpu flags).
         text = windowed.as_text()
         windowed_loop = bool(re.search(r"\bwhile\b", text)) and "collective-permute" in text
-        progress.step(f"{name} windowed einsum")
         ref = base(x, w)
-        rel_err = jax.jit(lambda a, b: jnp.sqrt(jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
-                                                / jnp.sum(jnp.square(b.astype(jnp.float32)))))
         programs = {"gemm": (gemm, (x, w)), "rs": (rs, (partial,)), "base": (base, (x, w)),
                     "windowed": (windowed, (x, w))}
         trials = []
         for i, overrides in enumerate(configs):
+            progress.phase(f"{name}: compiling and checking entwine config {i + 1}/{len(configs)}")
             config = self.config(m, n, k, overrides)
             compiled, path, reason = self.entwine(x, w, config)
             err = float(rel_err(compiled(x, w), ref))
             trials.append({"config": str(config), "path": path, "reason": reason, "rel_err": err,
                            "ok": err <= TOL, **(self.profile(compiled, (x, w)) or {})})
             programs[f"entwine {i}"] = (compiled, (x, w))
-            progress.step(f"{name} entwine {config}")
-        times = self.timed_interleaved(programs)
+        progress.phase(f"{name}: timing {len(programs)} programs")
+        times = self.timed_interleaved(programs, progress)
         del programs, partial
         gemm_ms, rs_ms, base_ms, windowed_ms = (times[key] for key in ("gemm", "rs", "base", "windowed"))
         for i, trial in enumerate(trials):
@@ -281,11 +257,13 @@ class Bench:
         return {"gemm_window_ms": window, "tail_ms": end - window, "isolated_ms": end}
 
     def sweep_rows(self, m, n, k, progress, seed):
+        name = f"{m}x{n}x{k}"
+        progress.phase(f"{name}: compiling XLA gemm->rs")
         x, w = self.inputs(m, n, k, seed)
         programs = {"base": (self.baseline(x, w), (x, w))}
-        progress.step(f"{m}x{n}x{k} xla gemm->rs")
         rows = []
         for budget in BUDGETS:
+            progress.phase(f"{name}: compiling consumer_grid={budget}")
             config = self.config(m, n, k, {"consumer_grid": budget})
             compiled, path, reason = self.entwine(x, w, config)
             programs[budget] = (compiled, (x, w))
@@ -293,8 +271,8 @@ class Bench:
                    "config": str(config)}
             row.update(self.profile(compiled, (x, w)) or {})
             rows.append(row)
-            progress.step(f"{m}x{n}x{k} consumer_grid={budget}")
-        times = self.timed_interleaved(programs)
+        progress.phase(f"{name}: timing {len(programs)} programs")
+        times = self.timed_interleaved(programs, progress)
         for row in rows:
             row.update(ms=times[row["consumer_grid"]], xla_gemm_rs_ms=times["base"])
         return rows
@@ -371,14 +349,18 @@ def plot(path, rows, sweep):
     print(f"plot written to {path}", file=sys.stderr)
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m entwine_jax.bench", description=__doc__)
-    p.add_argument("--suite", choices=("design", "quick"), default="design", help="quick: the first 3 design shapes")
-    p.add_argument("--shapes", type=parse_shapes, help="comma-separated MxNxK_local (per-device K); overrides --suite")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+def parse_args(argv, prog="python -m entwine_jax.bench"):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p.add_argument("--suite", choices=("design", "quick"), default="design",
+                   help="quick: the first 3 design shapes (on CUDA GPUs; elsewhere one smoke shape, see --shapes)")
+    p.add_argument("--shapes", type=parse_shapes,
+                   help="comma-separated MxNxK_local (per-device K); overrides --suite, and runs these shapes even "
+                        "without CUDA GPUs")
+    p.add_argument("--dtype", type=parse_dtype, default="bfloat16", metavar="{bf16,bfloat16,fp16,float16}")
     p.add_argument("--world", type=int, default=8, help="W = min(world, local devices)")
-    p.add_argument("--iters", type=int, default=100, help="timed calls per measurement (at least)")
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--iters", type=int, help=f"timed calls per measurement (at least; default {GPU_ITERS} on CUDA "
+                                             f"GPUs, {SMOKE_ITERS} elsewhere)")
+    p.add_argument("--warmup", type=int, help=f"default {GPU_WARMUP} on CUDA GPUs, {SMOKE_WARMUP} elsewhere")
     p.add_argument("--batch", type=int, default=10, help="back-to-back dispatches per timed batch")
     p.add_argument("--configs", type=parse_configs, default=[{}],
                    help="';'-separated GemmRsConfig overrides (e.g. 'block_n=256,consumer_grid=16;block_n=128'); "
@@ -387,33 +369,78 @@ def parse_args(argv):
     p.add_argument("--sweep-budget", action="store_true", help="latency vs consumer_grid x in %s" % (BUDGETS,))
     p.add_argument("--profile", action="store_true",
                    help="also time the GEMM window and communication tail of isolated calls (on with --sweep-budget)")
+    p.add_argument("--allow-xla", action="store_true",
+                   help="on CUDA GPUs without the compiled extension, time the XLA path anyway instead of refusing")
     p.add_argument("--json", help="write machine, versions and rows to this file")
     p.add_argument("--plot", help="write a PNG (speedup per shape, or latency vs x with --sweep-budget)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("iters", "warmup", "batch"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            p.error(f"--{name} must be >= {0 if name == 'warmup' else 1}, got {value}")
+    return p, args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def smoke_shape(world):
+    """SMOKE_SHAPE with M a multiple of the world."""
+    m, n, k = SMOKE_SHAPE
+    return (m if m % world == 0 else 32 * world), n, k
+
+
+def missing_extension(prog, allow_xla):
+    """The refusal (printed, exit 2) to time XLA on CUDA GPUs without the extension, else None."""
+    built, reason = entwine_jax.extension_status()
+    if built or allow_xla:
+        return None
+    print(f"{prog}: refusing to time the XLA path on CUDA GPUs: {reason}. {_log.extension_fix()} "
+          f"Pass --allow-xla to time the XLA path anyway.", file=sys.stderr)
+    return 2
+
+
+def main(argv=None, prog="python -m entwine_jax.bench"):
+    parser, args = parse_args(argv, prog)
+    _log.warn_if_source_tree()
+    platform = _log.default_platform()
+    on_gpu = platform == "cuda"
+    if on_gpu and (refused := missing_extension(prog, args.allow_xla)) is not None:
+        return refused
+    if args.iters is None:
+        args.iters = GPU_ITERS if on_gpu else SMOKE_ITERS
+    if args.warmup is None:
+        args.warmup = GPU_WARMUP if on_gpu else SMOKE_WARMUP
     if args.sweep_budget or args.profile:
         # Read by the extension when it creates the first communicator: timing events per call.
         os.environ.setdefault("ENTWINE_PROFILE", "1")
     bench = Bench(args)
-    default_shapes = SWEEP_SHAPES if args.sweep_budget else DESIGN_SUITE[: 3 if args.suite == "quick" else None]
-    shapes = args.shapes or default_shapes
+    if args.shapes:
+        shapes = args.shapes
+    elif not on_gpu:
+        # GPU-sized shapes take minutes each on CPU, for timings that mean nothing there.
+        shapes = [smoke_shape(bench.world)]
+    else:
+        shapes = SWEEP_SHAPES if args.sweep_budget else DESIGN_SUITE[: 3 if args.suite == "quick" else None]
     for m, n, k in shapes:
         if m % bench.world:
-            raise SystemExit(f"shape {m}x{n}x{k}: M={m} is not divisible by W={bench.world}")
+            parser.error(f"shape {m}x{n}x{k}: M={m} is not divisible by W={bench.world}")
     device = jax.local_devices()[0]
     machine = f"{bench.world} x {device.device_kind}"
-    print(f"# entwine_jax.bench: {machine} ({device.platform}), jax {jax.__version__}, {args.dtype}, W={bench.world}, "
+    dtype = SHORT_NAMES[args.dtype]
+    print(f"# entwine_jax.bench: {machine} ({device.platform}), jax {jax.__version__}, {dtype}, W={bench.world}, "
           f"median of >= {args.iters} calls in batches of {args.batch} after {args.warmup} warm-ups, "
           f"the programs of a shape timed in interleaved rounds")
     print(f"# extension: {entwine_jax.extension_status()[1]}")
+    if not on_gpu:
+        what = ("the given --shapes" if args.shapes else
+                f"only the smoke shape {'x'.join(map(str, shapes[0]))} (pass --shapes to time others)")
+        print(f"# NOTE: no CUDA GPUs (JAX platform {platform!r}): gemm_rs takes the XLA path and the timings here "
+              f"mean nothing; running {what}")
+    sys.stdout.flush()
     rows, sweep = [], []
     bench.warm_up()
+    # The bar counts timed rounds (the work whose length --iters sets), not compiles.
+    progress = Progress(len(shapes) * rounds(args.iters, args.batch))
     if args.sweep_budget:
-        progress = Progress(len(shapes) * (1 + len(BUDGETS)))
         for i, (m, n, k) in enumerate(shapes):
             sweep += bench.sweep_rows(m, n, k, progress, args.seed + i)
         progress.close()
@@ -424,7 +451,6 @@ def main(argv=None):
             print(f"{r['m']:>6} {r['n']:>6} {r['k']:>5} | {r['consumer_grid']:>3} {r['ms']:10.3f} {window} "
                   f"{r['xla_gemm_rs_ms']:14.3f} | {path_note(r)} {r['config']}")
     else:
-        progress = Progress(len(shapes) * (4 + len(args.configs)))
         for i, (m, n, k) in enumerate(shapes):
             rows.append(bench.shape_row(m, n, k, args.configs, progress, args.seed + i))
         progress.close()
@@ -432,7 +458,7 @@ def main(argv=None):
     ok = [r for r in rows if r["check"] == "OK"]
     if args.json:
         result = {"machine": machine, "device_kind": device.device_kind, "platform": device.platform,
-                  "device_count": bench.world, "jax": jax.__version__, "dtype": args.dtype, "world": bench.world,
+                  "device_count": bench.world, "jax": jax.__version__, "dtype": dtype, "world": bench.world,
                   "iters": args.iters, "warmup": args.warmup, "batch": args.batch,
                   "windowed_options": WINDOWED_OPTIONS, "rows": rows, "sweep": sweep,
                   "geomean": {key: geomean([r[key] for r in ok]) for key in ("speedup", "efficiency", "vs_windowed")}}

@@ -292,10 +292,15 @@ def _check_devices(ext, groups: np.ndarray) -> None:
 
 
 def _ensure_comm(ext, mesh, axis_name, p: Padding, itemsize: int) -> _Comm:
-    """The communicator of this mesh axis with room for p, created or grown now (trace time)."""
+    """The communicator of this mesh axis with room for gemm_rs's call p, created or grown now."""
+    return _ensure_capacity(ext, mesh, axis_name, p.world, *required_capacity(p, itemsize))
+
+
+def _ensure_capacity(ext, mesh, axis_name, world: int, slot_bytes: int, max_tiles: int) -> _Comm:
+    """The communicator of this mesh axis (shared by gemm_rs and ag_gemm) with room for one slot of
+    slot_bytes and max_tiles flags per source, created or grown now (trace time)."""
     groups = device_groups(mesh, axis_name)
     cid = comm_id(groups, axis_name)
-    slot_bytes, max_tiles = required_capacity(p, itemsize)
     with _lock:
         comm = _comms.get(cid)
         if comm is not None and slot_bytes <= comm.slot_bytes and max_tiles <= comm.max_tiles:
@@ -303,7 +308,7 @@ def _ensure_comm(ext, mesh, axis_name, p: Padding, itemsize: int) -> _Comm:
         old = (comm.slot_bytes, comm.max_tiles) if comm else (0, 0)
         new = (_round_up(max(old[0], slot_bytes), _SLOT_GRANULE),
                _round_up(max(old[1], max_tiles), _TILES_GRANULE))
-        need = heap_bytes(p.world, *new)
+        need = heap_bytes(world, *new)
         if need > heap_max_bytes():
             raise Unavailable(f"symmetric heap of {need} bytes per device would exceed "
                               f"ENTWINE_HEAP_MAX_BYTES={heap_max_bytes()}")
@@ -313,7 +318,7 @@ def _ensure_comm(ext, mesh, axis_name, p: Padding, itemsize: int) -> _Comm:
             local = [(d, r, row) for row in groups for r, d in enumerate(row) if d.process_index == me]
             processes = sorted({int(d.process_index) for d in groups.ravel()})
             comm = _Comm(cid, local, processes)
-            ext.comm_create(cid, p.world, [(int(d.local_hardware_id), r) for d, r, _ in local], *new)
+            ext.comm_create(cid, world, [(int(d.local_hardware_id), r) for d, r, _ in local], *new)
             _register_atexit()
             _comms[cid] = comm
             comm.slot_bytes, comm.max_tiles = new
@@ -494,3 +499,157 @@ def last_call_ms(mesh, axis_name) -> list[tuple[int, float, float]]:
         if cid not in _comms:
             raise RuntimeError(f"entwine last_call_ms: no fused call has run on axis {axis_name!r} of this mesh")
     return [tuple(t) for t in ext.last_call_ms(cid)]
+
+
+# --- The interface of ag_gemm_op.py ---------------------------------------------------------------
+
+AG_TARGET = "entwine_ag_gemm"
+
+
+@dataclasses.dataclass(frozen=True)
+class AgPadding:
+    """Kernel shape of one ag_gemm call: every rank's shard [rows, cols] padded to
+    [rows_pad (multiple of 128), cols_pad (multiple of 8)], N padded to n_pad (multiple of block_n).
+    gather_k: the shards are slices of the contraction dim, w is [world * cols, n]."""
+
+    world: int
+    rows: int
+    cols: int
+    n: int
+    rows_pad: int
+    cols_pad: int
+    n_pad: int
+    gather_k: bool
+
+
+def ag_padding(rows: int, cols: int, n: int, world: int, block_n: int, gather_k: bool) -> AgPadding:
+    return AgPadding(world, rows, cols, n, _round_up(rows, TILE_M), _round_up(cols, ALIGN_K),
+                     _round_up(n, block_n), gather_k)
+
+
+def ag_pad_operands(x, w, p: AgPadding, xp=jnp):
+    """x [rows, cols] -> [rows_pad, cols_pad]; w [cols, n] -> [cols_pad, n_pad], or with gather_k
+    w [world * cols, n] -> [world * cols_pad, n_pad] (each rank's slice padded on its own)."""
+    if (p.rows, p.cols) != (p.rows_pad, p.cols_pad):
+        x = xp.pad(x, ((0, p.rows_pad - p.rows), (0, p.cols_pad - p.cols)))
+    if (p.cols, p.n) != (p.cols_pad, p.n_pad):
+        if p.gather_k:
+            w = w.reshape(p.world, p.cols, p.n)
+            w = xp.pad(w, ((0, 0), (0, p.cols_pad - p.cols), (0, p.n_pad - p.n)))
+            w = w.reshape(p.world * p.cols_pad, p.n_pad)
+        else:
+            w = xp.pad(w, ((0, p.cols_pad - p.cols), (0, p.n_pad - p.n)))
+    return x, w
+
+
+def ag_unpad(y, gathered, p: AgPadding):
+    """The kernel's y ([world * rows_pad, n_pad], or [rows_pad, n_pad] with gather_k) and gathered
+    operand ([world, rows_pad, cols_pad]) -> y [world * rows, n] (or [rows, n]), gathered [world, rows, cols]."""
+    if p.gather_k:
+        y = y[: p.rows, : p.n]
+    elif (p.rows, p.n) != (p.rows_pad, p.n_pad):
+        y = y.reshape(p.world, p.rows_pad, p.n_pad)[:, : p.rows, : p.n].reshape(p.world * p.rows, p.n)
+    if gathered is not None and (p.rows, p.cols) != (p.rows_pad, p.cols_pad):
+        gathered = gathered[:, : p.rows, : p.cols]
+    return y, gathered
+
+
+def ag_gemm_sms(config) -> int:
+    """The GEMM grid the kernels run: config.gemm_sms, or every SM of the GPU but one."""
+    from entwine_jax.config import _sm_count
+
+    return config.gemm_sms or _sm_count() - 1
+
+
+def _ag_plan(ext, p: AgPadding, config) -> dict:
+    return ext.ag_plan(p.rows_pad, p.cols_pad, p.n_pad, p.world, p.gather_k, config.block_n, ag_gemm_sms(config),
+                       config.raster_rows, config.max_chunks)
+
+
+def _ag_reason(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
+    if config.path == "xla":
+        return "config.path is 'xla'"
+    dtype = jnp.dtype(x_local_aval.dtype)
+    if dtype not in _DTYPES or jnp.dtype(w_aval.dtype) != dtype:
+        return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
+    if not 1 <= axis_size <= MAX_WORLD:
+        return f"axis size {axis_size} outside [1, {MAX_WORLD}]"
+    (rows, cols), (_, n) = x_local_aval.shape, w_aval.shape
+    if rows == 0 or cols == 0 or n == 0:
+        return f"empty operands x {x_local_aval.shape}, w {w_aval.shape}"
+    mesh = _find_mesh(axis_name)
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if platform != "gpu":
+        return f"not running on CUDA GPUs (platform {platform!r})"
+    ext, reason = _extension()
+    if reason:
+        return reason
+    p = ag_padding(rows, cols, n, axis_size, config.block_n, gather_k)
+    plan = _ag_plan(ext, p, config)
+    if plan["error"] is not None:
+        return f"the kernels cannot run this call: {plan['error']}"
+    if mesh is None:
+        return (f"no concrete mesh for axis {axis_name!r}: call entwine_jax.setup(mesh, "
+                f"{axis_name!r}) first, or trace under jax.set_mesh(mesh)")
+    if device_groups(mesh, axis_name).shape[1] != axis_size:
+        return f"axis {axis_name!r} has {device_groups(mesh, axis_name).shape[1]} devices, not {axis_size}"
+    try:
+        _ensure_capacity(ext, mesh, axis_name, axis_size, plan["slot_bytes"], plan["chunks"])
+    except Unavailable as e:
+        return str(e)
+    except Exception as e:  # CUDA or key-value store failures during setup
+        return f"communicator setup failed ({type(e).__name__}: {e})"
+    return None
+
+
+def ag_unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> str | None:
+    """None when the ag_gemm kernels can run this call (x [rows, cols], w [cols or W * cols, n]),
+    else a short reason. Like unavailable_reason, it creates or grows the communicator."""
+    try:
+        mesh = _find_mesh(axis_name)
+        key = ("ag", tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
+               str(w_aval.dtype), _axes(axis_name), axis_size, gather_k, repr(config), mesh)
+    except Exception as e:
+        return f"cannot inspect the call ({type(e).__name__}: {e})"
+    with _lock:
+        if key not in _reason_cache:
+            try:
+                reason = _ag_reason(x_local_aval, w_aval, axis_name, axis_size, gather_k, config)
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}"
+            if reason is None or mesh is not None:
+                _reason_cache[key] = reason
+            return reason
+        return _reason_cache[key]
+
+
+def ag_gemm_local(x2d, w, *, axis_name, axis_size, config, gather_k, return_gathered):
+    """One rank's fused AllGather + GEMM inside shard_map. x2d [rows, cols] (this rank's shard).
+    Rows layout: w [cols, n] -> y [W * rows, n] (shards stacked in rank order). gather_k: w
+    [W * cols, n] -> y [rows, n]. The gathered operand, when asked for: [W, rows, cols]."""
+    ext, reason = _extension()
+    if reason:
+        raise RuntimeError(f"entwine ag_gemm: {reason}")
+    mesh = _find_mesh(axis_name)
+    if mesh is None:
+        raise RuntimeError(f"entwine ag_gemm: no concrete mesh for axis {axis_name!r}; call "
+                           f"entwine_jax.setup(mesh, {axis_name!r}) first")
+    (rows, cols), n = x2d.shape, w.shape[1]
+    p = ag_padding(rows, cols, n, axis_size, config.block_n, gather_k)
+    plan = _ag_plan(ext, p, config)
+    if plan["error"] is not None:
+        raise RuntimeError(f"entwine ag_gemm: {plan['error']}")
+    try:
+        comm = _ensure_capacity(ext, mesh, axis_name, axis_size, plan["slot_bytes"], plan["chunks"])
+    except Unavailable as e:
+        raise RuntimeError(f"entwine ag_gemm: {e}") from None
+    x_pad, w_pad = ag_pad_operands(x2d, w, p)
+    y_rows = p.rows_pad if gather_k else axis_size * p.rows_pad
+    gathered_shape = (axis_size, p.rows_pad, p.cols_pad) if return_gathered else (0,)
+    call = jax.ffi.ffi_call(AG_TARGET, (jax.ShapeDtypeStruct((y_rows, p.n_pad), x2d.dtype),
+                                        jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)),
+                            vmap_method="sequential")
+    y, gathered = call(x_pad, w_pad, comm_id=np.int64(comm.id), gather_k=bool(gather_k),
+                       block_n=np.int64(config.block_n), gemm_sms=np.int64(ag_gemm_sms(config)),
+                       raster_rows=np.int64(config.raster_rows), max_chunks=np.int64(config.max_chunks))
+    return ag_unpad(y, gathered if return_gathered else None, p)

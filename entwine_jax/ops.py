@@ -1,5 +1,6 @@
 # gemm_rs: argument checks, config choice, dispatch between the fused kernels (entwine_jax.fused)
-# and the XLA reference, the per-call-site report, and the custom VJP (backward = all-gather).
+# and the XLA reference, the per-call-site report, and the custom VJP, whose dx is an ag_gemm in the
+# same layout (docs/design.md, "ag_gemm").
 import dataclasses
 import functools
 import logging
@@ -13,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from entwine_jax import _log, tuning
-from entwine_jax.config import GemmRsConfig, get_default_config
-from entwine_jax.reference import gemm_rs_reference, gemm_rs_reference_bwd
+from entwine_jax.config import AgGemmConfig, GemmRsConfig, get_default_config
+from entwine_jax.reference import gemm_rs_reference, gemm_rs_reference_bwd, matmul_weight_grad
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _printed: set = set()
@@ -26,7 +27,7 @@ def extension_status() -> tuple[bool, str]:
         from entwine_jax import _entwine
     except ImportError as e:
         reason = f"entwine_jax._entwine not importable ({e}): pure-Python install, gemm_rs uses the XLA reference path"
-        _log.log_once("extension_status", logging.INFO, "%s", reason)
+        _log.log_once("extension_status", logging.WARNING if _log.cuda_gpus_present() else logging.INFO, "%s", reason)
         return False, reason
     return True, f"entwine_jax._entwine built: {getattr(_entwine, '__file__', '?')}"
 
@@ -130,7 +131,7 @@ def _report(x, w, plan: _Plan, source: str = "") -> None:
             f"{plan.axis_size}) scatter_dimension={plan.scatter_dimension}")
     if plan.reason is not None:
         # Asking for "fused" and not getting it deserves a warning; an explicit "xla" needs no news.
-        level = {"fused": logging.WARNING, "xla": logging.DEBUG}.get(plan.config.path, logging.INFO)
+        level = _log.fallback_level(plan.config.path)
         _log.log_once(("path", key), level, "gemm_rs %s: XLA reference path: %s", site, plan.reason)
     if os.environ.get("ENTWINE_PRINT_CONFIG", "0") not in ("", "0") and key not in _printed:
         _printed.add(key)
@@ -193,7 +194,15 @@ def _gemm_rs_fwd(x, w, plan):
 
 def _gemm_rs_bwd(plan, res, dy):
     x, w = res
-    return gemm_rs_reference_bwd(x, w, dy, axis_name=plan.axis_name, scatter_dimension=plan.scatter_dimension)
+    if plan.config.path == "xla":
+        return gemm_rs_reference_bwd(x, w, dy, axis_name=plan.axis_name, scatter_dimension=plan.scatter_dimension)
+    # The backward of a reduce-scatter is an all-gather: dx = all_gather(dy) @ w.T is one ag_gemm in
+    # the same layout (gathering the scattered dim), and its gathered dy serves dw = x.T @ g.
+    from entwine_jax.ag_gemm_op import ag_gemm  # ag_gemm_op imports this module
+    dx, g = ag_gemm(dy, w.T, axis_name=plan.axis_name, gather_dimension=plan.scatter_dimension,
+                    config=AgGemmConfig(path="fused") if plan.config.path == "fused" else None,
+                    return_gathered=True)
+    return dx, matmul_weight_grad(x, g, w.dtype)
 
 
 _gemm_rs.defvjp(_gemm_rs_fwd, _gemm_rs_bwd)

@@ -41,3 +41,16 @@ def gemm_rs_reference_bwd(x, w, dy, *, axis_name, scatter_dimension: int = 0):
     batch = tuple(range(x.ndim - 1))
     dw = jax.lax.dot_general(x, g, ((batch, batch), ((), ())), preferred_element_type=_dot_type(w.dtype))
     return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def ag_gemm_reference(x, w, *, axis_name, gather_dimension: int):
+    """(all_gather(x) @ w with fp32 accumulation in x.dtype, the gathered x). gather_dimension must
+    be normalised; gathering the last dim gathers the contraction dim (w holds all of K)."""
+    g = jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
+    return _dot_last_first(g, w, _dot_type(x.dtype)).astype(x.dtype), g
+
+
+def matmul_weight_grad(x, dy, dtype):
+    """dw = x.T @ dy, contracting every dim of x and dy but the last (fp32 accumulation)."""
+    batch = tuple(range(x.ndim - 1))
+    return jax.lax.dot_general(x, dy, ((batch, batch), ((), ())), preferred_element_type=_dot_type(dtype)).astype(dtype)

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _log
+from entwine_jax import _log, timing
 from entwine_jax.config import GemmRsConfig, _sm_count, heuristic_config, with_overrides
 
 FORMAT = 1
@@ -62,8 +62,6 @@ SOURCE_HEURISTIC = "heuristic"
 
 _DTYPE_NAMES = ("bfloat16", "float16")
 _KEY_FIELDS = ("device_kind", "world", "m", "n", "k_local", "dtype")
-# Same bound as bench.py: relative Frobenius error vs the XLA reference (DESIGN.md).
-_TOL = 1e-2
 _FUSED_TARGET = "entwine_gemm_rs"
 
 
@@ -435,19 +433,6 @@ def _build(mesh, axis_name, config, x, w):
     return compiled, None
 
 
-_rel_err = jax.jit(lambda a, b: jnp.sqrt(jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
-                                         / jnp.sum(jnp.square(b.astype(jnp.float32)))))
-
-
-def _max_over_processes(values: list) -> list:
-    """Per-candidate max over processes (DESIGN.md: max over ranks of the median); NaN = skipped."""
-    if jax.process_count() == 1:
-        return values
-    from jax.experimental import multihost_utils
-    gathered = np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float64)))
-    return [float(v) for v in np.max(gathered.reshape(jax.process_count(), -1), axis=0)]
-
-
 # Identical programs read up to 0.9% apart at 200 timed calls (one H200, PERF.md v17): a lead below
 # this is not a measured difference.
 _RESOLUTION = 0.01
@@ -494,7 +479,6 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
     it, since every rank must pick the same config. Functions already traced keep their config.
     """
     from entwine_jax import ops
-    from entwine_jax.bench import time_interleaved
 
     world = _axis_size(mesh, axis_name)
     if world == 1:
@@ -540,19 +524,19 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
                     except Exception as e:  # lowering/compilation: deterministic, so every process skips it
                         trial["skipped"] = f"does not compile ({type(e).__name__}: {e})"
                 if compiled is not None:
-                    trial["rel_err"] = float(_rel_err(compiled(x, w), ref))
+                    trial["rel_err"] = float(timing.rel_err(compiled(x, w), ref))
                     # A consumer that timed out waiting for a peer leaves the communicator unusable: stop.
                     getattr(fused, "check_errors", lambda: None)()
-                    if not trial["rel_err"] <= _TOL:  # NaN too
-                        trial["skipped"] = f"wrong result: relative error {trial['rel_err']:.3g} > {_TOL}"
+                    if not trial["rel_err"] <= timing.TOL:  # NaN too
+                        trial["skipped"] = f"wrong result: relative error {trial['rel_err']:.3g} > {timing.TOL}"
                     else:
                         programs[index] = (compiled, (x, w))
                 if trial["skipped"]:
                     _log.logger.warning("tune %s %s: %s skipped: %s", kind, shape, config, trial["skipped"])
             # The candidates are timed in interleaved rounds, so each sees the same power-cap history.
-            for index, ms in (time_interleaved(programs, iters, warmup, batch) if programs else {}).items():
+            for index, ms in (timing.time_interleaved(programs, iters, warmup, batch) if programs else {}).items():
                 trials[index]["ms"] = ms
-            ms = _max_over_processes([t["ms"] if t["ms"] is not None else math.nan for t in trials])
+            ms = timing.max_over_processes([t["ms"] if t["ms"] is not None else math.nan for t in trials])
             for trial, value in zip(trials, ms):
                 trial["ms"] = None if math.isnan(value) else value
             return trials
@@ -592,28 +576,43 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
     return results
 
 
-def main(argv=None) -> int:
-    """python -m entwine_jax tune: tune() over the local GPUs (one process, W = all of them)."""
+def main(argv=None, prog="python -m entwine_jax tune") -> int:
+    """python -m entwine_jax tune: tune() over the local GPUs (one process, W = all of them); the
+    winners are merged into the user cache. Without CUDA GPUs, or without the compiled extension,
+    there is nothing to tune: it says so and exits with 2."""
     import argparse
 
-    from entwine_jax.bench import DESIGN_SUITE, parse_shapes
-
-    p = argparse.ArgumentParser(prog="python -m entwine_jax tune", description=main.__doc__)
-    p.add_argument("--shapes", type=parse_shapes, default=DESIGN_SUITE,
+    p = argparse.ArgumentParser(prog=prog, description=main.__doc__)
+    p.add_argument("--shapes", type=timing.parse_shapes, default=timing.DESIGN_SUITE,
                    help="comma-separated MxNxK_local (default: the design suite)")
-    p.add_argument("--dtype", choices=_DTYPE_NAMES, default="bfloat16")
+    p.add_argument("--dtype", type=timing.parse_dtype, default="bfloat16", metavar="{bf16,bfloat16,fp16,float16}")
     p.add_argument("--iters", type=int, default=200, help="timed calls per candidate (see tune())")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--cache", help="user cache to merge the winners into (default: ENTWINE_TUNE_CACHE or "
                                     "~/.cache/entwine_jax/tuned.json)")
     args = p.parse_args(argv)
+    _log.warn_if_source_tree()
+    # Checked before the axis size: one CPU device must read as "no GPUs", not as "axis of size 1".
+    platform = _log.default_platform()
+    if platform != "cuda":
+        print(f"{prog}: no CUDA GPUs (JAX platform {platform!r}, {len(jax.local_devices())} device(s)): tune() "
+              f"times the fused kernels, which run only on Hopper GPUs, so there is nothing to tune on this machine. "
+              f"Run it where the GPUs are.", file=sys.stderr)
+        return 2
+    import entwine_jax
+    built, reason = entwine_jax.extension_status()
+    if not built:
+        print(f"{prog}: tune() times the fused kernels, which need the compiled extension: {reason}. "
+              f"{_log.extension_fix()}",
+              file=sys.stderr)
+        return 2
     devices = jax.local_devices()
     mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices)
     try:
         results = tune(mesh, "tp", args.shapes, dtype=args.dtype, iters=args.iters, warmup=args.warmup,
                        cache_path=args.cache)
     except (RuntimeError, ValueError) as e:  # e.g. no fused path on this machine: say why, no traceback
-        print(f"python -m entwine_jax tune: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     for (m, n, k), (best, ms, trials) in results.items():
         margin = runner_up_margin(trials)

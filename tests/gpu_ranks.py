@@ -14,6 +14,13 @@ Suites:
            in between, every result checked.
   missing  the last rank skips one call; the others must report the deadline error (with
            ENTWINE_TIMEOUT_MS=2000) through entwine_jax.fused.check_errors(), never hang.
+  ag       ag_gemm in both layouts (gathering rows, also a middle dim, and gathering the contraction
+           dim), bf16 and fp16, tails, the gathered operand returned, repeated calls bitwise equal;
+           then a sequence-parallel MLP (ag_gemm -> silu -> gemm_rs) forward and backward with both
+           directions fused, gradients against a float64 host reference.
+  mixed    1000 back-to-back calls alternating gemm_rs and ag_gemm (both layouts) on one
+           communicator, every result checked.
+  agmissing  as `missing`, for ag_gemm: the ranks waiting for the absent rank's chunks report it.
   cmdbuf   XLA command buffers (CUDA graphs) enabled for fusions and custom calls, graphs of any
            size: 24 calls on three input sets of one shape, two call sites, every result checked.
            The handler is not declared command-buffer compatible (its epochs are host values), so
@@ -54,7 +61,8 @@ def _free_port() -> int:
 def launch(args) -> int:
     # `all` runs the suites as separate launches: the short deadline of `missing` is read once per
     # process, and would turn the compile-time skew between ranks of the other suites into errors.
-    suites = ["quick", "stress", "missing", "cmdbuf"] if args.suite == "all" else [args.suite]
+    suites = (["quick", "ag", "stress", "mixed", "missing", "agmissing", "cmdbuf"] if args.suite == "all"
+              else args.suite.split(","))
     lines = [launch_suite(args, suite) for suite in suites]
     ok = all(line.startswith("PASS") for line in lines)
     print(f"gpu_ranks: world={args.world} gpus={args.gpus}: {'PASS' if ok else 'FAIL'}: " + " | ".join(
@@ -66,7 +74,7 @@ def launch_suite(args, suite) -> str:
     """Runs one suite on W fresh processes; returns 'PASS (...)' or 'FAIL (...)'."""
     port = _free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    if suite == "missing":
+    if suite in ("missing", "agmissing"):
         env["ENTWINE_TIMEOUT_MS"] = str(MISSING_TIMEOUT_MS)
     env.pop("XLA_FLAGS", None)  # fake host devices of the pytest process would confuse the mesh
     if suite == "cmdbuf":
@@ -444,6 +452,261 @@ class Rank:
             worst = max(worst, self.check(y, ref, f"cmdbuf call {i} (inputs {v}, site {site})"))
         return f"cmdbuf: {calls} calls with command buffers enabled checked, worst rel error {worst:.2e}"
 
+    # -- ag_gemm --
+
+    def ag_inputs(self, rows, cols, n, dtype, seed, gather_k):
+        """Every rank's shard x_s [rows, cols] and weight w_s ([cols, n], or [W * cols, n] when the
+        contraction dim is gathered), as float64 of the dtype-rounded values."""
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        k = self.world * cols if gather_k else cols
+        xs = [(rng.standard_normal((rows, cols), np.float32) / np.sqrt(k)).astype(dtype) for _ in range(self.world)]
+        ws = [rng.standard_normal((k, n), np.float32).astype(dtype) for _ in range(self.world)]
+        return xs, ws
+
+    def ag_reference(self, xs, ws, gather_k):
+        import numpy as np
+
+        g = np.concatenate([x.astype(np.float64) for x in xs], axis=1 if gather_k else 0)
+        return g @ ws[self.rank].astype(np.float64), g
+
+    def place(self, a, spec_dim, shape):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        spec = [None] * a.ndim
+        spec[spec_dim] = "tp"
+        return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(*spec)),
+                                                        [jax.device_put(a, self.device)])
+
+    def ag_fn(self, rows, cols, n, dtype, gather_k, return_gathered=False):
+        """jit(shard_map(entwine_jax.ag_gemm)) on x sharded over its rows or columns and w sharded
+        over N; refuses to run unless the fused path takes it."""
+        import dataclasses
+
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import fused
+
+        config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, dtype), path="fused")
+        k = self.world * cols if gather_k else cols
+        with jax.set_mesh(self.mesh):
+            reason = fused.ag_unavailable_reason(
+                jax.ShapeDtypeStruct((rows, cols), dtype), jax.ShapeDtypeStruct((k, n), dtype), axis_name="tp",
+                axis_size=self.world, gather_k=gather_k, config=config)
+        if reason is not None:
+            raise RuntimeError(f"fused ag_gemm unavailable for rows={rows} cols={cols} N={n}: {reason}")
+        gd = -1 if gather_k else 0
+        body = lambda x, w: entwine_jax.ag_gemm(x, w, axis_name="tp", gather_dimension=gd, config=config,
+                                                return_gathered=return_gathered)
+        x_spec = P(None, "tp") if gather_k else P("tp", None)
+        out = (P(None, "tp"), P("tp")) if return_gathered else P(None, "tp")
+        f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(x_spec, P(None, "tp")), out_specs=out,
+                                  check_vma=False))
+
+        def call(gx, gw):
+            with jax.set_mesh(self.mesh):
+                return f(gx, gw)
+
+        return call, f
+
+    def ag_globals(self, xs, ws, gather_k):
+        x, w = xs[self.rank], ws[self.rank]
+        x_shape = (x.shape[0], self.world * x.shape[1]) if gather_k else (self.world * x.shape[0], x.shape[1])
+        return (self.place(x, 1 if gather_k else 0, x_shape),
+                self.place(w, 1, (w.shape[0], self.world * w.shape[1])))
+
+    def ag_case(self, rows, cols, n, dtype, gather_k, seed, return_gathered=False, repeats=2):
+        import numpy as np
+
+        from entwine_jax import fused
+
+        xs, ws = self.ag_inputs(rows, cols, n, dtype, seed, gather_k)
+        ref, g_ref = self.ag_reference(xs, ws, gather_k)
+        call, f = self.ag_fn(rows, cols, n, dtype, gather_k, return_gathered)
+        gx, gw = self.ag_globals(xs, ws, gather_k)
+        with __import__("jax").set_mesh(self.mesh):
+            if "entwine_ag_gemm" not in f.lower(gx, gw).as_text():
+                raise AssertionError("ag_gemm did not lower to the fused call")
+        outs = [call(gx, gw) for _ in range(repeats)]
+        fused.check_errors()
+        what = f"ag_gemm rows={rows} cols={cols} N={n} {'contraction' if gather_k else 'rows'} {dtype.__name__}"
+        ys = [self.local(o[0] if return_gathered else o) for o in outs]
+        if ys[0].shape != ref.shape:
+            raise AssertionError(f"{what}: local result of shape {ys[0].shape}, expected {ref.shape}")
+        err = self.check(ys[0], ref, what)
+        for y in ys[1:]:
+            if not np.array_equal(y.view(np.uint16), ys[0].view(np.uint16)):
+                raise AssertionError(f"{what}: repeated calls differ bitwise")
+        if return_gathered:
+            g = self.local(outs[0][1])
+            if g.shape != g_ref.shape or not np.array_equal(g.astype(np.float64), g_ref):
+                raise AssertionError(f"{what}: the gathered operand differs from the shards")
+        return err
+
+    def ag(self):
+        import jax.numpy as jnp
+
+        shapes = [(128, 64, 256), (77, 60, 130), (200, 1000, 1000), (1024, 512, 2048), (2048, 1024, 4096)]
+        worst, cases = 0.0, 0
+        for dtype in (jnp.bfloat16, jnp.float16):
+            for gather_k in (False, True):
+                for i, (rows, cols, n) in enumerate(shapes):
+                    worst = max(worst, self.ag_case(rows, cols, n, dtype, gather_k, seed=700 + i,
+                                                    return_gathered=i % 2 == 1))
+                    cases += 1
+                    self.log(f"ag rows={rows} cols={cols} N={n} gather_k={gather_k} {dtype.__name__}: ok")
+        worst = max(worst, self.mlp_grads(self.world * 256, 512, 384, jnp.float16, seed=900))
+        self.log("ag: sequence-parallel MLP forward + backward, both directions fused: ok")
+        worst = max(worst, self.mlp_grads(self.world * 200, 264, 200, jnp.bfloat16, seed=901))
+        self.log("ag: sequence-parallel MLP with tails: ok")
+        return f"ag: {cases} cases + 2 MLP gradients ok, worst rel error {worst:.2e}"
+
+    def mlp_grads(self, t, d, f_local, dtype, seed):
+        """x [T/W, D] -> h = ag_gemm(x, w1 [D, F/W]) -> silu -> gemm_rs(., w2 [F/W, D]) -> [T/W, D];
+        loss = sum(y * c). jax.grad inside shard_map (the sum of every rank's loss) against float64.
+        The compiled program must hold both fused calls and no all-gather or reduce-scatter."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import fused
+
+        rng = np.random.default_rng(seed)
+        tl = t // self.world
+        xs = [(rng.standard_normal((tl, d), np.float32)).astype(dtype) for _ in range(self.world)]
+        w1 = [(rng.standard_normal((d, f_local), np.float32) / np.sqrt(d)).astype(dtype) for _ in range(self.world)]
+        w2 = [(rng.standard_normal((f_local, d), np.float32) / np.sqrt(f_local * self.world)).astype(dtype)
+              for _ in range(self.world)]
+        cs = [rng.standard_normal((tl, d), np.float32).astype(dtype) for _ in range(self.world)]
+        up = dataclasses_replace(entwine_jax.ag_heuristic_config(tl, f_local, d, self.world, dtype), path="fused")
+        down = dataclasses_replace(entwine_jax.heuristic_config(t, d, f_local, self.world, dtype), path="fused")
+
+        def loss(x, w1_, w2_, c):
+            h = entwine_jax.ag_gemm(x, w1_, axis_name="tp", config=up)
+            a = jax.nn.silu(h.astype(jnp.float32)).astype(dtype)
+            y = entwine_jax.gemm_rs(a, w2_, axis_name="tp", config=down)
+            # Squared, so that the forward's y is needed by the backward (a linear loss would let
+            # XLA drop the forward gemm_rs).
+            return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32)) + 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+        grads = jax.grad(loss, argnums=(0, 1, 2))
+        f = jax.jit(jax.shard_map(grads, mesh=self.mesh,
+                                  in_specs=(P("tp", None), P(None, "tp"), P("tp", None), P("tp", None)),
+                                  out_specs=(P("tp", None), P(None, "tp"), P("tp", None))))
+        gx = self.place(xs[self.rank], 0, (t, d))
+        g1 = self.place(w1[self.rank], 1, (d, self.world * f_local))
+        g2 = self.place(w2[self.rank], 0, (self.world * f_local, d))
+        gc = self.place(cs[self.rank], 0, (t, d))
+        with jax.set_mesh(self.mesh):
+            text = f.lower(gx, g1, g2, gc).compile().as_text()
+            for target in ("entwine_ag_gemm", "entwine_gemm_rs"):
+                if text.count(target) < 2:
+                    raise AssertionError(f"MLP gradients: {target} appears {text.count(target)} times, expected 2")
+            for collective in ("all-gather", "reduce-scatter", "all-reduce"):
+                if collective + "(" in text or collective + "-start" in text:
+                    raise AssertionError(f"MLP gradients: the compiled program still has an {collective}")
+            dx, dw1, dw2 = (self.local(o) for o in f(gx, g1, g2, gc))
+        fused.check_errors()
+        # float64 reference of d(sum over ranks of the loss).
+        x = np.concatenate([a.astype(np.float64) for a in xs])
+        c = np.concatenate([a.astype(np.float64) for a in cs])
+        sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+        y = sum((lambda h: h / (1 + np.exp(-h)))(x @ w1[r].astype(np.float64)) @ w2[r].astype(np.float64)
+                for r in range(self.world))
+        dy = c + y  # d(sum(y c) + sum(y^2) / 2) / dy
+        dx_ref = np.zeros_like(x)
+        for r in range(self.world):
+            h = x @ w1[r].astype(np.float64)
+            da = dy @ w2[r].astype(np.float64).T
+            dh = da * (sig(h) * (1 + h * (1 - sig(h))))
+            if r == self.rank:
+                a = h * sig(h)
+                dw1_ref, dw2_ref = x.T @ dh, a.T @ dy
+            dx_ref += dh @ w1[r].astype(np.float64).T
+        rows = slice(self.rank * tl, (self.rank + 1) * tl)
+        what = f"MLP T={t} D={d} F/W={f_local} {dtype.__name__}"
+        return max(self.check(dx, dx_ref[rows], what + " dx"), self.check(dw1, dw1_ref, what + " dw1"),
+                   self.check(dw2, dw2_ref, what + " dw2"))
+
+    def mixed(self, calls=1000, batch=16):
+        """Back-to-back calls of gemm_rs and ag_gemm (both layouts) on one communicator: the two ops
+        share its epochs and slots, so a wrong double-buffer argument would show as a wrong result."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from entwine_jax import fused
+
+        w_ = self.world
+        m, n, k = w_ * 256, 512, 256
+        rs_sites, ag_sites = [], []
+        for v in range(2):
+            xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=1100 + v)
+            rs_sites.append((self.gemm_fn(m, n, k, jnp.bfloat16), self.global_arrays(xs, ws), self.reference(xs, ws)))
+            for gather_k in (False, True):
+                xs, ws = self.ag_inputs(256, 192, 512, jnp.bfloat16, 1200 + v + 10 * gather_k, gather_k)
+                call, _ = self.ag_fn(256, 192, 512, jnp.bfloat16, gather_k)
+                ag_sites.append((call, self.ag_globals(xs, ws, gather_k), self.ag_reference(xs, ws, gather_k)[0]))
+        sites = [s for pair in zip(rs_sites + rs_sites, ag_sites) for s in pair]
+        first, pending, checked = {}, [], 0
+        t0 = time.monotonic()
+        for i in range(calls):
+            j = i % len(sites)
+            call, (gx, gw), _ = sites[j]
+            pending.append((j, i, call(gx, gw)))
+            if len(pending) == batch or i == calls - 1:
+                for j_, i_, y in pending:
+                    y = self.local(y)
+                    if j_ not in first:
+                        self.check(y, sites[j_][2], f"mixed call {i_} (site {j_})")
+                        first[j_] = y
+                    elif not np.array_equal(y.view(np.uint16), first[j_].view(np.uint16)):
+                        self.check(y, sites[j_][2], f"mixed call {i_} (site {j_})")
+                        raise AssertionError(f"mixed call {i_} site {j_}: differs bitwise from its first call")
+                    checked += 1
+                pending.clear()
+                fused.check_errors()
+        jax.block_until_ready(first[0])
+        return f"mixed: {checked} calls of both ops checked in {time.monotonic() - t0:.1f} s"
+
+    def agmissing(self):
+        import jax
+        import jax.numpy as jnp
+
+        from entwine_jax import _distributed, fused
+
+        xs, ws = self.ag_inputs(128, 64, 256, jnp.bfloat16, 17, False)
+        call, _ = self.ag_fn(128, 64, 256, jnp.bfloat16, False)
+        gx, gw = self.ag_globals(xs, ws, False)
+        self.check(self.local(call(gx, gw)), self.ag_reference(xs, ws, False)[0], "agmissing: warm-up call")
+        fused.check_errors()
+        absent = self.world - 1
+        if self.rank == absent:
+            detail = "agmissing: skipped the call"
+        else:
+            t0 = time.monotonic()
+            jax.block_until_ready(call(gx, gw))
+            waited = time.monotonic() - t0
+            try:
+                fused.check_errors()
+            except RuntimeError as e:
+                message = str(e)
+            else:
+                raise AssertionError(f"no deadline error after {waited:.1f} s although rank {absent} never called")
+            if f"of the shard of rank {absent}" not in message or f"waited {MISSING_TIMEOUT_MS} ms" not in message:
+                raise AssertionError(f"deadline error does not name rank {absent} and the timeout: {message}")
+            if waited > 10 * MISSING_TIMEOUT_MS / 1000 + 20:
+                raise AssertionError(f"the deadline took {waited:.1f} s")
+            detail = f"agmissing: deadline reported after {waited:.1f} s: {message[:120]}"
+        _distributed.barrier("entwine_test/agmissing_done", range(self.world), self.rank, 120_000)
+        return detail
+
     def missing(self):
         import jax
         import jax.numpy as jnp
@@ -487,11 +750,18 @@ class Rank:
         return detail
 
 
+def dataclasses_replace(obj, **fields):
+    import dataclasses
+
+    return dataclasses.replace(obj, **fields)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2, help="number of ranks (processes), 1..8")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (rank r on GPU r %% gpus)")
-    parser.add_argument("--suite", choices=["quick", "stress", "missing", "cmdbuf", "all"], default="quick")
+    parser.add_argument("--suite", default="quick",
+                        help="quick, ag, stress, mixed, missing, agmissing, cmdbuf, all, or a comma-separated list")
     parser.add_argument("--timeout", type=float, default=900, help="wall-clock limit per suite in seconds; stragglers are killed")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)

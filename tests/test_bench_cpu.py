@@ -1,15 +1,18 @@
-# CPU smoke test of the benchmark machinery (entwine_jax.bench) on 8 fake devices with tiny shapes:
-# the table, the JSON fields, the loud XLA-fallback label, the result check, the config list and
-# the budget sweep. Timings on CPU mean nothing and are not asserted.
+# CPU smoke test of the benchmark machinery (entwine_jax.bench, entwine_jax.timing) on 8 fake devices
+# with tiny shapes: the table, the JSON fields, the loud XLA-fallback label, the result check, the
+# config list, the budget sweep, the smoke run without CUDA GPUs and the progress count. Timings on
+# CPU mean nothing and are not asserted.
 import argparse
 import json
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import entwine_jax
-from entwine_jax import bench
+from entwine_jax import _log, bench, timing
 
 FAST = ["--iters", "2", "--warmup", "1", "--batch", "1"]
 ROW_KEYS = {"m", "n", "k", "gemm_ms", "rs_ms", "xla_gemm_rs_ms", "windowed_ms", "windowed_loop", "entwine_ms",
@@ -104,12 +107,19 @@ def test_parsers():
             bench.parse_configs(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="4096x8192x1024"):
         bench.parse_shapes("4096x8192")
-    with pytest.raises(SystemExit, match="not divisible"):
+    with pytest.raises(argparse.ArgumentTypeError, match="no shape given"):
+        bench.parse_shapes(",")
+
+
+def test_shape_not_divisible_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
         bench.main(["--shapes", "100x128x64", *FAST])
+    assert e.value.code == 2
+    assert "shape 100x128x64: M=100 is not divisible by W=8" in capsys.readouterr().err
 
 
 def test_time_interleaved_runs_the_programs_in_rounds():
-    calls = []
+    calls, done = [], []
 
     def program(name):
         def fn():
@@ -117,10 +127,85 @@ def test_time_interleaved_runs_the_programs_in_rounds():
             return jnp.zeros(())
         return fn
 
-    times = bench.time_interleaved({"a": (program("a"), ()), "b": (program("b"), ())}, iters=5, warmup=1, batch=2)
+    times = timing.time_interleaved({"a": (program("a"), ()), "b": (program("b"), ())}, iters=5, warmup=1, batch=2,
+                                    on_round=done.append)
     assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
     # Warm-ups first, then ceil(5 / 2) rounds of one batch of each, round r starting with program r mod 2.
     assert calls == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
+    assert done == [0, 1, 2] and timing.rounds(5, 2) == 3
+    # The bench's name is the same function (scripts import it from there).
+    assert bench.time_interleaved is timing.time_interleaved
+
+
+def test_rel_err_and_max_over_one_process():
+    b = jnp.array([3.0, 4.0])
+    assert float(timing.rel_err(b, b)) == 0
+    assert float(timing.rel_err(jnp.array([3.0, 4.0 + 5.0]), b)) == pytest.approx(1.0)  # ||(0, 5)|| / ||(3, 4)||
+    assert timing.max_over_processes([1.0, float("nan")])[0] == 1.0
+
+
+def test_cpu_default_runs_one_smoke_shape_in_seconds(tmp_path, capsys):
+    # No CUDA GPUs: the GPU suite (the quick one took 49 minutes on CPU) is replaced by one small
+    # shape with few calls, and the output says that CPU timings mean nothing.
+    out = tmp_path / "out.json"
+    t0 = time.perf_counter()
+    assert bench.main(["--suite", "quick", "--json", str(out)]) == 0
+    elapsed = time.perf_counter() - t0
+    result = json.loads(out.read_text())
+    assert [(r["m"], r["n"], r["k"]) for r in result["rows"]] == [bench.SMOKE_SHAPE]
+    assert (result["iters"], result["warmup"]) == (bench.SMOKE_ITERS, bench.SMOKE_WARMUP)
+    stdout = capsys.readouterr().out
+    assert "# NOTE: no CUDA GPUs (JAX platform 'cpu')" in stdout and "the timings here mean nothing" in stdout
+    assert "only the smoke shape 256x256x64 (pass --shapes to time others)" in stdout
+    assert elapsed < 30, f"the CPU smoke run took {elapsed:.1f} s"  # ~2 s; generous for a busy 2-core machine
+
+
+def test_cpu_explicit_shapes_and_iters_are_kept(tmp_path, capsys):
+    rc, result = run(tmp_path, "--shapes", "64x128x32", "--world", "2")
+    assert rc == 0 and [(r["m"], r["n"], r["k"]) for r in result["rows"]] == [(64, 128, 32)]
+    assert result["iters"] == 2  # FAST's --iters, not the smoke default
+    assert "running the given --shapes" in capsys.readouterr().out
+
+
+def test_smoke_shape_divides_by_the_world():
+    assert bench.smoke_shape(8) == bench.SMOKE_SHAPE
+    m, _, _ = bench.smoke_shape(3)
+    assert m % 3 == 0
+
+
+def test_progress_counts_timed_rounds_not_compiles(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain counter, whether or not tqdm is installed
+    # Two shapes, 2 configs each, 4 calls in batches of 2: 2 timed rounds per shape, 4 in all
+    # (the old bar counted 2 x (4 + 2) compiles).
+    assert bench.main(["--shapes", "64x128x32,128x128x32", "--world", "2", "--iters", "4", "--batch", "2",
+                       "--warmup", "1", "--configs", ";consumer_grid=2"]) == 0
+    err = capsys.readouterr().err
+    counts = [line.split("]")[0] + "]" for line in err.splitlines() if line.startswith("[")]
+    assert counts and all(c.endswith("/4 timed rounds]") for c in counts), err
+    assert "[4/4 timed rounds]" in err and "[0/4 timed rounds] 64x128x32: compiling" in err
+
+
+@pytest.mark.parametrize("spelling,short", [("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16"),
+                                            ("float16", "fp16")])
+def test_dtype_spellings(spelling, short):
+    assert timing.parse_dtype(spelling) == jnp.dtype(timing.DTYPES[spelling]).name
+    assert timing.SHORT_NAMES[timing.parse_dtype(spelling)] == short
+    with pytest.raises(argparse.ArgumentTypeError, match="--dtype: expected one of bf16, bfloat16, fp16, float16"):
+        timing.parse_dtype("fp8")
+
+
+def test_gpu_without_extension_refuses_to_time_xla(tmp_path, monkeypatch, capsys):
+    # As on a GPU machine running from the repository root: the default backend is CUDA, the
+    # extension is missing. The bench must not time the XLA path as if it were entwine's.
+    monkeypatch.setattr(_log, "default_platform", lambda: "cuda")
+    monkeypatch.setattr(entwine_jax, "extension_status", lambda: (False, "entwine_jax._entwine not importable"))
+    assert bench.main(["--shapes", "64x128x32", "--world", "2", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to time the XLA path on CUDA GPUs: entwine_jax._entwine not importable" in err
+    assert "--allow-xla" in err and ("source tree" in err or "nvcc" in err)
+    # Forced: it runs (here on the CPU mesh) and labels every row with the fallback.
+    rc, result = run(tmp_path, "--shapes", "64x128x32", "--world", "2", "--allow-xla")
+    assert rc == 0 and result["rows"][0]["path"] == "xla"
 
 
 def test_parse_configs_empty_item_is_the_selected_config():
@@ -128,12 +213,3 @@ def test_parse_configs_empty_item_is_the_selected_config():
     assert bench.parse_configs("raster_rows=1;") == [{"raster_rows": 1}, {}]
     with pytest.raises(argparse.ArgumentTypeError, match="no config given"):
         bench.parse_configs(" ; ")
-
-
-def test_package_command_line(capsys):
-    from entwine_jax import __main__ as cli
-    assert cli.main([]) == 2 and "usage: python -m entwine_jax {bench,tune}" in capsys.readouterr().err
-    # CPU: tune refuses to time the XLA fallback, and says why without a traceback.
-    assert cli.main(["tune", "--shapes", "256x256x64", "--iters", "1", "--warmup", "1"]) == 2
-    assert "the fused path cannot run" in capsys.readouterr().err
-    assert cli.main(["bench", "--shapes", "256x128x64", "--world", "2", *FAST]) == 0

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import GemmRsConfig, gemm_rs, heuristic_config, ops, set_default_config, tuning
+from entwine_jax import GemmRsConfig, gemm_rs, heuristic_config, ops, set_default_config, timing, tuning
 
 H200 = ("NVIDIA H200", "hopper-132sm")
 TUNED = GemmRsConfig(block_n=128, producer_sms=100, consumer_grid=32, consumer_block=256, raster_rows=4)
@@ -362,12 +362,15 @@ def test_refined_candidates():
 def test_split_rule_constants_match_the_producer():
     # tuning._split_applies restates producer_schedule()'s rule in Python: its constants must be the C++ ones.
     ffi = pathlib.Path(__file__).resolve().parents[1] / "ffi"
-    if not (ffi / "gemm_rs.h").exists():
+    if not ffi.is_dir():
         pytest.skip("no ffi/ sources next to the tests")
-    source = (ffi / "gemm_rs.h").read_text() + (ffi / "launch.cu").read_text()
+    # Wherever the sources keep them (ffi/gemm_rs/gemm_rs.h and launch.cu now): a missing constant fails.
+    source = "".join(f.read_text() for f in sorted(ffi.rglob("*")) if f.suffix in (".h", ".cu", ".cuh", ".cc"))
 
     def constant(name):
-        return int(re.search(rf"constexpr (?:int|size_t) {name} = (\d+);", source).group(1))
+        found = re.findall(rf"constexpr (?:int|size_t) {name} = (\d+);", source)
+        assert len(found) == 1, f"{name}: {len(found)} definitions in ffi/"
+        return int(found[0])
 
     assert constant("kProducerBlockK") == tuning._PRODUCER_BLOCK_K
     assert constant("kSplitSlots") == tuning._SPLIT_SLOTS
@@ -426,7 +429,7 @@ def test_tune_two_stages_on_cpu_with_stubbed_timing(monkeypatch):
     monkeypatch.setattr(tuning, "_unavailable", lambda *a: None)
     monkeypatch.setattr(tuning, "_build", lambda mesh, axis_name, config, x, w: (tuning._compile(
         mesh, axis_name, lambda x, w: gemm_rs(x, w, axis_name=axis_name, config=GemmRsConfig(path="xla")), x, w)[1], None))
-    monkeypatch.setattr(entwine_jax.bench, "time_interleaved", lambda programs, *a: next(rounds))
+    monkeypatch.setattr(timing, "time_interleaved", lambda programs, *a, **k: next(rounds))
     # A small shape for the CPU, on which the split is taken to change the schedule.
     monkeypatch.setattr(tuning, "_split_applies", lambda *a: True)
     best, ms, trials = entwine_jax.tune(mesh(), "tp", [(4096, 128, 32)], iters=2, warmup=1)[(4096, 128, 32)]

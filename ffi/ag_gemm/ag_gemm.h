@@ -14,7 +14,7 @@ namespace entwine {
 // The one config of ag_gemm, mirrored by entwine_jax.AgGemmConfig (Python).
 struct AgGemmConfig {
   int32_t block_n = 256;     // GEMM block: 128 x block_n x 64, block_n in {128, 256}
-  int32_t gemm_sms = 0;      // 0: one CTA per GEMM block; > 0: persistent grid of that many CTAs
+  int32_t gemm_sms = 131;    // persistent grid of that many CTAs, fewer than the SMs (see launch_release)
   int32_t raster_rows = 8;   // blocks of a chunk run in groups of this many tile rows (L2 reuse)
   int32_t max_chunks = 8;    // a shard travels in at most this many chunks of whole tile rows, one flag each
 };
@@ -67,5 +67,11 @@ struct AgGemmArgs {
 // chunk's flag). The transfers are the handler's (copy engines, no SMs).
 cudaError_t launch_ag_gemm(DType dtype, const AgProblem& problem, const AgGemmConfig& config, const AgPlan& plan,
                            const AgGemmArgs& args, cudaStream_t stream);
+
+// Release one pushed chunk: once `stream`'s earlier work (the chunk's copy) is complete, a one-warp
+// kernel fences system-wide and stores `epoch` into `flag` (release.cu). It must find an SM while
+// the GEMM runs: the GEMM's persistent grid leaves at least one SM free (config.gemm_sms).
+cudaError_t launch_release(uint64_t* flag, uint64_t epoch, cudaStream_t stream);
+cudaError_t prepare_release_kernel();
 
 }  // namespace entwine

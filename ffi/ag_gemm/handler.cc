@@ -113,6 +113,11 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   config.raster_rows = int32_t(raster_rows);
   config.max_chunks = int32_t(max_chunks);
   AgPlan const plan = ag_plan(problem, config);
+  if (plan.error == nullptr && config.gemm_sms >= dc->sm_count) {
+    return ffi::Error::InvalidArgument("entwine ag_gemm: config.gemm_sms (" + std::to_string(config.gemm_sms) +
+                                       ") must leave an SM free for the chunk releases: at most " +
+                                       std::to_string(dc->sm_count - 1) + " on this GPU");
+  }
   if (plan.error != nullptr) {
     return ffi::Error::InvalidArgument(std::string("entwine ag_gemm: ") + plan.error + " (rows=" +
                                        std::to_string(problem.rows) + ", cols=" + std::to_string(problem.cols) +
@@ -147,8 +152,22 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   char const* const shard = static_cast<char const*>(x.untyped_data());
 
   ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->start, xla_stream));
-  // Pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk, each chunk released by
-  // its flag in the receiver's memory (written after the copy, behind a system fence). Rank r thus
+  AgGemmArgs args{};
+  args.x = x.untyped_data();
+  args.gathered = own_slot;
+  args.w = w.untyped_data();
+  args.y = y->untyped_data();
+  args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset(epoch));
+  args.error = dc->error_local;
+  args.error_mirror = dc->error_device;
+  args.epoch = epoch;
+  args.timeout_ns = comm::timeout_ms() * 1000000ull;
+  // The GEMM first: its local shard needs nothing from a peer, so it starts while the host still
+  // enqueues the pushes (2 calls per chunk and peer).
+  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->producer, dc->start, 0));
+  ENTWINE_RETURN_IF_CUDA(launch_ag_gemm(dtype, problem, config, plan, args, dc->producer));
+  // Pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
+  // released by its flag in the receiver's memory (launch_release, after the copy). Rank r thus
   // receives from r-1 first on every link at once; the GEMM visits peers in that order.
   for (int d = 1; d < world; ++d) {
     int const peer = (rank + d) % int(world);
@@ -160,23 +179,11 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
     for (int c = 0; c < plan.chunks; ++c) {
       ENTWINE_RETURN_IF_CUDA(cudaMemcpyAsync(peer_slot + rank * plan.shard_bytes + c * chunk_bytes,
                                              shard + c * chunk_bytes, chunk_bytes, cudaMemcpyDeviceToDevice, stream));
-      ENTWINE_RETURN_IF_CUDA(comm::stream_write_value64(stream, peer_flags + rank * plan.chunks + c, epoch));
+      ENTWINE_RETURN_IF_CUDA(launch_release(peer_flags + rank * plan.chunks + c, epoch, stream));
     }
     ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->transfer_done[d], stream));
   }
 
-  AgGemmArgs args{};
-  args.x = x.untyped_data();
-  args.gathered = own_slot;
-  args.w = w.untyped_data();
-  args.y = y->untyped_data();
-  args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset(epoch));
-  args.error = dc->error_local;
-  args.error_mirror = dc->error_device;
-  args.epoch = epoch;
-  args.timeout_ns = comm::timeout_ms() * 1000000ull;
-  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->producer, dc->start, 0));
-  ENTWINE_RETURN_IF_CUDA(launch_ag_gemm(dtype, problem, config, plan, args, dc->producer));
   if (gathered->element_count() != 0) {
     // After the GEMM, which acquired every chunk: the slot holds every peer's shard of this call.
     char* const out = static_cast<char*>(gathered->untyped_data());

@@ -29,7 +29,9 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   if (p.world < 1 || p.world > kMaxWorld) return fail("world size must be in [1, 8]");
   if (p.rank < 0 || p.rank >= p.world) return fail("rank must be in [0, world)");
   if (c.block_n != 128 && c.block_n != 256) return fail("config.block_n must be 128 or 256");
-  if (c.gemm_sms < 0) return fail("config.gemm_sms must be >= 0");
+  // One CTA per block could fill every SM with CTAs waiting for chunks whose release kernels then
+  // find no SM: the grid is persistent, and the handler checks it leaves an SM free.
+  if (c.gemm_sms < 1) return fail("config.gemm_sms must be >= 1");
   if (c.raster_rows < 1) return fail("config.raster_rows must be >= 1");
   if (c.max_chunks < 1 || c.max_chunks > 64) return fail("config.max_chunks must be in [1, 64]");
   if (p.rows <= 0 || p.cols <= 0 || p.n <= 0) return fail("rows, cols and N must be positive");
@@ -46,7 +48,7 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   plan.n_blocks = p.n / c.block_n;
   plan.k_tiles = (p.cols + kProducerBlockK - 1) / kProducerBlockK;
   plan.num_blocks = (p.gather_k ? 1 : p.world) * plan.tile_rows * plan.n_blocks;
-  plan.grid = c.gemm_sms > 0 && c.gemm_sms < plan.num_blocks ? c.gemm_sms : plan.num_blocks;
+  plan.grid = c.gemm_sms < plan.num_blocks ? c.gemm_sms : plan.num_blocks;
   plan.shard_bytes = int64_t(p.rows) * p.cols * 2;
   plan.slot_bytes = p.world * plan.shard_bytes;
   plan.flags = int64_t(p.world) * plan.chunks;

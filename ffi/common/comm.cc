@@ -3,8 +3,6 @@
 // never from the execute path except find() and error_message().
 #include "common/comm.h"
 
-#include <cuda.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -12,6 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "ag_gemm/ag_gemm.h"
 #include "gemm_rs/gemm_rs.h"
 
 namespace entwine::comm {
@@ -132,6 +131,7 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     check(cudaSetDevice(device), "cudaSetDevice");
     // Lazy module loading while a consumer spins can deadlock: load both kernels now.
     check(prepare_kernels(), "prepare_kernels");
+    check(prepare_release_kernel(), "prepare_release_kernel");
     int least, greatest;
     check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
     check(cudaStreamCreateWithFlags(&dc->producer, cudaStreamNonBlocking), "cudaStreamCreate(producer)");
@@ -141,12 +141,13 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     for (cudaEvent_t* e : {&dc->start, &dc->producer_done, &dc->consumer_done}) {
       check(cudaEventCreateWithFlags(e, profiling() ? cudaEventDefault : cudaEventDisableTiming), "cudaEventCreate");
     }
+    check(cudaDeviceGetAttribute(&dc->sm_count, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
     for (int d = 1; d < world; ++d) {
-      check(cudaStreamCreateWithFlags(&dc->transfer[d], cudaStreamNonBlocking), "cudaStreamCreate(transfer)");
+      check(cudaStreamCreateWithPriority(&dc->transfer[d], cudaStreamNonBlocking, greatest),
+            "cudaStreamCreate(transfer)");
       check(cudaEventCreateWithFlags(&dc->transfer_done[d], cudaEventDisableTiming), "cudaEventCreate(transfer)");
     }
-    // Resolved now: the execute path must not load anything.
-    check(stream_write_value64(nullptr, nullptr, 0), "cuStreamWriteValue64 entry point");
+
     // Portable: one pinned record must be mappable from whichever context the device uses.
     check(cudaHostAlloc(reinterpret_cast<void**>(&dc->error_host), sizeof(DeviceError),
                         cudaHostAllocMapped | cudaHostAllocPortable),
@@ -293,37 +294,6 @@ void shutdown() {
   }
   registry().clear();
   cudaGetLastError();
-}
-
-namespace {
-
-using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-
-WriteValue64 write_value64_entry() noexcept {
-  static const WriteValue64 fn = [] {
-    void* entry = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &entry, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return WriteValue64(nullptr);
-    }
-    return reinterpret_cast<WriteValue64>(entry);
-  }();
-  return fn;
-}
-
-}  // namespace
-
-cudaError_t stream_write_value64(cudaStream_t stream, uint64_t* address, uint64_t value) noexcept {
-  WriteValue64 const fn = write_value64_entry();
-  if (fn == nullptr) return cudaErrorNotSupported;
-  if (address == nullptr) return cudaSuccess;  // create(): only resolves the entry point
-  // Flags 0: the write is preceded by a fence that makes the stream's earlier writes (the chunk's
-  // copy) visible system-wide first: the release of the chunk.
-  CUresult const r = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address), value, 0);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorLaunchFailure;
 }
 
 uint64_t timeout_ms() noexcept {

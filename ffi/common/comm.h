@@ -59,7 +59,8 @@ struct DeviceComm {
   cudaEvent_t start = nullptr, producer_done = nullptr, consumer_done = nullptr;
   // ag_gemm: stream d (1 <= d < world) pushes this rank's shard to rank (rank + d) % world, so
   // every link carries a transfer from the start of a call; each joins back through its event.
-  cudaStream_t transfer[kMaxWorld] = {};
+  cudaStream_t transfer[kMaxWorld] = {};  // highest priority: the release kernels go first
+  int sm_count = 0;
   cudaEvent_t transfer_done[kMaxWorld] = {};
   std::atomic<uint64_t> epoch{0};       // last epoch used; the first call uses 1
   DeviceError* error_host = nullptr;    // host-mapped pinned: read without synchronising
@@ -107,11 +108,6 @@ void shutdown();
 
 // The entry of (comm_id, device), or nullptr. Entries live until shutdown().
 DeviceComm* find(int64_t comm_id, int device) noexcept;
-
-// Writes `value` to device (or peer device) memory from `stream` once the stream's earlier work is
-// complete, behind a system-wide memory fence, with no SM involved (cuStreamWriteValue64 through the
-// runtime's driver entry point): ag_gemm's release of a pushed chunk.
-cudaError_t stream_write_value64(cudaStream_t stream, uint64_t* address, uint64_t value) noexcept;
 
 // Deadline of every consumer wait: ENTWINE_TIMEOUT_MS (default 60000: it also has to cover the skew between ranks reaching a call, e.g. compile-time differences on a first call), read once per process.
 uint64_t timeout_ms() noexcept;

@@ -2,6 +2,8 @@
 // partials and flags in this GPU's memory, each rank's producer and consumer on its own streams),
 // checked against a float64 host reference, plus the kernel benchmarks.
 //   entwine_harness test              protocol + kernels, W in {1,2,4,8}, several epochs, deadline
+//   entwine_harness ag test           ag_gemm: both layouts, W in {1,2,4,8}, several epochs, deadline
+//   entwine_harness ag bench          ag_gemm's GEMM alone (chunks released) vs cuBLASLt; push bandwidth
 //   entwine_harness sanitize [sequential]   two small cases (for compute-sanitizer)
 //   entwine_harness bench [out.jsonl] [fused|producer|consumer]   fused one-rank grid sweep,
 //                                     producer alone (order/flag costs), consumer bandwidth sweep
@@ -30,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "ag_gemm/ag_gemm.h"
 #include "gemm_rs/gemm_rs.h"
 
 using namespace entwine;
@@ -1011,11 +1014,363 @@ int bench_main(char const* jsonl, char const* section) {
 
 }  // namespace
 
+
+// ---- ag_gemm: W virtual ranks on one GPU ------------------------------------------------------
+// Every rank's shard, gathered slots (two parities), flags (two parities) and output in this GPU's
+// memory; each rank pushes its shard to every peer on its own transfer streams (copy engine, then
+// one release kernel per chunk, as the handler does) and runs its GEMM on its own stream.
+
+struct AgCase {
+  int rows, cols, n, world;
+  bool bf16, gather_k;
+  AgGemmConfig config;
+  AgProblem problem(int rank) const { return AgProblem{rows, cols, n, world, rank, gather_k}; }
+  int64_t w_rows() const { return gather_k ? int64_t(world) * cols : cols; }
+  int64_t y_rows() const { return gather_k ? rows : int64_t(world) * rows; }
+};
+
+std::string describe(AgCase const& c) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "ag W=%d rows=%d cols=%d N=%d %s %s block_n=%d gemm_sms=%d r=%d chunks<=%d", c.world,
+                c.rows, c.cols, c.n, c.bf16 ? "bf16" : "fp16", c.gather_k ? "contraction" : "rows", c.config.block_n,
+                c.config.gemm_sms, c.config.raster_rows, c.config.max_chunks);
+  return buf;
+}
+
+struct AgWorld {
+  struct Rank {
+    uint16_t *x = nullptr, *w = nullptr, *y = nullptr;
+    char* slot[2] = {nullptr, nullptr};
+    uint64_t* flags[2] = {nullptr, nullptr};
+    cudaStream_t gemm = nullptr;
+    cudaStream_t transfer[kMaxWorld] = {};
+  };
+  AgCase c;
+  AgPlan plan;
+  std::vector<Rank> ranks;
+  DeviceError* error = nullptr;
+  uint64_t epoch = 0;
+  uint64_t timeout_ns = 3'000'000'000ull;
+
+  explicit AgWorld(AgCase const& c_) : c(c_), plan(ag_plan(c_.problem(0), c_.config)), ranks(c_.world) {
+    int lo, hi;
+    CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    for (auto& r : ranks) {
+      CHECK_CUDA(cudaMalloc(&r.x, size_t(c.rows) * c.cols * 2));
+      CHECK_CUDA(cudaMalloc(&r.w, size_t(c.w_rows()) * c.n * 2));
+      CHECK_CUDA(cudaMalloc(&r.y, size_t(c.y_rows()) * c.n * 2));
+      for (int p = 0; p < 2; ++p) {
+        CHECK_CUDA(cudaMalloc(&r.slot[p], plan.slot_bytes));
+        CHECK_CUDA(cudaMalloc(&r.flags[p], plan.flags * sizeof(uint64_t)));
+        CHECK_CUDA(cudaMemset(r.flags[p], 0, plan.flags * sizeof(uint64_t)));
+      }
+      CHECK_CUDA(cudaStreamCreateWithPriority(&r.gemm, cudaStreamNonBlocking, lo));
+      for (int d = 1; d < c.world; ++d) CHECK_CUDA(cudaStreamCreateWithPriority(&r.transfer[d], cudaStreamNonBlocking, hi));
+    }
+    CHECK_CUDA(cudaMalloc(&error, sizeof(DeviceError)));
+    CHECK_CUDA(cudaMemset(error, 0, sizeof(DeviceError)));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+  ~AgWorld() {
+    for (auto& r : ranks) {
+      cudaFree(r.x);
+      cudaFree(r.w);
+      cudaFree(r.y);
+      for (int p = 0; p < 2; ++p) {
+        cudaFree(r.slot[p]);
+        cudaFree(r.flags[p]);
+      }
+      cudaStreamDestroy(r.gemm);
+      for (int d = 1; d < c.world; ++d) cudaStreamDestroy(r.transfer[d]);
+    }
+    cudaFree(error);
+  }
+
+  void fill_inputs(uint64_t seed) {
+    for (int r = 0; r < c.world; ++r) {
+      fill_random<<<264, 256>>>(ranks[r].x, int64_t(c.rows) * c.cols, seed * 131 + 2 * r, c.bf16);
+      fill_random<<<264, 256>>>(ranks[r].w, c.w_rows() * c.n, seed * 131 + 2 * r + 1, c.bf16);
+    }
+    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  void poison_outputs() {
+    for (auto& r : ranks) CHECK_CUDA(cudaMemset(r.y, 0xFF, size_t(c.y_rows()) * c.n * 2));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  // One ag_gemm call on every rank (skip_rank: that rank neither pushes nor runs its GEMM).
+  void call(int skip_rank = -1) {
+    ++epoch;
+    int const p = int(epoch % 2);
+    int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
+    for (int r = 0; r < c.world; ++r) {
+      if (r == skip_rank) continue;
+      for (int d = 1; d < c.world; ++d) {
+        int const q = (r + d) % c.world;
+        for (int k = 0; k < plan.chunks; ++k) {
+          CHECK_CUDA(cudaMemcpyAsync(ranks[q].slot[p] + r * plan.shard_bytes + k * chunk_bytes,
+                                     reinterpret_cast<char*>(ranks[r].x) + k * chunk_bytes, chunk_bytes,
+                                     cudaMemcpyDeviceToDevice, ranks[r].transfer[d]));
+          CHECK_CUDA(launch_release(ranks[q].flags[p] + r * plan.chunks + k, epoch, ranks[r].transfer[d]));
+        }
+      }
+    }
+    DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
+    for (int r = 0; r < c.world; ++r) {
+      if (r == skip_rank) continue;
+      AgGemmArgs a{ranks[r].x, ranks[r].slot[p], ranks[r].w, ranks[r].y, ranks[r].flags[p], error, nullptr, epoch,
+                   timeout_ns};
+      CHECK_CUDA(launch_ag_gemm(dtype, c.problem(r), c.config, plan, a, ranks[r].gemm));
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  std::vector<uint16_t> download(uint16_t const* ptr, size_t count) {
+    std::vector<uint16_t> h(count);
+    CHECK_CUDA(cudaMemcpy(h.data(), ptr, count * 2, cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+  // Relative error of every rank's y against float64 over about 40 rows per rank.
+  double check() {
+    std::vector<std::vector<uint16_t>> xs;
+    for (auto& r : ranks) xs.push_back(download(r.x, size_t(c.rows) * c.cols));
+    double err2 = 0, ref2 = 0;
+    int64_t const rows = c.y_rows();
+    int const stride = rows <= 40 ? 1 : int((rows / 40) | 1);
+    std::vector<double> ref(c.n);
+    for (int r = 0; r < c.world; ++r) {
+      auto w16 = download(ranks[r].w, size_t(c.w_rows()) * c.n);
+      std::vector<double> w(w16.size());
+      for (size_t i = 0; i < w.size(); ++i) w[i] = to_double(w16[i], c.bf16);
+      auto y = download(ranks[r].y, size_t(rows) * c.n);
+      for (int64_t i = r % stride; i < rows; i += stride) {
+        std::fill(ref.begin(), ref.end(), 0.0);
+        // Rows layout: row i is row i % rows of shard i / rows. Contraction: row i of every shard,
+        // shard s against w's rows s * cols ...
+        int const first = c.gather_k ? 0 : int(i / c.rows), last = c.gather_k ? c.world : first + 1;
+        for (int s = first; s < last; ++s) {
+          uint16_t const* xrow = xs[s].data() + size_t(i % c.rows) * c.cols;
+          double const* wbase = w.data() + (c.gather_k ? size_t(s) * c.cols * c.n : 0);
+          for (int kk = 0; kk < c.cols; ++kk) {
+            double const xv = to_double(xrow[kk], c.bf16);
+            double const* wr = wbase + size_t(kk) * c.n;
+            for (int j = 0; j < c.n; ++j) ref[j] += xv * wr[j];
+          }
+        }
+        for (int j = 0; j < c.n; ++j) {
+          double const o = to_double(y[size_t(i) * c.n + j], c.bf16);
+          if (std::isnan(o)) return INFINITY;
+          err2 += (o - ref[j]) * (o - ref[j]);
+          ref2 += ref[j] * ref[j];
+        }
+      }
+    }
+    return std::sqrt(err2 / std::max(ref2, 1e-30));
+  }
+
+  std::vector<std::vector<uint16_t>> outputs() {
+    std::vector<std::vector<uint16_t>> o;
+    for (auto& r : ranks) o.push_back(download(r.y, size_t(c.y_rows()) * c.n));
+    return o;
+  }
+
+  DeviceError read_error() {
+    DeviceError e;
+    CHECK_CUDA(cudaMemcpy(&e, error, sizeof e, cudaMemcpyDeviceToHost));
+    return e;
+  }
+};
+
+int sm_count() {
+  int device = 0, sms = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+// W ranks' GEMMs share this GPU: each gets a grid that leaves SMs free for the others and for the
+// release kernels (on a real node each GPU runs one GEMM on all SMs but one).
+AgGemmConfig ag_config_for(int world, int block_n, int raster_rows = 8, int max_chunks = 8) {
+  return AgGemmConfig{block_n, std::max(1, sm_count() / world - 2), raster_rows, max_chunks};
+}
+
+void run_ag_case(AgCase const& c, int epochs) {
+  AgPlan const plan = ag_plan(c.problem(0), c.config);
+  if (plan.error) {
+    expect(false, describe(c) + ": " + plan.error);
+    return;
+  }
+  AgWorld world(c);
+  double worst = 0;
+  for (int e = 0; e < epochs; ++e) {
+    world.fill_inputs(2000 + e);
+    world.poison_outputs();
+    world.call();
+    worst = std::max(worst, world.check());
+  }
+  auto first = world.outputs();
+  world.poison_outputs();
+  world.call();
+  bool const bitwise = world.outputs() == first;
+  DeviceError const e = world.read_error();
+  double const tol = c.bf16 ? 1e-2 : 2e-3;
+  char buf[160];
+  std::snprintf(buf, sizeof buf, ": %d chunks, %d epochs, rel err %.2e (tol %.0e), bitwise repeat %s", plan.chunks,
+                epochs, worst, tol, bitwise ? "yes" : "NO");
+  expect(worst <= tol && bitwise && e.code == 0, describe(c) + buf);
+}
+
+// A rank that never pushes: every other rank's GEMM must record the deadline on one of its chunks.
+void run_ag_deadline(int world_size, bool gather_k) {
+  AgCase c{256, 64, 256, world_size, true, gather_k, ag_config_for(world_size, 128)};
+  AgWorld world(c);
+  world.fill_inputs(9);
+  world.call();
+  int const missing = world_size - 1;
+  world.timeout_ns = 200'000'000ull;
+  auto t0 = std::chrono::steady_clock::now();
+  world.call(missing);
+  double const secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  DeviceError const e = world.read_error();
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "ag deadline W=%d %s: code=%u op=%d rank=%d source=%d chunk=%d expected=%llu after %.2f s",
+                world_size, gather_k ? "contraction" : "rows", e.code, e.op, e.rank, e.source, e.tile,
+                (unsigned long long)e.expected, secs);
+  expect(e.code == kErrorDeadline && e.op == int32_t(WaitSite::kGatherChunk) && e.source == missing &&
+             e.expected == 2 && secs < 5,
+         buf);
+}
+
+int ag_test_main() {
+  CHECK_CUDA(prepare_kernels());
+  CHECK_CUDA(prepare_release_kernel());
+  for (int world : {1, 2, 4, 8}) {
+    for (bool gather_k : {false, true}) {
+      for (bool bf16 : {true, false}) run_ag_case(AgCase{256, 320, 512, world, bf16, gather_k, ag_config_for(world, 256)}, 3);
+    }
+  }
+  // Tails of K inside a shard (cols % 64 != 0), narrow blocks, one chunk per tile row, odd chunk
+  // counts (6 tile rows in 3 or 6 chunks), raster groups smaller than a chunk.
+  run_ag_case(AgCase{768, 200, 384, 2, true, false, ag_config_for(2, 128, 2, 3)}, 2);
+  run_ag_case(AgCase{768, 200, 384, 4, false, true, ag_config_for(4, 128, 4, 6)}, 2);
+  run_ag_case(AgCase{1024, 1024, 2048, 2, true, false, ag_config_for(2, 256, 8, 8)}, 2);
+  run_ag_case(AgCase{1024, 512, 1024, 8, true, true, ag_config_for(8, 256, 8, 8)}, 2);
+  run_ag_case(AgCase{640, 136, 256, 4, true, false, ag_config_for(4, 256, 16, 64)}, 2);
+  run_ag_deadline(2, false);
+  run_ag_deadline(4, true);
+  std::printf("harness ag test: %d failure(s)\n", failures);
+  return failures == 0 ? 0 : 1;
+}
+
+// Small cases of both layouts for compute-sanitizer (pushes, releases and GEMMs as in `ag test`;
+// the GEMM's waits see the pushes land while it runs).
+int ag_sanitize_main() {
+  CHECK_CUDA(prepare_kernels());
+  CHECK_CUDA(prepare_release_kernel());
+  run_ag_case(AgCase{256, 136, 256, 2, true, false, ag_config_for(2, 128, 8, 2)}, 2);
+  run_ag_case(AgCase{256, 136, 512, 2, true, true, ag_config_for(2, 256, 8, 2)}, 2);
+  std::printf("harness ag sanitize: %d failure(s)\n", failures);
+  return failures == 0 ? 0 : 1;
+}
+
+// The consuming GEMM alone, every chunk already released (flags hold the largest epoch), against
+// cuBLASLt's fastest algorithm on the same gathered GEMM, in interleaved rounds: the cost of the
+// two operands' descriptors, the arrival order and the flag checks. Then the copy engine's
+// bandwidth for one push (chunked copies and their release kernels) between two ranks of this GPU.
+int ag_bench_main() {
+  CHECK_CUDA(prepare_kernels());
+  CHECK_CUDA(prepare_release_kernel());
+  CublasLt* lt = CublasLt::load();
+  struct Shape {
+    int tokens, embed, mlp;
+  };
+  std::printf("# ag_gemm GEMM alone (chunks released) vs cuBLASLt, one H200, W = 2, bf16; median ms of interleaved rounds\n");
+  // Variants (raster rows, max chunks) of the persistent 128x256 GEMM on all SMs but one.
+  std::array<std::array<int, 2>, 3> const variants{{{8, 8}, {16, 4}, {4, 8}}};
+  std::printf("%-11s %6s %6s %6s %6s %9s %9s %9s %9s %7s\n", "layout", "M", "N", "K", "rows", "r8c8_ms", "r16c4_ms",
+              "r4c8_ms", "cublas_ms", "best");
+  for (bool gather_k : {false, true}) {
+    for (Shape sh : {Shape{8192, 4096, 14336}, Shape{16384, 4096, 14336}, Shape{8192, 8192, 28672}, Shape{16384, 8192, 28672}}) {
+      int const world = 2, n = sh.mlp / world;
+      // Gate/up projections: rows layout x [T/W, D] -> [T, F/W]; contraction x [T, D/W] -> [T, F/W].
+      AgCase c{gather_k ? sh.tokens : sh.tokens / world, gather_k ? sh.embed / world : sh.embed, n, world, true, gather_k,
+               AgGemmConfig{256, sm_count() - 1, 8, 8}};
+      AgWorld wd(c);
+      wd.fill_inputs(5);
+      for (int p = 0; p < 2; ++p) {
+        CHECK_CUDA(cudaMemset(wd.ranks[0].flags[p], 0xFF, wd.plan.flags * sizeof(uint64_t)));
+        fill_random<<<264, 256>>>(reinterpret_cast<uint16_t*>(wd.ranks[0].slot[p]), wd.plan.slot_bytes / 2, 77 + p, true);
+      }
+      CHECK_CUDA(cudaDeviceSynchronize());
+      auto& r0 = wd.ranks[0];
+      cudaStream_t const stream = r0.gemm;
+      AgGemmArgs const a{r0.x, r0.slot[0], r0.w, r0.y, r0.flags[0], wd.error, nullptr, 1, wd.timeout_ns};
+      int64_t const m = c.y_rows(), k = gather_k ? int64_t(world) * c.cols : c.cols;
+      std::vector<std::function<void()>> launches;
+      for (auto const& v : variants) {
+        AgGemmConfig const cfg{256, sm_count() - 1, v[0], v[1]};
+        AgPlan const plan = ag_plan(c.problem(0), cfg);
+        // The flags were set for max_chunks 8; fewer chunks index a prefix of them.
+        launches.push_back([&, a, cfg, plan]() {
+          CHECK_CUDA(launch_ag_gemm(DType::kBF16, c.problem(0), cfg, plan, a, stream));
+        });
+      }
+      uint16_t* ref_out = nullptr;
+      if (lt) {
+        // The gathered operand as one [M, K] matrix: the slot (rows layout) is exactly that; for the
+        // contraction layout the shards are source-major, so time the same FLOPs on [M, K] data.
+        CHECK_CUDA(cudaMalloc(&ref_out, size_t(m) * n * 2));
+        void* a_full = nullptr;
+        CHECK_CUDA(cudaMalloc(&a_full, size_t(m) * k * 2));
+        fill_random<<<264, 256>>>(static_cast<uint16_t*>(a_full), m * k, 78, true);
+        void* w_full = nullptr;
+        CHECK_CUDA(cudaMalloc(&w_full, size_t(k) * n * 2));
+        fill_random<<<264, 256>>>(static_cast<uint16_t*>(w_full), k * n, 79, true);
+        CHECK_CUDA(cudaDeviceSynchronize());
+        launches.push_back(lt->gemm(int(m), n, int(k), a_full, w_full, ref_out, stream));
+      }
+      std::vector<float> const ms = interleaved_median_ms(launches, stream, 10, 30, 5);
+      float const cublas = ms.size() > variants.size() ? ms[variants.size()] : NAN;
+      std::printf("%-11s %6lld %6d %6lld %6d %9.4f %9.4f %9.4f %9.4f %7.3f\n", gather_k ? "contraction" : "rows",
+                  (long long)m, n, (long long)k, c.rows, ms[0], ms[1], ms[2], cublas,
+                  cublas / *std::min_element(ms.begin(), ms.begin() + variants.size()));
+      if (wd.read_error().code != 0) std::printf("  device error recorded!\n");
+    }
+  }
+  // Copy engine: rank 0 pushes its shard to rank 1 (same GPU: HBM to HBM, not NVLink).
+  std::printf("# push bandwidth (copy engine + release kernels), rank 0 -> rank 1 on this GPU\n");
+  for (int rows : {1024, 4096, 8192}) {
+    AgCase c{rows, 4096, 256, 2, true, false, AgGemmConfig{256, sm_count() - 1, 8, 8}};
+    AgWorld wd(c);
+    int64_t const chunk_bytes = wd.plan.shard_bytes / wd.plan.chunks;
+    cudaStream_t const s = wd.ranks[0].transfer[1];
+    uint64_t e = 0;
+    auto push = [&]() {
+      ++e;
+      for (int k = 0; k < wd.plan.chunks; ++k) {
+        CHECK_CUDA(cudaMemcpyAsync(wd.ranks[1].slot[0] + k * chunk_bytes, reinterpret_cast<char*>(wd.ranks[0].x) + k * chunk_bytes,
+                                   chunk_bytes, cudaMemcpyDeviceToDevice, s));
+        CHECK_CUDA(launch_release(wd.ranks[1].flags[0] + k, e, s));
+      }
+    };
+    float const ms = median_ms(push, s, 5, 30);
+    std::printf("shard %5d x 4096 bf16 (%6.1f MB, %d chunks): %.4f ms, %.0f GB/s\n", rows, wd.plan.shard_bytes / 1e6,
+                wd.plan.chunks, ms, wd.plan.shard_bytes / (ms * 1e6));
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string const mode = argc > 1 ? argv[1] : "test";
   if (mode == "test") return test_main();
   if (mode == "sanitize") return sanitize_main(argc > 2 && std::string(argv[2]) == "sequential");
+  if (mode == "ag" && argc > 2 && std::string(argv[2]) == "test") return ag_test_main();
+  if (mode == "ag" && argc > 2 && std::string(argv[2]) == "bench") return ag_bench_main();
+  if (mode == "ag" && argc > 2 && std::string(argv[2]) == "sanitize") return ag_sanitize_main();
   if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
   if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
   if (mode == "energy" && argc >= 3 && std::string(argv[2]) == "suite") {
@@ -1030,6 +1385,7 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
+               "       entwine_harness ag test | ag sanitize | ag bench\n"
                "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n"
                "       entwine_harness energy M N K [seconds] [names] | energy suite [seconds] [shapes]\n");
   return 2;
