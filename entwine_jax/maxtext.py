@@ -130,12 +130,17 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Any
     matter: the routing is decided at trace time). Calling it again replaces the settings.
 
     gemm_rs_config: passed to every ``gemm_rs`` call (default: the tuned table / heuristic).
-    ag_gemm_config: passed to every ``ag_gemm`` call.
+    ag_gemm_config: an ``entwine_jax.AgGemmConfig``, passed to every ``ag_gemm`` call (default:
+    ``ag_heuristic_config``).
     column_parallel: False keeps MaxText's own wi_* / query / key / value projections.
     """
     if gemm_rs_config is not None and not isinstance(gemm_rs_config, GemmRsConfig):
         raise ValueError(f"entwine_jax.maxtext.enable: gemm_rs_config must be an entwine_jax.GemmRsConfig or None, "
                          f"got {type(gemm_rs_config).__name__}")
+    config_cls = getattr(entwine_jax, "AgGemmConfig", None)
+    if ag_gemm_config is not None and (config_cls is None or not isinstance(ag_gemm_config, config_cls)):
+        raise ValueError(f"entwine_jax.maxtext.enable: ag_gemm_config must be an entwine_jax.AgGemmConfig or None, "
+                         f"got {type(ag_gemm_config).__name__}")
     if column_parallel not in (True, False):
         raise ValueError(f"entwine_jax.maxtext.enable: column_parallel must be a bool, got {column_parallel!r}")
     linears, attentions = _maxtext_modules()

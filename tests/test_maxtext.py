@@ -1,6 +1,7 @@
 # MaxText integration (entwine_jax.maxtext) on 8 fake CPU devices: MaxText's own train loop on its
 # own tiny llama2-style decoder (2 layers, synthetic data, 3 steps), stock and with enable(), same
-# losses; the lowered train step holds the islands' collectives (stock MaxText's holds none).
+# losses; the lowered train step holds the islands' collectives (stock MaxText's holds none). With
+# entwine_jax.ag_gemm the column-parallel projections are routed too, else they must stay MaxText's.
 # Skipped without MaxText (pip install "maxtext[tpu]==0.2.5"; .ci/maxtext.sh); ~2 min on 2 cores.
 import json
 import logging
@@ -90,10 +91,12 @@ def test_losses_match_stock_maxtext(train_main, tmp_path, name, caplog):
     assert set(stats["routed"]) >= ROW_SITES, stats
     # The lowered train step: stock MaxText leaves every collective to the partitioner; with the
     # integration each island's psum_scatter (the reference of gemm_rs on CPU) is in the program.
-    assert stock_ir.count("stablehlo.reduce_scatter") == 0
+    assert stock_ir.count("stablehlo.reduce_scatter") == stock_ir.count("stablehlo.all_gather") == 0
     assert routed_ir.count("stablehlo.reduce_scatter") >= len(ROW_SITES)
     if hasattr(entwine_jax, "ag_gemm"):
+        # ... and each column-parallel island's all_gather (ag_gemm's reference on CPU).
         assert set(stats["routed"]) >= COLUMN_SITES, stats
+        assert routed_ir.count("stablehlo.all_gather") >= len(COLUMN_SITES)
     else:
         assert {site: stats["kept"].get(site) for site in COLUMN_SITES} == {
             site: "entwine_jax has no ag_gemm yet" for site in COLUMN_SITES}
@@ -125,4 +128,7 @@ def test_enable_disable_restores_maxtext():
     assert not entwine_maxtext.is_enabled()
     with pytest.raises(ValueError, match=r"gemm_rs_config must be an entwine_jax.GemmRsConfig or None, got dict"):
         entwine_maxtext.enable(gemm_rs_config={})
+    with pytest.raises(ValueError, match=r"ag_gemm_config must be an entwine_jax.AgGemmConfig or None, got "
+                                         r"GemmRsConfig"):
+        entwine_maxtext.enable(ag_gemm_config=entwine_jax.GemmRsConfig())
     assert not entwine_maxtext.is_enabled()
