@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI step for the MaxText integration (entwine_jax.maxtext, tests/test_maxtext.py): a venv of its own
-# with the pinned MaxText (its jax, flax and optax, which differ from .ci/run's), entwine_jax from
-# this checkout on PYTHONPATH (the integration is pure Python; on CPU gemm_rs runs its XLA reference),
+# with the pinned MaxText and the jax, flax and optax it resolves (apart from .ci/run's venv),
+# entwine_jax from this checkout on PYTHONPATH (the integration is pure Python; on CPU the ops run
+# their XLA references),
 # then the test on 8 fake CPU devices. Measured on the 2-core machine: install 125 s (no pip cache),
 # test 77-123 s (docs/maxtext.md, "CI").
 set -euo pipefail
