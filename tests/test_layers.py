@@ -527,6 +527,9 @@ def test_functional_errors(mesh):
                                          r"got x shape \(32, 8\) after the all-gather"):
         trace_local(mesh, lambda p, x: layers.column_parallel_linear(x, jnp.ones((IN, 6)), gather="rows"), {}, {},
                     (ROWS, IN), P("dp", "tp"))
+    with pytest.raises(ValueError, match=r"ColumnParallelDense: config must be an entwine_jax.AgGemmConfig or None, "
+                                         r"got GemmRsConfig"):
+        ColumnParallelDense(OUT, gather="rows", config=GemmRsConfig()).init(jax.random.key(0), jnp.ones((ROWS, IN)))
 
 
 # ---------------------------------------------------------------- the MaxText recipe's island
