@@ -30,7 +30,9 @@ column-parallel layer's ``gather`` undoes any of them: entwine_jax.ag_gemm all-g
 over ``tp`` inside the GEMM (``gather_dimension`` 0, 1 or -1; for "hidden" the gathered dim is the
 contraction dim and the kernel holds all of ``in``). Each op's backward is the other op (ag_gemm's
 dx is a gemm_rs, gemm_rs's an ag_gemm), so a block built from the two layers has no other
-collective over ``tp`` on its activations, forward or backward.
+collective over ``tp`` on its activations, forward or backward. (The gradient of a parameter
+replicated over ``tp``, a norm scale or the row-parallel bias, is still summed over ``tp``: a
+gradient all-reduce, as over a data-parallel axis.)
 
 A tensor-parallel SwiGLU MLP, sequence parallel (per device, x: ``[T/W, D]``, e.g. the output of
 an RMSNorm applied to the sequence-sharded residual stream)::
@@ -40,7 +42,8 @@ an RMSNorm applied to the sequence-sharded residual stream)::
 with ``gate = ColumnParallelLinear(D, F, gather="rows", rngs=rngs)`` (same for ``up``) and
 ``down = RowParallelLinear(F, D, rngs=rngs)``. Each column-parallel call is one ag_gemm and gathers
 x itself, so x travels over ``tp`` twice. One ag_gemm serves both projections when their local
-kernels are concatenated over the output features (``[D, 2F/W]``; the same for q, k and v)::
+kernels are concatenated over the output features (``[D, 2F/W]``; the same for q, k and v, and
+for biases)::
 
     k = jnp.concatenate([gate.kernel[...], up.kernel[...]], axis=1)
     g, u = jnp.split(column_parallel_linear(x, k, gather="rows"), 2, axis=-1)
