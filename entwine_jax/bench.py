@@ -1,6 +1,7 @@
 # The benchmark of DESIGN.md ("Benchmark protocol"): per shape, XLA GEMM, XLA reduce-scatter, XLA
 # GEMM->RS (the baseline), XLA windowed einsum and entwine gemm_rs, one process driving every local
-# device. Prints one comparable line per shape and a geomean; optional JSON and plot.
+# device. Prints one comparable line per shape and a geomean; optional JSON and plot. The command line
+# of --op ag_gemm (bench_ag) and --op mlp (bench_mlp, the layer-level bar) too, in both process models.
 """The benchmark of DESIGN.md: per shape, XLA's GEMM, reduce-scatter, GEMM->reduce-scatter (the
 baseline) and windowed einsum against entwine's gemm_rs, one process driving every local device; one
 line per shape and a geomean. Without CUDA GPUs the timings mean nothing: it then runs one small
@@ -21,7 +22,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import _log, ops
+from entwine_jax import _log, bench_ag, bench_mlp, bench_run, ops
+# XLA's windowed-einsum flags (per compile): one definition for every op's benchmark.
+from entwine_jax.bench_run import WINDOWED_OPTIONS
 from entwine_jax.config import AgGemmConfig, GemmRsConfig, with_overrides
 # Re-exported: scripts and tests take the protocol's pieces from here too.
 from entwine_jax.timing import DESIGN_SUITE, SHORT_NAMES, TOL, parse_dtype, parse_shapes, rel_err  # noqa: F401
@@ -37,12 +40,6 @@ SMOKE_SHAPE = (256, 256, 64)
 # Timed calls and warm-ups per program: on CUDA GPUs, and elsewhere (where timings mean nothing).
 GPU_ITERS, GPU_WARMUP = 100, 20
 SMOKE_ITERS, SMOKE_WARMUP = 10, 2
-# Per-compile DebugOptions overrides: they reach the GPU SPMD partitioner without XLA_FLAGS, so the
-# windowed column needs no second process (which would have to share GPU memory with this one).
-# Each row records whether the loop was really built; if not, starting the whole bench with these
-# flags in XLA_FLAGS is harmless to the other columns (shard_map bodies are never windowed).
-WINDOWED_OPTIONS = {"xla_gpu_multi_streamed_windowed_einsum": True,
-                    "xla_gpu_threshold_for_windowed_einsum_mib": 0}
 FUSED_TARGET = "entwine_gemm_rs"
 OPS = ("gemm_rs", "ag_gemm", "mlp")
 DEFAULT_LAYOUTS = {"ag_gemm": ["rows"], "mlp": ["rows", "hidden"]}
@@ -399,7 +396,8 @@ def parse_args(argv, prog="python -m entwine_jax.bench"):
                         "gemm_rs: MxNxK_local (per-device K); ag_gemm: MxNxK, the GEMM [M, K] @ [K, N] every rank "
                         "runs after the gather (N: its own columns of w); mlp: TxDxF (tokens, embed, mlp)")
     p.add_argument("--dtype", type=parse_dtype, default="bfloat16", metavar="{bf16,bfloat16,fp16,float16}")
-    p.add_argument("--world", type=int, default=8, help="W = min(world, local devices)")
+    p.add_argument("--world", type=int, default=8,
+                   help="W = min(world, local devices) (with --processes: W = the number of processes)")
     p.add_argument("--iters", type=int, help=f"timed calls per measurement (at least; default {GPU_ITERS} on CUDA "
                                              f"GPUs, {SMOKE_ITERS} elsewhere)")
     p.add_argument("--warmup", type=int, help=f"default {GPU_WARMUP} on CUDA GPUs, {SMOKE_WARMUP} elsewhere")
@@ -553,7 +551,6 @@ def main(argv=None, prog="python -m entwine_jax.bench"):
 
 def main_ag_mlp(parser, args, argv, prog):
     """--op ag_gemm and --op mlp, in either process model (entwine_jax.bench_run)."""
-    from entwine_jax import bench_ag, bench_mlp, bench_run
     if args.processes > 1 and args.rank is None:
         return bench_run.launch(argv, args.processes, args.timeout)
     if args.rank is not None:
@@ -587,11 +584,12 @@ def main_ag_mlp(parser, args, argv, prog):
         parser.error(f"--layout {','.join(bad)}: --op {args.op} takes {' or '.join(op.LAYOUTS)}")
     device = runner.home
     processes = jax.process_count()
-    machine = f"{world} x {device.device_kind}" + (
-        f", {processes} processes" + (" sharing one GPU" if runner.shared_gpu else "") if processes > 1 else "")
+    model = (f", {processes} processes" + (" sharing one GPU" if runner.shared_gpu else "")) if processes > 1 else ""
+    machine = f"{world} x {device.device_kind}{model}"
     dtype = SHORT_NAMES[args.dtype]
     if runner.rank0:
-        print(f"# entwine_jax.bench --op {args.op}: {machine} ({device.platform}), jax {jax.__version__}, {dtype}, "
+        print(f"# entwine_jax.bench --op {args.op}: {world} x {device.device_kind} ({device.platform}){model}, "
+              f"jax {jax.__version__}, {dtype}, "
               f"W={world}, median of >= {args.iters} calls in batches of {args.batch} after {args.warmup} warm-ups, "
               f"the programs of a shape timed in interleaved rounds, max over "
               f"{'processes' if processes > 1 else 'ranks (one process)'}")

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import entwine_jax
 from entwine_jax import ag_gemm_op
-from entwine_jax.bench_run import AXIS, fmt, ms_or_none, ratio, windowed_loop
+from entwine_jax.bench_run import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, ratio, windowed_loop
 from entwine_jax.config import AgGemmConfig
 from entwine_jax.timing import TOL
 
@@ -114,7 +114,7 @@ class AgBench:
                 (x_spec, w_spec), P(None, AXIS)), x, w)[1]
             out = r.sharding(P(None, AXIS))
             _, windowed = r.compile(lambda x, w: jnp.dot(x, w, out_sharding=out), x, w,
-                                    options=_windowed_options())
+                                    options=WINDOWED_OPTIONS)
             windowed_built = windowed_loop(windowed.as_text())
             base_err = r.max_over_processes([r.shard_error(base(x, w), ref)])[0]
             programs.update({"ag": (ag, (x,)), "base": (base, (x, w)), "windowed": (windowed, (x, w))})
@@ -128,6 +128,7 @@ class AgBench:
                 # The XLA path's all-gather needs NCCL, which cannot run two ranks on one GPU.
                 trial.update(rel_err=None, ok=False, skipped=True)
             else:
+                r.barrier()  # the first fused call: no rank waits out another's compile in it
                 err = r.max_over_processes([r.shard_error(compiled(x, w), ref)])[0]
                 trial.update(rel_err=err, ok=err <= TOL, skipped=False)
                 programs[f"entwine {i}"] = (compiled, (x, w))
@@ -152,11 +153,6 @@ class AgBench:
                 "vs_windowed": ratio(windowed_ms, ms), "check": check, "rel_err": best["rel_err"],
                 "xla_rel_err": base_err, "path": best["path"], "reason": best["reason"], "config": best["config"],
                 "configs": trials}
-
-
-def _windowed_options():
-    from entwine_jax.bench import WINDOWED_OPTIONS  # the gemm_rs bench's flags, one definition
-    return WINDOWED_OPTIONS
 
 
 def path_note(row) -> str:

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import entwine_jax
 from entwine_jax import ag_gemm_op, ops
-from entwine_jax.bench_run import AXIS, collectives, fmt, ms_or_none, ratio, windowed_loop
+from entwine_jax.bench_run import AXIS, WINDOWED_OPTIONS, collectives, fmt, ms_or_none, ratio, windowed_loop
 from entwine_jax.config import get_default_config
 from entwine_jax.timing import TOL
 from entwine_jax.tuning import select_config
@@ -162,6 +162,7 @@ class MlpBench:
         skipped = not fused and r.shared_gpu and r.on_gpu
         err = None
         if not skipped:  # the XLA path's collectives need NCCL, which cannot run ranks sharing a GPU
+            r.barrier()  # the first fused call: no rank waits out another's compile in it
             err = r.max_over_processes([max(r.shard_error(o, ref_o) for o, ref_o in zip(ours(*args), ref))])[0]
             programs["ours"] = (ours, args)
         xla_err, windowed_built, census = None, None, {"ours": ours_collectives}
@@ -176,7 +177,6 @@ class MlpBench:
                 a = swiglu(jnp.dot(x, w1, out_sharding=h_out), jnp.dot(x, w3, out_sharding=h_out))
                 return jnp.dot(a, w2, out_sharding=y_out)
 
-            from entwine_jax.bench import WINDOWED_OPTIONS  # the gemm_rs bench's flags, one definition
             windowed = r.compile(step(block_global), *args, options=WINDOWED_OPTIONS)[1]
             windowed_built = windowed_loop(windowed.as_text())
             census.update(xla=collectives(xla.as_text()), windowed=collectives(windowed.as_text()))

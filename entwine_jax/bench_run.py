@@ -35,6 +35,12 @@ from entwine_jax.timing import max_over_processes, rel_err, time_interleaved
 AXIS = "tp"
 # How long a process waits for another at a key-value exchange (they may still be compiling).
 KV_TIMEOUT_MS = 1_800_000
+# Per-compile DebugOptions overrides: they reach the GPU SPMD partitioner without XLA_FLAGS, so the
+# windowed column needs no second process (which would have to share GPU memory with this one).
+# Each row records whether the loop was really built; if not, starting the whole bench with these
+# flags in XLA_FLAGS is harmless to the other columns (shard_map bodies are never windowed).
+WINDOWED_OPTIONS = {"xla_gpu_multi_streamed_windowed_einsum": True,
+                    "xla_gpu_threshold_for_windowed_einsum_mib": 0}
 # An XLA collective in compiled HLO text: the op name followed by "(" or "-start(".
 _COLLECTIVE = re.compile(r"\b(all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)(?:-start)?\(")
 
@@ -159,6 +165,7 @@ class Runner:
         self.local = [d for d in self.devices if d.process_index == self.me]
         # Where this process makes full inputs and references: its first device of the mesh.
         self.home = self.local[0]
+        self._barriers = 0
         self.shared_gpu = shares_a_gpu(self.devices)
         self.fused_only = fused_only or self.shared_gpu
         try:
@@ -233,10 +240,20 @@ class Runner:
     def max_over_processes(self, values: list) -> list:
         return max_over_processes(values, KV_TIMEOUT_MS)
 
+    def barrier(self) -> None:
+        """All processes meet here (a no-op in one process); each call is a new key-value barrier."""
+        if jax.process_count() > 1:
+            self._barriers += 1
+            _distributed.barrier(f"entwine_bench/barrier/{self._barriers}", range(jax.process_count()), self.me,
+                                 KV_TIMEOUT_MS)
+
     def time(self, programs: dict, progress) -> dict:
         """{name: (compiled, args)} -> {name: ms}: median per call, interleaved rounds, max over
-        processes (every process passes the same names in the same order)."""
-        times = time_interleaved(programs, self.iters, self.warmup, self.batch, on_round=progress.step)
+        processes (every process passes the same names in the same order). With several processes
+        every timed batch starts at a barrier: a process that ran ahead would otherwise time its
+        fused calls waiting for a peer still busy with the previous program."""
+        times = time_interleaved(programs, self.iters, self.warmup, self.batch, on_round=progress.step,
+                                 before_batch=self.barrier if jax.process_count() > 1 else None)
         names = list(programs)
         return dict(zip(names, self.max_over_processes([times[n] for n in names])))
 

@@ -63,10 +63,13 @@ def rounds(iters: int, batch: int) -> int:
 
 
 def time_interleaved(programs: dict, iters: int, warmup: int, batch: int,
-                     on_round: Optional[Callable[[int], None]] = None) -> dict:
+                     on_round: Optional[Callable[[int], None]] = None,
+                     before_batch: Optional[Callable[[], None]] = None) -> dict:
     """{name: (fn, args)} -> {name: median per-call ms}, the programs timed in rounds: every round
     times one batch of `batch` back-to-back dispatches of each program in turn, >= iters calls per
     program in all. on_round(r) is called after round r (a progress bar counts timed work).
+    before_batch() is called before every timed batch, outside its time: with several processes, a
+    barrier, so that every process times the same batch of the same program at once.
 
     Rounds, not one program after the other: back-to-back GEMMs hold an H200 at its power cap,
     where the clock, and with it a program's time, depends on what ran just before (PERF.md v7).
@@ -87,6 +90,8 @@ def time_interleaved(programs: dict, iters: int, warmup: int, batch: int,
     for r in range(rounds(iters, batch)):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn, args = programs[name]
+            if before_batch is not None:
+                before_batch()
             t0 = time.perf_counter()
             for _ in range(batch):
                 out = fn(*args)
