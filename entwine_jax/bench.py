@@ -612,13 +612,10 @@ def main_ag_mlp(parser, args, argv, prog):
     total = len(shapes) * len(args.layout) * rounds(args.iters, args.batch)
     progress = Progress(total) if runner.rank0 else bench_run.QuietProgress()
     rows = []
+    timer = bench_ag.AgBench(runner, args.configs) if args.op == "ag_gemm" else bench_mlp.MlpBench(runner)
     for i, shape in enumerate(shapes):
         for layout in args.layout:
-            seed = args.seed + i
-            if args.op == "ag_gemm":
-                rows.append(bench_ag.AgBench(runner, args.configs).row(*shape, layout, progress, seed))
-            else:
-                rows.append(bench_mlp.MlpBench(runner).row(*shape, layout, progress, seed))
+            rows.append(timer.row(*shape, layout, progress, args.seed + i))
     progress.close()
     keys = ("speedup", "efficiency", "vs_windowed") if args.op == "ag_gemm" else (
         "speedup", "vs_windowed", "ours_over_bound")

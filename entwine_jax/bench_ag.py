@@ -116,7 +116,7 @@ class AgBench:
             _, windowed = r.compile(lambda x, w: jnp.dot(x, w, out_sharding=out), x, w,
                                     options=WINDOWED_OPTIONS)
             windowed_built = windowed_loop(windowed.as_text())
-            base_err = r.max_over_processes([r.shard_error(base(x, w), ref)])[0]
+            base_err = r.max_over_processes([r.shard_error([base(x, w)], [ref])])[0]
             programs.update({"ag": (ag, (x,)), "base": (base, (x, w)), "windowed": (windowed, (x, w))})
         trials = []
         for i, overrides in enumerate(self.configs):
@@ -129,7 +129,7 @@ class AgBench:
                 trial.update(rel_err=None, ok=False, skipped=True)
             else:
                 r.barrier()  # the first fused call: no rank waits out another's compile in it
-                err = r.max_over_processes([r.shard_error(compiled(x, w), ref)])[0]
+                err = r.max_over_processes([r.shard_error([compiled(x, w)], [ref])])[0]
                 trial.update(rel_err=err, ok=err <= TOL, skipped=False)
                 programs[f"entwine {i}"] = (compiled, (x, w))
             trials.append(trial)

@@ -67,8 +67,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list, processes: int, timeout_s: float) -> int:
-    """Runs `python -m entwine_jax bench ARGV --rank r --port P` for r < processes and waits.
+def launch(argv: list, processes: int, timeout_s: float, program=None) -> int:
+    """Runs `python -m entwine_jax bench ARGV --rank r --port P` for r < processes and waits
+    (program: the command before ARGV, a list; tests pass their own).
 
     Rank 0 writes to this process's stdout and stderr (the table, the progress); the other ranks'
     output goes to stderr, each line prefixed with its rank. After timeout_s every rank still
@@ -85,7 +86,8 @@ def launch(argv: list, processes: int, timeout_s: float) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     for rank in range(processes):
-        cmd = [sys.executable, "-m", "entwine_jax", "bench", *argv, "--rank", str(rank), "--port", str(port)]
+        cmd = [*(program or [sys.executable, "-m", "entwine_jax", "bench"]), *argv, "--rank", str(rank),
+               "--port", str(port)]
         piped = subprocess.PIPE if rank else None
         # Own session: a timeout kills the rank's process group and nothing else.
         proc = subprocess.Popen(cmd, env=env, stdout=piped, stderr=subprocess.STDOUT if rank else None, text=True,
@@ -197,13 +199,19 @@ class Runner:
 
     def place(self, full, spec):
         """The global array of `full` (on the home device) sharded by `spec` over the mesh."""
+        if jax.process_count() == 1:
+            return jax.device_put(full, self.sharding(spec))
+        # device_put to devices of other processes would first compare the values across processes
+        # (a device collective); each process places its own shards instead.
         return jax.make_array_from_callback(full.shape, self.sharding(spec), lambda index: full[index])
 
     def tile(self, block, spec):
         """A global array whose every device block is a copy of `block` (dim 0 repeated W times,
         sharded over it): per-device inputs of a program that must not communicate."""
         shape = (self.world * block.shape[0],) + tuple(block.shape[1:])
-        return jax.make_array_from_callback(shape, self.sharding(spec), lambda index: block)
+        sharding = self.sharding(spec)
+        devices = sharding.addressable_devices_indices_map(shape)
+        return jax.make_array_from_single_device_arrays(shape, sharding, [jax.device_put(block, d) for d in devices])
 
     # -- programs --
 
@@ -232,10 +240,12 @@ class Runner:
 
     # -- checks and timings --
 
-    def shard_error(self, out, ref_full) -> float:
-        """max over this process's shards of out of rel_err(shard, the same block of ref_full)."""
-        errs = [float(rel_err(jax.device_put(s.data, self.home), ref_full[s.index])) for s in out.addressable_shards]
-        return max(errs)
+    def shard_error(self, outs, refs) -> float:
+        """max over the outputs and this process's shards of rel_err(shard, the same block of the
+        full reference on the home device)."""
+        errs = [rel_err(jax.device_put(s.data, self.home), ref[s.index])
+                for out, ref in zip(outs, refs) for s in out.addressable_shards]
+        return max(float(e) for e in errs)
 
     def max_over_processes(self, values: list) -> list:
         return max_over_processes(values, KV_TIMEOUT_MS)
