@@ -49,7 +49,7 @@ OPS_HELP = """
 --op ag_gemm: ag_gemm against XLA's all-gather alone, GEMM alone, all-gather->GEMM (the baseline)
 and windowed einsum. A shape MxNxK is the GEMM [M, K] @ [K, N] that every rank runs after the
 gather; rows layout: each rank holds x [M/W, K]; contraction: x [M, K/W]; w [K, N] (its own
-columns) in both. Suite: the gate/up projections of the Part-2 MLP shapes (embed 4096 / mlp 14336
+columns) in both. Suite: the gate/up projections of the --op mlp shapes (embed 4096 / mlp 14336
 and 8192 / 28672, 8192 and 16384 tokens): M = tokens, N = mlp/W, K = embed.
 
 --op mlp: the SwiGLU MLP block y = silu(x @ w_gate) * (x @ w_up) @ w_down, forward + backward

@@ -1,4 +1,4 @@
-# `python -m entwine_jax bench --op ag_gemm`: the benchmark protocol of DESIGN.md for ag_gemm. Per
+# `python -m entwine_jax bench --op ag_gemm`: gemm_rs's benchmark protocol, for ag_gemm. Per
 # shape: XLA's all-gather, GEMM, all-gather->GEMM (the baseline) and windowed einsum against entwine's
 # ag_gemm, in interleaved rounds; one line per shape and a geomean. Both process models (bench_run).
 """ag_gemm against XLA: all-gather alone, GEMM alone, all-gather->GEMM (the baseline) and windowed einsum.
@@ -21,7 +21,7 @@ from entwine_jax.config import AgGemmConfig
 from entwine_jax.timing import TOL
 
 FUSED_TARGET = "entwine_ag_gemm"
-# (embed, mlp) of the Part-2 MLP shapes and the tokens per tensor-parallel group.
+# (embed, mlp) of the MLP block's benchmark (bench_mlp) and the tokens per tensor-parallel group.
 MLP_DIMS = [(4096, 14336), (8192, 28672)]
 TOKENS = (8192, 16384)
 SMOKE_SHAPE = (256, 256, 64)
@@ -29,7 +29,7 @@ LAYOUTS = ("rows", "contraction")
 
 
 def suite(world: int) -> list:
-    """The gate (or up) projection of the Part-2 MLP shapes: M = tokens per tensor group, N = mlp/W
+    """The gate (or up) projection of the MLP block's shapes: M = tokens per tensor group, N = mlp/W
     (a rank's columns of w_gate), K = embed."""
     return [(t, f // world, d) for d, f in MLP_DIMS for t in TOKENS]
 

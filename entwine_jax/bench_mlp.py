@@ -1,4 +1,4 @@
-# `python -m entwine_jax bench --op mlp`: the layer-level bar of DESIGN.md. A tensor-parallel SwiGLU
+# `python -m entwine_jax bench --op mlp`: the layer-level benchmark. A tensor-parallel SwiGLU
 # MLP block, forward and backward under jit, with every collective fused (entwine), in plain XLA
 # (default flags; with its windowed-einsum flags) and with no collective at all (the bound: the
 # block's GEMMs alone). Both process models (bench_run).
@@ -34,7 +34,7 @@ from entwine_jax.config import get_default_config
 from entwine_jax.timing import TOL
 from entwine_jax.tuning import select_config
 
-# (embed, mlp) of DESIGN.md's layer-level bar, and the tokens per tensor-parallel group.
+# (embed, mlp) of Llama-class models (Llama 3 8B and 70B), and the tokens per tensor-parallel group.
 MLP_DIMS = [(4096, 14336), (8192, 28672)]
 TOKENS = (8192, 16384)
 LAYOUTS = ("rows", "hidden")
