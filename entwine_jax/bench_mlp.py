@@ -86,6 +86,12 @@ def step(block):
     return run
 
 
+@jax.jit
+def reference(x, w1, w2, w3, c):
+    """The whole block's step in float32 on one device: what every rank's shards are checked against."""
+    return step(block_plain)(*(a.astype(jnp.float32) for a in (x, w1, w2, w3, c)))
+
+
 def block_ours(gd: int, sd: int):
     def block(x, w1, w2, w3):
         # One ag_gemm for both projections: x is gathered once, and the backward's dx is one
@@ -118,10 +124,8 @@ class MlpBench:
         """Why the ops would not run fused on this block's shapes (their own words), for the row."""
         r = self.r
         w, dtype = r.world, r.dtype
-        rows = t // w if layout == "rows" else t
-        x_local = (rows, d) if layout == "rows" else (t, d // w)
-        gd = 0 if layout == "rows" else 1
-        sd = 0 if layout == "rows" else 1
+        x_local = (t // w, d) if layout == "rows" else (t, d // w)
+        gd, sd, _, _ = self.specs(layout)
         up_config = entwine_jax.ag_heuristic_config(x_local[0], 2 * f // w, x_local[1], w, dtype)
         down_config = get_default_config() or select_config(t, d, f // w, w, dtype, rows=layout == "rows")[0]
         with jax.set_mesh(r.mesh):
@@ -141,8 +145,7 @@ class MlpBench:
         # Normal values scaled so every activation and output stays O(1) (fp16 must not overflow).
         full = r.normal(seed, [(t, d), (d, f), (f, d), (d, f), (t, d)],
                         [1.0, 1 / math.sqrt(d), 1 / math.sqrt(f), 1 / math.sqrt(d), 1.0])
-        # The reference: the whole block in float32 on this process's device (no collective).
-        ref = jax.jit(step(block_plain))(*(a.astype(jnp.float32) for a in full))
+        ref = reference(*full)  # on this process's device: no collective
         args = tuple(r.place(a, spec) for a, spec in zip(full, (xs, *wspecs, xs)))
         # The bound's per-rank x and c are the gathered [T, D]: every rank's block a copy of them.
         bound_args = (r.tile(full[0], P(AXIS, None)), *args[1:4], r.tile(full[4], P(AXIS, None)))

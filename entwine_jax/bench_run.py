@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+import entwine_jax
 from entwine_jax import _distributed, _log
 from entwine_jax.timing import max_over_processes, rel_err, time_interleaved
 
@@ -171,7 +172,6 @@ class Runner:
         self.shared_gpu = shares_a_gpu(self.devices)
         self.fused_only = fused_only or self.shared_gpu
         try:
-            import entwine_jax
             entwine_jax.setup(self.mesh, AXIS)  # the fused path finds its devices under jit
         except Exception as e:  # no fused module: the ops say why they use XLA
             if self.rank0:

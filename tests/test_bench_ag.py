@@ -4,6 +4,7 @@
 # the key-value max over processes, and the --processes launcher. Timings on CPU mean nothing.
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -320,8 +321,9 @@ def test_two_processes_on_cpu_end_to_end(tmp_path):
     # The real launcher: 2 processes (jax.distributed on localhost, CPU), the timings' max through
     # the key-value store, rank 0's table and JSON.
     out = tmp_path / "out.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(bench_run.__file__).rsplit("/entwine_jax/", 1)[0],
-                                                       os.environ.get("PYTHONPATH", "")]), JAX_PLATFORMS="cpu")
+    package_root = str(pathlib.Path(bench_run.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     proc = subprocess.run([sys.executable, "-m", "entwine_jax", "bench", "--op", "ag_gemm", "--processes", "2",
                            "--fused-only", *FAST, "--json", str(out)], env=env, capture_output=True, text=True,
