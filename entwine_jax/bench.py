@@ -72,7 +72,8 @@ def parse_layouts(text):
     items = [s.strip() for s in text.split(",") if s.strip()]
     bad = [x for x in items if x not in ("rows", "contraction", "hidden")]
     if not items or bad:
-        raise argparse.ArgumentTypeError(f"--layout: expected rows, contraction or hidden (comma-separated), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--layout: expected rows, contraction or hidden (comma-separated), got {text!r}")
     return items
 
 

@@ -173,7 +173,8 @@ def print_table(rows, geomean) -> None:
               f"{r['check']:<4} {path_note(r)} {r['config']}")
     ok = [r for r in rows if r["check"] == "OK"]
     fallback = sum(r["path"] != "fused" for r in ok)
-    means = {key: geomean([r[key] for r in ok if r[key] is not None]) for key in ("speedup", "efficiency", "vs_windowed")}
+    means = {key: geomean([r[key] for r in ok if r[key] is not None])
+             for key in ("speedup", "efficiency", "vs_windowed")}
     print(f"geomean over {len(ok)} checked shapes: " + "  ".join(f"{k} {fmt(v, 0)}" for k, v in means.items())
           + (f"  WARNING: {fallback} of them ran the XLA fallback, not entwine" if fallback else ""))
     if any(r["windowed_loop"] is False for r in rows):

@@ -64,9 +64,9 @@ def shape_error(t: int, d: int, f: int, layout: str, world: int):
 
 def describe() -> str:
     return ("# mlp: SwiGLU block y = silu(x @ w_gate) * (x @ w_up) @ w_down, forward + backward (y and the gradients "
-            "of sum(y * c) w.r.t. x, w_gate, w_up, w_down) under jit; a shape TxDxF is T tokens per tensor group, embed "
-            "D, mlp F (F/W per rank); rows: x [T/W, D] per rank, hidden: x [T, D/W]; bound: the same GEMMs with no "
-            "collective")
+            "of sum(y * c) w.r.t. x, w_gate, w_up, w_down) under jit; a shape TxDxF is T tokens per tensor group, "
+            "embed D, mlp F (F/W per rank); rows: x [T/W, D] per rank, hidden: x [T, D/W]; bound: the same GEMMs "
+            "with no collective")
 
 
 def swiglu(gate, up):
@@ -138,7 +138,6 @@ class MlpBench:
 
     def row(self, t, d, f, layout, progress, seed) -> dict:
         r = self.r
-        w = r.world
         name = f"{t}x{d}x{f} {layout}"
         gd, sd, xs, wspecs = self.specs(layout)
         progress.phase(f"{name}: inputs and reference")
@@ -192,7 +191,8 @@ class MlpBench:
         del ref
         progress.phase(f"{name}: timing {len(programs)} programs")
         times = r.time(programs, progress)
-        ours_ms, xla_ms, windowed_ms, bound_ms = (ms_or_none(times.get(k)) for k in ("ours", "xla", "windowed", "bound"))
+        ours_ms, xla_ms, windowed_ms, bound_ms = (ms_or_none(times.get(key))
+                                                  for key in ("ours", "xla", "windowed", "bound"))
         check = "SKIP" if skipped else "OK" if err <= TOL else "FAIL"
         return {"t": t, "d": d, "f": f, "layout": layout, "ours_ms": ours_ms, "xla_ms": xla_ms,
                 "windowed_ms": windowed_ms, "windowed_loop": windowed_built, "bound_ms": bound_ms,

@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from entwine_jax import _distributed, bench, bench_ag, bench_mlp, bench_run, timing
@@ -68,7 +67,8 @@ def test_usage_errors(argv, message, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--op", "ag_gemm", "--shapes", "100x128x64"], "rows layout splits M=100 over W=8"),
-    (["--op", "ag_gemm", "--layout", "contraction", "--shapes", "128x128x60"], "contraction layout splits K=60 over W=8"),
+    (["--op", "ag_gemm", "--layout", "contraction", "--shapes", "128x128x60"],
+     "contraction layout splits K=60 over W=8"),
     (["--op", "mlp", "--layout", "hidden", "--shapes", "64x60x128"], "the hidden layout splits D=60 over W=8"),
     (["--op", "mlp", "--shapes", "60x64x128"], "the rows layout splits T=60 over W=8"),
 ])
