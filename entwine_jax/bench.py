@@ -1,6 +1,7 @@
 # The benchmark of DESIGN.md ("Benchmark protocol"): per shape, XLA GEMM, XLA reduce-scatter, XLA
 # GEMM->RS (the baseline), XLA windowed einsum and entwine gemm_rs, one process driving every local
-# device. Prints one comparable line per shape and a geomean; optional JSON and plot.
+# device. Prints one comparable line per shape and a geomean; optional JSON and plot. The command line
+# of --op ag_gemm (bench_ag) and --op mlp (bench_mlp, the layer-level bar) too, in both process models.
 """The benchmark of DESIGN.md: per shape, XLA's GEMM, reduce-scatter, GEMM->reduce-scatter (the
 baseline) and windowed einsum against entwine's gemm_rs, one process driving every local device; one
 line per shape and a geomean. Without CUDA GPUs the timings mean nothing: it then runs one small
@@ -21,8 +22,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import _log, ops
-from entwine_jax.config import GemmRsConfig, with_overrides
+from entwine_jax import _log, bench_ag, bench_mlp, bench_run, ops
+# XLA's windowed-einsum flags (per compile): one definition for every op's benchmark.
+from entwine_jax.bench_run import WINDOWED_OPTIONS
+from entwine_jax.config import AgGemmConfig, GemmRsConfig, with_overrides
 # Re-exported: scripts and tests take the protocol's pieces from here too.
 from entwine_jax.timing import DESIGN_SUITE, SHORT_NAMES, TOL, parse_dtype, parse_shapes, rel_err  # noqa: F401
 from entwine_jax.timing import rounds, time_interleaved
@@ -37,21 +40,49 @@ SMOKE_SHAPE = (256, 256, 64)
 # Timed calls and warm-ups per program: on CUDA GPUs, and elsewhere (where timings mean nothing).
 GPU_ITERS, GPU_WARMUP = 100, 20
 SMOKE_ITERS, SMOKE_WARMUP = 10, 2
-# Per-compile DebugOptions overrides: they reach the GPU SPMD partitioner without XLA_FLAGS, so the
-# windowed column needs no second process (which would have to share GPU memory with this one).
-# Each row records whether the loop was really built; if not, starting the whole bench with these
-# flags in XLA_FLAGS is harmless to the other columns (shard_map bodies are never windowed).
-WINDOWED_OPTIONS = {"xla_gpu_multi_streamed_windowed_einsum": True,
-                    "xla_gpu_threshold_for_windowed_einsum_mib": 0}
 FUSED_TARGET = "entwine_gemm_rs"
+OPS = ("gemm_rs", "ag_gemm", "mlp")
+DEFAULT_LAYOUTS = {"ag_gemm": ["rows"], "mlp": ["rows", "hidden"]}
+LAYOUT_NAMES = {"ag_gemm": {"hidden": "contraction"}, "mlp": {"contraction": "hidden"}}
+OPS_HELP = """
+
+--op ag_gemm: ag_gemm against XLA's all-gather alone, GEMM alone, all-gather->GEMM (the baseline)
+and windowed einsum. A shape MxNxK is the GEMM [M, K] @ [K, N] that every rank runs after the
+gather; rows layout: each rank holds x [M/W, K]; contraction: x [M, K/W]; w [K, N] (its own
+columns) in both. Suite: the gate/up projections of the --op mlp shapes (embed 4096 / mlp 14336
+and 8192 / 28672, 8192 and 16384 tokens): M = tokens, N = mlp/W, K = embed.
+
+--op mlp: the SwiGLU MLP block y = silu(x @ w_gate) * (x @ w_up) @ w_down, forward + backward
+under jit (y and the gradients of sum(y * c) w.r.t. x and the three weights), bf16. Layouts: rows
+(sequence parallel: x [T/W, D] per rank) and hidden (x [T, D/W]). Columns: ours (ag_gemm for
+gate/up, gemm_rs for down, every collective fused), plain XLA (all_gather + dots, dot +
+psum_scatter), XLA with its windowed-einsum flags, and the bound (the same GEMMs on the gathered
+shapes with no collective). A shape TxDxF: T tokens per tensor group, embed D, mlp F (F/W per
+rank). Suite: embed 4096 / mlp 14336 and 8192 / 28672 at 8192 and 16384 tokens.
+
+W processes: --processes W [--gpus G] starts W ranks on localhost (jax.distributed); where they
+share a GPU, NCCL cannot run, so only entwine, XLA's GEMMs and the bound are timed:
+    python -m entwine_jax bench --op mlp --processes 2            # 2 ranks on one GPU
+    python -m entwine_jax bench --op ag_gemm                      # one process, every local GPU
+"""
 
 
-def parse_configs(text):
+def parse_layouts(text):
+    """'rows,hidden' -> ['rows', 'hidden'] (an argparse type; which layouts an op takes is checked later)."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [x for x in items if x not in ("rows", "contraction", "hidden")]
+    if not items or bad:
+        raise argparse.ArgumentTypeError(
+            f"--layout: expected rows, contraction or hidden (comma-separated), got {text!r}")
+    return items
+
+
+def parse_configs(text, config_class=GemmRsConfig):
     """'block_n=256,consumer_grid=16;block_n=128' -> [{'block_n': 256, 'consumer_grid': 16}, ...].
 
-    An empty item stands for the config gemm_rs selects itself: ';raster_rows=1' times that config
-    and one variant of it."""
-    fields = {f.name for f in dataclasses.fields(GemmRsConfig)}
+    An empty item stands for the config the op selects itself: ';raster_rows=1' times that config
+    and one variant of it. config_class: GemmRsConfig, or AgGemmConfig for --op ag_gemm."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
     configs = []
     items = [s.strip() for s in text.split(";")]
     if not any(items):
@@ -65,7 +96,7 @@ def parse_configs(text):
                     f"--configs: expected key=int (or path=str) with key in {sorted(fields)}, got {pair!r}")
             kwargs[key.strip()] = value.strip() if key.strip() == "path" else int(value)
         try:  # validate now, not after minutes of benchmarking
-            GemmRsConfig(**kwargs)
+            config_class(**kwargs)
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"--configs {item!r}: {e}") from None
         configs.append(kwargs)
@@ -350,22 +381,33 @@ def plot(path, rows, sweep):
 
 
 def parse_args(argv, prog="python -m entwine_jax.bench"):
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__ + OPS_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", choices=OPS, default="gemm_rs",
+                   help="what to time (default gemm_rs): the fused op gemm_rs or ag_gemm against XLA, or mlp, the "
+                        "SwiGLU MLP block forward + backward (see below)")
+    p.add_argument("--layout", type=parse_layouts,
+                   help="comma-separated; ag_gemm: rows (default) or contraction; mlp: rows and hidden (default both); "
+                        "hidden and contraction name the same layout (x split over its last dim)")
     p.add_argument("--suite", choices=("design", "quick"), default="design",
-                   help="quick: the first 3 design shapes (on CUDA GPUs; elsewhere one smoke shape, see --shapes)")
+                   help="quick: the first 3 shapes of the op's suite (on CUDA GPUs; elsewhere one smoke shape, see "
+                        "--shapes)")
     p.add_argument("--shapes", type=parse_shapes,
-                   help="comma-separated MxNxK_local (per-device K); overrides --suite, and runs these shapes even "
-                        "without CUDA GPUs")
+                   help="comma-separated shapes; overrides --suite, and runs these shapes even without CUDA GPUs. "
+                        "gemm_rs: MxNxK_local (per-device K); ag_gemm: MxNxK, the GEMM [M, K] @ [K, N] every rank "
+                        "runs after the gather (N: its own columns of w); mlp: TxDxF (tokens, embed, mlp)")
     p.add_argument("--dtype", type=parse_dtype, default="bfloat16", metavar="{bf16,bfloat16,fp16,float16}")
-    p.add_argument("--world", type=int, default=8, help="W = min(world, local devices)")
+    p.add_argument("--world", type=int, default=8,
+                   help="W = min(world, local devices) (with --processes: W = the number of processes)")
     p.add_argument("--iters", type=int, help=f"timed calls per measurement (at least; default {GPU_ITERS} on CUDA "
                                              f"GPUs, {SMOKE_ITERS} elsewhere)")
     p.add_argument("--warmup", type=int, help=f"default {GPU_WARMUP} on CUDA GPUs, {SMOKE_WARMUP} elsewhere")
     p.add_argument("--batch", type=int, default=10, help="back-to-back dispatches per timed batch")
-    p.add_argument("--configs", type=parse_configs, default=[{}],
+    p.add_argument("--configs",
                    help="';'-separated GemmRsConfig overrides (e.g. 'block_n=256,consumer_grid=16;block_n=128'); "
                         "unspecified fields come from the config gemm_rs selects (tuned table, else heuristic_config), "
-                        "a consumer_grid alone also sets producer_sms = SMs - consumer_grid; the best per shape is reported")
+                        "a consumer_grid alone also sets producer_sms = SMs - consumer_grid; the best per shape is "
+                        "reported. --op ag_gemm: AgGemmConfig overrides of ag_heuristic_config (e.g. 'max_chunks=4')")
     p.add_argument("--sweep-budget", action="store_true", help="latency vs consumer_grid x in %s" % (BUDGETS,))
     p.add_argument("--profile", action="store_true",
                    help="also time the GEMM window and communication tail of isolated calls (on with --sweep-budget)")
@@ -374,11 +416,45 @@ def parse_args(argv, prog="python -m entwine_jax.bench"):
     p.add_argument("--json", help="write machine, versions and rows to this file")
     p.add_argument("--plot", help="write a PNG (speedup per shape, or latency vs x with --sweep-budget)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--processes", type=int, default=1, metavar="W",
+                   help="ag_gemm, mlp: start W processes on localhost (jax.distributed, one rank each, rank r on "
+                        "GPU r mod --gpus); rank 0 prints the table")
+    p.add_argument("--gpus", type=int, default=1, help="with --processes: GPUs to spread the ranks over (default 1: "
+                                                       "all share GPU 0, and the XLA columns are skipped)")
+    p.add_argument("--fused-only", action="store_true",
+                   help="ag_gemm, mlp: time only what runs without NCCL (entwine, XLA's GEMMs, the bound); implied "
+                        "where several processes share one GPU")
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="with --processes: seconds after which the ranks still running are killed (default 3600)")
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("iters", "warmup", "batch"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
             p.error(f"--{name} must be >= {0 if name == 'warmup' else 1}, got {value}")
+    if args.op == "gemm_rs":
+        given = [flag for flag, on in (("--layout", args.layout is not None), ("--processes", args.processes != 1),
+                                       ("--fused-only", args.fused_only)) if on]
+        if given:
+            p.error(f"{', '.join(given)}: --op ag_gemm and --op mlp only (gemm_rs with W processes: "
+                    "tests/gpu_ranks.py)")
+    else:
+        given = [flag for flag, on in (("--sweep-budget", args.sweep_budget), ("--profile", args.profile),
+                                       ("--plot", args.plot), ("--configs", args.op == "mlp" and args.configs))
+                 if on]
+        if given:
+            p.error(f"{', '.join(given)}: not with --op {args.op}")
+        layouts = args.layout or DEFAULT_LAYOUTS[args.op]
+        # One name per layout: the ag_gemm bench calls it contraction, the MLP bench hidden.
+        args.layout = list(dict.fromkeys(LAYOUT_NAMES[args.op].get(x, x) for x in layouts))
+    if not 1 <= args.processes <= 8 or args.gpus < 1:
+        p.error(f"--processes must be in [1, 8] and --gpus >= 1, got {args.processes} and {args.gpus}")
+    try:
+        args.configs = parse_configs(args.configs, AgGemmConfig if args.op == "ag_gemm" else GemmRsConfig) \
+            if args.configs is not None else [{}]
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
     return p, args
 
 
@@ -399,7 +475,10 @@ def missing_extension(prog, allow_xla):
 
 
 def main(argv=None, prog="python -m entwine_jax.bench"):
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser, args = parse_args(argv, prog)
+    if args.op != "gemm_rs":
+        return main_ag_mlp(parser, args, argv, prog)
     _log.warn_if_source_tree()
     platform = _log.default_platform()
     on_gpu = platform == "cuda"
@@ -469,6 +548,93 @@ def main(argv=None, prog="python -m entwine_jax.bench"):
         plot(args.plot, rows, sweep)
     # Non-zero exit when a result was wrong, so scripts and CI notice.
     return 1 if any(r["check"] == "FAIL" for r in rows) else 0
+
+
+def main_ag_mlp(parser, args, argv, prog):
+    """--op ag_gemm and --op mlp, in either process model (entwine_jax.bench_run)."""
+    if args.processes > 1 and args.rank is None:
+        return bench_run.launch(argv, args.processes, args.timeout)
+    if args.rank is not None:
+        if args.port is None:
+            parser.error("--rank needs --port (both are set by --processes)")
+        bench_run.init_rank(args.rank, args.port, args.processes, args.gpus)
+    _log.warn_if_source_tree()
+    platform = _log.default_platform()
+    on_gpu = platform == "cuda"
+    if on_gpu and (refused := missing_extension(prog, args.allow_xla)) is not None:
+        return refused
+    if args.iters is None:
+        args.iters = GPU_ITERS if on_gpu else SMOKE_ITERS
+    if args.warmup is None:
+        args.warmup = GPU_WARMUP if on_gpu else SMOKE_WARMUP
+    runner = bench_run.Runner(args.world, args.dtype, args.iters, args.warmup, args.batch, args.fused_only)
+    world, op = runner.world, bench_ag if args.op == "ag_gemm" else bench_mlp
+    if args.shapes:
+        shapes = args.shapes
+    elif not on_gpu:
+        shapes = [op.smoke_shape(world)]
+    else:
+        shapes = op.suite(world) if args.op == "ag_gemm" else op.suite()
+        shapes = shapes[: 3 if args.suite == "quick" else None]
+    for shape in shapes:
+        for layout in args.layout:
+            if (error := op.shape_error(*shape, layout, world)) is not None:
+                parser.error(error)
+    bad = [x for x in args.layout if x not in op.LAYOUTS]
+    if bad:
+        parser.error(f"--layout {','.join(bad)}: --op {args.op} takes {' or '.join(op.LAYOUTS)}")
+    device = runner.home
+    processes = jax.process_count()
+    model = (f", {processes} processes" + (" sharing one GPU" if runner.shared_gpu else "")) if processes > 1 else ""
+    machine = f"{world} x {device.device_kind}{model}"
+    dtype = SHORT_NAMES[args.dtype]
+    if runner.rank0:
+        print(f"# entwine_jax.bench --op {args.op}: {world} x {device.device_kind} ({device.platform}){model}, "
+              f"jax {jax.__version__}, {dtype}, "
+              f"W={world}, median of >= {args.iters} calls in batches of {args.batch} after {args.warmup} warm-ups, "
+              f"the programs of a shape timed in interleaved rounds, max over "
+              f"{'processes' if processes > 1 else 'ranks (one process)'}")
+        for line in ([bench_ag.describe(x) for x in args.layout] if args.op == "ag_gemm" else [bench_mlp.describe()]):
+            print(line)
+        print(f"# extension: {entwine_jax.extension_status()[1]}")
+        if not on_gpu:
+            what = ("the given --shapes" if args.shapes else
+                    f"only the smoke shape {'x'.join(map(str, shapes[0]))} (pass --shapes to time others)")
+            print(f"# NOTE: no CUDA GPUs (JAX platform {platform!r}): the ops take the XLA path and the timings here "
+                  f"mean nothing; running {what}")
+        if runner.shared_gpu:
+            print(f"# NOTE: {processes} processes share one GPU: NCCL cannot run there, so every XLA column with a "
+                  f"collective is skipped ('-'); the GPU time-slices between the processes, so these timings are "
+                  f"not those of {world} GPUs")
+        elif runner.fused_only:
+            print("# NOTE: --fused-only: the XLA columns with a collective are skipped ('-')")
+        sys.stdout.flush()
+    runner.warm_up()
+    total = len(shapes) * len(args.layout) * rounds(args.iters, args.batch)
+    progress = Progress(total) if runner.rank0 else bench_run.QuietProgress()
+    rows = []
+    timer = bench_ag.AgBench(runner, args.configs) if args.op == "ag_gemm" else bench_mlp.MlpBench(runner)
+    for i, shape in enumerate(shapes):
+        for layout in args.layout:
+            rows.append(timer.row(*shape, layout, progress, args.seed + i))
+    progress.close()
+    keys = ("speedup", "efficiency", "vs_windowed") if args.op == "ag_gemm" else (
+        "speedup", "vs_windowed", "ours_over_bound")
+    ok = [r for r in rows if r["check"] == "OK"]
+    if runner.rank0:
+        op.print_table(rows, geomean)
+        if args.json:
+            result = {"op": args.op, "layouts": args.layout, "machine": machine, "device_kind": device.device_kind,
+                      "platform": device.platform, "device_count": world, "processes": processes,
+                      "shared_gpu": runner.shared_gpu, "fused_only": runner.fused_only, "jax": jax.__version__,
+                      "dtype": dtype, "world": world, "iters": args.iters, "warmup": args.warmup,
+                      "batch": args.batch, "windowed_options": WINDOWED_OPTIONS, "rows": rows,
+                      "geomean": {key: geomean([r[key] for r in ok if r[key] is not None]) for key in keys}}
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"JSON written to {args.json}", file=sys.stderr)
+    # Non-zero exit when a result was wrong or the fused op could not run, so scripts and CI notice.
+    return 1 if any(r["check"] in ("FAIL", "SKIP") for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -1,23 +1,24 @@
 # Tensor-parallel linear layers for Flax (NNX and Linen), used inside jax.shard_map: the
 # row-parallel layer runs entwine_jax.gemm_rs (GEMM + ReduceScatter), its column-parallel partner
-# a plain XLA dot. Parameters carry MaxText-style logical-axis metadata; partition_specs() maps it
-# to the PartitionSpecs of a shard_map's in_specs. Needs flax (`pip install "entwine_jax[layers]"`).
-"""Tensor-parallel linear layers over entwine_jax.gemm_rs, for Flax NNX and Linen.
+# entwine_jax.ag_gemm (AllGather + GEMM) on a sharded input, else a plain XLA dot. Parameters carry
+# MaxText-style logical-axis metadata; partition_specs() maps it to the PartitionSpecs of a
+# shard_map's in_specs. Needs flax (`pip install "entwine_jax[layers]"`).
+"""Tensor-parallel linear layers over entwine_jax.gemm_rs and ag_gemm, for Flax NNX and Linen.
 
 The layer code runs inside ``jax.shard_map`` and sees local shards. With the tensor-parallel mesh
 axis ``tp`` of size W:
 
-========================  ===========================  ==============================================
-layer                     kernel (global -> local)     input -> output (local)
-========================  ===========================  ==============================================
-row-parallel              ``[in, out] -> [in/W, out]`` ``[T, in/W] -> [T/W, out]``   (``scatter="rows"``)
-                                                       ``[B, S, in/W] -> [B, S/W, out]`` (``"sequence"``)
-                                                       ``[T, in/W] -> [T, out/W]``   (``scatter="hidden"``)
-column-parallel           ``[in, out] -> [in, out/W]`` ``[T, in] -> [T, out/W]``     (``gather=None``)
-                                                       ``[T/W, in] -> [T, out/W]``   (``gather="rows"``)
-                                                       ``[B, S/W, in] -> [B, S, out/W]`` (``"sequence"``)
-                                                       ``[T, in/W] -> [T, out/W]``   (``gather="hidden"``)
-========================  ===========================  ==============================================
+===============  ============================  ==================================================  =======
+layer            kernel (global -> local)      input -> output (local)                             op
+===============  ============================  ==================================================  =======
+row-parallel     ``[in, out] -> [in/W, out]``  ``[T, in/W] -> [T/W, out]`` (``scatter="rows"``)    gemm_rs
+                                               ``[B, S, in/W] -> [B, S/W, out]`` (``"sequence"``)  gemm_rs
+                                               ``[T, in/W] -> [T, out/W]`` (``scatter="hidden"``)  gemm_rs
+column-parallel  ``[in, out] -> [in, out/W]``  ``[T, in] -> [T, out/W]`` (``gather=None``)         XLA dot
+                                               ``[T/W, in] -> [T, out/W]`` (``gather="rows"``)     ag_gemm
+                                               ``[B, S/W, in] -> [B, S, out/W]`` (``"sequence"``)  ag_gemm
+                                               ``[T, in/W] -> [T, out/W]`` (``gather="hidden"``)   ag_gemm
+===============  ============================  ==================================================  =======
 
 ``scatter="rows"`` is sequence (token) parallelism, the Entwine paper's layout: the reduce-scatter
 splits the output's leading dim (for an N-D input ``[B, S, in/W]`` that is B).
@@ -25,17 +26,31 @@ splits the output's leading dim (for an N-D input ``[B, S, in/W]`` that is B).
 ``scatter="hidden"`` splits the last output dim (MaxText's layout with the embedding sharded over
 ``tp``). gemm_rs maps all three onto the fused kernels (row or column partitions of the product;
 for "sequence" after a permutation of x's rows, one copy of x) where they can run. The
-column-parallel layer's ``gather`` undoes any of them.
+column-parallel layer's ``gather`` undoes any of them: entwine_jax.ag_gemm all-gathers the input
+over ``tp`` inside the GEMM (``gather_dimension`` 0, 1 or -1; for "hidden" the gathered dim is the
+contraction dim and the kernel holds all of ``in``). Each op's backward is the other op (ag_gemm's
+dx is a gemm_rs, gemm_rs's an ag_gemm), so a block built from the two layers has no other
+collective over ``tp`` on its activations, forward or backward. (The gradient of a parameter
+replicated over ``tp``, a norm scale or the row-parallel bias, is still summed over ``tp``: a
+gradient all-reduce, as over a data-parallel axis.)
 
-A tensor-parallel SwiGLU MLP, sequence parallel (per device, x: ``[T/W, D]``)::
+A tensor-parallel SwiGLU MLP, sequence parallel (per device, x: ``[T/W, D]``, e.g. the output of
+an RMSNorm applied to the sequence-sharded residual stream)::
 
-    h = jax.lax.all_gather(x, "tp", axis=0, tiled=True)          # [T, D], once for both projections
-    y = down(jax.nn.silu(gate(h)) * up(h))                       # [T/W, D]
+    y = down(jax.nn.silu(gate(x)) * up(x))                       # [T, F/W] -> [T/W, D]
 
-with ``gate = ColumnParallelLinear(D, F, rngs=rngs)`` (same for ``up``) and
-``down = RowParallelLinear(F, D, rngs=rngs)``. The attention output projection of ``H`` heads of
-size ``Dh`` is ``RowParallelLinear((H, Dh), D, kernel_axes=("heads", "kv", "embed"))`` applied to
-``[T, H/W, Dh]``.
+with ``gate = ColumnParallelLinear(D, F, gather="rows", rngs=rngs)`` (same for ``up``) and
+``down = RowParallelLinear(F, D, rngs=rngs)``. Each column-parallel call is one ag_gemm and gathers
+x itself, so x travels over ``tp`` twice. One ag_gemm serves both projections when their local
+kernels are concatenated over the output features (``[D, 2F/W]``; the same for q, k and v, and
+for biases)::
+
+    k = jnp.concatenate([gate.kernel[...], up.kernel[...]], axis=1)
+    g, u = jnp.split(column_parallel_linear(x, k, gather="rows"), 2, axis=-1)
+    y = down(jax.nn.silu(g) * u)
+
+The attention output projection of ``H`` heads of size ``Dh`` is
+``RowParallelLinear((H, Dh), D, kernel_axes=("heads", "kv", "embed"))`` applied to ``[T, H/W, Dh]``.
 
 Bias: the row-parallel bias is added once, after the reduce-scatter, to the output shard (adding it
 before the reduction would add it W times). It is a full ``[out]`` vector replicated over ``tp``;
@@ -69,7 +84,8 @@ try:
 except ImportError as e:  # flax is an optional dependency of entwine_jax
     raise ImportError(f"entwine_jax.layers needs flax: pip install 'entwine_jax[layers]' ({e})") from e
 
-from entwine_jax.config import GemmRsConfig
+from entwine_jax.ag_gemm_op import ag_gemm
+from entwine_jax.config import AgGemmConfig, GemmRsConfig
 from entwine_jax.ops import gemm_rs
 
 __all__ = ["DEFAULT_LOGICAL_AXIS_RULES", "partition_specs", "row_parallel_linear", "column_parallel_linear",
@@ -89,7 +105,7 @@ DEFAULT_LOGICAL_AXIS_RULES: tuple = (
 )
 
 # The dim each layout splits over the axis: the row-parallel output's (gemm_rs's scatter_dimension)
-# and, to undo it, the column-parallel input's (the all-gather's axis).
+# and, to undo it, the column-parallel input's (ag_gemm's gather_dimension).
 _SPLIT_DIM = {"rows": 0, "sequence": 1, "hidden": -1}
 _SCATTER = tuple(_SPLIT_DIM)
 _GATHER = (None, *_SPLIT_DIM)
@@ -133,9 +149,9 @@ def _check_param_dtype(where: str, dtype) -> None:
         raise ValueError(f"{where}: param_dtype must be a floating dtype, got {jnp.dtype(dtype).name}")
 
 
-def _check_config(where: str, config) -> None:
-    if config is not None and not isinstance(config, GemmRsConfig):
-        raise ValueError(f"{where}: config must be an entwine_jax.GemmRsConfig or None, got {type(config).__name__}")
+def _check_config(where: str, config, cls=GemmRsConfig) -> None:
+    if config is not None and not isinstance(config, cls):
+        raise ValueError(f"{where}: config must be an entwine_jax.{cls.__name__} or None, got {type(config).__name__}")
 
 
 def _check_axes(where: str, name: str, axes, n: int) -> tuple:
@@ -266,16 +282,20 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
 
 
 def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Optional[str] = None, dtype=None,
-                           where: str = "column_parallel_linear"):
-    """Column-parallel linear on local shards: ``x @ kernel + bias`` (plain XLA).
+                           config: Optional[AgGemmConfig] = None, where: str = "column_parallel_linear"):
+    """Column-parallel linear on local shards: ``x @ kernel + bias``, with x first all-gathered over
+    ``axis_name`` when ``gather`` is set (one entwine_jax.ag_gemm: the gather fused into the GEMM).
 
-    x: ``[..., in]`` (``gather="rows"``: ``[rows/W, ..., in]``, all-gathered over ``axis_name`` first;
-    ``gather="sequence"``: ``[B, S/W, ..., in]``, ``gather="hidden"``: ``[..., in/W]``, likewise);
-    kernel: ``[in, *out_local]`` (output dims sharded over ``axis_name``); bias: ``kernel.shape[1:]``
-    or None. Output ``[..., *out_local]``.
+    x: ``[..., in]`` (``gather=None``: a plain XLA dot); ``gather="rows"``: ``[rows/W, ..., in]``;
+    ``"sequence"``: ``[B, S/W, ..., in]``; ``"hidden"``: ``[..., in/W]``. kernel: ``[in, *out_local]``
+    (output dims sharded over ``axis_name``; several kernels concatenated on dim 1 share one gather);
+    bias: ``kernel.shape[1:]`` or None, added after the GEMM. Output ``[..., *out_local]`` with the
+    gathered dim whole. dtype: compute and output dtype (default: promoted from x and kernel).
+    config: passed to ag_gemm (unused with ``gather=None``).
     """
     _check_choice(where, "gather", gather, _GATHER)
     _check_dtype(where, "dtype", dtype)
+    _check_config(where, config, AgGemmConfig)
     axis_name = _check_axis_name(where, axis_name)
     _check_array(where, "x", x)
     _check_array(where, "kernel", kernel)
@@ -286,19 +306,27 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
         raise ValueError(f"{where}: x must have rank >= {min_rank}{f' for gather={gather!r}' if gather else ''}, got "
                          f"shape {tuple(x.shape)}")
     dtype = _compute_dtype(where, dtype, x, kernel)
+    gathered = list(x.shape)
     if gather is not None:
-        _bound_axis_size(where, axis_name)
-        x = jax.lax.all_gather(x, axis_name, axis=_SPLIT_DIM[gather] % x.ndim, tiled=True)
-    if x.shape[-1] != kernel.shape[0]:
+        gathered[_SPLIT_DIM[gather]] *= _bound_axis_size(where, axis_name)
+    if gathered[-1] != kernel.shape[0]:
         raise ValueError(f"{where}: x.shape[-1] must equal kernel.shape[0] ({kernel.shape[0]}), got x shape "
-                         f"{tuple(x.shape)}{' after the all-gather' if gather else ''}")
+                         f"{tuple(gathered)}{' after the all-gather' if gather else ''}")
     if bias is not None:
         _check_array(where, "bias", bias)
         if tuple(bias.shape) != tuple(kernel.shape[1:]):
             raise ValueError(f"{where}: bias must have the kernel's output shape {tuple(kernel.shape[1:])} (local "
                              f"shard), got {tuple(bias.shape)}")
-    y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), (((x.ndim - 1,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32).astype(dtype)
+    x, kernel = x.astype(dtype), kernel.astype(dtype)
+    if gather is None:
+        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32).astype(dtype)
+    else:
+        # ag_gemm takes a [K, N] kernel: the output dims flattened into N and restored after.
+        out_local = tuple(kernel.shape[1:])
+        y = ag_gemm(x, kernel.reshape(kernel.shape[0], -1), axis_name=axis_name,
+                    gather_dimension=_SPLIT_DIM[gather], config=config)
+        y = y.reshape(tuple(y.shape[:-1]) + out_local)
     return y if bias is None else y + bias.astype(dtype)
 
 
@@ -370,32 +398,38 @@ class RowParallelLinear(nnx.Module):
 
 
 class ColumnParallelLinear(nnx.Module):
-    """Column-parallel linear (MLP up/gate, q/k/v projections), plain XLA, Flax NNX.
+    """Column-parallel linear (MLP up/gate, q/k/v projections), Flax NNX.
 
     Created at global shape: kernel ``[in_features, *out_features]`` with logical axes
     ``kernel_axes`` (default ``("embed", "mlp")``; for ``out_features=(heads, head_dim)`` pass e.g.
     ``("embed", "heads", "kv")``), bias ``out_features`` with ``bias_axes`` (default
-    ``kernel_axes[1:]``). Called inside shard_map: output ``[..., out_features[0]/W, ...]``;
-    ``gather="rows"`` / ``"sequence"`` / ``"hidden"`` all-gathers a row- / sequence- /
-    hidden-scattered input over ``axis_name`` first (the inverse of RowParallelLinear's ``scatter``).
+    ``kernel_axes[1:]``). Called inside shard_map: output ``[..., out_features[0]/W, ...]``.
+    ``gather=None``: the input is whole (``[..., in_features]``), a plain XLA dot. ``gather="rows"`` /
+    ``"sequence"`` / ``"hidden"``: a row- / sequence- / hidden-scattered input (the output of
+    RowParallelLinear's ``scatter``), all-gathered over ``axis_name`` inside the GEMM by
+    entwine_jax.ag_gemm, whose backward is a gemm_rs. config: an entwine_jax.AgGemmConfig for
+    ag_gemm (default: its heuristic).
     """
 
     def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], *, axis_name="tp",
                  gather: Optional[str] = None, use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
                  kernel_init: Initializer = default_kernel_init, bias_init: Initializer = default_bias_init,
                  kernel_axes: Optional[Sequence[Optional[str]]] = None,
-                 bias_axes: Optional[Sequence[Optional[str]]] = None, rngs: nnx.Rngs):
+                 bias_axes: Optional[Sequence[Optional[str]]] = None,
+                 config: Optional[AgGemmConfig] = None, rngs: nnx.Rngs):
         where = type(self).__name__
         self.in_features = _feature(where, "in_features", in_features)
         self.out_features = _features(where, "out_features", out_features)
         self.axis_name = _check_layer_args(where, axis_name, "gather", gather, _GATHER, use_bias, dtype, param_dtype)
+        _check_config(where, config, AgGemmConfig)
         n_out = len(self.out_features)
         if kernel_axes is None and n_out != 1:
             raise ValueError(f"{where}: kernel_axes is required when out_features is a tuple ({self.out_features}); "
                              "e.g. ('embed', 'heads', 'kv')")
         self.kernel_axes = _check_axes(where, "kernel_axes", kernel_axes or ("embed", "mlp"), n_out + 1)
         self.bias_axes = _check_axes(where, "bias_axes", bias_axes or self.kernel_axes[1:], n_out)
-        self.gather, self.use_bias, self.dtype, self.param_dtype = gather, use_bias, dtype, param_dtype
+        self.gather, self.use_bias, self.dtype, self.param_dtype, self.config = (
+            gather, use_bias, dtype, param_dtype, config)
         init = nnx.with_partitioning(_flat_init(kernel_init, 1), self.kernel_axes)
         self.kernel = nnx.Param(init(rngs.params(), (self.in_features,) + self.out_features, param_dtype))
         self.bias: Optional[nnx.Param] = nnx.data(None)
@@ -410,7 +444,7 @@ class ColumnParallelLinear(nnx.Module):
                             "out_features[0]")
         bias = self.bias[...] if self.bias is not None else None
         return column_parallel_linear(x, kernel, bias, axis_name=self.axis_name, gather=self.gather, dtype=self.dtype,
-                                      where=where)
+                                      config=self.config, where=where)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,11 +516,12 @@ class RowParallelDense(nn.Module):
 
 
 class ColumnParallelDense(nn.Module):
-    """Column-parallel linear, plain XLA, Flax Linen (the NNX ColumnParallelLinear's twin).
+    """Column-parallel linear, Flax Linen (the NNX ColumnParallelLinear's twin).
 
     ``features``: global output features (int or tuple, e.g. ``(heads, head_dim)`` with
     ``kernel_axes=("embed", "heads", "kv")``); inside shard_map the kernel is
-    ``[in, features[0]/W, ...]``. ``gather`` as in ColumnParallelLinear.
+    ``[in, features[0]/W, ...]``. ``gather`` (entwine_jax.ag_gemm on a sharded input, a plain XLA
+    dot for None) and ``config`` (an AgGemmConfig) as in ColumnParallelLinear.
     """
     features: Union[int, Sequence[int]]
     axis_name: Any = "tp"
@@ -498,6 +533,7 @@ class ColumnParallelDense(nn.Module):
     bias_init: Initializer = default_bias_init
     kernel_axes: Optional[Sequence[Optional[str]]] = None
     bias_axes: Optional[Sequence[Optional[str]]] = None
+    config: Optional[AgGemmConfig] = None
 
     @nn.compact
     def __call__(self, x):
@@ -505,6 +541,7 @@ class ColumnParallelDense(nn.Module):
         features = _features(where, "features", self.features)
         axis_name = _check_layer_args(where, self.axis_name, "gather", self.gather, _GATHER, self.use_bias,
                                       self.dtype, self.param_dtype)
+        _check_config(where, self.config, AgGemmConfig)
         _check_array(where, "x", x)
         if self.kernel_axes is None and len(features) != 1:
             raise ValueError(f"{where}: kernel_axes is required when features is a tuple ({features}); e.g. "
@@ -528,7 +565,7 @@ class ColumnParallelDense(nn.Module):
         bias = (_linen_param(self, "bias", _flat_init(self.bias_init, 0), bias_axes, local, self.param_dtype, where)
                 if self.use_bias else None)
         return column_parallel_linear(x, kernel, bias, axis_name=axis_name, gather=gather, dtype=self.dtype,
-                                      where=where)
+                                      config=self.config, where=where)
 
 
 # ----------------------------------------------------------------------------------------------

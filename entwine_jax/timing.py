@@ -2,6 +2,8 @@
 # the suite shapes and their command-line spelling, the result check, programs timed in interleaved
 # rounds and the max over processes. A library module: it imports neither the CLI nor ops.
 import argparse
+import itertools
+import json
 import math
 import re
 import statistics
@@ -11,6 +13,8 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from entwine_jax import _distributed
 
 # (M, N, K_local) of the bar in DESIGN.md; the quick suite is its first three (K = 1024).
 DESIGN_SUITE = [(4096, 8192, 1024), (8192, 8192, 1024), (16384, 8192, 1024), (8192, 8192, 3584),
@@ -22,6 +26,9 @@ SHORT_NAMES = {jnp.dtype(jnp.bfloat16).name: "bf16", jnp.dtype(jnp.float16).name
 
 # Relative Frobenius error of the fused op against the XLA reference, bf16 and fp16 alike (DESIGN.md).
 TOL = 1e-2
+
+# Numbers the key-value exchanges of max_over_processes (each key is written once).
+_exchanges = itertools.count()
 
 
 def parse_shapes(text: str) -> list:
@@ -56,10 +63,13 @@ def rounds(iters: int, batch: int) -> int:
 
 
 def time_interleaved(programs: dict, iters: int, warmup: int, batch: int,
-                     on_round: Optional[Callable[[int], None]] = None) -> dict:
+                     on_round: Optional[Callable[[int], None]] = None,
+                     before_batch: Optional[Callable[[], None]] = None) -> dict:
     """{name: (fn, args)} -> {name: median per-call ms}, the programs timed in rounds: every round
     times one batch of `batch` back-to-back dispatches of each program in turn, >= iters calls per
     program in all. on_round(r) is called after round r (a progress bar counts timed work).
+    before_batch() is called before every timed batch, outside its time: with several processes, a
+    barrier, so that every process times the same batch of the same program at once.
 
     Rounds, not one program after the other: back-to-back GEMMs hold an H200 at its power cap,
     where the clock, and with it a program's time, depends on what ran just before (PERF.md v7).
@@ -80,6 +90,8 @@ def time_interleaved(programs: dict, iters: int, warmup: int, batch: int,
     for r in range(rounds(iters, batch)):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn, args = programs[name]
+            if before_batch is not None:
+                before_batch()
             t0 = time.perf_counter()
             for _ in range(batch):
                 out = fn(*args)
@@ -90,12 +102,24 @@ def time_interleaved(programs: dict, iters: int, warmup: int, batch: int,
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def max_over_processes(values: list) -> list:
+def max_over_processes(values: list, timeout_ms: int = 1_800_000) -> list:
     """Per-entry max over processes (DESIGN.md: max over ranks of the median); NaN = skipped.
 
-    Every process must call it with a list of the same length (it is a collective)."""
+    Every process must call it with a list of the same length, in the same order (it is a
+    collective). Through the jax.distributed key-value store, not a device collective: NCCL cannot
+    run where several processes share one GPU (the W-processes-on-one-GPU model), the store can.
+    timeout_ms bounds the wait for the slowest process (it may still be timing)."""
     if jax.process_count() == 1:
         return values
-    from jax.experimental import multihost_utils
-    gathered = np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float64)))
-    return [float(v) for v in np.max(gathered.reshape(jax.process_count(), -1), axis=0)]
+    client = _distributed.client()
+    if client is None:  # no store to use (not started by jax.distributed): a device all-gather
+        from jax.experimental import multihost_utils
+        gathered = np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float64)))
+        return [float(v) for v in np.max(gathered.reshape(jax.process_count(), -1), axis=0)]
+    # Keys are written once: every exchange gets its own prefix, the same on every process.
+    key = f"entwine_timing/{next(_exchanges)}"
+    _distributed.kv_set(f"{key}/{jax.process_index()}", json.dumps([float(v) for v in values]).encode())
+    rows = [json.loads(_distributed.kv_get(f"{key}/{p}", timeout_ms)) for p in range(jax.process_count())]
+    if any(len(row) != len(values) for row in rows):
+        raise RuntimeError(f"max_over_processes: processes passed lists of lengths {[len(r) for r in rows]}")
+    return [float(v) for v in np.max(np.asarray(rows, np.float64), axis=0)]

@@ -1,9 +1,11 @@
-"""A tensor-parallel MLP block with entwine_jax.gemm_rs, checked against plain JAX.
+"""A sequence-parallel MLP block with entwine_jax.ag_gemm and gemm_rs, checked against plain JAX.
 
-Column-parallel up projection (w_up sharded on its output dim, no communication), gelu, then the
-row-parallel down projection as one fused GEMM + ReduceScatter over "tp" (tokens leave it
-sequence-parallel: each tp rank keeps its slice of rows). Tokens are split over "dp" as well.
-Forward and gradients are compared with the unsharded math; exits 1 on mismatch.
+Each tp rank holds its slice of the tokens, [T/dp/tp, D]. The column-parallel up projection
+(w_up sharded on its output dim) gathers the tokens inside the GEMM (ag_gemm: AllGather + GEMM),
+gelu, then the row-parallel down projection reduce-scatters them back to the rank's slice (gemm_rs:
+GEMM + ReduceScatter). In the backward pass each op's dx is the other op, so neither direction has
+another collective over "tp". Tokens are split over "dp" as well. Forward and gradients are
+compared with the unsharded math; exits 1 on mismatch.
 
 Runs anywhere: on CPU it forces 8 host devices (dp=2 x tp=4); on GPUs it uses them all.
 """
@@ -28,8 +30,8 @@ TOL = 2e-2
 
 
 def mlp_tp(x, w_up, w_down):
-    """Per device: x [T/dp, D] (full D), w_up [D, F/tp], w_down [F/tp, D] -> [T/dp/tp, D]."""
-    h = jax.nn.gelu(x @ w_up)
+    """Per device: x [T/dp/tp, D], w_up [D, F/tp], w_down [F/tp, D] -> [T/dp/tp, D]."""
+    h = jax.nn.gelu(entwine_jax.ag_gemm(x, w_up, axis_name="tp"))  # [T/dp, F/tp]
     return entwine_jax.gemm_rs(h, w_down, axis_name="tp")
 
 
@@ -56,21 +58,23 @@ def main() -> int:
     w_up = (jax.random.normal(ku, (D_MODEL, D_FF), jnp.float32) / D_MODEL**0.5).astype(DTYPE)
     w_down = (jax.random.normal(kd, (D_FF, D_MODEL), jnp.float32) / D_FF**0.5).astype(DTYPE)
 
-    specs = (P("dp", None), P(None, "tp"), P("tp", None))
-    # Output rows: split over dp, then over tp inside each dp group.
-    layer = jax.shard_map(mlp_tp, mesh=mesh, in_specs=specs, out_specs=P(("dp", "tp"), None))
+    # Input and output rows: split over dp, then over tp inside each dp group.
+    rows = P(("dp", "tp"), None)
+    specs = (rows, P(None, "tp"), P("tp", None))
+    layer = jax.shard_map(mlp_tp, mesh=mesh, in_specs=specs, out_specs=rows)
     forward = jax.jit(layer)
     loss = lambda f: (lambda x, wu, wd: jnp.mean(f(x, wu, wd).astype(jnp.float32) ** 2))
-    grads = jax.jit(jax.grad(loss(layer), argnums=(1, 2)))
+    grads = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))
 
     with jax.set_mesh(mesh):
         args = [jax.device_put(a, s) for a, s in zip((x, w_up, w_down), specs)]
         y = forward(*args)
-        g_up, g_down = grads(*args)
+        g_x, g_up, g_down = grads(*args)
     y_ref = mlp_plain(x, w_up, w_down)
-    r_up, r_down = jax.grad(loss(mlp_plain), argnums=(1, 2))(x, w_up, w_down)
+    r_x, r_up, r_down = jax.grad(loss(mlp_plain), argnums=(0, 1, 2))(x, w_up, w_down)
 
-    errors = {"forward": rel_err(y, y_ref), "grad w_up": rel_err(g_up, r_up), "grad w_down": rel_err(g_down, r_down)}
+    errors = {"forward": rel_err(y, y_ref), "grad x": rel_err(g_x, r_x), "grad w_up": rel_err(g_up, r_up),
+              "grad w_down": rel_err(g_down, r_down)}
     for name, err in errors.items():
         print(f"{name:12s} max error {err:.2e} (relative to max |reference|, tolerance {TOL:.0e})")
     if y.shape != y_ref.shape or y.dtype != DTYPE or max(errors.values()) > TOL:

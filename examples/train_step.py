@@ -3,28 +3,46 @@
 The model: token embedding, decoder blocks (RMSNorm, causal attention with rotary embeddings,
 RMSNorm, SwiGLU MLP), a final RMSNorm and the vocabulary head. Tensor parallel over "tp" with
 sequence parallelism (the Entwine paper's layout): the residual stream of each device holds its
-slice of tokens [T/tp, D]; each block all-gathers the normed tokens, runs the column-parallel q/k/v
-and gate/up projections on its heads / hidden slice, and the row-parallel attention output and MLP
-down projections (entwine_jax.gemm_rs: GEMM + ReduceScatter) return to [T/tp, D]. Data parallel
-over "dp": tokens split, parameters replicated.
+slice of tokens [T/tp, D], and the norms run on that slice. The column-parallel q/k/v and gate/up
+projections need every token of the dp shard, on their heads / hidden slice; the row-parallel
+attention output and MLP down projections (entwine_jax.gemm_rs: GEMM + ReduceScatter) return to
+[T/tp, D]. Data parallel over "dp": tokens split, parameters replicated.
+
+Two ways to gather the tokens for the column-parallel projections:
+- presets "tiny", "gpu": one plain jax.lax.all_gather per sub-block feeds q/k/v (gate/up), which
+  are plain XLA dots; their backward is a reduce-scatter XLA adds.
+- presets "sp-tiny", "sp-gpu" (Config.fused_gather): the projections gather the tokens themselves,
+  entwine_jax.ag_gemm (AllGather + GEMM), one per sub-block on the q/k/v (gate/up) kernels
+  concatenated. ag_gemm's backward is a gemm_rs and gemm_rs's an ag_gemm, so every tensor-parallel
+  collective of a block, forward and backward, is one of the two fused ops. The program checks it
+  before training: on every platform it walks the jaxpr of the train step (no collective over tp
+  outside the ops and the gradient all-reduce, check_jaxpr); on GPUs it also reads the compiled
+  HLO (the custom calls entwine_ag_gemm and entwine_gemm_rs, 4 of each per block, and no
+  all-gather / reduce-scatter left; check_compiled_hlo). Exits 1 when a check fails.
 
 The whole train step (forward, backward, optax.adamw update) is one jax.shard_map under jax.jit.
-Parameters are replicated over dp, so shard_map's AD sums their gradients over dp (and over tp
-for the tp-replicated norms and embeddings); the out_specs, which do not mention dp, make a
-missing sum a trace-time error. The same model written with plain jax.numpy on unsharded arrays
-is trained in lockstep from the same initial parameters and batches: both loss curves are printed
-and must agree within TOL[dtype]; exits 1 on mismatch.
+Each rank differentiates its own loss with respect to its own copy of the parameters, and
+reduce_gradients then does every gradient all-reduce of the step in one place: over dp for all
+parameters, over tp too for the tp-replicated norms, embedding and head (their gradients are
+partial sums over this rank's tokens). The out_specs, which do not mention dp, make a missing sum
+a trace-time error. The same model written with plain jax.numpy on unsharded arrays is trained in
+lockstep from the same initial parameters and batches: both loss curves are printed and must agree
+within TOL[dtype]; exits 1 on mismatch.
 
-Runs anywhere: on CPU it forces 8 host devices (dp=2 x tp=4; gemm_rs takes its XLA path); on
+Runs anywhere: on CPU it forces 8 host devices (dp=2 x tp=4; the ops take their XLA path); on
 GPUs it uses them all (tp = up to 8). The fused kernels need Hopper GPUs, bf16/fp16 and aligned
-shapes (the "gpu" preset); elsewhere gemm_rs falls back and logs why once per call site.
+shapes (the "gpu" and "sp-gpu" presets); elsewhere the ops fall back and log why once per call site.
 
-    python examples/train_step.py [--steps 5] [--dtype float32|bfloat16] [--preset tiny|gpu]
+    python examples/train_step.py [--steps 5] [--dtype float32|bfloat16]
+                                  [--preset tiny|gpu|sp-tiny|sp-gpu]
 """
 import argparse
+import collections
 import dataclasses
 import logging
+import math
 import os
+import re
 import sys
 import time
 
@@ -65,6 +83,9 @@ class Config:
     batch_per_dp: int = 2
     lr: float = 1e-2
     dtype: str = "float32"  # compute dtype of the sharded model; parameters are float32
+    # True: the column-parallel projections gather the sequence with entwine_jax.ag_gemm; False: one
+    # plain all_gather per sub-block (see the module docstring).
+    fused_gather: bool = False
 
 
 PRESETS = {
@@ -77,6 +98,9 @@ PRESETS = {
     "gpu": Config(vocab=1024, d_model=1024, heads=8, head_dim=128, d_ff=4096, layers=2, seq=1024, batch_per_dp=2,
                   lr=1e-3, dtype="bfloat16"),
 }
+# Sequence parallel with every tensor-parallel collective of a block in the fused ops.
+PRESETS["sp-tiny"] = dataclasses.replace(PRESETS["tiny"], fused_gather=True)
+PRESETS["sp-gpu"] = dataclasses.replace(PRESETS["gpu"], fused_gather=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,6 +116,15 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...])
 
 
+def gathered_projections(h, projections, dtype):
+    """The column-parallel projections of the sequence-sharded h [T/tp, D], one ag_gemm for all of
+    them: their local kernels [D, ...] concatenated on dim 1, the gather fused into the GEMM
+    (gather="rows"), the output split back -> one [T, ...] per projection."""
+    kernel = jnp.concatenate([p.kernel[...] for p in projections], axis=1)
+    y = layers.column_parallel_linear(h, kernel, gather="rows", dtype=dtype)
+    return jnp.split(y, len(projections), axis=1)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: Config, *, rngs):
         h, dh, d, dt = cfg.heads, cfg.head_dim, cfg.d_model, cfg.dtype
@@ -100,12 +133,17 @@ class Attention(nnx.Module):
         self.k = layers.ColumnParallelLinear(d, (h, dh), **qkv)
         self.v = layers.ColumnParallelLinear(d, (h, dh), **qkv)
         self.out = layers.RowParallelLinear((h, dh), d, kernel_axes=("heads", "kv", "embed"), dtype=dt, rngs=rngs)
-        self.seq = cfg.seq
+        self.seq, self.dtype, self.fused_gather = cfg.seq, dt, cfg.fused_gather
 
     def __call__(self, h):
-        # h: [T, D], every token of this dp shard, sequences back to back -> [T/tp, D].
-        t = h.shape[0]
-        q, k, v = (p(h).reshape(t // self.seq, self.seq, *p.kernel.shape[1:]) for p in (self.q, self.k, self.v))
+        # h: [T, D], every token of this dp shard, sequences back to back (fused_gather: its
+        # [T/tp, D] slice, gathered by the projection) -> [T/tp, D].
+        if self.fused_gather:
+            q, k, v = gathered_projections(h, (self.q, self.k, self.v), self.dtype)
+        else:
+            q, k, v = (p(h) for p in (self.q, self.k, self.v))
+        t = q.shape[0]
+        q, k, v = (a.reshape(t // self.seq, self.seq, *a.shape[1:]) for a in (q, k, v))
         o = causal_attention(rope(q), rope(k), v)  # [B, S, heads/tp, Dh]
         return self.out(o.reshape(t, *o.shape[2:]))
 
@@ -116,19 +154,30 @@ class MLP(nnx.Module):
         self.gate = layers.ColumnParallelLinear(d, f, dtype=dt, rngs=rngs)
         self.up = layers.ColumnParallelLinear(d, f, dtype=dt, rngs=rngs)
         self.down = layers.RowParallelLinear(f, d, dtype=dt, rngs=rngs)
+        self.dtype, self.fused_gather = dt, cfg.fused_gather
 
     def __call__(self, h):
-        # h: [T, D] -> [T/tp, D]
-        return self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+        # h: [T, D] (fused_gather: [T/tp, D]) -> [T/tp, D]
+        if self.fused_gather:
+            g, u = gathered_projections(h, (self.gate, self.up), self.dtype)
+        else:
+            g, u = self.gate(h), self.up(h)
+        return self.down(jax.nn.silu(g) * u)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: Config, *, rngs):
         self.attn_norm, self.attn = RMSNorm(cfg.d_model, rngs=rngs), Attention(cfg, rngs=rngs)
         self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, rngs=rngs), MLP(cfg, rngs=rngs)
+        self.fused_gather = cfg.fused_gather
 
     def __call__(self, x):
-        # x: [T/tp, D] (sequence parallel). One all-gather per sub-block feeds all its projections.
+        # x: [T/tp, D] (sequence parallel); the norms run on it.
+        if self.fused_gather:
+            # The projections gather the normed tokens themselves (ag_gemm).
+            x = x + self.attn(self.attn_norm(x))
+            return x + self.mlp(self.mlp_norm(x))
+        # One plain all-gather per sub-block feeds all its projections.
         gather = lambda a: jax.lax.all_gather(a, "tp", axis=0, tiled=True)
         x = x + self.attn(gather(self.attn_norm(x)))
         return x + self.mlp(gather(self.mlp_norm(x)))
@@ -206,8 +255,146 @@ def reference_loss(p, tokens, targets, cfg: Config):
 
 
 # ----------------------------------------------------------------------------------------------
+# Where the collectives over tp come from (the sequence-parallel presets' checks)
+# ----------------------------------------------------------------------------------------------
+
+# Primitives that name a mesh axis but move no data.
+_NOT_COMMUNICATION = frozenset({"axis_index", "pvary"})
+Collective = collections.namedtuple("Collective", "primitive axes shapes owner")
+
+
+def _function_key(fn) -> tuple:
+    return os.path.realpath(fn.__code__.co_filename), fn.__code__.co_name
+
+
+def op_owners() -> dict:
+    """(file, function) -> label for the fused ops' entry points: whatever an op traces (its
+    forward, inlined into a differentiated jaxpr, and its backward) has that frame in its traceback."""
+    return {_function_key(entwine_jax.ag_gemm): "ag_gemm", _function_key(entwine_jax.gemm_rs): "gemm_rs"}
+
+
+def tp_collectives(jaxpr, axis: str = "tp", owners: dict | None = None) -> list:
+    """Every collective over `axis` in a jaxpr (jax.make_jaxpr's result) and the jaxprs inside its
+    equations (jit, shard_map, custom_vjp_call, ...), each as a Collective whose owner is the label of
+    the innermost function of `owners` (default: op_owners()) that traced it, or None: a collective
+    that none of them made."""
+    owners = op_owners() if owners is None else owners
+    found = []
+
+    def owner(eqn):
+        # Each equation keeps the Python traceback of the call that traced it (innermost first).
+        tb = eqn.source_info.traceback
+        for frame in (tb.frames if tb is not None else ()):
+            label = owners.get((os.path.realpath(frame.file_name), frame.function_name))
+            if label is not None:
+                return label
+        return None
+
+    def walk(j):
+        for eqn in j.eqns:
+            names = [a for key in ("axis_name", "axes") for v in [eqn.params.get(key)]
+                     for a in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(a, str)]
+            if axis in names and eqn.primitive.name not in _NOT_COMMUNICATION:
+                shapes = tuple(tuple(v.aval.shape) for v in eqn.outvars)
+                found.append(Collective(eqn.primitive.name, tuple(names), shapes, owner(eqn)))
+            for v in eqn.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
+    return found
+
+
+def check_jaxpr(train_step, args) -> tuple[list, list]:
+    """(report lines, problems) for the train step's jaxpr: every collective over tp must come from
+    ag_gemm, gemm_rs or reduce_gradients."""
+    owners = {**op_owners(), _function_key(reduce_gradients): "reduce_gradients"}
+    found = tp_collectives(jax.make_jaxpr(train_step)(*args), "tp", owners)
+    counts = collections.Counter((c.owner, c.primitive) for c in found if c.owner is not None)
+    # An op's backward (the other op) is traced under the op's own frame: counted with it.
+    report = [f"jaxpr: {len(found)} collective(s) over tp; by ag_gemm, gemm_rs (each with its backward) and "
+              "reduce_gradients: " + ", ".join(f"{who} {n} {prim}" for (who, prim), n in sorted(counts.items()))]
+    problems = [f"jaxpr: {c.primitive} over {c.axes} of shape {c.shapes} outside ag_gemm, gemm_rs and "
+                "reduce_gradients" for c in found if c.owner is None]
+    if not any(who in ("ag_gemm", "gemm_rs") for who, _ in counts):
+        problems.append("jaxpr: no collective over tp in ag_gemm or gemm_rs: the check saw nothing to attribute")
+    return report, problems
+
+
+# An HLO instruction's opcode, after its result shape: `%x = f32[4,16]{1,0} all-gather(...)`.
+_HLO_COLLECTIVE = re.compile(r"\s(all-gather|reduce-scatter|all-reduce|all-to-all|ragged-all-to-all|"
+                             r"collective-permute|collective-broadcast)(?:-start)?\(")
+# XLA prints the replica groups of a shard_map collective with the mesh axes it spans:
+# `replica_groups=mesh['dp'=2,'tp'=4] {'tp'}`.
+_HLO_MESH_GROUPS = re.compile(r"replica_groups=mesh\[[^\]]*\]\s*\{([^}]*)\}")
+
+
+def check_compiled_hlo(text: str, n_layers: int, axis: str = "tp") -> tuple[list, list]:
+    """(report lines, problems) for the compiled train step's HLO text on GPUs: per block, the fused
+    ops' custom calls (2 ag_gemm and 2 gemm_rs forward, as many backward: each op's backward is one
+    call of the other), and no collective over `axis` but the gradient all-reduce (the all-reduces
+    whose metadata says reduce_gradients; XLA's all-reduce combiner keeps it). A collective whose
+    replica groups are printed without mesh axes counts as one over `axis`."""
+    calls = collections.Counter(re.findall(r'custom_call_target="(entwine_ag_gemm|entwine_gemm_rs)"', text))
+    expected = 4 * n_layers
+    problems = [f"HLO: {calls[t]} {t} custom calls, expected {expected} (2 forward + 2 backward per block; "
+                "ENTWINE_PRINT_CONFIG=1 prints each call's path and why it fell back)"
+                for t in ("entwine_ag_gemm", "entwine_gemm_rs") if calls[t] != expected]
+    reduces = 0
+    for line in text.splitlines():
+        m = _HLO_COLLECTIVE.search(line)
+        if m is None:
+            continue
+        groups = _HLO_MESH_GROUPS.search(line)
+        if groups is not None and f"'{axis}'" not in groups.group(1):
+            continue
+        name = re.search(r'op_name="([^"]*)"', line)
+        if m.group(1) == "all-reduce" and name is not None and "/reduce_gradients/" in name.group(1):
+            reduces += 1
+        else:
+            problems.append(f"HLO: {m.group(1)} over {axis!r} outside the gradient all-reduce: {line.strip()[:300]}")
+    report = [f"HLO: {calls['entwine_ag_gemm']} entwine_ag_gemm and {calls['entwine_gemm_rs']} entwine_gemm_rs "
+              f"custom calls, {reduces} gradient all-reduce(s) over {axis!r}"]
+    return report, problems
+
+
+def check_collectives(cfg: Config, mesh, train_step, args) -> tuple[list, list]:
+    """The sequence-parallel presets' checks (module docstring): the jaxpr walk everywhere, the
+    compiled HLO on GPUs. Returns (report lines, problems)."""
+    report, problems = check_jaxpr(train_step, args)
+    if mesh.devices.flat[0].platform == "gpu":
+        if mesh.shape["tp"] == 1:
+            problems.append("HLO: tp = 1, nothing to gather or scatter: the ops run XLA's GEMM alone (the fused "
+                            "path needs 2 or more GPUs)")
+        more = check_compiled_hlo(train_step.lower(*args).compile().as_text(), cfg.layers)
+        report, problems = report + more[0], problems + more[1]
+    return report, problems
+
+
+# ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
+
+def _spec_axes(spec) -> set:
+    return {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
+
+
+def reduce_gradients(loss, grads, specs, axes=("dp", "tp")):
+    """The global mean loss and its gradients from this rank's: every gradient all-reduce of the step.
+
+    loss: this rank's mean over its tokens; grads: the gradient of every rank's loss summed with
+    respect to this rank's copy of each parameter. A gradient is summed over the axes its parameter
+    is replicated on (specs: the parameters' PartitionSpecs) and divided by the number of ranks
+    (equal token shards)."""
+    n = math.prod(jax.lax.axis_size(a) for a in axes)
+    with jax.named_scope("reduce_gradients"):
+        grads = jax.tree.map(lambda g, s: jax.lax.psum(g, tuple(a for a in axes if a not in _spec_axes(s))) / n,
+                             grads, specs)
+        return jax.lax.pmean(loss, axes), grads
+
 
 def make_mesh(n_devices: int, platform: str):
     """dp x tp over all devices: tp = 4 on CPU (8 forced devices: 2 x 4), up to 8 on GPUs."""
@@ -257,12 +444,17 @@ def build(cfg: Config, mesh, *, seed: int = 0):
     tok_spec = P(("dp", "tp"))
 
     def local_step(params, opt_state, tokens, targets):
-        def loss_fn(params):
-            logits = nnx.merge(graphdef, params)(tokens)
-            # The global mean over every token (equal shard sizes).
-            return jax.lax.pmean(cross_entropy(logits, targets), ("dp", "tp"))
+        # This rank's own copy of each parameter (varying over every mesh axis): differentiating
+        # this rank's loss then gives partial gradients, which reduce_gradients sums, instead of AD
+        # inserting the sums wherever a replicated parameter meets sharded activations.
+        local = jax.tree.map(lambda p, s: jax.lax.pcast(p, tuple(a for a in ("dp", "tp") if a not in _spec_axes(s)),
+                                                        to="varying"), params, param_specs)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        def loss_fn(params):
+            return cross_entropy(nnx.merge(graphdef, params)(tokens), targets)
+
+        loss, grads = jax.value_and_grad(loss_fn)(local)
+        loss, grads = reduce_gradients(loss, grads, param_specs)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -290,17 +482,29 @@ def build(cfg: Config, mesh, *, seed: int = 0):
     return train_step, ref_step, place, (params, opt_state, ref_params, ref_opt_state)
 
 
-def train(cfg: Config, steps: int, *, seed: int = 0, verbose: bool = True):
-    """Trains both models for `steps` steps; returns (losses, reference losses, max difference, relative above 1)."""
+class TrainResult(collections.namedtuple("TrainResult", "losses ref_losses diff report problems")):
+    """losses, ref_losses: per step; diff: the max loss difference (relative, absolute below 1);
+    report, problems: the lines of check_collectives (empty without check=True)."""
+
+
+def train(cfg: Config, steps: int, *, seed: int = 0, verbose: bool = True, check: bool = False) -> TrainResult:
+    """Trains both models for `steps` steps; with check=True runs check_collectives on the train
+    step first (with the first batch)."""
     mesh = make_mesh(len(jax.devices()), jax.devices()[0].platform)
     dp = mesh.shape["dp"]
     train_step, ref_step, place, (params, opt_state, ref_params, ref_opt_state) = build(cfg, mesh, seed=seed)
     rng = np.random.default_rng(seed)
-    losses, ref_losses = [], []
+    losses, ref_losses, report, problems = [], [], [], []
     for step in range(steps):
         tokens, targets = make_batch(rng, cfg, dp)
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
+            if check and step == 0:
+                args = (params, opt_state, *place(tokens, targets))
+                report, problems = check_collectives(cfg, mesh, train_step, args)
+                if verbose:
+                    print("\n".join(report + problems), flush=True)
+                t0 = time.perf_counter()
             params, opt_state, loss = train_step(params, opt_state, *place(tokens, targets))
         ref_params, ref_opt_state, ref_loss = ref_step(ref_params, ref_opt_state, tokens, targets)
         losses.append(float(loss))
@@ -309,7 +513,7 @@ def train(cfg: Config, steps: int, *, seed: int = 0, verbose: bool = True):
             print(f"step {step}: loss {losses[-1]:.6f}  reference {ref_losses[-1]:.6f}  "
                   f"({time.perf_counter() - t0:.2f} s)", flush=True)
     diff = max(abs(a - b) / max(abs(b), 1.0) for a, b in zip(losses, ref_losses))
-    return losses, ref_losses, diff
+    return TrainResult(losses, ref_losses, diff, report, problems)
 
 
 def main(argv=None) -> int:
@@ -323,7 +527,7 @@ def main(argv=None) -> int:
     cfg = PRESETS[args.preset]
     if args.dtype:
         cfg = dataclasses.replace(cfg, dtype=args.dtype)
-    # Says once per call site why gemm_rs takes the XLA path (CPU, float32, shapes, no extension).
+    # Says once per call site why an op takes the XLA path (CPU, float32, shapes, no extension).
     logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
     logging.getLogger("entwine_jax").setLevel(logging.INFO)
 
@@ -332,7 +536,8 @@ def main(argv=None) -> int:
           f"({jax.devices()[0].device_kind}); extension: {entwine_jax.extension_status()[1]}")
     print(f"preset {args.preset}: {cfg}")
     t0 = time.perf_counter()
-    losses, ref_losses, diff = train(cfg, args.steps)
+    # The sequence-parallel presets check where their collectives come from before the first step.
+    losses, ref_losses, diff, _, problems = train(cfg, args.steps, check=cfg.fused_gather)
     tol = TOL[cfg.dtype]
     print(f"losses    {' '.join(f'{v:.5f}' for v in losses)}")
     print(f"reference {' '.join(f'{v:.5f}' for v in ref_losses)}")
@@ -340,6 +545,9 @@ def main(argv=None) -> int:
           f"{time.perf_counter() - t0:.1f} s")
     if not diff <= tol or not all(np.isfinite(losses)):
         print("MISMATCH")
+        return 1
+    if problems:
+        print(f"COLLECTIVES CHECK FAILED ({len(problems)} problem(s), above)")
         return 1
     print("OK")
     return 0

@@ -1,7 +1,8 @@
-# entwine_jax.layers on 8 fake CPU devices (a dp=2 x tp=4 mesh; gemm_rs takes its XLA path):
-# NNX and Linen row/column-parallel layers against psum_scatter and the unsharded math, forward
-# and gradients, the three scatter modes, the bias added once after the reduce-scatter, logical-axis
-# metadata and partition_specs, and the ValueErrors for bad arguments.
+# entwine_jax.layers on 8 fake CPU devices (a dp=2 x tp=4 mesh; gemm_rs and ag_gemm take their XLA
+# path): NNX and Linen row/column-parallel layers against psum_scatter / all_gather + dot and the
+# unsharded math, forward and gradients, the three scatter and gather modes, the bias added once
+# after the reduce-scatter, logical-axis metadata and partition_specs, and the ValueErrors for bad
+# arguments.
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from entwine_jax import GemmRsConfig, layers  # noqa: E402
+from entwine_jax import AgGemmConfig, GemmRsConfig, layers  # noqa: E402
 from entwine_jax.layers import (DEFAULT_LOGICAL_AXIS_RULES, ColumnParallelDense, ColumnParallelLinear,  # noqa: E402
                                 RowParallelDense, RowParallelLinear, partition_specs)
 
@@ -186,15 +187,33 @@ def test_row_config_passed_through(mesh, monkeypatch):
 
 # ---------------------------------------------------------------- column-parallel
 
-# gather -> (x global shape, x spec): the layouts a row-parallel layer leaves behind.
-COL_INPUT = {None: P("dp", None), "rows": P(("dp", "tp"), None), "hidden": P("dp", "tp")}
+# gather -> (x global shape, x spec, output spec, the all-gather's dim): the layouts a row-parallel
+# layer leaves behind, and the column-parallel output (features over tp).
+COL_CASES = {
+    None: ((ROWS, IN), P("dp", None), P("dp", "tp"), None),
+    "rows": ((ROWS, IN), P(("dp", "tp"), None), P("dp", "tp"), 0),
+    "sequence": ((2, ROWS // 2, IN), P("dp", "tp", None), P("dp", None, "tp"), 1),
+    "hidden": ((ROWS, IN), P("dp", "tp"), P("dp", "tp"), 1),
+}
 
 
-@pytest.mark.parametrize("gather", [None, "rows", "hidden"], ids=str)
+def plain_column(gather):
+    """The column-parallel layer in plain XLA: all_gather (tiled) then a dot, on a {kernel, bias} dict."""
+    dim = COL_CASES[gather][3]
+
+    def fn(p, x):
+        if gather is not None:
+            x = jax.lax.all_gather(x, "tp", axis=dim, tiled=True)
+        return jnp.einsum("...i,io->...o", x, p["kernel"]) + p["bias"]
+    return fn, {"kernel": P(None, "tp"), "bias": P("tp")}
+
+
+@pytest.mark.parametrize("gather", [None, "rows", "sequence", "hidden"], ids=str)
 @pytest.mark.parametrize("api", ["nnx", "linen"])
 def test_column_parallel(mesh, api, gather):
-    x = normal(7, (ROWS, IN))
-    cot = normal(8, (ROWS, OUT))
+    x_shape, x_spec, out_spec, _ = COL_CASES[gather]
+    x = normal(7, x_shape)
+    cot = normal(8, x_shape[:-1] + (OUT,))
     if api == "nnx":
         graphdef, params, specs = nnx_layer(mesh, ColumnParallelLinear, IN, OUT, gather=gather, use_bias=True,
                                             bias_init=nnx.initializers.normal(1.0))
@@ -204,14 +223,100 @@ def test_column_parallel(mesh, api, gather):
         params, specs = linen_layer(mesh, module, x)
         fn = module.apply
     assert jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)) == [P("tp"), P(None, "tp")]
-    y, gp, gx = run(mesh, fn, params, specs, x, COL_INPUT[gather], P("dp", "tp"), cot)
+    y, gp, gx = run(mesh, fn, params, specs, x, x_spec, out_spec, cot)
     p, g = unbox(params), unbox(gp)
-    xs, c = np.asarray(x), np.asarray(cot)
-    assert y.shape == (ROWS, OUT)
-    assert rel_err(y, xs @ p["kernel"] + p["bias"]) <= TOL[jnp.float32]
+    xs, c = np.asarray(x).reshape(-1, IN), np.asarray(cot).reshape(-1, OUT)
+    assert y.shape == x_shape[:-1] + (OUT,) and y.dtype == jnp.float32
+    assert rel_err(y, (xs @ p["kernel"] + p["bias"]).reshape(y.shape)) <= TOL[jnp.float32]
     assert rel_err(g["kernel"], xs.T @ c) <= TOL[jnp.float32]
     assert rel_err(g["bias"], c.sum(0)) <= TOL[jnp.float32]
-    assert rel_err(gx, c @ p["kernel"].T) <= TOL[jnp.float32]
+    assert rel_err(gx, (c @ p["kernel"].T).reshape(x_shape)) <= TOL[jnp.float32]
+    # The same as all_gather + dot in plain XLA, forward and gradients.
+    plain, plain_specs = plain_column(gather)
+    with jax.set_mesh(mesh):
+        plain_params = jax.device_put(p, plain_specs)
+    y_plain, gp_plain, gx_plain = run(mesh, plain, plain_params, plain_specs, x, x_spec, out_spec, cot)
+    assert rel_err(y, y_plain) <= TOL[jnp.float32]
+    assert rel_err(gx, gx_plain) <= TOL[jnp.float32]
+    for name in ("kernel", "bias"):
+        assert rel_err(g[name], gp_plain[name]) <= TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("gather", ["rows", "sequence", "hidden"])
+def test_column_parallel_uses_ag_gemm(mesh, monkeypatch, gather):
+    # Every gather mode is one ag_gemm (its gather_dimension the split dim, the config passed through);
+    # gather=None calls none.
+    seen = []
+    real = layers.ag_gemm
+    monkeypatch.setattr(layers, "ag_gemm", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    cfg = AgGemmConfig(block_n=128, path="xla")
+    for g, config, calls in ((gather, cfg, 1), (None, None, 0)):
+        seen.clear()
+        graphdef, params, specs = nnx_layer(mesh, ColumnParallelLinear, IN, OUT, gather=g, config=config)
+        shape, in_spec, y_spec, _ = COL_CASES[g]
+        f = jax.jit(jax.shard_map(lambda p, x: nnx.merge(graphdef, p)(x), mesh=mesh, in_specs=(specs, in_spec),
+                                  out_specs=y_spec))
+        with jax.set_mesh(mesh):
+            f(params, jax.device_put(jnp.ones(shape), in_spec))
+        assert len(seen) == calls
+        if calls:
+            assert seen[0]["config"] is cfg and seen[0]["axis_name"] == "tp"
+            assert seen[0]["gather_dimension"] == {"rows": 0, "sequence": 1, "hidden": -1}[gather]
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_column_parallel_heads_bf16(mesh, api):
+    # q/k/v: kernel [D, heads, head_dim] (heads over tp), bf16 compute with fp32 parameters, the
+    # input sequence-sharded: ag_gemm on the kernel flattened to [D, heads/W * head_dim].
+    heads, head_dim = 8, 4
+    x = normal(13, (ROWS, IN))
+    axes = ("embed", "heads", "kv")
+    if api == "nnx":
+        graphdef, params, specs = nnx_layer(mesh, ColumnParallelLinear, IN, (heads, head_dim), gather="rows",
+                                            kernel_axes=axes, dtype=jnp.bfloat16)
+        fn = lambda p, x: nnx.merge(graphdef, p)(x)
+    else:
+        module = ColumnParallelDense((heads, head_dim), gather="rows", kernel_axes=axes, dtype=jnp.bfloat16)
+        params, specs = linen_layer(mesh, module, x)
+        fn = module.apply
+    out_spec = P("dp", "tp", None)
+    y, gp, gx = run(mesh, fn, params, specs, x.astype(jnp.bfloat16), P(("dp", "tp"), None), out_spec,
+                    normal(14, (ROWS, heads, head_dim)))
+    k = unbox(params)["kernel"]
+    assert y.shape == (ROWS, heads, head_dim) and y.dtype == jnp.bfloat16 and gx.dtype == jnp.bfloat16
+    assert unbox(gp)["kernel"].dtype == np.float32
+    assert rel_err(y, np.einsum("td,dhe->the", np.asarray(x), k)) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("gather", ["rows", "hidden"])
+def test_concatenated_kernels_one_gather(mesh, monkeypatch, gather):
+    # The module docstring's recipe: gate and up as one ag_gemm on their local kernels concatenated
+    # on the output features, split after: the same values and gradients as two calls.
+    seen = []
+    real = layers.ag_gemm
+    monkeypatch.setattr(layers, "ag_gemm", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    x_shape, x_spec, out_spec, _ = COL_CASES[gather]
+    x, cot = normal(15, x_shape), normal(16, x_shape[:-1] + (OUT,))
+    with jax.set_mesh(mesh):
+        kernels = jax.device_put({"gate": normal(17, (IN, OUT)), "up": normal(18, (IN, OUT))}, P(None, "tp"))
+
+    def separate(p, x):
+        g = layers.column_parallel_linear(x, p["gate"], gather=gather)
+        return jax.nn.silu(g) * layers.column_parallel_linear(x, p["up"], gather=gather)
+
+    def fused(p, x):
+        g, u = jnp.split(layers.column_parallel_linear(x, jnp.concatenate([p["gate"], p["up"]], axis=1),
+                                                       gather=gather), 2, axis=-1)
+        return jax.nn.silu(g) * u
+
+    specs = {"gate": P(None, "tp"), "up": P(None, "tp")}
+    y1, g1, gx1 = run(mesh, separate, kernels, specs, x, x_spec, out_spec, cot)
+    calls = len(seen)
+    y2, g2, gx2 = run(mesh, fused, kernels, specs, x, x_spec, out_spec, cot)
+    assert calls == 2 and len(seen) - calls == 1
+    assert rel_err(y2, y1) <= TOL[jnp.float32] and rel_err(gx2, gx1) <= TOL[jnp.float32]
+    for name in ("gate", "up"):
+        assert rel_err(g2[name], g1[name]) <= TOL[jnp.float32]
 
 
 def test_linen_mlp_block(mesh):
@@ -374,6 +479,8 @@ CTOR_ERRORS = [
     (ColumnParallelLinear, (IN, OUT), dict(gather="cols"), r"ColumnParallelLinear: gather must be one of \(None, "
                                                            r"'rows', 'sequence', 'hidden'\), got 'cols'"),
     (ColumnParallelLinear, (IN, (4, 6)), {}, r"kernel_axes is required when out_features is a tuple"),
+    (ColumnParallelLinear, (IN, OUT), dict(gather="rows", config=GemmRsConfig()),
+     r"ColumnParallelLinear: config must be an entwine_jax.AgGemmConfig or None, got GemmRsConfig"),
 ]
 
 
@@ -444,3 +551,7 @@ def test_functional_errors(mesh):
                                          r"got x shape \(32, 8\) after the all-gather"):
         trace_local(mesh, lambda p, x: layers.column_parallel_linear(x, jnp.ones((IN, 6)), gather="rows"), {}, {},
                     (ROWS, IN), P("dp", "tp"))
+    with pytest.raises(ValueError, match=r"ColumnParallelDense: config must be an entwine_jax.AgGemmConfig or None, "
+                                         r"got GemmRsConfig"):
+        ColumnParallelDense(OUT, gather="rows", config=GemmRsConfig()).init(jax.random.key(0), jnp.ones((ROWS, IN)))
+
