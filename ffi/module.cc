@@ -46,6 +46,7 @@ NB_MODULE(_entwine, m) {
   m.doc() = "entwine_jax CUDA extension: XLA FFI targets, the plans of both ops, and their communicators";
 
   m.attr("GEMM_RS_TARGET") = kGemmRsTarget;
+  m.attr("MAX_WORLD") = entwine::kMaxWorld;
   m.attr("AG_GEMM_TARGET") = kAgGemmTarget;
   m.def("registrations", [] {
     nb::dict targets;
