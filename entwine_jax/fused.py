@@ -58,27 +58,22 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def gemm_rs_plan(m: int, k: int, n: int, world: int, config, scatter_cols: bool = False) -> GemmRsPlan:
-    """The kernels' plan of x [m, k] @ w [k, n] scattered over `world` ranks (rows, or columns),
-    padded as the plan says: each partition to whole 128 x block_n blocks, K to the TMA alignment
-    (zeros add nothing to the sum). ValueError when the scattered dim does not divide by the world
-    or the kernels cannot run it (the C++ rule)."""
+def padding(m: int, k: int, n: int, world: int, block_n: int, scatter_cols: bool = False) -> Padding:
+    """The kernels' padding of x [m, k] @ w [k, n] scattered over `world` ranks (rows, or columns)
+    with `block_n`-wide blocks, the only config field it depends on: the plan pads each partition
+    to whole blocks and K to the TMA alignment (zeros add nothing to the sum). ValueError when the
+    scattered dim does not divide by the world, or the kernels cannot run the call."""
+    from entwine_jax.config import GemmRsConfig
+
     if scatter_cols and n % world:
         raise ValueError(f"gemm_rs: N={n} is not divisible by the axis size {world}")
     if not scatter_cols and m % world:
         raise ValueError(f"gemm_rs: M={m} is not divisible by the axis size {world}")
     try:
-        return _plan.gemm_rs_plan(m, n, k, world, config, scatter_cols)
+        return _plan.gemm_rs_plan(m, n, k, world, GemmRsConfig(block_n=block_n), scatter_cols)
     except _plan.PlanError as e:
-        raise ValueError(f"gemm_rs: the kernels cannot run x [{m}, {k}] @ w [{k}, {n}] over {world} ranks "
-                         f"with {config}: {e.rule}") from None
-
-
-def padding(m: int, k: int, n: int, world: int, block_n: int, scatter_cols: bool = False) -> Padding:
-    """The padding of a call with `block_n`-wide blocks (the only config field it depends on)."""
-    from entwine_jax.config import GemmRsConfig
-
-    return gemm_rs_plan(m, k, n, world, GemmRsConfig(block_n=block_n), scatter_cols)
+        raise ValueError(f"gemm_rs: the kernels cannot run x [{m}, {k}] @ w [{k}, {n}] over {world} ranks: "
+                         f"{e.rule}") from None
 
 
 def pad_operands(x, w, p: Padding, xp=jnp):
@@ -387,7 +382,6 @@ def shutdown() -> None:
             pass
         ext.shutdown()
         _comms.clear()
-
 
 
 def check_errors() -> None:

@@ -251,8 +251,9 @@ def test_plan_refuses_what_the_kernels_cannot_run(plan):
     assert not e.value.config_error
     with pytest.raises(_plan.PlanError, match="int32"):
         _plan.gemm_rs_plan(2**31, 128, 64, 1, CFG)
-    with pytest.raises(ValueError, match=r"gemm_rs: the kernels cannot run .*: config.consumer_grid must be"):
-        fused.gemm_rs_plan(256, 64, 256, 2, GemmRsConfig(consumer_grid=65))
+    with pytest.raises(ValueError, match=r"gemm_rs: the kernels cannot run x \[256, 64\] @ w \[64, 256\] over 16 "
+                                         r"ranks: world size must be in \[1, 8\]"):
+        fused.padding(256, 64, 256, 16, 128)
 
 
 def test_config_attributes_are_named():
