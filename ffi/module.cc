@@ -46,8 +46,8 @@ NB_MODULE(_entwine, m) {
   m.doc() = "entwine_jax CUDA extension: XLA FFI targets, the plans of both ops, and their communicators";
 
   m.attr("GEMM_RS_TARGET") = kGemmRsTarget;
-  m.attr("MAX_WORLD") = entwine::kMaxWorld;
   m.attr("AG_GEMM_TARGET") = kAgGemmTarget;
+  m.attr("MAX_WORLD") = entwine::kMaxWorld;  // the largest mesh axis the kernels serve
   m.def("registrations", [] {
     nb::dict targets;
     targets[kGemmRsTarget] = nb::capsule(reinterpret_cast<void*>(GemmRs));
@@ -115,7 +115,7 @@ NB_MODULE(_entwine, m) {
           entwine::AgGemmConfig config{block_n, gemm_sms, raster_rows, max_chunks};
           entwine::AgPlan p = entwine::ag_plan(problem, config);
           nb::dict d;
-          d["error"] = p.error ? nb::cast(std::string(p.error)) : nb::none();
+          d["error"] = rule_or_none(p.error);
           d["chunks"] = p.chunks;
           d["chunk_tiles"] = p.chunk_tiles;
           d["num_blocks"] = p.num_blocks;
