@@ -66,7 +66,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   if (dc == nullptr) {
     return ffi::Error::InvalidArgument(
         "entwine gemm_rs: no communicator " + std::to_string(comm_id) + " on device " +
-        std::to_string(device) + " (create it through entwine_jax.fused, at trace time)");
+        std::to_string(device) + " (entwine_jax.fused.acquire_comm makes it, at trace time)");
   }
   if (auto message = comm::error_message(*dc)) return ffi::Error::Internal(*message);
   if (!dc->connected) {
