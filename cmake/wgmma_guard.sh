@@ -2,7 +2,8 @@
 # Compiler launcher of the kernel sources (CMakeLists.txt, ENTWINE_WGMMA_GUARD): runs the compile,
 # passes its output through, and fails it when ptxas reports serialized wgmma (C7510/C7514/C7520).
 # ptxas prints that as "info", not as a warning, and a serialized mainloop runs 10-30% slower with
-# correct results, so without this it only shows up in a benchmark on a GPU (PERF.md v18).
+# correct results, so without this it only shows up in a benchmark on a GPU (docs/performance.md,
+# "What was tried").
 output=$("$@" 2>&1)
 status=$?
 [ -n "$output" ] && printf '%s\n' "$output" >&2

@@ -1,12 +1,12 @@
 # python -m entwine_jax {bench,tune} [args]: the package's command line. `bench` is the benchmark of
-# DESIGN.md (entwine_jax.bench), `tune` runs entwine_jax.tune() over the local GPUs and stores the
+# docs/performance.md (entwine_jax.bench), `tune` runs entwine_jax.tune() over the local GPUs and stores the
 # winners in the user cache. Its own entry point: `python -m entwine_jax.tuning` works too, but
 # runpy warns there because the package imports that module first.
 import sys
 
 PROG = "python -m entwine_jax"
 USAGE = f"""usage: {PROG} {{bench,tune}} [args]
-  bench   the benchmark protocol of DESIGN.md ({PROG} bench --help)
+  bench   time the fused ops against XLA ({PROG} bench --help)
   tune    tune() over the local GPUs, winners into the user cache ({PROG} tune --help)"""
 
 

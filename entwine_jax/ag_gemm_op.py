@@ -1,5 +1,6 @@
-# ag_gemm: argument checks, config choice, dispatch between the fused kernels (entwine_jax.fused)
-# and the XLA reference, and the custom VJP, whose dx is a gemm_rs in the same layout (the pairing of
+# ag_gemm: argument checks, config choice, dispatch between the fused kernels (entwine_jax.fused: its
+# plan and communicator are prepared once per call site, into the op's static plan) and the XLA
+# reference, and the custom VJP, whose dx is a gemm_rs in the same layout (the pairing of
 # docs/design.md, "ag_gemm").
 import dataclasses
 import functools
@@ -28,6 +29,7 @@ class _Plan:
     config: AgGemmConfig
     return_gathered: bool
     reason: Optional[str]  # None: the fused path (on CUDA); else why the XLA reference runs
+    fused_call: Any = None  # with reason None: fused.AgGemmCall (padding, grid, comm id)
 
 
 def _check_args(x, w, axis_name, gather_dimension) -> tuple[int, int]:
@@ -71,6 +73,7 @@ def _check_args(x, w, axis_name, gather_dimension) -> tuple[int, int]:
 
 
 def _fused_unavailable(x, w, plan_axis, axis_size, gd, config) -> Optional[str]:
+    """None when the fused kernels can run this call, else the reason they cannot (only answers)."""
     if config.path == "xla":
         return "config.path='xla'"
     if axis_size == 1 and config.path == "auto":
@@ -87,6 +90,23 @@ def _fused_unavailable(x, w, plan_axis, axis_size, gd, config) -> Optional[str]:
                                            axis_size=axis_size, gather_k=gather_k, config=config)
     except Exception as e:  # a bug there must not take the reference path down with it
         return f"entwine_jax.fused.ag_unavailable_reason raised {type(e).__name__}: {e}"
+
+
+def _prepare_fused(x, w, axis_name, axis_size, gd, config) -> tuple[Any, Optional[str]]:
+    """(fused.AgGemmCall, None) when the fused kernels run this call: its plan and communicator,
+    prepared once here (trace time); else (None, the reason the XLA reference runs)."""
+    reason = _fused_unavailable(x, w, axis_name, axis_size, gd, config)
+    if reason is not None:
+        return None, reason
+    fused, _ = _fused_module()
+    x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+    try:
+        return fused.prepare_ag_gemm(x2d, jax.ShapeDtypeStruct(tuple(w.shape), w.dtype), axis_name=axis_name,
+                                     axis_size=axis_size, gather_k=gd == x.ndim - 1, config=config), None
+    except fused.Unavailable as e:  # e.g. the communicator could not be set up: a visible fallback
+        return None, str(e)
+    except Exception as e:  # a bug there must not take the reference path down with it
+        return None, f"entwine_jax.fused.prepare_ag_gemm raised {type(e).__name__}: {e}"
 
 
 def _report(x, w, plan: _Plan, source: str) -> None:
@@ -116,8 +136,7 @@ def _fused_forward(x, w, *, plan: _Plan):
     world, gd, lead = plan.axis_size, plan.gather_dimension, tuple(x.shape[:-1])
     gather_k = gd == x.ndim - 1
     n = w.shape[1]
-    y2d, g = fused.ag_gemm_local(x.reshape(-1, x.shape[-1]), w, axis_name=plan.axis_name, axis_size=world,
-                                 config=plan.config, gather_k=gather_k, return_gathered=True)
+    y2d, g = fused.call_ag_gemm(x.reshape(-1, x.shape[-1]), w, plan.fused_call, return_gathered=True)
     names = sorted(_varying_axes(x) | _varying_axes(w), key=str)
     y2d, g = _make_varying(y2d, names), _make_varying(g, names)
     if gather_k:
@@ -200,9 +219,9 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
     if config is None:
         config, source = ag_heuristic_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], axis_size,
                                              x.dtype), "heuristic"
-    reason = _fused_unavailable(x, w, axis_name, axis_size, gd, config)
+    fused_call, reason = _prepare_fused(x, w, axis_name, axis_size, gd, config)
     plan = _Plan(axis_name=axis_name, axis_size=axis_size, gather_dimension=gd, config=config,
-                 return_gathered=return_gathered, reason=reason)
+                 return_gathered=return_gathered, reason=reason, fused_call=fused_call)
     _report(x, w, plan, source)
     names = sorted(_varying_axes(x) | _varying_axes(w) | set(_axis_names(axis_name)), key=str)
     return _ag_gemm(_make_varying(x, names), _make_varying(w, names), plan)

@@ -1,8 +1,8 @@
-# The benchmark of DESIGN.md ("Benchmark protocol"): per shape, XLA GEMM, XLA reduce-scatter, XLA
+# The benchmark program (docs/performance.md, "Reading the numbers"): per shape, XLA GEMM, XLA reduce-scatter, XLA
 # GEMM->RS (the baseline), XLA windowed einsum and entwine gemm_rs, one process driving every local
 # device. Prints one comparable line per shape and a geomean; optional JSON and plot. The command line
 # of --op ag_gemm (bench_ag) and --op mlp (bench_mlp, the layer-level bar) too, in both process models.
-"""The benchmark of DESIGN.md: per shape, XLA's GEMM, reduce-scatter, GEMM->reduce-scatter (the
+"""The benchmark of the fused ops: per shape, XLA's GEMM, reduce-scatter, GEMM->reduce-scatter (the
 baseline) and windowed einsum against entwine's gemm_rs, one process driving every local device; one
 line per shape and a geomean. Without CUDA GPUs the timings mean nothing: it then runs one small
 smoke shape (unless --shapes is given) with fewer calls. On GPUs it refuses to time the XLA path
@@ -40,7 +40,6 @@ SMOKE_SHAPE = (256, 256, 64)
 # Timed calls and warm-ups per program: on CUDA GPUs, and elsewhere (where timings mean nothing).
 GPU_ITERS, GPU_WARMUP = 100, 20
 SMOKE_ITERS, SMOKE_WARMUP = 10, 2
-FUSED_TARGET = "entwine_gemm_rs"
 OPS = ("gemm_rs", "ag_gemm", "mlp")
 DEFAULT_LAYOUTS = {"ag_gemm": ["rows"], "mlp": ["rows", "hidden"]}
 LAYOUT_NAMES = {"ag_gemm": {"hidden": "contraction"}, "mlp": {"contraction": "hidden"}}
@@ -66,6 +65,14 @@ share a GPU, NCCL cannot run, so only entwine, XLA's GEMMs and the bound are tim
     python -m entwine_jax bench --op ag_gemm                      # one process, every local GPU
 """
 
+
+
+def _fused_target() -> str:
+    """The custom-call name the fused gemm_rs lowers to (defined once, in the extension)."""
+    from entwine_jax import _plan
+
+    ext, _ = _plan.extension()
+    return ext.GEMM_RS_TARGET if ext is not None else "(no extension)"
 
 def parse_layouts(text):
     """'rows,hidden' -> ['rows', 'hidden'] (an argparse type; which layouts an op takes is checked later)."""
@@ -156,7 +163,7 @@ class Bench:
     def warm_up(self, seconds=1.0):
         """Back-to-back GEMMs on every device first: an idle GPU starts at a low clock, which
         otherwise lands on the first shape's columns (measured: its XLA and entwine times ~20% high;
-        one second was not enough in PERF.md v6/v7, when the columns were timed one after the other;
+        one second was not enough (docs/performance.md, "What was tried"), when the columns were timed one after the other;
         they are now timed in interleaved rounds, so a slow start weighs on all of them alike).
         GPUs only: on CPU the timings mean nothing anyway."""
         if self.mesh.devices.flat[0].platform != "gpu":
@@ -199,7 +206,7 @@ class Bench:
                             (self.x_spec, self.w_spec), P(AXIS))
         lowered, compiled = self.compile(fn, x, w)
         # The FFI target in the lowered program is the proof; the reason is for the user.
-        if FUSED_TARGET in lowered.as_text():
+        if _fused_target() in lowered.as_text():
             return compiled, "fused", None
         try:
             m, k, n = x.shape[0], x.shape[1] // self.world, w.shape[1]
@@ -209,7 +216,7 @@ class Bench:
                     AXIS, self.world, 0, config)
         except Exception as e:
             reason = f"entwine_jax.fused unavailable ({type(e).__name__}: {e})"
-        return compiled, "xla", reason or f"{FUSED_TARGET} not in the lowered program"
+        return compiled, "xla", reason or f"{_fused_target()} not in the lowered program"
 
     def config(self, m, n, k, overrides):
         # Fields not given come from what gemm_rs picks for this shape without an override: the

@@ -20,13 +20,20 @@ from entwine_jax.bench_run import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, ratio
 from entwine_jax.config import AgGemmConfig
 from entwine_jax.timing import TOL
 
-FUSED_TARGET = "entwine_ag_gemm"
 # (embed, mlp) of the MLP block's benchmark (bench_mlp) and the tokens per tensor-parallel group.
 MLP_DIMS = [(4096, 14336), (8192, 28672)]
 TOKENS = (8192, 16384)
 SMOKE_SHAPE = (256, 256, 64)
 LAYOUTS = ("rows", "contraction")
 
+
+
+def _fused_target() -> str:
+    """The custom-call name the fused ag_gemm lowers to (defined once, in the extension)."""
+    from entwine_jax import _plan
+
+    ext, _ = _plan.extension()
+    return ext.AG_GEMM_TARGET if ext is not None else "(no extension)"
 
 def suite(world: int) -> list:
     """The gate (or up) projection of the MLP block's shapes: M = tokens per tensor group, N = mlp/W
@@ -76,7 +83,7 @@ class AgBench:
         fn = r.shard_map(lambda x, w: entwine_jax.ag_gemm(x, w, axis_name=AXIS, gather_dimension=gd, config=config),
                          (x_spec, w_spec), P(None, AXIS))
         lowered, compiled = r.compile(fn, x, w)
-        if FUSED_TARGET in lowered.as_text():
+        if _fused_target() in lowered.as_text():
             return compiled, "fused", None
         m, k = x.shape
         local = (m // r.world, k) if layout == "rows" else (m, k // r.world)
@@ -87,7 +94,7 @@ class AgBench:
                     AXIS, r.world, gd, config)
         except Exception as e:
             reason = f"entwine_jax.fused unavailable ({type(e).__name__}: {e})"
-        return compiled, "xla", reason or f"{FUSED_TARGET} not in the lowered program"
+        return compiled, "xla", reason or f"{_fused_target()} not in the lowered program"
 
     def row(self, m, n, k, layout, progress, seed) -> dict:
         """Compiles every program of one shape, checks each entwine config against a reference

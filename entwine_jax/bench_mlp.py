@@ -40,8 +40,15 @@ TOKENS = (8192, 16384)
 LAYOUTS = ("rows", "hidden")
 # Without CUDA GPUs: T x D x F that compiles and runs in about a second on CPU (adjusted to W).
 SMOKE_SHAPE = (64, 64, 128)
-TARGETS = ("entwine_ag_gemm", "entwine_gemm_rs")
 
+
+
+def _targets() -> tuple:
+    """The custom-call names of the two fused ops (defined once, in the extension)."""
+    from entwine_jax import _plan
+
+    ext, _ = _plan.extension()
+    return (ext.AG_GEMM_TARGET, ext.GEMM_RS_TARGET) if ext is not None else ("(no extension)",)
 
 def suite() -> list:
     return [(t, d, f) for d, f in MLP_DIMS for t in TOKENS]
@@ -158,10 +165,11 @@ class MlpBench:
         bound = self._bounds[(t, d, f)]
         ours_collectives = collectives(ours.as_text())
         lowered_text = ours_lowered.as_text()
-        fused = all(target in lowered_text for target in TARGETS) and not ours_collectives
+        targets = _targets()
+        fused = all(target in lowered_text for target in targets) and not ours_collectives
         reason = None
         if not fused:
-            missing = [target for target in TARGETS if target not in lowered_text]
+            missing = [target for target in targets if target not in lowered_text]
             reason = self.fused_reason(t, d, f, layout) or (
                 f"{', '.join(missing) or 'no target'} missing, XLA collectives {ours_collectives}")
         programs = {"bound": (bound, bound_args)}

@@ -1,6 +1,7 @@
 # The printable configs of the fused ops: GemmRsConfig (mirrors entwine::GemmRsConfig in
 # ffi/gemm_rs/gemm_rs.h, plus the Python-only `path`), its global default and shape heuristic, and
-# AgGemmConfig (ffi/ag_gemm/ag_gemm.h) with its heuristic.
+# AgGemmConfig (ffi/ag_gemm/ag_gemm.h) with its heuristic. The kernels' shape rules (blocks, grids)
+# come from their C++ plan (entwine_jax._plan), never restated here.
 import contextlib
 import dataclasses
 from typing import Iterator, Optional
@@ -8,10 +9,10 @@ from typing import Iterator, Optional
 import numpy as np
 
 _PATHS = ("auto", "fused", "xla")
+# The values a config can hold, checked at construction with messages that name them; the kernels'
+# own rules (e.g. consumer_grid <= 64) are checked against the C++ plan when gemm_rs is traced.
 _BLOCK_N = (128, 256)
 _CONSUMER_BLOCK = (128, 256, 512)
-# Reduction tile of the consumer (entwine::kTileM x kTileN).
-_TILE = 128
 
 
 def _check_int(name: str, value, lo: int, where: str = "GemmRsConfig") -> None:
@@ -99,49 +100,68 @@ def using_config(config: Optional[GemmRsConfig]) -> Iterator[None]:
         set_default_config(previous)
 
 
-def heuristic_config(m: int, n: int, k: int, world: int, dtype) -> GemmRsConfig:
-    """Config for a call with x [m, k] (per rank), w [k, n] over `world` ranks.
+def producer_sms_beside(consumer_grid: int, sm_count: Optional[int] = None) -> int:
+    """The persistent producer grid beside a consumer of `consumer_grid` CTAs: the SMs it leaves.
+    The one place this split of the GPU is stated (heuristic_config, with_overrides, tune())."""
+    # More producer CTAs than SMs left over would only start once others finish all their work.
+    return max(1, (sm_count or _sm_count()) - consumer_grid)
 
-    Every rule says why; the tuned table (per GPU and shape) overrides these.
+
+def heuristic_config(m: int, n: int, k: int, world: int, dtype, *, scatter_cols: bool = False) -> GemmRsConfig:
+    """Config for a call with x [m, k] (per rank), w [k, n] over `world` ranks (scattered over
+    rows, or over N with scatter_cols).
+
+    Every rule says why; the tuned table (per GPU and shape) overrides these. Measurements:
+    docs/performance.md.
     """
     del dtype  # no rule depends on it yet
-    # 128x256 blocks measured 5-15% faster than 128x128 for the producer alone on H200 (PERF.md);
+    # 128x256 blocks measured 5-15% faster than 128x128 for the producer alone on H200;
     # 128 only where N is not a multiple of 256, so no padding is needed.
     block_n = 256 if n % 256 == 0 else 128
     # The budget follows the communication share: each rank moves (M/W) x N x W elements whatever
-    # K is, while the GEMM grows with K. Best of x in {4, 8, ..., 32} end to end on 2xH200 (W=2,
-    # PERF.md v16): x = 24 at K = 1024 (10-20% faster than 16 there), 12 at K = 2048, 8 at
-    # K = 3584, 4 at K = 6656 (below K = 1024 not measured: 24 kept). More CTAs than blocks of the
-    # local partition would only idle.
+    # K is, while the GEMM grows with K. Best of x in {4, 8, ..., 32} end to end on 2xH200 (W=2):
+    # x = 24 at K = 1024 (10-20% faster than 16 there), 12 at K = 2048, 8 at K = 3584, 4 at
+    # K = 6656 (below K = 1024 not measured: 24 kept).
     budget = 24 if k <= 1024 else 12 if k <= 2048 else 8 if k <= 4096 else 4
-    blocks = max(1, (m // max(world, 1) // _TILE) * (n // block_n))
-    consumer_grid = min(budget, blocks)
+    # More CTAs than blocks of the local partition (the kernels' plan of this call) would only
+    # idle. Without the extension there is no plan, and no kernel to run the config: no cap.
+    blocks = _partition_blocks(m, n, k, world, block_n, scatter_cols)
+    consumer_grid = min(budget, blocks) if blocks else budget
     # A persistent producer on the SMs the consumer leaves free measured 1.2-1.4x faster than one
-    # CTA per block on H200 (its epilogue overlaps the next block's mainloop); never more CTAs than
-    # SMs left over, or the extra CTAs would only start once others finish all their work.
-    producer_sms = max(1, _sm_count() - consumer_grid)
+    # CTA per block on H200 (its epilogue overlaps the next block's mainloop).
+    producer_sms = producer_sms_beside(consumer_grid)
     # 512 threads keep enough 16-byte loads in flight per SM to cover NVLink latency.
     consumer_block = 512
     # Groups of 8 tile rows keep the blocks in flight on a few rows of x and columns of w: measured
-    # up to 12% faster than row-major on N = 16384 (PERF.md).
+    # up to 12% faster than row-major on N = 16384.
     raster_rows = 8
-    # The split tail makes the producer alone 2-3% faster where the last wave is nearly empty
-    # (PERF.md v11), but end to end it was 0-4% slower on the suite shapes it applies to: the
-    # last full wave's tiles are then released at the very end with the rest, so the reduction
-    # left after the GEMM grows. tune() tries it.
+    # The split tail makes the producer alone 2-3% faster where the last wave is nearly empty,
+    # but end to end it was 0-4% slower on the suite shapes it applies to: the last full wave's
+    # tiles are then released at the very end with the rest, so the reduction left after the GEMM
+    # grows. tune() tries it.
     split_tail = False
     return GemmRsConfig(block_n=block_n, producer_sms=producer_sms, consumer_grid=consumer_grid,
                         consumer_block=consumer_block, raster_rows=raster_rows, split_tail=split_tail)
 
 
+def _partition_blocks(m: int, n: int, k: int, world: int, block_n: int, scatter_cols: bool) -> Optional[int]:
+    """Producer blocks of one (padded) partition, from the kernels' plan; None without a plan."""
+    from entwine_jax import _plan
+
+    try:
+        return _plan.gemm_rs_plan(m, n, k, world, GemmRsConfig(block_n=block_n), scatter_cols).blocks_per_partition
+    except (_plan.NoExtension, _plan.PlanError):
+        return None
+
+
 def with_overrides(base: GemmRsConfig, fields: dict) -> GemmRsConfig:
     """`base` with `fields` replaced. A consumer_grid given without producer_sms moves the persistent
-    producer onto the SMs the budget leaves (producer_sms = SMs - consumer_grid), as
-    heuristic_config does: a budget alone must not make the two grids outgrow the GPU. Raises
-    TypeError for an unknown field, ValueError for a bad value."""
+    producer onto the SMs the budget leaves (producer_sms_beside), as heuristic_config does: a
+    budget alone must not make the two grids outgrow the GPU. Raises TypeError for an unknown
+    field, ValueError for a bad value."""
     fields = dict(fields)
     if "consumer_grid" in fields and "producer_sms" not in fields:
-        fields["producer_sms"] = max(1, _sm_count() - int(fields["consumer_grid"]))
+        fields["producer_sms"] = producer_sms_beside(int(fields["consumer_grid"]))
     return dataclasses.replace(base, **fields)
 
 

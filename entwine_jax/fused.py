@@ -1,8 +1,17 @@
-"""The fused gemm_rs path: availability, padding, communicators and the ``entwine_gemm_rs`` call.
+"""The fused path of both ops: availability, communicators and the calls of the FFI targets.
 
-ops.py asks ``unavailable_reason(...)`` at trace time and, when it is None, calls
-``gemm_rs_local(...)`` inside ``shard_map``. Communicators (one per mesh axis, holding every group
-of that axis) are created and grown here at trace time, before any call that needs them runs.
+Per call site, at trace time, an op (ops.py, ag_gemm_op.py):
+
+1. asks ``unavailable_reason(...)`` / ``ag_unavailable_reason(...)``: a predicate that only
+   answers (it never creates or grows a communicator);
+2. when that is None, ``prepare_gemm_rs(...)`` / ``prepare_ag_gemm(...)``, once: the kernels' plan
+   of the call (C++, through ``entwine_jax._plan``) and ``acquire_comm(...)``, the one place that
+   creates, grows and connects communicators (one per mesh axis, shared by both ops). The result
+   (``GemmRsCall`` / ``AgGemmCall``: plan, comm id, config) is static and goes into the op's plan;
+3. inside ``shard_map``, ``call_gemm_rs(x, w, call)`` / ``call_ag_gemm(...)``: pad as the plan
+   says, one ``ffi_call``, unpad. No lookup, no communicator work.
+
+``gemm_rs_local`` / ``ag_gemm_local`` do 2 and 3 in one, for callers outside the ops (tests).
 
 Mesh discovery: inside ``jit`` jax exposes only the abstract mesh, so the device assignment comes
 from the enclosing ``jax.set_mesh(mesh)`` or, failing that, from ``entwine_jax.setup(mesh, axis)``.
@@ -15,60 +24,34 @@ import dataclasses
 import hashlib
 import os
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _distributed
+from . import _distributed, _plan
+from ._plan import GemmRsPlan
 
-TARGET = "entwine_gemm_rs"
-TILE_M = 128  # reduction tile rows (gemm_rs.h kTileM)
-TILE_N = 128
-ALIGN_K = 8  # 16-byte rows for TMA (gemm_rs.h kAlignK)
-MAX_WORLD = 8
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _DEFAULT_HEAP_MAX_BYTES = 4 << 30
-# Heaps grow in steps of this many bytes per slot so that a sequence of growing shapes reallocates
-# (and synchronises every rank) a few times, not once per shape.
+# Heaps grow in steps of this many bytes per slot (and flag words per source) so that a sequence of
+# growing shapes reallocates (and synchronises every rank) a few times, not once per shape.
 _SLOT_GRANULE = 2 << 20
 _TILES_GRANULE = 64
 # Cross-process setup (IPC handle exchange, barriers): generous, compilation may run meanwhile.
 _KV_TIMEOUT_MS = 300_000
 
 
-# --- Pure helpers (tested on CPU) ---------------------------------------------------------------
+class Unavailable(Exception):
+    """The fused path cannot run this call; the message is the reason shown to the user."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Padding:
-    """Kernel shape of one call. Each rank receives a partition of mp x n_part elements, padded to
-    mp_pad x n_pad (multiples of 128 and block_n); K is padded to k_pad (multiple of 8).
-    Rows (scatter_cols False): partitions are row blocks, mp = M / W, n_part = N.
-    Columns (scatter_cols True): partitions are column blocks, mp = M, n_part = N / W."""
+# --- gemm_rs padding, from the plan (tested on CPU) ------------------------------------------------
 
-    world: int
-    m: int
-    k: int
-    n: int
-    mp: int
-    mp_pad: int
-    k_pad: int
-    n_pad: int
-    scatter_cols: bool = False
-
-    @property
-    def n_part(self) -> int:
-        return self.n // self.world if self.scatter_cols else self.n
-
-    @property
-    def needed(self) -> bool:
-        return (self.mp, self.k, self.n_part) != (self.mp_pad, self.k_pad, self.n_pad)
-
-    @property
-    def tiles_per_partition(self) -> int:
-        return (self.mp_pad // TILE_M) * (self.n_pad // TILE_N)
+# The padding of a gemm_rs call is its plan: GemmRsPlan carries the unpadded call (m, k, n, mp,
+# n_part) and the padded partition (mp_pad, k_pad, n_pad) the C++ plan chose.
+Padding = GemmRsPlan
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -76,17 +59,21 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def padding(m: int, k: int, n: int, world: int, block_n: int, scatter_cols: bool = False) -> Padding:
-    """Pads each partition to whole 128 x block_n blocks and K to 8 (zeros add nothing to the sum)."""
-    if scatter_cols:
-        if n % world:
-            raise ValueError(f"gemm_rs: N={n} is not divisible by the axis size {world}")
-        return Padding(world, m, k, n, m, _round_up(m, TILE_M), _round_up(k, ALIGN_K),
-                       _round_up(n // world, block_n), True)
-    if m % world:
+    """The kernels' padding of x [m, k] @ w [k, n] scattered over `world` ranks (rows, or columns)
+    with `block_n`-wide blocks, the only config field it depends on: the plan pads each partition
+    to whole blocks and K to the TMA alignment (zeros add nothing to the sum). ValueError when the
+    scattered dim does not divide by the world, or the kernels cannot run the call."""
+    from entwine_jax.config import GemmRsConfig
+
+    if scatter_cols and n % world:
+        raise ValueError(f"gemm_rs: N={n} is not divisible by the axis size {world}")
+    if not scatter_cols and m % world:
         raise ValueError(f"gemm_rs: M={m} is not divisible by the axis size {world}")
-    mp = m // world
-    return Padding(world, m, k, n, mp, _round_up(mp, TILE_M), _round_up(k, ALIGN_K),
-                   _round_up(n, block_n))
+    try:
+        return _plan.gemm_rs_plan(m, n, k, world, GemmRsConfig(block_n=block_n), scatter_cols)
+    except _plan.PlanError as e:
+        raise ValueError(f"gemm_rs: the kernels cannot run x [{m}, {k}] @ w [{k}, {n}] over {world} ranks: "
+                         f"{e.rule}") from None
 
 
 def pad_operands(x, w, p: Padding, xp=jnp):
@@ -112,18 +99,6 @@ def pad_operands(x, w, p: Padding, xp=jnp):
 def unpad(y, p: Padding):
     """The kernel's [mp_pad, n_pad] partition of this rank -> [mp, n_part]."""
     return y[: p.mp, : p.n_part] if (p.mp, p.n_part) != (p.mp_pad, p.n_pad) else y
-
-
-def required_capacity(p: Padding, itemsize: int) -> tuple[int, int]:
-    """(bytes of one partial slot: the full padded M x N product, reduction tiles per partition)."""
-    return p.world * p.mp_pad * p.n_pad * itemsize, p.tiles_per_partition
-
-
-def heap_bytes(world: int, slot_bytes: int, max_tiles: int) -> int:
-    """Bytes of one rank's heap; mirrors comm::heap_layout (two flag parities, two slots)."""
-    align = lambda b: _round_up(b, 256)  # noqa: E731
-    flags = align(world * max_tiles * 8)
-    return align(2 * flags) + 2 * align(slot_bytes)
 
 
 def heap_max_bytes() -> int:
@@ -170,27 +145,26 @@ def config_attributes(config) -> dict:
 # --- Extension and mesh discovery ---------------------------------------------------------------
 
 _lock = threading.RLock()
-_ext: Any = None
-_ext_reason: str | None = None
-_ext_loaded = False
+_registered = False
+_register_reason: Optional[str] = None
 _setup_meshes: dict[tuple, Any] = {}
 
 
 def _extension():
-    """(module, None) or (None, reason). Imports and registers the FFI target once."""
-    global _ext, _ext_reason, _ext_loaded
+    """(module, None) or (None, reason). Imports the extension and registers its FFI targets once."""
+    global _registered, _register_reason
+    ext, reason = _plan.extension()
+    if ext is None:
+        return None, reason
     with _lock:
-        if not _ext_loaded:
-            _ext_loaded = True
+        if not _registered:
+            _registered = True
             try:
-                from . import _entwine
-
-                for name, capsule in _entwine.registrations().items():
+                for name, capsule in ext.registrations().items():
                     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-                _ext = _entwine
-            except Exception as e:  # ImportError, or a registration the backend refuses
-                _ext_reason = f"extension entwine_jax._entwine unavailable ({type(e).__name__}: {e})"
-        return _ext, _ext_reason
+            except Exception as e:  # a registration the backend refuses
+                _register_reason = f"extension entwine_jax._entwine unavailable ({type(e).__name__}: {e})"
+    return (None, _register_reason) if _register_reason else (ext, None)
 
 
 def setup(mesh, axis_name) -> None:
@@ -225,11 +199,16 @@ def _find_mesh(axis_name):
     return None
 
 
-# --- Communicators ------------------------------------------------------------------------------
+def _mesh_for(axis_name):
+    """The concrete mesh of the current trace; Unavailable (how to provide one) when there is none."""
+    mesh = _find_mesh(axis_name)
+    if mesh is None:
+        raise Unavailable(f"no concrete mesh for axis {axis_name!r}: call entwine_jax.setup(mesh, "
+                          f"{axis_name!r}) first, or trace under jax.set_mesh(mesh)")
+    return mesh
 
 
-class Unavailable(Exception):
-    """The fused path cannot run this call; the message is the reason shown to the user."""
+# --- Communicators: one lifecycle, acquire_comm ---------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -254,6 +233,26 @@ def _key(comm: _Comm, what: str) -> str:
     return f"entwine/{comm.id & 0xFFFFFFFFFFFFFFFF:016x}/{comm.generation}/{what}"
 
 
+def _capacity_for(comm: Optional[_Comm], slot_bytes: int, max_tiles: int) -> Optional[tuple[int, int]]:
+    """The (slot bytes, flags per source) a communicator must grow to for a call of slot_bytes and
+    max_tiles, rounded up to the granules; None when it has room already."""
+    if comm is not None and slot_bytes <= comm.slot_bytes and max_tiles <= comm.max_tiles:
+        return None
+    old = (comm.slot_bytes, comm.max_tiles) if comm else (0, 0)
+    return (_round_up(max(old[0], slot_bytes), _SLOT_GRANULE), _round_up(max(old[1], max_tiles), _TILES_GRANULE))
+
+
+def _heap_cap_reason(ext, comm: Optional[_Comm], world: int, slot_bytes: int, max_tiles: int) -> Optional[str]:
+    """Why a call of slot_bytes and max_tiles cannot have its heap (ENTWINE_HEAP_MAX_BYTES), or None."""
+    new = _capacity_for(comm, slot_bytes, max_tiles)
+    if new is None:
+        return None
+    need = int(ext.heap_bytes(world, *new))
+    if need > heap_max_bytes():
+        return f"symmetric heap of {need} bytes per device would exceed ENTWINE_HEAP_MAX_BYTES={heap_max_bytes()}"
+    return None
+
+
 def _connect(ext, comm: _Comm) -> None:
     """Fills every local peer table: local ordinals for ranks of this process, IPC handles else."""
     me = jax.process_index()
@@ -272,6 +271,7 @@ def _connect(ext, comm: _Comm) -> None:
 
 
 def _check_devices(ext, groups: np.ndarray) -> None:
+    """Raises Unavailable when this process's devices of the mesh cannot run the kernels (asks only)."""
     me = jax.process_index()
     local = [d for d in groups.ravel() if d.process_index == me]
     if not local:
@@ -291,41 +291,50 @@ def _check_devices(ext, groups: np.ndarray) -> None:
                     raise Unavailable(f"devices not peer-accessible (local GPUs {a} and {b})")
 
 
-def _ensure_comm(ext, mesh, axis_name, p: Padding, itemsize: int) -> _Comm:
-    """The communicator of this mesh axis with room for gemm_rs's call p, created or grown now."""
-    return _ensure_capacity(ext, mesh, axis_name, p.world, *required_capacity(p, itemsize))
+def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int) -> int:
+    """The communicator of `axis_name` of `mesh` (shared by gemm_rs and ag_gemm), with room for one
+    slot of slot_bytes and max_tiles flag words per source rank; returns its id, which the call
+    passes to its FFI handler.
 
-
-def _ensure_capacity(ext, mesh, axis_name, world: int, slot_bytes: int, max_tiles: int) -> _Comm:
-    """The communicator of this mesh axis (shared by gemm_rs and ag_gemm) with room for one slot of
-    slot_bytes and max_tiles flags per source, created or grown now (trace time)."""
+    The one place that changes communicators: it creates one (heaps, streams, peer tables), or grows
+    it (the sequence of docs/design.md, "The communicator and symmetric heap"), or finds it big
+    enough and does nothing. Called once per call site, at trace time, before any call that needs
+    the room can run. Raises Unavailable with the reason when the fused path cannot have it (heap
+    cap, devices, a CUDA or key-value store failure during setup).
+    """
+    ext, reason = _extension()
+    if reason:
+        raise Unavailable(reason)
     groups = device_groups(mesh, axis_name)
+    world = groups.shape[1]
     cid = comm_id(groups, axis_name)
     with _lock:
         comm = _comms.get(cid)
-        if comm is not None and slot_bytes <= comm.slot_bytes and max_tiles <= comm.max_tiles:
-            return comm
-        old = (comm.slot_bytes, comm.max_tiles) if comm else (0, 0)
-        new = (_round_up(max(old[0], slot_bytes), _SLOT_GRANULE),
-               _round_up(max(old[1], max_tiles), _TILES_GRANULE))
-        need = heap_bytes(world, *new)
-        if need > heap_max_bytes():
-            raise Unavailable(f"symmetric heap of {need} bytes per device would exceed "
-                              f"ENTWINE_HEAP_MAX_BYTES={heap_max_bytes()}")
-        if comm is None:
-            _check_devices(ext, groups)
-            me = jax.process_index()
-            local = [(d, r, row) for row in groups for r, d in enumerate(row) if d.process_index == me]
-            processes = sorted({int(d.process_index) for d in groups.ravel()})
-            comm = _Comm(cid, local, processes)
-            ext.comm_create(cid, world, [(int(d.local_hardware_id), r) for d, r, _ in local], *new)
-            _register_atexit()
-            _comms[cid] = comm
-            comm.slot_bytes, comm.max_tiles = new
-            _connect(ext, comm)
-        else:
-            _grow(ext, comm, new)
-        return comm
+        new = _capacity_for(comm, slot_bytes, max_tiles)
+        if new is None:
+            return cid
+        cap_reason = _heap_cap_reason(ext, comm, world, slot_bytes, max_tiles)
+        if cap_reason:
+            raise Unavailable(cap_reason)
+        try:
+            if comm is None:
+                _check_devices(ext, groups)
+                me = jax.process_index()
+                local = [(d, r, row) for row in groups for r, d in enumerate(row) if d.process_index == me]
+                processes = sorted({int(d.process_index) for d in groups.ravel()})
+                comm = _Comm(cid, local, processes)
+                ext.comm_create(cid, world, [(int(d.local_hardware_id), r) for d, r, _ in local], *new)
+                _register_atexit()
+                _comms[cid] = comm
+                comm.slot_bytes, comm.max_tiles = new
+                _connect(ext, comm)
+            else:
+                _grow(ext, comm, new)
+        except Unavailable:
+            raise
+        except Exception as e:  # CUDA or key-value store failures during setup
+            raise Unavailable(f"communicator setup failed ({type(e).__name__}: {e})") from e
+        return cid
 
 
 def _grow(ext, comm: _Comm, new: tuple[int, int]) -> None:
@@ -375,101 +384,6 @@ def shutdown() -> None:
         _comms.clear()
 
 
-# --- The interface of ops.py --------------------------------------------------------------------
-
-_reason_cache: dict[tuple, str | None] = {}
-
-
-def _reason(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config):
-    if getattr(config, "path", None) == "xla":
-        return "config.path is 'xla'"
-    dtype = jnp.dtype(x_local_aval.dtype)
-    if dtype not in _DTYPES or jnp.dtype(w_aval.dtype) != dtype:
-        return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
-    if scatter_dimension not in (0, 1):
-        return f"fused kernels scatter over rows (0) or columns (1) of the 2-D product, got {scatter_dimension}"
-    if not 1 <= axis_size <= MAX_WORLD:
-        return f"axis size {axis_size} outside [1, {MAX_WORLD}]"
-    if len(x_local_aval.shape) != 2 or len(w_aval.shape) != 2:
-        return f"fused path takes 2-D x and w, got {x_local_aval.shape} and {w_aval.shape}"
-    (m, k), (_, n) = x_local_aval.shape, w_aval.shape
-    if m == 0 or n == 0 or k == 0:
-        return f"empty operands x {x_local_aval.shape}, w {w_aval.shape}"
-    if (n if scatter_dimension == 1 else m) % axis_size:
-        return f"scattered size not divisible by the axis size {axis_size}"
-    p = padding(m, k, n, axis_size, config.block_n, scatter_dimension == 1)
-    if max(p.world * p.mp_pad, p.world * p.n_pad, p.k_pad) >= 2**31:
-        return f"dimension too large for the kernels' int32 shapes: x {x_local_aval.shape}, w {w_aval.shape}"
-    mesh = _find_mesh(axis_name)
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    if platform != "gpu":
-        return f"not running on CUDA GPUs (platform {platform!r})"
-    ext, reason = _extension()
-    if reason:
-        return reason
-    if mesh is None:
-        return (f"no concrete mesh for axis {axis_name!r}: call entwine_jax.setup(mesh, "
-                f"{axis_name!r}) first, or trace under jax.set_mesh(mesh)")
-    if device_groups(mesh, axis_name).shape[1] != axis_size:
-        return f"axis {axis_name!r} has {device_groups(mesh, axis_name).shape[1]} devices, not {axis_size}"
-    try:
-        _ensure_comm(ext, mesh, axis_name, p, dtype.itemsize)
-    except Unavailable as e:
-        return str(e)
-    except Exception as e:  # CUDA or key-value store failures during setup
-        return f"communicator setup failed ({type(e).__name__}: {e})"
-    return None
-
-
-def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension,
-                       config) -> str | None:
-    """None when the fused kernels can run this call, else a short reason (never raises for
-    ordinary inputs; creates or grows the communicator as a side effect, cached per call shape)."""
-    try:
-        mesh = _find_mesh(axis_name)
-        key = (tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
-               str(w_aval.dtype), _axes(axis_name), axis_size, scatter_dimension,
-               repr(config), mesh)
-    except Exception as e:
-        return f"cannot inspect the call ({type(e).__name__}: {e})"
-    with _lock:
-        if key not in _reason_cache:
-            try:
-                reason = _reason(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config)
-            except Exception as e:
-                reason = f"{type(e).__name__}: {e}"
-            # Only settled answers are cached: the mesh or setup() may still come.
-            if reason is None or mesh is not None:
-                _reason_cache[key] = reason
-            return reason
-        return _reason_cache[key]
-
-
-def gemm_rs_local(x2d, w, *, axis_name, axis_size, config, scatter_dimension=0) -> jax.Array:
-    """One rank's fused GEMM + ReduceScatter inside shard_map: [M, K] @ [K, N] -> [M / W, N]
-    (scatter_dimension 0) or [M, N / W] (scatter_dimension 1)."""
-    ext, reason = _extension()
-    if reason:
-        raise RuntimeError(f"entwine gemm_rs: {reason}")
-    mesh = _find_mesh(axis_name)
-    if mesh is None:
-        raise RuntimeError(f"entwine gemm_rs: no concrete mesh for axis {axis_name!r}; call "
-                           f"entwine_jax.setup(mesh, {axis_name!r}) first")
-    (m, k), (_, n) = x2d.shape, w.shape
-    p = padding(m, k, n, axis_size, config.block_n, scatter_dimension == 1)
-    try:
-        comm = _ensure_comm(ext, mesh, axis_name, p, jnp.dtype(x2d.dtype).itemsize)
-    except Unavailable as e:
-        raise RuntimeError(f"entwine gemm_rs: {e}") from None
-    x_pad, w_pad = pad_operands(x2d, w, p)
-    # Under jax.vmap the call runs once per batch element (a loop on the device, like lax.scan):
-    # each element is its own reduce-scatter, with its own epoch.
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype), vmap_method="sequential")
-    y = call(x_pad, w_pad, comm_id=np.int64(comm.id), scatter_dimension=np.int64(scatter_dimension),
-             **config_attributes(config))
-    return unpad(y, p)
-
-
 def check_errors() -> None:
     """Raises RuntimeError if a consumer recorded a device error (a peer that never arrived).
 
@@ -501,9 +415,178 @@ def last_call_ms(mesh, axis_name) -> list[tuple[int, float, float]]:
     return [tuple(t) for t in ext.last_call_ms(cid)]
 
 
-# --- The interface of ag_gemm_op.py ---------------------------------------------------------------
+# --- Availability: predicates that only answer --------------------------------------------------
 
-AG_TARGET = "entwine_ag_gemm"
+_reason_cache: dict[tuple, Optional[str]] = {}
+
+
+def _platform_reason(axis_name) -> tuple[Optional[str], Any, Any]:
+    """(reason, mesh, ext): None, the concrete mesh (or None) and the extension when the call runs
+    on CUDA GPUs with the extension built; else why not."""
+    mesh = _find_mesh(axis_name)
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if platform != "gpu":
+        return f"not running on CUDA GPUs (platform {platform!r})", mesh, None
+    ext, reason = _extension()
+    return reason, mesh, ext
+
+
+def _mesh_reason(ext, mesh, axis_name, axis_size) -> Optional[str]:
+    """Why the mesh cannot run the kernels (none, another axis size, devices), asked only."""
+    if mesh is None:
+        return (f"no concrete mesh for axis {axis_name!r}: call entwine_jax.setup(mesh, "
+                f"{axis_name!r}) first, or trace under jax.set_mesh(mesh)")
+    groups = device_groups(mesh, axis_name)
+    if groups.shape[1] != axis_size:
+        return f"axis {axis_name!r} has {groups.shape[1]} devices, not {axis_size}"
+    if comm_id(groups, axis_name) not in _comms:  # a communicator's devices were checked when it was made
+        try:
+            _check_devices(ext, groups)
+        except Unavailable as e:
+            return str(e)
+    return None
+
+
+def _heap_reason(ext, mesh, axis_name, world: int, slot_bytes: int, max_tiles: int) -> Optional[str]:
+    groups = device_groups(mesh, axis_name)
+    with _lock:
+        return _heap_cap_reason(ext, _comms.get(comm_id(groups, axis_name)), world, slot_bytes, max_tiles)
+
+
+def _cached_reason(key, mesh, compute) -> Optional[str]:
+    with _lock:
+        if key in _reason_cache:
+            return _reason_cache[key]
+        try:
+            reason = compute()
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+        # Only settled answers are cached: the mesh or setup() may still come. A settled answer
+        # stays true: communicators only grow, and only within the heap cap.
+        if reason is None or mesh is not None:
+            _reason_cache[key] = reason
+        return reason
+
+
+def _world_reason(axis_size) -> Optional[str]:
+    ext, _ = _plan.extension()
+    if ext is not None and not 1 <= axis_size <= _plan.max_world():
+        return f"axis size {axis_size} outside [1, {_plan.max_world()}]"
+    return None
+
+
+def _reason(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config):
+    if getattr(config, "path", None) == "xla":
+        return "config.path is 'xla'"
+    dtype = jnp.dtype(x_local_aval.dtype)
+    if dtype not in _DTYPES or jnp.dtype(w_aval.dtype) != dtype:
+        return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
+    if scatter_dimension not in (0, 1):
+        return f"fused kernels scatter over rows (0) or columns (1) of the 2-D product, got {scatter_dimension}"
+    if reason := _world_reason(axis_size):
+        return reason
+    if len(x_local_aval.shape) != 2 or len(w_aval.shape) != 2:
+        return f"fused path takes 2-D x and w, got {x_local_aval.shape} and {w_aval.shape}"
+    (m, k), (_, n) = x_local_aval.shape, w_aval.shape
+    if m == 0 or n == 0 or k == 0:
+        return f"empty operands x {x_local_aval.shape}, w {w_aval.shape}"
+    if (n if scatter_dimension == 1 else m) % axis_size:
+        return f"scattered size not divisible by the axis size {axis_size}"
+    plan = None
+    if _plan.extension()[0] is not None:
+        try:
+            plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1)
+        except _plan.PlanError as e:
+            return f"the kernels cannot run x {x_local_aval.shape} @ w {w_aval.shape} over {axis_size} ranks: {e.rule}"
+    # Without the extension there is no plan, and this is where the reason says so.
+    reason, mesh, ext = _platform_reason(axis_name)
+    if reason:
+        return reason
+    if reason := _mesh_reason(ext, mesh, axis_name, axis_size):
+        return reason
+    return _heap_reason(ext, mesh, axis_name, axis_size, plan.slot_bytes, plan.tiles_per_partition)
+
+
+def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension,
+                       config) -> Optional[str]:
+    """None when the fused kernels can run gemm_rs on x [M, K] (this rank's 2-D view), w [K, N],
+    else a short reason. Only answers: no communicator is created or grown here (prepare_gemm_rs
+    does that). Never raises for ordinary inputs; cached per call shape."""
+    try:
+        mesh = _find_mesh(axis_name)
+        key = (tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
+               str(w_aval.dtype), _axes(axis_name), axis_size, scatter_dimension,
+               repr(config), mesh)
+    except Exception as e:
+        return f"cannot inspect the call ({type(e).__name__}: {e})"
+    return _cached_reason(key, mesh, lambda: _reason(x_local_aval, w_aval, axis_name, axis_size,
+                                                     scatter_dimension, config))
+
+
+# --- gemm_rs: prepare once per call site, call inside shard_map -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRsCall:
+    """Everything static about one fused gemm_rs call: the kernels' plan (the padding), the
+    communicator and the config. Hashable: it lives in the op's static plan."""
+
+    plan: GemmRsPlan
+    comm_id: int
+    config: Any  # GemmRsConfig
+    target: str
+
+    @property
+    def scatter_dimension(self) -> int:
+        return int(self.plan.scatter_cols)
+
+
+def prepare_gemm_rs(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, config) -> GemmRsCall:
+    """The plan of gemm_rs on x [M, K] (this rank's 2-D view), w [K, N], and its communicator,
+    acquired now (acquire_comm): call once per call site at trace time, after unavailable_reason
+    said None. Raises Unavailable with the reason when the fused path cannot run it after all."""
+    mesh = _mesh_for(axis_name)
+    (m, k), (_, n) = x_local_aval.shape, w_aval.shape
+    try:
+        plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1)
+    except (_plan.PlanError, _plan.NoExtension) as e:
+        raise Unavailable(f"the kernels cannot run this call: {e}") from None
+    cid = acquire_comm(mesh, axis_name, plan.slot_bytes, plan.tiles_per_partition)
+    return GemmRsCall(plan=plan, comm_id=cid, config=config, target=_plan.gemm_rs_target())
+
+
+def call_gemm_rs(x2d, w, call: GemmRsCall) -> jax.Array:
+    """One rank's fused GEMM + ReduceScatter inside shard_map, as prepared: [M, K] @ [K, N] ->
+    [M / W, N] (rows) or [M, N / W] (columns). Pads as the plan says, calls, unpads."""
+    p = call.plan
+    x_pad, w_pad = pad_operands(x2d, w, p)
+    # Under jax.vmap the call runs once per batch element (a loop on the device, like lax.scan):
+    # each element is its own reduce-scatter, with its own epoch.
+    ffi = jax.ffi.ffi_call(call.target, jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype), vmap_method="sequential")
+    y = ffi(x_pad, w_pad, comm_id=np.int64(call.comm_id), scatter_dimension=np.int64(call.scatter_dimension),
+            **config_attributes(call.config))
+    return unpad(y, p)
+
+
+def gemm_rs_local(x2d, w, *, axis_name, axis_size, config, scatter_dimension=0) -> jax.Array:
+    """prepare_gemm_rs and call_gemm_rs in one, inside shard_map (for callers outside ops.py):
+    [M, K] @ [K, N] -> [M / W, N] (scatter_dimension 0) or [M, N / W] (scatter_dimension 1)."""
+    try:
+        call = prepare_gemm_rs(jax.ShapeDtypeStruct(x2d.shape, x2d.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype),
+                               axis_name=axis_name, axis_size=axis_size, scatter_dimension=scatter_dimension,
+                               config=config)
+    except Unavailable as e:
+        raise RuntimeError(f"entwine gemm_rs: {e}") from None
+    return call_gemm_rs(x2d, w, call)
+
+
+# --- ag_gemm ------------------------------------------------------------------------------------
+
+# ag_plan takes the padded shard and checks it (a shard it cannot run is a visible fallback below,
+# never a handler error); the padding itself is still chosen here: shard rows to the 128-row tile,
+# columns to 16-byte TMA rows.
+_AG_ROW_TILE = 128
+_AG_COL_ALIGN = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,7 +606,7 @@ class AgPadding:
 
 
 def ag_padding(rows: int, cols: int, n: int, world: int, block_n: int, gather_k: bool) -> AgPadding:
-    return AgPadding(world, rows, cols, n, _round_up(rows, TILE_M), _round_up(cols, ALIGN_K),
+    return AgPadding(world, rows, cols, n, _round_up(rows, _AG_ROW_TILE), _round_up(cols, _AG_COL_ALIGN),
                      _round_up(n, block_n), gather_k)
 
 
@@ -561,9 +644,8 @@ def ag_gemm_sms(config) -> int:
     return config.gemm_sms or _sm_count() - 1
 
 
-def _ag_plan(ext, p: AgPadding, config) -> dict:
-    return ext.ag_plan(p.rows_pad, p.cols_pad, p.n_pad, p.world, p.gather_k, config.block_n, ag_gemm_sms(config),
-                       config.raster_rows, config.max_chunks)
+def _ag_plan(p: AgPadding, config) -> dict:
+    return _plan.ag_plan(p.rows_pad, p.cols_pad, p.n_pad, p.world, p.gather_k, config, ag_gemm_sms(config))
 
 
 def _ag_reason(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
@@ -572,84 +654,88 @@ def _ag_reason(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
     dtype = jnp.dtype(x_local_aval.dtype)
     if dtype not in _DTYPES or jnp.dtype(w_aval.dtype) != dtype:
         return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
-    if not 1 <= axis_size <= MAX_WORLD:
-        return f"axis size {axis_size} outside [1, {MAX_WORLD}]"
+    if reason := _world_reason(axis_size):
+        return reason
     (rows, cols), (_, n) = x_local_aval.shape, w_aval.shape
     if rows == 0 or cols == 0 or n == 0:
         return f"empty operands x {x_local_aval.shape}, w {w_aval.shape}"
-    mesh = _find_mesh(axis_name)
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    if platform != "gpu":
-        return f"not running on CUDA GPUs (platform {platform!r})"
-    ext, reason = _extension()
+    reason, mesh, ext = _platform_reason(axis_name)
     if reason:
         return reason
-    p = ag_padding(rows, cols, n, axis_size, config.block_n, gather_k)
-    plan = _ag_plan(ext, p, config)
+    plan = _ag_plan(ag_padding(rows, cols, n, axis_size, config.block_n, gather_k), config)
     if plan["error"] is not None:
         return f"the kernels cannot run this call: {plan['error']}"
-    if mesh is None:
-        return (f"no concrete mesh for axis {axis_name!r}: call entwine_jax.setup(mesh, "
-                f"{axis_name!r}) first, or trace under jax.set_mesh(mesh)")
-    if device_groups(mesh, axis_name).shape[1] != axis_size:
-        return f"axis {axis_name!r} has {device_groups(mesh, axis_name).shape[1]} devices, not {axis_size}"
-    try:
-        _ensure_capacity(ext, mesh, axis_name, axis_size, plan["slot_bytes"], plan["chunks"])
-    except Unavailable as e:
-        return str(e)
-    except Exception as e:  # CUDA or key-value store failures during setup
-        return f"communicator setup failed ({type(e).__name__}: {e})"
-    return None
+    if reason := _mesh_reason(ext, mesh, axis_name, axis_size):
+        return reason
+    return _heap_reason(ext, mesh, axis_name, axis_size, plan["slot_bytes"], plan["chunks"])
 
 
-def ag_unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> str | None:
+def ag_unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> Optional[str]:
     """None when the ag_gemm kernels can run this call (x [rows, cols], w [cols or W * cols, n]),
-    else a short reason. Like unavailable_reason, it creates or grows the communicator."""
+    else a short reason. Only answers, like unavailable_reason (prepare_ag_gemm acquires)."""
     try:
         mesh = _find_mesh(axis_name)
         key = ("ag", tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
                str(w_aval.dtype), _axes(axis_name), axis_size, gather_k, repr(config), mesh)
     except Exception as e:
         return f"cannot inspect the call ({type(e).__name__}: {e})"
-    with _lock:
-        if key not in _reason_cache:
-            try:
-                reason = _ag_reason(x_local_aval, w_aval, axis_name, axis_size, gather_k, config)
-            except Exception as e:
-                reason = f"{type(e).__name__}: {e}"
-            if reason is None or mesh is not None:
-                _reason_cache[key] = reason
-            return reason
-        return _reason_cache[key]
+    return _cached_reason(key, mesh, lambda: _ag_reason(x_local_aval, w_aval, axis_name, axis_size, gather_k,
+                                                        config))
+
+
+@dataclasses.dataclass(frozen=True)
+class AgGemmCall:
+    """Everything static about one fused ag_gemm call: padding, the GEMM grid, the communicator
+    and the config. Hashable: it lives in the op's static plan."""
+
+    padding: AgPadding
+    gemm_sms: int
+    comm_id: int
+    config: Any  # AgGemmConfig
+    target: str
+
+
+def prepare_ag_gemm(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> AgGemmCall:
+    """The plan of ag_gemm on this rank's shard x [rows, cols] and w, and its communicator, acquired
+    now (acquire_comm): once per call site at trace time, after ag_unavailable_reason said None.
+    Raises Unavailable with the reason when the fused path cannot run it after all."""
+    mesh = _mesh_for(axis_name)
+    (rows, cols), n = x_local_aval.shape, w_aval.shape[1]
+    p = ag_padding(rows, cols, n, axis_size, config.block_n, gather_k)
+    try:
+        plan = _ag_plan(p, config)
+    except _plan.NoExtension as e:
+        raise Unavailable(str(e)) from None
+    if plan["error"] is not None:
+        raise Unavailable(f"the kernels cannot run this call: {plan['error']}")
+    cid = acquire_comm(mesh, axis_name, plan["slot_bytes"], plan["chunks"])
+    return AgGemmCall(padding=p, gemm_sms=ag_gemm_sms(config), comm_id=cid, config=config,
+                      target=_plan.ag_gemm_target())
+
+
+def call_ag_gemm(x2d, w, call: AgGemmCall, return_gathered: bool):
+    """One rank's fused AllGather + GEMM inside shard_map, as prepared: (y, gathered or None)."""
+    p = call.padding
+    x_pad, w_pad = ag_pad_operands(x2d, w, p)
+    y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
+    gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
+    ffi = jax.ffi.ffi_call(call.target, (jax.ShapeDtypeStruct((y_rows, p.n_pad), x2d.dtype),
+                                         jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)),
+                           vmap_method="sequential")
+    c = call.config
+    y, gathered = ffi(x_pad, w_pad, comm_id=np.int64(call.comm_id), gather_k=bool(p.gather_k),
+                      block_n=np.int64(c.block_n), gemm_sms=np.int64(call.gemm_sms),
+                      raster_rows=np.int64(c.raster_rows), max_chunks=np.int64(c.max_chunks))
+    return ag_unpad(y, gathered if return_gathered else None, p)
 
 
 def ag_gemm_local(x2d, w, *, axis_name, axis_size, config, gather_k, return_gathered):
-    """One rank's fused AllGather + GEMM inside shard_map. x2d [rows, cols] (this rank's shard).
-    Rows layout: w [cols, n] -> y [W * rows, n] (shards stacked in rank order). gather_k: w
-    [W * cols, n] -> y [rows, n]. The gathered operand, when asked for: [W, rows, cols]."""
-    ext, reason = _extension()
-    if reason:
-        raise RuntimeError(f"entwine ag_gemm: {reason}")
-    mesh = _find_mesh(axis_name)
-    if mesh is None:
-        raise RuntimeError(f"entwine ag_gemm: no concrete mesh for axis {axis_name!r}; call "
-                           f"entwine_jax.setup(mesh, {axis_name!r}) first")
-    (rows, cols), n = x2d.shape, w.shape[1]
-    p = ag_padding(rows, cols, n, axis_size, config.block_n, gather_k)
-    plan = _ag_plan(ext, p, config)
-    if plan["error"] is not None:
-        raise RuntimeError(f"entwine ag_gemm: {plan['error']}")
+    """prepare_ag_gemm and call_ag_gemm in one, inside shard_map. x2d [rows, cols] (this rank's
+    shard). Rows layout: w [cols, n] -> y [W * rows, n] (shards stacked in rank order). gather_k:
+    w [W * cols, n] -> y [rows, n]. The gathered operand, when asked for: [W, rows, cols]."""
     try:
-        comm = _ensure_capacity(ext, mesh, axis_name, axis_size, plan["slot_bytes"], plan["chunks"])
+        call = prepare_ag_gemm(jax.ShapeDtypeStruct(x2d.shape, x2d.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype),
+                               axis_name=axis_name, axis_size=axis_size, gather_k=gather_k, config=config)
     except Unavailable as e:
         raise RuntimeError(f"entwine ag_gemm: {e}") from None
-    x_pad, w_pad = ag_pad_operands(x2d, w, p)
-    y_rows = p.rows_pad if gather_k else axis_size * p.rows_pad
-    gathered_shape = (axis_size, p.rows_pad, p.cols_pad) if return_gathered else (0,)
-    call = jax.ffi.ffi_call(AG_TARGET, (jax.ShapeDtypeStruct((y_rows, p.n_pad), x2d.dtype),
-                                        jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)),
-                            vmap_method="sequential")
-    y, gathered = call(x_pad, w_pad, comm_id=np.int64(comm.id), gather_k=bool(gather_k),
-                       block_n=np.int64(config.block_n), gemm_sms=np.int64(ag_gemm_sms(config)),
-                       raster_rows=np.int64(config.raster_rows), max_chunks=np.int64(config.max_chunks))
-    return ag_unpad(y, gathered if return_gathered else None, p)
+    return call_ag_gemm(x2d, w, call, return_gathered)

@@ -1,6 +1,7 @@
-# gemm_rs: argument checks, config choice, dispatch between the fused kernels (entwine_jax.fused)
-# and the XLA reference, the per-call-site report, and the custom VJP, whose dx is an ag_gemm in the
-# same layout (docs/design.md, "ag_gemm").
+# gemm_rs: argument checks, config choice (a config the kernels cannot run is a ValueError here),
+# dispatch between the fused kernels (entwine_jax.fused: its plan and communicator are prepared once
+# per call site, into the op's static plan) and the XLA reference, the per-call-site report, and the
+# custom VJP, whose dx is an ag_gemm in the same layout (docs/design.md, "ag_gemm").
 import dataclasses
 import functools
 import logging
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _log, tuning
+from entwine_jax import _log, _plan, tuning
 from entwine_jax.config import AgGemmConfig, GemmRsConfig, get_default_config
 from entwine_jax.reference import gemm_rs_reference, gemm_rs_reference_bwd, matmul_weight_grad
 
@@ -51,6 +52,7 @@ class _Plan:
     scatter_dimension: int  # normalised, 0 <= scatter_dimension < x.ndim
     config: GemmRsConfig
     reason: Optional[str]  # None: the fused path (on CUDA); else why the XLA reference runs
+    fused_call: Any = None  # with reason None: fused.GemmRsCall (the kernels' plan and the comm id)
 
 
 def _check_args(x, w, axis_name, scatter_dimension) -> tuple[int, int]:
@@ -101,13 +103,24 @@ def _kernel_scatter_dim(x, sd: int) -> int:
     return 1 if sd == x.ndim - 1 else 0
 
 
+def _check_config(config: GemmRsConfig) -> None:
+    """ValueError, at trace time, for a config the kernels cannot run whatever the shape (their own
+    rules, from the C++ plan; none without the extension, where no config reaches the kernels)."""
+    if config.path == "xla":
+        return
+    rule = _plan.gemm_rs_config_rule(config)
+    if rule is not None:
+        raise ValueError(f"gemm_rs: config {config} cannot run on the fused kernels: {rule}")
+
+
 def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
-    """None when the fused kernels can run this call, else the reason they cannot."""
+    """None when the fused kernels can run this call, else the reason they cannot. Only answers:
+    _prepare_fused makes the communicator."""
     if config.path == "xla":
         return "config.path='xla'"
     if axis_size == 1 and config.path == "auto":
         # Nothing to reduce or scatter: the fused op would only add a copy of the whole product
-        # (measured 0.43-0.73x of XLA's GEMM on one H200, docs/PERF.md v12).
+        # (measured 0.43-0.73x of XLA's GEMM on one H200; docs/performance.md, "What was tried").
         return "axis size 1: nothing to reduce or scatter, XLA's GEMM alone is faster (path='fused' runs the kernels anyway)"
     if x.dtype == jnp.float32:
         return "float32 inputs (the fused kernels take bfloat16/float16)"
@@ -121,6 +134,24 @@ def _fused_unavailable(x, w, axis_name, axis_size, sd, config) -> Optional[str]:
                                         scatter_dimension=_kernel_scatter_dim(x, sd), config=config)
     except Exception as e:  # a bug there must not take the reference path down with it
         return f"entwine_jax.fused.unavailable_reason raised {type(e).__name__}: {e}"
+
+
+def _prepare_fused(x, w, axis_name, axis_size, sd, config) -> tuple[Any, Optional[str]]:
+    """(fused.GemmRsCall, None) when the fused kernels run this call: its plan and communicator,
+    prepared once here (trace time); else (None, the reason the XLA reference runs)."""
+    reason = _fused_unavailable(x, w, axis_name, axis_size, sd, config)
+    if reason is not None:
+        return None, reason
+    fused, _ = _fused_module()
+    x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+    try:
+        return fused.prepare_gemm_rs(x2d, jax.ShapeDtypeStruct(tuple(w.shape), w.dtype), axis_name=axis_name,
+                                     axis_size=axis_size, scatter_dimension=_kernel_scatter_dim(x, sd),
+                                     config=config), None
+    except fused.Unavailable as e:  # e.g. the communicator could not be set up: a visible fallback
+        return None, str(e)
+    except Exception as e:  # a bug there must not take the reference path down with it
+        return None, f"entwine_jax.fused.prepare_gemm_rs raised {type(e).__name__}: {e}"
 
 
 def _report(x, w, plan: _Plan, source: str = "") -> None:
@@ -164,8 +195,7 @@ def _fused_forward(x, w, *, plan: _Plan):
     sd, world, lead = plan.scatter_dimension, plan.axis_size, tuple(x.shape[:-1])
     columns = _kernel_scatter_dim(x, sd)
     x2d = x.reshape(-1, x.shape[-1]) if columns else _rows_by_partition(x, sd, world)
-    y = fused.gemm_rs_local(x2d, w, axis_name=plan.axis_name, axis_size=world, config=plan.config,
-                            scatter_dimension=columns)
+    y = fused.call_gemm_rs(x2d, w, plan.fused_call)
     # platform_dependent needs both branches typed alike: the reference's output varies over every
     # axis x and w vary over (an FFI call's output may not carry that type).
     y = _make_varying(y, sorted(_varying_axes(x) | _varying_axes(w), key=str))
@@ -256,8 +286,10 @@ def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[Gem
         # Keyed by the rows of x as this rank sees them (before the scatter), N, K_local, W, dtype.
         config, source = tuning.select_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], axis_size, x.dtype,
                                               rows=_kernel_scatter_dim(x, sd) == 0)
-    reason = _fused_unavailable(x, w, axis_name, axis_size, sd, config)
-    plan = _Plan(axis_name=axis_name, axis_size=axis_size, scatter_dimension=sd, config=config, reason=reason)
+    _check_config(config)
+    fused_call, reason = _prepare_fused(x, w, axis_name, axis_size, sd, config)
+    plan = _Plan(axis_name=axis_name, axis_size=axis_size, scatter_dimension=sd, config=config, reason=reason,
+                 fused_call=fused_call)
     _report(x, w, plan, source)
     names = sorted(_varying_axes(x) | _varying_axes(w) | set(_axis_names(axis_name)), key=str)
     x = _make_varying(x, names)

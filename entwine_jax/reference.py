@@ -7,8 +7,8 @@ import jax.numpy as jnp
 
 def _dot_type(dtype):
     """Output type of a GEMM whose result is only rounded to `dtype`. XLA's bf16 GEMM accumulates in
-    fp32; writing bf16 at once was bitwise equal to fp32-then-cast on an H200, and faster (docs/PERF.md
-    v12). Anything else keeps an explicit fp32 output."""
+    fp32; writing bf16 at once was bitwise equal to fp32-then-cast on an H200, and faster
+    (docs/performance.md, "What was tried"). Anything else keeps an explicit fp32 output."""
     return jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
 
 

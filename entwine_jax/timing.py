@@ -16,7 +16,7 @@ import numpy as np
 
 from entwine_jax import _distributed
 
-# (M, N, K_local) of the bar in DESIGN.md; the quick suite is its first three (K = 1024).
+# (M, N, K_local) of the design suite (docs/performance.md); the quick suite is its first three (K = 1024).
 DESIGN_SUITE = [(4096, 8192, 1024), (8192, 8192, 1024), (16384, 8192, 1024), (8192, 8192, 3584),
                 (16384, 8192, 3584), (8192, 16384, 2048), (16384, 16384, 2048), (16384, 16384, 6656)]
 
@@ -24,7 +24,7 @@ DESIGN_SUITE = [(4096, 8192, 1024), (8192, 8192, 1024), (16384, 8192, 1024), (81
 DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16, "float16": jnp.float16}
 SHORT_NAMES = {jnp.dtype(jnp.bfloat16).name: "bf16", jnp.dtype(jnp.float16).name: "fp16"}
 
-# Relative Frobenius error of the fused op against the XLA reference, bf16 and fp16 alike (DESIGN.md).
+# Relative Frobenius error of the fused op against the XLA reference, bf16 and fp16 alike (docs/design.md, "Testing without many GPUs").
 TOL = 1e-2
 
 # Numbers the key-value exchanges of max_over_processes (each key is written once).
@@ -72,10 +72,10 @@ def time_interleaved(programs: dict, iters: int, warmup: int, batch: int,
     barrier, so that every process times the same batch of the same program at once.
 
     Rounds, not one program after the other: back-to-back GEMMs hold an H200 at its power cap,
-    where the clock, and with it a program's time, depends on what ran just before (PERF.md v7).
+    where the clock, and with it a program's time, depends on what ran just before (docs/performance.md, "Reading the numbers").
     Interleaving gives every program the same history, and round r starts with program r mod n,
     so no program always runs right after the same one (the position in a round biased a variant
-    by up to 5% in the harness, PERF.md v8). Blocking after every call would add
+    by up to 5% in the harness; docs/performance.md). Blocking after every call would add
     ~20-50 us of host round trip to 0.2 ms kernels; within a batch the device stays busy because
     each program outlasts its dispatch. One process drives all devices, so a program ends when its
     slowest device does: the max over ranks is built in.
@@ -103,7 +103,7 @@ def time_interleaved(programs: dict, iters: int, warmup: int, batch: int,
 
 
 def max_over_processes(values: list, timeout_ms: int = 1_800_000) -> list:
-    """Per-entry max over processes (DESIGN.md: max over ranks of the median); NaN = skipped.
+    """Per-entry max over processes (the protocol: max over ranks of the median); NaN = skipped.
 
     Every process must call it with a list of the same length, in the same order (it is a
     collective). Through the jax.distributed key-value store, not a device collective: NCCL cannot

@@ -3,7 +3,7 @@
 # timing candidate configs of the fused op end to end on a live mesh.
 """Tuned GemmRsConfigs: lookup (used by ``gemm_rs`` at trace time) and ``tune()``.
 
-Selection order of a gemm_rs call (DESIGN.md, "Configuration"):
+Selection order of a gemm_rs call (docs/design.md, "The budget and configuration"):
 
 1. ``config=`` or ``set_default_config``          -> source "override"
 2. the user cache (``ENTWINE_TUNE_CACHE``, default ``~/.cache/entwine_jax/tuned.json``)
@@ -21,7 +21,7 @@ scatter over N (column partitions) is not looked up and takes heuristic_config u
 Device classes: an entry may also carry ``device_class`` (``"hopper-<SMs>sm"``: compute capability
 9.0 with that many SMs, e.g. "hopper-132sm" for H100 SXM and H200). A GPU with no entry under its
 own ``device_kind`` (in either file) uses an entry of its class: same kernels, same SM split
-(``producer_sms = SMs - consumer_grid``), same NVLink generation. Exact matches always win; such a
+(``config.producer_sms_beside``), same NVLink generation. Exact matches always win; such a
 match is reported as e.g. "tuned (shipped) via hopper-132sm".
 
 Files are JSON: ``{"format": 1, ..., "entries": [{device_kind, device_class?, world, m, n, k_local,
@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _log, timing
-from entwine_jax.config import GemmRsConfig, _sm_count, heuristic_config, with_overrides
+from entwine_jax import _log, _plan, timing
+from entwine_jax.config import GemmRsConfig, heuristic_config, producer_sms_beside, with_overrides
 
 FORMAT = 1
 SHIPPED_PATH = pathlib.Path(__file__).with_name("tuned_configs.json")
@@ -62,7 +62,6 @@ SOURCE_HEURISTIC = "heuristic"
 
 _DTYPE_NAMES = ("bfloat16", "float16")
 _KEY_FIELDS = ("device_kind", "world", "m", "n", "k_local", "dtype")
-_FUSED_TARGET = "entwine_gemm_rs"
 
 
 def cache_path() -> pathlib.Path:
@@ -115,6 +114,10 @@ def _parse_entry(entry: Any) -> tuple[tuple, Optional[str], GemmRsConfig]:
         config = GemmRsConfig(**entry["config"])
     except TypeError as e:  # unknown field names
         raise ValueError(f"config {entry['config']!r}: {e}") from None
+    # A config the kernels cannot run is never picked (checked where the extension can tell).
+    rule = _plan.gemm_rs_config_rule(config)
+    if rule is not None:
+        raise ValueError(f"config {config} cannot run on the fused kernels: {rule}")
     return _key(entry), cls, config
 
 
@@ -209,7 +212,7 @@ def select_config(m: int, n: int, k: int, world: int, dtype, *, rows: bool = Tru
         hit = None
     if hit is not None:
         return hit
-    return heuristic_config(m, n, k, world, dtype), SOURCE_HEURISTIC
+    return heuristic_config(m, n, k, world, dtype, scatter_cols=not rows), SOURCE_HEURISTIC
 
 
 # --- Writing the user cache -----------------------------------------------------------------------
@@ -280,65 +283,66 @@ def _config_dict(config: GemmRsConfig) -> dict:
     return dataclasses.asdict(config)
 
 
-# Budgets tried by default_candidates. End to end on 2x H200 (PERF.md v16) x = 24-32 won at K = 1024,
-# 12 at K = 2048, 8 at K = 3584 and 4 at K = 6656.
+# Budgets tried by default_candidates. End to end on 2x H200 (W = 2) x = 24-32 won at K = 1024,
+# 12 at K = 2048, 8 at K = 3584 and 4 at K = 6656 (docs/performance.md, "gemm_rs end to end, W = 2").
 TUNE_BUDGETS = (4, 8, 12, 16, 20, 24, 28, 32)
+
+
+def _plan_of(m: int, n: int, k: int, world: int, config: GemmRsConfig) -> Optional[_plan.GemmRsPlan]:
+    """The kernels' plan of a row scatter of this shape with `config`; None where it has none (no
+    extension, or a shape or config the kernels cannot run)."""
+    try:
+        return _plan.gemm_rs_plan(m, n, k, world, config)
+    except (_plan.NoExtension, _plan.PlanError):
+        return None
 
 
 def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Optional[int] = None) -> list:
     """Stage 1 of tune(): GEMM block x budget for one shape, heuristic first.
 
     The producer's block is the heuristic's (128x256 measured faster than 128x128 on every suite
-    shape, PERF.md; 128 only where N is not a multiple of 256), the consumer block 512 (the most
-    loads in flight per SM, best in the consumer sweep); the budget x in TUNE_BUDGETS, with the producer
-    persistent on the SMs the consumer leaves (measured 1.1-1.25x faster than one CTA per block at
-    every shape on H200, PERF.md v4, so producer_sms = 0 is not tried). A budget above the blocks of
-    the local partition would only idle: capped like the heuristic, duplicates dropped. The
-    heuristic's own pick is always tried, so the winner is never worse.
+    shape; 128 only where N is not a multiple of 256), the consumer block 512 (the most loads in
+    flight per SM, best in the consumer sweep); the budget x in TUNE_BUDGETS, with the producer
+    persistent on the SMs the consumer leaves (producer_sms_beside; measured 1.1-1.25x faster than
+    one CTA per block at every shape on H200, so producer_sms = 0 is not tried). A budget above the
+    blocks of the local partition (the kernels' plan) would only idle: capped like the heuristic,
+    duplicates dropped. The heuristic's own pick is always tried, so the winner is never worse.
+    Measurements: docs/performance.md, "What was tried".
     """
-    sms = sm_count or _sm_count()
     first = heuristic_config(m, n, k, world, dtype)
     out = [first]
-    blocks = max(1, -(-m // world // 128) * -(-n // first.block_n))
+    plan = _plan_of(m, n, k, world, first)
     for consumer_grid in TUNE_BUDGETS:
-        grid = min(consumer_grid, blocks)
-        c = dataclasses.replace(first, producer_sms=max(1, sms - grid), consumer_grid=grid, consumer_block=512)
+        grid = min(consumer_grid, plan.blocks_per_partition) if plan else consumer_grid
+        c = dataclasses.replace(first, producer_sms=producer_sms_beside(grid, sm_count), consumer_grid=grid,
+                                consumer_block=512)
         if c not in out:
             out.append(c)
     return out
 
 
-# The producer's split rule, from ffi/gemm_rs.h and ffi/launch.cu (a CPU test checks that the
-# constants agree): k-tiles of kProducerBlockK, at most kSplitSlots + 1 CTAs, and a split only when
-# the CTAs the partial last wave leaves idle average at least kSplitMinIdleKTiles k-tiles per CTA.
-_PRODUCER_BLOCK_K = 64
-_SPLIT_SLOTS = 160
-_SPLIT_MIN_IDLE_K_TILES = 16
-
-
 def _split_applies(m: int, n: int, k: int, world: int, config: GemmRsConfig) -> bool:
-    """Whether split_tail=True changes the producer's schedule of a row scatter (producer_schedule()
-    in ffi/launch.cu); elsewhere the flag runs the same schedule as without it."""
-    num_blocks = world * (m // world // 128) * (n // config.block_n)
-    grid = config.producer_sms if 0 < config.producer_sms < num_blocks else num_blocks
-    remainder, k_tiles = num_blocks % grid, -(-k // _PRODUCER_BLOCK_K)
-    return (grid < num_blocks and grid - 1 <= _SPLIT_SLOTS and remainder != 0
-            and (grid - remainder) * k_tiles >= _SPLIT_MIN_IDLE_K_TILES * grid)
+    """Whether split_tail=True changes the producer's schedule of a row scatter (the kernels' plan:
+    producer_schedule() in ffi/gemm_rs/launch.cu); elsewhere the flag runs the same schedule as
+    without it."""
+    plan = _plan_of(m, n, k, world, dataclasses.replace(config, split_tail=True))
+    return plan is not None and plan.split
 
 
 def refined_candidates(best: GemmRsConfig, m: int, n: int, k: int, world: int) -> list:
     """Stage 2 of tune(): stage 1's winner, then the same config with the producer's split tail
     where it changes the schedule, and with raster groups of 16 tile rows where a partition has
-    more than 8. Both change the producer only, so they are tried at the budget that won (the
-    producer alone: the split is 2-3% faster where the last wave is nearly empty, PERF.md v11; r16
-    1-3% faster at K = 1024 and 0.3-1.6% slower at K >= 2048, v13; end to end each won on some
-    suite shapes, v16)."""
+    more than the winner's groups (else 16-row groups are the same order). Both change the producer
+    only, so they are tried at the budget that won (the producer alone: the split is 2-3% faster
+    where the last wave is nearly empty; r16 1-3% faster at K = 1024 and 0.3-1.6% slower at
+    K >= 2048; end to end each won on some suite shapes: docs/performance.md, "What was tried")."""
     out = [best]
     split = dataclasses.replace(best, split_tail=True)
     if split != best and _split_applies(m, n, k, world, split):
         out.append(split)
     wide_raster = dataclasses.replace(best, raster_rows=16)
-    if wide_raster != best and m // world // 128 > best.raster_rows:
+    plan = _plan_of(m, n, k, world, best)
+    if wide_raster != best and plan is not None and plan.m_blocks > best.raster_rows:
         out.append(wide_raster)
     return out
 
@@ -428,13 +432,14 @@ def _build(mesh, axis_name, config, x, w):
     from entwine_jax.ops import gemm_rs
     text, compiled = _compile(mesh, axis_name, lambda x, w: gemm_rs(x, w, axis_name=axis_name, config=config), x, w)
     # The FFI target in the lowered program is the proof that the fused kernels run, not XLA.
-    if _FUSED_TARGET not in text:
-        return None, f"{_FUSED_TARGET} not in the lowered program (XLA fallback)"
+    target = _plan.gemm_rs_target()
+    if target not in text:
+        return None, f"{target} not in the lowered program (XLA fallback)"
     return compiled, None
 
 
-# Identical programs read up to 0.9% apart at 200 timed calls (one H200, PERF.md v17): a lead below
-# this is not a measured difference.
+# Identical programs read up to 0.9% apart at 200 timed calls (one H200; docs/performance.md,
+# "Reading the numbers"): a lead below this is not a measured difference.
 _RESOLUTION = 0.01
 
 
@@ -456,14 +461,14 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
     shapes:     (M, N, K_local) per call: M rows of x as gemm_rs sees them (before the scatter),
                 K_local = x.shape[-1], N = w.shape[1]; the world W is the size of `axis_name`.
     candidates: GemmRsConfigs, or dicts of GemmRsConfig fields applied on heuristic_config (a
-                consumer_grid without producer_sms sets producer_sms = SMs - consumer_grid);
+                consumer_grid without producer_sms sets producer_sms = producer_sms_beside(consumer_grid));
                 default: two stages per shape, default_candidates() (GEMM block x budget), then
                 refined_candidates() (stage 1's winner, with the split tail, with 16-row raster
                 groups), timed again together; the winner is the fastest of stage 2.
     iters, warmup: timed calls (median of batches of back-to-back dispatches, as bench.py) and
                 warm-ups per candidate. Identical programs read up to 2.3% (fused op) and 5.2% (XLA's
-                GEMM) apart at 50 calls and at most 0.9% at 200 (one H200, scripts/timing_spread.py,
-                PERF.md v17): fewer calls cannot tell the candidates' few-% differences apart.
+                GEMM) apart at 50 calls and at most 0.9% at 200 (one H200; docs/performance.md,
+                "Reading the numbers"): fewer calls cannot tell the candidates' few-% differences apart.
     cache_path: the user cache to merge the winners into (default: cache_path()).
 
     Each candidate is checked once against the XLA reference (relative error <= 1e-2); a wrong

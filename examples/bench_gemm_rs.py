@@ -1,4 +1,4 @@
-"""The gemm_rs benchmark of DESIGN.md; same as `python -m entwine_jax.bench` (see --help)."""
+"""The gemm_rs benchmark (docs/performance.md); same as `python -m entwine_jax.bench` (see --help)."""
 import sys
 
 from entwine_jax.bench import main

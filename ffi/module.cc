@@ -1,6 +1,8 @@
-// nanobind module entwine_jax._entwine: the FFI registrations plus the small communicator API that
-// entwine_jax.fused drives at trace time (create, exchange IPC handles, connect, grow, errors,
-// shutdown). Every failure raises RuntimeError carrying the CUDA error string.
+// nanobind module entwine_jax._entwine: the FFI registrations and their target names, the plans of
+// both ops (every shape rule of the kernels, asked by Python instead of restated), and the small
+// communicator API that entwine_jax.fused.acquire_comm drives at trace time (create, exchange IPC
+// handles, connect, grow, errors, shutdown). Every failure raises RuntimeError carrying the CUDA
+// error string.
 #include <string>
 #include <tuple>
 #include <utility>
@@ -16,6 +18,7 @@
 
 #include "ag_gemm/ag_gemm.h"
 #include "common/comm.h"
+#include "gemm_rs/gemm_rs.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -31,17 +34,60 @@ namespace comm = entwine::comm;
 // Calls that may wait on the GPU release the GIL: an XLA thread may need it meanwhile.
 using NoGil = nb::call_guard<nb::gil_scoped_release>;
 
+// The XLA FFI target names, spelled only here: Python reads them from the module.
+constexpr const char* kGemmRsTarget = "entwine_gemm_rs";
+constexpr const char* kAgGemmTarget = "entwine_ag_gemm";
+
+nb::object rule_or_none(const char* rule) { return rule ? nb::cast(std::string(rule)) : nb::none(); }
+
 }  // namespace
 
 NB_MODULE(_entwine, m) {
-  m.doc() = "entwine_jax CUDA extension: XLA FFI targets and gemm_rs communicators";
+  m.doc() = "entwine_jax CUDA extension: XLA FFI targets, the plans of both ops, and their communicators";
 
+  m.attr("GEMM_RS_TARGET") = kGemmRsTarget;
+  m.attr("AG_GEMM_TARGET") = kAgGemmTarget;
+  m.attr("MAX_WORLD") = entwine::kMaxWorld;  // the largest mesh axis the kernels serve
   m.def("registrations", [] {
     nb::dict targets;
-    targets["entwine_gemm_rs"] = nb::capsule(reinterpret_cast<void*>(GemmRs));
-    targets["entwine_ag_gemm"] = nb::capsule(reinterpret_cast<void*>(AgGemm));
+    targets[kGemmRsTarget] = nb::capsule(reinterpret_cast<void*>(GemmRs));
+    targets[kAgGemmTarget] = nb::capsule(reinterpret_cast<void*>(AgGemm));
     return targets;
   }, "{target name: FFI handler capsule}, for jax.ffi.register_ffi_target(platform='CUDA').");
+
+  m.def("gemm_rs_plan",
+        [](int64_t m, int64_t n, int64_t k, int world, bool scatter_cols, int block_n, int producer_sms,
+           int consumer_grid, int consumer_block, int raster_rows, bool split_tail) {
+          entwine::GemmRsProblem problem{m, n, k, world, 0, scatter_cols};
+          entwine::GemmRsConfig config{block_n, producer_sms, consumer_grid, consumer_block, raster_rows,
+                                       split_tail ? 1 : 0};
+          entwine::GemmRsPlan const p = entwine::gemm_rs_plan(problem, config);
+          nb::dict d;
+          d["error"] = rule_or_none(p.error);
+          d["config_error"] = p.config_error;
+          d["m"] = p.shape.m;
+          d["n"] = p.shape.n;
+          d["k"] = p.shape.k;
+          d["part_rows"] = p.shape.part_rows();
+          d["part_cols"] = p.shape.part_cols();
+          d["tiles_per_partition"] = p.tiles_per_partition;
+          d["m_blocks"] = p.order.m_blocks;
+          d["n_blocks"] = p.order.n_blocks;
+          d["raster_rows"] = p.order.raster_rows;
+          d["num_blocks"] = p.schedule.num_blocks;
+          d["grid"] = p.schedule.grid;
+          d["k_tiles"] = p.schedule.k_tiles;
+          d["split_first_block"] = p.schedule.split_first_block;
+          d["split"] = p.split;
+          d["slot_bytes"] = p.slot_bytes;
+          return d;
+        },
+        nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("world"), nb::arg("scatter_cols"), nb::arg("block_n"),
+        nb::arg("producer_sms"), nb::arg("consumer_grid"), nb::arg("consumer_block"), nb::arg("raster_rows"),
+        nb::arg("split_tail"),
+        "gemm_rs's plan of one call (ffi/gemm_rs/gemm_rs.h) for x [m, k], w [k, n], unpadded: {error: None or "
+        "the violated rule, config_error, m, n, k (the padded problem), part_rows, part_cols, tiles_per_partition, "
+        "m_blocks, n_blocks, raster_rows, num_blocks, grid, k_tiles, split_first_block, split, slot_bytes}.");
 
   m.def("can_access_peer", [](int device, int peer) {
     int ok = 0;
@@ -69,7 +115,7 @@ NB_MODULE(_entwine, m) {
           entwine::AgGemmConfig config{block_n, gemm_sms, raster_rows, max_chunks};
           entwine::AgPlan p = entwine::ag_plan(problem, config);
           nb::dict d;
-          d["error"] = p.error ? nb::cast(std::string(p.error)) : nb::none();
+          d["error"] = rule_or_none(p.error);
           d["chunks"] = p.chunks;
           d["chunk_tiles"] = p.chunk_tiles;
           d["num_blocks"] = p.num_blocks;
@@ -83,6 +129,13 @@ NB_MODULE(_entwine, m) {
         nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"),
         "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h): {error: None or the violated rule, chunks, "
         "chunk_tiles, num_blocks, grid, k_tiles, slot_bytes, flags}.");
+
+  m.def("heap_bytes",
+        [](int world, size_t slot_bytes, int64_t max_tiles) {
+          return comm::heap_layout(world, {slot_bytes, max_tiles}).total();
+        },
+        nb::arg("world"), nb::arg("slot_bytes"), nb::arg("max_tiles"),
+        "Bytes of one rank's heap with room for a slot of slot_bytes and max_tiles flags per source.");
 
   m.def("heap_ipc_handle", [](int64_t comm_id, int device) {
     std::string handle = comm::ipc_handle(comm_id, device);
@@ -126,7 +179,6 @@ NB_MODULE(_entwine, m) {
     return out;
   }, nb::arg("comm_id"), NoGil(),
      "[(device, producer_ms, consumer_ms)] of the comm's last completed call (needs ENTWINE_PROFILE=1).");
-
 
   m.def("shutdown", &comm::shutdown, NoGil(),
         "Free every communicator (IPC handles closed before heaps are freed).");

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from entwine_jax import GemmRsConfig, heuristic_config, set_default_config, using_config
-from entwine_jax.config import get_default_config
+from entwine_jax import GemmRsConfig, _plan, heuristic_config, set_default_config, using_config
+from entwine_jax.config import get_default_config, producer_sms_beside, with_overrides
 
 
 def test_defaults_and_str():
@@ -80,7 +80,27 @@ def test_heuristic():
     assert heuristic_config(8192, 8192, 3584, 2, jnp.bfloat16).consumer_grid == 8
     assert heuristic_config(8192, 8192, 6656, 2, jnp.bfloat16).consumer_grid == 4
     assert heuristic_config(8192, 8320, 1024, 2, jnp.bfloat16).block_n == 128  # N % 256 != 0
+
+
+def test_heuristic_caps_the_budget_at_the_partition_blocks():
+    # The blocks of the local partition come from the kernels' plan (padded: whole blocks).
+    if _plan.extension()[0] is None:
+        pytest.skip(f"the kernels' plan needs the extension: {_plan.extension()[1]}")
     # Fewer producer blocks in the local partition than the budget: one consumer CTA per block.
     assert heuristic_config(256, 256, 64, 2, jnp.float16).consumer_grid == 1
     assert heuristic_config(512, 384, 64, 2, jnp.float16).consumer_grid == 6  # 2 rows x 3 blocks of 128
     assert heuristic_config(16, 16, 16, 8, "bfloat16").consumer_grid == 1
+    # A partition of 100 rows is one padded tile row: 1 x 3 blocks of 128 (a floor would say 0).
+    assert heuristic_config(200, 384, 64, 2, jnp.float16).consumer_grid == 3
+    # Scattered over N: the partition is [M, N / W], whatever M is.
+    c = heuristic_config(30, 1024, 64, 4, jnp.bfloat16, scatter_cols=True)
+    assert (c.block_n, c.consumer_grid, c.producer_sms) == (256, 1, 131)
+
+
+def test_producer_beside_the_consumer():
+    # The one statement of the SM split: the persistent producer takes the SMs the consumer leaves.
+    assert producer_sms_beside(24, sm_count=132) == 108 and producer_sms_beside(200, sm_count=132) == 1
+    assert producer_sms_beside(16) == 132 - 16  # CPU: the H100/H200 SXM count
+    base = GemmRsConfig(block_n=256, producer_sms=100, consumer_grid=32)
+    assert with_overrides(base, {"consumer_grid": 8}) == GemmRsConfig(block_n=256, producer_sms=124, consumer_grid=8)
+    assert with_overrides(base, {"consumer_grid": 8, "producer_sms": 0}).producer_sms == 0

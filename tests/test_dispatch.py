@@ -1,6 +1,9 @@
 # Dispatch between the fused path (entwine_jax.fused) and the XLA reference: the reason is
-# visible (logged once per call site, printed under ENTWINE_PRINT_CONFIG=1), and a fused path that
-# claims availability is wired through platform_dependent so the same code still runs on CPU.
+# visible (logged once per call site, printed under ENTWINE_PRINT_CONFIG=1), a fused path that
+# claims availability is prepared once (its plan and communicator) and wired through
+# platform_dependent so the same code still runs on CPU, and a config the kernels cannot run is a
+# ValueError at trace time.
+import dataclasses
 import logging
 import types
 
@@ -10,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from entwine_jax import GemmRsConfig, gemm_rs, ops, reference, set_default_config
+from entwine_jax import GemmRsConfig, _plan, gemm_rs, heuristic_config, ops, reference, set_default_config
 
 
 def run(x_shape=(32, 64), n=16, world=4, dtype=jnp.bfloat16, sd=0, jit=True, **kwargs):
@@ -30,21 +33,38 @@ def run(x_shape=(32, 64), n=16, world=4, dtype=jnp.bfloat16, sd=0, jit=True, **k
     return np.asarray(y, np.float64), exact
 
 
+@dataclasses.dataclass(frozen=True)
+class FakeCall:
+    """Stands in for fused.GemmRsCall (hashable: it lives in the op's static plan)."""
+    axis_name: object
+    axis_size: int
+    config: GemmRsConfig
+    scatter_dimension: int
+
+
 class FakeFused(types.SimpleNamespace):
     """Stands in for entwine_jax.fused: records calls; its 'kernel' returns zeros (wrong on purpose)."""
 
+    class Unavailable(Exception):
+        pass
+
     def __init__(self, reason=None):
-        super().__init__(reason=reason, reason_calls=[], local_calls=[])
+        super().__init__(reason=reason, reason_calls=[], prepare_calls=[], local_calls=[])
 
     def unavailable_reason(self, x_local_aval, w_aval, **kwargs):
         self.reason_calls.append((x_local_aval, w_aval, kwargs))
         return self.reason
 
-    def gemm_rs_local(self, x2d, w, *, axis_name, axis_size, config, scatter_dimension=0):
-        self.local_calls.append((x2d.shape, w.shape, axis_name, axis_size, config, scatter_dimension))
-        if scatter_dimension == 1:
-            return jnp.zeros((x2d.shape[0], w.shape[1] // axis_size), x2d.dtype)
-        return jnp.zeros((x2d.shape[0] // axis_size, w.shape[1]), x2d.dtype)
+    def prepare_gemm_rs(self, x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, config):
+        self.prepare_calls.append((x_local_aval.shape, w_aval.shape))
+        return FakeCall(axis_name, axis_size, config, scatter_dimension)
+
+    def call_gemm_rs(self, x2d, w, call):
+        self.local_calls.append((x2d.shape, w.shape, call.axis_name, call.axis_size, call.config,
+                                 call.scatter_dimension))
+        if call.scatter_dimension == 1:
+            return jnp.zeros((x2d.shape[0], w.shape[1] // call.axis_size), x2d.dtype)
+        return jnp.zeros((x2d.shape[0] // call.axis_size, w.shape[1]), x2d.dtype)
 
 
 @pytest.fixture
@@ -75,6 +95,8 @@ def test_fused_available_uses_platform_dependent(fake, capsys, monkeypatch):
     assert x_aval.shape == (32, 16) and w_aval.shape == (16, 16)  # N-D x seen as its 2-D row view
     assert kwargs["axis_name"] == "tp" and kwargs["axis_size"] == 4 and kwargs["scatter_dimension"] == 0
     assert isinstance(kwargs["config"], GemmRsConfig)
+    # Prepared once, at the call site, for the 2-D view.
+    assert fake.prepare_calls == [((32, 16), (16, 16))]
     # The CUDA branch was traced with the 2-D view (and discarded at CPU lowering).
     assert fake.local_calls and fake.local_calls[0][:4] == ((32, 16), (16, 16), "tp", 4)
     assert fake.local_calls[0][5] == 0
@@ -87,10 +109,12 @@ def test_fused_branch_reshapes_nd(fake, x_shape, sd):
     # _fused_forward with a correct stand-in kernel (psum_scatter on the 2-D view, rows or columns)
     # == reference on N-D x, scattered over the leading dim, a middle dim (rows permuted so that
     # every rank's slice is a block of rows) or N. Bitwise: the stand-in sums exactly as the reference.
-    fake.gemm_rs_local = lambda x2d, w, *, axis_name, axis_size, config, scatter_dimension: (
-        reference.gemm_rs_reference(x2d, w, axis_name=axis_name, scatter_dimension=scatter_dimension))
+    fake.call_gemm_rs = lambda x2d, w, call: (
+        reference.gemm_rs_reference(x2d, w, axis_name=call.axis_name, scatter_dimension=call.scatter_dimension))
     mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
-    plan = ops._Plan(axis_name="tp", axis_size=4, scatter_dimension=sd, config=GemmRsConfig(), reason=None)
+    call = FakeCall("tp", 4, GemmRsConfig(), ops._kernel_scatter_dim(jnp.zeros(x_shape), sd))
+    plan = ops._Plan(axis_name="tp", axis_size=4, scatter_dimension=sd, config=GemmRsConfig(), reason=None,
+                     fused_call=call)
     x = jax.random.normal(jax.random.key(1), x_shape, jnp.float32).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (64, 8), jnp.float32).astype(jnp.bfloat16)
     x_spec = P(*([None] * (len(x_shape) - 1)), "tp")
@@ -113,7 +137,7 @@ def test_fused_branch_reshapes_nd(fake, x_shape, sd):
 def test_xla_reasons_before_asking_fused(fake, capsys, monkeypatch, kwargs, dtype, sd, reason):
     monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
     run(dtype=dtype, sd=sd, **kwargs)
-    assert not fake.reason_calls and not fake.local_calls
+    assert not fake.reason_calls and not fake.prepare_calls and not fake.local_calls
     assert "path=xla" in (err := capsys.readouterr().err) and f"reason: {reason}" in err
 
 
@@ -181,6 +205,39 @@ def test_fused_module_errors_fall_back(monkeypatch, capsys):
     assert "unavailable_reason raised ZeroDivisionError" in capsys.readouterr().err
 
 
+def test_failed_preparation_falls_back_with_its_reason(fake, capsys, monkeypatch):
+    # The predicate said yes, but the communicator could not be set up: the reference runs and says why.
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+
+    def refuse(*a, **k):
+        raise fake.Unavailable("communicator setup failed (RuntimeError: cudaMalloc(heap): out of memory)")
+    fake.prepare_gemm_rs = refuse
+    y, exact = run()
+    assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
+    assert not fake.local_calls
+    assert "path=xla" in (err := capsys.readouterr().err) and "cudaMalloc(heap): out of memory" in err
+    fake.prepare_gemm_rs = lambda *a, **k: 1 / 0
+    run(x_shape=(16, 64))
+    assert "prepare_gemm_rs raised ZeroDivisionError" in capsys.readouterr().err
+
+
+def needs_plan():
+    if _plan.extension()[0] is None:
+        pytest.skip(f"the kernels' plan needs the extension: {_plan.extension()[1]}")
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_config_the_kernels_cannot_run_is_a_value_error(jit):
+    # consumer_grid 100 passes GemmRsConfig's own checks; the kernels (their C++ plan) take at most 64.
+    needs_plan()
+    with pytest.raises(ValueError, match=r"gemm_rs: config GemmRsConfig\(.*consumer_grid=100.*\) cannot run on "
+                                         r"the fused kernels: config.consumer_grid must be in \[1, 64\]"):
+        run(jit=jit, config=GemmRsConfig(consumer_grid=100))
+    # The XLA path runs no kernel: any config is fine there.
+    y, exact = run(jit=jit, config=GemmRsConfig(consumer_grid=100, path="xla"))
+    assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
+
+
 def test_print_config_once_per_call_site(capsys, monkeypatch):
     monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
     run()
@@ -189,7 +246,9 @@ def test_print_config_once_per_call_site(capsys, monkeypatch):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2, lines
     assert lines[0].startswith("entwine_jax.gemm_rs x=bfloat16[32, 16] w=bfloat16[16, 16] axis='tp' (size 4) "
-                               "scatter_dimension=0: path=xla GemmRsConfig(block_n=128, producer_sms=131, ")
+                               f"scatter_dimension=0: path=xla {heuristic_config(32, 16, 16, 4, jnp.bfloat16)}")
+    if _plan.extension()[0] is not None:  # the budget capped at the partition's one block (the kernels' plan)
+        assert "GemmRsConfig(block_n=128, producer_sms=131, " in lines[0]
     assert "axis='tp' (size 2)" in lines[1]
 
 
@@ -212,6 +271,8 @@ def test_config_choice_reaches_the_fused_path(fake, capsys, monkeypatch):
     assert fake.reason_calls[-1][2]["config"] is default
     set_default_config(None)
     run(x_shape=(128, 64))  # heuristic
-    assert fake.reason_calls[-1][2]["config"] == GemmRsConfig(consumer_grid=1, producer_sms=131)
+    assert fake.reason_calls[-1][2]["config"] == heuristic_config(128, 16, 16, 4, jnp.bfloat16)
+    if _plan.extension()[0] is not None:  # the budget capped at the partition's one block (the kernels' plan)
+        assert fake.reason_calls[-1][2]["config"] == GemmRsConfig(consumer_grid=1, producer_sms=131)
     err = capsys.readouterr().err
     assert str(mine) in err and str(default) in err

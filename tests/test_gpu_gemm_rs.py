@@ -21,7 +21,8 @@ from entwine_jax.reference import gemm_rs_reference
 
 RANKS = pathlib.Path(__file__).with_name("gpu_ranks.py")
 
-# DESIGN.md's benchmark suite (M, N, K_local), the first ones, scaled to fit any GPU count.
+# The benchmarks' design suite (M, N, K_local; entwine_jax.timing.DESIGN_SUITE), the first ones, scaled
+# to fit any GPU count.
 SUITE = [(4096, 8192, 1024), (8192, 8192, 1024), (8192, 8192, 3584), (8192, 16384, 2048)]
 # Tails: M/W and N not multiples of 128, K not a multiple of 64 (and not of 8).
 TAILS = [(200, 1000, 1000), (77, 130, 60), (129, 257, 72), (1, 1, 3)]

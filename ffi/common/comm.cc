@@ -1,4 +1,4 @@
-// Process-wide registry of the gemm_rs communicators (see comm.h): allocation, peer pointers and
+// Process-wide registry of the communicators of both ops (see comm.h): allocation, peer pointers and
 // IPC handles, growth and teardown. Everything here runs from Python at trace time or at exit,
 // never from the execute path except find() and error_message().
 #include "common/comm.h"
@@ -164,16 +164,6 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     comm.by_device[device] = std::move(dc);
   }
   registry()[comm_id] = std::move(comm);
-}
-
-bool exists(int64_t comm_id) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  return registry().count(comm_id) != 0;
-}
-
-Capacity capacity(int64_t comm_id) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  return get(comm_id).capacity;
 }
 
 std::string ipc_handle(int64_t comm_id, int device) {

@@ -1,7 +1,8 @@
 // Communicators of the fused ops (gemm_rs and ag_gemm share them): per mesh-axis comm id and per
 // local GPU, the symmetric heap (flags + two slots), the peer table, the side streams, the events,
-// the epoch counter and the host-mapped device error record. Setup runs from Python (module.cc) at
-// trace time; the FFI handlers only look entries up. Layout and protocol: docs/design.md.
+// the epoch counter and the host-mapped device error record. Setup runs from Python at trace time,
+// in one place (entwine_jax.fused.acquire_comm, through module.cc); the FFI handlers only look
+// entries up. Layout and protocol: docs/design.md, "The communicator and symmetric heap".
 #pragma once
 
 #include <atomic>
@@ -81,8 +82,6 @@ struct DeviceComm {
 // `capacity` on each device. Creating an existing comm id is an error.
 void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
             const Capacity& capacity);
-bool exists(int64_t comm_id);
-Capacity capacity(int64_t comm_id);
 
 // This device's heap base as a CUDA IPC handle (64 bytes), for ranks in other processes.
 std::string ipc_handle(int64_t comm_id, int device);
@@ -109,7 +108,9 @@ void shutdown();
 // The entry of (comm_id, device), or nullptr. Entries live until shutdown().
 DeviceComm* find(int64_t comm_id, int device) noexcept;
 
-// Deadline of every consumer wait: ENTWINE_TIMEOUT_MS (default 60000: it also has to cover the skew between ranks reaching a call, e.g. compile-time differences on a first call), read once per process.
+// Deadline of every flag wait: ENTWINE_TIMEOUT_MS (default 60000: it also has to cover the skew
+// between ranks reaching a call, e.g. compile-time differences on a first call), read once per
+// process (docs/design.md, "Bounded waits").
 uint64_t timeout_ms() noexcept;
 
 // ENTWINE_PROFILE=1 (read once, before the first communicator): the per-call events record time.

@@ -1,6 +1,7 @@
-// Host-side contract of the fused GEMM + ReduceScatter kernels: argument structs, the config, the
-// device error record and the two launchers. Shared by the XLA FFI handler, the one-GPU harness and
-// the kernels; contains no kernel syntax.
+// Host-side contract of the fused GEMM + ReduceScatter kernels: the config, the problem of one rank
+// and its plan (every shape rule of the kernels, computed once per call for the handler, the
+// harness and Python alike), the argument structs and the two launchers. Shared by the XLA FFI
+// handler, the one-GPU harness and the kernels; contains no kernel syntax.
 #pragma once
 
 #include <cstdint>
@@ -14,8 +15,10 @@ namespace entwine {
 // Reduction tile: the unit of release (one flag per tile and source rank) and of reduction.
 constexpr int kTileM = 128;
 constexpr int kTileN = 128;
-// Shape requirements of the fused kernels (the Python op pads everything else).
-constexpr int kAlignK = 8;  // 16-byte rows for TMA (2-byte elements)
+// K is padded to this (zeros add nothing): 16-byte rows for TMA, with 2-byte elements.
+constexpr int kAlignK = 8;
+// Both dtypes (bf16, fp16) have 2-byte elements: the partial slot's size follows from it.
+constexpr int kElementBytes = 2;
 
 // The one config of the fused op, mirrored by entwine_jax.GemmRsConfig (Python).
 struct GemmRsConfig {
@@ -24,8 +27,11 @@ struct GemmRsConfig {
   int32_t consumer_grid = 16;    // the communication budget x: consumer CTAs
   int32_t consumer_block = 512;  // consumer threads per CTA, in {128, 256, 512}
   int32_t raster_rows = 8;       // blocks of a partition run in groups of this many tile rows
-  int32_t split_tail = 0;        // 1: a persistent grid splits its partial last wave in K (producer.cuh)
+  int32_t split_tail = 0;        // 1: a persistent grid splits its partial last wave in K (gemm_kernel.cuh)
 };
+
+// The config's own rules (whatever the shape): nullptr when they hold, else the violated rule.
+const char* check_config(const GemmRsConfig& config);
 
 // Production order of the GEMM blocks inside one partition, shared by producer and consumer:
 // groups of `raster_rows` tile rows, each group visited column by column, so the blocks in flight
@@ -69,7 +75,7 @@ inline TileOrder tile_order(const ProblemShape& s, const GemmRsConfig& c) {
   return TileOrder{m_blocks, n_blocks, c.raster_rows < m_blocks ? c.raster_rows : m_blocks};
 }
 
-// Split tail of a persistent producer grid (producer.cuh): the last one-and-a-fraction waves of
+// Split tail of a persistent producer grid (gemm_kernel.cuh): the last one-and-a-fraction waves of
 // blocks are divided evenly in K over the grid, and a block computed in two pieces by two CTAs
 // meets in one slot of this workspace: an arrival counter, a ready sequence and an fp32 partial
 // block. One workspace per producer stream (calls on one stream run one after the other), zeroed
@@ -90,6 +96,30 @@ struct ProducerSchedule {
 };
 ProducerSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c);
 
+// One rank's call as the op sees it, before any padding: x [m, k] (the rows before the scatter),
+// w [k, n], scattered over rows (partition q: rows q*m/W ..) or columns (columns q*n/W ..).
+struct GemmRsProblem {
+  int64_t m = 0, n = 0, k = 0;
+  int32_t world = 1, rank = 0;
+  bool scatter_cols = false;
+};
+
+// Everything static about one call, from the problem and the config (docs/design.md, "gemm_rs"):
+// the handler runs exactly this, Python pads the operands and sizes the communicator with it, and
+// the heuristic and tune() read the blocks and the split from it.
+struct GemmRsPlan {
+  const char* error = nullptr;  // nullptr, or the rule the problem or the config violates
+  bool config_error = false;    // the violated rule is one of the config's own (check_config)
+  ProblemShape shape;           // the kernels' problem: each partition padded to whole 128 x block_n
+                                // blocks, K to kAlignK (a padded problem plans to itself)
+  TileOrder order{};            // the blocks of one partition, in production order
+  int32_t tiles_per_partition = 0;  // reduction tiles of one partition: flag words per source rank
+  ProducerSchedule schedule{};  // the producer's blocks, grid, k-tiles and split region
+  bool split = false;           // the schedule splits its tail in K (given a split workspace)
+  int64_t slot_bytes = 0;       // one partial slot: the whole padded M x N product of this rank
+};
+GemmRsPlan gemm_rs_plan(const GemmRsProblem& problem, const GemmRsConfig& config);
+
 // Flag array of one owner rank: flags[source * tiles_per_partition + tile] holds the epoch of the
 // last call whose producer on `source` published that tile of the owner's partition.
 struct ProducerArgs {
@@ -100,8 +130,10 @@ struct ProducerArgs {
   uint64_t epoch;
   void* split_workspace = nullptr;  // kSplitWorkspaceBytes, zeroed once, one per producer stream
                                     // (nullptr: nothing splits, whatever config.split_tail says)
-  bool interleave = true;         // false: plain row-major tile order (benchmarks only)
-  bool publish = true;            // false: no flags (benchmarks only)
+  // Benchmark switches of the harness's producer-alone runs; production keeps both true. They stay
+  // in these args because the kernel's parameters read them from here (gemm_kernel.cuh).
+  bool interleave = true;         // false: plain row-major tile order
+  bool publish = true;            // false: no flags
 };
 
 struct ConsumerArgs {
@@ -114,8 +146,9 @@ struct ConsumerArgs {
   uint64_t timeout_ns;
 };
 
-// Validate the shape and config against the kernels' requirements; returns nullptr when they hold,
-// else a static message naming the violated rule.
+// Validate a padded shape and the config against the kernels' requirements; returns nullptr when
+// they hold, else a static message naming the violated rule. gemm_rs_plan() runs it on the shape it
+// pads; the harness runs it on its own (already aligned) cases.
 const char* check_problem(const ProblemShape& shape, const GemmRsConfig& config);
 
 // Launch the interleaved producer GEMM. Loads nothing lazily once prepare_kernels() has run.

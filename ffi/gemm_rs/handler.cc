@@ -66,7 +66,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   if (dc == nullptr) {
     return ffi::Error::InvalidArgument(
         "entwine gemm_rs: no communicator " + std::to_string(comm_id) + " on device " +
-        std::to_string(device) + " (create it through entwine_jax.fused, at trace time)");
+        std::to_string(device) + " (entwine_jax.fused.acquire_comm makes it, at trace time)");
   }
   if (auto message = comm::error_message(*dc)) return ffi::Error::Internal(*message);
   if (!dc->connected) {
@@ -96,38 +96,45 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
     return ffi::Error::InvalidArgument("entwine gemm_rs: scatter_dimension must be 0 (rows) or 1 (columns), got " +
                                        std::to_string(scatter_dimension));
   }
-  ProblemShape shape;
-  shape.world = dc->world;
-  shape.rank = dc->rank;
-  shape.scatter_cols = scatter_dimension == 1;
+  bool const scatter_cols = scatter_dimension == 1;
+  int64_t const world = dc->world;
   bool const dims_ok = xd.size() == 2 && wd.size() == 2 && yd.size() == 2 && wd[0] == xd[1] &&
-                       (shape.scatter_cols ? yd[0] == xd[0] && yd[1] * dc->world == wd[1]
-                                           : yd[0] * dc->world == xd[0] && yd[1] == wd[1]);
+                       (scatter_cols ? yd[0] == xd[0] && yd[1] * world == wd[1]
+                                     : yd[0] * world == xd[0] && yd[1] == wd[1]);
   if (!dims_ok) {
-    std::string const expected_y = shape.scatter_cols ? "[M, N / " + std::to_string(dc->world) + "]"
-                                                       : "[M / " + std::to_string(dc->world) + ", N]";
+    std::string const expected_y = scatter_cols ? "[M, N / " + std::to_string(world) + "]"
+                                                : "[M / " + std::to_string(world) + ", N]";
     return ffi::Error::InvalidArgument("entwine gemm_rs: expected x [M, K], w [K, N], y " + expected_y + ", got x " +
                                        dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd));
   }
-  shape.m = int32_t(xd[0]);
-  shape.k = int32_t(xd[1]);
-  shape.n = int32_t(wd[1]);
 
-  if (const char* rule = check_problem(shape, cfg)) {
-    return ffi::Error::InvalidArgument(
-        std::string("entwine gemm_rs: ") + rule + " (M=" + std::to_string(shape.m) +
-        ", N=" + std::to_string(shape.n) + ", K=" + std::to_string(shape.k) + ", W=" +
-        std::to_string(shape.world) + ", block_n=" + std::to_string(cfg.block_n) + ")");
+  // The plan Python padded the operands with: the same function, on the padded shape, must plan
+  // it unchanged (docs/design.md, "gemm_rs").
+  GemmRsProblem problem;
+  problem.m = xd[0];
+  problem.n = wd[1];
+  problem.k = xd[1];
+  problem.world = dc->world;
+  problem.rank = dc->rank;
+  problem.scatter_cols = scatter_cols;
+  GemmRsPlan const plan = gemm_rs_plan(problem, cfg);
+  std::string const call = " (M=" + std::to_string(problem.m) + ", N=" + std::to_string(problem.n) +
+                           ", K=" + std::to_string(problem.k) + ", W=" + std::to_string(world) +
+                           ", block_n=" + std::to_string(cfg.block_n) + ")";
+  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string("entwine gemm_rs: ") + plan.error + call);
+  ProblemShape const& shape = plan.shape;
+  if (shape.m != problem.m || shape.n != problem.n || shape.k != problem.k) {
+    return ffi::Error::InvalidArgument("entwine gemm_rs: operands not padded to the plan's [M, N, K] = [" +
+                                       std::to_string(shape.m) + ", " + std::to_string(shape.n) + ", " +
+                                       std::to_string(shape.k) + "]" + call);
   }
 
   // Python grows the heap at trace time, before any call of a new shape runs; this only catches
   // a call compiled against another process's (or a shut down) communicator.
-  size_t elem = 2;
-  size_t slot_bytes = size_t(shape.m) * size_t(shape.n) * elem;
-  if (slot_bytes > dc->capacity.slot_bytes || shape.tiles_per_partition() > dc->capacity.max_tiles) {
+  if (size_t(plan.slot_bytes) > dc->capacity.slot_bytes || plan.tiles_per_partition > dc->capacity.max_tiles) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "entwine gemm_rs: call needs " + std::to_string(slot_bytes) + " bytes and " +
-                          std::to_string(shape.tiles_per_partition()) +
+                      "entwine gemm_rs: call needs " + std::to_string(plan.slot_bytes) + " bytes and " +
+                          std::to_string(plan.tiles_per_partition) +
                           " tiles per slot, communicator has " +
                           std::to_string(dc->capacity.slot_bytes) + " bytes and " +
                           std::to_string(dc->capacity.max_tiles) + " tiles");

@@ -1,5 +1,6 @@
-// Dispatch from (dtype, config) to the kernel instantiations, the shape rules the kernels rely on,
-// and eager module loading at setup.
+// gemm_rs's plan (the shape rules of its kernels, the padding that meets them, the producer's
+// schedule), the dispatch from (dtype, config) to the kernel instantiations, and eager module
+// loading at setup.
 #include "gemm_rs/gemm_rs.h"
 #include "common/gemm_kernels.h"
 
@@ -7,16 +8,22 @@ namespace entwine {
 
 cudaError_t prepare_consumer_kernels();  // consumer.cu
 
-const char* check_problem(const ProblemShape& s, const GemmRsConfig& c) {
-  if (s.world < 1 || s.world > kMaxWorld) return "world size must be in [1, 8]";
-  if (s.rank < 0 || s.rank >= s.world) return "rank must be in [0, world)";
+const char* check_config(const GemmRsConfig& c) {
   if (c.block_n != 128 && c.block_n != 256) return "config.block_n must be 128 or 256";
   if (c.consumer_block != 128 && c.consumer_block != 256 && c.consumer_block != 512)
     return "config.consumer_block must be 128, 256 or 512";
+  // The consumer spins while the producer still needs SMs: its grid stays a small share of the GPU.
   if (c.consumer_grid < 1 || c.consumer_grid > 64) return "config.consumer_grid must be in [1, 64]";
   if (c.producer_sms < 0) return "config.producer_sms must be >= 0";
   if (c.raster_rows < 1) return "config.raster_rows must be >= 1";
   if (c.split_tail != 0 && c.split_tail != 1) return "config.split_tail must be 0 or 1";
+  return nullptr;
+}
+
+const char* check_problem(const ProblemShape& s, const GemmRsConfig& c) {
+  if (s.world < 1 || s.world > kMaxWorld) return "world size must be in [1, 8]";
+  if (s.rank < 0 || s.rank >= s.world) return "rank must be in [0, world)";
+  if (const char* rule = check_config(c)) return rule;
   if (s.m <= 0 || s.n <= 0 || s.k <= 0) return "M, N and K must be positive";
   if (s.scatter_cols) {
     if (s.m % kTileM != 0) return "M must be a multiple of 128";
@@ -31,7 +38,8 @@ const char* check_problem(const ProblemShape& s, const GemmRsConfig& c) {
 
 // A split costs a CTA one more block start, 128 KB of fp32 written or read and the wait for the
 // other piece: split only when the last wave leaves at least this many k-tiles per CTA idle on
-// average. Measured (PERF.md v11): 15.5 (16384x8192x1024) lost 0.8%, 27 gained 0.9%, 31 gained 2%.
+// average. Measured at 15.5 (16384x8192x1024): 0.8% slower; at 27: 0.9% faster; at 31: 2% faster
+// (docs/performance.md, "What was tried": the split tail).
 constexpr int kSplitMinIdleKTiles = 16;
 
 ProducerSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c) {
@@ -50,6 +58,50 @@ ProducerSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c)
                      int64_t(p.grid - remainder) * p.k_tiles >= int64_t(kSplitMinIdleKTiles) * p.grid;
   p.split_first_block = split ? (p.num_blocks / p.grid - 1) * p.grid : p.num_blocks;
   return p;
+}
+
+namespace {
+
+int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+}  // namespace
+
+GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
+  GemmRsPlan plan;
+  auto fail = [&](const char* rule, bool config_error = false) {
+    plan.error = rule;
+    plan.config_error = config_error;
+    return plan;
+  };
+  if (const char* rule = check_config(c)) return fail(rule, true);
+  if (p.world < 1 || p.world > kMaxWorld) return fail("world size must be in [1, 8]");
+  if (p.rank < 0 || p.rank >= p.world) return fail("rank must be in [0, world)");
+  if (p.m <= 0 || p.n <= 0 || p.k <= 0) return fail("M, N and K must be positive");
+  // Padding: each partition to whole 128 x block_n blocks, on its own, so that partition q of the
+  // padded product holds partition q of the real one; K to kAlignK. Zeros add nothing to the sum.
+  int64_t m, n;
+  if (p.scatter_cols) {
+    if (p.n % p.world != 0) return fail("N must be divisible by the world size (the scattered dim)");
+    m = round_up(p.m, kTileM);
+    n = p.world * round_up(p.n / p.world, c.block_n);
+  } else {
+    if (p.m % p.world != 0) return fail("M must be divisible by the world size (the scattered dim)");
+    m = p.world * round_up(p.m / p.world, kTileM);
+    n = round_up(p.n, c.block_n);
+  }
+  int64_t const k = round_up(p.k, kAlignK);
+  // The kernels index rows, columns and K with int32.
+  if (m >= (int64_t(1) << 31) || n >= (int64_t(1) << 31) || k >= (int64_t(1) << 31)) {
+    return fail("a padded dimension of the product is 2^31 or more (the kernels index with int32)");
+  }
+  plan.shape = ProblemShape{int32_t(m), int32_t(n), int32_t(k), p.world, p.rank, p.scatter_cols};
+  if (const char* rule = check_problem(plan.shape, c)) return fail(rule);
+  plan.order = tile_order(plan.shape, c);
+  plan.tiles_per_partition = plan.shape.tiles_per_partition();
+  plan.schedule = producer_schedule(plan.shape, c);
+  plan.split = plan.schedule.split_first_block < plan.schedule.num_blocks;
+  plan.slot_bytes = m * n * kElementBytes;
+  return plan;
 }
 
 cudaError_t launch_producer(DType dtype, const ProblemShape& s, const GemmRsConfig& c, const ProducerArgs& a,

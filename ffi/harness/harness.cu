@@ -433,7 +433,8 @@ int sanitize_main(bool sequential) {
 // Median per-launch ms of each launcher, timed in interleaved rounds (one batch of `per_round`
 // launches of each in turn, round r starting with launcher r mod n): back-to-back GEMMs run an
 // H200 at its power cap, where a kernel's time depends on what ran just before it, so every variant
-// gets the same history and no variant always follows the same one (PERF.md v7, v8).
+// gets the same history and no variant always follows the same one (docs/performance.md, "Reading
+// the numbers").
 std::vector<float> interleaved_median_ms(std::vector<std::function<void()>> const& launches, cudaStream_t stream,
                                          int warmup = 10, int rounds = 20, int per_round = 5) {
   cudaEvent_t a, b;
@@ -582,7 +583,8 @@ struct CublasLt {
   }
 };
 
-// DESIGN.md's benchmark suite (M, N, K of one rank's GEMM; W = 2 partitions).
+// The design suite of the benchmarks (entwine_jax/timing.py DESIGN_SUITE; M, N, K of one rank's GEMM;
+// W = 2 partitions).
 constexpr std::array<int, 3> kDesignSuite[] = {{4096, 8192, 1024},  {8192, 8192, 1024},  {16384, 8192, 1024},
                                                {8192, 8192, 3584},  {16384, 8192, 3584}, {8192, 16384, 2048},
                                                {16384, 16384, 2048}, {16384, 16384, 6656}};
@@ -727,7 +729,7 @@ std::vector<std::vector<SteadyState>> steady_passes(Nvml const& nv, std::vector<
 // Energy per GEMM under the power cap, each launcher alone in its steady state.
 //   energy M N K [seconds] [names]: the shipped producer, two variants that move more or fewer bytes
 //     and every cuBLASLt algorithm the heuristic offers (names: one launch of each, in order, for ncu);
-//   energy suite [seconds] [shapes]: DESIGN.md's suite (or its first `shapes` shapes), the producer
+//   energy suite [seconds] [shapes]: the design suite (or its first `shapes` shapes), the producer
 //     without and with the interleaved order and the flags (and with raster groups of 16 rows)
 //     against cuBLASLt's fastest algorithm, one line per shape.
 int energy_main(bool suite, std::vector<std::array<int, 3>> const& shapes, double seconds, bool names_only) {

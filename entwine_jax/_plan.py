@@ -1,0 +1,150 @@
+# The kernels' plans, asked of the C++ extension instead of restated here: gemm_rs_plan
+# (ffi/gemm_rs/gemm_rs.h: the config's rules, the padding, tiles, blocks, the producer's grid and
+# split tail, the slot bytes) and ag_plan (ffi/ag_gemm/ag_gemm.h), the target names and the heap
+# size. Without the extension (a pure-Python install) there is no plan, and no fused path to plan.
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+
+@functools.cache
+def extension() -> tuple[Any, Optional[str]]:
+    """(entwine_jax._entwine, None), or (None, why it does not import). Imports only: the FFI
+    targets are registered by entwine_jax.fused, where a call may be made."""
+    try:
+        from entwine_jax import _entwine
+    except Exception as e:  # ImportError, or a broken build
+        return None, f"extension entwine_jax._entwine unavailable ({type(e).__name__}: {e})"
+    return _entwine, None
+
+
+class NoExtension(RuntimeError):
+    """The plan was asked for without the compiled extension."""
+
+
+def _ext():
+    ext, reason = extension()
+    if ext is None:
+        raise NoExtension(reason)
+    return ext
+
+
+def gemm_rs_target() -> str:
+    """The XLA FFI target name of gemm_rs (spelled once, in ffi/module.cc)."""
+    return _ext().GEMM_RS_TARGET
+
+
+def ag_gemm_target() -> str:
+    """The XLA FFI target name of ag_gemm (spelled once, in ffi/module.cc)."""
+    return _ext().AG_GEMM_TARGET
+
+
+def max_world() -> int:
+    """The largest axis the kernels serve (kMaxWorld, ffi/common/protocol.h)."""
+    return int(_ext().MAX_WORLD)
+
+
+def heap_bytes(world: int, slot_bytes: int, max_tiles: int) -> int:
+    """Bytes of one rank's heap with room for a slot of slot_bytes and max_tiles flags per source
+    (comm::heap_layout: two flag parities, two slots)."""
+    return int(_ext().heap_bytes(world, slot_bytes, max_tiles))
+
+
+class PlanError(ValueError):
+    """The kernels cannot run this call: `rule` is the rule it violates (the C++ plan's words);
+    `config_error` is True when the rule is one of the config's own, whatever the shape."""
+
+    def __init__(self, rule: str, config_error: bool):
+        super().__init__(rule)
+        self.rule = rule
+        self.config_error = config_error
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRsPlan:
+    """gemm_rs's plan of one call (the C++ GemmRsPlan), with the call it was made for.
+
+    The call: x [m, k], w [k, n] on each of `world` ranks, scattered over rows (partitions of
+    mp = m / W rows, n_part = n columns) or columns (scatter_cols: mp = m rows, n_part = n / W).
+    The kernels' problem: each partition padded to [mp_pad, n_pad], K to k_pad. Hashable: it is
+    part of the op's static plan.
+    """
+
+    world: int
+    m: int
+    k: int
+    n: int
+    scatter_cols: bool
+    mp: int
+    mp_pad: int  # rows of a padded partition
+    k_pad: int
+    n_pad: int  # columns of a padded partition
+    tiles_per_partition: int  # reduction tiles of one partition: flag words per source rank
+    m_blocks: int  # producer blocks of one partition: m_blocks x n_blocks
+    n_blocks: int
+    raster_rows: int  # the raster group the kernels run (config.raster_rows, at most m_blocks)
+    num_blocks: int  # producer blocks of the call (all W partitions)
+    grid: int  # producer CTAs
+    k_tiles: int
+    split_first_block: int  # blocks from here on are split in K (num_blocks: none)
+    split: bool  # the producer splits its tail in K
+    slot_bytes: int  # one partial slot: the padded [W * mp_pad, n_pad] (or [mp_pad, W * n_pad]) product
+
+    @property
+    def n_part(self) -> int:
+        return self.n // self.world if self.scatter_cols else self.n
+
+    @property
+    def needed(self) -> bool:
+        """Whether the operands need padding at all."""
+        return (self.mp, self.k, self.n_part) != (self.mp_pad, self.k_pad, self.n_pad)
+
+    @property
+    def blocks_per_partition(self) -> int:
+        return self.m_blocks * self.n_blocks
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemm_rs_plan(m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid, consumer_block, raster_rows,
+                  split_tail) -> dict:
+    return dict(_ext().gemm_rs_plan(m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid,
+                                    consumer_block, raster_rows, split_tail))
+
+
+def gemm_rs_plan(m: int, n: int, k: int, world: int, config, scatter_cols: bool = False) -> GemmRsPlan:
+    """The plan of gemm_rs for x [m, k], w [k, n] (one rank's operands, unpadded) over `world`
+    ranks with `config` (a GemmRsConfig). Raises PlanError with the C++ rule when the kernels
+    cannot run it, NoExtension without the extension."""
+    d = _gemm_rs_plan(int(m), int(n), int(k), int(world), bool(scatter_cols), int(config.block_n),
+                      int(config.producer_sms), int(config.consumer_grid), int(config.consumer_block),
+                      int(config.raster_rows), bool(config.split_tail))
+    if d["error"] is not None:
+        raise PlanError(d["error"], bool(d["config_error"]))
+    mp = int(m) if scatter_cols else int(m) // int(world)
+    return GemmRsPlan(world=int(world), m=int(m), k=int(k), n=int(n), scatter_cols=bool(scatter_cols), mp=mp,
+                      mp_pad=d["part_rows"], k_pad=d["k"], n_pad=d["part_cols"],
+                      tiles_per_partition=d["tiles_per_partition"], m_blocks=d["m_blocks"], n_blocks=d["n_blocks"],
+                      raster_rows=d["raster_rows"], num_blocks=d["num_blocks"], grid=d["grid"], k_tiles=d["k_tiles"],
+                      split_first_block=d["split_first_block"], split=bool(d["split"]), slot_bytes=d["slot_bytes"])
+
+
+def gemm_rs_config_rule(config) -> Optional[str]:
+    """The kernels' rule that `config` violates whatever the shape (ffi/gemm_rs check_config), or
+    None; None too without the extension, where no config runs on the kernels."""
+    if extension()[0] is None:
+        return None
+    try:
+        gemm_rs_plan(1, 1, 1, 1, config)
+    except PlanError as e:
+        return e.rule if e.config_error else None
+    return None
+
+
+def ag_plan(rows_pad: int, cols_pad: int, n_pad: int, world: int, gather_k: bool, config, gemm_sms: int) -> dict:
+    """ag_gemm's plan (ffi/ag_gemm/ag_gemm.h) of one rank's padded shard [rows_pad, cols_pad] and N =
+    n_pad: {error: None or the violated rule, chunks, chunk_tiles, num_blocks, grid, k_tiles,
+    slot_bytes, flags}. gemm_sms: the GEMM grid the call runs (config.gemm_sms resolved)."""
+    return dict(_ext().ag_plan(rows_pad, cols_pad, n_pad, world, gather_k, config.block_n, gemm_sms,
+                               config.raster_rows, config.max_chunks))
