@@ -142,9 +142,9 @@ def gemm_rs_config_rule(config) -> Optional[str]:
     return None
 
 
-def ag_plan(rows_pad: int, cols_pad: int, n_pad: int, world: int, gather_k: bool, config, gemm_sms: int) -> dict:
-    """ag_gemm's plan (ffi/ag_gemm/ag_gemm.h) of one rank's padded shard [rows_pad, cols_pad] and N =
-    n_pad: {error: None or the violated rule, chunks, chunk_tiles, num_blocks, grid, k_tiles,
+def ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, gemm_sms: int) -> dict:
+    """ag_gemm's plan (ffi/ag_gemm/ag_gemm.h) of one rank's shard [rows, cols] and N = n: {error: None
+    or the violated rule, rows_pad, cols_pad, n_pad, chunks, chunk_tiles, num_blocks, grid, k_tiles,
     slot_bytes, flags}. gemm_sms: the GEMM grid the call runs (config.gemm_sms resolved)."""
-    return dict(_ext().ag_plan(rows_pad, cols_pad, n_pad, world, gather_k, config.block_n, gemm_sms,
-                               config.raster_rows, config.max_chunks))
+    return dict(_ext().ag_plan(rows, cols, n, world, gather_k, config.block_n, gemm_sms, config.raster_rows,
+                               config.max_chunks))

@@ -582,18 +582,11 @@ def gemm_rs_local(x2d, w, *, axis_name, axis_size, config, scatter_dimension=0) 
 
 # --- ag_gemm ------------------------------------------------------------------------------------
 
-# ag_plan takes the padded shard and checks it (a shard it cannot run is a visible fallback below,
-# never a handler error); the padding itself is still chosen here: shard rows to the 128-row tile,
-# columns to 16-byte TMA rows.
-_AG_ROW_TILE = 128
-_AG_COL_ALIGN = 8
-
-
 @dataclasses.dataclass(frozen=True)
 class AgPadding:
-    """Kernel shape of one ag_gemm call: every rank's shard [rows, cols] padded to
-    [rows_pad (multiple of 128), cols_pad (multiple of 8)], N padded to n_pad (multiple of block_n).
-    gather_k: the shards are slices of the contraction dim, w is [world * cols, n]."""
+    """Kernel shape of one ag_gemm call, as ag_plan pads it: every rank's shard [rows, cols] padded
+    to [rows_pad, cols_pad], N to n_pad. gather_k: the shards are slices of the contraction dim, w
+    is [world * cols, n]."""
 
     world: int
     rows: int
@@ -605,9 +598,9 @@ class AgPadding:
     gather_k: bool
 
 
-def ag_padding(rows: int, cols: int, n: int, world: int, block_n: int, gather_k: bool) -> AgPadding:
-    return AgPadding(world, rows, cols, n, _round_up(rows, _AG_ROW_TILE), _round_up(cols, _AG_COL_ALIGN),
-                     _round_up(n, block_n), gather_k)
+def ag_padding(plan: dict, rows: int, cols: int, n: int, world: int, gather_k: bool) -> AgPadding:
+    """The padding of ag_plan's answer `plan` for a shard [rows, cols] and N = n."""
+    return AgPadding(world, rows, cols, n, plan["rows_pad"], plan["cols_pad"], plan["n_pad"], gather_k)
 
 
 def ag_pad_operands(x, w, p: AgPadding, xp=jnp):
@@ -644,8 +637,8 @@ def ag_gemm_sms(config) -> int:
     return config.gemm_sms or _sm_count() - 1
 
 
-def _ag_plan(p: AgPadding, config) -> dict:
-    return _plan.ag_plan(p.rows_pad, p.cols_pad, p.n_pad, p.world, p.gather_k, config, ag_gemm_sms(config))
+def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config) -> dict:
+    return _plan.ag_plan(rows, cols, n, world, gather_k, config, ag_gemm_sms(config))
 
 
 def _ag_reason(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
@@ -662,7 +655,7 @@ def _ag_reason(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
     reason, mesh, ext = _platform_reason(axis_name)
     if reason:
         return reason
-    plan = _ag_plan(ag_padding(rows, cols, n, axis_size, config.block_n, gather_k), config)
+    plan = _ag_plan(rows, cols, n, axis_size, gather_k, config)
     if plan["error"] is not None:
         return f"the kernels cannot run this call: {plan['error']}"
     if reason := _mesh_reason(ext, mesh, axis_name, axis_size):
@@ -701,13 +694,13 @@ def prepare_ag_gemm(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, con
     Raises Unavailable with the reason when the fused path cannot run it after all."""
     mesh = _mesh_for(axis_name)
     (rows, cols), n = x_local_aval.shape, w_aval.shape[1]
-    p = ag_padding(rows, cols, n, axis_size, config.block_n, gather_k)
     try:
-        plan = _ag_plan(p, config)
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config)
     except _plan.NoExtension as e:
         raise Unavailable(str(e)) from None
     if plan["error"] is not None:
         raise Unavailable(f"the kernels cannot run this call: {plan['error']}")
+    p = ag_padding(plan, rows, cols, n, axis_size, gather_k)
     cid = acquire_comm(mesh, axis_name, plan["slot_bytes"], plan["chunks"])
     return AgGemmCall(padding=p, gemm_sms=ag_gemm_sms(config), comm_id=cid, config=config,
                       target=_plan.ag_gemm_target())

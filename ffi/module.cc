@@ -116,6 +116,9 @@ NB_MODULE(_entwine, m) {
           entwine::AgPlan p = entwine::ag_plan(problem, config);
           nb::dict d;
           d["error"] = rule_or_none(p.error);
+          d["rows_pad"] = p.rows_pad;
+          d["cols_pad"] = p.cols_pad;
+          d["n_pad"] = p.n_pad;
           d["chunks"] = p.chunks;
           d["chunk_tiles"] = p.chunk_tiles;
           d["num_blocks"] = p.num_blocks;
@@ -127,8 +130,9 @@ NB_MODULE(_entwine, m) {
         },
         nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
         nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"),
-        "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h): {error: None or the violated rule, chunks, "
-        "chunk_tiles, num_blocks, grid, k_tiles, slot_bytes, flags}.");
+        "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h) of an unpadded shard [rows, cols] and N = n: "
+        "{error: None or the violated rule, rows_pad, cols_pad, n_pad, chunks, chunk_tiles, num_blocks, grid, "
+        "k_tiles, slot_bytes, flags}.");
 
   m.def("heap_bytes",
         [](int world, size_t slot_bytes, int64_t max_tiles) {

@@ -217,10 +217,23 @@ def test_config_validation(field, value, match):
         AgGemmConfig(**{field: value})
 
 
+def test_plan_pads_each_shard():
+    # The plan pads a shard to whole 128-row tiles and 16-byte rows, N to whole blocks.
+    from entwine_jax import _plan
+
+    if _plan.extension()[0] is None:
+        pytest.skip("the plan is the compiled extension's (pure-Python install)")
+    plan = _plan.ag_plan(77, 60, 130, 2, False, AgGemmConfig(block_n=128), 131)
+    assert plan["error"] is None and (plan["rows_pad"], plan["cols_pad"], plan["n_pad"]) == (128, 64, 256)
+    assert plan["chunks"] == 1 and plan["slot_bytes"] == 2 * 128 * 64 * 2
+    plan = _plan.ag_plan(1024, 512, 1024, 4, True, AgGemmConfig(max_chunks=3), 131)
+    assert plan["chunks"] == 2 and plan["chunk_tiles"] == 4  # 8 tile rows: the largest divisor <= 3
+    assert "gemm_sms" in _plan.ag_plan(128, 64, 256, 2, False, AgGemmConfig(), 0)["error"]
+
+
 def test_padding_round_trip():
     # Rows: each shard padded to 128 rows and 8 columns, N to block_n; unpad restores every shard.
-    p = fused.ag_padding(77, 60, 130, 2, 128, gather_k=False)
-    assert (p.rows_pad, p.cols_pad, p.n_pad) == (128, 64, 256)
+    p = fused.AgPadding(2, 77, 60, 130, 128, 64, 256, gather_k=False)
     x = np.arange(77 * 60, dtype=np.float32).reshape(77, 60)
     w = np.ones((60, 130), np.float32)
     xp, wp = fused.ag_pad_operands(x, w, p, xp=np)
@@ -231,7 +244,7 @@ def test_padding_round_trip():
     yu, gu = fused.ag_unpad(y, g, p)
     assert yu.shape == (154, 130) and (yu[:77] == 1).all() and (yu[77:] == 2).all() and gu.shape == (2, 77, 60)
     # Contraction: w [W * cols, N] padded slice by slice, so slice s starts at row s * cols_pad.
-    p = fused.ag_padding(100, 60, 128, 2, 128, gather_k=True)
+    p = fused.AgPadding(2, 100, 60, 128, 128, 64, 128, gather_k=True)
     w = np.concatenate([np.full((60, 128), 1.0), np.full((60, 128), 2.0)]).astype(np.float32)
     _, wp = fused.ag_pad_operands(np.zeros((100, 60), np.float32), w, p, xp=np)
     assert wp.shape == (128, 128) and (wp[:60] == 1).all() and (wp[60:64] == 0).all() and (wp[64:124] == 2).all()

@@ -19,8 +19,9 @@ struct AgGemmConfig {
   int32_t max_chunks = 8;    // a shard travels in at most this many chunks of whole tile rows, one flag each
 };
 
-// One rank's problem. Every rank holds a shard of `rows` x `cols` elements (row-major, padded by the
-// Python op: rows % 128 == 0, cols % 8 == 0) and w [world * cols, n] (gather_k) or [cols, n].
+// One rank's problem. Every rank holds a shard of `rows` x `cols` elements (row-major) and w
+// [world * cols, n] (gather_k) or [cols, n]. The kernels run it padded as the plan says (rows to
+// whole tile rows, cols to 16-byte rows, n to whole blocks); the Python op pads the operands so.
 //   rows layout (gather_k false): A = the W shards stacked, [world * rows, cols]; y = A @ w,
 //     [world * rows, n]. Block rows of shard s need only shard s.
 //   contraction layout (gather_k true): A = [rows, world * cols], shard s holding columns
@@ -36,15 +37,18 @@ struct AgProblem {
 // this, the handler sizes the transfers with it, Python sizes the heap with it.
 struct AgPlan {
   const char* error;      // nullptr, or the rule the problem or config violates
-  int32_t tile_rows;      // rows / 128
+  int32_t rows_pad;       // rows rounded up to 128: every shard padded on its own
+  int32_t cols_pad;       // cols rounded up to 8 (16-byte rows for TMA); w's slices padded alike
+  int32_t n_pad;          // n rounded up to config.block_n
+  int32_t tile_rows;      // rows_pad / 128
   int32_t chunks;         // chunks per shard (divides tile_rows, <= config.max_chunks)
   int32_t chunk_tiles;    // tile rows per chunk
   int32_t n_blocks;       // n / block_n
   int32_t k_tiles;        // k-tiles of one shard: ceil(cols / 64) (TMA zero-fills the tail)
   int32_t num_blocks;     // GEMM blocks of the call
   int32_t grid;           // GEMM CTAs
-  int64_t shard_bytes;    // one shard
-  int64_t slot_bytes;     // the gathered operand: world shards
+  int64_t shard_bytes;    // one padded shard
+  int64_t slot_bytes;     // the gathered operand: world padded shards
   int64_t flags;          // flag words per rank: world * chunks
 };
 AgPlan ag_plan(const AgProblem& problem, const AgGemmConfig& config);

@@ -10,6 +10,7 @@
 
 #include "ag_gemm/ag_gemm.h"
 #include "common/comm.h"
+#include "common/handler_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -17,32 +18,9 @@ namespace ffi = xla::ffi;
 namespace entwine {
 namespace {
 
-#define ENTWINE_RETURN_IF_CUDA(expr)                                                   \
-  do {                                                                                 \
-    cudaError_t err_ = (expr);                                                         \
-    if (err_ != cudaSuccess) {                                                         \
-      return ffi::Error::Internal(std::string("entwine ag_gemm: ") + #expr + ": " +    \
-                                  cudaGetErrorString(err_));                           \
-    }                                                                                  \
-  } while (0)
-
-std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-// Restores the caller's current device: XLA's thread may rely on it after we return.
-struct DeviceGuard {
-  int previous = -1;
-  cudaError_t set(int device) {
-    cudaGetDevice(&previous);
-    return cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    if (previous >= 0) cudaSetDevice(previous);
-  }
-};
+constexpr const char* kOp = "entwine ag_gemm";
+using handler::DeviceGuard;
+using handler::dims_string;
 
 // Double-buffer argument (docs/design.md, "The double-buffer argument"). In call e, rank q pushes
 // its shard into rank r's slot G_r[e % 2] and r's GEMM reads it. q's pushes of call e+2 into the
@@ -113,6 +91,12 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   config.raster_rows = int32_t(raster_rows);
   config.max_chunks = int32_t(max_chunks);
   AgPlan const plan = ag_plan(problem, config);
+  if (plan.error == nullptr &&
+      (plan.rows_pad != problem.rows || plan.cols_pad != problem.cols || plan.n_pad != problem.n)) {
+    return ffi::Error::InvalidArgument("entwine ag_gemm: operands not padded as the plan pads them (rows=" +
+                                       std::to_string(problem.rows) + ", cols=" + std::to_string(problem.cols) +
+                                       ", N=" + std::to_string(problem.n) + ")");
+  }
   if (plan.error == nullptr && config.gemm_sms >= dc->sm_count) {
     return ffi::Error::InvalidArgument("entwine ag_gemm: config.gemm_sms (" + std::to_string(config.gemm_sms) +
                                        ") must leave an SM free for the chunk releases: at most " +
@@ -133,7 +117,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 
   // The epoch is a host value passed to the kernel: a captured call would replay a stale epoch.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  ENTWINE_RETURN_IF_CUDA(cudaStreamIsCapturing(xla_stream, &capture));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamIsCapturing(xla_stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "entwine ag_gemm: cannot be captured into a CUDA graph (an XLA command buffer or a "
@@ -143,7 +127,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   }
 
   DeviceGuard guard;
-  ENTWINE_RETURN_IF_CUDA(guard.set(device));
+  ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
   uint64_t const epoch = ++dc->epoch;
   int const rank = dc->rank;
   char* const own = static_cast<char*>(dc->heap);
@@ -151,7 +135,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
   char const* const shard = static_cast<char const*>(x.untyped_data());
 
-  ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->start, xla_stream));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
   AgGemmArgs args{};
   args.x = x.untyped_data();
   args.gathered = own_slot;
@@ -164,24 +148,24 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   args.timeout_ns = comm::timeout_ms() * 1000000ull;
   // The GEMM first: its local shard needs nothing from a peer, so it starts while the host still
   // enqueues the pushes (2 calls per chunk and peer).
-  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->producer, dc->start, 0));
-  ENTWINE_RETURN_IF_CUDA(launch_ag_gemm(dtype, problem, config, plan, args, dc->producer));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
+  ENTWINE_RETURN_IF_CUDA(kOp, launch_ag_gemm(dtype, problem, config, plan, args, dc->producer));
   // Pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
   // released by its flag in the receiver's memory (launch_release, after the copy). Rank r thus
   // receives from r-1 first on every link at once; the GEMM visits peers in that order.
   for (int d = 1; d < world; ++d) {
     int const peer = (rank + d) % int(world);
     cudaStream_t const stream = dc->transfer[d];
-    ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(stream, dc->start, 0));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(stream, dc->start, 0));
     char* const peer_slot = static_cast<char*>(dc->peer_heap[peer]) + dc->layout.slot_offset(epoch);
     uint64_t* const peer_flags =
         reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[peer]) + dc->layout.flags_offset(epoch));
     for (int c = 0; c < plan.chunks; ++c) {
-      ENTWINE_RETURN_IF_CUDA(cudaMemcpyAsync(peer_slot + rank * plan.shard_bytes + c * chunk_bytes,
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_slot + rank * plan.shard_bytes + c * chunk_bytes,
                                              shard + c * chunk_bytes, chunk_bytes, cudaMemcpyDeviceToDevice, stream));
-      ENTWINE_RETURN_IF_CUDA(launch_release(peer_flags + rank * plan.chunks + c, epoch, stream));
+      ENTWINE_RETURN_IF_CUDA(kOp, launch_release(peer_flags + rank * plan.chunks + c, epoch, stream));
     }
-    ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->transfer_done[d], stream));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->transfer_done[d], stream));
   }
 
   if (gathered->element_count() != 0) {
@@ -189,14 +173,14 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
     char* const out = static_cast<char*>(gathered->untyped_data());
     for (int s = 0; s < world; ++s) {
       char const* const from = s == rank ? shard : own_slot + s * plan.shard_bytes;
-      ENTWINE_RETURN_IF_CUDA(cudaMemcpyAsync(out + s * plan.shard_bytes, from, plan.shard_bytes,
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(out + s * plan.shard_bytes, from, plan.shard_bytes,
                                              cudaMemcpyDeviceToDevice, dc->producer));
     }
   }
-  ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->producer_done, dc->producer));
-  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, dc->producer));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
   for (int d = 1; d < world; ++d) {
-    ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(xla_stream, dc->transfer_done[d], 0));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->transfer_done[d], 0));
   }
   return ffi::Error::Success();
 }

@@ -35,21 +35,25 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   if (c.raster_rows < 1) return fail("config.raster_rows must be >= 1");
   if (c.max_chunks < 1 || c.max_chunks > 64) return fail("config.max_chunks must be in [1, 64]");
   if (p.rows <= 0 || p.cols <= 0 || p.n <= 0) return fail("rows, cols and N must be positive");
-  if (p.rows % kTileM != 0) return fail("shard rows must be a multiple of 128");
-  if (p.cols % kAlignK != 0) return fail("shard columns must be a multiple of 8 (16-byte rows for TMA)");
-  if (p.n % c.block_n != 0) return fail("N must be a multiple of config.block_n");
-  // int32 coordinates in the kernels (the gathered operand's rows, w's rows).
-  if (int64_t(p.world) * p.rows >= (int64_t(1) << 31) || int64_t(p.world) * p.cols >= (int64_t(1) << 31)) {
+  auto round_up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
+  int64_t const rows_pad = round_up(p.rows, kTileM), cols_pad = round_up(p.cols, kAlignK),
+                n_pad = round_up(p.n, c.block_n);
+  // int32 coordinates in the kernels (the gathered operand's rows, w's rows and columns).
+  if (int64_t(p.world) * rows_pad >= (int64_t(1) << 31) || int64_t(p.world) * cols_pad >= (int64_t(1) << 31) ||
+      n_pad >= (int64_t(1) << 31)) {
     return fail("the gathered operand has 2^31 rows or columns or more");
   }
-  plan.tile_rows = p.rows / kTileM;
+  plan.rows_pad = int32_t(rows_pad);
+  plan.cols_pad = int32_t(cols_pad);
+  plan.n_pad = int32_t(n_pad);
+  plan.tile_rows = plan.rows_pad / kTileM;
   plan.chunks = chunk_count(plan.tile_rows, c.max_chunks);
   plan.chunk_tiles = plan.tile_rows / plan.chunks;
-  plan.n_blocks = p.n / c.block_n;
-  plan.k_tiles = (p.cols + kProducerBlockK - 1) / kProducerBlockK;
+  plan.n_blocks = plan.n_pad / c.block_n;
+  plan.k_tiles = (plan.cols_pad + kProducerBlockK - 1) / kProducerBlockK;
   plan.num_blocks = (p.gather_k ? 1 : p.world) * plan.tile_rows * plan.n_blocks;
   plan.grid = c.gemm_sms < plan.num_blocks ? c.gemm_sms : plan.num_blocks;
-  plan.shard_bytes = int64_t(p.rows) * p.cols * 2;
+  plan.shard_bytes = rows_pad * cols_pad * 2;
   plan.slot_bytes = p.world * plan.shard_bytes;
   plan.flags = int64_t(p.world) * plan.chunks;
   return plan;

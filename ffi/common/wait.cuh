@@ -15,21 +15,19 @@ namespace entwine::wait {
 __device__ inline void record_deadline(DeviceError* e, DeviceError* mirror, int rank, int source, int unit,
                                        uint64_t expected, uint64_t observed, WaitSite site) {
   if (atomicCAS(&e->code, 0u, kErrorClaimed) != 0u) return;
-  e->rank = rank;
-  e->source = source;
-  e->tile = unit;
-  e->expected = expected;
-  e->observed = observed;
-  e->op = int32_t(site);
+  auto fill = [&](DeviceError* r) {
+    r->rank = rank;
+    r->source = source;
+    r->tile = unit;
+    r->expected = expected;
+    r->observed = observed;
+    r->op = int32_t(site);
+  };
+  fill(e);
   __threadfence();
   atomicExch(&e->code, kErrorDeadline);
   if (mirror != nullptr) {
-    mirror->rank = rank;
-    mirror->source = source;
-    mirror->tile = unit;
-    mirror->expected = expected;
-    mirror->observed = observed;
-    mirror->op = int32_t(site);
+    fill(mirror);
     __threadfence_system();
     *reinterpret_cast<volatile uint32_t*>(&mirror->code) = kErrorDeadline;
     __threadfence_system();

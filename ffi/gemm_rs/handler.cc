@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "common/comm.h"
+#include "common/handler_util.h"
 #include "gemm_rs/gemm_rs.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -17,35 +18,12 @@ namespace ffi = xla::ffi;
 namespace entwine {
 namespace {
 
-#define ENTWINE_RETURN_IF_CUDA(expr)                                                   \
-  do {                                                                                 \
-    cudaError_t err_ = (expr);                                                         \
-    if (err_ != cudaSuccess) {                                                         \
-      return ffi::Error::Internal(std::string("entwine gemm_rs: ") + #expr + ": " +    \
-                                  cudaGetErrorString(err_));                           \
-    }                                                                                  \
-  } while (0)
+constexpr const char* kOp = "entwine gemm_rs";
+using handler::DeviceGuard;
+using handler::dims_string;
 
-std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-// Restores the caller's current device: XLA's thread may rely on it after we return.
-struct DeviceGuard {
-  int previous = -1;
-  cudaError_t set(int device) {
-    cudaGetDevice(&previous);
-    return cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    if (previous >= 0) cudaSetDevice(previous);
-  }
-};
-
-// Double-buffer argument (docs/design.md, "The double-buffer argument"). Call e of rank A writes A's partial slot V[e % 2]; the
-// consumers of every rank B read A's V[e % 2] during their call e. A's producer of call e+2 writes
+// Double-buffer argument (docs/design.md, "The double-buffer argument"). Call e of rank A writes
+// A's partial slot V[e % 2]; the consumers of every rank B read A's V[e % 2] during their call e. A's producer of call e+2 writes
 // V[e % 2] again, and cannot start before every B finished reading it:
 //   A's producer(e+2) starts after A's start event of e+2, recorded on A's XLA stream after it
 //   waited for A's consumer(e+1);
@@ -144,7 +122,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   // silently. XLA captures only handlers with the trait, which this one lacks; refuse any other
   // capture (a user's own stream capture, or an XLA that captures anyway) instead of recording it.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  ENTWINE_RETURN_IF_CUDA(cudaStreamIsCapturing(xla_stream, &capture));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamIsCapturing(xla_stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "entwine gemm_rs: cannot be captured into a CUDA graph (an XLA command buffer or a "
@@ -155,7 +133,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 
   // --- Execute: fork XLA's stream into producer and consumer, join both back. --------------------
   DeviceGuard guard;
-  ENTWINE_RETURN_IF_CUDA(guard.set(device));
+  ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
   uint64_t epoch = ++dc->epoch;
   char* own = static_cast<char*>(dc->heap);
 
@@ -182,16 +160,16 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   producer_args.epoch = epoch;
   producer_args.split_workspace = dc->split_workspace;  // used only by this device's producer stream
 
-  ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->start, xla_stream));
-  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->consumer, dc->start, 0));
-  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(dc->producer, dc->start, 0));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
   // Consumer first: its small high-priority grid must be resident before the GEMM fills the SMs.
-  ENTWINE_RETURN_IF_CUDA(launch_consumer(dtype, shape, cfg, consumer_args, dc->consumer));
-  ENTWINE_RETURN_IF_CUDA(launch_producer(dtype, shape, cfg, producer_args, dc->producer));
-  ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->producer_done, dc->producer));
-  ENTWINE_RETURN_IF_CUDA(cudaEventRecord(dc->consumer_done, dc->consumer));
-  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
-  ENTWINE_RETURN_IF_CUDA(cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
+  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(dtype, shape, cfg, consumer_args, dc->consumer));
+  ENTWINE_RETURN_IF_CUDA(kOp, launch_producer(dtype, shape, cfg, producer_args, dc->producer));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, dc->producer));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
   return ffi::Error::Success();
 }
 
