@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import os
 import pathlib
+import sys
 import threading
 from typing import Optional
 
@@ -23,6 +24,20 @@ def log_once(key, level: int, msg: str, *args) -> bool:
         _seen.add(key)
     logger.log(level, msg, *args)
     return True
+
+
+def report_call_site(op: str, key, site: str, config, reason: Optional[str], source: str, printed: set,
+                     note: str = "") -> None:
+    """What a fused op says about one call site at trace time: the reason it takes the XLA path,
+    once, at fallback_level(config.path); and under ENTWINE_PRINT_CONFIG=1, once per `printed` set,
+    the path, the config, where it came from and why (`note`: a remark on the fused path)."""
+    if reason is not None:
+        log_once((op, key), fallback_level(config.path), "%s %s: XLA reference path: %s", op, site, reason)
+    if os.environ.get("ENTWINE_PRINT_CONFIG", "0") not in ("", "0") and key not in printed:
+        printed.add(key)
+        path = "xla" if reason is not None else "fused"
+        why = f" reason: {reason}" if reason is not None else note
+        print(f"entwine_jax.{op} {site}: path={path} {config} source={source}{why}", file=sys.stderr, flush=True)
 
 
 def reset_once() -> None:

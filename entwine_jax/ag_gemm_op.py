@@ -5,8 +5,6 @@
 import dataclasses
 import functools
 import math
-import os
-import sys
 from typing import Any, Optional
 
 import jax
@@ -113,15 +111,7 @@ def _report(x, w, plan: _Plan, source: str) -> None:
     key = (tuple(x.shape), tuple(w.shape), str(x.dtype), plan.axis_name, plan.gather_dimension)
     site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={plan.axis_name!r} (size "
             f"{plan.axis_size}) gather_dimension={plan.gather_dimension}")
-    if plan.reason is not None:
-        level = _log.fallback_level(plan.config.path)
-        _log.log_once(("ag_path", key), level, "ag_gemm %s: XLA reference path: %s", site, plan.reason)
-    if os.environ.get("ENTWINE_PRINT_CONFIG", "0") not in ("", "0") and key not in _printed:
-        _printed.add(key)
-        path = "xla" if plan.reason is not None else "fused"
-        why = f" reason: {plan.reason}" if plan.reason is not None else ""
-        print(f"entwine_jax.ag_gemm {site}: path={path} {plan.config} source={source}{why}", file=sys.stderr,
-              flush=True)
+    _log.report_call_site("ag_gemm", key, site, plan.config, plan.reason, source, _printed)
 
 
 def _reference(x, w, plan: _Plan):

@@ -162,10 +162,9 @@ class Bench:
 
     def warm_up(self, seconds=1.0):
         """Back-to-back GEMMs on every device first: an idle GPU starts at a low clock, which
-        otherwise lands on the first shape's columns (measured: its XLA and entwine times ~20% high;
-        one second was not enough (docs/performance.md, "What was tried"), when the columns were timed one after the other;
-        they are now timed in interleaved rounds, so a slow start weighs on all of them alike).
-        GPUs only: on CPU the timings mean nothing anyway."""
+        otherwise lands on the first shape's columns (their XLA and entwine times ~20% high; see
+        docs/performance.md). The columns are timed in interleaved rounds, so what is left of a slow
+        start weighs on all of them alike. GPUs only: on CPU the timings mean nothing anyway."""
         if self.mesh.devices.flat[0].platform != "gpu":
             return
         x = jax.device_put(jnp.ones((8192, 8192), self.dtype), NamedSharding(self.mesh, P()))

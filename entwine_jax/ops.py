@@ -6,8 +6,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
-import sys
 from typing import Any, Optional
 
 import jax
@@ -160,18 +158,9 @@ def _report(x, w, plan: _Plan, source: str = "") -> None:
     key = (tuple(x.shape), tuple(w.shape), str(x.dtype), plan.axis_name, plan.scatter_dimension)
     site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={plan.axis_name!r} (size "
             f"{plan.axis_size}) scatter_dimension={plan.scatter_dimension}")
-    if plan.reason is not None:
-        # Asking for "fused" and not getting it deserves a warning; an explicit "xla" needs no news.
-        level = _log.fallback_level(plan.config.path)
-        _log.log_once(("path", key), level, "gemm_rs %s: XLA reference path: %s", site, plan.reason)
-    if os.environ.get("ENTWINE_PRINT_CONFIG", "0") not in ("", "0") and key not in _printed:
-        _printed.add(key)
-        path = "xla" if plan.reason is not None else "fused"
-        why = f" reason: {plan.reason}" if plan.reason is not None else ""
-        if plan.reason is None and 0 < plan.scatter_dimension < x.ndim - 1:
-            why = " (a middle dim: x's rows are permuted first, one copy of x)"
-        print(f"entwine_jax.gemm_rs {site}: path={path} {plan.config} source={source}{why}", file=sys.stderr,
-              flush=True)
+    middle = 0 < plan.scatter_dimension < x.ndim - 1
+    note = " (a middle dim: x's rows are permuted first, one copy of x)" if middle else ""
+    _log.report_call_site("gemm_rs", key, site, plan.config, plan.reason, source, _printed, note)
 
 
 def _rows_by_partition(x, sd: int, world: int):

@@ -567,8 +567,10 @@ class Rank:
 
     def mlp_grads(self, t, d, f_local, dtype, seed):
         """x [T/W, D] -> h = ag_gemm(x, w1 [D, F/W]) -> silu -> gemm_rs(., w2 [F/W, D]) -> [T/W, D];
-        loss = sum(y * c). jax.grad inside shard_map (the sum of every rank's loss) against float64.
+        loss = sum(y * c) + sum(y^2) / 2. jax.grad inside shard_map (the sum of every rank's loss) against float64.
         The compiled program must hold both fused calls and no all-gather or reduce-scatter."""
+        import dataclasses
+
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -584,8 +586,8 @@ class Rank:
         w2 = [(rng.standard_normal((f_local, d), np.float32) / np.sqrt(f_local * self.world)).astype(dtype)
               for _ in range(self.world)]
         cs = [rng.standard_normal((tl, d), np.float32).astype(dtype) for _ in range(self.world)]
-        up = dataclasses_replace(entwine_jax.ag_heuristic_config(tl, f_local, d, self.world, dtype), path="fused")
-        down = dataclasses_replace(entwine_jax.heuristic_config(t, d, f_local, self.world, dtype), path="fused")
+        up = dataclasses.replace(entwine_jax.ag_heuristic_config(tl, f_local, d, self.world, dtype), path="fused")
+        down = dataclasses.replace(entwine_jax.heuristic_config(t, d, f_local, self.world, dtype), path="fused")
 
         def loss(x, w1_, w2_, c):
             h = entwine_jax.ag_gemm(x, w1_, axis_name="tp", config=up)
@@ -676,10 +678,9 @@ class Rank:
         return f"mixed: {checked} calls of both ops checked in {time.monotonic() - t0:.1f} s"
 
     def agmissing(self):
-        import jax
         import jax.numpy as jnp
 
-        from entwine_jax import _distributed, fused
+        from entwine_jax import fused
 
         xs, ws = self.ag_inputs(128, 64, 256, jnp.bfloat16, 17, False)
         call, _ = self.ag_fn(128, 64, 256, jnp.bfloat16, False)
@@ -687,31 +688,12 @@ class Rank:
         self.check(self.local(call(gx, gw)), self.ag_reference(xs, ws, False)[0], "agmissing: warm-up call")
         fused.check_errors()
         absent = self.world - 1
-        if self.rank == absent:
-            detail = "agmissing: skipped the call"
-        else:
-            t0 = time.monotonic()
-            jax.block_until_ready(call(gx, gw))
-            waited = time.monotonic() - t0
-            try:
-                fused.check_errors()
-            except RuntimeError as e:
-                message = str(e)
-            else:
-                raise AssertionError(f"no deadline error after {waited:.1f} s although rank {absent} never called")
-            if f"of the shard of rank {absent}" not in message or f"waited {MISSING_TIMEOUT_MS} ms" not in message:
-                raise AssertionError(f"deadline error does not name rank {absent} and the timeout: {message}")
-            if waited > 10 * MISSING_TIMEOUT_MS / 1000 + 20:
-                raise AssertionError(f"the deadline took {waited:.1f} s")
-            detail = f"agmissing: deadline reported after {waited:.1f} s: {message[:120]}"
-        _distributed.barrier("entwine_test/agmissing_done", range(self.world), self.rank, 120_000)
-        return detail
+        return self.absent_rank("agmissing", lambda: call(gx, gw), f"of the shard of rank {absent}", None)
 
     def missing(self):
-        import jax
         import jax.numpy as jnp
 
-        from entwine_jax import _distributed, fused
+        from entwine_jax import fused
 
         m, n, k = self.world * 128, 128, 64  # one tile per rank: one deadline, not one per tile
         xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=7)
@@ -720,11 +702,22 @@ class Rank:
         self.check(self.local(f(gx, gw)), self.reference(xs, ws), "missing: warm-up call")
         fused.check_errors()
         absent = self.world - 1
+        return self.absent_rank("missing", lambda: f(gx, gw), f"from rank {absent}", "entwine gemm_rs")
+
+    def absent_rank(self, suite, call, names_absent, op):
+        """The last rank skips one call; every other rank must get the deadline error (naming the
+        absent rank as `names_absent` says, and the timeout) within the deadline and never hang; with
+        `op`, its next call must then be refused by the poisoned communicator with an error naming it."""
+        import jax
+
+        from entwine_jax import _distributed, fused
+
+        absent = self.world - 1
         if self.rank == absent:
-            detail = "missing: skipped the call"
+            detail = f"{suite}: skipped the call"
         else:
             t0 = time.monotonic()
-            jax.block_until_ready(f(gx, gw))
+            jax.block_until_ready(call())
             waited = time.monotonic() - t0
             try:
                 fused.check_errors()
@@ -732,28 +725,23 @@ class Rank:
                 message = str(e)
             else:
                 raise AssertionError(f"no deadline error after {waited:.1f} s although rank {absent} never called")
-            if f"from rank {absent}" not in message or f"waited {MISSING_TIMEOUT_MS} ms" not in message:
+            if names_absent not in message or f"waited {MISSING_TIMEOUT_MS} ms" not in message:
                 raise AssertionError(f"deadline error does not name rank {absent} and the timeout: {message}")
             if waited > 10 * MISSING_TIMEOUT_MS / 1000 + 20:
                 raise AssertionError(f"the deadline took {waited:.1f} s")
             # The communicator is poisoned: the next call fails in the handler, before any launch.
-            try:
-                jax.block_until_ready(f(gx, gw))
-            except Exception as e:  # XlaRuntimeError
-                if "entwine gemm_rs" not in str(e):
-                    raise
-            else:
-                raise AssertionError("a call after the deadline error did not fail")
-            detail = f"missing: deadline reported after {waited:.1f} s: {message[:120]}"
+            if op is not None:
+                try:
+                    jax.block_until_ready(call())
+                except Exception as e:  # XlaRuntimeError
+                    if op not in str(e):
+                        raise
+                else:
+                    raise AssertionError("a call after the deadline error did not fail")
+            detail = f"{suite}: deadline reported after {waited:.1f} s: {message[:120]}"
         # The absent rank keeps its heap mapped until the others are done with it.
-        _distributed.barrier("entwine_test/missing_done", range(self.world), self.rank, 120_000)
+        _distributed.barrier(f"entwine_test/{suite}_done", range(self.world), self.rank, 120_000)
         return detail
-
-
-def dataclasses_replace(obj, **fields):
-    import dataclasses
-
-    return dataclasses.replace(obj, **fields)
 
 
 def main() -> int:

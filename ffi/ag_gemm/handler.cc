@@ -33,28 +33,10 @@ using handler::dims_string;
 ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
                      bool gather_k, int64_t block_n, int64_t gemm_sms, int64_t raster_rows, int64_t max_chunks) {
-  comm::DeviceComm* dc = comm::find(comm_id, device);
-  if (dc == nullptr) {
-    return ffi::Error::InvalidArgument("entwine ag_gemm: no communicator " + std::to_string(comm_id) +
-                                       " on device " + std::to_string(device) +
-                                       " (create it through entwine_jax, at trace time)");
-  }
-  if (auto message = comm::error_message(*dc)) return ffi::Error::Internal(*message);
-  if (!dc->connected) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "entwine ag_gemm: communicator " + std::to_string(comm_id) +
-                          " is being resized or was shut down on device " + std::to_string(device));
-  }
-
+  comm::DeviceComm* dc = nullptr;
+  if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
   DType dtype;
-  if (x.element_type() == ffi::DataType::BF16) {
-    dtype = DType::kBF16;
-  } else if (x.element_type() == ffi::DataType::F16) {
-    dtype = DType::kFP16;
-  } else {
-    return ffi::Error::InvalidArgument("entwine ag_gemm: x must be bf16 or f16, got dtype code " +
-                                       std::to_string(int(x.element_type())));
-  }
+  if (ffi::Error e = handler::element_type(kOp, x, &dtype); e.failure()) return e;
   if (w.element_type() != x.element_type() || y->element_type() != x.element_type() ||
       gathered->element_type() != x.element_type()) {
     return ffi::Error::InvalidArgument("entwine ag_gemm: x, w, y and the gathered output must share one dtype");
@@ -91,21 +73,17 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   config.raster_rows = int32_t(raster_rows);
   config.max_chunks = int32_t(max_chunks);
   AgPlan const plan = ag_plan(problem, config);
-  if (plan.error == nullptr &&
-      (plan.rows_pad != problem.rows || plan.cols_pad != problem.cols || plan.n_pad != problem.n)) {
-    return ffi::Error::InvalidArgument("entwine ag_gemm: operands not padded as the plan pads them (rows=" +
-                                       std::to_string(problem.rows) + ", cols=" + std::to_string(problem.cols) +
-                                       ", N=" + std::to_string(problem.n) + ")");
+  std::string const call = " (rows=" + std::to_string(problem.rows) + ", cols=" + std::to_string(problem.cols) +
+                           ", N=" + std::to_string(problem.n) + ", W=" + std::to_string(world) + ")";
+  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string(kOp) + ": " + plan.error + call);
+  // Python padded the operands with the same plan: planning the padded shape must change nothing.
+  if (plan.rows_pad != problem.rows || plan.cols_pad != problem.cols || plan.n_pad != problem.n) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": operands not padded as the plan pads them" + call);
   }
-  if (plan.error == nullptr && config.gemm_sms >= dc->sm_count) {
-    return ffi::Error::InvalidArgument("entwine ag_gemm: config.gemm_sms (" + std::to_string(config.gemm_sms) +
+  if (config.gemm_sms >= dc->sm_count) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": config.gemm_sms (" + std::to_string(config.gemm_sms) +
                                        ") must leave an SM free for the chunk releases: at most " +
                                        std::to_string(dc->sm_count - 1) + " on this GPU");
-  }
-  if (plan.error != nullptr) {
-    return ffi::Error::InvalidArgument(std::string("entwine ag_gemm: ") + plan.error + " (rows=" +
-                                       std::to_string(problem.rows) + ", cols=" + std::to_string(problem.cols) +
-                                       ", N=" + std::to_string(problem.n) + ", W=" + std::to_string(world) + ")");
   }
   if (size_t(plan.slot_bytes) > dc->capacity.slot_bytes || plan.chunks > dc->capacity.max_tiles) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
@@ -115,16 +93,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
                           std::to_string(dc->capacity.max_tiles) + " flags per source");
   }
 
-  // The epoch is a host value passed to the kernel: a captured call would replay a stale epoch.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamIsCapturing(xla_stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "entwine ag_gemm: cannot be captured into a CUDA graph (an XLA command buffer or a "
-                      "stream capture): its epochs are host values, so a replay would return a stale "
-                      "result. Leave CUSTOM_CALL out of --xla_gpu_enable_command_buffer, or use "
-                      "AgGemmConfig(path=\"xla\")");
-  }
+  if (ffi::Error e = handler::refuse_capture(kOp, "AgGemmConfig", xla_stream); e.failure()) return e;
 
   DeviceGuard guard;
   ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));

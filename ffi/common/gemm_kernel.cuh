@@ -18,9 +18,9 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "ag_gemm/ag_gemm.h"
+#include "common/ptx.cuh"
 #include "common/wait.cuh"
 #include "gemm_rs/gemm_rs.h"
-#include "common/ptx.cuh"
 
 namespace entwine::producer {
 
@@ -510,7 +510,6 @@ struct ProducerGemm {
     p.part_col_step = 0;
     p.order = TileOrder{plan.chunk_tiles, plan.n_blocks,
                         config.raster_rows < plan.chunk_tiles ? config.raster_rows : plan.chunk_tiles};
-    p.blocks_per_partition = plan.chunk_tiles * plan.n_blocks;
     p.blocks_per_chunk = plan.chunk_tiles * plan.n_blocks;
     p.schedule = ProducerSchedule{plan.num_blocks, plan.grid, (pr.gather_k ? pr.world : 1) * plan.k_tiles,
                                   plan.num_blocks};
@@ -518,7 +517,6 @@ struct ProducerGemm {
     p.split_workspace = nullptr;
     p.partial = static_cast<Element*>(args.y);
     p.publish = false;
-    p.interleave = false;
     p.epoch = args.epoch;
     p.gather_flags = args.flags;
     p.chunks = plan.chunks;

@@ -1,11 +1,14 @@
-// Small pieces both FFI handlers need: a CUDA-error-to-ffi::Error macro, a printable buffer shape,
-// and a guard that restores XLA's current device. Host-only; included by the handlers alone.
+// What both FFI handlers do alike before they launch: a CUDA-error-to-ffi::Error macro, a
+// printable buffer shape, the communicator entry a call may use, the kernels' element type, the
+// refusal of stream capture, and a guard that restores XLA's current device. Host-only.
 #pragma once
 
 #include <string>
 
 #include <cuda_runtime.h>
 
+#include "common/comm.h"
+#include "common/protocol.h"
 #include "xla/ffi/api/ffi.h"
 
 // Returns an ffi::Error naming the op (`what`, e.g. "entwine gemm_rs"), the call and CUDA's error.
@@ -19,10 +22,63 @@
 
 namespace entwine::handler {
 
-inline std::string dims_string(::xla::ffi::AnyBuffer::Dimensions dims) {
+namespace ffi = ::xla::ffi;
+
+inline std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + "]";
+}
+
+// The entry of (comm_id, device) in *out, if a call may use it: it exists (Python's acquire_comm
+// made it at trace time), no wait of an earlier call passed its deadline (the error is sticky), and
+// its peer table is filled (not in the middle of a growth).
+inline ffi::Error usable_comm(const char* op, int64_t comm_id, int32_t device, comm::DeviceComm** out) {
+  comm::DeviceComm* dc = comm::find(comm_id, device);
+  if (dc == nullptr) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": no communicator " + std::to_string(comm_id) +
+                                       " on device " + std::to_string(device) +
+                                       " (entwine_jax.fused.acquire_comm makes it, at trace time)");
+  }
+  if (auto message = comm::error_message(*dc)) return ffi::Error::Internal(*message);
+  if (!dc->connected) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) + ": communicator " + std::to_string(comm_id) +
+                          " is being resized or was shut down on device " + std::to_string(device));
+  }
+  *out = dc;
+  return ffi::Error::Success();
+}
+
+// The kernels' element type of x (bf16 or fp16), in *out.
+inline ffi::Error element_type(const char* op, ffi::AnyBuffer const& x, DType* out) {
+  if (x.element_type() == ffi::DataType::BF16) {
+    *out = DType::kBF16;
+  } else if (x.element_type() == ffi::DataType::F16) {
+    *out = DType::kFP16;
+  } else {
+    return ffi::Error::InvalidArgument(std::string(op) + ": x must be bf16 or f16, got dtype code " +
+                                       std::to_string(int(x.element_type())));
+  }
+  return ffi::Error::Success();
+}
+
+// A captured call would be replayed with this call's host epoch and slot: another call's result,
+// silently (docs/design.md, "Graph safety"). XLA captures only handlers with the command-buffer
+// trait, which neither has; this refuses any other capture (a user's own stream capture, or an XLA
+// that captures anyway) instead of recording it.
+inline ffi::Error refuse_capture(const char* op, const char* config_name, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  ENTWINE_RETURN_IF_CUDA(op, cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) +
+                          ": cannot be captured into a CUDA graph (an XLA command buffer or a stream capture): its "
+                          "epochs are host values, so a replay would return a stale result. Leave CUSTOM_CALL out "
+                          "of --xla_gpu_enable_command_buffer, or use " +
+                          config_name + "(path=\"xla\")");
+  }
+  return ffi::Error::Success();
 }
 
 // Restores the caller's current device: XLA's thread may rely on it after we return.

@@ -23,8 +23,8 @@ using handler::DeviceGuard;
 using handler::dims_string;
 
 // Double-buffer argument (docs/design.md, "The double-buffer argument"). Call e of rank A writes
-// A's partial slot V[e % 2]; the consumers of every rank B read A's V[e % 2] during their call e. A's producer of call e+2 writes
-// V[e % 2] again, and cannot start before every B finished reading it:
+// A's partial slot V[e % 2]; the consumers of every rank B read A's V[e % 2] during their call e.
+// A's producer of call e+2 writes V[e % 2] again, and cannot start before every B finished reading it:
 //   A's producer(e+2) starts after A's start event of e+2, recorded on A's XLA stream after it
 //   waited for A's consumer(e+1);
 //   A's consumer(e+1) finished, so it saw a flag of call e+1 from every B (every tile of A's
@@ -40,28 +40,10 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t scatter_dimension,
                      GemmRsConfig const& cfg) {
   // --- Validation: everything below is cheap host work on the call's metadata. --------------------
-  comm::DeviceComm* dc = comm::find(comm_id, device);
-  if (dc == nullptr) {
-    return ffi::Error::InvalidArgument(
-        "entwine gemm_rs: no communicator " + std::to_string(comm_id) + " on device " +
-        std::to_string(device) + " (entwine_jax.fused.acquire_comm makes it, at trace time)");
-  }
-  if (auto message = comm::error_message(*dc)) return ffi::Error::Internal(*message);
-  if (!dc->connected) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "entwine gemm_rs: communicator " + std::to_string(comm_id) +
-                          " is being resized or was shut down on device " + std::to_string(device));
-  }
-
+  comm::DeviceComm* dc = nullptr;
+  if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
   DType dtype;
-  if (x.element_type() == ffi::DataType::BF16) {
-    dtype = DType::kBF16;
-  } else if (x.element_type() == ffi::DataType::F16) {
-    dtype = DType::kFP16;
-  } else {
-    return ffi::Error::InvalidArgument("entwine gemm_rs: x must be bf16 or f16, got dtype code " +
-                                       std::to_string(int(x.element_type())));
-  }
+  if (ffi::Error e = handler::element_type(kOp, x, &dtype); e.failure()) return e;
   if (w.element_type() != x.element_type() || y->element_type() != x.element_type()) {
     return ffi::Error::InvalidArgument("entwine gemm_rs: x, w and y must share one dtype, got codes " +
                                        std::to_string(int(x.element_type())) + ", " +
@@ -118,18 +100,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
                           std::to_string(dc->capacity.max_tiles) + " tiles");
   }
 
-  // A captured call would be replayed with this call's host epoch and slot: another call's result,
-  // silently. XLA captures only handlers with the trait, which this one lacks; refuse any other
-  // capture (a user's own stream capture, or an XLA that captures anyway) instead of recording it.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamIsCapturing(xla_stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "entwine gemm_rs: cannot be captured into a CUDA graph (an XLA command buffer or a "
-                      "stream capture): its epochs are host values, so a replay would return a stale "
-                      "result. Leave CUSTOM_CALL out of --xla_gpu_enable_command_buffer, or use "
-                      "GemmRsConfig(path=\"xla\")");
-  }
+  if (ffi::Error e = handler::refuse_capture(kOp, "GemmRsConfig", xla_stream); e.failure()) return e;
 
   // --- Execute: fork XLA's stream into producer and consumer, join both back. --------------------
   DeviceGuard guard;
