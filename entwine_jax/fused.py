@@ -415,6 +415,21 @@ def last_call_ms(mesh, axis_name) -> list[tuple[int, float, float]]:
     return [tuple(t) for t in ext.last_call_ms(cid)]
 
 
+def handler_cost(mesh, axis_name) -> list[tuple[int, int, float]]:
+    """[(local device, handler executions, mean host microseconds per execution)] of the fused
+    calls on the mesh axis: the handlers' own wall time on the host (validation, plan, TMA
+    descriptors, launches). Under XLA command buffers a replayed call runs no handler, so
+    executions can be fewer than calls."""
+    ext, reason = _extension()
+    if reason:
+        raise RuntimeError(f"entwine handler_cost: {reason}")
+    cid = comm_id(device_groups(mesh, axis_name), axis_name)
+    with _lock:
+        if cid not in _comms:
+            raise RuntimeError(f"entwine handler_cost: no fused call has run on axis {axis_name!r} of this mesh")
+    return [tuple(t) for t in ext.handler_cost(cid)]
+
+
 # --- Availability: predicates that only answer --------------------------------------------------
 
 _reason_cache: dict[tuple, Optional[str]] = {}

@@ -184,6 +184,13 @@ NB_MODULE(_entwine, m) {
   }, nb::arg("comm_id"), NoGil(),
      "[(device, producer_ms, consumer_ms)] of the comm's last completed call (needs ENTWINE_PROFILE=1).");
 
+  m.def("handler_cost", [](int64_t comm_id) {
+    std::vector<std::tuple<int, uint64_t, double>> out;
+    for (const comm::HandlerCost& c : comm::handler_cost(comm_id)) out.emplace_back(c.device, c.calls, c.mean_us);
+    return out;
+  }, nb::arg("comm_id"),
+     "[(device, handler executions, mean host microseconds per execution)] of the comm's handlers.");
+
   m.def("shutdown", &comm::shutdown, NoGil(),
         "Free every communicator (IPC handles closed before heaps are freed).");
 }

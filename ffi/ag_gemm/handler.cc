@@ -35,6 +35,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
                      bool gather_k, int64_t block_n, int64_t gemm_sms, int64_t raster_rows, int64_t max_chunks) {
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
+  handler::HostTimer timer{dc};
   DType dtype;
   if (ffi::Error e = handler::element_type(kOp, x, &dtype); e.failure()) return e;
   if (w.element_type() != x.element_type() || y->element_type() != x.element_type() ||

@@ -320,6 +320,16 @@ std::vector<CallTiming> last_call_ms(int64_t comm_id) {
   return timings;
 }
 
+std::vector<HandlerCost> handler_cost(int64_t comm_id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::vector<HandlerCost> costs;
+  for (auto& [device, dc] : get(comm_id).by_device) {
+    uint64_t const calls = dc->handler_calls.load();
+    costs.push_back({device, calls, calls ? dc->handler_ns.load() / 1e3 / double(calls) : 0.0});
+  }
+  return costs;
+}
+
 DeviceComm* find(int64_t comm_id, int device) noexcept {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = registry().find(comm_id);

@@ -64,6 +64,8 @@ struct DeviceComm {
   int sm_count = 0;
   cudaEvent_t transfer_done[kMaxWorld] = {};
   std::atomic<uint64_t> epoch{0};       // last epoch used; the first call uses 1
+  // Host cost of the handlers on this entry: executions and their summed wall time (handler_util.h).
+  std::atomic<uint64_t> handler_calls{0}, handler_ns{0};
   DeviceError* error_host = nullptr;    // host-mapped pinned: read without synchronising
   DeviceError* error_device = nullptr;  // the same record, as the consumer kernel writes it
   DeviceError* error_local = nullptr;   // device memory: polled and claimed by the consumers
@@ -122,6 +124,15 @@ struct CallTiming {
   float producer_ms, consumer_ms;
 };
 std::vector<CallTiming> last_call_ms(int64_t comm_id);
+
+// Per local device: how many times the handlers executed on it and their mean host time (the
+// handler's own wall time: validation, plan, TMA descriptors, launches).
+struct HandlerCost {
+  int device;
+  uint64_t calls;
+  double mean_us;
+};
+std::vector<HandlerCost> handler_cost(int64_t comm_id);
 
 // The device error recorded on this entry, formatted for the user, or nullopt.
 std::optional<std::string> error_message(const DeviceComm& dc);

@@ -3,6 +3,7 @@
 // refusal of stream capture, and a guard that restores XLA's current device. Host-only.
 #pragma once
 
+#include <chrono>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -80,6 +81,17 @@ inline ffi::Error refuse_capture(const char* op, const char* config_name, cudaSt
   }
   return ffi::Error::Success();
 }
+
+// Adds the handler's wall time, from its construction to the return, to the entry's host cost.
+struct HostTimer {
+  comm::DeviceComm* dc;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  ~HostTimer() {
+    auto const ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+    dc->handler_ns += uint64_t(ns.count());
+    ++dc->handler_calls;
+  }
+};
 
 // Restores the caller's current device: XLA's thread may rely on it after we return.
 struct DeviceGuard {

@@ -42,6 +42,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   // --- Validation: everything below is cheap host work on the call's metadata. --------------------
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
+  handler::HostTimer timer{dc};
   DType dtype;
   if (ffi::Error e = handler::element_type(kOp, x, &dtype); e.failure()) return e;
   if (w.element_type() != x.element_type() || y->element_type() != x.element_type()) {
