@@ -46,10 +46,11 @@ def max_world() -> int:
     return int(_ext().MAX_WORLD)
 
 
-def heap_bytes(world: int, slot_bytes: int, max_tiles: int) -> int:
-    """Bytes of one rank's heap with room for a slot of slot_bytes and max_tiles flags per source
-    (comm::heap_layout: two flag parities, two slots)."""
-    return int(_ext().heap_bytes(world, slot_bytes, max_tiles))
+def heap_bytes(world: int, slot_bytes: int, max_tiles: int, inbox_bytes: int = 0) -> int:
+    """Bytes of one rank's heap with room for a partial slot of slot_bytes, max_tiles flags per
+    source and an inbox of inbox_bytes (comm::heap_layout: two flag parities, the ready words, two
+    partial slots, one inbox)."""
+    return int(_ext().heap_bytes(world, slot_bytes, max_tiles, inbox_bytes))
 
 
 class PlanError(ValueError):
@@ -145,6 +146,6 @@ def gemm_rs_config_rule(config) -> Optional[str]:
 def ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, gemm_sms: int) -> dict:
     """ag_gemm's plan (ffi/ag_gemm/ag_gemm.h) of one rank's shard [rows, cols] and N = n: {error: None
     or the violated rule, rows_pad, cols_pad, n_pad, chunks, chunk_tiles, num_blocks, grid, k_tiles,
-    slot_bytes, flags}. gemm_sms: the GEMM grid the call runs (config.gemm_sms resolved)."""
+    inbox_bytes, flags}. gemm_sms: the GEMM grid the call runs (config.gemm_sms resolved)."""
     return dict(_ext().ag_plan(rows, cols, n, world, gather_k, config.block_n, gemm_sms, config.raster_rows,
                                config.max_chunks))

@@ -218,6 +218,7 @@ class _Comm:
     processes: list  # process indices of the mesh
     slot_bytes: int = 0
     max_tiles: int = 0
+    inbox_bytes: int = 0
     generation: int = 0  # bumped per growth: keys of the key-value store are written once
 
     @property
@@ -233,18 +234,21 @@ def _key(comm: _Comm, what: str) -> str:
     return f"entwine/{comm.id & 0xFFFFFFFFFFFFFFFF:016x}/{comm.generation}/{what}"
 
 
-def _capacity_for(comm: Optional[_Comm], slot_bytes: int, max_tiles: int) -> Optional[tuple[int, int]]:
-    """The (slot bytes, flags per source) a communicator must grow to for a call of slot_bytes and
-    max_tiles, rounded up to the granules; None when it has room already."""
-    if comm is not None and slot_bytes <= comm.slot_bytes and max_tiles <= comm.max_tiles:
+def _capacity_for(comm: Optional[_Comm], slot_bytes: int, max_tiles: int,
+                  inbox_bytes: int) -> Optional[tuple[int, int, int]]:
+    """The (partial slot bytes, flags per source, inbox bytes) a communicator must grow to for a
+    call needing that much, rounded up to the granules; None when it has room already."""
+    old = (comm.slot_bytes, comm.max_tiles, comm.inbox_bytes) if comm else (0, 0, 0)
+    if comm is not None and slot_bytes <= old[0] and max_tiles <= old[1] and inbox_bytes <= old[2]:
         return None
-    old = (comm.slot_bytes, comm.max_tiles) if comm else (0, 0)
-    return (_round_up(max(old[0], slot_bytes), _SLOT_GRANULE), _round_up(max(old[1], max_tiles), _TILES_GRANULE))
+    return (_round_up(max(old[0], slot_bytes), _SLOT_GRANULE), _round_up(max(old[1], max_tiles), _TILES_GRANULE),
+            _round_up(max(old[2], inbox_bytes), _SLOT_GRANULE))
 
 
-def _heap_cap_reason(ext, comm: Optional[_Comm], world: int, slot_bytes: int, max_tiles: int) -> Optional[str]:
-    """Why a call of slot_bytes and max_tiles cannot have its heap (ENTWINE_HEAP_MAX_BYTES), or None."""
-    new = _capacity_for(comm, slot_bytes, max_tiles)
+def _heap_cap_reason(ext, comm: Optional[_Comm], world: int, slot_bytes: int, max_tiles: int,
+                     inbox_bytes: int) -> Optional[str]:
+    """Why a call's heap cannot be had (ENTWINE_HEAP_MAX_BYTES), or None."""
+    new = _capacity_for(comm, slot_bytes, max_tiles, inbox_bytes)
     if new is None:
         return None
     need = int(ext.heap_bytes(world, *new))
@@ -291,10 +295,10 @@ def _check_devices(ext, groups: np.ndarray) -> None:
                     raise Unavailable(f"devices not peer-accessible (local GPUs {a} and {b})")
 
 
-def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int) -> int:
+def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int, inbox_bytes: int = 0) -> int:
     """The communicator of `axis_name` of `mesh` (shared by gemm_rs and ag_gemm), with room for one
-    slot of slot_bytes and max_tiles flag words per source rank; returns its id, which the call
-    passes to its FFI handler.
+    partial slot of slot_bytes (gemm_rs), max_tiles flag words per source rank, and an inbox of
+    inbox_bytes (ag_gemm); returns its id, which the call passes to its FFI handler.
 
     The one place that changes communicators: it creates one (heaps, streams, peer tables), or grows
     it (the sequence of docs/design.md, "The communicator and symmetric heap"), or finds it big
@@ -310,10 +314,10 @@ def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int) -> int:
     cid = comm_id(groups, axis_name)
     with _lock:
         comm = _comms.get(cid)
-        new = _capacity_for(comm, slot_bytes, max_tiles)
+        new = _capacity_for(comm, slot_bytes, max_tiles, inbox_bytes)
         if new is None:
             return cid
-        cap_reason = _heap_cap_reason(ext, comm, world, slot_bytes, max_tiles)
+        cap_reason = _heap_cap_reason(ext, comm, world, slot_bytes, max_tiles, inbox_bytes)
         if cap_reason:
             raise Unavailable(cap_reason)
         try:
@@ -326,7 +330,7 @@ def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int) -> int:
                 ext.comm_create(cid, world, [(int(d.local_hardware_id), r) for d, r, _ in local], *new)
                 _register_atexit()
                 _comms[cid] = comm
-                comm.slot_bytes, comm.max_tiles = new
+                comm.slot_bytes, comm.max_tiles, comm.inbox_bytes = new
                 _connect(ext, comm)
             else:
                 _grow(ext, comm, new)
@@ -337,7 +341,7 @@ def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int) -> int:
         return cid
 
 
-def _grow(ext, comm: _Comm, new: tuple[int, int]) -> None:
+def _grow(ext, comm: _Comm, new: tuple[int, int, int]) -> None:
     # Dispatch is asynchronous: a program launched earlier may not have reached the handler yet and
     # would run on a freed heap. Wait for everything live, then for our side streams.
     jax.block_until_ready(jax.live_arrays())
@@ -351,7 +355,7 @@ def _grow(ext, comm: _Comm, new: tuple[int, int]) -> None:
     if comm.multiprocess:
         _distributed.barrier(_key(comm, "closed"), comm.processes, me, _KV_TIMEOUT_MS)
     ext.comm_grow(comm.id, *new)
-    comm.slot_bytes, comm.max_tiles = new
+    comm.slot_bytes, comm.max_tiles, comm.inbox_bytes = new
     comm.generation += 1
     _connect(ext, comm)
 
@@ -415,6 +419,20 @@ def last_call_ms(mesh, axis_name) -> list[tuple[int, float, float]]:
     return [tuple(t) for t in ext.last_call_ms(cid)]
 
 
+def device_epochs(mesh, axis_name) -> list[tuple[int, int]]:
+    """[(local device, epoch word)] of the mesh axis's communicator: 1 + the number of fused calls
+    that ran on the device, whether their handler executed or a CUDA graph replayed them.
+    Synchronous (a device-to-host copy): for tests and diagnostics."""
+    ext, reason = _extension()
+    if reason:
+        raise RuntimeError(f"entwine device_epochs: {reason}")
+    cid = comm_id(device_groups(mesh, axis_name), axis_name)
+    with _lock:
+        if cid not in _comms:
+            raise RuntimeError(f"entwine device_epochs: no fused call has run on axis {axis_name!r} of this mesh")
+    return [tuple(t) for t in ext.device_epochs(cid)]
+
+
 def handler_cost(mesh, axis_name) -> list[tuple[int, int, float]]:
     """[(local device, handler executions, mean host microseconds per execution)] of the fused
     calls on the mesh axis: the handlers' own wall time on the host (validation, plan, TMA
@@ -462,10 +480,12 @@ def _mesh_reason(ext, mesh, axis_name, axis_size) -> Optional[str]:
     return None
 
 
-def _heap_reason(ext, mesh, axis_name, world: int, slot_bytes: int, max_tiles: int) -> Optional[str]:
+def _heap_reason(ext, mesh, axis_name, world: int, slot_bytes: int, max_tiles: int,
+                 inbox_bytes: int = 0) -> Optional[str]:
     groups = device_groups(mesh, axis_name)
     with _lock:
-        return _heap_cap_reason(ext, _comms.get(comm_id(groups, axis_name)), world, slot_bytes, max_tiles)
+        return _heap_cap_reason(ext, _comms.get(comm_id(groups, axis_name)), world, slot_bytes, max_tiles,
+                                inbox_bytes)
 
 
 def _cached_reason(key, mesh, compute) -> Optional[str]:
@@ -675,7 +695,7 @@ def _ag_reason(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
         return f"the kernels cannot run this call: {plan['error']}"
     if reason := _mesh_reason(ext, mesh, axis_name, axis_size):
         return reason
-    return _heap_reason(ext, mesh, axis_name, axis_size, plan["slot_bytes"], plan["chunks"])
+    return _heap_reason(ext, mesh, axis_name, axis_size, 0, plan["chunks"], plan["inbox_bytes"])
 
 
 def ag_unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> Optional[str]:
@@ -716,7 +736,7 @@ def prepare_ag_gemm(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, con
     if plan["error"] is not None:
         raise Unavailable(f"the kernels cannot run this call: {plan['error']}")
     p = ag_padding(plan, rows, cols, n, axis_size, gather_k)
-    cid = acquire_comm(mesh, axis_name, plan["slot_bytes"], plan["chunks"])
+    cid = acquire_comm(mesh, axis_name, 0, plan["chunks"], inbox_bytes=plan["inbox_bytes"])
     return AgGemmCall(padding=p, gemm_sms=ag_gemm_sms(config), comm_id=cid, config=config,
                       target=_plan.ag_gemm_target())
 

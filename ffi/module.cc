@@ -101,11 +101,11 @@ NB_MODULE(_entwine, m) {
 
   m.def("comm_create",
         [](int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
-           size_t slot_bytes, int64_t max_tiles) {
-          comm::create(comm_id, world, local_ranks, {slot_bytes, max_tiles});
+           size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {
+          comm::create(comm_id, world, local_ranks, {slot_bytes, inbox_bytes, max_tiles});
         },
         nb::arg("comm_id"), nb::arg("world"), nb::arg("local_ranks"), nb::arg("slot_bytes"),
-        nb::arg("max_tiles"), NoGil(),
+        nb::arg("max_tiles"), nb::arg("inbox_bytes"), NoGil(),
         "Create the local ranks [(device ordinal, rank)] of a communicator with zeroed heaps.");
 
   m.def("ag_plan",
@@ -124,7 +124,7 @@ NB_MODULE(_entwine, m) {
           d["num_blocks"] = p.num_blocks;
           d["grid"] = p.grid;
           d["k_tiles"] = p.k_tiles;
-          d["slot_bytes"] = p.slot_bytes;
+          d["inbox_bytes"] = p.inbox_bytes;
           d["flags"] = p.flags;
           return d;
         },
@@ -132,14 +132,15 @@ NB_MODULE(_entwine, m) {
         nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"),
         "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h) of an unpadded shard [rows, cols] and N = n: "
         "{error: None or the violated rule, rows_pad, cols_pad, n_pad, chunks, chunk_tiles, num_blocks, grid, "
-        "k_tiles, slot_bytes, flags}.");
+        "k_tiles, inbox_bytes, flags}.");
 
   m.def("heap_bytes",
-        [](int world, size_t slot_bytes, int64_t max_tiles) {
-          return comm::heap_layout(world, {slot_bytes, max_tiles}).total();
+        [](int world, size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {
+          return comm::heap_layout(world, {slot_bytes, inbox_bytes, max_tiles}).total();
         },
-        nb::arg("world"), nb::arg("slot_bytes"), nb::arg("max_tiles"),
-        "Bytes of one rank's heap with room for a slot of slot_bytes and max_tiles flags per source.");
+        nb::arg("world"), nb::arg("slot_bytes"), nb::arg("max_tiles"), nb::arg("inbox_bytes") = 0,
+        "Bytes of one rank's heap with room for a partial slot of slot_bytes, max_tiles flags per source "
+        "and an inbox of inbox_bytes.");
 
   m.def("heap_ipc_handle", [](int64_t comm_id, int device) {
     std::string handle = comm::ipc_handle(comm_id, device);
@@ -167,11 +168,12 @@ NB_MODULE(_entwine, m) {
   m.def("comm_disconnect", &comm::disconnect, nb::arg("comm_id"), NoGil(),
         "Close imported IPC handles; calls are rejected until comm_connect.");
   m.def("comm_grow",
-        [](int64_t comm_id, size_t slot_bytes, int64_t max_tiles) {
-          comm::grow(comm_id, {slot_bytes, max_tiles});
+        [](int64_t comm_id, size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {
+          comm::grow(comm_id, {slot_bytes, inbox_bytes, max_tiles});
         },
-        nb::arg("comm_id"), nb::arg("slot_bytes"), nb::arg("max_tiles"), NoGil(),
-        "Reallocate the local heaps (disconnected on every rank first); keeps the epochs.");
+        nb::arg("comm_id"), nb::arg("slot_bytes"), nb::arg("max_tiles"), nb::arg("inbox_bytes"), NoGil(),
+        "New local heaps (disconnected on every rank first; the old ones are retired until shutdown); "
+        "keeps the epochs.");
 
   m.def("error_message",
         [](int64_t comm_id) { return comm::error_message(comm_id); },
@@ -183,6 +185,9 @@ NB_MODULE(_entwine, m) {
     return out;
   }, nb::arg("comm_id"), NoGil(),
      "[(device, producer_ms, consumer_ms)] of the comm's last completed call (needs ENTWINE_PROFILE=1).");
+
+  m.def("device_epochs", &comm::device_epochs, nb::arg("comm_id"), NoGil(),
+        "[(device, epoch word)] of the comm's local devices (synchronous copies; tests and diagnostics).");
 
   m.def("handler_cost", [](int64_t comm_id) {
     std::vector<std::tuple<int, uint64_t, double>> out;

@@ -2,7 +2,7 @@
 rank each, sharing one GPU (CUDA IPC between processes of one device) or one GPU each.
 
     python tests/gpu_ranks.py --world 2 --suite quick            # 2 ranks on GPU 0
-    python tests/gpu_ranks.py --world 4 --suite all              # quick + stress + missing + cmdbuf
+    python tests/gpu_ranks.py --world 4 --suite all              # every suite but hostcost
     python tests/gpu_ranks.py --world 2 --gpus 2 --suite quick   # one process per GPU
 
 Suites:
@@ -21,11 +21,13 @@ Suites:
   mixed    1000 back-to-back calls alternating gemm_rs and ag_gemm (both layouts) on one
            communicator, every result checked.
   agmissing  as `missing`, for ag_gemm: the ranks waiting for the absent rank's chunks report it.
-  cmdbuf   XLA command buffers (CUDA graphs) enabled for fusions and custom calls, graphs of any
-           size: 24 calls on three input sets of one shape, two call sites, every result checked.
-           The handler is not declared command-buffer compatible (its epochs are host values), so
-           XLA must run it outside the graphs; a captured, replayed call would reuse a stale epoch
-           and return another call's result, which is why the handler refuses to be captured.
+  cmdbuf   XLA command buffers (CUDA graphs) on for fusions, custom calls, loops and conditionals,
+           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts) and a lax.scan of
+           both ops, 20 runs each on operands generated in the program from fresh seeds, every
+           result checked; the device epoch must advance once per call while the handlers execute
+           fewer times (the rest are replays).
+  cmdbufmissing  as `missing`, under command buffers: the replayed call of the ranks whose peer
+           never came traps at the deadline, XLA raises, check_errors() names the absent rank.
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
            gemm_rs and ag_gemm (both layouts), over 200 calls each; reports, checks only the results.
 
@@ -48,7 +50,8 @@ import traceback
 
 MISSING_TIMEOUT_MS = 2000
 # Command buffers for fusions and custom calls, however small the graph.
-CMDBUF_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+CMDBUF_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL "
+                    "--xla_gpu_graph_min_graph_size=1")
 
 
 # --- Launcher -----------------------------------------------------------------------------------------
@@ -63,7 +66,8 @@ def _free_port() -> int:
 def launch(args) -> int:
     # `all` runs the suites as separate launches: the short deadline of `missing` is read once per
     # process, and would turn the compile-time skew between ranks of the other suites into errors.
-    suites = (["quick", "ag", "stress", "mixed", "missing", "agmissing", "cmdbuf"] if args.suite == "all"
+    suites = (["quick", "ag", "stress", "mixed", "missing", "agmissing", "cmdbuf", "cmdbufmissing"]
+              if args.suite == "all"
               else args.suite.split(","))
     lines = [launch_suite(args, suite) for suite in suites]
     ok = all(line.startswith("PASS") for line in lines)
@@ -76,10 +80,10 @@ def launch_suite(args, suite) -> str:
     """Runs one suite on W fresh processes; returns 'PASS (...)' or 'FAIL (...)'."""
     port = _free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    if suite in ("missing", "agmissing"):
+    if suite in ("missing", "agmissing", "cmdbufmissing"):
         env["ENTWINE_TIMEOUT_MS"] = str(MISSING_TIMEOUT_MS)
     env.pop("XLA_FLAGS", None)  # fake host devices of the pytest process would confuse the mesh
-    if suite == "cmdbuf":
+    if suite.startswith("cmdbuf"):
         env["XLA_FLAGS"] = CMDBUF_XLA_FLAGS
     procs, results, lock = [], {}, threading.Lock()
 
@@ -432,27 +436,184 @@ class Rank:
         jax.block_until_ready(side)
         return f"stress: {checked} calls checked in {time.monotonic() - t0:.1f} s"
 
-    def cmdbuf(self, calls=24):
-        import jax.numpy as jnp
+    # -- XLA command buffers (CUDA graphs) --
 
+    def gen(self, seed, rank, shape, salt, xp):
+        """A rank's operand from (seed, rank, salt) by integer hashing, in jnp (inside the program, on
+        the device) or np (the host reference) alike: values k/16 for k in -8..8, exact in bf16."""
+        import numpy as np
+
+        size = int(np.prod(shape))
+        h = xp.arange(size, dtype=xp.uint32) * xp.uint32(2654435761)
+        h = h + (xp.asarray(seed).astype(xp.uint32) * xp.uint32(40503) + xp.asarray(rank).astype(xp.uint32) *
+                 xp.uint32(7919) + xp.uint32(salt * 104729))
+        h = h ^ (h >> xp.uint32(13))
+        h = h * xp.uint32(0x5BD1E995)
+        h = h ^ (h >> xp.uint32(15))
+        return ((h % xp.uint32(17)).astype(xp.int32) - 8).astype(xp.float32).reshape(shape) / 16
+
+    def cmdbuf_sites(self):
+        """Programs f(seed) whose fused calls consume operands generated inside the program from the
+        seed: a call of fresh data reuses the command buffer's addresses, so XLA may replay the
+        recorded calls. Each: (name, f, fused calls per run, host reference of seed -> [local results])."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+
+        w_, bf = self.world, jnp.bfloat16
+        m, n, k = w_ * 256, 512, 256
+        rows, cols, n_ag = 256, 192, 512
+        rs_config = self.fused_config(m, n, k, bf)
+        ag_config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n_ag, cols, w_, bf), path="fused")
+        host = lambda seed, rank, shape, salt: self.gen(seed, rank, shape, salt, np).astype(bf)  # noqa: E731
+
+        def rs_local(seed, step=0):
+            xs = [host(seed + step, q, (m, k), 1) for q in range(w_)]
+            ws = [host(seed + step, q, (k, n), 2) for q in range(w_)]
+            return self.reference(xs, ws)
+
+        def ag_local(seed, gather_k, step=0):
+            kk = w_ * cols if gather_k else cols
+            xs = [host(seed + step, q, (rows, cols), 3) for q in range(w_)]
+            ws = [host(seed + step, q, (kk, n_ag), 4) for q in range(w_)]
+            return self.ag_reference(xs, ws, gather_k)[0]
+
+        def program(body, out_specs):
+            f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=out_specs, check_vma=False))
+
+            def call(seed):
+                with jax.set_mesh(self.mesh):
+                    return f(np.int32(seed))
+            return call
+
+        def dev(seed, shape, salt):
+            return self.gen(seed, jax.lax.axis_index("tp"), shape, salt, jnp).astype(bf)
+
+        def rs(seed, extra_work):
+            y = entwine_jax.gemm_rs(dev(seed, (m, k), 1), dev(seed, (k, n), 2), axis_name="tp", config=rs_config)
+            if extra_work:  # local XLA work next to the custom call, in the same command buffer
+                y = y + jnp.tanh(jnp.zeros((1, n), jnp.float32)).astype(bf)
+            return y
+
+        def ag(seed, gather_k):
+            kk = w_ * cols if gather_k else cols
+            return entwine_jax.ag_gemm(dev(seed, (rows, cols), 3), dev(seed, (kk, n_ag), 4), axis_name="tp",
+                                       gather_dimension=-1 if gather_k else 0, config=ag_config)
+
+        layers = 3
+
+        def scanned(seed):
+            # Both ops in the body of a device loop (MaxText's scan_layers): with WHILE command buffers
+            # the body's graph is replayed once per step, with no host in between.
+            def step(carry, t):
+                return carry, (rs(seed + t, False), ag(seed + t, False))
+            return jax.lax.scan(step, None, jnp.arange(layers, dtype=jnp.int32))[1]
+
+        return [
+            ("gemm_rs", program(lambda s: rs(s, False), P("tp", None)), 1, lambda s: [rs_local(s)]),
+            ("gemm_rs + XLA work", program(lambda s: rs(s, True), P("tp", None)), 1, lambda s: [rs_local(s)]),
+            ("ag_gemm rows", program(lambda s: ag(s, False), P(None, "tp")), 1, lambda s: [ag_local(s, False)]),
+            ("ag_gemm contraction", program(lambda s: ag(s, True), P(None, "tp")), 1, lambda s: [ag_local(s, True)]),
+            (f"scan of {layers} steps of both ops", program(scanned, (P(None, "tp", None), P(None, None, "tp"))),
+             2 * layers, lambda s: [r for t in range(layers) for r in (rs_local(s, t), ag_local(s, False, t))]),
+        ]
+
+    def handler_executions(self):
+        from entwine_jax import fused
+
+        (_, executions, _), = fused.handler_cost(self.mesh, "tp")
+        return executions
+
+    def device_epoch(self):
+        from entwine_jax import fused
+
+        (_, epoch), = fused.device_epochs(self.mesh, "tp")
+        return epoch
+
+    def cmdbuf(self, runs=20):
+        """Every site run `runs` times with fresh seeds (and again with repeated ones), every result
+        checked against the host reference. Then the proof that the calls ran inside command buffers:
+        the device epoch advanced once per fused call, while the handlers executed fewer times (the
+        rest were replays of recorded graphs)."""
         from entwine_jax import fused
 
         if CMDBUF_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
             raise AssertionError("the cmdbuf suite runs with command buffers enabled (launch it through the launcher)")
-        m, n, k = self.world * 256, 512, 256
-        sites = [self.gemm_fn(m, n, k, jnp.bfloat16), self.gemm_fn(m, n, k, jnp.bfloat16, extra_work=True)]
-        data = []
-        for v in range(3):
-            xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=500 + v)
-            data.append((self.global_arrays(xs, ws), self.reference(xs, ws)))
-        worst = 0.0
-        for i in range(calls):
-            v, site = i % 3, (i // 3) % 2
-            (gx, gw), ref = data[v]
-            y = self.local(sites[site](gx, gw))
+        worst, parts, counts = 0.0, [], []
+        for name, call, per_run, ref in self.cmdbuf_sites():
+            call(0)  # compile and record once
             fused.check_errors()
-            worst = max(worst, self.check(y, ref, f"cmdbuf call {i} (inputs {v}, site {site})"))
-        return f"cmdbuf: {calls} calls with command buffers enabled checked, worst rel error {worst:.2e}"
+            epoch0, exec0 = self.device_epoch(), self.handler_executions()
+            for i in range(runs):
+                seed = 1 + i % (runs // 2 + 1) * 7  # fresh seeds, then some again
+                out = call(seed)
+                outs = [self.local(o) for o in (out if isinstance(out, tuple) else (out,))]
+                if per_run > 1:  # scan: stacked over the steps, one stack per op
+                    outs = [o[t] for t in range(per_run // len(outs)) for o in outs]
+                fused.check_errors()
+                for j, (y, r) in enumerate(zip(outs, ref(seed))):
+                    worst = max(worst, self.check(y, r, f"cmdbuf {name}, run {i} (seed {seed}), result {j}"))
+            epoch1, exec1 = self.device_epoch(), self.handler_executions()
+            calls = runs * per_run
+            if epoch1 - epoch0 != calls:
+                raise AssertionError(f"cmdbuf {name}: the device epoch advanced {epoch1 - epoch0} times for {calls} calls")
+            parts.append(f"{name}: {calls} calls, {exec1 - exec0} handler executions")
+            counts.append((name, calls, exec1 - exec0))
+            self.log(f"cmdbuf {name}: {calls} calls checked, handler executed {exec1 - exec0} times")
+        not_replayed = [name for name, calls, executions in counts if executions >= calls]
+        if not_replayed:
+            raise AssertionError("no call of " + ", ".join(not_replayed) + " was replayed from a command buffer: " +
+                                 "; ".join(parts))
+        return f"cmdbuf: worst rel error {worst:.2e}; " + "; ".join(parts)
+
+    def cmdbufmissing(self):
+        """Under command buffers, after replayed calls, the last rank skips one: the others' replayed
+        call must trap at the deadline (no handler runs between replays to report it), XLA must raise,
+        and check_errors() must name the absent rank. A replay that kept the epoch of its recording
+        would instead pass its waits on the flags of the earlier calls and return without error."""
+        import jax
+
+        from entwine_jax import _distributed, fused
+
+        if CMDBUF_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+            raise AssertionError("the cmdbufmissing suite runs with command buffers enabled")
+        name, call, _, ref = self.cmdbuf_sites()[0]
+        for seed in (1, 2, 3):
+            self.check(self.local(call(seed)), ref(seed)[0], f"cmdbufmissing warm-up (seed {seed})")
+        fused.check_errors()
+        absent = self.world - 1
+        if self.rank == absent:
+            detail = "cmdbufmissing: skipped the call"
+        else:
+            exec0 = self.handler_executions()
+            t0 = time.monotonic()
+            try:
+                jax.block_until_ready(call(4))
+            except Exception as e:  # XlaRuntimeError: the kernel trapped
+                xla_error = f"{type(e).__name__}: {str(e)[:160]}"
+            else:
+                raise AssertionError(f"no error after {time.monotonic() - t0:.1f} s although rank {absent} never called")
+            waited = time.monotonic() - t0
+            if self.handler_executions() != exec0:
+                raise AssertionError("the call without the absent rank was recorded again, not replayed")
+            try:
+                fused.check_errors()
+            except RuntimeError as e:
+                message = str(e)
+            else:
+                raise AssertionError(f"XLA raised ({xla_error}) but no deadline was recorded")
+            if f"from rank {absent}" not in message or f"waited {MISSING_TIMEOUT_MS} ms" not in message:
+                raise AssertionError(f"deadline error does not name rank {absent} and the timeout: {message}")
+            if waited > 10 * MISSING_TIMEOUT_MS / 1000 + 20:
+                raise AssertionError(f"the deadline took {waited:.1f} s")
+            detail = f"cmdbufmissing: replayed call trapped after {waited:.1f} s ({xla_error[:60]}); {message[:100]}"
+        _distributed.barrier("entwine_test/cmdbufmissing_done", range(self.world), self.rank, 120_000)
+        return detail
 
     # -- ag_gemm --
 
@@ -784,7 +945,8 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=2, help="number of ranks (processes), 1..8")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (rank r on GPU r %% gpus)")
     parser.add_argument("--suite", default="quick",
-                        help="quick, ag, stress, mixed, missing, agmissing, cmdbuf, hostcost, all, or a comma-separated list")
+                        help="quick, ag, stress, mixed, missing, agmissing, cmdbuf, cmdbufmissing, hostcost, all, "
+                             "or a comma-separated list")
     parser.add_argument("--timeout", type=float, default=900, help="wall-clock limit per suite in seconds; stragglers are killed")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)

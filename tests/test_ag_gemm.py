@@ -225,7 +225,7 @@ def test_plan_pads_each_shard():
         pytest.skip("the plan is the compiled extension's (pure-Python install)")
     plan = _plan.ag_plan(77, 60, 130, 2, False, AgGemmConfig(block_n=128), 131)
     assert plan["error"] is None and (plan["rows_pad"], plan["cols_pad"], plan["n_pad"]) == (128, 64, 256)
-    assert plan["chunks"] == 1 and plan["slot_bytes"] == 2 * 128 * 64 * 2
+    assert plan["chunks"] == 1 and plan["inbox_bytes"] == 2 * 128 * 64 * 2
     plan = _plan.ag_plan(1024, 512, 1024, 4, True, AgGemmConfig(max_chunks=3), 131)
     assert plan["chunks"] == 2 and plan["chunk_tiles"] == 4  # 8 tile rows: the largest divisor <= 3
     assert "gemm_sms" in _plan.ag_plan(128, 64, 256, 2, False, AgGemmConfig(), 0)["error"]

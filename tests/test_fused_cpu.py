@@ -215,9 +215,11 @@ def test_pad_operands_skips_aligned_operands(plan):
 
 
 def test_heap_bytes_and_the_plan_capacity(plan):
-    # [flags parity 0][flags parity 1][slot 0][slot 1], each region 256-byte aligned (comm::heap_layout).
-    assert _plan.heap_bytes(2, 1 << 20, 64) == 2 * 1024 + 2 * (1 << 20)
-    assert _plan.heap_bytes(3, 100, 1) == 2 * 256 + 2 * 256
+    # [flags parity 0][flags parity 1][ready words][slot 0][slot 1][inbox], each region 256-byte
+    # aligned (comm::heap_layout).
+    assert _plan.heap_bytes(2, 1 << 20, 64) == 2 * 1024 + 256 + 2 * (1 << 20)
+    assert _plan.heap_bytes(3, 100, 1) == 2 * 256 + 256 + 2 * 256
+    assert _plan.heap_bytes(2, 1 << 20, 64, 3000) == 2 * 1024 + 256 + 2 * (1 << 20) + 3072
     # One slot holds the padded M x N product (2-byte elements); one flag per tile of a partition.
     p = fused.padding(8192, 1024, 8192, 2, 128)
     assert p.slot_bytes == 8192 * 8192 * 2 and p.tiles_per_partition == 32 * 64
@@ -347,8 +349,8 @@ class FakeExt:
     def error_message(self, comm_id):
         return self.error
 
-    def heap_bytes(self, world, slot_bytes, max_tiles):
-        return 2 * slot_bytes + 2 * world * max_tiles * 8  # a stand-in: only the cap check reads it
+    def heap_bytes(self, world, slot_bytes, max_tiles, inbox_bytes=0):
+        return 2 * slot_bytes + 2 * world * max_tiles * 8 + inbox_bytes  # a stand-in: only the cap check reads it
 
 
 class FakeKV:
@@ -438,14 +440,17 @@ def test_predicates_only_answer_and_prepare_acquires_once(monkeypatch):
     # The call carries everything static: the plan (the padding), the communicator, the config.
     assert call.comm_id == cid and call.config == CFG and call.target == _plan.gemm_rs_target()
     assert (call.plan.mp_pad, call.plan.n_pad, call.plan.k_pad) == (256, 256, 64) and hash(call)
-    # The other op's call on the same axis shares the communicator (room enough: nothing to do).
+    # The other op's call on the same axis shares the communicator; it grows it once, for its inbox.
     ag_call = fused.prepare_ag_gemm(x, w, gather_k=False, config=ag_config, **kw)
-    assert ag_call.comm_id == cid and len(ext.calls) == 3 and hash(ag_call)
+    assert ag_call.comm_id == cid and hash(ag_call)
+    assert [c[0] for c in ext.calls[3:]] == ["comm_synchronize", "comm_disconnect", "comm_grow"] + ["comm_connect"] * 2
+    assert fused._comms[cid].inbox_bytes >= 2 * 512 * 64 * 2
+    assert fused.prepare_ag_gemm(x, w, gather_k=False, config=ag_config, **kw) == ag_call and len(ext.calls) == 8
     # A call above the heap cap: the predicate says so, and nothing is grown.
     monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(8 << 20))
     big = jax.ShapeDtypeStruct((8192, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 8192), jnp.bfloat16)
     reason = fused.unavailable_reason(*big, scatter_dimension=0, config=CFG, **kw)
-    assert "would exceed ENTWINE_HEAP_MAX_BYTES=8388608" in reason and len(ext.calls) == 3
+    assert "would exceed ENTWINE_HEAP_MAX_BYTES=8388608" in reason and len(ext.calls) == 8
     with pytest.raises(fused.Unavailable, match="ENTWINE_HEAP_MAX_BYTES"):
         fused.prepare_gemm_rs(*big, scatter_dimension=0, config=CFG, **kw)
 

@@ -48,22 +48,34 @@ struct AgPlan {
   int32_t num_blocks;     // GEMM blocks of the call
   int32_t grid;           // GEMM CTAs
   int64_t shard_bytes;    // one padded shard
-  int64_t slot_bytes;     // the gathered operand: world padded shards
+  int64_t inbox_bytes;    // the gathered operand: world padded shards
   int64_t flags;          // flag words per rank: world * chunks
 };
 AgPlan ag_plan(const AgProblem& problem, const AgGemmConfig& config);
 
-// The kernel's arguments. The gathered slot holds the W shards at s * shard_bytes (source-major);
-// the local shard is read from x itself and never copied before the GEMM.
+// The kernel's arguments. The inbox holds the W shards at s * shard_bytes (source-major); the local
+// shard is read from x itself and never copied before the GEMM.
 struct AgGemmArgs {
   const void* x;              // the local shard [rows, cols]
-  const void* gathered;       // this rank's slot (epoch % 2): peers push their shards into it
+  const void* gathered;       // this rank's inbox: peers push their shards into it
   const void* w;
   void* y;
-  const uint64_t* flags;      // this rank's flags (epoch % 2): flags[source * chunks + chunk]
+  const uint64_t* flags;      // this rank's flags of parity 0: flags[source * chunks + chunk]
   DeviceError* error;         // device memory, polled and claimed by waiting CTAs
   DeviceError* error_mirror;  // host-mapped copy written once on failure
-  uint64_t epoch;
+  CallEpoch call;
+  uint64_t timeout_ns;
+};
+
+// One transfer stream's handshake (transfer.cu): announce into the ready word that the sender to
+// this rank waits on, then wait for this stream's receiver to announce.
+struct TransferArgs {
+  uint64_t* announce;          // ready[rank] in the heap of rank (rank - d) % W, which pushes here
+  const uint64_t* ready;       // ready[peer] in this rank's heap
+  int rank, peer;              // peer = (rank + d) % W, the receiver of this stream's pushes
+  DeviceError* error;
+  DeviceError* error_mirror;
+  CallEpoch call;
   uint64_t timeout_ns;
 };
 
@@ -72,10 +84,12 @@ struct AgGemmArgs {
 cudaError_t launch_ag_gemm(DType dtype, const AgProblem& problem, const AgGemmConfig& config, const AgPlan& plan,
                            const AgGemmArgs& args, cudaStream_t stream);
 
-// Release one pushed chunk: once `stream`'s earlier work (the chunk's copy) is complete, a one-warp
-// kernel fences system-wide and stores `epoch` into `flag` (release.cu). It must find an SM while
-// the GEMM runs: the GEMM's persistent grid leaves at least one SM free (config.gemm_sms).
-cudaError_t launch_release(uint64_t* flag, uint64_t epoch, cudaStream_t stream);
-cudaError_t prepare_release_kernel();
+// The transfer kernels (transfer.cu). The handshake opens each transfer stream. The release follows
+// each chunk's copy: once `stream`'s earlier work is complete, it fences system-wide and stores the
+// call's epoch into `flag` (of parity 0; the kernel adds the parity). Both must find an SM while the
+// GEMM runs: its persistent grid leaves at least one SM free (config.gemm_sms).
+cudaError_t launch_handshake(const TransferArgs& args, cudaStream_t stream);
+cudaError_t launch_release(uint64_t* flag, const CallEpoch& call, cudaStream_t stream);
+cudaError_t prepare_transfer_kernels();
 
 }  // namespace entwine

@@ -22,14 +22,14 @@ constexpr const char* kOp = "entwine ag_gemm";
 using handler::DeviceGuard;
 using handler::dims_string;
 
-// Double-buffer argument (docs/design.md, "The double-buffer argument"). In call e, rank q pushes
-// its shard into rank r's slot G_r[e % 2] and r's GEMM reads it. q's pushes of call e+2 into the
-// same slot start after q's start event of e+2, recorded on q's XLA stream after q's call e+1 was
-// joined; q's GEMM of e+1 saw r's flag of e+1, which r's transfer stream wrote after r's start
-// event of e+1, i.e. after r's call e (its GEMM and its copy of the gathered operand out of the
-// slot) was joined. So no push overwrites a slot its owner still reads. The same chain orders the
-// two writers of a flag word of one parity; it also holds when calls of gemm_rs and ag_gemm
-// alternate on one communicator, since every call of either op takes a flag from every peer.
+// The inbox argument (docs/design.md, "The double-buffer argument"). In call e, rank q pushes its
+// shard into rank r's inbox and r's GEMM (and r's copy of the gathered operand) reads it. The
+// inbox is single: a copy engine's destination is fixed when a CUDA graph records it, so it cannot
+// follow a parity chosen on the device. Instead q's transfer stream to r opens with a handshake
+// and copies nothing before r has announced call e (ready_q[r] >= e); r announces from its own
+// transfer stream, after its start event of e, recorded on r's XLA stream once r's call e-1, every
+// read of the inbox included, was joined. The flags stay double-buffered (their chain is gemm_rs's:
+// every call of either op takes a flag from every peer), so calls of both ops may alternate.
 ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
                      bool gather_k, int64_t block_n, int64_t gemm_sms, int64_t raster_rows, int64_t max_chunks) {
@@ -86,63 +86,82 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
                                        ") must leave an SM free for the chunk releases: at most " +
                                        std::to_string(dc->sm_count - 1) + " on this GPU");
   }
-  if (size_t(plan.slot_bytes) > dc->capacity.slot_bytes || plan.chunks > dc->capacity.max_tiles) {
+  if (size_t(plan.inbox_bytes) > dc->capacity.inbox_bytes || plan.chunks > dc->capacity.max_tiles) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "entwine ag_gemm: call needs " + std::to_string(plan.slot_bytes) + " bytes and " +
-                          std::to_string(plan.chunks) + " chunks per slot, communicator has " +
-                          std::to_string(dc->capacity.slot_bytes) + " bytes and " +
+                      "entwine ag_gemm: call needs an inbox of " + std::to_string(plan.inbox_bytes) + " bytes and " +
+                          std::to_string(plan.chunks) + " chunks per source, communicator has " +
+                          std::to_string(dc->capacity.inbox_bytes) + " bytes and " +
                           std::to_string(dc->capacity.max_tiles) + " flags per source");
   }
 
-  if (ffi::Error e = handler::refuse_capture(kOp, "AgGemmConfig", xla_stream); e.failure()) return e;
+  bool capturing = false;
+  if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
 
+  // Every argument below is the same for every call of this shape: the epoch and the flags' parity
+  // are read on the device, so a CUDA graph may replay the launches and copies (docs/design.md,
+  // "Graph safety").
   DeviceGuard guard;
   ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
-  uint64_t const epoch = ++dc->epoch;
   int const rank = dc->rank;
   char* const own = static_cast<char*>(dc->heap);
-  char* const own_slot = own + dc->layout.slot_offset(epoch);
+  char* const own_inbox = own + dc->layout.inbox_offset();
   int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
   char const* const shard = static_cast<char const*>(x.untyped_data());
+  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing);
+  uint64_t const timeout_ns = comm::timeout_ms() * 1000000ull;
 
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
   AgGemmArgs args{};
   args.x = x.untyped_data();
-  args.gathered = own_slot;
+  args.gathered = own_inbox;
   args.w = w.untyped_data();
   args.y = y->untyped_data();
-  args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset(epoch));
+  args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
   args.error = dc->error_local;
   args.error_mirror = dc->error_device;
-  args.epoch = epoch;
-  args.timeout_ns = comm::timeout_ms() * 1000000ull;
+  args.call = epoch_args;
+  args.timeout_ns = timeout_ns;
   // The GEMM first: its local shard needs nothing from a peer, so it starts while the host still
   // enqueues the pushes (2 calls per chunk and peer).
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
   ENTWINE_RETURN_IF_CUDA(kOp, launch_ag_gemm(dtype, problem, config, plan, args, dc->producer));
   // Pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
   // released by its flag in the receiver's memory (launch_release, after the copy). Rank r thus
-  // receives from r-1 first on every link at once; the GEMM visits peers in that order.
+  // receives from r-1 first on every link at once; the GEMM visits peers in that order. Each stream
+  // opens with the handshake: announce to rank (rank - d) % W, the one that pushes here on its
+  // stream d, and wait for the receiver's announcement.
+  uint64_t* const own_ready = reinterpret_cast<uint64_t*>(own + dc->layout.ready_offset());
   for (int d = 1; d < world; ++d) {
-    int const peer = (rank + d) % int(world);
+    int const peer = (rank + d) % int(world), sender = (rank + int(world) - d) % int(world);
     cudaStream_t const stream = dc->transfer[d];
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(stream, dc->start, 0));
-    char* const peer_slot = static_cast<char*>(dc->peer_heap[peer]) + dc->layout.slot_offset(epoch);
-    uint64_t* const peer_flags =
-        reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[peer]) + dc->layout.flags_offset(epoch));
+    char* const peer_heap = static_cast<char*>(dc->peer_heap[peer]);
+    TransferArgs handshake{};
+    handshake.announce = reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[sender]) +
+                                                     dc->layout.ready_offset()) + rank;
+    handshake.ready = own_ready + peer;
+    handshake.rank = rank;
+    handshake.peer = peer;
+    handshake.error = dc->error_local;
+    handshake.error_mirror = dc->error_device;
+    handshake.call = epoch_args;
+    handshake.timeout_ns = timeout_ns;
+    ENTWINE_RETURN_IF_CUDA(kOp, launch_handshake(handshake, stream));
+    char* const peer_inbox = peer_heap + dc->layout.inbox_offset();
+    uint64_t* const peer_flags = reinterpret_cast<uint64_t*>(peer_heap + dc->layout.flags_offset());
     for (int c = 0; c < plan.chunks; ++c) {
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_slot + rank * plan.shard_bytes + c * chunk_bytes,
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_inbox + rank * plan.shard_bytes + c * chunk_bytes,
                                              shard + c * chunk_bytes, chunk_bytes, cudaMemcpyDeviceToDevice, stream));
-      ENTWINE_RETURN_IF_CUDA(kOp, launch_release(peer_flags + rank * plan.chunks + c, epoch, stream));
+      ENTWINE_RETURN_IF_CUDA(kOp, launch_release(peer_flags + rank * plan.chunks + c, epoch_args, stream));
     }
     ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->transfer_done[d], stream));
   }
 
   if (gathered->element_count() != 0) {
-    // After the GEMM, which acquired every chunk: the slot holds every peer's shard of this call.
+    // After the GEMM, which acquired every chunk: the inbox holds every peer's shard of this call.
     char* const out = static_cast<char*>(gathered->untyped_data());
     for (int s = 0; s < world; ++s) {
-      char const* const from = s == rank ? shard : own_slot + s * plan.shard_bytes;
+      char const* const from = s == rank ? shard : own_inbox + s * plan.shard_bytes;
       ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(out + s * plan.shard_bytes, from, plan.shard_bytes,
                                              cudaMemcpyDeviceToDevice, dc->producer));
     }
@@ -152,6 +171,8 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   for (int d = 1; d < world; ++d) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->transfer_done[d], 0));
   }
+  // The next call's epoch, once this whole call is done.
+  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_advance_epoch(dc->epoch, xla_stream));
   return ffi::Error::Success();
 }
 
@@ -172,7 +193,8 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
 }  // namespace
 }  // namespace entwine
 
-// No command-buffer trait: the epoch is a host value (docs/design.md, "Graph safety").
+// Command-buffer compatible: no host value that changes per call reaches a kernel or a copy, so XLA
+// may record the call into a CUDA graph and replay it (docs/design.md, "Graph safety").
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
@@ -186,4 +208,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
                                   .Attr<int64_t>("block_n")                  // block_n
                                   .Attr<int64_t>("gemm_sms")                 // gemm_sms
                                   .Attr<int64_t>("raster_rows")              // raster_rows
-                                  .Attr<int64_t>("max_chunks"));             // max_chunks
+                                  .Attr<int64_t>("max_chunks"),              // max_chunks
+                              {ffi::Traits::kCmdBufferCompatible});

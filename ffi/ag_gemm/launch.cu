@@ -54,7 +54,7 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   plan.num_blocks = (p.gather_k ? 1 : p.world) * plan.tile_rows * plan.n_blocks;
   plan.grid = c.gemm_sms < plan.num_blocks ? c.gemm_sms : plan.num_blocks;
   plan.shard_bytes = rows_pad * cols_pad * 2;
-  plan.slot_bytes = p.world * plan.shard_bytes;
+  plan.inbox_bytes = p.world * plan.shard_bytes;
   plan.flags = int64_t(p.world) * plan.chunks;
   return plan;
 }

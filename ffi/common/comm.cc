@@ -64,14 +64,21 @@ void allocate_heap(DeviceComm& dc, const Capacity& capacity) {
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(after heap zeroing)");
 }
 
-void close_imports(DeviceComm& dc) {
-  cudaSetDevice(dc.device);
+// The peer table is cleared; imported mappings stay open (retired) until shutdown, since a graph
+// recorded earlier may still push to them or read them.
+void retire_imports(DeviceComm& dc) {
   for (int s = 0; s < kMaxWorld; ++s) {
-    if (dc.peer_imported[s]) check(cudaIpcCloseMemHandle(dc.peer_heap[s]), "cudaIpcCloseMemHandle");
+    if (dc.peer_imported[s]) dc.retired_imports.push_back(dc.peer_heap[s]);
     dc.peer_imported[s] = false;
     dc.peer_heap[s] = nullptr;
   }
   dc.connected = false;
+}
+
+void close_imports(DeviceComm& dc) {
+  retire_imports(dc);
+  for (void* p : dc.retired_imports) cudaIpcCloseMemHandle(p);
+  dc.retired_imports.clear();
 }
 
 }  // namespace
@@ -80,6 +87,7 @@ HeapLayout heap_layout(int world, const Capacity& capacity) {
   HeapLayout layout;
   layout.flags_bytes = HeapLayout::align(size_t(world) * size_t(capacity.max_tiles) * sizeof(uint64_t));
   layout.slot_bytes = HeapLayout::align(capacity.slot_bytes);
+  layout.inbox_bytes = HeapLayout::align(capacity.inbox_bytes);
   return layout;
 }
 
@@ -88,10 +96,10 @@ DeviceComm::~DeviceComm() {
   // leaves freeing exported memory that is still open elsewhere undefined), then the rest.
   cudaSetDevice(device);
   cudaDeviceSynchronize();
-  for (int s = 0; s < kMaxWorld; ++s) {
-    if (peer_imported[s]) cudaIpcCloseMemHandle(peer_heap[s]);
-  }
+  close_imports(*this);
   if (heap) cudaFree(heap);
+  for (void* p : retired_heaps) cudaFree(p);
+  if (epoch) cudaFree(epoch);
   for (cudaEvent_t e : {start, producer_done, consumer_done}) {
     if (e) cudaEventDestroy(e);
   }
@@ -131,7 +139,8 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     check(cudaSetDevice(device), "cudaSetDevice");
     // Lazy module loading while a consumer spins can deadlock: load both kernels now.
     check(prepare_kernels(), "prepare_kernels");
-    check(prepare_release_kernel(), "prepare_release_kernel");
+    check(prepare_transfer_kernels(), "prepare_transfer_kernels");
+    check(prepare_epoch_kernel(), "prepare_epoch_kernel");
     int least, greatest;
     check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
     check(cudaStreamCreateWithFlags(&dc->producer, cudaStreamNonBlocking), "cudaStreamCreate(producer)");
@@ -158,6 +167,9 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     // The record the consumers poll lives in device memory: polling a host-mapped word crosses PCIe.
     check(cudaMalloc(reinterpret_cast<void**>(&dc->error_local), sizeof(DeviceError)), "cudaMalloc(error record)");
     check(cudaMemset(dc->error_local, 0, sizeof(DeviceError)), "cudaMemset(error record)");
+    uint64_t const first_epoch = 1;
+    check(cudaMalloc(reinterpret_cast<void**>(&dc->epoch), sizeof(uint64_t)), "cudaMalloc(epoch)");
+    check(cudaMemcpy(dc->epoch, &first_epoch, sizeof(uint64_t), cudaMemcpyHostToDevice), "cudaMemcpy(epoch)");
     check(cudaMalloc(&dc->split_workspace, kSplitWorkspaceBytes), "cudaMalloc(split workspace)");
     check(cudaMemset(dc->split_workspace, 0, kSplitWorkspaceBytes), "cudaMemset(split workspace)");
     allocate_heap(*dc, capacity);
@@ -184,7 +196,7 @@ void connect(int64_t comm_id, int device, const std::vector<Peer>& peers) {
     throw std::runtime_error("entwine comm: connect got " + std::to_string(peers.size()) +
                              " peers for world " + std::to_string(dc.world));
   }
-  close_imports(dc);
+  retire_imports(dc);
   check(cudaSetDevice(device), "cudaSetDevice");
   for (int s = 0; s < dc.world; ++s) {
     if (const int* local = std::get_if<int>(&peers[s])) {
@@ -238,7 +250,19 @@ void synchronize(int64_t comm_id) {
 
 void disconnect(int64_t comm_id) {
   std::lock_guard<std::mutex> lock(registry_mutex);
-  for (auto& [device, dc] : get(comm_id).by_device) close_imports(*dc);
+  for (auto& [device, dc] : get(comm_id).by_device) retire_imports(*dc);
+}
+
+std::vector<std::pair<int, uint64_t>> device_epochs(int64_t comm_id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::vector<std::pair<int, uint64_t>> epochs;
+  for (auto& [device, dc] : get(comm_id).by_device) {
+    uint64_t value = 0;
+    check(cudaSetDevice(device), "cudaSetDevice");
+    check(cudaMemcpy(&value, dc->epoch, sizeof(value), cudaMemcpyDeviceToHost), "cudaMemcpy(epoch)");
+    epochs.emplace_back(device, value);
+  }
+  return epochs;
 }
 
 void grow(int64_t comm_id, const Capacity& capacity) {
@@ -248,9 +272,9 @@ void grow(int64_t comm_id, const Capacity& capacity) {
     if (dc->connected) throw std::runtime_error("entwine comm: grow() before disconnect()");
   }
   for (auto& [device, dc] : comm.by_device) {
-    // Python ran synchronize() and a cross-process barrier before disconnect(): no call is in flight.
+    // Retired, not freed: a graph recorded before the growth addresses it.
     check(cudaSetDevice(device), "cudaSetDevice");
-    check(cudaFree(dc->heap), "cudaFree(heap)");
+    dc->retired_heaps.push_back(dc->heap);
     dc->heap = nullptr;
     allocate_heap(*dc, capacity);
   }
@@ -276,10 +300,7 @@ void shutdown() {
   for (auto& [id, comm] : registry()) {
     for (auto& [device, dc] : comm.by_device) {
       cudaSetDevice(device);
-      for (int s = 0; s < kMaxWorld; ++s) {
-        if (dc->peer_imported[s]) cudaIpcCloseMemHandle(dc->peer_heap[s]);
-        dc->peer_imported[s] = false;
-      }
+      close_imports(*dc);
     }
   }
   registry().clear();

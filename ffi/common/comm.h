@@ -19,28 +19,36 @@
 
 namespace entwine::comm {
 
-// Room for the largest call seen so far, of either op: one slot in bytes (gemm_rs: the M x N
-// partial output; ag_gemm: the W gathered shards), and the most flags per source rank (gemm_rs:
-// reduction tiles of one partition; ag_gemm: chunks of one shard).
+// Room for the largest call seen so far, of either op: one partial slot in bytes (gemm_rs: the
+// M x N partial output), the inbox in bytes (ag_gemm: the W gathered shards), and the most flags per
+// source rank (gemm_rs: reduction tiles of one partition; ag_gemm: chunks of one shard).
 struct Capacity {
   size_t slot_bytes = 0;
+  size_t inbox_bytes = 0;
   int64_t max_tiles = 0;
 };
 
 // Heap layout, identical on every rank (peers compute offsets into each other's heaps):
-//   [flags parity 0: world * max_tiles u64][flags parity 1][partial slot 0][partial slot 1]
-// Call e uses flags[e % 2] and partial[e % 2]. The flags are double-buffered like the partials
-// because the kernels index flags by the call's tiles_per_partition: when the shape changes between
-// calls, one flag word can belong to different source ranks in calls e and e+1, and a late write of
-// call e could land after call e+1's; parity makes the two writers of a word be calls e and e+2,
-// which are ordered (docs/design.md, "The double-buffer argument"; it holds across the two ops,
-// which share the epochs: every call of either op takes a flag from every peer).
+//   [flags parity 0: world * max_tiles u64][flags parity 1][ready: kMaxWorld u64]
+//   [partial slot 0][partial slot 1][inbox]
+// Call e uses flags[e % 2] and partial[e % 2], the parity chosen on the device (CallEpoch). The
+// flags are double-buffered like the partials because the kernels index flags by the call's
+// tiles_per_partition: when the shape changes between calls, one flag word can belong to different
+// source ranks in calls e and e+1, and a late write of call e could land after call e+1's; parity
+// makes the two writers of a word be calls e and e+2, which are ordered (docs/design.md, "The
+// double-buffer argument"; it holds across the two ops, which share the epochs). The inbox (what
+// peers push to ag_gemm) is single: its pushes are copy-engine copies, whose destination a graph
+// fixes, so a sender waits instead until the receiver has started the call (ready[sender]).
 struct HeapLayout {
   size_t flags_bytes = 0;  // one parity
   size_t slot_bytes = 0;
-  size_t flags_offset(uint64_t epoch) const { return (epoch % 2) * flags_bytes; }
-  size_t slot_offset(uint64_t epoch) const { return align(2 * flags_bytes) + (epoch % 2) * slot_bytes; }
-  size_t total() const { return align(2 * flags_bytes) + 2 * slot_bytes; }
+  size_t inbox_bytes = 0;
+  static constexpr size_t kReadyBytes = 256;  // kMaxWorld u64, one per sender, padded
+  size_t flags_offset() const { return 0; }
+  size_t ready_offset() const { return align(2 * flags_bytes); }
+  size_t slot_offset() const { return ready_offset() + kReadyBytes; }
+  size_t inbox_offset() const { return slot_offset() + 2 * slot_bytes; }
+  size_t total() const { return inbox_offset() + inbox_bytes; }
   static size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
 };
 HeapLayout heap_layout(int world, const Capacity& capacity);
@@ -52,6 +60,9 @@ struct DeviceComm {
   Capacity capacity;
   HeapLayout layout;
   void* heap = nullptr;                 // owned, zeroed at allocation
+  // Heaps and peer mappings replaced by a growth stay until shutdown: a CUDA graph recorded before
+  // the growth (an XLA command buffer) still addresses them when it is replayed.
+  std::vector<void*> retired_heaps, retired_imports;
   void* peer_heap[kMaxWorld] = {};      // heap base of every rank of the group, as seen from here
   bool peer_imported[kMaxWorld] = {};   // opened with cudaIpcOpenMemHandle (closed before frees)
   std::atomic<bool> connected{false};   // peer table filled for the current heap (read by calls)
@@ -63,7 +74,10 @@ struct DeviceComm {
   cudaStream_t transfer[kMaxWorld] = {};  // highest priority: the release kernels go first
   int sm_count = 0;
   cudaEvent_t transfer_done[kMaxWorld] = {};
-  std::atomic<uint64_t> epoch{0};       // last epoch used; the first call uses 1
+  // The call's epoch: a device word, 1 before the first call, advanced by a one-thread kernel on
+  // XLA's stream after each call (launch_advance_epoch). Never reset, so flags of any earlier call
+  // are below it, in this heap and in the retired ones.
+  uint64_t* epoch = nullptr;
   // Host cost of the handlers on this entry: executions and their summed wall time (handler_util.h).
   std::atomic<uint64_t> handler_calls{0}, handler_ns{0};
   DeviceError* error_host = nullptr;    // host-mapped pinned: read without synchronising
@@ -95,15 +109,24 @@ void connect(int64_t comm_id, int device, const std::vector<Peer>& peers);
 
 // Waits for all work on every local device of the comm (cudaDeviceSynchronize).
 void synchronize(int64_t comm_id);
-// Closes imported IPC handles and clears the peer tables; calls are rejected until connect().
+// Clears the peer tables (the imported mappings are retired, not closed); calls are rejected until
+// connect().
 void disconnect(int64_t comm_id);
-// Replaces every local heap by a zeroed one of the new capacity. Requires disconnect() on every
-// rank of every process first (CUDA: freeing exported memory a peer still has open is undefined).
-// The epoch counters are kept: flags restart at 0 < next epoch.
+// Gives every local device a new zeroed heap of the new capacity; the old one is retired, not
+// freed. Requires disconnect() on every rank of every process first. The epochs are kept: flags
+// of the new heap start at 0, below the next epoch.
 void grow(int64_t comm_id, const Capacity& capacity);
 
 // Destroys every comm (synchronising each device first). Called once at exit from Python.
 void shutdown();
+
+// The call's epoch kernel (epoch.cu): one thread adds 1 to *epoch once `stream`'s earlier work,
+// the whole call, is done. prepare_epoch_kernel loads its module (setup).
+cudaError_t launch_advance_epoch(uint64_t* epoch, cudaStream_t stream);
+cudaError_t prepare_epoch_kernel();
+
+// The epoch word of each local device (synchronous copies: tests and diagnostics only).
+std::vector<std::pair<int, uint64_t>> device_epochs(int64_t comm_id);
 
 // --- Execute path (FFI handler): lookups only, no CUDA calls, no exceptions. ----------------------
 

@@ -87,11 +87,11 @@ struct ProducerGemm {
     int tiles_n;                  // part_cols / 128: reduction tiles per row of a partition
     int tiles_per_partition;
     TileOrder order;              // blocks of one partition, in production order
-    Element* partial;
-    uint64_t* flags[kMaxWorld];
-    uint64_t epoch;
+    Element* partial;             // gemm_rs: slot 0 of this rank's partial output; ag_gemm: y
+    uint64_t* flags[kMaxWorld];   // parity 0
+    CallEpoch call;               // the epoch word and the parity strides (ag_gemm: slot_stride 0)
     bool interleave, publish;
-    // ag_gemm: flags[source * chunks + chunk] of this rank; blocks of one chunk in `order`
+    // ag_gemm: flags[source * chunks + chunk] of this rank, parity 0; blocks of one chunk in `order`
     const uint64_t* gather_flags;
     int chunks, chunk_tiles, shard_tiles, blocks_per_chunk, k_tiles_per_source;
     DeviceError* error;
@@ -343,14 +343,16 @@ struct ProducerGemm {
                                        State& write_state, Inputs const& load_inputs, Inputs const& load_local,
                                        typename CollectiveMainloop::TensorStorage& smem) {
     int const lane = cutlass::canonical_lane_idx();
+    uint64_t const epoch = ptx::load_relaxed_sys(params.call.epoch);
+    const uint64_t* const flags = params.gather_flags + int64_t(epoch & 1) * params.call.flags_stride;
     int waited_source = -1, waited_chunk = -1;
     bool ok = true;  // false once a wait ran past its deadline: the rest loads without waiting
     auto k_shape = shape<3>(get<0>(load_inputs));
     auto load = [&](bool local, int m_block, int n_block, int batch, int source, int chunk) {
       if (!local && (source != waited_source || chunk != waited_chunk)) {
-        ok = ok && wait::wait_flag_warp(params.gather_flags + source * params.chunks + chunk, params.epoch,
-                                        params.timeout_ns, params.error, params.error_mirror, params.rank,
-                                        source, chunk, WaitSite::kGatherChunk);
+        ok = ok && wait::wait_flag_warp(flags + source * params.chunks + chunk, epoch, params.timeout_ns,
+                                        params.error, params.error_mirror, params.rank, source, chunk,
+                                        WaitSite::kGatherChunk, params.call.trap);
         // The TMA engine (async proxy) reads what the acquire made visible to this thread.
         ptx::fence_proxy_async_global();
         waited_source = source;
@@ -386,6 +388,10 @@ struct ProducerGemm {
   // other lanes keep the barrier counts whole-warp.
   static __device__ void store_and_publish(Params const& params, Element const* stage, uint32_t* skip_word, int lane) {
     constexpr int kRowBytes = BLOCK_N * sizeof(Element);
+    // The call's epoch and its parity's partial slot and flags (CallEpoch).
+    uint64_t const epoch = ptx::load_relaxed_sys(params.call.epoch);
+    int64_t const parity = int64_t(epoch & 1);
+    Element* const partial = params.partial + parity * params.call.slot_stride / int64_t(sizeof(Element));
     WorkIter work(params);
     Unit next;
     for (bool more = work.next(next); more;) {
@@ -394,7 +400,7 @@ struct ProducerGemm {
       BlockCoord c = block_coord(u.p, params);
       int64_t const row0 = c.owner * params.part_row_step + int64_t(c.tile_m) * BLOCK_M;
       int64_t const col0 = c.owner * params.part_col_step + int64_t(c.n_block) * BLOCK_N;
-      Element* dst = params.partial + row0 * params.n + col0;
+      Element* dst = partial + row0 * params.n + col0;
       ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
       bool const skip = ptx::load_shared_word(skip_word) != 0;
       if (lane == 0 && !skip) {
@@ -416,10 +422,11 @@ struct ProducerGemm {
         if (params.publish) {
           ptx::fence_proxy_async_global();
           ptx::fence_acq_rel_sys();
-          uint64_t* owner_flags = params.flags[c.owner] + int64_t(params.rank) * params.tiles_per_partition;
+          uint64_t* owner_flags = params.flags[c.owner] + parity * params.call.flags_stride +
+                                  int64_t(params.rank) * params.tiles_per_partition;
           int const tile0 = c.tile_m * params.tiles_n + c.n_block * kTilesPerBlock;
           CUTLASS_PRAGMA_UNROLL
-          for (int t = 0; t < kTilesPerBlock; ++t) ptx::store_relaxed_sys(owner_flags + tile0 + t, params.epoch);
+          for (int t = 0; t < kTilesPerBlock; ++t) ptx::store_relaxed_sys(owner_flags + tile0 + t, epoch);
         }
       }
     }
@@ -462,7 +469,7 @@ struct ProducerGemm {
     p.tiles_per_partition = shape.tiles_per_partition();
     p.partial = static_cast<Element*>(args.partial);
     for (int q = 0; q < kMaxWorld; ++q) p.flags[q] = args.flags[q];
-    p.epoch = args.epoch;
+    p.call = args.call;
     p.interleave = args.interleave;
     p.publish = args.publish;
     return p;
@@ -517,7 +524,8 @@ struct ProducerGemm {
     p.split_workspace = nullptr;
     p.partial = static_cast<Element*>(args.y);
     p.publish = false;
-    p.epoch = args.epoch;
+    p.call = args.call;
+    p.call.slot_stride = 0;  // the store warp writes y, which has one copy
     p.gather_flags = args.flags;
     p.chunks = plan.chunks;
     p.chunk_tiles = plan.chunk_tiles;

@@ -1,6 +1,7 @@
 // What both FFI handlers do alike before they launch: a CUDA-error-to-ffi::Error macro, a
 // printable buffer shape, the communicator entry a call may use, the kernels' element type, the
-// refusal of stream capture, and a guard that restores XLA's current device. Host-only.
+// capture test and the call's epoch arguments, a host timer, and a guard that restores XLA's
+// current device. Host-only.
 #pragma once
 
 #include <chrono>
@@ -64,22 +65,19 @@ inline ffi::Error element_type(const char* op, ffi::AnyBuffer const& x, DType* o
   return ffi::Error::Success();
 }
 
-// A captured call would be replayed with this call's host epoch and slot: another call's result,
-// silently (docs/design.md, "Graph safety"). XLA captures only handlers with the command-buffer
-// trait, which neither has; this refuses any other capture (a user's own stream capture, or an XLA
-// that captures anyway) instead of recording it.
-inline ffi::Error refuse_capture(const char* op, const char* config_name, cudaStream_t stream) {
+// Whether XLA's stream is being captured into a CUDA graph (an XLA command buffer, or a user's own
+// stream capture). Such a call is replayed without its handler, so nothing on the host can report
+// a deadline between replays: its waits trap instead (CallEpoch::trap).
+inline ffi::Error is_capturing(const char* op, cudaStream_t stream, bool* out) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   ENTWINE_RETURN_IF_CUDA(op, cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      std::string(op) +
-                          ": cannot be captured into a CUDA graph (an XLA command buffer or a stream capture): its "
-                          "epochs are host values, so a replay would return a stale result. Leave CUSTOM_CALL out "
-                          "of --xla_gpu_enable_command_buffer, or use " +
-                          config_name + "(path=\"xla\")");
-  }
+  *out = capture != cudaStreamCaptureStatusNone;
   return ffi::Error::Success();
+}
+
+// Where the kernels of a call on `dc` find its epoch and parity strides (protocol.h, CallEpoch).
+inline CallEpoch call_epoch(const comm::DeviceComm& dc, bool trap) {
+  return CallEpoch{dc.epoch, int64_t(dc.layout.slot_bytes), int64_t(dc.layout.flags_bytes / sizeof(uint64_t)), trap};
 }
 
 // Adds the handler's wall time, from its construction to the return, to the entry's host cost.

@@ -16,6 +16,18 @@ enum class DType : int32_t { kBF16 = 0, kFP16 = 1 };
 enum class WaitSite : int32_t {
   kReduceTile = 0,  // gemm_rs consumer: a 128x128 tile of a peer's partial output
   kGatherChunk = 1,  // ag_gemm GEMM: a chunk of rows of a peer's shard
+  kInboxReady = 2,   // ag_gemm transfer: the receiving peer has not started the call
+};
+
+// How every kernel of a call finds the call's epoch and its half of the double-buffered heap
+// regions. The epoch is a device word that a one-thread kernel advances after each call, in stream
+// order; nothing the host passes changes from call to call, so a CUDA graph can replay a call
+// (docs/design.md, "Graph safety"). Parity p = epoch % 2 selects `base + p * stride` of each region.
+struct CallEpoch {
+  const uint64_t* epoch = nullptr;  // this rank's epoch word (device memory): the call's epoch
+  int64_t slot_stride = 0;          // bytes from partial slot 0 to slot 1
+  int64_t flags_stride = 0;         // words from flags of parity 0 to parity 1
+  bool trap = false;                // a wait that gives up traps: no host check runs inside a graph
 };
 
 // Written by the first CTA whose wait passes its deadline; read by the host.

@@ -37,9 +37,11 @@ __device__ inline void record_deadline(DeviceError* e, DeviceError* mirror, int 
 // The calling warp (all 32 lanes) waits until *flag >= epoch: lane 0 polls with relaxed
 // system-scope loads and turns the successful poll into an acquire with one fence; the __syncwarp
 // after it orders every lane's later accesses after that acquire. Returns false when the deadline
-// passed or another wait already recorded an error (then nothing was acquired).
+// passed or another wait already recorded an error (then nothing was acquired); with `trap`, traps
+// instead (a call inside a CUDA graph: no handler runs between replays to report the record).
 __device__ inline bool wait_flag_warp(const uint64_t* flag, uint64_t epoch, uint64_t timeout_ns, DeviceError* error,
-                                      DeviceError* mirror, int rank, int source, int unit, WaitSite site) {
+                                      DeviceError* mirror, int rank, int source, int unit, WaitSite site,
+                                      bool trap) {
   constexpr int kCheckEvery = 256;
   int const lane = threadIdx.x % 32;
   int ok = 1;
@@ -64,6 +66,7 @@ __device__ inline bool wait_flag_warp(const uint64_t* flag, uint64_t epoch, uint
       }
     }
     if (ok) ptx::fence_acq_rel_sys();
+    if (!ok && trap) __trap();
   }
   ok = __shfl_sync(0xffffffffu, ok, 0);
   __syncwarp();

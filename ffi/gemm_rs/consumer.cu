@@ -67,14 +67,14 @@ struct Pack<__half> {
   }
 };
 
-// Spin until flag >= epoch or the deadline passes. Returns false when the CTA must leave.
-// Polls with relaxed system-scope loads and one acquire fence on success (an acquire load per
-// iteration is a stronger, costlier access than the poll needs); the error record and the timer
-// are looked at only every kCheckEvery polls.
-__device__ bool wait_flag(const uint64_t* flag, Params const& p, int source, int tile) {
+// Spin until flag >= epoch or the deadline passes. Returns false when the CTA must leave (or traps,
+// inside a CUDA graph). Polls with relaxed system-scope loads and one acquire fence on success (an
+// acquire load per iteration is a stronger, costlier access than the poll needs); the error record
+// and the timer are looked at only every kCheckEvery polls.
+__device__ bool wait_flag(const uint64_t* flag, uint64_t epoch, Params const& p, int source, int tile) {
   constexpr int kCheckEvery = 256;
   uint64_t observed = ptx::load_relaxed_sys(flag);
-  if (observed >= p.args.epoch) {
+  if (observed >= epoch) {
     ptx::fence_acq_rel_sys();
     return true;
   }
@@ -82,13 +82,17 @@ __device__ bool wait_flag(const uint64_t* flag, Params const& p, int source, int
   for (int polls = 1;; ++polls) {
     __nanosleep(64);
     observed = ptx::load_relaxed_sys(flag);
-    if (observed >= p.args.epoch) break;
+    if (observed >= epoch) break;
     if (polls % kCheckEvery != 0) continue;
     // Another CTA already recorded a failure (or an earlier call did: the error is sticky).
-    if (*reinterpret_cast<volatile uint32_t*>(&p.args.error->code) != 0) return false;
+    if (*reinterpret_cast<volatile uint32_t*>(&p.args.error->code) != 0) {
+      if (p.args.call.trap) __trap();
+      return false;
+    }
     if (ptx::global_timer_ns() - start > p.args.timeout_ns) {
-      wait::record_deadline(p.args.error, p.args.error_mirror, p.rank, source, tile, p.args.epoch, observed,
+      wait::record_deadline(p.args.error, p.args.error_mirror, p.rank, source, tile, epoch, observed,
                             WaitSite::kReduceTile);
+      if (p.args.call.trap) __trap();
       return false;
     }
   }
@@ -98,9 +102,10 @@ __device__ bool wait_flag(const uint64_t* flag, Params const& p, int source, int
 }
 
 // Reduces one step (one producer block: tiles_per_block 128x128 tiles) with `threads` threads,
-// `thread` being this thread's index among them. Its releases must have been acquired.
+// `thread` being this thread's index among them, from the partial slot `slot` elements past slot 0
+// (the call's parity). Its releases must have been acquired.
 template <class Element, int W>
-__device__ void reduce_step(Params const& p, int step, int thread, int threads) {
+__device__ void reduce_step(Params const& p, int64_t slot, int step, int thread, int threads) {
   // Chunks per thread per round: about 16 16-byte loads in flight whatever W is (the reads cross
   // NVLink: ~2 us of latency to cover per CTA); 8 for W = 1, whose reads are all local.
   constexpr int kUnroll = W == 1 ? 8 : W >= 8 ? 2 : 16 / W;
@@ -112,7 +117,7 @@ __device__ void reduce_step(Params const& p, int step, int thread, int threads) 
   int tile_m, block_n;
   p.order.block(step, tile_m, block_n);
   int const col0 = block_n * p.tiles_per_block * kTileN;
-  int64_t const src0 = (p.part_row0 + int64_t(tile_m) * kTileM) * p.n + p.part_col0 + col0;
+  int64_t const src0 = slot + (p.part_row0 + int64_t(tile_m) * kTileM) * p.n + p.part_col0 + col0;
   int64_t const dst0 = int64_t(tile_m) * kTileM * p.out_cols + col0;
   int64_t const src_pass = int64_t(rows_per_pass) * p.n, dst_pass = int64_t(rows_per_pass) * p.out_cols;
 
@@ -158,14 +163,14 @@ __device__ void reduce_step(Params const& p, int step, int thread, int threads) 
 // Lane l < W * tiles_per_block of the calling warp waits for the release of (source l % W, tile
 // l / W of the step's block). Returns whether every release arrived (false: the CTA must leave).
 template <int W>
-__device__ bool wait_step(Params const& p, int step, int lane) {
+__device__ bool wait_step(Params const& p, const uint64_t* flags, uint64_t epoch, int step, int lane) {
   bool ok = true;
   if (lane < W * p.tiles_per_block) {
     int tile_m, block_n;
     p.order.block(step, tile_m, block_n);
     int const source = lane % W;
     int const tile = tile_m * p.tiles_n + block_n * p.tiles_per_block + lane / W;
-    ok = wait_flag(p.args.flags + int64_t(source) * p.tiles + tile, p, source, tile);
+    ok = wait_flag(flags + int64_t(source) * p.tiles + tile, epoch, p, source, tile);
   }
   return __all_sync(0xffffffffu, ok);
 }
@@ -192,11 +197,15 @@ __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__
   int const my_steps = int(blockIdx.x) < steps ? (steps - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 0;
   int const threads = int(blockDim.x);                 // waiter warp + data threads
   int const data_threads = threads - kWaiterThreads;
+  // The call's epoch and its parity's flags and partial slot (CallEpoch).
+  uint64_t const epoch = ptx::load_relaxed_sys(p.args.call.epoch);
+  int64_t const parity = int64_t(epoch & 1);
 
   if (threadIdx.x < kWaiterThreads) {
+    const uint64_t* flags = p.args.flags + parity * p.args.call.flags_stride;
     for (int i = 0; i < my_steps; ++i) {
       int const s = i & 1;
-      bool const ok = wait_step<W>(p, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x));
+      bool const ok = wait_step<W>(p, flags, epoch, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x));
       if (i >= 2) ptx::named_barrier_sync(kStepFree + s, threads);
       if (threadIdx.x == 0) ptx::store_shared_word(&leave[s], !ok);
       ptx::named_barrier_arrive(kStepReady + s, threads);
@@ -209,7 +218,8 @@ __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__
     ptx::named_barrier_sync(kStepReady + s, threads);
     if (ptx::load_shared_word(&leave[s])) return;
     if (i + 2 < my_steps) ptx::named_barrier_arrive(kStepFree + s, threads);
-    reduce_step<Element, W>(p, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x) - kWaiterThreads, data_threads);
+    reduce_step<Element, W>(p, parity * p.args.call.slot_stride / int64_t(sizeof(Element)),
+                            int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x) - kWaiterThreads, data_threads);
   }
 }
 

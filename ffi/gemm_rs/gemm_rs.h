@@ -125,9 +125,9 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& problem, const GemmRsConfig& config
 struct ProducerArgs {
   const void* x;
   const void* w;
-  void* partial;                  // this rank's M x N partial output (slot epoch % 2)
-  uint64_t* flags[kMaxWorld];     // flag array of each owner rank (peer pointers)
-  uint64_t epoch;
+  void* partial;                  // this rank's M x N partial output, slot 0 (the kernel adds the parity)
+  uint64_t* flags[kMaxWorld];     // flag array of each owner rank, parity 0 (peer pointers)
+  CallEpoch call;
   void* split_workspace = nullptr;  // kSplitWorkspaceBytes, zeroed once, one per producer stream
                                     // (nullptr: nothing splits, whatever config.split_tail says)
   // Benchmark switches of the harness's producer-alone runs; production keeps both true. They stay
@@ -137,12 +137,12 @@ struct ProducerArgs {
 };
 
 struct ConsumerArgs {
-  const void* partial[kMaxWorld];  // partial output of each source rank (same slot)
-  const uint64_t* flags;           // this rank's flag array
+  const void* partial[kMaxWorld];  // partial output of each source rank, slot 0 (the kernel adds the parity)
+  const uint64_t* flags;           // this rank's flag array, parity 0
   void* out;                       // [part_rows, part_cols] row-major: this rank's reduced partition
   DeviceError* error;         // device memory: polled by every waiting CTA, claimed by the first
   DeviceError* error_mirror;  // host-mapped copy written once on failure (nullptr: none)
-  uint64_t epoch;
+  CallEpoch call;
   uint64_t timeout_ns;
 };
 

@@ -23,7 +23,8 @@ using handler::DeviceGuard;
 using handler::dims_string;
 
 // Double-buffer argument (docs/design.md, "The double-buffer argument"). Call e of rank A writes
-// A's partial slot V[e % 2]; the consumers of every rank B read A's V[e % 2] during their call e.
+// A's partial slot V[e % 2] (e and its parity are read on the device: CallEpoch); the consumers of
+// every rank B read A's V[e % 2] during their call e.
 // A's producer of call e+2 writes V[e % 2] again, and cannot start before every B finished reading it:
 //   A's producer(e+2) starts after A's start event of e+2, recorded on A's XLA stream after it
 //   waited for A's consumer(e+1);
@@ -101,35 +102,38 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
                           std::to_string(dc->capacity.max_tiles) + " tiles");
   }
 
-  if (ffi::Error e = handler::refuse_capture(kOp, "GemmRsConfig", xla_stream); e.failure()) return e;
+  bool capturing = false;
+  if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
 
   // --- Execute: fork XLA's stream into producer and consumer, join both back. --------------------
+  // Every argument below is the same for every call of this shape: the epoch and the parity are
+  // read on the device, so a CUDA graph may replay the launches (docs/design.md, "Graph safety").
   DeviceGuard guard;
   ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
-  uint64_t epoch = ++dc->epoch;
   char* own = static_cast<char*>(dc->heap);
+  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing);
 
   ConsumerArgs consumer_args{};
   for (int s = 0; s < dc->world; ++s) {
-    consumer_args.partial[s] = static_cast<char*>(dc->peer_heap[s]) + dc->layout.slot_offset(epoch);
+    consumer_args.partial[s] = static_cast<char*>(dc->peer_heap[s]) + dc->layout.slot_offset();
   }
-  consumer_args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset(epoch));
+  consumer_args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
   consumer_args.out = y->untyped_data();
   consumer_args.error = dc->error_local;
   consumer_args.error_mirror = dc->error_device;
-  consumer_args.epoch = epoch;
+  consumer_args.call = epoch_args;
   consumer_args.timeout_ns = comm::timeout_ms() * 1000000ull;
 
   ProducerArgs producer_args{};
   producer_args.x = x.untyped_data();
   producer_args.w = w.untyped_data();
-  producer_args.partial = own + dc->layout.slot_offset(epoch);
+  producer_args.partial = own + dc->layout.slot_offset();
   for (int q = 0; q < dc->world; ++q) {
     // Push: each tile's flag goes into the memory of the rank that owns its partition.
     producer_args.flags[q] =
-        reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[q]) + dc->layout.flags_offset(epoch));
+        reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[q]) + dc->layout.flags_offset());
   }
-  producer_args.epoch = epoch;
+  producer_args.call = epoch_args;
   producer_args.split_workspace = dc->split_workspace;  // used only by this device's producer stream
 
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
@@ -142,6 +146,8 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
+  // The next call's epoch, once this whole call is done.
+  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_advance_epoch(dc->epoch, xla_stream));
   return ffi::Error::Success();
 }
 
@@ -169,8 +175,8 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
 }  // namespace
 }  // namespace entwine
 
-// No command-buffer trait: the host epoch counter changes per call, so a captured graph would
-// replay a stale epoch (docs/design.md, "Graph safety").
+// Command-buffer compatible: no host value that changes per call reaches a kernel, so XLA may
+// record the call into a CUDA graph and replay it (docs/design.md, "Graph safety").
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
@@ -185,4 +191,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                                   .Attr<int64_t>("consumer_grid")            // config.consumer_grid
                                   .Attr<int64_t>("consumer_block")           // config.consumer_block
                                   .Attr<int64_t>("raster_rows")              // config.raster_rows
-                                  .Attr<bool>("split_tail"));                // config.split_tail
+                                  .Attr<bool>("split_tail"),                 // config.split_tail
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "ag_gemm/ag_gemm.h"
+#include "common/comm.h"
 #include "gemm_rs/gemm_rs.h"
 
 using namespace entwine;
@@ -95,6 +96,8 @@ struct Case {
 };
 
 struct VirtualRank {
+  // partial[1] = partial[0] + M*N and flags holds two parities: the layout the kernels assume
+  // (CallEpoch's strides).
   uint16_t *x = nullptr, *w = nullptr, *partial[2] = {nullptr, nullptr}, *out = nullptr;
   uint64_t* flags = nullptr;
   void* split_workspace = nullptr;  // the producer's split tail (one per producer stream)
@@ -106,7 +109,9 @@ struct World {
   Case c;
   std::vector<VirtualRank> ranks;
   DeviceError* error = nullptr;
-  uint64_t epoch = 0;
+  uint64_t epoch = 0;                // the last call's epoch, as the host counts it
+  uint64_t* epoch_word = nullptr;    // the next call's epoch, on the device (one word for all ranks)
+  int64_t flags_per_parity = 0;
 
   explicit World(Case const& c_) : c(c_), ranks(c_.world) {
     int lo, hi;
@@ -116,11 +121,12 @@ struct World {
     for (auto& r : ranks) {
       CHECK_CUDA(cudaMalloc(&r.x, mk * 2));
       CHECK_CUDA(cudaMalloc(&r.w, kn * 2));
-      CHECK_CUDA(cudaMalloc(&r.partial[0], mn * 2));
-      CHECK_CUDA(cudaMalloc(&r.partial[1], mn * 2));
+      CHECK_CUDA(cudaMalloc(&r.partial[0], 2 * mn * 2));
+      r.partial[1] = r.partial[0] + mn;
       CHECK_CUDA(cudaMalloc(&r.out, mn / c.world * 2));
-      CHECK_CUDA(cudaMalloc(&r.flags, sizeof(uint64_t) * c.world * s.tiles_per_partition()));
-      CHECK_CUDA(cudaMemset(r.flags, 0, sizeof(uint64_t) * c.world * s.tiles_per_partition()));
+      flags_per_parity = int64_t(c.world) * s.tiles_per_partition();
+      CHECK_CUDA(cudaMalloc(&r.flags, 2 * sizeof(uint64_t) * flags_per_parity));
+      CHECK_CUDA(cudaMemset(r.flags, 0, 2 * sizeof(uint64_t) * flags_per_parity));
       CHECK_CUDA(cudaMalloc(&r.split_workspace, kSplitWorkspaceBytes));
       CHECK_CUDA(cudaMemset(r.split_workspace, 0, kSplitWorkspaceBytes));
       CHECK_CUDA(cudaStreamCreateWithPriority(&r.producer_stream, cudaStreamNonBlocking, lo));
@@ -128,14 +134,25 @@ struct World {
     }
     CHECK_CUDA(cudaMalloc(&error, sizeof(DeviceError)));
     CHECK_CUDA(cudaMemset(error, 0, sizeof(DeviceError)));
+    CHECK_CUDA(cudaMalloc(&epoch_word, sizeof(uint64_t)));
+    set_epoch(1);
     CHECK_CUDA(cudaDeviceSynchronize());  // before any launch on the non-blocking rank streams
+  }
+
+  // The device word (benchmarks that hold the epoch still); the host count follows it.
+  void set_epoch(uint64_t next) {
+    CHECK_CUDA(cudaMemcpy(epoch_word, &next, sizeof(next), cudaMemcpyHostToDevice));
+    epoch = next - 1;
+  }
+
+  CallEpoch call_epoch(bool trap = false) const {
+    return CallEpoch{epoch_word, int64_t(size_t(c.m) * c.n * 2), flags_per_parity, trap};
   }
   ~World() {
     for (auto& r : ranks) {
       cudaFree(r.x);
       cudaFree(r.w);
       cudaFree(r.partial[0]);
-      cudaFree(r.partial[1]);
       cudaFree(r.out);
       cudaFree(r.flags);
       cudaFree(r.split_workspace);
@@ -143,6 +160,7 @@ struct World {
       cudaStreamDestroy(r.consumer_stream);
     }
     cudaFree(error);
+    cudaFree(epoch_word);
   }
 
   void fill_inputs(uint64_t seed) {
@@ -161,30 +179,33 @@ struct World {
     CHECK_CUDA(cudaDeviceSynchronize());
   }
 
-  // Rank r's producer arguments: its inputs, its partial slot, every owner's flag array.
-  ProducerArgs producer_args(int r, int slot = 0) {
+  // Rank r's producer arguments: its inputs, its partial slot 0, every owner's flag array (the
+  // kernel adds the parity of the device epoch).
+  ProducerArgs producer_args(int r) {
     ProducerArgs a{};
     a.x = ranks[r].x;
     a.w = ranks[r].w;
-    a.partial = ranks[r].partial[slot];
+    a.partial = ranks[r].partial[0];
     a.split_workspace = ranks[r].split_workspace;
     for (int q = 0; q < c.world; ++q) a.flags[q] = ranks[q].flags;
+    a.call = call_epoch();
     return a;
   }
 
-  // Rank r's consumer arguments for the current epoch: every source's partial slot, its own flags.
-  ConsumerArgs consumer_args(int r, int slot) {
+  // Rank r's consumer arguments: every source's partial slot 0, its own flags.
+  ConsumerArgs consumer_args(int r, bool trap = false) {
     ConsumerArgs a{};
-    for (int q = 0; q < c.world; ++q) a.partial[q] = ranks[q].partial[slot];
+    for (int q = 0; q < c.world; ++q) a.partial[q] = ranks[q].partial[0];
     a.flags = ranks[r].flags;
     a.out = ranks[r].out;
     a.error = error;
-    a.epoch = epoch;
+    a.call = call_epoch(trap);
     a.timeout_ns = timeout_ns;
     return a;
   }
 
-  // One gemm_rs call on every rank (skip_rank: that rank's producer never runs).
+  // One gemm_rs call on every rank (skip_rank: that rank's producer never runs), then the epoch
+  // advance, as the handler orders them.
   // Sequential (sanitizers that serialise or slow kernels by orders of magnitude): every producer
   // runs to completion before the consumers start, so no wait can reach its deadline.
   bool sequential = false;
@@ -192,24 +213,65 @@ struct World {
 
   void call(int skip_rank = -1) {
     ++epoch;
-    int const slot = int(epoch % 2);
-    DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
-    if (sequential) launch_producers(skip_rank, slot, dtype);
-    for (int r = 0; r < c.world; ++r) {
-      CHECK_CUDA(launch_consumer(dtype, c.shape(r), c.config, consumer_args(r, slot), ranks[r].consumer_stream));
+    if (sequential) {
+      launch_producers(skip_rank);
+      launch_consumers();
+    } else {
+      launch_consumers();
+      launch_producers(skip_rank);
     }
-    if (!sequential) launch_producers(skip_rank, slot, dtype);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(comm::launch_advance_epoch(epoch_word, 0));
     CHECK_CUDA(cudaDeviceSynchronize());
   }
 
-  void launch_producers(int skip_rank, int slot, DType dtype) {
+  void launch_consumers() {
+    DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
     for (int r = 0; r < c.world; ++r) {
-      if (r == skip_rank) continue;
-      ProducerArgs a = producer_args(r, slot);
-      a.epoch = epoch;
-      CHECK_CUDA(launch_producer(dtype, c.shape(r), c.config, a, ranks[r].producer_stream));
+      CHECK_CUDA(launch_consumer(dtype, c.shape(r), c.config, consumer_args(r), ranks[r].consumer_stream));
     }
     if (sequential) CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  void launch_producers(int skip_rank) {
+    DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
+    for (int r = 0; r < c.world; ++r) {
+      if (r == skip_rank) continue;
+      CHECK_CUDA(launch_producer(dtype, c.shape(r), c.config, producer_args(r), ranks[r].producer_stream));
+    }
+    if (sequential) CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  // The whole call captured into a CUDA graph from `origin`: fork into every rank's streams, the
+  // consumers and producers, join, advance the epoch. Nothing in it changes between replays.
+  cudaGraphExec_t capture(cudaStream_t origin, int skip_rank = -1) {
+    cudaEvent_t fork;
+    std::vector<cudaEvent_t> joins(2 * c.world);
+    CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    for (auto& e : joins) CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    CHECK_CUDA(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal));
+    CHECK_CUDA(cudaEventRecord(fork, origin));
+    for (auto& r : ranks) {
+      CHECK_CUDA(cudaStreamWaitEvent(r.consumer_stream, fork, 0));
+      CHECK_CUDA(cudaStreamWaitEvent(r.producer_stream, fork, 0));
+    }
+    launch_consumers();
+    launch_producers(skip_rank);
+    for (int r = 0; r < c.world; ++r) {
+      CHECK_CUDA(cudaEventRecord(joins[2 * r], ranks[r].consumer_stream));
+      CHECK_CUDA(cudaEventRecord(joins[2 * r + 1], ranks[r].producer_stream));
+      CHECK_CUDA(cudaStreamWaitEvent(origin, joins[2 * r], 0));
+      CHECK_CUDA(cudaStreamWaitEvent(origin, joins[2 * r + 1], 0));
+    }
+    CHECK_CUDA(comm::launch_advance_epoch(epoch_word, origin));
+    cudaGraph_t graph;
+    CHECK_CUDA(cudaStreamEndCapture(origin, &graph));
+    cudaGraphExec_t exec;
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK_CUDA(cudaGraphDestroy(graph));
+    CHECK_CUDA(cudaEventDestroy(fork));
+    for (auto e : joins) CHECK_CUDA(cudaEventDestroy(e));
+    return exec;
   }
 
   std::vector<uint16_t> download(uint16_t const* p, size_t count) {
@@ -381,6 +443,50 @@ void run_deadline(int world_size) {
   expect(e.code == kErrorDeadline && e.source == missing && e.expected == 2 && e.observed == 1 && secs < 5, buf);
 }
 
+// Graph safety (docs/design.md, "Graph safety"): the whole call of every rank captured once into a
+// CUDA graph, then replayed with fresh inputs at the same addresses and poisoned outputs, every
+// replay checked. Then the negative control: a graph in which the last rank takes no part. Its
+// peers' waits must run into the deadline with the current epoch; were the epoch a value recorded
+// at capture, the flags of earlier replays would satisfy them and the call would end without error.
+// Serves both worlds (gemm_rs's World, ag_gemm's AgWorld).
+template <class WorldT, class CaseT>
+void run_graph(CaseT const& c, int replays) {
+  WorldT world(c);
+  cudaStream_t origin;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&origin, cudaStreamNonBlocking));
+  cudaGraphExec_t const exec = world.capture(origin);
+  double worst = 0;
+  for (int i = 0; i < replays; ++i) {
+    world.fill_inputs(3000 + i);
+    world.poison_outputs();
+    CHECK_CUDA(cudaGraphLaunch(exec, origin));
+    CHECK_CUDA(cudaStreamSynchronize(origin));
+    ++world.epoch;
+    worst = std::max(worst, world.check());
+  }
+  DeviceError const healthy = world.read_error();
+  double const tol = c.bf16 ? 1e-2 : 2e-3;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, " graph: %d replays, rel err %.2e (tol %.0e)", replays, worst, tol);
+  expect(worst <= tol && healthy.code == 0, describe(c) + buf);
+
+  world.timeout_ns = 200'000'000ull;
+  int const absent = c.world - 1;
+  cudaGraphExec_t const without = world.capture(origin, absent);
+  auto t0 = std::chrono::steady_clock::now();
+  CHECK_CUDA(cudaGraphLaunch(without, origin));
+  CHECK_CUDA(cudaStreamSynchronize(origin));
+  double const secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ++world.epoch;
+  DeviceError const e = world.read_error();
+  std::snprintf(buf, sizeof buf, " graph without rank %d: code=%u source=%d expected=%llu (epoch %llu) after %.2f s",
+                absent, e.code, e.source, (unsigned long long)e.expected, (unsigned long long)world.epoch, secs);
+  expect(e.code == kErrorDeadline && e.source == absent && e.expected == world.epoch && secs < 5, describe(c) + buf);
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphExecDestroy(without));
+  CHECK_CUDA(cudaStreamDestroy(origin));
+}
+
 int test_main() {
   CHECK_CUDA(prepare_kernels());
   GemmRsConfig const base{128, 0, 8, 512};
@@ -413,6 +519,9 @@ int test_main() {
   run_case(Case{256, 8 * 256, 256, 8, true, GemmRsConfig{256, 0, 4, 512}, true}, 2);
   run_deadline(2);
   run_deadline(4);
+  run_graph<World>(Case{2 * 512, 1024, 200, 2, true, GemmRsConfig{256, 0, 16, 512}}, 6);
+  run_graph<World>(Case{4 * 256, 768, 136, 4, false, GemmRsConfig{128, 100, 8, 256}}, 6);
+  run_graph<World>(Case{2 * 1024, 1024, 2000, 2, true, GemmRsConfig{128, 7, 8, 512, 8, 1}}, 5);
   std::printf("harness test: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }
@@ -705,11 +814,7 @@ std::function<void()> producer_launcher(World& world, ProblemShape const& s, Gem
   ProducerArgs a = world.producer_args(0);
   a.interleave = interleave;
   a.publish = publish;
-  a.epoch = 0;
-  return [=, &s]() mutable {
-    ++a.epoch;
-    CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream));
-  };
+  return [=, &s]() mutable { CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream)); };
 }
 
 // Two passes over the launchers in rotated order, each launcher alone in its steady state.
@@ -868,21 +973,18 @@ void bench_fused_one_rank(FILE* out, int sms) {
       for (int producer_sms : {0, sms - x, sms}) {
         GemmRsConfig cfg{block_n, producer_sms, x, 512, 8};
         auto call = [&](bool with_consumer) {
-          uint64_t const epoch = ++world.epoch;
-          int const slot = int(epoch % 2);
           CHECK_CUDA(cudaEventRecord(fork, main_stream));
           CHECK_CUDA(cudaStreamWaitEvent(r.producer_stream, fork, 0));
           CHECK_CUDA(cudaStreamWaitEvent(r.consumer_stream, fork, 0));
           if (with_consumer) {
-            CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, world.consumer_args(0, slot), r.consumer_stream));
+            CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, world.consumer_args(0), r.consumer_stream));
           }
-          ProducerArgs pa = world.producer_args(0, slot);
-          pa.epoch = epoch;
-          CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, pa, r.producer_stream));
+          CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, world.producer_args(0), r.producer_stream));
           CHECK_CUDA(cudaEventRecord(producer_done, r.producer_stream));
           CHECK_CUDA(cudaEventRecord(consumer_done, r.consumer_stream));
           CHECK_CUDA(cudaStreamWaitEvent(main_stream, producer_done, 0));
           CHECK_CUDA(cudaStreamWaitEvent(main_stream, consumer_done, 0));
+          CHECK_CUDA(comm::launch_advance_epoch(world.epoch_word, main_stream));
         };
         float const alone = median_ms([&] { call(false); }, main_stream, 10, 50);
         float const fused = median_ms([&] { call(true); }, main_stream, 10, 50);
@@ -986,7 +1088,7 @@ int bench_main(char const* jsonl, char const* section) {
       Case c{8192 * world_size, 8192, 8, world_size, true, GemmRsConfig{}};
       World world(c);
       ProblemShape s{c.m, c.n, c.k, world_size, 0};
-      std::vector<uint64_t> ones(size_t(world_size) * s.tiles_per_partition(), 1);
+      std::vector<uint64_t> ones(2 * size_t(world.flags_per_parity), 1);  // both parities released
       CHECK_CUDA(cudaMemcpy(world.ranks[0].flags, ones.data(), ones.size() * 8, cudaMemcpyHostToDevice));
       world.fill_inputs(5);
       for (int r = 0; r < world_size; ++r)
@@ -998,8 +1100,8 @@ int bench_main(char const* jsonl, char const* section) {
       for (int b : {128, 256, 512}) {
         for (int x : {8, 16, 32, 64, 132}) {
           GemmRsConfig cfg{block_n, 0, x, b};
-          ConsumerArgs a = world.consumer_args(0, 0);
-          a.epoch = 1;
+          world.set_epoch(1);
+          ConsumerArgs a = world.consumer_args(0);
           a.timeout_ns = 1'000'000'000ull;
           float ms = median_ms([&] { CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, a, stream)); }, stream);
           double gbs = bytes / (ms * 1e-3) / 1e9;
@@ -1042,8 +1144,9 @@ std::string describe(AgCase const& c) {
 struct AgWorld {
   struct Rank {
     uint16_t *x = nullptr, *w = nullptr, *y = nullptr;
-    char* slot[2] = {nullptr, nullptr};
-    uint64_t* flags[2] = {nullptr, nullptr};
+    char* inbox = nullptr;
+    uint64_t* flags = nullptr;  // two parities of plan.flags words
+    uint64_t* ready = nullptr;  // kMaxWorld words: ready[s] = the last call rank s announced
     cudaStream_t gemm = nullptr;
     cudaStream_t transfer[kMaxWorld] = {};
   };
@@ -1051,7 +1154,8 @@ struct AgWorld {
   AgPlan plan;
   std::vector<Rank> ranks;
   DeviceError* error = nullptr;
-  uint64_t epoch = 0;
+  uint64_t epoch = 0;              // the last call's epoch, as the host counts it
+  uint64_t* epoch_word = nullptr;  // the next call's epoch, on the device (one word for all ranks)
   uint64_t timeout_ns = 3'000'000'000ull;
 
   explicit AgWorld(AgCase const& c_) : c(c_), plan(ag_plan(c_.problem(0), c_.config)), ranks(c_.world) {
@@ -1061,16 +1165,18 @@ struct AgWorld {
       CHECK_CUDA(cudaMalloc(&r.x, size_t(c.rows) * c.cols * 2));
       CHECK_CUDA(cudaMalloc(&r.w, size_t(c.w_rows()) * c.n * 2));
       CHECK_CUDA(cudaMalloc(&r.y, size_t(c.y_rows()) * c.n * 2));
-      for (int p = 0; p < 2; ++p) {
-        CHECK_CUDA(cudaMalloc(&r.slot[p], plan.slot_bytes));
-        CHECK_CUDA(cudaMalloc(&r.flags[p], plan.flags * sizeof(uint64_t)));
-        CHECK_CUDA(cudaMemset(r.flags[p], 0, plan.flags * sizeof(uint64_t)));
-      }
+      CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
+      CHECK_CUDA(cudaMalloc(&r.flags, 2 * plan.flags * sizeof(uint64_t)));
+      CHECK_CUDA(cudaMemset(r.flags, 0, 2 * plan.flags * sizeof(uint64_t)));
+      CHECK_CUDA(cudaMalloc(&r.ready, kMaxWorld * sizeof(uint64_t)));
+      CHECK_CUDA(cudaMemset(r.ready, 0, kMaxWorld * sizeof(uint64_t)));
       CHECK_CUDA(cudaStreamCreateWithPriority(&r.gemm, cudaStreamNonBlocking, lo));
       for (int d = 1; d < c.world; ++d) CHECK_CUDA(cudaStreamCreateWithPriority(&r.transfer[d], cudaStreamNonBlocking, hi));
     }
     CHECK_CUDA(cudaMalloc(&error, sizeof(DeviceError)));
     CHECK_CUDA(cudaMemset(error, 0, sizeof(DeviceError)));
+    CHECK_CUDA(cudaMalloc(&epoch_word, sizeof(uint64_t)));
+    set_epoch(1);
     CHECK_CUDA(cudaDeviceSynchronize());
   }
   ~AgWorld() {
@@ -1078,15 +1184,22 @@ struct AgWorld {
       cudaFree(r.x);
       cudaFree(r.w);
       cudaFree(r.y);
-      for (int p = 0; p < 2; ++p) {
-        cudaFree(r.slot[p]);
-        cudaFree(r.flags[p]);
-      }
+      cudaFree(r.inbox);
+      cudaFree(r.flags);
+      cudaFree(r.ready);
       cudaStreamDestroy(r.gemm);
       for (int d = 1; d < c.world; ++d) cudaStreamDestroy(r.transfer[d]);
     }
     cudaFree(error);
+    cudaFree(epoch_word);
   }
+
+  void set_epoch(uint64_t next) {
+    CHECK_CUDA(cudaMemcpy(epoch_word, &next, sizeof(next), cudaMemcpyHostToDevice));
+    epoch = next - 1;
+  }
+
+  CallEpoch call_epoch() const { return CallEpoch{epoch_word, 0, plan.flags, false}; }
 
   void fill_inputs(uint64_t seed) {
     for (int r = 0; r < c.world; ++r) {
@@ -1102,31 +1215,71 @@ struct AgWorld {
     CHECK_CUDA(cudaDeviceSynchronize());
   }
 
-  // One ag_gemm call on every rank (skip_rank: that rank neither pushes nor runs its GEMM).
-  void call(int skip_rank = -1) {
-    ++epoch;
-    int const p = int(epoch % 2);
+  // Every rank's transfers and GEMM, in the handler's order (GEMM first, then per transfer stream
+  // the handshake and the chunks with their releases); skip_rank neither pushes nor runs its GEMM.
+  void enqueue(int skip_rank) {
     int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
-    for (int r = 0; r < c.world; ++r) {
-      if (r == skip_rank) continue;
-      for (int d = 1; d < c.world; ++d) {
-        int const q = (r + d) % c.world;
-        for (int k = 0; k < plan.chunks; ++k) {
-          CHECK_CUDA(cudaMemcpyAsync(ranks[q].slot[p] + r * plan.shard_bytes + k * chunk_bytes,
-                                     reinterpret_cast<char*>(ranks[r].x) + k * chunk_bytes, chunk_bytes,
-                                     cudaMemcpyDeviceToDevice, ranks[r].transfer[d]));
-          CHECK_CUDA(launch_release(ranks[q].flags[p] + r * plan.chunks + k, epoch, ranks[r].transfer[d]));
-        }
-      }
-    }
     DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
-      AgGemmArgs a{ranks[r].x, ranks[r].slot[p], ranks[r].w, ranks[r].y, ranks[r].flags[p], error, nullptr, epoch,
+      AgGemmArgs a{ranks[r].x, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr, call_epoch(),
                    timeout_ns};
       CHECK_CUDA(launch_ag_gemm(dtype, c.problem(r), c.config, plan, a, ranks[r].gemm));
     }
+    for (int r = 0; r < c.world; ++r) {
+      if (r == skip_rank) continue;
+      for (int d = 1; d < c.world; ++d) {
+        int const q = (r + d) % c.world, sender = (r + c.world - d) % c.world;
+        TransferArgs h{ranks[sender].ready + r, ranks[r].ready + q, r, q, error, nullptr, call_epoch(), timeout_ns};
+        CHECK_CUDA(launch_handshake(h, ranks[r].transfer[d]));
+        for (int k = 0; k < plan.chunks; ++k) {
+          CHECK_CUDA(cudaMemcpyAsync(ranks[q].inbox + r * plan.shard_bytes + k * chunk_bytes,
+                                     reinterpret_cast<char*>(ranks[r].x) + k * chunk_bytes, chunk_bytes,
+                                     cudaMemcpyDeviceToDevice, ranks[r].transfer[d]));
+          CHECK_CUDA(launch_release(ranks[q].flags + r * plan.chunks + k, call_epoch(), ranks[r].transfer[d]));
+        }
+      }
+    }
+  }
+
+  // One ag_gemm call on every rank, then the epoch advance.
+  void call(int skip_rank = -1) {
+    ++epoch;
+    enqueue(skip_rank);
     CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(comm::launch_advance_epoch(epoch_word, 0));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  // The whole call captured into a CUDA graph from `origin` (see World::capture).
+  cudaGraphExec_t capture(cudaStream_t origin, int skip_rank = -1) {
+    cudaEvent_t fork;
+    std::vector<cudaEvent_t> joins(size_t(c.world) * c.world);
+    CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    for (auto& e : joins) CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    CHECK_CUDA(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal));
+    CHECK_CUDA(cudaEventRecord(fork, origin));
+    for (auto& r : ranks) {
+      CHECK_CUDA(cudaStreamWaitEvent(r.gemm, fork, 0));
+      for (int d = 1; d < c.world; ++d) CHECK_CUDA(cudaStreamWaitEvent(r.transfer[d], fork, 0));
+    }
+    enqueue(skip_rank);
+    for (int r = 0; r < c.world; ++r) {
+      for (int d = 0; d < c.world; ++d) {
+        cudaEvent_t e = joins[size_t(r) * c.world + d];
+        CHECK_CUDA(cudaEventRecord(e, d == 0 ? ranks[r].gemm : ranks[r].transfer[d]));
+        CHECK_CUDA(cudaStreamWaitEvent(origin, e, 0));
+      }
+    }
+    CHECK_CUDA(comm::launch_advance_epoch(epoch_word, origin));
+    cudaGraph_t graph;
+    CHECK_CUDA(cudaStreamEndCapture(origin, &graph));
+    cudaGraphExec_t exec;
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK_CUDA(cudaGraphDestroy(graph));
+    CHECK_CUDA(cudaEventDestroy(fork));
+    for (auto e : joins) CHECK_CUDA(cudaEventDestroy(e));
+    return exec;
   }
 
   std::vector<uint16_t> download(uint16_t const* ptr, size_t count) {
@@ -1248,7 +1401,8 @@ void run_ag_deadline(int world_size, bool gather_k) {
 
 int ag_test_main() {
   CHECK_CUDA(prepare_kernels());
-  CHECK_CUDA(prepare_release_kernel());
+  CHECK_CUDA(prepare_transfer_kernels());
+  CHECK_CUDA(comm::prepare_epoch_kernel());
   for (int world : {1, 2, 4, 8}) {
     for (bool gather_k : {false, true}) {
       for (bool bf16 : {true, false}) run_ag_case(AgCase{256, 320, 512, world, bf16, gather_k, ag_config_for(world, 256)}, 3);
@@ -1263,6 +1417,8 @@ int ag_test_main() {
   run_ag_case(AgCase{640, 136, 256, 4, true, false, ag_config_for(4, 256, 16, 64)}, 2);
   run_ag_deadline(2, false);
   run_ag_deadline(4, true);
+  run_graph<AgWorld>(AgCase{768, 200, 384, 2, true, false, ag_config_for(2, 128, 2, 3)}, 6);
+  run_graph<AgWorld>(AgCase{1024, 512, 1024, 4, false, true, ag_config_for(4, 256, 8, 8)}, 6);
   std::printf("harness ag test: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }
@@ -1271,7 +1427,8 @@ int ag_test_main() {
 // the GEMM's waits see the pushes land while it runs).
 int ag_sanitize_main() {
   CHECK_CUDA(prepare_kernels());
-  CHECK_CUDA(prepare_release_kernel());
+  CHECK_CUDA(prepare_transfer_kernels());
+  CHECK_CUDA(comm::prepare_epoch_kernel());
   run_ag_case(AgCase{256, 136, 256, 2, true, false, ag_config_for(2, 128, 8, 2)}, 2);
   run_ag_case(AgCase{256, 136, 512, 2, true, true, ag_config_for(2, 256, 8, 2)}, 2);
   std::printf("harness ag sanitize: %d failure(s)\n", failures);
@@ -1284,7 +1441,8 @@ int ag_sanitize_main() {
 // bandwidth for one push (chunked copies and their release kernels) between two ranks of this GPU.
 int ag_bench_main() {
   CHECK_CUDA(prepare_kernels());
-  CHECK_CUDA(prepare_release_kernel());
+  CHECK_CUDA(prepare_transfer_kernels());
+  CHECK_CUDA(comm::prepare_epoch_kernel());
   CublasLt* lt = CublasLt::load();
   struct Shape {
     int tokens, embed, mlp;
@@ -1302,14 +1460,12 @@ int ag_bench_main() {
                AgGemmConfig{256, sm_count() - 1, 8, 8}};
       AgWorld wd(c);
       wd.fill_inputs(5);
-      for (int p = 0; p < 2; ++p) {
-        CHECK_CUDA(cudaMemset(wd.ranks[0].flags[p], 0xFF, wd.plan.flags * sizeof(uint64_t)));
-        fill_random<<<264, 256>>>(reinterpret_cast<uint16_t*>(wd.ranks[0].slot[p]), wd.plan.slot_bytes / 2, 77 + p, true);
-      }
+      CHECK_CUDA(cudaMemset(wd.ranks[0].flags, 0xFF, 2 * wd.plan.flags * sizeof(uint64_t)));
+      fill_random<<<264, 256>>>(reinterpret_cast<uint16_t*>(wd.ranks[0].inbox), wd.plan.inbox_bytes / 2, 77, true);
       CHECK_CUDA(cudaDeviceSynchronize());
       auto& r0 = wd.ranks[0];
       cudaStream_t const stream = r0.gemm;
-      AgGemmArgs const a{r0.x, r0.slot[0], r0.w, r0.y, r0.flags[0], wd.error, nullptr, 1, wd.timeout_ns};
+      AgGemmArgs const a{r0.x, r0.inbox, r0.w, r0.y, r0.flags, wd.error, nullptr, wd.call_epoch(), wd.timeout_ns};
       int64_t const m = c.y_rows(), k = gather_k ? int64_t(world) * c.cols : c.cols;
       std::vector<std::function<void()>> launches;
       for (auto const& v : variants) {
@@ -1322,7 +1478,7 @@ int ag_bench_main() {
       }
       uint16_t* ref_out = nullptr;
       if (lt) {
-        // The gathered operand as one [M, K] matrix: the slot (rows layout) is exactly that; for the
+        // The gathered operand as one [M, K] matrix: the inbox (rows layout) is exactly that; for the
         // contraction layout the shards are source-major, so time the same FLOPs on [M, K] data.
         CHECK_CUDA(cudaMalloc(&ref_out, size_t(m) * n * 2));
         void* a_full = nullptr;
@@ -1349,13 +1505,11 @@ int ag_bench_main() {
     AgWorld wd(c);
     int64_t const chunk_bytes = wd.plan.shard_bytes / wd.plan.chunks;
     cudaStream_t const s = wd.ranks[0].transfer[1];
-    uint64_t e = 0;
     auto push = [&]() {
-      ++e;
       for (int k = 0; k < wd.plan.chunks; ++k) {
-        CHECK_CUDA(cudaMemcpyAsync(wd.ranks[1].slot[0] + k * chunk_bytes, reinterpret_cast<char*>(wd.ranks[0].x) + k * chunk_bytes,
+        CHECK_CUDA(cudaMemcpyAsync(wd.ranks[1].inbox + k * chunk_bytes, reinterpret_cast<char*>(wd.ranks[0].x) + k * chunk_bytes,
                                    chunk_bytes, cudaMemcpyDeviceToDevice, s));
-        CHECK_CUDA(launch_release(wd.ranks[1].flags[0] + k, e, s));
+        CHECK_CUDA(launch_release(wd.ranks[1].flags + k, wd.call_epoch(), s));
       }
     };
     float const ms = median_ms(push, s, 5, 30);
