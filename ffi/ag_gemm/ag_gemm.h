@@ -65,12 +65,15 @@ struct AgGemmArgs {
   DeviceError* error_mirror;  // host-mapped copy written once on failure
   CallEpoch call;
   uint64_t timeout_ns;
+  // ready[rank] in the heap of every peer (nullptr at this rank): the GEMM's first thread stores the
+  // call's epoch there as it starts, which tells each peer that this rank's inbox is free (every
+  // earlier call, its reads of the inbox included, is complete: stream order).
+  uint64_t* announce[kMaxWorld];
 };
 
-// One transfer stream's handshake (transfer.cu): announce into the ready word that the sender to
-// this rank waits on, then wait for this stream's receiver to announce.
+// The wait that opens a transfer stream (transfer.cu): no byte goes to the receiver before its GEMM
+// has announced the call in this rank's ready word.
 struct TransferArgs {
-  uint64_t* announce;          // ready[rank] in the heap of rank (rank - d) % W, which pushes here
   const uint64_t* ready;       // ready[peer] in this rank's heap
   int rank, peer;              // peer = (rank + d) % W, the receiver of this stream's pushes
   DeviceError* error;
@@ -84,11 +87,11 @@ struct TransferArgs {
 cudaError_t launch_ag_gemm(DType dtype, const AgProblem& problem, const AgGemmConfig& config, const AgPlan& plan,
                            const AgGemmArgs& args, cudaStream_t stream);
 
-// The transfer kernels (transfer.cu). The handshake opens each transfer stream. The release follows
-// each chunk's copy: once `stream`'s earlier work is complete, it fences system-wide and stores the
-// call's epoch into `flag` (of parity 0; the kernel adds the parity). Both must find an SM while the
-// GEMM runs: its persistent grid leaves at least one SM free (config.gemm_sms).
-cudaError_t launch_handshake(const TransferArgs& args, cudaStream_t stream);
+// The transfer kernels (transfer.cu). The receiver wait opens each transfer stream. The release
+// follows each chunk's copy: once `stream`'s earlier work is complete, it fences system-wide and
+// stores the call's epoch into `flag` (of parity 0; the kernel adds the parity). Both must find an
+// SM while the GEMM runs: its persistent grid leaves at least one SM free (config.gemm_sms).
+cudaError_t launch_wait_receiver(const TransferArgs& args, cudaStream_t stream);
 cudaError_t launch_release(uint64_t* flag, const CallEpoch& call, cudaStream_t stream);
 cudaError_t prepare_transfer_kernels();
 

@@ -25,10 +25,10 @@ using handler::dims_string;
 // The inbox argument (docs/design.md, "The double-buffer argument"). In call e, rank q pushes its
 // shard into rank r's inbox and r's GEMM (and r's copy of the gathered operand) reads it. The
 // inbox is single: a copy engine's destination is fixed when a CUDA graph records it, so it cannot
-// follow a parity chosen on the device. Instead q's transfer stream to r opens with a handshake
-// and copies nothing before r has announced call e (ready_q[r] >= e); r announces from its own
-// transfer stream, after its start event of e, recorded on r's XLA stream once r's call e-1, every
-// read of the inbox included, was joined. The flags stay double-buffered (their chain is gemm_rs's:
+// follow a parity chosen on the device. Instead q's transfer stream to r opens with a wait and
+// copies nothing before r has announced call e (ready_q[r] >= e); r's GEMM announces as it starts,
+// after r's start event of e, recorded on r's XLA stream once r's call e-1, every read of the
+// inbox included, was joined. The flags stay double-buffered (their chain is gemm_rs's:
 // every call of either op takes a flag from every peer), so calls of both ops may alternate.
 ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
@@ -121,6 +121,12 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   args.error_mirror = dc->error_device;
   args.call = epoch_args;
   args.timeout_ns = timeout_ns;
+  for (int q = 0; q < world; ++q) {
+    if (q != dc->rank) {
+      args.announce[q] = reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[q]) + dc->layout.ready_offset()) +
+                         dc->rank;
+    }
+  }
   // The GEMM first: its local shard needs nothing from a peer, so it starts while the host still
   // enqueues the pushes (2 calls per chunk and peer).
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
@@ -128,25 +134,22 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   // Pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
   // released by its flag in the receiver's memory (launch_release, after the copy). Rank r thus
   // receives from r-1 first on every link at once; the GEMM visits peers in that order. Each stream
-  // opens with the handshake: announce to rank (rank - d) % W, the one that pushes here on its
-  // stream d, and wait for the receiver's announcement.
+  // opens with the wait for the receiver's announcement (its GEMM has started the call).
   uint64_t* const own_ready = reinterpret_cast<uint64_t*>(own + dc->layout.ready_offset());
   for (int d = 1; d < world; ++d) {
-    int const peer = (rank + d) % int(world), sender = (rank + int(world) - d) % int(world);
+    int const peer = (rank + d) % int(world);
     cudaStream_t const stream = dc->transfer[d];
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(stream, dc->start, 0));
     char* const peer_heap = static_cast<char*>(dc->peer_heap[peer]);
-    TransferArgs handshake{};
-    handshake.announce = reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[sender]) +
-                                                     dc->layout.ready_offset()) + rank;
-    handshake.ready = own_ready + peer;
-    handshake.rank = rank;
-    handshake.peer = peer;
-    handshake.error = dc->error_local;
-    handshake.error_mirror = dc->error_device;
-    handshake.call = epoch_args;
-    handshake.timeout_ns = timeout_ns;
-    ENTWINE_RETURN_IF_CUDA(kOp, launch_handshake(handshake, stream));
+    TransferArgs receiver{};
+    receiver.ready = own_ready + peer;
+    receiver.rank = rank;
+    receiver.peer = peer;
+    receiver.error = dc->error_local;
+    receiver.error_mirror = dc->error_device;
+    receiver.call = epoch_args;
+    receiver.timeout_ns = timeout_ns;
+    ENTWINE_RETURN_IF_CUDA(kOp, launch_wait_receiver(receiver, stream));
     char* const peer_inbox = peer_heap + dc->layout.inbox_offset();
     uint64_t* const peer_flags = reinterpret_cast<uint64_t*>(peer_heap + dc->layout.flags_offset());
     for (int c = 0; c < plan.chunks; ++c) {

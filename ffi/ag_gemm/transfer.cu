@@ -1,8 +1,10 @@
 // The two small kernels of ag_gemm's transfer streams; each is one warp and reads the call's epoch
 // from the device, so a CUDA graph can replay them (docs/design.md, "Graph safety").
-//  - The handshake opens a transfer stream: it tells the peer that pushes into this rank's inbox
-//    that this rank has started the call (so it has finished reading the inbox of every earlier
-//    call), then waits, bounded, for the same word from the peer this stream pushes to.
+//  - The receiver wait opens a transfer stream: bounded, until the receiver's GEMM has announced
+//    the call (so the receiver has finished reading its inbox in every earlier call). The announce
+//    is the GEMM's, not a kernel of this stream: a spinning kernel and the copy queued behind it can
+//    hold up other streams' work that shares their hardware queue, and the announcement must never
+//    wait behind a wait for another rank's announcement.
 //  - The release follows each chunk's copy (so runs after the copy engine completed its writes): one
 //    system fence, then the epoch into the receiver's flag (docs/design.md, "Memory ordering"). A
 //    stream memory operation (cuStreamWriteValue64) in its place let the receiving GEMM observe the
@@ -14,14 +16,8 @@
 namespace entwine {
 namespace {
 
-__global__ void __launch_bounds__(32) handshake(TransferArgs a) {
+__global__ void __launch_bounds__(32) wait_receiver(TransferArgs a) {
   uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
-  if (threadIdx.x == 0) {
-    // Everything this rank did before the call, its reads of the inbox included, is complete
-    // (stream order); the fence orders that before the announcement.
-    ptx::fence_acq_rel_sys();
-    ptx::store_relaxed_sys(a.announce, epoch);
-  }
   wait::wait_flag_warp(a.ready, epoch, a.timeout_ns, a.error, a.error_mirror, a.rank, a.peer, 0,
                        WaitSite::kInboxReady, a.call.trap);
 }
@@ -36,8 +32,8 @@ __global__ void __launch_bounds__(32) release_chunk(uint64_t* flag, CallEpoch ca
 
 }  // namespace
 
-cudaError_t launch_handshake(const TransferArgs& args, cudaStream_t stream) {
-  handshake<<<1, 32, 0, stream>>>(args);
+cudaError_t launch_wait_receiver(const TransferArgs& args, cudaStream_t stream) {
+  wait_receiver<<<1, 32, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
@@ -48,7 +44,7 @@ cudaError_t launch_release(uint64_t* flag, const CallEpoch& call, cudaStream_t s
 
 cudaError_t prepare_transfer_kernels() {
   cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, handshake);
+  cudaError_t err = cudaFuncGetAttributes(&attr, wait_receiver);
   return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, release_chunk);
 }
 

@@ -259,6 +259,8 @@ std::vector<std::pair<int, uint64_t>> device_epochs(int64_t comm_id) {
   for (auto& [device, dc] : get(comm_id).by_device) {
     uint64_t value = 0;
     check(cudaSetDevice(device), "cudaSetDevice");
+    // After every call enqueued so far (XLA's streams do not synchronise with the legacy stream).
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     check(cudaMemcpy(&value, dc->epoch, sizeof(value), cudaMemcpyDeviceToHost), "cudaMemcpy(epoch)");
     epochs.emplace_back(device, value);
   }
@@ -367,13 +369,21 @@ std::optional<std::string> error_message(const DeviceComm& dc) {
     return "entwine gemm_rs: rank " + std::to_string(dc.rank) + " recorded device error code " +
            std::to_string(e->code);
   }
-  std::string const what = e->op == int32_t(WaitSite::kGatherChunk)
-                               ? "entwine ag_gemm: rank " + std::to_string(e->rank) + " waited " +
-                                     std::to_string(timeout_ms()) + " ms for chunk " + std::to_string(e->tile) +
-                                     " of the shard of rank " + std::to_string(e->source)
-                               : "entwine gemm_rs: rank " + std::to_string(e->rank) + " waited " +
-                                     std::to_string(timeout_ms()) + " ms for tile " + std::to_string(e->tile) +
-                                     " from rank " + std::to_string(e->source);
+  std::string const waited = "rank " + std::to_string(e->rank) + " waited " + std::to_string(timeout_ms()) + " ms ";
+  std::string what;
+  switch (WaitSite(e->op)) {
+    case WaitSite::kGatherChunk:
+      what = "entwine ag_gemm: " + waited + "for chunk " + std::to_string(e->tile) + " of the shard of rank " +
+             std::to_string(e->source);
+      break;
+    case WaitSite::kInboxReady:
+      what = "entwine ag_gemm: " + waited + "for rank " + std::to_string(e->source) +
+             " to start the call (before pushing its shard into rank " + std::to_string(e->source) + "'s inbox)";
+      break;
+    default:
+      what = "entwine gemm_rs: " + waited + "for tile " + std::to_string(e->tile) + " from rank " +
+             std::to_string(e->source);
+  }
   return what + " (expected epoch " + std::to_string(e->expected) + ", saw " + std::to_string(e->observed) +
          "); the communicator is unusable until the process restarts";
 }

@@ -125,7 +125,7 @@ void shutdown();
 cudaError_t launch_advance_epoch(uint64_t* epoch, cudaStream_t stream);
 cudaError_t prepare_epoch_kernel();
 
-// The epoch word of each local device (synchronous copies: tests and diagnostics only).
+// The epoch word of each local device, after synchronising it (tests and diagnostics only).
 std::vector<std::pair<int, uint64_t>> device_epochs(int64_t comm_id);
 
 // --- Execute path (FFI handler): lookups only, no CUDA calls, no exceptions. ----------------------

@@ -93,6 +93,7 @@ struct ProducerGemm {
     bool interleave, publish;
     // ag_gemm: flags[source * chunks + chunk] of this rank, parity 0; blocks of one chunk in `order`
     const uint64_t* gather_flags;
+    uint64_t* announce[kMaxWorld];  // ag_gemm: ready[rank] in each peer's heap (AgGemmArgs)
     int chunks, chunk_tiles, shard_tiles, blocks_per_chunk, k_tiles_per_source;
     DeviceError* error;
     DeviceError* error_mirror;
@@ -192,6 +193,17 @@ struct ProducerGemm {
     int const warp_idx = cutlass::canonical_warp_idx_sync();
     int const warp_group = cutlass::canonical_warp_group_idx();
     int const lane_predicate = cute::elect_one_sync();
+
+    // ag_gemm: announce the call to every peer first (ready words; see AgGemmArgs::announce). This
+    // kernel starts after everything of this rank's earlier calls is complete; the fence orders
+    // that (their reads of the inbox) before the announcement.
+    if (params.mode != kReduceScatter && blockIdx.x == 0 && thread_idx == 0) {
+      uint64_t const epoch = ptx::load_relaxed_sys(params.call.epoch);
+      ptx::fence_acq_rel_sys();
+      for (int q = 0; q < params.world; ++q) {
+        if (params.announce[q] != nullptr) ptx::store_relaxed_sys(params.announce[q], epoch);
+      }
+    }
 
     if (warp_idx == 0 && lane_predicate) {
       CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
@@ -527,6 +539,7 @@ struct ProducerGemm {
     p.call = args.call;
     p.call.slot_stride = 0;  // the store warp writes y, which has one copy
     p.gather_flags = args.flags;
+    for (int q = 0; q < kMaxWorld; ++q) p.announce[q] = args.announce[q];
     p.chunks = plan.chunks;
     p.chunk_tiles = plan.chunk_tiles;
     p.shard_tiles = plan.tile_rows;

@@ -16,7 +16,7 @@ enum class DType : int32_t { kBF16 = 0, kFP16 = 1 };
 enum class WaitSite : int32_t {
   kReduceTile = 0,  // gemm_rs consumer: a 128x128 tile of a peer's partial output
   kGatherChunk = 1,  // ag_gemm GEMM: a chunk of rows of a peer's shard
-  kInboxReady = 2,   // ag_gemm transfer: the receiving peer has not started the call
+  kInboxReady = 2,   // ag_gemm transfer: the receiving peer has not started the call (its GEMM announces it)
 };
 
 // How every kernel of a call finds the call's epoch and its half of the double-buffered heap
