@@ -392,7 +392,9 @@ def check_errors() -> None:
     """Raises RuntimeError if a consumer recorded a device error (a peer that never arrived).
 
     Reads host-mapped memory without synchronising: block on the results first
-    (``jax.block_until_ready``) to see the errors of the calls made so far.
+    (``jax.block_until_ready``) to see the errors of the calls made so far. Inside an XLA command
+    buffer the waiting kernel traps instead of returning, so XLA raises a launch failure first; this
+    still works afterwards (it makes no CUDA call) and says which peer never arrived.
     """
     ext, _ = _extension()
     if ext is None:
