@@ -457,8 +457,8 @@ class Rank:
         """Programs f(seed) whose fused calls consume operands generated inside the program from the
         seed: a call of fresh data reuses the command buffer's addresses, so XLA may replay the
         recorded calls. Each: (name, f, fused calls per run, host reference of seed -> [local results],
-        whether XLA replays its calls: not the loop's, whose body XLA 0.11.2 keeps out of its command
-        buffers, so its calls run their handler every step)."""
+        whether XLA replays its calls: not the loop's; XLA 0.11.2 ran the handler at every step of it,
+        also with a body of nothing but the slicing and the two calls)."""
         import dataclasses
 
         import jax
@@ -512,10 +512,17 @@ class Rank:
 
         def scanned(seed):
             # Both ops in the body of a device loop (MaxText's scan_layers): with WHILE command buffers
-            # the body's graph is replayed once per step, with no host in between.
-            def step(carry, t):
-                return carry, (rs(seed + t, False), ag(seed + t, False))
-            return jax.lax.scan(step, None, jnp.arange(layers, dtype=jnp.int32))[1]
+            # the body's graph is replayed once per step, with no host in between. The operands are
+            # made before the loop, so that the body holds only the calls and slicing.
+            steps = seed + jnp.arange(layers, dtype=jnp.int32)
+            stacked = [jax.vmap(lambda t, shape=shape, salt=salt: dev(t, shape, salt))(steps)
+                       for shape, salt in (((m, k), 1), ((k, n), 2), ((rows, cols), 3), ((cols, n_ag), 4))]
+
+            def step(carry, ops):
+                x1, w1, x2, w2 = ops
+                return carry, (entwine_jax.gemm_rs(x1, w1, axis_name="tp", config=rs_config),
+                               entwine_jax.ag_gemm(x2, w2, axis_name="tp", gather_dimension=0, config=ag_config))
+            return jax.lax.scan(step, None, tuple(stacked))[1]
 
         return [
             ("gemm_rs", program(lambda s: rs(s, False), P("tp", None)), 1, lambda s: [rs_local(s)], True),
