@@ -1,4 +1,4 @@
-"""Multi-process GPU tests of the fused gemm_rs: W processes (jax.distributed on localhost), one
+"""Multi-process GPU tests of the fused ops (gemm_rs and ag_gemm): W processes (jax.distributed on localhost), one
 rank each, sharing one GPU (CUDA IPC between processes of one device) or one GPU each.
 
     python tests/gpu_ranks.py --world 2 --suite quick            # 2 ranks on GPU 0
