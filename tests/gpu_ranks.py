@@ -1,5 +1,6 @@
-"""Multi-process GPU tests of the fused ops (gemm_rs and ag_gemm): W processes (jax.distributed on localhost), one
-rank each, sharing one GPU (CUDA IPC between processes of one device) or one GPU each.
+"""Multi-process GPU tests of the fused ops (gemm_rs and ag_gemm): W processes (jax.distributed on
+localhost), one rank each, sharing one GPU (CUDA IPC between processes of one device) or one GPU
+each.
 
     python tests/gpu_ranks.py --world 2 --suite quick            # 2 ranks on GPU 0
     python tests/gpu_ranks.py --world 4 --suite all              # every suite but hostcost
