@@ -406,18 +406,25 @@ def check_errors() -> None:
                 raise RuntimeError(message)
 
 
+def _queried_comm(what: str, mesh, axis_name):
+    """(extension, communicator id) of the mesh axis for a diagnostic query named `what`; raises
+    RuntimeError when there is no extension or no fused call has made the communicator yet."""
+    ext, reason = _extension()
+    if reason:
+        raise RuntimeError(f"entwine {what}: {reason}")
+    cid = comm_id(device_groups(mesh, axis_name), axis_name)
+    with _lock:
+        if cid not in _comms:
+            raise RuntimeError(f"entwine {what}: no fused call has run on axis {axis_name!r} of this mesh")
+    return ext, cid
+
+
 def last_call_ms(mesh, axis_name) -> list[tuple[int, float, float]]:
     """[(local device, producer_ms, consumer_ms)] of the last completed fused call on the mesh
     axis: milliseconds from the fork of XLA's stream to the end of the producer GEMM (the GEMM
     window) and to the end of the consumer. Needs ENTWINE_PROFILE=1 before the first call (the
     extension then records timing events per call); block on the call's result first."""
-    ext, reason = _extension()
-    if reason:
-        raise RuntimeError(f"entwine last_call_ms: {reason}")
-    cid = comm_id(device_groups(mesh, axis_name), axis_name)
-    with _lock:
-        if cid not in _comms:
-            raise RuntimeError(f"entwine last_call_ms: no fused call has run on axis {axis_name!r} of this mesh")
+    ext, cid = _queried_comm("last_call_ms", mesh, axis_name)
     return [tuple(t) for t in ext.last_call_ms(cid)]
 
 
@@ -425,13 +432,7 @@ def device_epochs(mesh, axis_name) -> list[tuple[int, int]]:
     """[(local device, epoch word)] of the mesh axis's communicator: 1 + the number of fused calls
     that ran on the device, whether their handler executed or a CUDA graph replayed them.
     Synchronous (a device-to-host copy): for tests and diagnostics."""
-    ext, reason = _extension()
-    if reason:
-        raise RuntimeError(f"entwine device_epochs: {reason}")
-    cid = comm_id(device_groups(mesh, axis_name), axis_name)
-    with _lock:
-        if cid not in _comms:
-            raise RuntimeError(f"entwine device_epochs: no fused call has run on axis {axis_name!r} of this mesh")
+    ext, cid = _queried_comm("device_epochs", mesh, axis_name)
     return [tuple(t) for t in ext.device_epochs(cid)]
 
 
@@ -440,13 +441,7 @@ def handler_cost(mesh, axis_name) -> list[tuple[int, int, float]]:
     calls on the mesh axis: the handlers' own wall time on the host (validation, plan, TMA
     descriptors, launches). Under XLA command buffers a replayed call runs no handler, so
     executions can be fewer than calls."""
-    ext, reason = _extension()
-    if reason:
-        raise RuntimeError(f"entwine handler_cost: {reason}")
-    cid = comm_id(device_groups(mesh, axis_name), axis_name)
-    with _lock:
-        if cid not in _comms:
-            raise RuntimeError(f"entwine handler_cost: no fused call has run on axis {axis_name!r} of this mesh")
+    ext, cid = _queried_comm("handler_cost", mesh, axis_name)
     return [tuple(t) for t in ext.handler_cost(cid)]
 
 

@@ -596,7 +596,7 @@ class Rank:
 
         if CMDBUF_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
             raise AssertionError("the cmdbufmissing suite runs with command buffers enabled")
-        name, call, _, ref, _ = self.cmdbuf_sites()[0]
+        _, call, _, ref, _ = self.cmdbuf_sites()[0]
         for seed in (1, 2, 3):
             self.check(self.local(call(seed)), ref(seed)[0], f"cmdbufmissing warm-up (seed {seed})")
         fused.check_errors()

@@ -200,6 +200,7 @@ __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__
   // The call's epoch and its parity's flags and partial slot (CallEpoch).
   uint64_t const epoch = ptx::load_relaxed_sys(p.args.call.epoch);
   int64_t const parity = int64_t(epoch & 1);
+  int64_t const slot = parity * p.args.call.slot_stride / int64_t(sizeof(Element));  // in elements
 
   if (threadIdx.x < kWaiterThreads) {
     const uint64_t* flags = p.args.flags + parity * p.args.call.flags_stride;
@@ -218,8 +219,8 @@ __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__
     ptx::named_barrier_sync(kStepReady + s, threads);
     if (ptx::load_shared_word(&leave[s])) return;
     if (i + 2 < my_steps) ptx::named_barrier_arrive(kStepFree + s, threads);
-    reduce_step<Element, W>(p, parity * p.args.call.slot_stride / int64_t(sizeof(Element)),
-                            int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x) - kWaiterThreads, data_threads);
+    reduce_step<Element, W>(p, slot, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x) - kWaiterThreads,
+                            data_threads);
   }
 }
 

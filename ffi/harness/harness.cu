@@ -95,6 +95,35 @@ struct Case {
   }
 };
 
+// One call of every virtual rank captured into a CUDA graph from `origin`, as a handler's call
+// would be: fork into `streams`, `enqueue` the call's work on them, join back, advance the epoch.
+// Nothing in the graph changes between replays.
+template <class Enqueue>
+cudaGraphExec_t capture_call(cudaStream_t origin, std::vector<cudaStream_t> const& streams, uint64_t* epoch_word,
+                             Enqueue&& enqueue) {
+  cudaEvent_t fork;
+  std::vector<cudaEvent_t> joins(streams.size());
+  CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  for (auto& e : joins) CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  CHECK_CUDA(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal));
+  CHECK_CUDA(cudaEventRecord(fork, origin));
+  for (cudaStream_t s : streams) CHECK_CUDA(cudaStreamWaitEvent(s, fork, 0));
+  enqueue();
+  for (size_t i = 0; i < streams.size(); ++i) {
+    CHECK_CUDA(cudaEventRecord(joins[i], streams[i]));
+    CHECK_CUDA(cudaStreamWaitEvent(origin, joins[i], 0));
+  }
+  CHECK_CUDA(comm::launch_advance_epoch(epoch_word, origin));
+  cudaGraph_t graph;
+  CHECK_CUDA(cudaStreamEndCapture(origin, &graph));
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  CHECK_CUDA(cudaEventDestroy(fork));
+  for (auto e : joins) CHECK_CUDA(cudaEventDestroy(e));
+  return exec;
+}
+
 struct VirtualRank {
   // partial[1] = partial[0] + M*N and flags holds two parities: the layout the kernels assume
   // (CallEpoch's strides).
@@ -242,36 +271,14 @@ struct World {
     if (sequential) CHECK_CUDA(cudaDeviceSynchronize());
   }
 
-  // The whole call captured into a CUDA graph from `origin`: fork into every rank's streams, the
-  // consumers and producers, join, advance the epoch. Nothing in it changes between replays.
+  // The whole call as one CUDA graph (capture_call): every rank's consumer and producer streams.
   cudaGraphExec_t capture(cudaStream_t origin, int skip_rank = -1) {
-    cudaEvent_t fork;
-    std::vector<cudaEvent_t> joins(2 * c.world);
-    CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    for (auto& e : joins) CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    CHECK_CUDA(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal));
-    CHECK_CUDA(cudaEventRecord(fork, origin));
-    for (auto& r : ranks) {
-      CHECK_CUDA(cudaStreamWaitEvent(r.consumer_stream, fork, 0));
-      CHECK_CUDA(cudaStreamWaitEvent(r.producer_stream, fork, 0));
-    }
-    launch_consumers();
-    launch_producers(skip_rank);
-    for (int r = 0; r < c.world; ++r) {
-      CHECK_CUDA(cudaEventRecord(joins[2 * r], ranks[r].consumer_stream));
-      CHECK_CUDA(cudaEventRecord(joins[2 * r + 1], ranks[r].producer_stream));
-      CHECK_CUDA(cudaStreamWaitEvent(origin, joins[2 * r], 0));
-      CHECK_CUDA(cudaStreamWaitEvent(origin, joins[2 * r + 1], 0));
-    }
-    CHECK_CUDA(comm::launch_advance_epoch(epoch_word, origin));
-    cudaGraph_t graph;
-    CHECK_CUDA(cudaStreamEndCapture(origin, &graph));
-    cudaGraphExec_t exec;
-    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    CHECK_CUDA(cudaGraphDestroy(graph));
-    CHECK_CUDA(cudaEventDestroy(fork));
-    for (auto e : joins) CHECK_CUDA(cudaEventDestroy(e));
-    return exec;
+    std::vector<cudaStream_t> streams;
+    for (auto& r : ranks) streams.insert(streams.end(), {r.consumer_stream, r.producer_stream});
+    return capture_call(origin, streams, epoch_word, [&] {
+      launch_consumers();
+      launch_producers(skip_rank);
+    });
   }
 
   std::vector<uint16_t> download(uint16_t const* p, size_t count) {
@@ -1253,35 +1260,14 @@ struct AgWorld {
     CHECK_CUDA(cudaDeviceSynchronize());
   }
 
-  // The whole call captured into a CUDA graph from `origin` (see World::capture).
+  // The whole call as one CUDA graph (capture_call): every rank's GEMM and transfer streams.
   cudaGraphExec_t capture(cudaStream_t origin, int skip_rank = -1) {
-    cudaEvent_t fork;
-    std::vector<cudaEvent_t> joins(size_t(c.world) * c.world);
-    CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    for (auto& e : joins) CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    CHECK_CUDA(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal));
-    CHECK_CUDA(cudaEventRecord(fork, origin));
+    std::vector<cudaStream_t> streams;
     for (auto& r : ranks) {
-      CHECK_CUDA(cudaStreamWaitEvent(r.gemm, fork, 0));
-      for (int d = 1; d < c.world; ++d) CHECK_CUDA(cudaStreamWaitEvent(r.transfer[d], fork, 0));
+      streams.push_back(r.gemm);
+      for (int d = 1; d < c.world; ++d) streams.push_back(r.transfer[d]);
     }
-    enqueue(skip_rank);
-    for (int r = 0; r < c.world; ++r) {
-      for (int d = 0; d < c.world; ++d) {
-        cudaEvent_t e = joins[size_t(r) * c.world + d];
-        CHECK_CUDA(cudaEventRecord(e, d == 0 ? ranks[r].gemm : ranks[r].transfer[d]));
-        CHECK_CUDA(cudaStreamWaitEvent(origin, e, 0));
-      }
-    }
-    CHECK_CUDA(comm::launch_advance_epoch(epoch_word, origin));
-    cudaGraph_t graph;
-    CHECK_CUDA(cudaStreamEndCapture(origin, &graph));
-    cudaGraphExec_t exec;
-    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    CHECK_CUDA(cudaGraphDestroy(graph));
-    CHECK_CUDA(cudaEventDestroy(fork));
-    for (auto e : joins) CHECK_CUDA(cudaEventDestroy(e));
-    return exec;
+    return capture_call(origin, streams, epoch_word, [&] { enqueue(skip_rank); });
   }
 
   std::vector<uint16_t> download(uint16_t const* ptr, size_t count) {
