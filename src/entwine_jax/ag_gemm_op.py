@@ -214,4 +214,5 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
                  return_gathered=return_gathered, reason=reason, fused_call=fused_call)
     _report(x, w, plan, source)
     names = sorted(_varying_axes(x) | _varying_axes(w) | set(_axis_names(axis_name)), key=str)
-    return _ag_gemm(_make_varying(x, names), _make_varying(w, names), plan)
+    with jax.named_scope("entwine_ag_gemm"):  # see gemm_rs: the census finds the op's collectives by it
+        return _ag_gemm(_make_varying(x, names), _make_varying(w, names), plan)

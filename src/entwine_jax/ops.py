@@ -283,4 +283,7 @@ def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[Gem
     names = sorted(_varying_axes(x) | _varying_axes(w) | set(_axis_names(axis_name)), key=str)
     x = _make_varying(x, names)
     w = _make_varying(w, names)
-    return _gemm_rs(x, w, plan)
+    # The scope names every operation of the call (forward and backward) in the program's metadata,
+    # which is how a collective census tells the op's collectives from XLA's own.
+    with jax.named_scope("entwine_gemm_rs"):
+        return _gemm_rs(x, w, plan)
