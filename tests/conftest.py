@@ -12,7 +12,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import entwine_jax  # noqa: E402
-from entwine_jax import _log, config, ops  # noqa: E402
+from entwine_jax import _log  # noqa: E402
+from entwine_jax.ag_gemm import op as ag_gemm_op  # noqa: E402
+from entwine_jax.gemm_rs import config  # noqa: E402
+from entwine_jax.gemm_rs import op as gemm_rs_op  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,7 +65,8 @@ def pytest_runtest_setup(item):
 def _fresh_reports():
     """Each test sees first-call log/print messages and the heuristic default config."""
     _log.reset_once()
-    ops._printed.clear()
+    gemm_rs_op.printed.clear()
+    ag_gemm_op.printed.clear()
     previous = config.set_default_config(None)
     yield
     config.set_default_config(previous)

@@ -14,7 +14,7 @@ Suites:
   stress   1000 back-to-back calls: two shapes, three input sets, two call sites, other XLA work
            in between, every result checked.
   missing  the last rank skips one call; the others must report the deadline error (with
-           ENTWINE_TIMEOUT_MS=2000) through entwine_jax.fused.check_errors(), never hang.
+           ENTWINE_TIMEOUT_MS=2000) through entwine_jax.comm.check_errors(), never hang.
   ag       ag_gemm in both layouts (gathering rows, also a middle dim, and gathering the contraction
            dim), bf16 and fp16, tails, the gathered operand returned, repeated calls bitwise equal;
            then a sequence-parallel MLP (ag_gemm -> silu -> gemm_rs) forward and backward with both
@@ -209,7 +209,7 @@ class Rank:
         fallback would need NCCL, which cannot run two ranks on one GPU)."""
         import dataclasses
 
-        from entwine_jax.config import heuristic_config
+        from entwine_jax import heuristic_config
 
         return dataclasses.replace(heuristic_config(m, n, k, self.world, dtype), path="fused")
 
@@ -228,11 +228,12 @@ class Rank:
         from jax.sharding import PartitionSpec as P
 
         import entwine_jax
-        from entwine_jax import fused
+        from entwine_jax import comm
+        from entwine_jax.gemm_rs import fused as rs_fused
 
         config = self.fused_config(m, n, k, dtype)
         with jax.set_mesh(self.mesh):
-            reason = fused.unavailable_reason(
+            reason = rs_fused.unavailable_reason(
                 jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype), axis_name="tp",
                 axis_size=self.world, scatter_dimension=0, config=config)
         if reason is not None:
@@ -270,7 +271,7 @@ class Rank:
         import jax.numpy as jnp
         import numpy as np
 
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         w_ = self.world
         # Growing sizes: every new shape regrows the heaps of all processes.
@@ -284,7 +285,7 @@ class Rank:
                 gx, gw = self.global_arrays(xs, ws)
                 f = self.gemm_fn(m, n, k, dtype)
                 ys = [self.local(f(gx, gw)) for _ in range(3)]
-                fused.check_errors()
+                comm.check_errors()
                 worst = max(worst, self.check(ys[0], ref, f"M={m} N={n} K={k} {dtype.__name__}"))
                 for y in ys[1:]:
                     if not np.array_equal(y.view(np.uint16), ys[0].view(np.uint16)):
@@ -311,7 +312,7 @@ class Rank:
         from jax.sharding import PartitionSpec as P
 
         import entwine_jax
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         elems = [self.host_inputs(m, n, k, dtype, seed + 10 * i) for i in range(b)]
         if shared_w:
@@ -329,7 +330,7 @@ class Rank:
             if "entwine_gemm_rs" not in f.lower(gx, gw).as_text():
                 raise AssertionError("jax.vmap(gemm_rs) did not lower to the fused call")
             ys = self.local(f(gx, gw))
-        fused.check_errors()
+        comm.check_errors()
         what = f"vmap over {b} (w {'shared' if shared_w else 'batched'})"
         if ys.shape != (b, m // self.world, n):
             raise AssertionError(f"{what}: local result of shape {ys.shape}")
@@ -342,7 +343,7 @@ class Rank:
         from jax.sharding import PartitionSpec as P
 
         import entwine_jax
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         xs, _ = self.host_inputs(m, n, k, dtype, seed)
         w_layers = [self.host_inputs(m, n, k, dtype, seed + 1 + i)[1] for i in range(layers)]
@@ -360,7 +361,7 @@ class Rank:
             if "entwine_gemm_rs" not in lowered or "while" not in lowered:
                 raise AssertionError("gemm_rs inside lax.scan did not lower to the fused call in a loop")
             ys = self.local(f(gx, gws))
-        fused.check_errors()
+        comm.check_errors()
         worst = 0.0
         for i, wl in enumerate(w_layers):
             worst = max(worst, self.check(ys[i], self.reference(xs, wl), f"scan step {i}"))
@@ -374,7 +375,7 @@ class Rank:
         from jax.sharding import PartitionSpec as P
 
         import entwine_jax
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         xs, ws = self.host_inputs(b * s, n, k, dtype, seed)
         xs = [x.reshape(b, s, k) for x in xs]
@@ -389,7 +390,7 @@ class Rank:
             if "entwine_gemm_rs" not in f.lower(gx, gw).as_text():
                 raise AssertionError(f"B={b} S={s} N={n} K={k}: a scatter over S did not lower to the fused call")
             ys = [self.local(f(gx, gw)) for _ in range(2)]
-        fused.check_errors()
+        comm.check_errors()
         if ys[0].shape != (b, s // self.world, n):
             raise AssertionError(f"scatter over S: local result of shape {ys[0].shape}")
         if not np.array_equal(ys[1].view(np.uint16), ys[0].view(np.uint16)):
@@ -401,7 +402,7 @@ class Rank:
         import jax.numpy as jnp
         import numpy as np
 
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         w_ = self.world
         shapes = [(w_ * 256, 512, 256), (w_ * 300, 640, 200)]
@@ -434,7 +435,7 @@ class Rank:
                                              "differs bitwise from the first call")
                     checked += 1
                 pending.clear()
-                fused.check_errors()
+                comm.check_errors()
         jax.block_until_ready(side)
         return f"stress: {checked} calls checked in {time.monotonic() - t0:.1f} s"
 
@@ -538,15 +539,15 @@ class Rank:
         ]
 
     def handler_executions(self):
-        from entwine_jax import fused
+        from entwine_jax import comm
 
-        (_, executions, _), = fused.handler_cost(self.mesh, "tp")
+        (_, executions, _), = comm.handler_cost(self.mesh, "tp")
         return executions
 
     def device_epoch(self):
-        from entwine_jax import fused
+        from entwine_jax import comm
 
-        (_, epoch), = fused.device_epochs(self.mesh, "tp")
+        (_, epoch), = comm.device_epochs(self.mesh, "tp")
         return epoch
 
     def cmdbuf(self, runs=20):
@@ -554,14 +555,14 @@ class Rank:
         checked against the host reference. Then the proof that the calls ran inside command buffers:
         the device epoch advanced once per fused call, while the handlers executed fewer times (the
         rest were replays of recorded graphs)."""
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         if CMDBUF_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
             raise AssertionError("the cmdbuf suite runs with command buffers enabled (launch it through the launcher)")
         worst, parts, counts = 0.0, [], []
         for name, call, per_run, ref, replays in self.cmdbuf_sites():
             call(0)  # compile and record once
-            fused.check_errors()
+            comm.check_errors()
             epoch0, exec0 = self.device_epoch(), self.handler_executions()
             for i in range(runs):
                 seed = 1 + i % (runs // 2 + 1) * 7  # fresh seeds, then some again
@@ -569,7 +570,7 @@ class Rank:
                 outs = [self.local(o) for o in (out if isinstance(out, tuple) else (out,))]
                 if per_run > 1:  # scan: stacked over the steps, one stack per op
                     outs = [o[t] for t in range(per_run // len(outs)) for o in outs]
-                fused.check_errors()
+                comm.check_errors()
                 for j, (y, r) in enumerate(zip(outs, ref(seed))):
                     worst = max(worst, self.check(y, r, f"cmdbuf {name}, run {i} (seed {seed}), result {j}"))
             epoch1, exec1 = self.device_epoch(), self.handler_executions()
@@ -592,14 +593,14 @@ class Rank:
         would instead pass its waits on the flags of the earlier calls and return without error."""
         import jax
 
-        from entwine_jax import _distributed, fused
+        from entwine_jax import _distributed, comm
 
         if CMDBUF_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
             raise AssertionError("the cmdbufmissing suite runs with command buffers enabled")
         _, call, _, ref, _ = self.cmdbuf_sites()[0]
         for seed in (1, 2, 3):
             self.check(self.local(call(seed)), ref(seed)[0], f"cmdbufmissing warm-up (seed {seed})")
-        fused.check_errors()
+        comm.check_errors()
         absent = self.world - 1
         if self.rank == absent:
             detail = "cmdbufmissing: skipped the call"
@@ -616,7 +617,7 @@ class Rank:
             if self.handler_executions() != exec0:
                 raise AssertionError("the call without the absent rank was recorded again, not replayed")
             try:
-                fused.check_errors()
+                comm.check_errors()
             except RuntimeError as e:
                 message = str(e)
             else:
@@ -666,12 +667,13 @@ class Rank:
         from jax.sharding import PartitionSpec as P
 
         import entwine_jax
-        from entwine_jax import fused
+        from entwine_jax import comm
+        from entwine_jax.ag_gemm import fused as ag_fused
 
         config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, dtype), path="fused")
         k = self.world * cols if gather_k else cols
         with jax.set_mesh(self.mesh):
-            reason = fused.ag_unavailable_reason(
+            reason = ag_fused.unavailable_reason(
                 jax.ShapeDtypeStruct((rows, cols), dtype), jax.ShapeDtypeStruct((k, n), dtype), axis_name="tp",
                 axis_size=self.world, gather_k=gather_k, config=config)
         if reason is not None:
@@ -699,7 +701,7 @@ class Rank:
     def ag_case(self, rows, cols, n, dtype, gather_k, seed, return_gathered=False, repeats=2):
         import numpy as np
 
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         xs, ws = self.ag_inputs(rows, cols, n, dtype, seed, gather_k)
         ref, g_ref = self.ag_reference(xs, ws, gather_k)
@@ -709,7 +711,7 @@ class Rank:
             if "entwine_ag_gemm" not in f.lower(gx, gw).as_text():
                 raise AssertionError("ag_gemm did not lower to the fused call")
         outs = [call(gx, gw) for _ in range(repeats)]
-        fused.check_errors()
+        comm.check_errors()
         what = f"ag_gemm rows={rows} cols={cols} N={n} {'contraction' if gather_k else 'rows'} {dtype.__name__}"
         ys = [self.local(o[0] if return_gathered else o) for o in outs]
         if ys[0].shape != ref.shape:
@@ -754,7 +756,7 @@ class Rank:
         from jax.sharding import PartitionSpec as P
 
         import entwine_jax
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         rng = np.random.default_rng(seed)
         tl = t // self.world
@@ -791,7 +793,7 @@ class Rank:
                 if collective + "(" in text or collective + "-start" in text:
                     raise AssertionError(f"MLP gradients: the compiled program still has an {collective}")
             dx, dw1, dw2 = (self.local(o) for o in f(gx, g1, g2, gc))
-        fused.check_errors()
+        comm.check_errors()
         # float64 reference of d(sum over ranks of the loss).
         x = np.concatenate([a.astype(np.float64) for a in xs])
         c = np.concatenate([a.astype(np.float64) for a in cs])
@@ -820,7 +822,7 @@ class Rank:
         import jax.numpy as jnp
         import numpy as np
 
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         w_ = self.world
         m, n, k = w_ * 256, 512, 256
@@ -850,7 +852,7 @@ class Rank:
                         raise AssertionError(f"mixed call {i_} site {j_}: differs bitwise from its first call")
                     checked += 1
                 pending.clear()
-                fused.check_errors()
+                comm.check_errors()
         jax.block_until_ready(first[0])
         return f"mixed: {checked} calls of both ops checked in {time.monotonic() - t0:.1f} s"
 
@@ -859,7 +861,7 @@ class Rank:
         import jax
         import jax.numpy as jnp
 
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         w_ = self.world
         m, n, k = w_ * 1024, 4096, 1024
@@ -873,14 +875,14 @@ class Rank:
         parts = []
         for name, call, (gx, gw), ref in sites:
             self.check(self.local(call(gx, gw)), ref, f"hostcost {name} warm-up")
-            (_, calls0, mean0), = fused.handler_cost(self.mesh, "tp")
+            (_, calls0, mean0), = comm.handler_cost(self.mesh, "tp")
             # One call at a time, each waited for: with work queued, a launch can block until the
             # GPU frees a slot of its queue, and the handler's time would measure the GPU instead.
             for _ in range(calls):
                 y = jax.block_until_ready(call(gx, gw))
-            fused.check_errors()
+            comm.check_errors()
             self.check(self.local(y), ref, f"hostcost {name}")
-            (_, calls1, mean1), = fused.handler_cost(self.mesh, "tp")
+            (_, calls1, mean1), = comm.handler_cost(self.mesh, "tp")
             execs = calls1 - calls0
             per_exec = (calls1 * mean1 - calls0 * mean0) / max(execs, 1)
             parts.append(f"{name}: {execs} handler executions for {calls} calls, {per_exec:.1f} us each")
@@ -889,13 +891,13 @@ class Rank:
     def agmissing(self):
         import jax.numpy as jnp
 
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         xs, ws = self.ag_inputs(128, 64, 256, jnp.bfloat16, 17, False)
         call, _ = self.ag_fn(128, 64, 256, jnp.bfloat16, False)
         gx, gw = self.ag_globals(xs, ws, False)
         self.check(self.local(call(gx, gw)), self.ag_reference(xs, ws, False)[0], "agmissing: warm-up call")
-        fused.check_errors()
+        comm.check_errors()
         absent = self.world - 1
         # Either wait may pass its deadline first: the GEMM's for a chunk of the absent rank, or a
         # transfer stream's for the absent rank's announcement of the call.
@@ -905,14 +907,14 @@ class Rank:
     def missing(self):
         import jax.numpy as jnp
 
-        from entwine_jax import fused
+        from entwine_jax import comm
 
         m, n, k = self.world * 128, 128, 64  # one tile per rank: one deadline, not one per tile
         xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=7)
         gx, gw = self.global_arrays(xs, ws)
         f = self.gemm_fn(m, n, k, jnp.bfloat16)
         self.check(self.local(f(gx, gw)), self.reference(xs, ws), "missing: warm-up call")
-        fused.check_errors()
+        comm.check_errors()
         absent = self.world - 1
         return self.absent_rank("missing", lambda: f(gx, gw), f"from rank {absent}", "entwine gemm_rs")
 
@@ -922,7 +924,7 @@ class Rank:
         `op`, its next call must then be refused by the poisoned communicator with an error naming it."""
         import jax
 
-        from entwine_jax import _distributed, fused
+        from entwine_jax import _distributed, comm
 
         absent = self.world - 1
         if self.rank == absent:
@@ -932,7 +934,7 @@ class Rank:
             jax.block_until_ready(call())
             waited = time.monotonic() - t0
             try:
-                fused.check_errors()
+                comm.check_errors()
             except RuntimeError as e:
                 message = str(e)
             else:

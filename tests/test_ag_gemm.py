@@ -10,7 +10,9 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import entwine_jax
-from entwine_jax import AgGemmConfig, ag_gemm, fused, gemm_rs
+from entwine_jax import AgGemmConfig, _extension, ag_gemm, gemm_rs
+from entwine_jax.ag_gemm import fused as ag_fused
+from entwine_jax.ag_gemm import plan as ag_plan
 
 from test_gemm_rs import TOL, make_mesh, random_inputs, rel_err, shard_call
 
@@ -133,11 +135,10 @@ def test_check_grads(gd):
 
 def test_pairing_each_op_is_the_others_backward(monkeypatch):
     """gemm_rs's backward calls ag_gemm (gathering the scattered dim) and ag_gemm's calls gemm_rs."""
-    import entwine_jax.ag_gemm_op as ag_op
-    import entwine_jax.ops as rs_op
+    from entwine_jax import pairing
 
     calls = []
-    real_ag, real_rs = ag_op.ag_gemm, ag_op.gemm_rs
+    real_ag, real_rs = pairing.ag_gemm, pairing.gemm_rs
 
     def spy_ag(*a, **k):
         calls.append(("ag_gemm", k.get("gather_dimension")))
@@ -147,8 +148,8 @@ def test_pairing_each_op_is_the_others_backward(monkeypatch):
         calls.append(("gemm_rs", k.get("scatter_dimension")))
         return real_rs(*a, **k)
 
-    monkeypatch.setattr(ag_op, "ag_gemm", spy_ag)
-    monkeypatch.setattr(ag_op, "gemm_rs", spy_rs)
+    monkeypatch.setattr(pairing, "ag_gemm", spy_ag)
+    monkeypatch.setattr(pairing, "gemm_rs", spy_rs)
     mesh = make_mesh((2,), ("tp",))
     x, w1 = random_inputs(21, (8, 6), (6, 8), jnp.float32)
     _, w2 = random_inputs(22, (8, 8), (8, 6), jnp.float32)
@@ -162,7 +163,6 @@ def test_pairing_each_op_is_the_others_backward(monkeypatch):
         args = [jax.device_put(a, s) for a, s in zip((x, w1, w2), specs)]
         jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))(*args)
     assert ("ag_gemm", 0) in calls and ("gemm_rs", 0) in calls  # gemm_rs's dx, ag_gemm's dx
-    del rs_op
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -219,32 +219,30 @@ def test_config_validation(field, value, match):
 
 def test_plan_pads_each_shard():
     # The plan pads a shard to whole 128-row tiles and 16-byte rows, N to whole blocks.
-    from entwine_jax import _plan
-
-    if _plan.extension()[0] is None:
+    if _extension.module()[0] is None:
         pytest.skip("the plan is the compiled extension's (pure-Python install)")
-    plan = _plan.ag_plan(77, 60, 130, 2, False, AgGemmConfig(block_n=128), 131)
+    plan = ag_plan.ag_plan(77, 60, 130, 2, False, AgGemmConfig(block_n=128), 131)
     assert plan["error"] is None and (plan["rows_pad"], plan["cols_pad"], plan["n_pad"]) == (128, 64, 256)
     assert plan["chunks"] == 1 and plan["inbox_bytes"] == 2 * 128 * 64 * 2
-    plan = _plan.ag_plan(1024, 512, 1024, 4, True, AgGemmConfig(max_chunks=3), 131)
+    plan = ag_plan.ag_plan(1024, 512, 1024, 4, True, AgGemmConfig(max_chunks=3), 131)
     assert plan["chunks"] == 2 and plan["chunk_tiles"] == 4  # 8 tile rows: the largest divisor <= 3
-    assert "gemm_sms" in _plan.ag_plan(128, 64, 256, 2, False, AgGemmConfig(), 0)["error"]
+    assert "gemm_sms" in ag_plan.ag_plan(128, 64, 256, 2, False, AgGemmConfig(), 0)["error"]
 
 
 def test_padding_round_trip():
     # Rows: each shard padded to 128 rows and 8 columns, N to block_n; unpad restores every shard.
-    p = fused.AgPadding(2, 77, 60, 130, 128, 64, 256, gather_k=False)
+    p = ag_fused.AgPadding(2, 77, 60, 130, 128, 64, 256, gather_k=False)
     x = np.arange(77 * 60, dtype=np.float32).reshape(77, 60)
     w = np.ones((60, 130), np.float32)
-    xp, wp = fused.ag_pad_operands(x, w, p, xp=np)
+    xp, wp = ag_fused.pad_operands(x, w, p, xp=np)
     assert xp.shape == (128, 64) and wp.shape == (64, 256) and xp[:77, :60].tolist() == x.tolist()
     y = np.zeros((2 * 128, 256), np.float32)
     y[:77, :130], y[128:205, :130] = 1, 2
     g = np.zeros((2, 128, 64), np.float32)
-    yu, gu = fused.ag_unpad(y, g, p)
+    yu, gu = ag_fused.unpad(y, g, p)
     assert yu.shape == (154, 130) and (yu[:77] == 1).all() and (yu[77:] == 2).all() and gu.shape == (2, 77, 60)
     # Contraction: w [W * cols, N] padded slice by slice, so slice s starts at row s * cols_pad.
-    p = fused.AgPadding(2, 100, 60, 128, 128, 64, 128, gather_k=True)
+    p = ag_fused.AgPadding(2, 100, 60, 128, 128, 64, 128, gather_k=True)
     w = np.concatenate([np.full((60, 128), 1.0), np.full((60, 128), 2.0)]).astype(np.float32)
-    _, wp = fused.ag_pad_operands(np.zeros((100, 60), np.float32), w, p, xp=np)
+    _, wp = ag_fused.pad_operands(np.zeros((100, 60), np.float32), w, p, xp=np)
     assert wp.shape == (128, 128) and (wp[:60] == 1).all() and (wp[60:64] == 0).all() and (wp[64:124] == 2).all()

@@ -1,5 +1,5 @@
-# CPU tests of `python -m entwine_jax bench --op ag_gemm` and `--op mlp` (entwine_jax.bench_ag,
-# bench_mlp, bench_run) on 8 fake devices with tiny shapes: argument parsing, the smoke runs (the ops
+# CPU tests of `python -m entwine_jax bench --op ag_gemm` and `--op mlp` (entwine_jax.bench_ag_gemm,
+# bench_mlp, runner) on 8 fake devices with tiny shapes: argument parsing, the smoke runs (the ops
 # take the XLA reference path here), the tables and JSON, --fused-only, what ranks sharing a GPU skip,
 # the key-value max over processes, and the --processes launcher. Timings on CPU mean nothing.
 import json
@@ -12,7 +12,16 @@ import textwrap
 import jax
 import pytest
 
-from entwine_jax import _distributed, bench, bench_ag, bench_mlp, bench_run, timing
+from entwine_jax import _distributed
+from entwine_jax.tuning import timing
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = BENCHMARKS / "bench.py"
+sys.path.insert(0, str(BENCHMARKS))  # the benchmark programs
+import bench  # noqa: E402
+import bench_ag_gemm  # noqa: E402
+import bench_mlp  # noqa: E402
+import runner  # noqa: E402
 
 FAST = ["--iters", "2", "--warmup", "1", "--batch", "1"]
 AG_KEYS = {"m", "n", "k", "layout", "ag_ms", "gemm_ms", "xla_ag_gemm_ms", "windowed_ms", "windowed_loop", "entwine_ms",
@@ -81,11 +90,11 @@ def test_shapes_not_divisible_are_usage_errors(argv, message, capsys):
 
 def test_suites_are_the_part2_mlp_shapes():
     # Gate/up projection: M = tokens, N = mlp / W, K = embed.
-    assert bench_ag.suite(2) == [(8192, 7168, 4096), (16384, 7168, 4096), (8192, 14336, 8192), (16384, 14336, 8192)]
+    assert bench_ag_gemm.suite(2) == [(8192, 7168, 4096), (16384, 7168, 4096), (8192, 14336, 8192), (16384, 14336, 8192)]
     assert bench_mlp.suite() == [(8192, 4096, 14336), (16384, 4096, 14336), (8192, 8192, 28672),
                                  (16384, 8192, 28672)]
     for world in (1, 2, 3, 8):
-        m, _, k = bench_ag.smoke_shape(world)
+        m, _, k = bench_ag_gemm.smoke_shape(world)
         assert m % world == 0 and k % world == 0
         assert all(v % world == 0 for v in bench_mlp.smoke_shape(world))
 
@@ -102,7 +111,7 @@ def test_ag_gemm_cpu_smoke_run_both_layouts(tmp_path, capsys):
     assert result["world"] == 4 and result["processes"] == 1 and not result["shared_gpu"] and not result["fused_only"]
     assert (result["iters"], result["warmup"]) == (bench.SMOKE_ITERS, bench.SMOKE_WARMUP)
     assert [(r["m"], r["n"], r["k"], r["layout"]) for r in result["rows"]] == [
-        (*bench_ag.SMOKE_SHAPE, "rows"), (*bench_ag.SMOKE_SHAPE, "contraction")]
+        (*bench_ag_gemm.SMOKE_SHAPE, "rows"), (*bench_ag_gemm.SMOKE_SHAPE, "contraction")]
     for r in result["rows"]:
         assert AG_KEYS <= set(r), AG_KEYS - set(r)
         assert r["check"] == "OK" and r["rel_err"] <= timing.TOL and r["xla_rel_err"] <= timing.TOL
@@ -195,9 +204,9 @@ def test_fused_only_skips_the_xla_collectives(tmp_path, capsys):
 def test_ranks_sharing_a_gpu_skip_an_xla_fallback(tmp_path, monkeypatch, capsys):
     # As on one GPU shared by W processes: NCCL cannot run, so an ag_gemm or MLP that would take the
     # XLA path (its collectives) is not run, the row says why, and the exit status is 1.
-    monkeypatch.setattr(bench_run, "shares_a_gpu", lambda devices: True)
-    monkeypatch.setattr(bench_run.Runner, "on_gpu", property(lambda self: True))
-    monkeypatch.setattr(bench_run.Runner, "warm_up", lambda self, seconds=1.0: None)
+    monkeypatch.setattr(runner, "shares_a_gpu", lambda devices: True)
+    monkeypatch.setattr(runner.Runner, "on_gpu", property(lambda self: True))
+    monkeypatch.setattr(runner.Runner, "warm_up", lambda self, seconds=1.0: None)
     rc, result = run(tmp_path, "--op", "ag_gemm", "--shapes", "64x128x32", "--world", "2")
     (row,) = result["rows"]
     assert rc == 1 and result["shared_gpu"] and result["fused_only"]
@@ -218,7 +227,7 @@ def test_tables_print_skipped_columns_as_dashes(capsys):
           "windowed_ms": None, "windowed_loop": None, "entwine_ms": 0.55, "speedup": None, "efficiency": 0.5 / 0.55,
           "efficiency_of": "gemm (XLA's all-gather not timed)", "vs_windowed": None, "check": "OK", "path": "fused",
           "reason": None, "config": "AgGemmConfig(...)"}
-    bench_ag.print_table([ag], bench.geomean)
+    bench_ag_gemm.print_table([ag], bench.geomean)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("rows "))
     assert line.split("|")[1].split() == ["-", "0.500", "-", "-", "0.550"]
     assert "path=fused AgGemmConfig(...)" in line
@@ -237,9 +246,9 @@ def test_tables_print_skipped_columns_as_dashes(capsys):
 def test_collectives_census():
     text = ("%a = bf16[8] all-gather-start(%x)\n%b = bf16[8] all-gather-done(%a)\n"
             "%c = f32[4] reduce-scatter(%y), dimensions={0}\n%d = f32[] all-reduce(%z)\n%e = f32[] add(%c, %d)")
-    assert bench_run.collectives(text) == {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 1}
-    assert bench_run.collectives("%e = f32[] custom-call(%a), custom_call_target=\"entwine_ag_gemm\"") == {}
-    assert bench_run.windowed_loop("while(...) collective-permute(") and not bench_run.windowed_loop("while(")
+    assert runner.collectives(text) == {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 1}
+    assert runner.collectives("%e = f32[] custom-call(%a), custom_call_target=\"entwine_ag_gemm\"") == {}
+    assert runner.windowed_loop("while(...) collective-permute(") and not runner.windowed_loop("while(")
 
 
 # --- several processes -----------------------------------------------------------------------------------
@@ -288,10 +297,10 @@ def test_shares_a_gpu_compares_the_processes_gpus(monkeypatch):
 
         client = FakeClient(others)
         monkeypatch.setattr(_distributed, "client", lambda: client)
-        assert bench_run.shares_a_gpu([Dev(0, 0), Dev(1, peer_ordinal)]) is shared
+        assert runner.shares_a_gpu([Dev(0, 0), Dev(1, peer_ordinal)]) is shared
     # One process, or no GPU: nothing is shared.
     monkeypatch.setattr(jax, "process_count", lambda: 1)
-    assert bench_run.shares_a_gpu([Dev(0, 0)]) is False
+    assert runner.shares_a_gpu([Dev(0, 0)]) is False
 
 
 RANK_SCRIPT = textwrap.dedent("""
@@ -307,13 +316,13 @@ RANK_SCRIPT = textwrap.dedent("""
 
 def test_launcher_starts_the_ranks_and_collects_their_output(capfd):
     program = [sys.executable, "-c", RANK_SCRIPT]
-    assert bench_run.launch(["--op", "mlp"], 2, 60, program=program) == 0
+    assert runner.launch(["--op", "mlp"], 2, 60, program=program) == 0
     out, err = capfd.readouterr()
     # Rank 0 writes to this process's stdout and stderr; rank 1's lines go to stderr, prefixed.
     assert "out of rank 0: argv ['--op', 'mlp']" in out and "rank 1" not in out
     assert "err of rank 0" in err and "[rank 1] out of rank 1" in err and "[rank 1] err of rank 1" in err
-    assert bench_run.launch(["--fail"], 2, 60, program=program) == 3
-    assert bench_run.launch(["--sleep"], 2, 2, program=program) == 1
+    assert runner.launch(["--fail"], 2, 60, program=program) == 3
+    assert runner.launch(["--sleep"], 2, 2, program=program) == 1
     assert "killed the ranks still running after --timeout 2 s" in capfd.readouterr().err
 
 
@@ -321,11 +330,10 @@ def test_two_processes_on_cpu_end_to_end(tmp_path):
     # The real launcher: 2 processes (jax.distributed on localhost, CPU), the timings' max through
     # the key-value store, rank 0's table and JSON.
     out = tmp_path / "out.json"
-    package_root = str(pathlib.Path(bench_run.__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ,
                JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one CPU device per process
-    proc = subprocess.run([sys.executable, "-m", "entwine_jax", "bench", "--op", "ag_gemm", "--processes", "2",
+    proc = subprocess.run([sys.executable, str(BENCH), "--op", "ag_gemm", "--processes", "2",
                            "--fused-only", *FAST, "--json", str(out)], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr

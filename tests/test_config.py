@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from entwine_jax import GemmRsConfig, _plan, heuristic_config, set_default_config, using_config
-from entwine_jax.config import get_default_config, producer_sms_beside, with_overrides
+from entwine_jax import GemmRsConfig, _extension, heuristic_config, set_default_config, using_config
+from entwine_jax.gemm_rs.config import get_default_config, producer_sms_beside, with_overrides
 
 
 def test_defaults_and_str():
@@ -84,8 +84,8 @@ def test_heuristic():
 
 def test_heuristic_caps_the_budget_at_the_partition_blocks():
     # The blocks of the local partition come from the kernels' plan (padded: whole blocks).
-    if _plan.extension()[0] is None:
-        pytest.skip(f"the kernels' plan needs the extension: {_plan.extension()[1]}")
+    if _extension.module()[0] is None:
+        pytest.skip(f"the kernels' plan needs the extension: {_extension.module()[1]}")
     # Fewer producer blocks in the local partition than the budget: one consumer CTA per block.
     assert heuristic_config(256, 256, 64, 2, jnp.float16).consumer_grid == 1
     assert heuristic_config(512, 384, 64, 2, jnp.float16).consumer_grid == 6  # 2 rows x 3 blocks of 128

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from entwine_jax import GemmRsConfig, _plan, gemm_rs, heuristic_config, ops, reference, set_default_config
+from entwine_jax import GemmRsConfig, _extension, gemm_rs, heuristic_config, set_default_config
+from entwine_jax.gemm_rs import op as gemm_rs_op
+from entwine_jax.gemm_rs.reference import gemm_rs_reference
 
 
 def run(x_shape=(32, 64), n=16, world=4, dtype=jnp.bfloat16, sd=0, jit=True, **kwargs):
@@ -35,7 +37,7 @@ def run(x_shape=(32, 64), n=16, world=4, dtype=jnp.bfloat16, sd=0, jit=True, **k
 
 @dataclasses.dataclass(frozen=True)
 class FakeCall:
-    """Stands in for fused.GemmRsCall (hashable: it lives in the op's static plan)."""
+    """Stands in for rs_fused.GemmRsCall (hashable: it lives in the op's static plan)."""
     axis_name: object
     axis_size: int
     config: GemmRsConfig
@@ -43,7 +45,7 @@ class FakeCall:
 
 
 class FakeFused(types.SimpleNamespace):
-    """Stands in for entwine_jax.fused: records calls; its 'kernel' returns zeros (wrong on purpose)."""
+    """Stands in for entwine_jax.gemm_rs.fused: records calls; its 'kernel' returns zeros (wrong on purpose)."""
 
     class Unavailable(Exception):
         pass
@@ -55,11 +57,11 @@ class FakeFused(types.SimpleNamespace):
         self.reason_calls.append((x_local_aval, w_aval, kwargs))
         return self.reason
 
-    def prepare_gemm_rs(self, x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, config):
+    def prepare(self, x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, config):
         self.prepare_calls.append((x_local_aval.shape, w_aval.shape))
         return FakeCall(axis_name, axis_size, config, scatter_dimension)
 
-    def call_gemm_rs(self, x2d, w, call):
+    def call(self, x2d, w, call):
         self.local_calls.append((x2d.shape, w.shape, call.axis_name, call.axis_size, call.config,
                                  call.scatter_dimension))
         if call.scatter_dimension == 1:
@@ -70,7 +72,7 @@ class FakeFused(types.SimpleNamespace):
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeFused()
-    monkeypatch.setattr(ops, "_fused_module", lambda: (f, None))
+    monkeypatch.setattr(gemm_rs_op, "fused", f)
     return f
 
 
@@ -109,19 +111,19 @@ def test_fused_branch_reshapes_nd(fake, x_shape, sd):
     # _fused_forward with a correct stand-in kernel (psum_scatter on the 2-D view, rows or columns)
     # == reference on N-D x, scattered over the leading dim, a middle dim (rows permuted so that
     # every rank's slice is a block of rows) or N. Bitwise: the stand-in sums exactly as the reference.
-    fake.call_gemm_rs = lambda x2d, w, call: (
-        reference.gemm_rs_reference(x2d, w, axis_name=call.axis_name, scatter_dimension=call.scatter_dimension))
+    fake.call = lambda x2d, w, call: (
+        gemm_rs_reference(x2d, w, axis_name=call.axis_name, scatter_dimension=call.scatter_dimension))
     mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
-    call = FakeCall("tp", 4, GemmRsConfig(), ops._kernel_scatter_dim(jnp.zeros(x_shape), sd))
-    plan = ops._Plan(axis_name="tp", axis_size=4, scatter_dimension=sd, config=GemmRsConfig(), reason=None,
+    call = FakeCall("tp", 4, GemmRsConfig(), gemm_rs_op.kernel_scatter_dim(jnp.zeros(x_shape), sd))
+    plan = gemm_rs_op.Plan(axis_name="tp", axis_size=4, scatter_dimension=sd, config=GemmRsConfig(), reason=None,
                      fused_call=call)
     x = jax.random.normal(jax.random.key(1), x_shape, jnp.float32).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (64, 8), jnp.float32).astype(jnp.bfloat16)
     x_spec = P(*([None] * (len(x_shape) - 1)), "tp")
     out_spec = P(*[("tp" if d == sd else None) for d in range(len(x_shape))])
     specs = dict(mesh=mesh, in_specs=(x_spec, P("tp", None)), out_specs=out_spec)
-    fused = jax.jit(jax.shard_map(lambda x, w: ops._fused_forward(x, w, plan=plan), **specs))
-    ref = jax.jit(jax.shard_map(lambda x, w: reference.gemm_rs_reference(x, w, axis_name="tp", scatter_dimension=sd),
+    fused = jax.jit(jax.shard_map(lambda x, w: gemm_rs_op._fused_forward(x, w, plan=plan), **specs))
+    ref = jax.jit(jax.shard_map(lambda x, w: gemm_rs_reference(x, w, axis_name="tp", scatter_dimension=sd),
                                 **specs))
     with jax.set_mesh(mesh):
         xp, wp = jax.device_put(x, x_spec), jax.device_put(w, P("tp", None))
@@ -193,13 +195,9 @@ def test_path_fused_that_cannot_run_warns(fake, caplog):
 
 def test_fused_module_errors_fall_back(monkeypatch, capsys):
     monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
-    monkeypatch.setattr(ops, "_fused_module", lambda: (None, "ImportError: boom"))
-    run()
-    assert "reason: entwine_jax.fused not importable: ImportError: boom" in capsys.readouterr().err
-
     broken = FakeFused()
     broken.unavailable_reason = lambda *a, **k: 1 / 0
-    monkeypatch.setattr(ops, "_fused_module", lambda: (broken, None))
+    monkeypatch.setattr(gemm_rs_op, "fused", broken)
     y, exact = run(x_shape=(16, 64))
     assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
     assert "unavailable_reason raised ZeroDivisionError" in capsys.readouterr().err
@@ -211,19 +209,19 @@ def test_failed_preparation_falls_back_with_its_reason(fake, capsys, monkeypatch
 
     def refuse(*a, **k):
         raise fake.Unavailable("communicator setup failed (RuntimeError: cudaMalloc(heap): out of memory)")
-    fake.prepare_gemm_rs = refuse
+    fake.prepare = refuse
     y, exact = run()
     assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
     assert not fake.local_calls
     assert "path=xla" in (err := capsys.readouterr().err) and "cudaMalloc(heap): out of memory" in err
-    fake.prepare_gemm_rs = lambda *a, **k: 1 / 0
+    fake.prepare = lambda *a, **k: 1 / 0
     run(x_shape=(16, 64))
-    assert "prepare_gemm_rs raised ZeroDivisionError" in capsys.readouterr().err
+    assert "prepare raised ZeroDivisionError" in capsys.readouterr().err
 
 
 def needs_plan():
-    if _plan.extension()[0] is None:
-        pytest.skip(f"the kernels' plan needs the extension: {_plan.extension()[1]}")
+    if _extension.module()[0] is None:
+        pytest.skip(f"the kernels' plan needs the extension: {_extension.module()[1]}")
 
 
 @pytest.mark.parametrize("jit", [True, False])
@@ -247,7 +245,7 @@ def test_print_config_once_per_call_site(capsys, monkeypatch):
     assert len(lines) == 2, lines
     assert lines[0].startswith("entwine_jax.gemm_rs x=bfloat16[32, 16] w=bfloat16[16, 16] axis='tp' (size 4) "
                                f"scatter_dimension=0: path=xla {heuristic_config(32, 16, 16, 4, jnp.bfloat16)}")
-    if _plan.extension()[0] is not None:  # the budget capped at the partition's one block (the kernels' plan)
+    if _extension.module()[0] is not None:  # the budget capped at the partition's one block (the kernels' plan)
         assert "GemmRsConfig(block_n=128, producer_sms=131, " in lines[0]
     assert "axis='tp' (size 2)" in lines[1]
 
@@ -272,7 +270,7 @@ def test_config_choice_reaches_the_fused_path(fake, capsys, monkeypatch):
     set_default_config(None)
     run(x_shape=(128, 64))  # heuristic
     assert fake.reason_calls[-1][2]["config"] == heuristic_config(128, 16, 16, 4, jnp.bfloat16)
-    if _plan.extension()[0] is not None:  # the budget capped at the partition's one block (the kernels' plan)
+    if _extension.module()[0] is not None:  # the budget capped at the partition's one block (the kernels' plan)
         assert fake.reason_calls[-1][2]["config"] == GemmRsConfig(consumer_grid=1, producer_sms=131)
     err = capsys.readouterr().err
     assert str(mine) in err and str(default) in err

@@ -14,25 +14,27 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from entwine_jax import _distributed, _plan, fused
-from entwine_jax.config import AgGemmConfig, GemmRsConfig
+from entwine_jax import AgGemmConfig, GemmRsConfig, _distributed, _extension, comm
+from entwine_jax.ag_gemm import fused as ag_fused
+from entwine_jax.gemm_rs import fused as rs_fused
+from entwine_jax.gemm_rs import plan as rs_plan
 
 CFG = GemmRsConfig()
 
 
 def needs_plan():
     """Skip (with the reason) where the extension, and with it the kernels' plan, is not built."""
-    if _plan.extension()[0] is None:
-        pytest.skip(f"the kernels' plan needs the extension: {_plan.extension()[1]}")
+    if _extension.module()[0] is None:
+        pytest.skip(f"the kernels' plan needs the extension: {_extension.module()[1]}")
 
 
 @pytest.fixture(autouse=True)
 def _fresh_fused(monkeypatch):
     """Each test starts with no communicators, no setup() meshes and an empty reason cache."""
-    monkeypatch.setattr(fused, "_comms", {})
-    monkeypatch.setattr(fused, "_setup_meshes", {})
-    monkeypatch.setattr(fused, "_reason_cache", {})
-    monkeypatch.setattr(fused, "_atexit_registered", True)  # no shutdown hook from these tests
+    monkeypatch.setattr(comm, "_comms", {})
+    monkeypatch.setattr(comm, "_setup_meshes", {})
+    monkeypatch.setattr(comm, "_reason_cache", {})
+    monkeypatch.setattr(comm, "_atexit_registered", True)  # no shutdown hook from these tests
 
 
 def _mesh(shape=(2, 4), names=("dp", "tp")):
@@ -67,7 +69,7 @@ def _in_shard_map(mesh, fn, in_specs=P(None, "tp"), m=256, k=64, n=128, dtype=jn
 
 
 def _reason(x, w, axis_size=4, config=CFG, scatter_dimension=0, axis_name="tp"):
-    return fused.unavailable_reason(x, w, axis_name=axis_name, axis_size=axis_size,
+    return rs_fused.unavailable_reason(x, w, axis_name=axis_name, axis_size=axis_size,
                                     scatter_dimension=scatter_dimension, config=config)
 
 
@@ -83,7 +85,7 @@ def test_reason_extension_or_setup_when_the_platform_looks_like_gpu(monkeypatch)
     # Past the platform check, the next missing piece is the extension (pure-Python install) or,
     # when it is built, the concrete mesh (no set_mesh, no setup()).
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    ext, ext_reason = fused._extension()
+    ext, ext_reason = _extension.registered()
     x, w = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
     reason = _reason(x, w)
     if ext is None:
@@ -114,11 +116,11 @@ def test_reason_for_dtypes(xd, wd):
 
 def test_reason_never_raises_and_is_cached(monkeypatch):
     x, w = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
-    monkeypatch.setattr(fused, "_reason", lambda *a: (_ for _ in ()).throw(KeyError("boom")))
+    monkeypatch.setattr(rs_fused, "_unavailable", lambda *a: (_ for _ in ()).throw(KeyError("boom")))
     assert "KeyError" in _reason(x, w)
     mesh = _mesh()
     calls = []
-    monkeypatch.setattr(fused, "_reason", lambda *a: calls.append(a) or "why")
+    monkeypatch.setattr(rs_fused, "_unavailable", lambda *a: calls.append(a) or "why")
     with jax.set_mesh(mesh):
         for _ in range(3):
             assert _in_shard_map(mesh, lambda x, w: _reason(jax.typeof(x), jax.typeof(w))) == "why"
@@ -127,16 +129,16 @@ def test_reason_never_raises_and_is_cached(monkeypatch):
 
 def test_heap_cap_is_a_reason(monkeypatch):
     ext = FakeExt()
-    monkeypatch.setattr(fused, "_extension", lambda: (ext, None))
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
     monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(1 << 20))
-    with pytest.raises(fused.Unavailable, match="ENTWINE_HEAP_MAX_BYTES=1048576"):
-        fused.acquire_comm(_mesh(), "tp", 8192 * 8192 * 2, 32 * 64)
-    assert not ext.calls and not fused._comms  # nothing created
+    with pytest.raises(comm.Unavailable, match="ENTWINE_HEAP_MAX_BYTES=1048576"):
+        comm.acquire_comm(_mesh(), "tp", 8192 * 8192 * 2, 32 * 64)
+    assert not ext.calls and not comm._comms  # nothing created
     monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", "lots")
     with pytest.raises(ValueError, match="ENTWINE_HEAP_MAX_BYTES must be an integer"):
-        fused.heap_max_bytes()
+        comm.heap_max_bytes()
     monkeypatch.delenv("ENTWINE_HEAP_MAX_BYTES")
-    assert fused.heap_max_bytes() == 4 << 30
+    assert comm.heap_max_bytes() == 4 << 30
 
 
 # --- Padding math (the kernels' plan) -------------------------------------------------------------
@@ -151,15 +153,15 @@ def _reduce_scatter_padded(xs, ws, world, block_n, scatter_cols=False):
     """What the kernels compute, simulated in float64 on padded operands, then sliced: rank r
     receives rows (scatter_cols: columns) r*M/W .. of the sum, as the kernels lay it out."""
     m, k = xs[0].shape
-    p = fused.padding(m, k, ws[0].shape[1], world, block_n, scatter_cols=scatter_cols)
-    padded = [fused.pad_operands(x, w, p, xp=np) for x, w in zip(xs, ws)]
+    p = rs_fused.padding(m, k, ws[0].shape[1], world, block_n, scatter_cols=scatter_cols)
+    padded = [rs_fused.pad_operands(x, w, p, xp=np) for x, w in zip(xs, ws)]
     full = sum(xp @ wp for xp, wp in padded)
     assert p.mp_pad % 128 == 0 and p.n_pad % block_n == 0 and p.k_pad % 8 == 0
     if scatter_cols:
         assert full.shape == (p.mp_pad, world * p.n_pad)
-        return [fused.unpad(full[:, r * p.n_pad:(r + 1) * p.n_pad], p) for r in range(world)]
+        return [rs_fused.unpad(full[:, r * p.n_pad:(r + 1) * p.n_pad], p) for r in range(world)]
     assert full.shape == (world * p.mp_pad, p.n_pad)
-    return [fused.unpad(full[r * p.mp_pad:(r + 1) * p.mp_pad], p) for r in range(world)]
+    return [rs_fused.unpad(full[r * p.mp_pad:(r + 1) * p.mp_pad], p) for r in range(world)]
 
 
 def _random_terms(world, m, k, n, seed):
@@ -194,36 +196,36 @@ def test_pad_then_slice_equals_reference_columns(plan, world, m, k, n_per, block
 
 
 def test_padding_values_and_needed(plan):
-    p = fused.padding(m=2 * 200, k=100, n=300, world=2, block_n=256)
+    p = rs_fused.padding(m=2 * 200, k=100, n=300, world=2, block_n=256)
     assert (p.mp, p.mp_pad, p.k_pad, p.n_pad) == (200, 256, 104, 512)
     assert p.needed and p.tiles_per_partition == 2 * 4
-    assert not fused.padding(512, 64, 256, 4, 128).needed
+    assert not rs_fused.padding(512, 64, 256, 4, 128).needed
     with pytest.raises(ValueError, match="M=10 is not divisible by the axis size 4"):
-        fused.padding(10, 8, 128, 4, 128)
-    c = fused.padding(m=200, k=100, n=2 * 300, world=2, block_n=256, scatter_cols=True)
+        rs_fused.padding(10, 8, 128, 4, 128)
+    c = rs_fused.padding(m=200, k=100, n=2 * 300, world=2, block_n=256, scatter_cols=True)
     assert (c.mp, c.mp_pad, c.k_pad, c.n_part, c.n_pad) == (200, 256, 104, 300, 512)
     assert c.needed and c.tiles_per_partition == 2 * 4
     with pytest.raises(ValueError, match="N=10 is not divisible by the axis size 4"):
-        fused.padding(8, 8, 10, 4, 128, scatter_cols=True)
+        rs_fused.padding(8, 8, 10, 4, 128, scatter_cols=True)
 
 
 def test_pad_operands_skips_aligned_operands(plan):
-    p = fused.padding(256, 64, 128, 2, 128)
+    p = rs_fused.padding(256, 64, 128, 2, 128)
     x, w = np.ones((256, 64)), np.ones((64, 128))
-    xp, wp = fused.pad_operands(x, w, p, xp=np)
-    assert xp is x and wp is w and fused.unpad(x, p) is x
+    xp, wp = rs_fused.pad_operands(x, w, p, xp=np)
+    assert xp is x and wp is w and rs_fused.unpad(x, p) is x
 
 
 def test_heap_bytes_and_the_plan_capacity(plan):
     # [flags parity 0][flags parity 1][ready words][slot 0][slot 1][inbox], each region 256-byte
     # aligned (comm::heap_layout).
-    assert _plan.heap_bytes(2, 1 << 20, 64) == 2 * 1024 + 256 + 2 * (1 << 20)
-    assert _plan.heap_bytes(3, 100, 1) == 2 * 256 + 256 + 2 * 256
-    assert _plan.heap_bytes(2, 1 << 20, 64, 3000) == 2 * 1024 + 256 + 2 * (1 << 20) + 3072
+    assert _extension.heap_bytes(2, 1 << 20, 64) == 2 * 1024 + 256 + 2 * (1 << 20)
+    assert _extension.heap_bytes(3, 100, 1) == 2 * 256 + 256 + 2 * 256
+    assert _extension.heap_bytes(2, 1 << 20, 64, 3000) == 2 * 1024 + 256 + 2 * (1 << 20) + 3072
     # One slot holds the padded M x N product (2-byte elements); one flag per tile of a partition.
-    p = fused.padding(8192, 1024, 8192, 2, 128)
+    p = rs_fused.padding(8192, 1024, 8192, 2, 128)
     assert p.slot_bytes == 8192 * 8192 * 2 and p.tiles_per_partition == 32 * 64
-    c = fused.padding(m=200, k=100, n=2 * 300, world=2, block_n=256, scatter_cols=True)
+    c = rs_fused.padding(m=200, k=100, n=2 * 300, world=2, block_n=256, scatter_cols=True)
     assert c.slot_bytes == 256 * 2 * 512 * 2
 
 
@@ -232,36 +234,36 @@ def test_plan_blocks_grid_and_split(plan):
     # 4096 in all on 124 persistent CTAs; 56 k-tiles of 64. The last wave has 4 blocks, leaving
     # 120 CTAs idle for 56 k-tiles each: the split applies, from the last full wave on (block 3968).
     config = GemmRsConfig(block_n=256, producer_sms=124, consumer_grid=8, split_tail=True)
-    p = _plan.gemm_rs_plan(16384, 8192, 3584, 2, config)
+    p = rs_plan.gemm_rs_plan(16384, 8192, 3584, 2, config)
     assert (p.m_blocks, p.n_blocks, p.blocks_per_partition, p.num_blocks) == (64, 32, 2048, 4096)
     assert (p.grid, p.k_tiles, p.split, p.split_first_block) == (124, 56, True, 3968)
-    assert not _plan.gemm_rs_plan(16384, 8192, 3584, 2, dataclasses.replace(config, split_tail=False)).split
+    assert not rs_plan.gemm_rs_plan(16384, 8192, 3584, 2, dataclasses.replace(config, split_tail=False)).split
     # One CTA per block; a raster group never spans more tile rows than the partition has.
-    p = _plan.gemm_rs_plan(300, 200, 10, 2, GemmRsConfig(raster_rows=8))
+    p = rs_plan.gemm_rs_plan(300, 200, 10, 2, GemmRsConfig(raster_rows=8))
     assert (p.mp, p.mp_pad, p.n_pad, p.k_pad, p.m_blocks, p.n_blocks) == (150, 256, 256, 16, 2, 2)
     assert (p.grid, p.num_blocks, p.raster_rows, p.split) == (8, 8, 2, False)
 
 
 def test_plan_refuses_what_the_kernels_cannot_run(plan):
-    with pytest.raises(_plan.PlanError, match=r"config.consumer_grid must be in \[1, 64\]") as e:
-        _plan.gemm_rs_plan(256, 256, 64, 2, GemmRsConfig(consumer_grid=100))
+    with pytest.raises(rs_plan.PlanError, match=r"config.consumer_grid must be in \[1, 64\]") as e:
+        rs_plan.gemm_rs_plan(256, 256, 64, 2, GemmRsConfig(consumer_grid=100))
     assert e.value.config_error
-    assert _plan.gemm_rs_config_rule(GemmRsConfig(consumer_grid=100)) == "config.consumer_grid must be in [1, 64]"
-    assert _plan.gemm_rs_config_rule(GemmRsConfig(consumer_grid=64)) is None
-    with pytest.raises(_plan.PlanError, match=r"world size must be in \[1, 8\]") as e:
-        _plan.gemm_rs_plan(256, 256, 64, 16, CFG)
+    assert rs_plan.config_rule(GemmRsConfig(consumer_grid=100)) == "config.consumer_grid must be in [1, 64]"
+    assert rs_plan.config_rule(GemmRsConfig(consumer_grid=64)) is None
+    with pytest.raises(rs_plan.PlanError, match=r"world size must be in \[1, 8\]") as e:
+        rs_plan.gemm_rs_plan(256, 256, 64, 16, CFG)
     assert not e.value.config_error
-    with pytest.raises(_plan.PlanError, match="int32"):
-        _plan.gemm_rs_plan(2**31, 128, 64, 1, CFG)
+    with pytest.raises(rs_plan.PlanError, match="int32"):
+        rs_plan.gemm_rs_plan(2**31, 128, 64, 1, CFG)
     with pytest.raises(ValueError, match=r"gemm_rs: the kernels cannot run x \[256, 64\] @ w \[64, 256\] over 16 "
                                          r"ranks: world size must be in \[1, 8\]"):
-        fused.padding(256, 64, 256, 16, 128)
+        rs_fused.padding(256, 64, 256, 16, 128)
 
 
 def test_config_attributes_are_named():
     cfg = GemmRsConfig(block_n=256, producer_sms=100, consumer_grid=24, consumer_block=256, raster_rows=4,
                        split_tail=False)
-    attrs = fused.config_attributes(cfg)
+    attrs = cfg.kernel_attributes()
     assert {k: int(v) for k, v in attrs.items()} == dict(block_n=256, producer_sms=100, consumer_grid=24,
                                                         consumer_block=256, raster_rows=4, split_tail=0)
     assert isinstance(attrs["split_tail"], bool) and attrs["block_n"].dtype == np.int64
@@ -272,36 +274,36 @@ def test_config_attributes_are_named():
 
 def test_groups_1d():
     mesh = _mesh((8,), ("tp",))
-    assert _ids(fused.device_groups(mesh, "tp")) == [list(range(8))]
+    assert _ids(comm.device_groups(mesh, "tp")) == [list(range(8))]
 
 
 def test_groups_2d():
     mesh = _mesh()
-    assert _ids(fused.device_groups(mesh, "tp")) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert _ids(fused.device_groups(mesh, "dp")) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert _ids(fused.device_groups(mesh, ("dp", "tp"))) == [list(range(8))]
-    assert _ids(fused.device_groups(mesh, ("tp", "dp"))) == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert _ids(comm.device_groups(mesh, "tp")) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _ids(comm.device_groups(mesh, "dp")) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _ids(comm.device_groups(mesh, ("dp", "tp"))) == [list(range(8))]
+    assert _ids(comm.device_groups(mesh, ("tp", "dp"))) == [[0, 4, 1, 5, 2, 6, 3, 7]]
     with pytest.raises(ValueError, match="axis 'pp' is not in the mesh axes"):
-        fused.device_groups(mesh, "pp")
+        comm.device_groups(mesh, "pp")
 
 
 def test_groups_follow_the_device_order_of_the_mesh():
     devices = np.array(jax.devices()[:8])[::-1].reshape(2, 4)
     mesh = jax.sharding.Mesh(devices, ("dp", "tp"))
-    assert _ids(fused.device_groups(mesh, "tp")) == [[7, 6, 5, 4], [3, 2, 1, 0]]
+    assert _ids(comm.device_groups(mesh, "tp")) == [[7, 6, 5, 4], [3, 2, 1, 0]]
 
 
 def test_comm_id_is_stable_and_distinguishes_groups():
     mesh = _mesh()
-    cid = fused.comm_id(fused.device_groups(mesh, "tp"), "tp")
+    cid = comm.comm_id(comm.device_groups(mesh, "tp"), "tp")
     again = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"))
-    assert fused.comm_id(fused.device_groups(again, "tp"), "tp") == cid
-    assert fused.comm_id(fused.device_groups(mesh, "dp"), "dp") != cid
+    assert comm.comm_id(comm.device_groups(again, "tp"), "tp") == cid
+    assert comm.comm_id(comm.device_groups(mesh, "dp"), "dp") != cid
     assert -(2**63) <= cid < 2**63
     # Another process computes the same id (no per-process hash seed).
-    code = ("import jax, numpy as np; from entwine_jax import fused; "
+    code = ("import jax, numpy as np; from entwine_jax import comm; "
             "m = jax.make_mesh((2, 4), ('dp', 'tp'), devices=jax.devices()[:8]); "
-            "print(fused.comm_id(fused.device_groups(m, 'tp'), 'tp'))")
+            "print(comm.comm_id(comm.device_groups(m, 'tp'), 'tp'))")
     env = dict(os.environ, PYTHONHASHSEED="123",
                XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -313,16 +315,16 @@ def test_comm_id_is_stable_and_distinguishes_groups():
 
 def test_find_mesh_from_set_mesh_or_setup():
     mesh = _mesh()
-    assert _in_shard_map(mesh, lambda x, w: fused._find_mesh("tp")) is None
+    assert _in_shard_map(mesh, lambda x, w: comm.find_mesh("tp")) is None
     with jax.set_mesh(mesh):
-        assert _in_shard_map(mesh, lambda x, w: fused._find_mesh("tp")) is mesh
-    fused.setup(mesh, "tp")
-    assert _in_shard_map(mesh, lambda x, w: fused._find_mesh("tp")) is mesh
+        assert _in_shard_map(mesh, lambda x, w: comm.find_mesh("tp")) is mesh
+    comm.setup(mesh, "tp")
+    assert _in_shard_map(mesh, lambda x, w: comm.find_mesh("tp")) is mesh
     # Another shape of mesh is not mistaken for the registered one.
     other = _mesh((4, 2))
-    assert _in_shard_map(other, lambda x, w: fused._find_mesh("tp")) is None
+    assert _in_shard_map(other, lambda x, w: comm.find_mesh("tp")) is None
     with pytest.raises(ValueError, match="axis 'nope'"):
-        fused.setup(mesh, "nope")
+        comm.setup(mesh, "nope")
 
 
 # --- The communicator lifecycle against a fake extension ----------------------------------------------
@@ -386,39 +388,39 @@ def test_create_grow_and_errors_one_process(monkeypatch):
     mesh = _mesh()
     ext = FakeExt()
     # CPU devices would be refused by the device checks; everything after them is what we test.
-    monkeypatch.setattr(fused, "_check_devices", lambda *a: None)
-    monkeypatch.setattr(fused, "_extension", lambda: (ext, None))
+    monkeypatch.setattr(comm, "_check_devices", lambda *a: None)
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
     slot, tiles = 256 * 128 * 2, 1
-    cid = fused.acquire_comm(mesh, "tp", slot, tiles)
-    comm = fused._comms[cid]
-    assert fused.acquire_comm(mesh, "tp", slot, tiles) == cid  # enough room: nothing to do
+    cid = comm.acquire_comm(mesh, "tp", slot, tiles)
+    entry = comm._comms[cid]
+    assert comm.acquire_comm(mesh, "tp", slot, tiles) == cid  # enough room: nothing to do
     assert [c[0] for c in ext.calls] == ["comm_create"] + ["comm_connect"] * 8
     create = ext.calls[0]
-    assert create[1:3] == (comm.id, 4)
+    assert create[1:3] == (entry.id, 4)
     assert create[3] == [(d, d % 4) for d in range(8)]
     assert create[4] % (2 << 20) == 0 and create[5] % 64 == 0
     # One process: every peer is a local ordinal (raw pointers), the group of the device.
-    assert ext.calls[5] == ("comm_connect", comm.id, 4, [4, 5, 6, 7])
+    assert ext.calls[5] == ("comm_connect", entry.id, 4, [4, 5, 6, 7])
     # A larger call grows the heap: synchronise, disconnect, grow, reconnect; the id stays.
     ext.calls.clear()
-    assert fused.acquire_comm(mesh, "tp", 4 * 4096 * 4096 * 2, 32 * 32) == cid
+    assert comm.acquire_comm(mesh, "tp", 4 * 4096 * 4096 * 2, 32 * 32) == cid
     assert [c[0] for c in ext.calls] == ["comm_synchronize", "comm_disconnect", "comm_grow"] + ["comm_connect"] * 8
-    assert comm.slot_bytes >= 4 * 4096 * 4096 * 2 and comm.generation == 1
+    assert entry.slot_bytes >= 4 * 4096 * 4096 * 2 and entry.generation == 1
     # A failure during setup is a reason (Unavailable), not a crash of the trace.
     ext.comm_grow = lambda *a: (_ for _ in ()).throw(RuntimeError("cudaMalloc(heap): out of memory"))
-    with pytest.raises(fused.Unavailable, match=r"communicator setup failed \(RuntimeError: cudaMalloc"):
-        fused.acquire_comm(mesh, "tp", 8 * 4096 * 4096 * 2, 32 * 32)
+    with pytest.raises(comm.Unavailable, match=r"communicator setup failed \(RuntimeError: cudaMalloc"):
+        comm.acquire_comm(mesh, "tp", 8 * 4096 * 4096 * 2, 32 * 32)
     # check_errors reports what a consumer recorded.
-    fused.check_errors()
+    comm.check_errors()
     ext.error = "entwine gemm_rs: rank 1 waited 2000 ms for tile 7 from rank 0"
     with pytest.raises(RuntimeError, match="waited 2000 ms for tile 7 from rank 0"):
-        fused.check_errors()
+        comm.check_errors()
 
 
 def _gpu_mesh(world=2):
     """A mesh of `world` fake Hopper GPUs of this process, registered through setup()."""
     mesh = FakeMesh([FakeDevice(i, 0, i) for i in range(world)], ("tp",))
-    fused.setup(mesh, "tp")
+    comm.setup(mesh, "tp")
     return mesh
 
 
@@ -426,39 +428,39 @@ def test_predicates_only_answer_and_prepare_acquires_once(monkeypatch):
     # Only prepare_* creates or grows a communicator: the predicates of both ops ask, nothing more.
     needs_plan()
     ext = FakeExt()
-    monkeypatch.setattr(fused, "_extension", lambda: (ext, None))
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
     mesh = _gpu_mesh()
     x, w = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
     kw = dict(axis_name="tp", axis_size=2)
-    assert fused.unavailable_reason(x, w, scatter_dimension=0, config=CFG, **kw) is None
+    assert rs_fused.unavailable_reason(x, w, scatter_dimension=0, config=CFG, **kw) is None
     ag_config = AgGemmConfig(gemm_sms=100)
-    assert fused.ag_unavailable_reason(x, w, gather_k=False, config=ag_config, **kw) is None
-    assert not ext.calls and not fused._comms
-    call = fused.prepare_gemm_rs(x, w, scatter_dimension=0, config=CFG, **kw)
+    assert ag_fused.unavailable_reason(x, w, gather_k=False, config=ag_config, **kw) is None
+    assert not ext.calls and not comm._comms
+    call = rs_fused.prepare(x, w, scatter_dimension=0, config=CFG, **kw)
     assert [c[0] for c in ext.calls] == ["comm_create"] + ["comm_connect"] * 2
-    cid = fused.comm_id(fused.device_groups(mesh, "tp"), "tp")
+    cid = comm.comm_id(comm.device_groups(mesh, "tp"), "tp")
     # The call carries everything static: the plan (the padding), the communicator, the config.
-    assert call.comm_id == cid and call.config == CFG and call.target == _plan.gemm_rs_target()
+    assert call.comm_id == cid and call.config == CFG and call.target == rs_plan.target()
     assert (call.plan.mp_pad, call.plan.n_pad, call.plan.k_pad) == (256, 256, 64) and hash(call)
     # The other op's call on the same axis shares the communicator; it grows it once, for its inbox.
-    ag_call = fused.prepare_ag_gemm(x, w, gather_k=False, config=ag_config, **kw)
+    ag_call = ag_fused.prepare(x, w, gather_k=False, config=ag_config, **kw)
     assert ag_call.comm_id == cid and hash(ag_call)
     assert [c[0] for c in ext.calls[3:]] == ["comm_synchronize", "comm_disconnect", "comm_grow"] + ["comm_connect"] * 2
-    assert fused._comms[cid].inbox_bytes >= 2 * 512 * 64 * 2
-    assert fused.prepare_ag_gemm(x, w, gather_k=False, config=ag_config, **kw) == ag_call and len(ext.calls) == 8
+    assert comm._comms[cid].inbox_bytes >= 2 * 512 * 64 * 2
+    assert ag_fused.prepare(x, w, gather_k=False, config=ag_config, **kw) == ag_call and len(ext.calls) == 8
     # A call above the heap cap: the predicate says so, and nothing is grown.
     monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(8 << 20))
     big = jax.ShapeDtypeStruct((8192, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 8192), jnp.bfloat16)
-    reason = fused.unavailable_reason(*big, scatter_dimension=0, config=CFG, **kw)
+    reason = rs_fused.unavailable_reason(*big, scatter_dimension=0, config=CFG, **kw)
     assert "would exceed ENTWINE_HEAP_MAX_BYTES=8388608" in reason and len(ext.calls) == 8
-    with pytest.raises(fused.Unavailable, match="ENTWINE_HEAP_MAX_BYTES"):
-        fused.prepare_gemm_rs(*big, scatter_dimension=0, config=CFG, **kw)
+    with pytest.raises(comm.Unavailable, match="ENTWINE_HEAP_MAX_BYTES"):
+        rs_fused.prepare(*big, scatter_dimension=0, config=CFG, **kw)
 
 
 def test_prepare_without_a_mesh_says_how_to_give_one():
     x, w = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
-    with pytest.raises(fused.Unavailable, match=r"call entwine_jax.setup\(mesh, 'tp'\) first"):
-        fused.prepare_gemm_rs(x, w, axis_name="tp", axis_size=2, scatter_dimension=0, config=CFG)
+    with pytest.raises(comm.Unavailable, match=r"call entwine_jax.setup\(mesh, 'tp'\) first"):
+        rs_fused.prepare(x, w, axis_name="tp", axis_size=2, scatter_dimension=0, config=CFG)
 
 
 def test_connect_across_processes_uses_ipc_handles(monkeypatch):
@@ -467,33 +469,33 @@ def test_connect_across_processes_uses_ipc_handles(monkeypatch):
     monkeypatch.setattr(_distributed, "client", lambda: kv)
     devices = [FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)]
     mesh = FakeMesh(devices, ("tp",))
-    groups = fused.device_groups(mesh, "tp")
-    comm = fused._Comm(fused.comm_id(groups, "tp"), [(devices[0], 0, groups[0])], [0, 1])
+    groups = comm.device_groups(mesh, "tp")
+    entry = comm._Comm(comm.comm_id(groups, "tp"), [(devices[0], 0, groups[0])], [0, 1])
     other = b"\x07" * 64
-    kv.store[fused._key(comm, "heap/1")] = other
+    kv.store[comm._key(entry, "heap/1")] = other
     ext = FakeExt()
-    fused._connect(ext, comm)
-    assert kv.store[fused._key(comm, "heap/0")] == bytes([0]) * 64
-    assert ext.calls == [("comm_connect", comm.id, 0, [0, other])]
+    comm._connect(ext, entry)
+    assert kv.store[comm._key(entry, "heap/0")] == bytes([0]) * 64
+    assert ext.calls == [("comm_connect", entry.id, 0, [0, other])]
     # A missing peer is a timeout error, not a hang.
-    comm.generation += 1
+    entry.generation += 1
     with pytest.raises(TimeoutError):
-        fused._connect(ext, comm)
+        comm._connect(ext, entry)
 
 
 def test_device_checks(monkeypatch):
     ext = FakeExt()
     groups = np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 0, 1)]], dtype=object)
-    fused._check_devices(ext, groups)
+    comm._check_devices(ext, groups)
     monkeypatch.setattr(ext, "can_access_peer", lambda a, b: False)
-    with pytest.raises(fused.Unavailable, match="devices not peer-accessible"):
-        fused._check_devices(ext, groups)
+    with pytest.raises(comm.Unavailable, match="devices not peer-accessible"):
+        comm._check_devices(ext, groups)
     ampere = np.array([[FakeDevice(0, 0, 0, compute_capability="8.0")]], dtype=object)
-    with pytest.raises(fused.Unavailable, match="compute capability 9.0"):
-        fused._check_devices(ext, ampere)
+    with pytest.raises(comm.Unavailable, match="compute capability 9.0"):
+        comm._check_devices(ext, ampere)
     remote = np.array([[FakeDevice(0, 1, 0)]], dtype=object)
-    with pytest.raises(fused.Unavailable, match="no device of the mesh"):
-        fused._check_devices(ext, remote)
+    with pytest.raises(comm.Unavailable, match="no device of the mesh"):
+        comm._check_devices(ext, remote)
 
 
 def test_barrier_waits_for_every_process(monkeypatch):
@@ -512,12 +514,12 @@ def test_gemm_rs_local_traces_one_padded_ffi_call(monkeypatch):
     needs_plan()
     mesh = _mesh()
     ext = FakeExt()
-    monkeypatch.setattr(fused, "_extension", lambda: (ext, None))
-    monkeypatch.setattr(fused, "_check_devices", lambda *a: None)
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
+    monkeypatch.setattr(comm, "_check_devices", lambda *a: None)
     m, k, n = 4 * 37, 61, 200
 
     def body(x, w):
-        return fused.gemm_rs_local(x, w, axis_name="tp", axis_size=4, config=CFG)
+        return rs_fused.call_local(x, w, axis_name="tp", axis_size=4, config=CFG)
 
     x = _sds((m, 4 * k), jnp.bfloat16, mesh, P(None, "tp"))
     w = _sds((4 * k, n), jnp.bfloat16, mesh, P("tp", None))
@@ -529,22 +531,21 @@ def test_gemm_rs_local_traces_one_padded_ffi_call(monkeypatch):
     calls = [e for e in inner.eqns if e.primitive.name == "ffi_call"]
     assert len(calls) == 1
     call = calls[0]
-    assert call.params["target_name"] == _plan.gemm_rs_target()
+    assert call.params["target_name"] == rs_plan.target()
     assert [tuple(v.aval.shape) for v in call.invars] == [(4 * 128, 64), (64, 256)]
     assert tuple(call.outvars[0].aval.shape) == (128, 256)
     attrs = dict(call.params["attributes"])
-    comm = next(iter(fused._comms.values()))
-    assert int(attrs["comm_id"]) == comm.id
-    config = {name: int(attrs[name]) for name in ("block_n", "producer_sms", "consumer_grid", "consumer_block",
-                                                  "raster_rows", "split_tail")}
+    entry = next(iter(comm._comms.values()))
+    assert int(attrs["comm_id"]) == entry.id
+    config = {name: int(value) for name, value in dict(attrs["config"]).items()}
     assert config == dict(block_n=128, producer_sms=0, consumer_grid=16, consumer_block=512, raster_rows=8,
                           split_tail=0)
     assert tuple(inner.outvars[0].aval.shape) == (37, n)
     # Lowered for CUDA (no GPU needed): the attribute types the handler binds (int64_t, and bool).
     with jax.set_mesh(mesh):
         text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    call_line = next(line for line in text.splitlines() if _plan.gemm_rs_target() in line)
-    assert f"comm_id = {comm.id} : i64" in call_line
+    call_line = next(line for line in text.splitlines() if rs_plan.target() in line)
+    assert f"comm_id = {entry.id} : i64" in call_line
     for attr in ("block_n = 128 : i64", "producer_sms = 0 : i64", "consumer_grid = 16 : i64",
                  "consumer_block = 512 : i64", "raster_rows = 8 : i64", "split_tail = false"):
         assert attr in call_line, (attr, call_line)

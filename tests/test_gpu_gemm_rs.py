@@ -15,9 +15,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import fused
-from entwine_jax.config import GemmRsConfig, heuristic_config
-from entwine_jax.reference import gemm_rs_reference
+from entwine_jax import comm
+from entwine_jax.gemm_rs import fused as rs_fused
+from entwine_jax import GemmRsConfig, heuristic_config
+from entwine_jax.gemm_rs.reference import gemm_rs_reference
 
 RANKS = pathlib.Path(__file__).with_name("gpu_ranks.py")
 
@@ -47,7 +48,7 @@ def _fns(mesh, config, scatter_dimension=0):
     world = mesh.shape["tp"]
 
     def fused_body(x, w):
-        return fused.gemm_rs_local(x, w, axis_name="tp", axis_size=world, config=config,
+        return rs_fused.call_local(x, w, axis_name="tp", axis_size=world, config=config,
                                    scatter_dimension=scatter_dimension)
 
     def ref_body(x, w):
@@ -64,14 +65,14 @@ def _check(mesh, m, n, k, dtype, block_n=128, seed=0, scatter_dimension=0):
     config = dataclasses.replace(heuristic_config(m, n, k, world, dtype), block_n=block_n)
     x, w = _inputs(mesh, m, n, k, dtype, seed)
     with jax.set_mesh(mesh):
-        reason = fused.unavailable_reason(
+        reason = rs_fused.unavailable_reason(
             jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype),
             axis_name="tp", axis_size=world, scatter_dimension=scatter_dimension, config=config)
         assert reason is None, reason
         f, ref = _fns(mesh, config, scatter_dimension)
         ys = [np.asarray(f(x, w)) for _ in range(3)]
         expected = np.asarray(ref(x, w))
-    fused.check_errors()
+    comm.check_errors()
     err = np.linalg.norm(ys[0].astype(np.float32) - expected.astype(np.float32))
     norm = np.linalg.norm(expected.astype(np.float32))
     assert err <= TOL[dtype] * norm, f"rel error {err / norm:.3g} for M={m} N={n} K={k} W={world} {dtype.__name__}"
@@ -130,10 +131,10 @@ def test_public_api_takes_the_fused_path():
 
 @pytest.mark.gpu
 def test_setup_without_set_mesh():
-    # Outside jax.set_mesh the mesh comes from entwine_jax.fused.setup().
+    # Outside jax.set_mesh the mesh comes from entwine_jax.comm.setup().
     mesh = _mesh()
     world = mesh.shape["tp"]
-    fused.setup(mesh, "tp")
+    comm.setup(mesh, "tp")
     config = heuristic_config(128 * world, 256, 64, world, jnp.bfloat16)
     x, w = _inputs(mesh, 128 * world, 256, 64, jnp.bfloat16, 4)
     f, ref = _fns(mesh, config)
@@ -174,7 +175,7 @@ def test_inside_scan_and_remat():
         y, expected = np.asarray(f(x, ws), np.float32), np.asarray(ref(x, ws), np.float32)
         grads = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, ws)
         grads_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(x, ws)
-    fused.check_errors()
+    comm.check_errors()
     assert y.shape == (layers, m, n)
     for i in range(layers):
         assert np.linalg.norm(y[i] - expected[i]) <= 1e-2 * np.linalg.norm(expected[i]), f"scan step {i}"
@@ -190,7 +191,7 @@ def test_heap_cap_gives_the_xla_path(monkeypatch):
     monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(1 << 20))
     m, n, k = 16384 * world, 16384, 64  # larger than every heap the other tests grew
     with jax.set_mesh(mesh):
-        reason = fused.unavailable_reason(
+        reason = rs_fused.unavailable_reason(
             jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16),
             axis_name="tp", axis_size=world, scatter_dimension=0, config=GemmRsConfig())
     assert reason is not None and "ENTWINE_HEAP_MAX_BYTES" in reason

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
-from entwine_jax.config import AgGemmConfig, GemmRsConfig  # noqa: E402
+from entwine_jax import AgGemmConfig, GemmRsConfig  # noqa: E402
 from entwine_jax.layers import (DEFAULT_LOGICAL_AXIS_RULES, ColumnParallelLinear, RowParallelLinear,  # noqa: E402
                                 partition_specs)
 

@@ -18,7 +18,7 @@ pytest.importorskip("optax")  # examples/train_step.py, which holds the jaxpr wa
 from flax import nnx  # noqa: E402
 
 import entwine_jax  # noqa: E402
-from entwine_jax import layers  # noqa: E402
+from entwine_jax import layers, pairing  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RULES = layers.DEFAULT_LOGICAL_AXIS_RULES
@@ -102,8 +102,8 @@ def test_every_tp_collective_is_a_fused_op(mesh, walk, monkeypatch, layout, fuse
 
     monkeypatch.setattr(layers, "ag_gemm", spy("ag_gemm", layers.ag_gemm))
     monkeypatch.setattr(layers, "gemm_rs", spy("gemm_rs", layers.gemm_rs))
-    monkeypatch.setattr(entwine_jax.ag_gemm_op, "ag_gemm", spy("ag_gemm", entwine_jax.ag_gemm_op.ag_gemm))
-    monkeypatch.setattr(entwine_jax.ag_gemm_op, "gemm_rs", spy("gemm_rs", entwine_jax.ag_gemm_op.gemm_rs))
+    monkeypatch.setattr(pairing, "ag_gemm", spy("ag_gemm", pairing.ag_gemm))
+    monkeypatch.setattr(pairing, "gemm_rs", spy("gemm_rs", pairing.gemm_rs))
 
     x_shape, x_spec, dim, mode = LAYOUTS[layout]
     with jax.set_mesh(mesh), nnx.logical_axis_rules(RULES):

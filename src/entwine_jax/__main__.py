@@ -1,13 +1,11 @@
-# python -m entwine_jax {bench,tune} [args]: the package's command line. `bench` is the benchmark of
-# docs/performance.md (entwine_jax.bench), `tune` runs entwine_jax.tune() over the local GPUs and stores the
-# winners in the user cache. Its own entry point: `python -m entwine_jax.tuning` works too, but
-# runpy warns there because the package imports that module first.
+# python -m entwine_jax tune [args]: tune() over the local GPUs, the winners into the user cache
+# (entwine_jax.tuning.tune). The benchmarks are programs of the repository (benchmarks/bench.py).
 import sys
 
 PROG = "python -m entwine_jax"
-USAGE = f"""usage: {PROG} {{bench,tune}} [args]
-  bench   time the fused ops against XLA ({PROG} bench --help)
-  tune    tune() over the local GPUs, winners into the user cache ({PROG} tune --help)"""
+USAGE = f"""usage: {PROG} tune [args]
+  tune    tune() over the local GPUs, winners into the user cache ({PROG} tune --help)
+The benchmarks are programs in the repository: python benchmarks/bench.py --help"""
 
 
 def main(argv=None) -> int:
@@ -16,14 +14,11 @@ def main(argv=None) -> int:
     if command in ("-h", "--help"):
         print(USAGE)
         return 0
-    if command not in ("bench", "tune"):
+    if command != "tune":
         what = "no command given" if command is None else f"unknown command {command!r}"
-        print(f"{PROG}: {what} (expected bench or tune)\n{USAGE}", file=sys.stderr)
+        print(f"{PROG}: {what} (expected tune)\n{USAGE}", file=sys.stderr)
         return 2
-    if command == "bench":
-        from entwine_jax import bench as module
-    else:
-        from entwine_jax import tuning as module
+    from entwine_jax.tuning import tune as module
     try:
         return module.main(argv[1:], prog=f"{PROG} {command}")
     except SystemExit as e:  # argparse: --help (0) and usage errors (2), already printed

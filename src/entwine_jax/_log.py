@@ -1,11 +1,9 @@
-# The package logger ("entwine_jax"), a once-per-key helper (gemm_rs runs at trace time, so the
-# same call site is traced many times and must not repeat its messages), the level of a fallback
-# message, and the check for a source checkout imported in place of the installed package.
+# The package logger ("entwine_jax"), a once-per-key helper (the ops run at trace time, so the same
+# call site is traced many times and must not repeat its messages), the level of a fallback message,
+# and whether this machine has CUDA GPUs (without initialising a JAX backend).
 import glob
-import importlib.util
 import logging
 import os
-import pathlib
 import sys
 import threading
 from typing import Optional
@@ -82,7 +80,7 @@ def fallback_level(path: str, backend: Optional[str] = None) -> int:
     return logging.WARNING if backend == "cuda" else logging.INFO
 
 
-# --- Imported from a source checkout --------------------------------------------------------------
+# --- GPUs on this machine -----------------------------------------------------------------------
 
 
 def cuda_gpus_present() -> bool:
@@ -98,58 +96,6 @@ def cuda_gpus_present() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def _extension_importable() -> bool:
-    """Whether entwine_jax._entwine can be found (not loaded): beside the package, or through an
-    editable install's import hook."""
-    try:
-        return importlib.util.find_spec("entwine_jax._entwine") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def source_tree_warning(package_dir=None, *, extension: Optional[bool] = None,
-                        gpus: Optional[bool] = None) -> Optional[str]:
-    """The warning for an entwine_jax imported from a source checkout (pyproject.toml and ffi/ beside
-    the package) without its compiled extension on a machine with CUDA GPUs; None otherwise.
-
-    That happens when a command runs from the repository root: Python puts the current directory
-    first on sys.path, so ./entwine_jax shadows the installed package and its extension. Every
-    gemm_rs call then takes the XLA path, and bench/tune would time XLA.
-    package_dir, extension, gpus: default to this package's directory, _extension_importable() and
-    cuda_gpus_present() (tests pass them).
-    """
-    package = pathlib.Path(package_dir if package_dir is not None else __file__).resolve()
-    package = package if package.is_dir() else package.parent
-    root = package.parent
-    if not ((root / "pyproject.toml").is_file() and (root / "ffi").is_dir()):
-        return None
-    if extension is None:
-        extension = _extension_importable()
-    if extension:
-        return None
-    if gpus is None:
-        gpus = cuda_gpus_present()
-    if not gpus:
-        return None
-    return (f"entwine_jax was imported from the source tree ({package / '__init__.py'}), which has no compiled "
-            f"extension, on a machine with CUDA GPUs: every gemm_rs call takes the XLA reference path, and "
-            f"`python -m entwine_jax bench` / `tune` would time XLA, not the fused kernels. Python imports "
-            f"./entwine_jax before the installed package when run from the repository root ({root}). Fix: run from "
-            f"another directory (e.g. cd /tmp), or install in development mode from the repository root "
-            f"(pip install -e ., which builds the extension with nvcc).")
-
-
-def extension_fix() -> str:
-    """What to do when the compiled extension is missing on a machine with CUDA GPUs: the source-tree
-    fix when that is the cause, else how to build it."""
-    return source_tree_warning(gpus=True) or (
-        "Install entwine_jax where nvcc (CUDA >= 12.3) is on PATH so that its CUDA extension builds "
-        "(pip install -v . shows the build's progress).")
-
-
-def warn_if_source_tree() -> Optional[str]:
-    """Log source_tree_warning() once, at WARNING, if there is one; returns it (None: nothing to say)."""
-    message = source_tree_warning()
-    if message is not None:
-        log_once("source-tree", logging.WARNING, "%s", message)
-    return message
+# What to do when the compiled extension is missing on a machine with CUDA GPUs.
+EXTENSION_FIX = ("Install entwine_jax where nvcc (CUDA >= 12.3) is on PATH so that its CUDA extension builds "
+                 "(pip install -v . shows the build's progress).")

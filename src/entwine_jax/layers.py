@@ -84,9 +84,9 @@ try:
 except ImportError as e:  # flax is an optional dependency of entwine_jax
     raise ImportError(f"entwine_jax.layers needs flax: pip install 'entwine_jax[layers]' ({e})") from e
 
-from entwine_jax.ag_gemm_op import ag_gemm
-from entwine_jax.config import AgGemmConfig, GemmRsConfig
-from entwine_jax.ops import gemm_rs
+from entwine_jax.ag_gemm.config import AgGemmConfig
+from entwine_jax.gemm_rs.config import GemmRsConfig
+from entwine_jax.pairing import ag_gemm, gemm_rs
 
 __all__ = ["DEFAULT_LOGICAL_AXIS_RULES", "partition_specs", "row_parallel_linear", "column_parallel_linear",
            "RowParallelLinear", "ColumnParallelLinear", "RowParallelDense", "ColumnParallelDense"]

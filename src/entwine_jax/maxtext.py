@@ -64,7 +64,7 @@ from jax.sharding import PartitionSpec as P
 
 import entwine_jax
 from entwine_jax import _log
-from entwine_jax.config import GemmRsConfig
+from entwine_jax.gemm_rs.config import GemmRsConfig
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "stats", "reset_stats", "TESTED_MAXTEXT_VERSIONS"]
 

@@ -1,4 +1,4 @@
-# `python -m entwine_jax bench --op mlp`: the layer-level benchmark. A tensor-parallel SwiGLU
+# `python benchmarks/bench.py --op mlp`: the layer-level benchmark. A tensor-parallel SwiGLU
 # MLP block, forward and backward under jit, with every collective fused (entwine), in plain XLA
 # (default flags; with its windowed-einsum flags) and with no collective at all (the bound: the
 # block's GEMMs alone). Both process models (bench_run).
@@ -28,11 +28,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import ag_gemm_op, ops
-from entwine_jax.bench_run import AXIS, WINDOWED_OPTIONS, collectives, fmt, ms_or_none, ratio, windowed_loop
-from entwine_jax.config import get_default_config
-from entwine_jax.timing import TOL
-from entwine_jax.tuning import select_config
+from entwine_jax import _extension
+from entwine_jax.ag_gemm import op as ag_gemm_op
+from entwine_jax.gemm_rs import op as gemm_rs_op
+from runner import AXIS, WINDOWED_OPTIONS, collectives, fmt, ms_or_none, ratio, windowed_loop
+from entwine_jax.gemm_rs.config import get_default_config
+from entwine_jax.tuning.timing import TOL
+from entwine_jax.tuning.table import select_config
 
 # (embed, mlp) of Llama-class models (Llama 3 8B and 70B), and the tokens per tensor-parallel group.
 MLP_DIMS = [(4096, 14336), (8192, 28672)]
@@ -45,9 +47,7 @@ SMOKE_SHAPE = (64, 64, 128)
 
 def _targets() -> tuple:
     """The custom-call names of the two fused ops (defined once, in the extension)."""
-    from entwine_jax import _plan
-
-    ext, _ = _plan.extension()
+    ext, _ = _extension.module()
     return (ext.AG_GEMM_TARGET, ext.GEMM_RS_TARGET) if ext is not None else ("(no extension)",)
 
 def suite() -> list:
@@ -136,10 +136,12 @@ class MlpBench:
         up_config = entwine_jax.ag_heuristic_config(x_local[0], 2 * f // w, x_local[1], w, dtype)
         down_config = get_default_config() or select_config(t, d, f // w, w, dtype, rows=layout == "rows")[0]
         with jax.set_mesh(r.mesh):
-            up = ag_gemm_op._fused_unavailable(jax.ShapeDtypeStruct(x_local, dtype),
-                                               jax.ShapeDtypeStruct((d, 2 * f // w), dtype), AXIS, w, gd, up_config)
-            down = ops._fused_unavailable(jax.ShapeDtypeStruct((t, f // w), dtype),
-                                          jax.ShapeDtypeStruct((f // w, d), dtype), AXIS, w, sd, down_config)
+            up = ag_gemm_op.why_not_fused(jax.ShapeDtypeStruct(x_local, dtype),
+                                          jax.ShapeDtypeStruct((d, 2 * f // w), dtype), axis_name=AXIS, axis_size=w,
+                                          gather_dimension=gd, config=up_config)
+            down = gemm_rs_op.why_not_fused(jax.ShapeDtypeStruct((t, f // w), dtype),
+                                            jax.ShapeDtypeStruct((f // w, d), dtype), axis_name=AXIS, axis_size=w,
+                                            scatter_dimension=sd, config=down_config)
         reasons = [f"{name}: {why}" for name, why in (("ag_gemm", up), ("gemm_rs", down)) if why]
         return "; ".join(reasons)
 

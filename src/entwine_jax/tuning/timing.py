@@ -36,17 +36,17 @@ def parse_shapes(text: str) -> list:
     shapes = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         if not re.fullmatch(r"\d+x\d+x\d+", item):
-            raise argparse.ArgumentTypeError(f"--shapes: expected MxNxK_local items like 4096x8192x1024, got {item!r}")
+            raise argparse.ArgumentTypeError(f"expected MxNxK_local items like 4096x8192x1024, got {item!r}")
         shapes.append(tuple(int(v) for v in item.split("x")))
     if not shapes:
-        raise argparse.ArgumentTypeError("--shapes: no shape given")
+        raise argparse.ArgumentTypeError("no shape given")
     return shapes
 
 
 def parse_dtype(text: str) -> str:
     """bf16|bfloat16|fp16|float16 -> the numpy name ("bfloat16", "float16") (an argparse type)."""
     if text.strip().lower() not in DTYPES:
-        raise argparse.ArgumentTypeError(f"--dtype: expected one of {', '.join(DTYPES)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)}, got {text!r}")
     return jnp.dtype(DTYPES[text.strip().lower()]).name
 
 

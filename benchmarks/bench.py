@@ -22,14 +22,19 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import _log, bench_ag, bench_mlp, bench_run, ops
+import bench_ag_gemm as bench_ag
+import bench_mlp
+import runner as bench_run
+from entwine_jax import _extension, _log
+from entwine_jax.gemm_rs import op as gemm_rs_op
 # XLA's windowed-einsum flags (per compile): one definition for every op's benchmark.
-from entwine_jax.bench_run import WINDOWED_OPTIONS
-from entwine_jax.config import AgGemmConfig, GemmRsConfig, with_overrides
+from runner import WINDOWED_OPTIONS
+from entwine_jax.ag_gemm.config import AgGemmConfig
+from entwine_jax.gemm_rs.config import GemmRsConfig, with_overrides
 # Re-exported: scripts and tests take the protocol's pieces from here too.
-from entwine_jax.timing import DESIGN_SUITE, SHORT_NAMES, TOL, parse_dtype, parse_shapes, rel_err  # noqa: F401
-from entwine_jax.timing import rounds, time_interleaved
-from entwine_jax.tuning import select_config
+from entwine_jax.tuning.timing import DESIGN_SUITE, SHORT_NAMES, TOL, parse_dtype, parse_shapes, rel_err  # noqa: F401
+from entwine_jax.tuning.timing import rounds, time_interleaved
+from entwine_jax.tuning.table import select_config
 
 AXIS = "tp"
 # Budget sweep: same M, N, one communication-bound (small K) and one GEMM-bound (large K) shape.
@@ -61,17 +66,15 @@ rank). Suite: embed 4096 / mlp 14336 and 8192 / 28672 at 8192 and 16384 tokens.
 
 W processes: --processes W [--gpus G] starts W ranks on localhost (jax.distributed); where they
 share a GPU, NCCL cannot run, so only entwine, XLA's GEMMs and the bound are timed:
-    python -m entwine_jax bench --op mlp --processes 2            # 2 ranks on one GPU
-    python -m entwine_jax bench --op ag_gemm                      # one process, every local GPU
+    python benchmarks/bench.py --op mlp --processes 2            # 2 ranks on one GPU
+    python benchmarks/bench.py --op ag_gemm                      # one process, every local GPU
 """
 
 
 
 def _fused_target() -> str:
     """The custom-call name the fused gemm_rs lowers to (defined once, in the extension)."""
-    from entwine_jax import _plan
-
-    ext, _ = _plan.extension()
+    ext, _ = _extension.module()
     return ext.GEMM_RS_TARGET if ext is not None else "(no extension)"
 
 def parse_layouts(text):
@@ -210,9 +213,9 @@ class Bench:
         try:
             m, k, n = x.shape[0], x.shape[1] // self.world, w.shape[1]
             with jax.set_mesh(self.mesh):
-                reason = ops._fused_unavailable(
+                reason = gemm_rs_op.why_not_fused(
                     jax.ShapeDtypeStruct((m, k), x.dtype), jax.ShapeDtypeStruct((k, n), w.dtype),
-                    AXIS, self.world, 0, config)
+                    axis_name=AXIS, axis_size=self.world, scatter_dimension=0, config=config)
         except Exception as e:
             reason = f"entwine_jax.fused unavailable ({type(e).__name__}: {e})"
         return compiled, "xla", reason or f"{_fused_target()} not in the lowered program"
@@ -280,12 +283,12 @@ class Bench:
         the later of the two kernels; None when profiling is off or the call did not run fused."""
         if os.environ.get("ENTWINE_PROFILE") != "1":
             return None
-        from entwine_jax import fused
+        from entwine_jax import comm
         windows, ends = [], []
         for _ in range(calls):
             jax.block_until_ready(compiled(*args))
             try:
-                timings = fused.last_call_ms(self.mesh, AXIS)
+                timings = comm.last_call_ms(self.mesh, AXIS)
             except RuntimeError:
                 return None
             windows.append(max(t[1] for t in timings))
@@ -386,7 +389,7 @@ def plot(path, rows, sweep):
     print(f"plot written to {path}", file=sys.stderr)
 
 
-def parse_args(argv, prog="python -m entwine_jax.bench"):
+def parse_args(argv, prog="python benchmarks/bench.py"):
     p = argparse.ArgumentParser(prog=prog, description=__doc__ + OPS_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", choices=OPS, default="gemm_rs",
@@ -475,17 +478,16 @@ def missing_extension(prog, allow_xla):
     built, reason = entwine_jax.extension_status()
     if built or allow_xla:
         return None
-    print(f"{prog}: refusing to time the XLA path on CUDA GPUs: {reason}. {_log.extension_fix()} "
+    print(f"{prog}: refusing to time the XLA path on CUDA GPUs: {reason}. {_log.EXTENSION_FIX} "
           f"Pass --allow-xla to time the XLA path anyway.", file=sys.stderr)
     return 2
 
 
-def main(argv=None, prog="python -m entwine_jax.bench"):
+def main(argv=None, prog="python benchmarks/bench.py"):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, args = parse_args(argv, prog)
     if args.op != "gemm_rs":
         return main_ag_mlp(parser, args, argv, prog)
-    _log.warn_if_source_tree()
     platform = _log.default_platform()
     on_gpu = platform == "cuda"
     if on_gpu and (refused := missing_extension(prog, args.allow_xla)) is not None:
@@ -511,7 +513,7 @@ def main(argv=None, prog="python -m entwine_jax.bench"):
     device = jax.local_devices()[0]
     machine = f"{bench.world} x {device.device_kind}"
     dtype = SHORT_NAMES[args.dtype]
-    print(f"# entwine_jax.bench: {machine} ({device.platform}), jax {jax.__version__}, {dtype}, W={bench.world}, "
+    print(f"# benchmarks/bench.py: {machine} ({device.platform}), jax {jax.__version__}, {dtype}, W={bench.world}, "
           f"median of >= {args.iters} calls in batches of {args.batch} after {args.warmup} warm-ups, "
           f"the programs of a shape timed in interleaved rounds")
     print(f"# extension: {entwine_jax.extension_status()[1]}")
@@ -557,14 +559,13 @@ def main(argv=None, prog="python -m entwine_jax.bench"):
 
 
 def main_ag_mlp(parser, args, argv, prog):
-    """--op ag_gemm and --op mlp, in either process model (entwine_jax.bench_run)."""
+    """--op ag_gemm and --op mlp, in either process model (benchmarks/runner.py)."""
     if args.processes > 1 and args.rank is None:
         return bench_run.launch(argv, args.processes, args.timeout)
     if args.rank is not None:
         if args.port is None:
             parser.error("--rank needs --port (both are set by --processes)")
         bench_run.init_rank(args.rank, args.port, args.processes, args.gpus)
-    _log.warn_if_source_tree()
     platform = _log.default_platform()
     on_gpu = platform == "cuda"
     if on_gpu and (refused := missing_extension(prog, args.allow_xla)) is not None:
@@ -595,7 +596,7 @@ def main_ag_mlp(parser, args, argv, prog):
     machine = f"{world} x {device.device_kind}{model}"
     dtype = SHORT_NAMES[args.dtype]
     if runner.rank0:
-        print(f"# entwine_jax.bench --op {args.op}: {world} x {device.device_kind} ({device.platform}){model}, "
+        print(f"# benchmarks/bench.py --op {args.op}: {world} x {device.device_kind} ({device.platform}){model}, "
               f"jax {jax.__version__}, {dtype}, "
               f"W={world}, median of >= {args.iters} calls in batches of {args.batch} after {args.warmup} warm-ups, "
               f"the programs of a shape timed in interleaved rounds, max over "

@@ -1,8 +1,8 @@
-# What the ag_gemm and MLP benchmarks (bench_ag, bench_mlp) share: the two process models (one
+# What the ag_gemm and MLP benchmarks (bench_ag_gemm.py, bench_mlp.py) share: the two process models (one
 # process driving every local GPU; W processes, one rank each, possibly sharing one GPU), inputs
 # made from seeds on every process, results checked per shard against a local reference, programs
 # timed in interleaved rounds with the max over processes, and the --processes launcher.
-"""The process models of ``python -m entwine_jax bench --op {ag_gemm,mlp}``.
+"""The process models of ``python benchmarks/bench.py --op {ag_gemm,mlp}``.
 
 One process (the default): it drives min(--world, local devices) devices, as the gemm_rs bench does.
 
@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 
 import entwine_jax
 from entwine_jax import _distributed, _log
-from entwine_jax.timing import max_over_processes, rel_err, time_interleaved
+from entwine_jax.tuning.timing import max_over_processes, rel_err, time_interleaved
 
 AXIS = "tp"
 # How long a process waits for another at a key-value exchange (they may still be compiling).
@@ -69,7 +69,7 @@ def _free_port() -> int:
 
 
 def launch(argv: list, processes: int, timeout_s: float, program=None) -> int:
-    """Runs `python -m entwine_jax bench ARGV --rank r --port P` for r < processes and waits
+    """Runs `python benchmarks/bench.py ARGV --rank r --port P` for r < processes and waits
     (program: the command before ARGV, a list; tests pass their own).
 
     Rank 0 writes to this process's stdout and stderr (the table, the progress); the other ranks'
@@ -87,7 +87,7 @@ def launch(argv: list, processes: int, timeout_s: float, program=None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     for rank in range(processes):
-        cmd = [*(program or [sys.executable, "-m", "entwine_jax", "bench"]), *argv, "--rank", str(rank),
+        cmd = [*(program or [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench.py")]), *argv, "--rank", str(rank),
                "--port", str(port)]
         piped = subprocess.PIPE if rank else None
         # Own session: a timeout kills the rank's process group and nothing else.
@@ -114,7 +114,7 @@ def launch(argv: list, processes: int, timeout_s: float, program=None) -> int:
         t.join(timeout=5)
     codes = [proc.returncode for proc in procs]
     if timed_out:
-        print(f"entwine_jax bench: killed the ranks still running after --timeout {timeout_s:g} s "
+        print(f"benchmarks/bench.py: killed the ranks still running after --timeout {timeout_s:g} s "
               f"(exit codes {codes})", file=sys.stderr)
         return 1
     return next((c for c in codes if c), 0)

@@ -1,280 +1,25 @@
-# Tuned configs: the table gemm_rs consults between a user override and heuristic_config (the user
-# cache written by tune(), then the shipped tuned_configs.json), and tune(), which fills the cache by
-# timing candidate configs of the fused op end to end on a live mesh.
-"""Tuned GemmRsConfigs: lookup (used by ``gemm_rs`` at trace time) and ``tune()``.
-
-Selection order of a gemm_rs call (docs/design.md, "The budget and configuration"):
-
-1. ``config=`` or ``set_default_config``          -> source "override"
-2. the user cache (``ENTWINE_TUNE_CACHE``, default ``~/.cache/entwine_jax/tuned.json``)
-                                                  -> source "tuned (user cache)"
-3. the shipped ``entwine_jax/tuned_configs.json`` -> source "tuned (shipped)"
-4. ``heuristic_config``                           -> source "heuristic"
-
-Entries are keyed by (device_kind, world, m, n, k_local, dtype): ``device_kind`` is
-``jax.devices()[0].device_kind`` (e.g. "NVIDIA H200"), ``m`` the rows of x as gemm_rs sees them
-(``prod(x.shape[:-1])``, before the scatter), ``k_local = x.shape[-1]``, ``n = w.shape[1]``,
-``world`` the size of the scatter axis and ``dtype`` the dtype name ("bfloat16", "float16").
-Every entry was measured with the scatter over rows (scatter_dimension 0, as tune() times it): a
-scatter over N (column partitions) is not looked up and takes heuristic_config until measured.
-
-Device classes: an entry may also carry ``device_class`` (``"hopper-<SMs>sm"``: compute capability
-9.0 with that many SMs, e.g. "hopper-132sm" for H100 SXM and H200). A GPU with no entry under its
-own ``device_kind`` (in either file) uses an entry of its class: same kernels, same SM split
-(``config.producer_sms_beside``), same NVLink generation. Exact matches always win; such a
-match is reported as e.g. "tuned (shipped) via hopper-132sm".
-
-Files are JSON: ``{"format": 1, ..., "entries": [{device_kind, device_class?, world, m, n, k_local,
-dtype, config: {GemmRsConfig fields}, ms, provenance}, ...]}``. An unreadable file or entry is
-skipped with a warning (logged once); it never breaks gemm_rs.
-"""
-
+# tune(): fills the user cache of tuned GemmRsConfigs by timing candidate configs of the fused gemm_rs
+# end to end on a live mesh (max over processes of the median), and its command line,
+# `python -m entwine_jax tune`. Imported only when tune() is called: never by `import entwine_jax`.
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
-import json
-import logging
 import math
-import os
-import pathlib
 import sys
-import tempfile
-import threading
-from typing import Any, Iterable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _log, _plan, timing
-from entwine_jax.config import GemmRsConfig, heuristic_config, producer_sms_beside, with_overrides
-
-FORMAT = 1
-SHIPPED_PATH = pathlib.Path(__file__).with_name("tuned_configs.json")
-DEFAULT_CACHE_PATH = pathlib.Path("~/.cache/entwine_jax/tuned.json")
-
-SOURCE_OVERRIDE = "override"
-SOURCE_USER = "tuned (user cache)"
-SOURCE_SHIPPED = "tuned (shipped)"
-SOURCE_HEURISTIC = "heuristic"
-
-_DTYPE_NAMES = ("bfloat16", "float16")
-_KEY_FIELDS = ("device_kind", "world", "m", "n", "k_local", "dtype")
-
-
-def cache_path() -> pathlib.Path:
-    """The user cache: $ENTWINE_TUNE_CACHE, else ~/.cache/entwine_jax/tuned.json."""
-    return pathlib.Path(os.environ.get("ENTWINE_TUNE_CACHE") or DEFAULT_CACHE_PATH).expanduser()
-
-
-def device_class(device) -> Optional[str]:
-    """"hopper-<SMs>sm" for a compute capability 9.0 GPU, else None (no class fallback)."""
-    cc = str(getattr(device, "compute_capability", ""))
-    cores = getattr(device, "core_count", None)
-    if getattr(device, "platform", None) == "gpu" and cc == "9.0" and cores:
-        return f"hopper-{int(cores)}sm"
-    return None
-
-
-def current_device() -> tuple[str, Optional[str]]:
-    """(device_kind, device_class) of jax.devices()[0], the GPU gemm_rs's lookup is keyed by."""
-    device = jax.devices()[0]
-    return str(device.device_kind), device_class(device)
-
-
-# --- Reading tables -------------------------------------------------------------------------------
-
-
-def _key(entry: dict) -> tuple:
-    return tuple(entry[f] for f in _KEY_FIELDS)
-
-
-def _parse_entry(entry: Any) -> tuple[tuple, Optional[str], GemmRsConfig]:
-    """(key, device_class, config) of one entry; ValueError naming what is wrong."""
-    if not isinstance(entry, dict):
-        raise ValueError(f"entry must be an object, got {type(entry).__name__}")
-    missing = [f for f in _KEY_FIELDS + ("config",) if f not in entry]
-    if missing:
-        raise ValueError(f"entry lacks {missing}")
-    if not isinstance(entry["device_kind"], str):
-        raise ValueError(f"device_kind must be a string, got {entry['device_kind']!r}")
-    for f in ("world", "m", "n", "k_local"):
-        if isinstance(entry[f], bool) or not isinstance(entry[f], int) or entry[f] < 1:
-            raise ValueError(f"{f} must be an int >= 1, got {entry[f]!r}")
-    if entry["dtype"] not in _DTYPE_NAMES:
-        raise ValueError(f"dtype must be one of {_DTYPE_NAMES}, got {entry['dtype']!r}")
-    cls = entry.get("device_class")
-    if cls is not None and not isinstance(cls, str):
-        raise ValueError(f"device_class must be a string or absent, got {cls!r}")
-    if not isinstance(entry["config"], dict):
-        raise ValueError(f"config must be an object of GemmRsConfig fields, got {entry['config']!r}")
-    try:
-        config = GemmRsConfig(**entry["config"])
-    except TypeError as e:  # unknown field names
-        raise ValueError(f"config {entry['config']!r}: {e}") from None
-    # A config the kernels cannot run is never picked (checked where the extension can tell).
-    rule = _plan.gemm_rs_config_rule(config)
-    if rule is not None:
-        raise ValueError(f"config {config} cannot run on the fused kernels: {rule}")
-    return _key(entry), cls, config
-
-
-@dataclasses.dataclass
-class _Table:
-    exact: dict  # key -> config
-    by_class: dict  # (device_class,) + key[1:] -> (config, device_kind)
-
-
-_tables: dict[str, tuple[tuple, _Table]] = {}
-_tables_lock = threading.Lock()
-
-
-def _read_document(path: pathlib.Path) -> dict:
-    """The parsed file; ValueError when it is not a table of this format."""
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), list):
-        raise ValueError(f"expected an object with \"format\": {FORMAT} and an \"entries\" list")
-    return doc
-
-
-def _load(path: pathlib.Path) -> Optional[_Table]:
-    """The table in `path` (None if absent), re-read only when the file changes."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    # A new inode (os.replace) or size or mtime: tune() in this process is seen by the next trace.
-    signature = (st.st_ino, st.st_size, st.st_mtime_ns)
-    with _tables_lock:
-        cached = _tables.get(str(path))
-        if cached is not None and cached[0] == signature:
-            return cached[1]
-    table = _Table({}, {})
-    try:
-        entries = _read_document(path)["entries"]
-    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
-        _log.log_once(("tuned-file", str(path), signature), logging.WARNING,
-                      "tuned configs %s ignored: %s", path, e)
-        entries = []
-    for i, entry in enumerate(entries):
-        try:
-            key, cls, config = _parse_entry(entry)
-        except ValueError as e:
-            _log.log_once(("tuned-entry", str(path), signature, i), logging.WARNING,
-                          "tuned configs %s: entry %d ignored: %s", path, i, e)
-            continue
-        table.exact[key] = config
-        if cls is not None:
-            # First entry of a class wins: a file lists one GPU's measurements per class.
-            table.by_class.setdefault((cls,) + key[1:], (config, key[0]))
-    with _tables_lock:
-        _tables[str(path)] = (signature, table)
-    return table
-
-
-def lookup(m: int, n: int, k: int, world: int, dtype, *, device_kind: Optional[str] = None,
-           device_cls: Optional[str] = None) -> Optional[tuple[GemmRsConfig, str]]:
-    """(config, source) of the tuned entry for this call, or None.
-
-    device_kind/device_cls default to current_device(). Order: user cache then shipped file by
-    exact device_kind, then user cache then shipped file by device class.
-    """
-    if device_kind is None:
-        device_kind, device_cls = current_device()
-    name = jnp.dtype(dtype).name
-    key = (device_kind, int(world), int(m), int(n), int(k), name)
-    tables = [(_load(cache_path()), SOURCE_USER), (_load(SHIPPED_PATH), SOURCE_SHIPPED)]
-    for table, source in tables:
-        if table is not None and key in table.exact:
-            return table.exact[key], source
-    if device_cls is not None:
-        for table, source in tables:
-            hit = table.by_class.get((device_cls,) + key[1:]) if table is not None else None
-            if hit is not None:
-                return hit[0], f"{source} via {device_cls}"
-    return None
-
-
-def select_config(m: int, n: int, k: int, world: int, dtype, *, rows: bool = True) -> tuple[GemmRsConfig, str]:
-    """(config, source) for a call without an override: tuned table, else heuristic_config.
-
-    rows: the call scatters rows of the [rows, N] view of the product (any output dim but N; a middle
-    dim after a permutation of x's rows): the same kernels as scatter_dimension 0, the only calls tuned.
-    """
-    try:
-        hit = lookup(m, n, k, world, dtype) if rows else None
-    except Exception as e:  # a broken table must never take gemm_rs down
-        _log.log_once(("tuned-lookup", type(e).__name__, str(e)), logging.WARNING,
-                      "tuned config lookup failed (%s: %s); using heuristic_config", type(e).__name__, e)
-        hit = None
-    if hit is not None:
-        return hit
-    return heuristic_config(m, n, k, world, dtype, scatter_cols=not rows), SOURCE_HEURISTIC
-
-
-# --- Writing the user cache -----------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _file_lock(path: pathlib.Path):
-    """Exclusive lock on `path`.lock so that concurrent tune() runs merge instead of losing entries."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: atomic replace alone (a concurrent writer's entries may be lost)
-        yield
-        return
-    with open(str(path) + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def write_cache(entries: Iterable[dict], path=None) -> pathlib.Path:
-    """Merge `entries` into the cache file (same key: replaced) with an atomic write; returns the path.
-
-    Entries already in the file under other keys are kept as they are. An unreadable file is
-    replaced (warning). The new file is written next to the old one and renamed over it, so a
-    reader (or a crash) never sees a half-written table.
-    """
-    path = pathlib.Path(path).expanduser() if path is not None else cache_path()
-    new = list(entries)
-    for entry in new:
-        _parse_entry(entry)  # never write what the lookup would refuse
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(path):
-        merged: dict = {}
-        if path.exists():
-            try:
-                for entry in _read_document(path)["entries"]:
-                    if isinstance(entry, dict) and all(f in entry for f in _KEY_FIELDS):
-                        merged[repr(_key(entry))] = entry
-            except (OSError, ValueError) as e:
-                _log.logger.warning("tuned config cache %s was unreadable (%s); writing a new one", path, e)
-        for entry in new:
-            merged[repr(_key(entry))] = entry
-        doc = {"format": FORMAT,
-               "about": "entwine_jax user cache of tuned GemmRsConfigs, written by entwine_jax.tune(); "
-                        "see entwine_jax/tuning.py for the key and the selection order",
-               "entries": sorted(merged.values(), key=lambda e: tuple(str(v) for v in _key(e)))}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    return path
-
+from entwine_jax import _extension, _log, comm
+from entwine_jax.gemm_rs import fused
+from entwine_jax.gemm_rs import plan as kernel_plan
+from entwine_jax.gemm_rs.config import GemmRsConfig, heuristic_config, producer_sms_beside, with_overrides
+from entwine_jax.pairing import gemm_rs
+from entwine_jax.tuning import timing
+from entwine_jax.tuning.table import DTYPE_NAMES, device_class, write_cache
 
 # --- tune() -----------------------------------------------------------------------------------------
 
@@ -288,12 +33,12 @@ def _config_dict(config: GemmRsConfig) -> dict:
 TUNE_BUDGETS = (4, 8, 12, 16, 20, 24, 28, 32)
 
 
-def _plan_of(m: int, n: int, k: int, world: int, config: GemmRsConfig) -> Optional[_plan.GemmRsPlan]:
+def _plan_of(m: int, n: int, k: int, world: int, config: GemmRsConfig) -> Optional[kernel_plan.GemmRsPlan]:
     """The kernels' plan of a row scatter of this shape with `config`; None where it has none (no
     extension, or a shape or config the kernels cannot run)."""
     try:
-        return _plan.gemm_rs_plan(m, n, k, world, config)
-    except (_plan.NoExtension, _plan.PlanError):
+        return kernel_plan.gemm_rs_plan(m, n, k, world, config)
+    except (kernel_plan.NoExtension, kernel_plan.PlanError):
         return None
 
 
@@ -398,7 +143,7 @@ def _check_shapes(shapes, world: int) -> list:
     return out
 
 
-def _unavailable(fused, mesh, axis_name, world, shape, dtype, config) -> Optional[str]:
+def _unavailable(mesh, axis_name, world, shape, dtype, config) -> Optional[str]:
     m, n, k = shape
     with jax.set_mesh(mesh):
         return fused.unavailable_reason(jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype),
@@ -429,10 +174,9 @@ def _compile(mesh, axis_name, fn, x, w):
 
 def _build(mesh, axis_name, config, x, w):
     """(compiled gemm_rs with `config`, None) or (None, why it would not run the fused kernels)."""
-    from entwine_jax.ops import gemm_rs
     text, compiled = _compile(mesh, axis_name, lambda x, w: gemm_rs(x, w, axis_name=axis_name, config=config), x, w)
     # The FFI target in the lowered program is the proof that the fused kernels run, not XLA.
-    target = _plan.gemm_rs_target()
+    target = kernel_plan.target()
     if target not in text:
         return None, f"{target} not in the lowered program (XLA fallback)"
     return compiled, None
@@ -483,26 +227,21 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
     cache. Other hosts read their own cache: point ENTWINE_TUNE_CACHE at a shared file, or copy
     it, since every rank must pick the same config. Functions already traced keep their config.
     """
-    from entwine_jax import ops
-
     world = _axis_size(mesh, axis_name)
     if world == 1:
         raise ValueError(f"tune: axis {axis_name!r} has size 1: gemm_rs runs XLA's GEMM there (nothing to reduce "
                          f"or scatter), so there is no fused config to tune")
     shapes = _check_shapes(shapes, world)
     dtype = jnp.dtype(dtype)
-    if dtype.name not in _DTYPE_NAMES:
+    if dtype.name not in DTYPE_NAMES:
         raise ValueError(f"tune: dtype must be bfloat16 or float16 (the fused kernels' dtypes), got {dtype}")
     for name, value, lo in (("iters", iters, 1), ("warmup", warmup, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise ValueError(f"tune: {name} must be an int >= {lo}, got {value!r}")
     per_shape = {s: _candidates(*s, world, dtype, candidates) for s in shapes}
-    fused, err = ops._fused_module()
-    if fused is None:
-        raise RuntimeError(f"entwine_jax.tune: the fused path cannot run: entwine_jax.fused not importable ({err})")
     # Refuse before any timing: every shape must be able to take the fused path on this mesh.
     for shape in shapes:
-        reason = _unavailable(fused, mesh, axis_name, world, shape, dtype, per_shape[shape][0])
+        reason = _unavailable(mesh, axis_name, world, shape, dtype, per_shape[shape][0])
         if reason is not None:
             raise RuntimeError(f"entwine_jax.tune: the fused path cannot run shape (M, N, K_local)={shape} on this "
                                f"mesh: {reason}; refusing to tune the XLA fallback")
@@ -513,7 +252,7 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
     results, entries = {}, []
     for i, shape in enumerate(shapes):
         x, w = _inputs(mesh, axis_name, shape, world, dtype, seed=i)
-        ref = _compile(mesh, axis_name, lambda x, w: ops.gemm_rs(x, w, axis_name=axis_name,
+        ref = _compile(mesh, axis_name, lambda x, w: gemm_rs(x, w, axis_name=axis_name,
                                                                   config=GemmRsConfig(path="xla")), x, w)[1](x, w)
 
         def run_round(configs, stage):
@@ -522,7 +261,7 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
             for index, config in enumerate(configs):
                 trial = {"config": config, "ms": None, "rel_err": None, "skipped": None, "stage": stage}
                 trials.append(trial)
-                compiled, trial["skipped"] = None, _unavailable(fused, mesh, axis_name, world, shape, dtype, config)
+                compiled, trial["skipped"] = None, _unavailable(mesh, axis_name, world, shape, dtype, config)
                 if trial["skipped"] is None:
                     try:
                         compiled, trial["skipped"] = _build(mesh, axis_name, config, x, w)
@@ -531,7 +270,7 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
                 if compiled is not None:
                     trial["rel_err"] = float(timing.rel_err(compiled(x, w), ref))
                     # A consumer that timed out waiting for a peer leaves the communicator unusable: stop.
-                    getattr(fused, "check_errors", lambda: None)()
+                    comm.check_errors()
                     if not trial["rel_err"] <= timing.TOL:  # NaN too
                         trial["skipped"] = f"wrong result: relative error {trial['rel_err']:.3g} > {timing.TOL}"
                     else:
@@ -596,7 +335,6 @@ def main(argv=None, prog="python -m entwine_jax tune") -> int:
     p.add_argument("--cache", help="user cache to merge the winners into (default: ENTWINE_TUNE_CACHE or "
                                     "~/.cache/entwine_jax/tuned.json)")
     args = p.parse_args(argv)
-    _log.warn_if_source_tree()
     # Checked before the axis size: one CPU device must read as "no GPUs", not as "axis of size 1".
     platform = _log.default_platform()
     if platform != "cuda":
@@ -604,12 +342,10 @@ def main(argv=None, prog="python -m entwine_jax tune") -> int:
               f"times the fused kernels, which run only on Hopper GPUs, so there is nothing to tune on this machine. "
               f"Run it where the GPUs are.", file=sys.stderr)
         return 2
-    import entwine_jax
-    built, reason = entwine_jax.extension_status()
+    built, reason = _extension.status()
     if not built:
         print(f"{prog}: tune() times the fused kernels, which need the compiled extension: {reason}. "
-              f"{_log.extension_fix()}",
-              file=sys.stderr)
+              f"{_log.EXTENSION_FIX}", file=sys.stderr)
         return 2
     devices = jax.local_devices()
     mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices)

@@ -1,4 +1,4 @@
-# `python -m entwine_jax bench --op ag_gemm`: gemm_rs's benchmark protocol, for ag_gemm. Per
+# `python benchmarks/bench.py --op ag_gemm`: gemm_rs's benchmark protocol, for ag_gemm. Per
 # shape: XLA's all-gather, GEMM, all-gather->GEMM (the baseline) and windowed einsum against entwine's
 # ag_gemm, in interleaved rounds; one line per shape and a geomean. Both process models (bench_run).
 """ag_gemm against XLA: all-gather alone, GEMM alone, all-gather->GEMM (the baseline) and windowed einsum.
@@ -15,10 +15,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import ag_gemm_op
-from entwine_jax.bench_run import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, ratio, windowed_loop
-from entwine_jax.config import AgGemmConfig
-from entwine_jax.timing import TOL
+from entwine_jax import _extension
+from entwine_jax.ag_gemm import op as ag_gemm_op
+from runner import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, ratio, windowed_loop
+from entwine_jax.ag_gemm.config import AgGemmConfig
+from entwine_jax.tuning.timing import TOL
 
 # (embed, mlp) of the MLP block's benchmark (bench_mlp) and the tokens per tensor-parallel group.
 MLP_DIMS = [(4096, 14336), (8192, 28672)]
@@ -30,9 +31,7 @@ LAYOUTS = ("rows", "contraction")
 
 def _fused_target() -> str:
     """The custom-call name the fused ag_gemm lowers to (defined once, in the extension)."""
-    from entwine_jax import _plan
-
-    ext, _ = _plan.extension()
+    ext, _ = _extension.module()
     return ext.AG_GEMM_TARGET if ext is not None else "(no extension)"
 
 def suite(world: int) -> list:
@@ -89,9 +88,9 @@ class AgBench:
         local = (m // r.world, k) if layout == "rows" else (m, k // r.world)
         try:
             with jax.set_mesh(r.mesh):
-                reason = ag_gemm_op._fused_unavailable(
+                reason = ag_gemm_op.why_not_fused(
                     jax.ShapeDtypeStruct(local, x.dtype), jax.ShapeDtypeStruct((k, w.shape[1] // r.world), w.dtype),
-                    AXIS, r.world, gd, config)
+                    axis_name=AXIS, axis_size=r.world, gather_dimension=gd, config=config)
         except Exception as e:
             reason = f"entwine_jax.fused unavailable ({type(e).__name__}: {e})"
         return compiled, "xla", reason or f"{_fused_target()} not in the lowered program"

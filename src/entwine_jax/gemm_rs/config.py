@@ -1,24 +1,20 @@
-# The printable configs of the fused ops: GemmRsConfig (mirrors entwine::GemmRsConfig in
-# ffi/gemm_rs/gemm_rs.h, plus the Python-only `path`), its global default and shape heuristic, and
-# AgGemmConfig (ffi/ag_gemm/ag_gemm.h) with its heuristic. The kernels' shape rules (blocks, grids)
-# come from their C++ plan (entwine_jax._plan), never restated here.
+# gemm_rs's printable config (the kernels' fields mirror the config struct of ffi/gemm_rs, plus the
+# Python-only `path`), its global default and its shape heuristic. The kernels' shape rules (blocks,
+# grids) come from their C++ plan (plan.py), never restated here.
 import contextlib
 import dataclasses
 from typing import Iterator, Optional
 
 import numpy as np
 
-_PATHS = ("auto", "fused", "xla")
-# The values a config can hold, checked at construction with messages that name them; the kernels'
-# own rules (e.g. consumer_grid <= 64) are checked against the C++ plan when gemm_rs is traced.
-_BLOCK_N = (128, 256)
+from entwine_jax import _extension
+from entwine_jax._config import BLOCK_N, PATHS, check_int, ffi_attribute
+from entwine_jax.gemm_rs import plan
+
 _CONSUMER_BLOCK = (128, 256, 512)
-
-
-def _check_int(name: str, value, lo: int, where: str = "GemmRsConfig") -> None:
-    # bool is an int subclass; True as a grid size is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise ValueError(f"{where}: {name} must be an int >= {lo}, got {value!r}")
+# The consumer kernel serves at most this many CTAs; the C++ plan refuses more too, but a config
+# made where the extension is absent must say so as well.
+_CONSUMER_GRID_MAX = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,20 +45,28 @@ class GemmRsConfig:
     path: str = "auto"
 
     def __post_init__(self):
-        if self.block_n not in _BLOCK_N or isinstance(self.block_n, bool):
-            raise ValueError(f"GemmRsConfig: block_n must be one of {_BLOCK_N}, got {self.block_n!r}")
-        _check_int("producer_sms", self.producer_sms, 0)
-        _check_int("consumer_grid", self.consumer_grid, 1)
+        if self.block_n not in BLOCK_N or isinstance(self.block_n, bool):
+            raise ValueError(f"GemmRsConfig: block_n must be one of {BLOCK_N}, got {self.block_n!r}")
+        check_int("producer_sms", self.producer_sms, 0, "GemmRsConfig")
+        check_int("consumer_grid", self.consumer_grid, 1, "GemmRsConfig")
+        if self.consumer_grid > _CONSUMER_GRID_MAX:
+            raise ValueError(f"GemmRsConfig: consumer_grid must be <= {_CONSUMER_GRID_MAX} (the consumer kernel's "
+                             f"limit), got {self.consumer_grid!r}")
         if self.consumer_block not in _CONSUMER_BLOCK or isinstance(self.consumer_block, bool):
             raise ValueError(
                 f"GemmRsConfig: consumer_block must be one of {_CONSUMER_BLOCK}, got {self.consumer_block!r}")
-        _check_int("raster_rows", self.raster_rows, 1)
+        check_int("raster_rows", self.raster_rows, 1, "GemmRsConfig")
         # 0 and 1 too: bench --configs and JSON tables spell it as an int.
         if self.split_tail not in (True, False) or not isinstance(self.split_tail, (bool, np.bool_, int, np.integer)):
             raise ValueError(f"GemmRsConfig: split_tail must be a bool, got {self.split_tail!r}")
         object.__setattr__(self, "split_tail", bool(self.split_tail))
-        if self.path not in _PATHS:
-            raise ValueError(f"GemmRsConfig: path must be one of {_PATHS}, got {self.path!r}")
+        if self.path not in PATHS:
+            raise ValueError(f"GemmRsConfig: path must be one of {PATHS}, got {self.path!r}")
+
+    def kernel_attributes(self) -> dict:
+        """The fields the kernels read, as the one `config` attribute of the FFI call (decoded by name
+        into the op's config struct in the extension): every field but `path`."""
+        return {f.name: ffi_attribute(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "path"}
 
     def __str__(self) -> str:
         return (f"GemmRsConfig(block_n={self.block_n}, producer_sms={self.producer_sms}, "
@@ -104,7 +108,7 @@ def producer_sms_beside(consumer_grid: int, sm_count: Optional[int] = None) -> i
     """The persistent producer grid beside a consumer of `consumer_grid` CTAs: the SMs it leaves.
     The one place this split of the GPU is stated (heuristic_config, with_overrides, tune())."""
     # More producer CTAs than SMs left over would only start once others finish all their work.
-    return max(1, (sm_count or _sm_count()) - consumer_grid)
+    return max(1, (sm_count or _extension.sm_count()) - consumer_grid)
 
 
 def heuristic_config(m: int, n: int, k: int, world: int, dtype, *, scatter_cols: bool = False) -> GemmRsConfig:
@@ -146,11 +150,9 @@ def heuristic_config(m: int, n: int, k: int, world: int, dtype, *, scatter_cols:
 
 def _partition_blocks(m: int, n: int, k: int, world: int, block_n: int, scatter_cols: bool) -> Optional[int]:
     """Producer blocks of one (padded) partition, from the kernels' plan; None without a plan."""
-    from entwine_jax import _plan
-
     try:
-        return _plan.gemm_rs_plan(m, n, k, world, GemmRsConfig(block_n=block_n), scatter_cols).blocks_per_partition
-    except (_plan.NoExtension, _plan.PlanError):
+        return plan.gemm_rs_plan(m, n, k, world, GemmRsConfig(block_n=block_n), scatter_cols).blocks_per_partition
+    except (plan.NoExtension, plan.PlanError):
         return None
 
 
@@ -163,62 +165,3 @@ def with_overrides(base: GemmRsConfig, fields: dict) -> GemmRsConfig:
     if "consumer_grid" in fields and "producer_sms" not in fields:
         fields["producer_sms"] = producer_sms_beside(int(fields["consumer_grid"]))
     return dataclasses.replace(base, **fields)
-
-
-def _sm_count() -> int:
-    """SMs of the first GPU (jax reports them as core_count); 132 (H100/H200 SXM) elsewhere."""
-    try:
-        import jax
-        for d in jax.devices():
-            count = getattr(d, "core_count", None)
-            if d.platform == "gpu" and count:
-                return int(count)
-    except Exception:  # no GPU backend: the heuristic is only printed, never run
-        pass
-    return 132
-
-
-@dataclasses.dataclass(frozen=True)
-class AgGemmConfig:
-    """Configuration of one ag_gemm call (mirrors entwine::AgGemmConfig in ffi/ag_gemm/ag_gemm.h).
-
-    block_n:     GEMM block 128 x block_n x 64; 128 or 256.
-    gemm_sms:    the GEMM's persistent grid; 0: every SM but one. It must leave at least one SM
-                 free: the one-warp kernels that release each pushed chunk need it while the GEMM's
-                 CTAs wait for chunks.
-    raster_rows: blocks of a chunk run in groups of this many 128-row tile rows (L2 reuse).
-    max_chunks:  each rank's shard travels in at most this many chunks of whole tile rows, each
-                 released by its own flag (more chunks: the GEMM starts on a peer's rows sooner).
-    path:        "auto" / "fused" / "xla", as for GemmRsConfig.
-    """
-
-    block_n: int = 256
-    gemm_sms: int = 0
-    raster_rows: int = 8
-    max_chunks: int = 8
-    path: str = "auto"
-
-    def __post_init__(self):
-        if self.block_n not in _BLOCK_N or isinstance(self.block_n, bool):
-            raise ValueError(f"AgGemmConfig: block_n must be one of {_BLOCK_N}, got {self.block_n!r}")
-        _check_int("gemm_sms", self.gemm_sms, 0, "AgGemmConfig")
-        _check_int("raster_rows", self.raster_rows, 1, "AgGemmConfig")
-        _check_int("max_chunks", self.max_chunks, 1, "AgGemmConfig")
-        if self.max_chunks > 64:
-            raise ValueError(f"AgGemmConfig: max_chunks must be <= 64, got {self.max_chunks!r}")
-        if self.path not in _PATHS:
-            raise ValueError(f"AgGemmConfig: path must be one of {_PATHS}, got {self.path!r}")
-
-    def __str__(self) -> str:
-        return (f"AgGemmConfig(block_n={self.block_n}, gemm_sms={self.gemm_sms}, raster_rows={self.raster_rows}, "
-                f"max_chunks={self.max_chunks}, path={self.path})")
-
-
-def ag_heuristic_config(rows: int, n: int, cols: int, world: int, dtype, path: str = "auto") -> AgGemmConfig:
-    """Config for an ag_gemm call whose shard is [rows, cols] per rank and w has N = n columns."""
-    del rows, cols, world, dtype  # no rule depends on them yet
-    # As for gemm_rs's producer: 128x256 blocks where N allows them without padding.
-    block_n = 256 if n % 256 == 0 else 128
-    # The copy engines move the shards, so the GEMM may hold every SM but the one the chunk releases
-    # need (gemm_sms=0): a persistent grid, whose epilogue overlaps the next block's mainloop.
-    return AgGemmConfig(block_n=block_n, gemm_sms=0, raster_rows=8, max_chunks=8, path=path)

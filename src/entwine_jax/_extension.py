@@ -1,0 +1,106 @@
+# The compiled extension entwine_jax._entwine: importing it, registering its FFI targets with jax
+# (once), the facts it states for every op (the largest axis, the heap size) and the GPU's SM count.
+# Each op asks its own plan and target name of the extension in its folder (gemm_rs/plan.py,
+# ag_gemm/plan.py). Without the extension (a pure-Python install) there is no fused path.
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from typing import Any, Optional
+
+from entwine_jax import _log
+
+
+class NoExtension(RuntimeError):
+    """A plan or a kernel was asked for without the compiled extension."""
+
+
+class PlanError(ValueError):
+    """The kernels cannot run this call: `rule` is the rule it violates (the C++ plan's words);
+    `config_error` is True when the rule is one of the config's own, whatever the shape."""
+
+    def __init__(self, rule: str, config_error: bool):
+        super().__init__(rule)
+        self.rule = rule
+        self.config_error = config_error
+
+
+@functools.cache
+def module() -> tuple[Any, Optional[str]]:
+    """(entwine_jax._entwine, None), or (None, why it does not import). Imports only: registered()
+    also registers the FFI targets, where a call may be made."""
+    try:
+        from entwine_jax import _entwine
+    except Exception as e:  # ImportError, or a broken build
+        return None, f"extension entwine_jax._entwine unavailable ({type(e).__name__}: {e})"
+    return _entwine, None
+
+
+def ext():
+    """The extension module; NoExtension with the reason when it does not import."""
+    mod, reason = module()
+    if mod is None:
+        raise NoExtension(reason)
+    return mod
+
+
+def status() -> tuple[bool, str]:
+    """(built, reason): whether the compiled extension entwine_jax._entwine can be imported."""
+    mod, error = module()
+    if mod is None:
+        reason = f"{error}: pure-Python install, the ops use their XLA reference path"
+        _log.log_once("extension_status", logging.WARNING if _log.cuda_gpus_present() else logging.INFO, "%s", reason)
+        return False, reason
+    return True, f"entwine_jax._entwine built: {getattr(mod, '__file__', '?')}"
+
+
+_lock = threading.Lock()
+_registration: Optional[tuple[Any, Optional[str]]] = None
+
+
+def registered() -> tuple[Any, Optional[str]]:
+    """(module, None) once its FFI targets are registered with jax, or (None, the reason)."""
+    global _registration
+    with _lock:
+        if _registration is None:
+            mod, reason = module()
+            if mod is not None:
+                import jax
+                try:
+                    for name, capsule in mod.registrations().items():
+                        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+                except Exception as e:  # a registration the backend refuses
+                    mod, reason = None, f"extension entwine_jax._entwine unavailable ({type(e).__name__}: {e})"
+            _registration = (mod, reason)
+        return _registration
+
+
+def max_world() -> int:
+    """The largest axis the kernels serve (kMaxWorld in the extension)."""
+    return int(ext().MAX_WORLD)
+
+
+def heap_bytes(world: int, slot_bytes: int, max_tiles: int, inbox_bytes: int = 0) -> int:
+    """Bytes of one rank's heap with room for a partial slot of slot_bytes, max_tiles flags per
+    source and an inbox of inbox_bytes (two flag parities, the ready words, two partial slots, one
+    inbox: docs/design.md, "The communicator and symmetric heap")."""
+    return int(ext().heap_bytes(world, slot_bytes, max_tiles, inbox_bytes))
+
+
+def gpu_sm_count() -> Optional[int]:
+    """SMs of the first GPU (jax reports them as core_count), or None without a GPU."""
+    try:
+        import jax
+        for d in jax.devices():
+            count = getattr(d, "core_count", None)
+            if d.platform == "gpu" and count:
+                return int(count)
+    except Exception:  # no GPU backend
+        pass
+    return None
+
+
+def sm_count() -> int:
+    """gpu_sm_count(), or 132 (H100/H200 SXM) without a GPU, where a config is only printed, never run."""
+    return gpu_sm_count() or 132

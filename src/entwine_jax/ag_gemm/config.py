@@ -1,0 +1,59 @@
+# ag_gemm's printable config (the kernels' fields mirror the config struct of ffi/ag_gemm, plus the
+# Python-only `path`) and its heuristic.
+import dataclasses
+
+import numpy as np
+
+from entwine_jax._config import BLOCK_N, PATHS, check_int
+
+
+@dataclasses.dataclass(frozen=True)
+class AgGemmConfig:
+    """Configuration of one ag_gemm call (mirrors entwine::AgGemmConfig in ffi/ag_gemm/ag_gemm.h).
+
+    block_n:     GEMM block 128 x block_n x 64; 128 or 256.
+    gemm_sms:    the GEMM's persistent grid; 0: every SM but one. It must leave at least one SM
+                 free: the one-warp kernels that release each pushed chunk need it while the GEMM's
+                 CTAs wait for chunks.
+    raster_rows: blocks of a chunk run in groups of this many 128-row tile rows (L2 reuse).
+    max_chunks:  each rank's shard travels in at most this many chunks of whole tile rows, each
+                 released by its own flag (more chunks: the GEMM starts on a peer's rows sooner).
+    path:        "auto" / "fused" / "xla", as for GemmRsConfig.
+    """
+
+    block_n: int = 256
+    gemm_sms: int = 0
+    raster_rows: int = 8
+    max_chunks: int = 8
+    path: str = "auto"
+
+    def __post_init__(self):
+        if self.block_n not in BLOCK_N or isinstance(self.block_n, bool):
+            raise ValueError(f"AgGemmConfig: block_n must be one of {BLOCK_N}, got {self.block_n!r}")
+        check_int("gemm_sms", self.gemm_sms, 0, "AgGemmConfig")
+        check_int("raster_rows", self.raster_rows, 1, "AgGemmConfig")
+        check_int("max_chunks", self.max_chunks, 1, "AgGemmConfig")
+        if self.max_chunks > 64:
+            raise ValueError(f"AgGemmConfig: max_chunks must be <= 64, got {self.max_chunks!r}")
+        if self.path not in PATHS:
+            raise ValueError(f"AgGemmConfig: path must be one of {PATHS}, got {self.path!r}")
+
+    def kernel_attributes(self, gemm_sms: int) -> dict:
+        """The fields the kernels read, as the one `config` attribute of the FFI call (decoded by name
+        into the op's config struct in the extension): every field but `path`, with gemm_sms resolved."""
+        fields = {f.name: np.int64(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "path"}
+        return {**fields, "gemm_sms": np.int64(gemm_sms)}
+
+    def __str__(self) -> str:
+        return (f"AgGemmConfig(block_n={self.block_n}, gemm_sms={self.gemm_sms}, raster_rows={self.raster_rows}, "
+                f"max_chunks={self.max_chunks}, path={self.path})")
+
+
+def ag_heuristic_config(rows: int, n: int, cols: int, world: int, dtype, path: str = "auto") -> AgGemmConfig:
+    """Config for an ag_gemm call whose shard is [rows, cols] per rank and w has N = n columns."""
+    del rows, cols, world, dtype  # no rule depends on them yet
+    # As for gemm_rs's producer: 128x256 blocks where N allows them without padding.
+    block_n = 256 if n % 256 == 0 else 128
+    # The copy engines move the shards, so the GEMM may hold every SM but the one the chunk releases
+    # need (gemm_sms=0): a persistent grid, whose epilogue overlaps the next block's mainloop.
+    return AgGemmConfig(block_n=block_n, gemm_sms=0, raster_rows=8, max_chunks=8, path=path)

@@ -1,0 +1,156 @@
+# ag_gemm's fused path: whether the kernels can run a call (a predicate that only answers), its
+# preparation once per call site at trace time (the C++ plan, the padding and the communicator,
+# acquired with the room the plan needs), and the call itself inside shard_map.
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entwine_jax import _extension, comm
+from entwine_jax.ag_gemm import plan as _plan
+from entwine_jax.comm import Unavailable
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class AgPadding:
+    """Kernel shape of one ag_gemm call, as ag_plan pads it: every rank's shard [rows, cols] padded
+    to [rows_pad, cols_pad], N to n_pad. gather_k: the shards are slices of the contraction dim, w
+    is [world * cols, n]."""
+
+    world: int
+    rows: int
+    cols: int
+    n: int
+    rows_pad: int
+    cols_pad: int
+    n_pad: int
+    gather_k: bool
+
+
+def ag_padding(plan: _plan.AgPlan, rows: int, cols: int, n: int, world: int, gather_k: bool) -> AgPadding:
+    """The padding of `plan` for a shard [rows, cols] and N = n."""
+    return AgPadding(world, rows, cols, n, plan.rows_pad, plan.cols_pad, plan.n_pad, gather_k)
+
+
+def pad_operands(x, w, p: AgPadding, xp=jnp):
+    """x [rows, cols] -> [rows_pad, cols_pad]; w [cols, n] -> [cols_pad, n_pad], or with gather_k
+    w [world * cols, n] -> [world * cols_pad, n_pad] (each rank's slice padded on its own)."""
+    if (p.rows, p.cols) != (p.rows_pad, p.cols_pad):
+        x = xp.pad(x, ((0, p.rows_pad - p.rows), (0, p.cols_pad - p.cols)))
+    if (p.cols, p.n) != (p.cols_pad, p.n_pad):
+        if p.gather_k:
+            w = w.reshape(p.world, p.cols, p.n)
+            w = xp.pad(w, ((0, 0), (0, p.cols_pad - p.cols), (0, p.n_pad - p.n)))
+            w = w.reshape(p.world * p.cols_pad, p.n_pad)
+        else:
+            w = xp.pad(w, ((0, p.cols_pad - p.cols), (0, p.n_pad - p.n)))
+    return x, w
+
+
+def unpad(y, gathered, p: AgPadding):
+    """The kernel's y ([world * rows_pad, n_pad], or [rows_pad, n_pad] with gather_k) and gathered
+    operand ([world, rows_pad, cols_pad]) -> y [world * rows, n] (or [rows, n]), gathered [world, rows, cols]."""
+    if p.gather_k:
+        y = y[: p.rows, : p.n]
+    elif (p.rows, p.n) != (p.rows_pad, p.n_pad):
+        y = y.reshape(p.world, p.rows_pad, p.n_pad)[:, : p.rows, : p.n].reshape(p.world * p.rows, p.n)
+    if gathered is not None and (p.rows, p.cols) != (p.rows_pad, p.cols_pad):
+        gathered = gathered[:, : p.rows, : p.cols]
+    return y, gathered
+
+
+def ag_gemm_sms(config) -> int:
+    """The GEMM grid the kernels run: config.gemm_sms, or every SM of the GPU but one."""
+    return config.gemm_sms or _extension.sm_count() - 1
+
+
+def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config) -> _plan.AgPlan:
+    return _plan.ag_plan(rows, cols, n, world, gather_k, config, ag_gemm_sms(config))
+
+
+def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
+    if config.path == "xla":
+        return "config.path is 'xla'"
+    dtype = jnp.dtype(x_local_aval.dtype)
+    if dtype not in DTYPES or jnp.dtype(w_aval.dtype) != dtype:
+        return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
+    if reason := comm.world_reason(axis_size):
+        return reason
+    (rows, cols), (_, n) = x_local_aval.shape, w_aval.shape
+    if rows == 0 or cols == 0 or n == 0:
+        return f"empty operands x {x_local_aval.shape}, w {w_aval.shape}"
+    reason, mesh, ext = comm.platform_reason(axis_name)
+    if reason:
+        return reason
+    try:
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config)
+    except _plan.PlanError as e:
+        return f"the kernels cannot run this call: {e.rule}"
+    if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
+        return reason
+    return comm.heap_reason(ext, mesh, axis_name, axis_size, 0, plan.chunks, plan.inbox_bytes)
+
+
+def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> Optional[str]:
+    """None when the ag_gemm kernels can run this call (x [rows, cols], w [cols or W * cols, n]),
+    else a short reason. Only answers (prepare acquires)."""
+    try:
+        mesh = comm.find_mesh(axis_name)
+        key = ("ag", tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
+               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh)
+    except Exception as e:
+        return f"cannot inspect the call ({type(e).__name__}: {e})"
+    return comm.cached_reason(key, mesh, lambda: _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k,
+                                                               config))
+
+
+@dataclasses.dataclass(frozen=True)
+class AgGemmCall:
+    """Everything static about one fused ag_gemm call: padding, the GEMM grid, the communicator
+    and the config. Hashable: it lives in the op's static plan."""
+
+    padding: AgPadding
+    gemm_sms: int
+    comm_id: int
+    config: Any  # AgGemmConfig
+    target: str
+
+
+def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> AgGemmCall:
+    """The plan of ag_gemm on this rank's shard x [rows, cols] and w, and its communicator, acquired
+    now (acquire_comm): once per call site at trace time, after unavailable_reason said None.
+    Raises Unavailable with the reason when the fused path cannot run it after all."""
+    mesh = comm.mesh_for(axis_name)
+    (rows, cols), n = x_local_aval.shape, w_aval.shape[1]
+    try:
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config)
+    except _plan.NoExtension as e:
+        raise Unavailable(str(e)) from None
+    except _plan.PlanError as e:
+        raise Unavailable(f"the kernels cannot run this call: {e.rule}") from None
+    p = ag_padding(plan, rows, cols, n, axis_size, gather_k)
+    cid = comm.acquire_comm(mesh, axis_name, 0, plan.chunks, inbox_bytes=plan.inbox_bytes)
+    return AgGemmCall(padding=p, gemm_sms=ag_gemm_sms(config), comm_id=cid, config=config,
+                      target=_plan.target())
+
+
+def call(x2d, w, site: AgGemmCall, return_gathered: bool):
+    """One rank's fused AllGather + GEMM inside shard_map, as prepared: (y, gathered or None)."""
+    p = site.padding
+    x_pad, w_pad = pad_operands(x2d, w, p)
+    y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
+    gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
+    ffi = jax.ffi.ffi_call(site.target, (jax.ShapeDtypeStruct((y_rows, p.n_pad), x2d.dtype),
+                                         jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)),
+                           vmap_method="sequential")
+    c = site.config
+    y, gathered = ffi(x_pad, w_pad, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
+                      config=c.kernel_attributes(site.gemm_sms))
+    return unpad(y, gathered if return_gathered else None, p)
+

@@ -1,0 +1,159 @@
+# ag_gemm at a call site: argument checks, config choice (override or heuristic), the plan of the call
+# (fused kernels prepared once, or the reason the XLA reference runs), the report, and the forward
+# computation. Its custom VJP, whose dx is a gemm_rs in the same layout, is entwine_jax.pairing.
+import dataclasses
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from entwine_jax import _extension, callsite
+from entwine_jax.ag_gemm import fused
+from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config
+from entwine_jax.ag_gemm.reference import ag_gemm_reference
+
+OP = "ag_gemm"
+printed: set = set()  # call sites printed under ENTWINE_PRINT_CONFIG=1
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one call; hashable (a custom_vjp nondiff argument)."""
+    axis_name: Any
+    axis_size: int
+    gather_dimension: int  # normalised, 0 <= gather_dimension < x.ndim
+    config: AgGemmConfig
+    return_gathered: bool
+    reason: Optional[str]  # None: the fused path (on CUDA); else why the XLA reference runs
+    fused_call: Any = None  # with reason None: fused.AgGemmCall (padding, grid, comm id)
+
+
+def _check_args(x, w, axis_name, gather_dimension) -> tuple[int, int]:
+    """Raise ValueError for anything ag_gemm cannot compute; returns (axis_size, gather dim)."""
+    callsite.check_operands(OP, x, w, "[K, N]")
+    if x.ndim < 1:
+        raise ValueError(f"ag_gemm: x must have rank >= 1, got shape {tuple(x.shape)}")
+    size = callsite.axis_size(OP, axis_name)
+    gd = callsite.dimension(OP, "gather_dimension", gather_dimension, tuple(x.shape), "x")
+    if gd == x.ndim - 1:
+        # Contraction layout: each rank holds K / W of the contraction dim, w holds all of K.
+        if x.shape[-1] * size != w.shape[0]:
+            raise ValueError(f"ag_gemm: gathering the last dim (the contraction dim) needs w.shape[0] == "
+                             f"x.shape[-1] * axis size ({x.shape[-1]} * {size} = {x.shape[-1] * size}), "
+                             f"got w shape {tuple(w.shape)}")
+    elif x.ndim < 2:
+        raise ValueError(f"ag_gemm: x must have rank >= 2 to gather a dim other than the contraction dim, "
+                         f"got shape {tuple(x.shape)}")
+    elif x.shape[-1] != w.shape[0]:
+        raise ValueError(f"ag_gemm: x.shape[-1] (K) must equal w.shape[0], got {x.shape[-1]} and {w.shape[0]} "
+                         f"(x shape {tuple(x.shape)}, w shape {tuple(w.shape)})")
+    if x.shape[-1] == 0 or x.shape[gd] == 0:
+        raise ValueError(f"ag_gemm: x must not be empty in its contraction or gathered dim, got shape {tuple(x.shape)}")
+    return size, gd
+
+
+def _check_config(config: AgGemmConfig) -> None:
+    """ValueError for a GEMM grid that leaves no SM for the chunk releases on this GPU."""
+    if config.path == "xla":
+        return
+    sms = _extension.sm_count()
+    if config.gemm_sms >= sms:
+        where = "this GPU" if _extension.gpu_sm_count() else "a 132-SM Hopper GPU (no GPU seen here)"
+        raise ValueError(f"ag_gemm: config.gemm_sms must leave an SM free for the chunk releases: at most "
+                         f"{sms - 1} on {where}, got {config.gemm_sms}")
+
+
+def _fused_arguments(x, w, axis_name, size, gd, config) -> tuple:
+    x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+    w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
+    return x2d, w_aval, dict(axis_name=axis_name, axis_size=size, gather_k=gd == len(x.shape) - 1, config=config)
+
+
+def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, config: AgGemmConfig) -> Optional[str]:
+    """Why a call on operands shaped like x and w (gather_dimension normalised) takes the XLA path on
+    this mesh, or None; asks only, no communicator is made (for programs that report on calls)."""
+    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "gather")
+    if reason is not None:
+        return reason
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, gather_dimension, config)
+    return fused.unavailable_reason(x2d, w_aval, **kwargs)
+
+
+def _prepare(x, w, axis_name, size, gd, config) -> tuple[Any, Optional[str]]:
+    """(fused.AgGemmCall, None) when the fused kernels run this call, else (None, the reason)."""
+    reason = callsite.early_reason(OP, config, size, x.dtype, "gather")
+    if reason is not None:
+        return None, reason
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, gd, config)
+    return callsite.prepare(OP, lambda: fused.unavailable_reason(x2d, w_aval, **kwargs),
+                            lambda: fused.prepare(x2d, w_aval, **kwargs))
+
+
+def plan(x, w, *, axis_name, gather_dimension, config: Optional[AgGemmConfig], return_gathered: bool) -> Plan:
+    """Check a call, choose its config and its path, and report the choice once per call site."""
+    axis_name = callsite.hashable_axis(axis_name)
+    size, gd = _check_args(x, w, axis_name, gather_dimension)
+    if config is not None and not isinstance(config, AgGemmConfig):
+        raise ValueError(f"ag_gemm: config must be an AgGemmConfig or None, got {type(config).__name__}")
+    if not isinstance(return_gathered, bool):
+        raise ValueError(f"ag_gemm: return_gathered must be a bool, got {return_gathered!r}")
+    source = "override"
+    if config is None:
+        config, source = ag_heuristic_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], size,
+                                             x.dtype), "heuristic"
+    _check_config(config)
+    fused_call, reason = _prepare(x, w, axis_name, size, gd, config)
+    p = Plan(axis_name=axis_name, axis_size=size, gather_dimension=gd, config=config,
+             return_gathered=return_gathered, reason=reason, fused_call=fused_call)
+    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, gd)
+    site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={axis_name!r} (size {size}) "
+            f"gather_dimension={gd}")
+    callsite.report(OP, key, site, config, reason, source, printed)
+    return p
+
+
+def _reference(x, w, plan: Plan, gathered: bool):
+    y, g = ag_gemm_reference(x, w, axis_name=plan.axis_name, gather_dimension=plan.gather_dimension)
+    return (y, g) if gathered else y
+
+
+def _fused_forward(x, w, *, plan: Plan, gathered: bool):
+    """The kernels see this rank's shard as [rows, cols]. Rows layout: the gathered dim's W slices
+    come back stacked in rank order, [W * rows, N]; for a gathered dim with dims in front of it
+    (x [B, S/W, K], gather dim 1) the result is permuted into place (one copy of y)."""
+    world, gd, lead = plan.axis_size, plan.gather_dimension, tuple(x.shape[:-1])
+    gather_k = gd == x.ndim - 1
+    n = w.shape[1]
+    y2d, g = fused.call(x.reshape(-1, x.shape[-1]), w, plan.fused_call, return_gathered=gathered)
+    names = callsite.varying_over(x, w)
+    if not gathered:
+        # The kernels write no gathered operand at all: a forward-only call moves only what y needs.
+        y2d = callsite.typed_like(names, y2d)
+        if gather_k:
+            return y2d.reshape(lead + (n,))
+        before, d, after = lead[:gd], lead[gd], lead[gd + 1:]
+        y = y2d.reshape((world, math.prod(before), d) + after + (n,))
+        return jnp.swapaxes(y, 0, 1).reshape(before + (world * d,) + after + (n,))
+    y2d, g = callsite.typed_like(names, y2d, g)
+    if gather_k:
+        # g [W, rows, cols] -> [rows, W * cols]: the contraction dim in rank order.
+        g = jnp.swapaxes(g, 0, 1).reshape(lead + (world * x.shape[-1],))
+        return y2d.reshape(lead + (n,)), g
+    before, d, after = lead[:gd], lead[gd], lead[gd + 1:]
+    p = math.prod(before)
+    # [W, P, D, R, ·] (source-major) -> [P, W, D, R, ·] -> [..., W * D, ...]
+    y = y2d.reshape((world, p, d) + after + (n,))
+    g = g.reshape((world, p, d) + after + (x.shape[-1],))
+    if p != 1:
+        y, g = jnp.swapaxes(y, 0, 1), jnp.swapaxes(g, 0, 1)
+    shape = before + (world * d,) + after
+    return y.reshape(shape + (n,)), g.reshape(shape + (x.shape[-1],))
+
+
+def forward(x, w, plan: Plan, gathered: bool):
+    """all_gather(x) @ w, and with `gathered` the gathered x too: the fused kernels where the plan
+    says so (on CUDA), else the reference."""
+    return callsite.dispatch(plan.reason, functools.partial(_reference, plan=plan, gathered=gathered),
+                             functools.partial(_fused_forward, plan=plan, gathered=gathered), x, w)

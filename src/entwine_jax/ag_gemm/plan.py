@@ -1,0 +1,48 @@
+# ag_gemm's plan of one call, asked of the C++ extension instead of restated here (the padding of a
+# shard, its chunks, the GEMM's blocks and grid, the inbox bytes), and its FFI target name. Without
+# the extension (a pure-Python install) there is no plan, and no fused path to plan.
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from entwine_jax import _extension
+from entwine_jax._extension import NoExtension, PlanError  # noqa: F401  (the errors a plan raises)
+
+
+def target() -> str:
+    """The XLA FFI target name of ag_gemm (spelled once, in the extension)."""
+    return _extension.ext().AG_GEMM_TARGET
+
+
+@dataclasses.dataclass(frozen=True)
+class AgPlan:
+    """ag_gemm's plan of one call (the C++ AgPlan) of an unpadded shard [rows, cols] and N = n."""
+
+    rows_pad: int  # the shard padded to whole 128-row tiles
+    cols_pad: int  # and to 16-byte rows
+    n_pad: int  # N padded to whole blocks
+    chunks: int  # chunks per shard, one flag each (divides the tile rows, <= config.max_chunks)
+    chunk_tiles: int  # tile rows per chunk
+    num_blocks: int  # GEMM blocks of the call
+    grid: int  # GEMM CTAs
+    k_tiles: int
+    inbox_bytes: int  # the W gathered shards
+    flags: int  # flag words per source rank
+
+
+@functools.lru_cache(maxsize=4096)
+def _asked(rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks) -> dict:
+    return dict(_extension.ext().ag_plan(rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks))
+
+
+def ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, gemm_sms: int) -> AgPlan:
+    """ag_gemm's plan of one rank's shard [rows, cols] and N = n over `world` ranks (gather_k: the
+    shards are slices of the contraction dim) with `config` (an AgGemmConfig); gemm_sms: the GEMM
+    grid the call runs (config.gemm_sms resolved). Raises PlanError with the C++ rule when the
+    kernels cannot run it, NoExtension without the extension."""
+    d = _asked(int(rows), int(cols), int(n), int(world), bool(gather_k), int(config.block_n), int(gemm_sms),
+               int(config.raster_rows), int(config.max_chunks))
+    if d["error"] is not None:
+        raise PlanError(d["error"], False)
+    return AgPlan(**{f.name: int(d[f.name]) for f in dataclasses.fields(AgPlan)})

@@ -1,0 +1,166 @@
+# gemm_rs's fused path: whether the kernels can run a call (a predicate that only answers), its
+# preparation once per call site at trace time (the C++ plan and the communicator, acquired with the
+# room the plan needs), and the call itself inside shard_map: pad as the plan says, one ffi_call, unpad.
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entwine_jax import _extension, comm
+from entwine_jax.comm import Unavailable
+from entwine_jax.gemm_rs import plan as _plan
+from entwine_jax.gemm_rs.config import GemmRsConfig
+from entwine_jax.gemm_rs.plan import GemmRsPlan
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# The padding of a gemm_rs call is its plan: GemmRsPlan carries the unpadded call (m, k, n, mp,
+# n_part) and the padded partition (mp_pad, k_pad, n_pad) the C++ plan chose.
+Padding = GemmRsPlan
+
+
+def padding(m: int, k: int, n: int, world: int, block_n: int, scatter_cols: bool = False) -> Padding:
+    """The kernels' padding of x [m, k] @ w [k, n] scattered over `world` ranks (rows, or columns)
+    with `block_n`-wide blocks, the only config field it depends on: the plan pads each partition
+    to whole blocks and K to the TMA alignment (zeros add nothing to the sum). ValueError when the
+    scattered dim does not divide by the world, or the kernels cannot run the call."""
+    if scatter_cols and n % world:
+        raise ValueError(f"gemm_rs: N={n} is not divisible by the axis size {world}")
+    if not scatter_cols and m % world:
+        raise ValueError(f"gemm_rs: M={m} is not divisible by the axis size {world}")
+    try:
+        return _plan.gemm_rs_plan(m, n, k, world, GemmRsConfig(block_n=block_n), scatter_cols)
+    except _plan.PlanError as e:
+        raise ValueError(f"gemm_rs: the kernels cannot run x [{m}, {k}] @ w [{k}, {n}] over {world} ranks: "
+                         f"{e.rule}") from None
+
+
+def pad_operands(x, w, p: Padding, xp=jnp):
+    """Rows: x [M, K] -> [W * mp_pad, k_pad] (each partition padded on its own), w -> [k_pad, n_pad].
+    Columns: x -> [mp_pad, k_pad], w [K, N] -> [k_pad, W * n_pad] (each partition padded on its own)."""
+    if p.scatter_cols:
+        if (p.mp, p.k) != (p.mp_pad, p.k_pad):
+            x = xp.pad(x, ((0, p.mp_pad - p.mp), (0, p.k_pad - p.k)))
+        if (p.k, p.n_part) != (p.k_pad, p.n_pad):
+            w = w.reshape(p.k, p.world, p.n_part)
+            w = xp.pad(w, ((0, p.k_pad - p.k), (0, 0), (0, p.n_pad - p.n_part)))
+            w = w.reshape(p.k_pad, p.world * p.n_pad)
+        return x, w
+    if (p.mp, p.k) != (p.mp_pad, p.k_pad):
+        x = x.reshape(p.world, p.mp, p.k)
+        x = xp.pad(x, ((0, 0), (0, p.mp_pad - p.mp), (0, p.k_pad - p.k)))
+        x = x.reshape(p.world * p.mp_pad, p.k_pad)
+    if (p.k, p.n) != (p.k_pad, p.n_pad):
+        w = xp.pad(w, ((0, p.k_pad - p.k), (0, p.n_pad - p.n)))
+    return x, w
+
+
+def unpad(y, p: Padding):
+    """The kernel's [mp_pad, n_pad] partition of this rank -> [mp, n_part]."""
+    return y[: p.mp, : p.n_part] if (p.mp, p.n_part) != (p.mp_pad, p.n_pad) else y
+
+
+def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config):
+    if getattr(config, "path", None) == "xla":
+        return "config.path is 'xla'"
+    dtype = jnp.dtype(x_local_aval.dtype)
+    if dtype not in DTYPES or jnp.dtype(w_aval.dtype) != dtype:
+        return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
+    if scatter_dimension not in (0, 1):
+        return f"fused kernels scatter over rows (0) or columns (1) of the 2-D product, got {scatter_dimension}"
+    if reason := comm.world_reason(axis_size):
+        return reason
+    if len(x_local_aval.shape) != 2 or len(w_aval.shape) != 2:
+        return f"fused path takes 2-D x and w, got {x_local_aval.shape} and {w_aval.shape}"
+    (m, k), (_, n) = x_local_aval.shape, w_aval.shape
+    if m == 0 or n == 0 or k == 0:
+        return f"empty operands x {x_local_aval.shape}, w {w_aval.shape}"
+    if (n if scatter_dimension == 1 else m) % axis_size:
+        return f"scattered size not divisible by the axis size {axis_size}"
+    plan = None
+    if _extension.module()[0] is not None:
+        try:
+            plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1)
+        except _plan.PlanError as e:
+            return f"the kernels cannot run x {x_local_aval.shape} @ w {w_aval.shape} over {axis_size} ranks: {e.rule}"
+    # Without the extension there is no plan, and this is where the reason says so.
+    reason, mesh, ext = comm.platform_reason(axis_name)
+    if reason:
+        return reason
+    if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
+        return reason
+    return comm.heap_reason(ext, mesh, axis_name, axis_size, plan.slot_bytes, plan.tiles_per_partition)
+
+
+def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension,
+                       config) -> Optional[str]:
+    """None when the fused kernels can run gemm_rs on x [M, K] (this rank's 2-D view), w [K, N],
+    else a short reason. Only answers: no communicator is created or grown here (prepare does
+    that). Never raises for ordinary inputs; cached per call shape."""
+    try:
+        mesh = comm.find_mesh(axis_name)
+        key = (tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
+               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, scatter_dimension,
+               repr(config), mesh)
+    except Exception as e:
+        return f"cannot inspect the call ({type(e).__name__}: {e})"
+    return comm.cached_reason(key, mesh, lambda: _unavailable(x_local_aval, w_aval, axis_name, axis_size,
+                                                              scatter_dimension, config))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRsCall:
+    """Everything static about one fused gemm_rs call: the kernels' plan (the padding), the
+    communicator and the config. Hashable: it lives in the op's static plan."""
+
+    plan: GemmRsPlan
+    comm_id: int
+    config: Any  # GemmRsConfig
+    target: str
+
+    @property
+    def scatter_dimension(self) -> int:
+        return int(self.plan.scatter_cols)
+
+
+def prepare(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, config) -> GemmRsCall:
+    """The plan of gemm_rs on x [M, K] (this rank's 2-D view), w [K, N], and its communicator,
+    acquired now (acquire_comm): call once per call site at trace time, after unavailable_reason
+    said None. Raises Unavailable with the reason when the fused path cannot run it after all."""
+    mesh = comm.mesh_for(axis_name)
+    (m, k), (_, n) = x_local_aval.shape, w_aval.shape
+    try:
+        plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1)
+    except (_plan.PlanError, _plan.NoExtension) as e:
+        raise Unavailable(f"the kernels cannot run this call: {e}") from None
+    cid = comm.acquire_comm(mesh, axis_name, plan.slot_bytes, plan.tiles_per_partition)
+    return GemmRsCall(plan=plan, comm_id=cid, config=config, target=_plan.target())
+
+
+def call(x2d, w, site: GemmRsCall) -> jax.Array:
+    """One rank's fused GEMM + ReduceScatter inside shard_map, as prepared: [M, K] @ [K, N] ->
+    [M / W, N] (rows) or [M, N / W] (columns). Pads as the plan says, calls, unpads."""
+    p = site.plan
+    x_pad, w_pad = pad_operands(x2d, w, p)
+    # Under jax.vmap the call runs once per batch element (a loop on the device, like lax.scan):
+    # each element is its own reduce-scatter, with its own epoch.
+    ffi = jax.ffi.ffi_call(site.target, jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype), vmap_method="sequential")
+    y = ffi(x_pad, w_pad, comm_id=np.int64(site.comm_id), scatter_dimension=np.int64(site.scatter_dimension),
+            config=site.config.kernel_attributes())
+    return unpad(y, p)
+
+
+def call_local(x2d, w, *, axis_name, axis_size, config, scatter_dimension=0) -> jax.Array:
+    """prepare and call in one, inside shard_map (for callers outside the op, e.g. tests):
+    [M, K] @ [K, N] -> [M / W, N] (scatter_dimension 0) or [M, N / W] (scatter_dimension 1)."""
+    try:
+        site = prepare(jax.ShapeDtypeStruct(x2d.shape, x2d.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype),
+                       axis_name=axis_name, axis_size=axis_size, scatter_dimension=scatter_dimension, config=config)
+    except Unavailable as e:
+        raise RuntimeError(f"entwine gemm_rs: {e}") from None
+    return call(x2d, w, site)
+

@@ -1,0 +1,159 @@
+# gemm_rs at a call site: argument checks, config choice (override, tuned table, heuristic; a config
+# the kernels cannot run is a ValueError here), the plan of the call (fused kernels prepared once, or
+# the reason the XLA reference runs), the report, and the forward computation. Its custom VJP, whose
+# dx is an ag_gemm in the same layout, is entwine_jax.pairing.
+import dataclasses
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+
+from entwine_jax import callsite
+from entwine_jax.gemm_rs import fused
+from entwine_jax.gemm_rs import plan as kernel_plan
+from entwine_jax.gemm_rs.config import GemmRsConfig, get_default_config
+from entwine_jax.gemm_rs.reference import gemm_rs_reference
+from entwine_jax.tuning import table
+
+OP = "gemm_rs"
+printed: set = set()  # call sites printed under ENTWINE_PRINT_CONFIG=1
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one call; hashable, so it can be a custom_vjp nondiff argument."""
+    axis_name: Any
+    axis_size: int
+    scatter_dimension: int  # normalised, 0 <= scatter_dimension < x.ndim
+    config: GemmRsConfig
+    reason: Optional[str]  # None: the fused path (on CUDA); else why the XLA reference runs
+    fused_call: Any = None  # with reason None: fused.GemmRsCall (the kernels' plan and the comm id)
+
+
+def _check_args(x, w, axis_name, scatter_dimension) -> tuple[int, int]:
+    """Raise ValueError for anything gemm_rs cannot compute; returns (axis_size, scatter dim)."""
+    callsite.check_operands(OP, x, w, "[K_local, N]")
+    if x.ndim < 2:
+        raise ValueError(f"gemm_rs: x must have rank >= 2 ([..., K_local]), got rank {x.ndim} (shape {tuple(x.shape)})")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"gemm_rs: x.shape[-1] (K_local) must equal w.shape[0], got {x.shape[-1]} and "
+                         f"{w.shape[0]} (x shape {tuple(x.shape)}, w shape {tuple(w.shape)})")
+    # Empty contractions and empty scattered dims make XLA fail after lowering (as plain
+    # psum_scatter does); say so here instead.
+    if x.shape[-1] == 0:
+        raise ValueError(f"gemm_rs: x.shape[-1] (K_local) must be > 0, got shape {tuple(x.shape)}")
+    size = callsite.axis_size(OP, axis_name)
+    out_shape = tuple(x.shape[:-1]) + (w.shape[1],)
+    sd = callsite.dimension(OP, "scatter_dimension", scatter_dimension, out_shape, "an output")
+    if out_shape[sd] == 0:
+        raise ValueError(f"gemm_rs: output dim {sd} (the scattered dim) must be > 0, got output shape {out_shape}")
+    if out_shape[sd] % size != 0:
+        raise ValueError(f"gemm_rs: output dim {sd} (size {out_shape[sd]}) must be divisible by the size of axis "
+                         f"{axis_name!r} ({size}); output shape {out_shape}")
+    return size, sd
+
+
+def kernel_scatter_dim(x, sd: int) -> int:
+    """The fused kernels scatter rows (0) or columns (1) of the [rows, N] view of the product: a
+    scatter over N is a column scatter; any other output dim is a row scatter (a middle dim after
+    _rows_by_partition)."""
+    return 1 if sd == x.ndim - 1 else 0
+
+
+def _check_config(config: GemmRsConfig) -> None:
+    """ValueError, at trace time, for a config the kernels cannot run whatever the shape (their own
+    rules, from the C++ plan; none without the extension, where no config reaches the kernels)."""
+    if config.path == "xla":
+        return
+    rule = kernel_plan.config_rule(config)
+    if rule is not None:
+        raise ValueError(f"gemm_rs: config {config} cannot run on the fused kernels: {rule}")
+
+
+def _fused_arguments(x, w, axis_name, size, sd, config) -> tuple:
+    x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+    w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
+    kwargs = dict(axis_name=axis_name, axis_size=size, scatter_dimension=kernel_scatter_dim(x, sd), config=config)
+    return x2d, w_aval, kwargs
+
+
+def why_not_fused(x, w, *, axis_name, axis_size: int, scatter_dimension: int, config: GemmRsConfig) -> Optional[str]:
+    """Why a call on operands shaped like x and w (scatter_dimension normalised) takes the XLA path
+    on this mesh, or None; asks only, no communicator is made (for programs that report on calls,
+    e.g. the benchmarks)."""
+    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "reduce or scatter")
+    if reason is not None:
+        return reason
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, scatter_dimension, config)
+    return fused.unavailable_reason(x2d, w_aval, **kwargs)
+
+
+def _prepare(x, w, axis_name, size, sd, config) -> tuple[Any, Optional[str]]:
+    """(fused.GemmRsCall, None) when the fused kernels run this call, else (None, the reason)."""
+    reason = callsite.early_reason(OP, config, size, x.dtype, "reduce or scatter")
+    if reason is not None:
+        return None, reason
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, sd, config)
+    return callsite.prepare(OP, lambda: fused.unavailable_reason(x2d, w_aval, **kwargs),
+                            lambda: fused.prepare(x2d, w_aval, **kwargs))
+
+
+def plan(x, w, *, axis_name, scatter_dimension, config: Optional[GemmRsConfig]) -> Plan:
+    """Check a call, choose its config and its path, and report the choice once per call site."""
+    axis_name = callsite.hashable_axis(axis_name)
+    size, sd = _check_args(x, w, axis_name, scatter_dimension)
+    if config is not None and not isinstance(config, GemmRsConfig):
+        raise ValueError(f"gemm_rs: config must be a GemmRsConfig or None, got {type(config).__name__}")
+    source = table.SOURCE_OVERRIDE
+    if config is None:
+        config = get_default_config()
+    if config is None:
+        # Keyed by the rows of x as this rank sees them (before the scatter), N, K_local, W, dtype.
+        config, source = table.select_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], size, x.dtype,
+                                             rows=kernel_scatter_dim(x, sd) == 0)
+    _check_config(config)
+    fused_call, reason = _prepare(x, w, axis_name, size, sd, config)
+    p = Plan(axis_name=axis_name, axis_size=size, scatter_dimension=sd, config=config, reason=reason,
+             fused_call=fused_call)
+    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, sd)
+    site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={axis_name!r} (size {size}) "
+            f"scatter_dimension={sd}")
+    middle = 0 < sd < x.ndim - 1
+    note = " (a middle dim: x's rows are permuted first, one copy of x)" if middle else ""
+    callsite.report(OP, key, site, config, reason, source, printed, note)
+    return p
+
+
+def _rows_by_partition(x, sd: int, world: int):
+    """x [..., K] -> the [rows, K] view in which the W slices of output dim `sd` are W contiguous
+    blocks of rows, each in the row-major order of its slice: [P, D, R, K] (dims before sd, dim sd,
+    dims after it) -> [W, P, D/W, R, K]. For sd = 0 that is the plain reshape; for a middle dim it
+    costs one copy of x (a transpose XLA runs before the custom call)."""
+    lead = x.shape[:-1]
+    p, d, r = math.prod(lead[:sd]), lead[sd], math.prod(lead[sd + 1:])
+    if p == 1:
+        return x.reshape(-1, x.shape[-1])
+    blocks = x.reshape(p, world, d // world, r, x.shape[-1])
+    return jax.numpy.swapaxes(blocks, 0, 1).reshape(-1, x.shape[-1])
+
+
+def _fused_forward(x, w, *, plan: Plan):
+    # A scatter over N is a scatter over the columns of the [rows, K] view of x; a scatter over any
+    # other output dim is a scatter over its rows, once _rows_by_partition has made every rank's
+    # slice a contiguous block of rows (for the leading dim it already is, since B % W == 0).
+    sd, world, lead = plan.scatter_dimension, plan.axis_size, tuple(x.shape[:-1])
+    columns = kernel_scatter_dim(x, sd)
+    x2d = x.reshape(-1, x.shape[-1]) if columns else _rows_by_partition(x, sd, world)
+    y = fused.call(x2d, w, plan.fused_call)
+    y = callsite.typed_like(callsite.varying_over(x, w), y)
+    if columns:
+        return y.reshape(lead + (w.shape[1] // world,))
+    return y.reshape(lead[:sd] + (lead[sd] // world,) + lead[sd + 1:] + (w.shape[1],))
+
+
+def forward(x, w, plan: Plan):
+    """y = psum_scatter(x @ w): the fused kernels where the plan says so (on CUDA), else the reference."""
+    reference = functools.partial(gemm_rs_reference, axis_name=plan.axis_name,
+                                  scatter_dimension=plan.scatter_dimension)
+    return callsite.dispatch(plan.reason, reference, functools.partial(_fused_forward, plan=plan), x, w)

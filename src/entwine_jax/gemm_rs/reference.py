@@ -1,0 +1,32 @@
+# gemm_rs's XLA reference, used on every backend where the fused kernels cannot run: an fp32 dot
+# followed by an fp32 psum_scatter, cast back to the input dtype (the kernels accumulate in fp32 too),
+# and the matching backward (all_gather, two dots accumulated in fp32).
+import jax
+
+from entwine_jax._dot import dot_last_first, dot_type
+
+
+def gemm_rs_reference(x, w, *, axis_name, scatter_dimension: int = 0):
+    """psum_scatter(x @ w, tiled=True) with fp32 accumulation; output in x.dtype.
+
+    scatter_dimension must already be normalised (0 <= scatter_dimension < x.ndim).
+    """
+    if jax.lax.axis_size(axis_name) == 1:
+        # Nothing to reduce or scatter: XLA's GEMM alone, rounded once to x.dtype.
+        return dot_last_first(x, w, dot_type(x.dtype)).astype(x.dtype)
+    y = dot_last_first(x, w)
+    y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+    return y.astype(x.dtype)
+
+
+def gemm_rs_reference_bwd(x, w, dy, *, axis_name, scatter_dimension: int = 0):
+    """Cotangents (dx, dw) of gemm_rs: the backward of a reduce-scatter is an all-gather."""
+    # Gather in the cotangent's own dtype (half the bytes of fp32 for bf16/fp16).
+    g = jax.lax.all_gather(dy, axis_name, axis=scatter_dimension, tiled=True)
+    # dx = g @ w.T: contract N.
+    dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())),
+                             preferred_element_type=dot_type(x.dtype))
+    # dw = x.T @ g, contracting over every batch dim of x.
+    batch = tuple(range(x.ndim - 1))
+    dw = jax.lax.dot_general(x, g, ((batch, batch), ((), ())), preferred_element_type=dot_type(w.dtype))
+    return dx.astype(x.dtype), dw.astype(w.dtype)

@@ -1,0 +1,220 @@
+# entwine_jax.census on 8 fake CPU devices: hand-computed bytes for each collective kind, a
+# collective the partitioner inserts, a scanned loop's trip count, gemm_rs / ag_gemm (forward and
+# backward) attributed to the ops, abstract-shape inputs, and the errors.
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import entwine_jax
+from entwine_jax import census
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if len(jax.devices()) < 8:
+        pytest.skip(f"needs 8 devices, found {len(jax.devices())}")
+    return jax.make_mesh((2, 4), ("dp", "tp"), (AxisType.Explicit,) * 2)
+
+
+def _spec(mesh, shape, spec, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def _one(c: census.Census) -> census.Collective:
+    assert len(c) == 1, c.table()
+    return c.collectives[0]
+
+
+# Each case: a shard_map body over tp (W = 4) on a local block x [8, 8] of float32 (256 B), and
+# (kind, axes, bytes per device) computed by hand from the module's formulas.
+CASES = {
+    "all_gather": (lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True), "all-gather", ("tp",), 3 * 256),
+    "psum_scatter": (lambda x: jax.lax.psum_scatter(x, "tp", scatter_dimension=0, tiled=True), "reduce-scatter",
+                     ("tp",), 3 * 256 // 4),
+    "psum": (lambda x: jax.lax.psum(x, "tp"), "all-reduce", ("tp",), 2 * 3 * 256 // 4),
+    "psum_dp_tp": (lambda x: jax.lax.psum(x, ("dp", "tp")), "all-reduce", ("dp", "tp"), 2 * 7 * 256 // 8),
+    "ppermute": (lambda x: jax.lax.ppermute(x, "tp", [(i, (i + 1) % 4) for i in range(4)]), "collective-permute",
+                 ("tp",), 256),
+    "all_to_all": (lambda x: jax.lax.all_to_all(x, "tp", 0, 1, tiled=True), "all-to-all", ("tp",), 3 * 256 // 4),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hand_computed_bytes(mesh, name):
+    body, kind, axes, nbytes = CASES[name]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp", "tp"), check_vma=False))
+    c = census.collectives(f, _spec(mesh, (16, 32), P("dp", "tp")))
+    col = _one(c)
+    assert (col.kind, col.axes, col.owner, col.custom_call, col.bytes, col.count) == (kind, axes, "xla", False,
+                                                                                    nbytes, 1)
+    assert c.bytes == nbytes and c.count == 1
+    assert c.totals("owner") == {"xla": (1, nbytes)}
+    assert c.totals("axes") == {"+".join(axes): (1, nbytes)}
+    line = [l for l in c.table().splitlines() if l.startswith("xla ")]
+    assert len(line) == 1 and kind in line[0] and "+".join(axes) in line[0]
+
+
+def test_bf16_keeps_its_dtype_on_cpu(mesh):
+    """The CPU compiler runs collectives in f32; the census counts the bf16 the program asks for."""
+    def body(x):
+        return jax.lax.psum(jax.lax.all_gather(x, "tp", axis=0, tiled=True), "tp")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp", None), check_vma=False))
+    c = census.collectives(f, _spec(mesh, (16, 32), P("dp", "tp"), jnp.bfloat16))
+    gather, reduce = (_one(c.select(kind=k)) for k in ("all-gather", "all-reduce"))
+    assert (gather.shape, gather.bytes) == ("bf16[8,8]", 3 * 128)
+    assert (reduce.shape, reduce.bytes) == ("bf16[32,8]", 2 * 3 * 512 // 4)
+
+
+def test_partitioner_inserted_collective(mesh):
+    """Automatic sharding: the contraction over tp needs a reduction the partitioner inserts; XLA
+    prints its groups with its own axis names (or as iota), matched here against the mesh."""
+    auto = jax.make_mesh((2, 4), ("dp", "tp"), (AxisType.Auto,) * 2)
+    x, w = _spec(auto, (16, 64), P("dp", "tp")), _spec(auto, (64, 32), P("tp", None))
+    for out in (P("dp", None), P(("dp", "tp"), None)):
+        f = jax.jit(lambda x, w: jnp.tanh(x @ w), out_shardings=NamedSharding(auto, out))
+        col = _one(census.collectives(f, x, w))
+        # The [8, 32] float32 partial product (1 KiB), all-reduced over tp.
+        assert (col.kind, col.axes, col.group_size, col.bytes, col.owner) == ("all-reduce", ("tp",), 4,
+                                                                              2 * 3 * 1024 // 4, "xla")
+    # The same program as text, without a mesh: the groups, by size.
+    text = jax.jit(lambda x, w: jnp.tanh(x @ w), out_shardings=NamedSharding(auto, P("dp", None))).lower(
+        x, w).compile().as_text()
+    col = _one(census.collectives(text))
+    assert col.axes is None and col.group == "groups of size 4"
+    assert _one(census.collectives(text, mesh=auto)).axes == ("tp",)
+
+
+def test_scan_trip_count(mesh):
+    def step(c, w):
+        return jax.lax.all_gather(c @ w, "tp", axis=1, tiled=True), None
+
+    def body(c, ws):
+        return jax.lax.scan(step, c, ws)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, None, "tp")), out_specs=P(), check_vma=False))
+    c = census.collectives(f, jax.ShapeDtypeStruct((8, 16), jnp.float32),
+                           _spec(mesh, (5, 16, 16), P(None, None, "tp")))
+    (loop,) = c.loops
+    assert loop.trip_count == 5 and loop.parent is None and "while" in loop.op_name
+    col = _one(c)
+    # c @ w is [8, 4] float32 (128 B) per device: 3 x 128 B per gather, 5 gathers per step.
+    assert (col.kind, col.count, col.bytes, col.loops) == ("all-gather", 5, 3 * 128, (loop.body,))
+    assert c.bytes == 5 * 3 * 128
+    one = c.per_iteration(loop)
+    assert one.count == 1 and one.bytes == 3 * 128
+    assert c.per_iteration(loop.body).bytes == one.bytes
+    assert len(c.select(loop=loop)) == 1
+
+
+def _mlp(mesh, dtype=jnp.float32):
+    mesh = jax.make_mesh(mesh.axis_sizes, mesh.axis_names, (AxisType.Auto,) * 2)
+    def loss(x, w1, w2):
+        h = entwine_jax.ag_gemm(x, w1, axis_name="tp")
+        y = entwine_jax.gemm_rs(jnp.tanh(h), w2, axis_name="tp")
+        return jax.lax.psum(jnp.sum(jnp.square(y.astype(jnp.float32))), "tp")
+
+    island = jax.shard_map(loss, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"), P("tp", None)), out_specs=P())
+    args = (_spec(mesh, (32, 16), P("tp", None), dtype), _spec(mesh, (16, 64), P(None, "tp"), dtype),
+            _spec(mesh, (64, 16), P("tp", None), dtype))
+    return island, args
+
+
+def test_ops_are_attributed(mesh):
+    island, args = _mlp(mesh)
+    c = census.collectives(jax.jit(island), *args)
+    gather, scatter = _one(c.select(owner="ag_gemm")), _one(c.select(owner="gemm_rs"))
+    # On CPU the ops run their references: ag_gemm gathers x [8, 16] (512 B), gemm_rs reduce-scatters
+    # its fp32 product [32, 16] (2 KiB), over tp, not as custom calls.
+    assert (gather.kind, gather.axes, gather.bytes, gather.custom_call) == ("all-gather", ("tp",), 3 * 512, False)
+    assert (scatter.kind, scatter.axes, scatter.bytes, scatter.custom_call) == ("reduce-scatter", ("tp",),
+                                                                                3 * 2048 // 4, False)
+    # The loss' psum is XLA's own.
+    assert c.select(owner="xla").counts("kind") == {"all-reduce": 1}
+    assert not c.select(custom_call=True)
+
+
+def test_backward_is_attributed(mesh):
+    island, args = _mlp(mesh)
+    c = census.collectives(jax.jit(jax.grad(island, argnums=(0, 1, 2))), *args)
+    # Forward ag_gemm + gemm_rs; backward: gemm_rs' dx is an ag_gemm, ag_gemm's dx a gemm_rs.
+    assert c.select(owner="ag_gemm", kind="all-gather").count == 2
+    assert c.select(owner="gemm_rs", kind="reduce-scatter").count == 2
+    assert c.select(scope="transpose(jvp())", owner="ag_gemm").count >= 1
+    assert all(col.axes == ("tp",) for col in c.select(owner=("ag_gemm", "gemm_rs")))
+    # What the old train-step check asked: no XLA collective over tp outside a given scope.
+    assert not c.select(owner="xla", axis="tp", kind=("all-gather", "reduce-scatter"))
+
+
+def test_abstract_shapes_and_lowered_compiled(mesh):
+    """ShapeDtypeStructs (nothing allocated), a Lowered and a Compiled give the same census."""
+    island, args = _mlp(mesh, jnp.bfloat16)
+    lowered = jax.jit(island).lower(*args)
+    from_fn = census.collectives(island, *args)
+    from_lowered = census.collectives(lowered)
+    assert from_fn.collectives == from_lowered.collectives
+    assert from_fn.mesh_axes == (("dp", 2), ("tp", 4))
+    from_compiled = census.collectives(lowered.compile())
+    assert [c.owner for c in from_compiled] == [c.owner for c in from_fn]
+
+
+def test_fused_custom_calls_are_read_from_text():
+    """A GPU compile's custom calls (this machine has no GPU: a hand-written module in the form XLA
+    prints): gemm_rs [4 x 64 rows, 32] -> [64, 16] rows over W = 4; ag_gemm gathers x [64, 32]."""
+    text = """HloModule jit_step, num_partitions=8
+ENTRY %main (x: bf16[256,32], w: bf16[32,16], a: bf16[64,32], b: bf16[32,48]) -> bf16[64,16] {
+  %x = bf16[256,32]{1,0} parameter(0)
+  %w = bf16[32,16]{1,0} parameter(1)
+  %a = bf16[64,32]{1,0} parameter(2)
+  %b = bf16[32,48]{1,0} parameter(3)
+  %rs = bf16[64,16]{1,0} custom-call(%x, %w), custom_call_target="entwine_gemm_rs", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/entwine_gemm_rs/ffi_call"}, backend_config={comm_id = 7 : i64, scatter_dimension = 0 : i64}
+  %ag = (bf16[256,48]{1,0}, bf16[0]{0}) custom-call(%a, %b), custom_call_target="entwine_ag_gemm", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/entwine_ag_gemm/ffi_call"}, backend_config={comm_id = 7 : i64, gather_k = false}
+  ROOT %r = bf16[64,16]{1,0} add(%rs, %rs)
+}
+"""
+    mesh = jax.sharding.AbstractMesh((2, 4), ("dp", "tp"))
+    c = census.collectives(text, mesh=mesh)
+    assert c.select(custom_call=True).counts("owner") == {"ag_gemm": 1, "gemm_rs": 1}
+    rs, ag = _one(c.select(owner="gemm_rs")), _one(c.select(owner="ag_gemm"))
+    assert (rs.kind, rs.group_size, rs.axes, rs.bytes) == ("reduce-scatter", 4, ("tp",), 3 * 64 * 16 * 2)
+    assert (ag.kind, ag.group_size, ag.axes, ag.bytes) == ("all-gather", 4, ("tp",), 3 * 64 * 32 * 2)
+    assert "(custom call)" in c.table()
+
+
+def test_iota_and_explicit_groups():
+    mesh = jax.sharding.AbstractMesh((2, 4), ("dp", "tp"))
+    line = "  %{n} = f32[8]{{0}} all-reduce(%p), channel_id=1, replica_groups={g}, to_apply=%add\n"
+    groups = {"[2,4]<=[8]": ("tp",), "[4,2]<=[2,4]T(1,0)": ("dp",), "{{0,1,2,3},{4,5,6,7}}": ("tp",),
+              "{{0,4},{1,5},{2,6},{3,7}}": ("dp",), "{}": ("dp", "tp"), "[4,2]<=[8]": None}
+    body = "".join(line.format(n=f"ar{i}", g=g) for i, g in enumerate(groups))
+    text = ("HloModule m\n%add (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n  %b = f32[] parameter(1)\n"
+            "  ROOT %s = f32[] add(%a, %b)\n}\nENTRY %main (p: f32[8]) -> f32[8] {\n  %p = f32[8]{0} parameter(0)\n"
+            + body + "  ROOT %r = f32[8]{0} copy(%p)\n}\n")
+    found = census.collectives(text, mesh=mesh)
+    assert [c.axes for c in found] == list(groups.values())
+    assert found.collectives[-1].group == "groups of size 2"
+
+
+def test_bad_inputs(mesh):
+    with pytest.raises(ValueError, match=r"program must be a function, a jax.stages.Lowered or Compiled, or compiled "
+                                         r"HLO text, got int"):
+        census.collectives(3)
+    with pytest.raises(ValueError, match=r"program text is not an HLO module \(no ENTRY computation\): 'hello'"):
+        census.collectives("hello")
+    with pytest.raises(ValueError, match=r"mesh must be a jax.sharding.Mesh or AbstractMesh, got dict"):
+        census.collectives(lambda x: x, jnp.ones(2), mesh={"tp": 4})
+    island, args = _mlp(mesh)
+    lowered = jax.jit(island).lower(*args)
+    with pytest.raises(ValueError, match=r"arguments are only taken with a function; program is a Lowered, got 1 "
+                                         r"positional and \[\] keyword"):
+        census.collectives(lowered, args[0])
+    c = census.collectives(lowered)
+    with pytest.raises(ValueError, match=r"owner must be one of \('gemm_rs', 'ag_gemm', 'xla'\).*got 'rs'"):
+        c.select(owner="rs")
+    with pytest.raises(ValueError, match=r"kind must be one of .*got 'allgather'"):
+        c.select(kind="allgather")
+    with pytest.raises(ValueError, match=r"loop must be one of this census' loops .*got 'body'"):
+        c.per_iteration("body")
+    with pytest.raises(ValueError, match=r"by must be one of \('owner', 'kind', 'axes', 'name'\), got 'mesh'"):
+        c.totals("mesh")
