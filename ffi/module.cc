@@ -1,8 +1,6 @@
-// nanobind module entwine_jax._entwine: the FFI registrations and target names of the ops, their
-// plans (every shape rule of the kernels, asked by Python instead of restated), each bound by its
-// op, and the small communicator API that entwine_jax.fused.acquire_comm drives at trace time
-// (create, exchange IPC handles, connect, grow, errors, shutdown). Every failure raises
-// RuntimeError carrying the CUDA error string.
+// nanobind module entwine_jax._entwine: each op's FFI target and plan (bound by the op, one line
+// each), and the communicator API that entwine_jax.fused.acquire_comm drives at trace time (create,
+// IPC handles, connect, grow, errors, shutdown). Failures raise RuntimeError with CUDA's message.
 #include <string>
 #include <tuple>
 #include <utility>

@@ -1,8 +1,7 @@
-// XLA FFI handler `entwine_ag_gemm`: validates one rank's call, plans it once, then forks XLA's
-// stream into the transfer streams (this rank's shard pushed to every peer by the copy engines, one
-// flag per chunk) and the GEMM stream (the GEMM consuming the gathered operand as it arrives), and
-// joins them back. Also what ag_gemm asks of every communicator entry (ag_gemm::kHooks).
-// No kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (see gemm_rs).
+// XLA FFI handler `entwine_ag_gemm`: validates and plans one rank's call, forks XLA's stream into the
+// transfer streams (the shard pushed to every peer by copy engines, one flag per chunk) and the GEMM
+// stream (consuming the gathered operand as it arrives), joins them back; and ag_gemm::kHooks. No
+// kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (see gemm_rs).
 #include <cstdint>
 #include <exception>
 #include <string>

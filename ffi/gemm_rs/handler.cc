@@ -1,8 +1,7 @@
-// XLA FFI handler `entwine_gemm_rs`: validates one rank's call, plans it once, then forks XLA's
-// stream into the producer (GEMM) and consumer (reduction) streams of the rank's communicator and
-// joins them back. Also what gemm_rs asks of every communicator entry (gemm_rs::kHooks).
-// No kernel syntax here; no allocation, free, synchronisation, IPC or peer-access call either (any
-// of them can deadlock against a consumer spinning on another device of this process).
+// XLA FFI handler `entwine_gemm_rs`: validates and plans one rank's call, forks XLA's stream into the
+// producer (GEMM) and consumer (reduction) streams and joins them back; and gemm_rs::kHooks. No
+// kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (any of them can
+// deadlock against a consumer spinning on another device of this process).
 #include <cstdint>
 #include <exception>
 #include <string>
