@@ -1,8 +1,6 @@
-// nanobind module entwine_jax._entwine: the FFI registrations and their target names, the plans of
-// both ops (every shape rule of the kernels, asked by Python instead of restated), and the small
-// communicator API that entwine_jax.fused.acquire_comm drives at trace time (create, exchange IPC
-// handles, connect, grow, errors, shutdown). Every failure raises RuntimeError carrying the CUDA
-// error string.
+// nanobind module entwine_jax._entwine: each op's FFI target and plan (bound by the op, one line
+// each), and the communicator API that entwine_jax.fused.acquire_comm drives at trace time (create,
+// IPC handles, connect, grow, errors, shutdown). Failures raise RuntimeError with CUDA's message.
 #include <string>
 #include <tuple>
 #include <utility>
@@ -16,16 +14,22 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include "ag_gemm/ag_gemm.h"
-#include "common/comm.h"
-#include "gemm_rs/gemm_rs.h"
-#include "xla/ffi/api/c_api.h"
+#include "bind.h"
+#include "comm/comm.h"
 
 namespace nb = nanobind;
 
-// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in gemm_rs/handler.cc and ag_gemm/handler.cc.
-extern "C" XLA_FFI_Error* GemmRs(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* AgGemm(XLA_FFI_CallFrame* call_frame);
+// The ops, one row each: ffi/<op>/bind.cc defines entwine::<op>::bind (see bind.h).
+#define ENTWINE_OPS(X) \
+  X(gemm_rs)           \
+  X(ag_gemm)
+
+#define ENTWINE_DECLARE_BIND(op) \
+  namespace entwine::op {        \
+  void bind(nb::module_& m, FfiTargets& targets); \
+  }
+ENTWINE_OPS(ENTWINE_DECLARE_BIND)
+#undef ENTWINE_DECLARE_BIND
 
 namespace {
 
@@ -34,60 +38,26 @@ namespace comm = entwine::comm;
 // Calls that may wait on the GPU release the GIL: an XLA thread may need it meanwhile.
 using NoGil = nb::call_guard<nb::gil_scoped_release>;
 
-// The XLA FFI target names, spelled only here: Python reads them from the module.
-constexpr const char* kGemmRsTarget = "entwine_gemm_rs";
-constexpr const char* kAgGemmTarget = "entwine_ag_gemm";
-
-nb::object rule_or_none(const char* rule) { return rule ? nb::cast(std::string(rule)) : nb::none(); }
+// Every op's FFI targets, filled once at import by the ops' bind().
+entwine::FfiTargets& ffi_targets() {
+  static auto* targets = new entwine::FfiTargets();  // leaked: outlives static destructors
+  return *targets;
+}
 
 }  // namespace
 
 NB_MODULE(_entwine, m) {
-  m.doc() = "entwine_jax CUDA extension: XLA FFI targets, the plans of both ops, and their communicators";
+  m.doc() = "entwine_jax CUDA extension: XLA FFI targets, the plans of the ops, and their communicators";
 
-  m.attr("GEMM_RS_TARGET") = kGemmRsTarget;
-  m.attr("AG_GEMM_TARGET") = kAgGemmTarget;
   m.attr("MAX_WORLD") = entwine::kMaxWorld;  // the largest mesh axis the kernels serve
+#define ENTWINE_BIND(op) entwine::op::bind(m, ffi_targets());
+  ENTWINE_OPS(ENTWINE_BIND)
+#undef ENTWINE_BIND
   m.def("registrations", [] {
     nb::dict targets;
-    targets[kGemmRsTarget] = nb::capsule(reinterpret_cast<void*>(GemmRs));
-    targets[kAgGemmTarget] = nb::capsule(reinterpret_cast<void*>(AgGemm));
+    for (auto const& [name, handler] : ffi_targets()) targets[name.c_str()] = nb::capsule(handler);
     return targets;
   }, "{target name: FFI handler capsule}, for jax.ffi.register_ffi_target(platform='CUDA').");
-
-  m.def("gemm_rs_plan",
-        [](int64_t m, int64_t n, int64_t k, int world, bool scatter_cols, int block_n, int producer_sms,
-           int consumer_grid, int consumer_block, int raster_rows, bool split_tail) {
-          entwine::GemmRsProblem problem{m, n, k, world, 0, scatter_cols};
-          entwine::GemmRsConfig config{block_n, producer_sms, consumer_grid, consumer_block, raster_rows,
-                                       split_tail ? 1 : 0};
-          entwine::GemmRsPlan const p = entwine::gemm_rs_plan(problem, config);
-          nb::dict d;
-          d["error"] = rule_or_none(p.error);
-          d["config_error"] = p.config_error;
-          d["m"] = p.shape.m;
-          d["n"] = p.shape.n;
-          d["k"] = p.shape.k;
-          d["part_rows"] = p.shape.part_rows();
-          d["part_cols"] = p.shape.part_cols();
-          d["tiles_per_partition"] = p.tiles_per_partition;
-          d["m_blocks"] = p.order.m_blocks;
-          d["n_blocks"] = p.order.n_blocks;
-          d["raster_rows"] = p.order.raster_rows;
-          d["num_blocks"] = p.schedule.num_blocks;
-          d["grid"] = p.schedule.grid;
-          d["k_tiles"] = p.schedule.k_tiles;
-          d["split_first_block"] = p.schedule.split_first_block;
-          d["split"] = p.split;
-          d["slot_bytes"] = p.slot_bytes;
-          return d;
-        },
-        nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("world"), nb::arg("scatter_cols"), nb::arg("block_n"),
-        nb::arg("producer_sms"), nb::arg("consumer_grid"), nb::arg("consumer_block"), nb::arg("raster_rows"),
-        nb::arg("split_tail"),
-        "gemm_rs's plan of one call (ffi/gemm_rs/gemm_rs.h) for x [m, k], w [k, n], unpadded: {error: None or "
-        "the violated rule, config_error, m, n, k (the padded problem), part_rows, part_cols, tiles_per_partition, "
-        "m_blocks, n_blocks, raster_rows, num_blocks, grid, k_tiles, split_first_block, split, slot_bytes}.");
 
   m.def("can_access_peer", [](int device, int peer) {
     int ok = 0;
@@ -107,32 +77,6 @@ NB_MODULE(_entwine, m) {
         nb::arg("comm_id"), nb::arg("world"), nb::arg("local_ranks"), nb::arg("slot_bytes"),
         nb::arg("max_tiles"), nb::arg("inbox_bytes"), NoGil(),
         "Create the local ranks [(device ordinal, rank)] of a communicator with zeroed heaps.");
-
-  m.def("ag_plan",
-        [](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
-           int max_chunks) {
-          entwine::AgProblem problem{rows, cols, n, world, 0, gather_k};
-          entwine::AgGemmConfig config{block_n, gemm_sms, raster_rows, max_chunks};
-          entwine::AgPlan p = entwine::ag_plan(problem, config);
-          nb::dict d;
-          d["error"] = rule_or_none(p.error);
-          d["rows_pad"] = p.rows_pad;
-          d["cols_pad"] = p.cols_pad;
-          d["n_pad"] = p.n_pad;
-          d["chunks"] = p.chunks;
-          d["chunk_tiles"] = p.chunk_tiles;
-          d["num_blocks"] = p.num_blocks;
-          d["grid"] = p.grid;
-          d["k_tiles"] = p.k_tiles;
-          d["inbox_bytes"] = p.inbox_bytes;
-          d["flags"] = p.flags;
-          return d;
-        },
-        nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
-        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"),
-        "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h) of an unpadded shard [rows, cols] and N = n: "
-        "{error: None or the violated rule, rows_pad, cols_pad, n_pad, chunks, chunk_tiles, num_blocks, grid, "
-        "k_tiles, inbox_bytes, flags}.");
 
   m.def("heap_bytes",
         [](int world, size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {

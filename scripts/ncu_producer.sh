@@ -24,7 +24,7 @@ fi
 for v in "${VARIANTS[@]}"; do
   set -- $v
   echo "== producer ${M}x${N}x${K} n$BN r$1 $2"
-  $NCU --kernel-name regex:producer_kernel --launch-skip 2 --launch-count 1 \
+  $NCU --kernel-name regex:gemm_kernel --launch-skip 2 --launch-count 1 \
     "$H" producer "$M" "$N" "$K" "$BN" "$SMS" "$1" $([ "$2" = plain ] && echo plain) 2>&1 | grep -E "$FILTER"
 done
 echo "== XLA jnp.dot ${M}x${N}x${K}"

@@ -1,22 +1,29 @@
 // Host-side contract of the fused AllGather + GEMM (ag_gemm): the config, the problem of one rank,
 // its plan (computed once per call, here, for the handler, the kernels and Python alike), the
-// kernel arguments and the launcher. No kernel syntax. Protocol: docs/design.md, "ag_gemm".
+// kernel arguments and the launchers, which run the plan they are given. No kernel syntax.
+// Protocol: docs/design.md, "ag_gemm".
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_runtime.h>
 
-#include "common/protocol.h"
+#include "comm/config.h"
+#include "comm/protocol.h"
+#include "gemm/gemm.h"
 
 namespace entwine {
 
-// The one config of ag_gemm, mirrored by entwine_jax.AgGemmConfig (Python).
+// The one config of ag_gemm, mirrored by entwine_jax.AgGemmConfig (Python). It crosses the FFI
+// boundary as the dictionary attribute `config`, decoded by name into this struct; its fields are
+// listed here only, as X(type, name, default) (comm/config.h).
+#define ENTWINE_AG_GEMM_CONFIG_FIELDS(X)                                                                  \
+  X(int64_t, block_n, 256)    /* GEMM block: 128 x block_n x 64, block_n in {128, 256} */                  \
+  X(int64_t, gemm_sms, 131)   /* persistent grid of that many CTAs, fewer than the SMs (see launch_release) */ \
+  X(int64_t, raster_rows, 8)  /* blocks of a chunk run in groups of this many tile rows (L2 reuse) */      \
+  X(int64_t, max_chunks, 8)   /* a shard travels in at most this many chunks of whole tile rows, one flag each */
 struct AgGemmConfig {
-  int32_t block_n = 256;     // GEMM block: 128 x block_n x 64, block_n in {128, 256}
-  int32_t gemm_sms = 131;    // persistent grid of that many CTAs, fewer than the SMs (see launch_release)
-  int32_t raster_rows = 8;   // blocks of a chunk run in groups of this many tile rows (L2 reuse)
-  int32_t max_chunks = 8;    // a shard travels in at most this many chunks of whole tile rows, one flag each
+  ENTWINE_AG_GEMM_CONFIG_FIELDS(ENTWINE_CONFIG_MEMBER)
 };
 
 // One rank's problem. Every rank holds a shard of `rows` x `cols` elements (row-major) and w
@@ -37,6 +44,8 @@ struct AgProblem {
 // this, the handler sizes the transfers with it, Python sizes the heap with it.
 struct AgPlan {
   const char* error;      // nullptr, or the rule the problem or config violates
+  AgGemmConfig config;    // the config the plan was made with
+  AgProblem shape;        // the kernels' problem: rows, cols and n padded
   int32_t rows_pad;       // rows rounded up to 128: every shard padded on its own
   int32_t cols_pad;       // cols rounded up to 8 (16-byte rows for TMA); w's slices padded alike
   int32_t n_pad;          // n rounded up to config.block_n
@@ -50,6 +59,8 @@ struct AgPlan {
   int64_t shard_bytes;    // one padded shard
   int64_t inbox_bytes;    // the gathered operand: world padded shards
   int64_t flags;          // flag words per rank: world * chunks
+  TileOrder order;        // the blocks of one chunk, in production order
+  WorkSchedule schedule;  // the GEMM's blocks, grid and k-tiles (every source's in the contraction layout)
 };
 AgPlan ag_plan(const AgProblem& problem, const AgGemmConfig& config);
 
@@ -82,10 +93,10 @@ struct TransferArgs {
   uint64_t timeout_ns;
 };
 
-// Launch the GEMM that consumes the gathered operand as it arrives (its TMA warp waits on each
-// chunk's flag). The transfers are the handler's (copy engines, no SMs).
-cudaError_t launch_ag_gemm(DType dtype, const AgProblem& problem, const AgGemmConfig& config, const AgPlan& plan,
-                           const AgGemmArgs& args, cudaStream_t stream);
+// The waits of ag_gemm (DeviceError::site).
+constexpr int32_t kAgGemmWaitSiteBase = 2 * kWaitSitesPerOp;
+constexpr int32_t kWaitGatherChunk = kAgGemmWaitSiteBase + 0;  // the GEMM: a chunk of rows of a peer's shard
+constexpr int32_t kWaitInboxReady = kAgGemmWaitSiteBase + 1;   // a transfer: the receiver has not started the call
 
 // The transfer kernels (transfer.cu). The receiver wait opens each transfer stream. The release
 // follows each chunk's copy: once `stream`'s earlier work is complete, it fences system-wide and
@@ -94,5 +105,28 @@ cudaError_t launch_ag_gemm(DType dtype, const AgProblem& problem, const AgGemmCo
 cudaError_t launch_wait_receiver(const TransferArgs& args, cudaStream_t stream);
 cudaError_t launch_release(uint64_t* flag, const CallEpoch& call, cudaStream_t stream);
 cudaError_t prepare_transfer_kernels();
+
+namespace comm {
+struct OpHooks;
+}
+
+namespace ag_gemm {
+
+// What ag_gemm asks of every communicator entry (handler.cc), registered by bind.cc.
+extern const comm::OpHooks kHooks;
+
+// The GEMM that consumes the gathered operand as it arrives (its TMA warp waits on each chunk's
+// flag; ag_gemm/gemm_schedule.cuh), dispatched to the instantiation of (dtype,
+// plan.config.block_n) by code generated from the kernel table (cmake/gemm_kernels.cmake). The
+// transfers are the handler's (copy engines, no SMs).
+using GemmPlan = AgPlan;
+using GemmArgs = AgGemmArgs;
+cudaError_t launch_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
+cudaError_t prepare_gemms();
+
+// Load every kernel module of ag_gemm on the current device (once per device at setup).
+cudaError_t prepare_kernels();
+
+}  // namespace ag_gemm
 
 }  // namespace entwine

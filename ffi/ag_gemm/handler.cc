@@ -1,7 +1,7 @@
-// XLA FFI handler `entwine_ag_gemm`: validates one rank's call, then forks XLA's stream into the
-// transfer streams (this rank's shard pushed to every peer by the copy engines, one flag per chunk)
-// and the GEMM stream (the GEMM consuming the gathered operand as it arrives), and joins them back.
-// No kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (see gemm_rs).
+// XLA FFI handler `entwine_ag_gemm`: validates and plans one rank's call, forks XLA's stream into the
+// transfer streams (the shard pushed to every peer by copy engines, one flag per chunk) and the GEMM
+// stream (consuming the gathered operand as it arrives), joins them back; and ag_gemm::kHooks. No
+// kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (see gemm_rs).
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -9,13 +9,34 @@
 #include <cuda_runtime.h>
 
 #include "ag_gemm/ag_gemm.h"
-#include "common/comm.h"
-#include "common/handler_util.h"
+#include "comm/comm.h"
+#include "comm/handler_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace entwine {
+
+namespace ag_gemm {
+
+// The GEMM and the transfer kernels are loaded with the communicator; no workspace.
+const comm::OpHooks kHooks{
+    "ag_gemm",
+    prepare_kernels,
+    kAgGemmWaitSiteBase,
+    [](const DeviceError& e, const std::string& waited) -> std::string {
+      if (e.site == kWaitInboxReady) {
+        return "entwine ag_gemm: " + waited + "for rank " + std::to_string(e.source) +
+               " to start the call (before pushing its shard into rank " + std::to_string(e.source) + "'s inbox)";
+      }
+      return "entwine ag_gemm: " + waited + "for chunk " + std::to_string(e.tile) + " of the shard of rank " +
+             std::to_string(e.source);
+    },
+    0,
+};
+
+}  // namespace ag_gemm
+
 namespace {
 
 constexpr const char* kOp = "entwine ag_gemm";
@@ -32,7 +53,7 @@ using handler::dims_string;
 // every call of either op takes a flag from every peer), so calls of both ops may alternate.
 ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
-                     bool gather_k, int64_t block_n, int64_t gemm_sms, int64_t raster_rows, int64_t max_chunks) {
+                     bool gather_k, AgGemmConfig const& config) {
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
   handler::HostTimer timer{dc};
@@ -68,18 +89,18 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   problem.cols = int32_t(xd[1]);
   problem.n = int32_t(wd[1]);
 
-  AgGemmConfig config;
-  config.block_n = int32_t(block_n);
-  config.gemm_sms = int32_t(gemm_sms);
-  config.raster_rows = int32_t(raster_rows);
-  config.max_chunks = int32_t(max_chunks);
+  // The plan of the call, made once here and run by the launchers.
   AgPlan const plan = ag_plan(problem, config);
-  std::string const call = " (rows=" + std::to_string(problem.rows) + ", cols=" + std::to_string(problem.cols) +
-                           ", N=" + std::to_string(problem.n) + ", W=" + std::to_string(world) + ")";
-  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string(kOp) + ": " + plan.error + call);
+  // Built only for a message: the handler's host time is on every call's path.
+  auto const call = [&] {
+    return " (rows=" + std::to_string(problem.rows) + ", cols=" + std::to_string(problem.cols) + ", N=" +
+           std::to_string(problem.n) + ", W=" + std::to_string(world) + ", config " +
+           ENTWINE_CONFIG_STRING(config, ENTWINE_AG_GEMM_CONFIG_FIELDS) + ")";
+  };
+  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string(kOp) + ": " + plan.error + call());
   // Python padded the operands with the same plan: planning the padded shape must change nothing.
   if (plan.rows_pad != problem.rows || plan.cols_pad != problem.cols || plan.n_pad != problem.n) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": operands not padded as the plan pads them" + call);
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": operands not padded as the plan pads them" + call());
   }
   if (config.gemm_sms >= dc->sm_count) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": config.gemm_sms (" + std::to_string(config.gemm_sms) +
@@ -130,7 +151,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   // The GEMM first: its local shard needs nothing from a peer, so it starts while the host still
   // enqueues the pushes (2 calls per chunk and peer).
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
-  ENTWINE_RETURN_IF_CUDA(kOp, launch_ag_gemm(dtype, problem, config, plan, args, dc->producer));
+  ENTWINE_RETURN_IF_CUDA(kOp, ag_gemm::launch_gemm(dtype, plan, args, dc->producer));
   // Pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
   // released by its flag in the receiver's memory (launch_release, after the copy). Rank r thus
   // receives from r-1 first on every link at once; the GEMM visits peers in that order. Each stream
@@ -182,10 +203,9 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
 ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
-                      bool gather_k, int64_t block_n, int64_t gemm_sms, int64_t raster_rows, int64_t max_chunks) {
+                      bool gather_k, AgGemmConfig config) {
   try {
-    return RunAgGemm(xla_stream, device, x, w, y, gathered, comm_id, gather_k, block_n, gemm_sms, raster_rows,
-                     max_chunks);
+    return RunAgGemm(xla_stream, device, x, w, y, gathered, comm_id, gather_k, config);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("entwine ag_gemm: ") + e.what());
   } catch (...) {
@@ -195,6 +215,9 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
 
 }  // namespace
 }  // namespace entwine
+
+// `config` arrives as one dictionary attribute, decoded by name into AgGemmConfig.
+ENTWINE_REGISTER_CONFIG_DECODING(entwine::AgGemmConfig, ENTWINE_AG_GEMM_CONFIG_FIELDS);
 
 // Command-buffer compatible: no host value that changes per call reaches a kernel or a copy, so XLA
 // may record the call into a CUDA graph and replay it (docs/design.md, "Graph safety").
@@ -208,8 +231,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
                                   .Ret<ffi::AnyBuffer>()                     // gathered (or empty)
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<bool>("gather_k")                    // gather_k
-                                  .Attr<int64_t>("block_n")                  // block_n
-                                  .Attr<int64_t>("gemm_sms")                 // gemm_sms
-                                  .Attr<int64_t>("raster_rows")              // raster_rows
-                                  .Attr<int64_t>("max_chunks"),              // max_chunks
+                                  .Attr<entwine::AgGemmConfig>("config"),    // config
                               {ffi::Traits::kCmdBufferCompatible});

@@ -10,8 +10,8 @@
 //    stream memory operation (cuStreamWriteValue64) in its place let the receiving GEMM observe the
 //    flag before the chunk's data (two processes sharing one H200): the release is an SM sequence.
 #include "ag_gemm/ag_gemm.h"
-#include "common/ptx.cuh"
-#include "common/wait.cuh"
+#include "comm/ptx.cuh"
+#include "comm/wait.cuh"
 
 namespace entwine {
 namespace {
@@ -19,7 +19,7 @@ namespace {
 __global__ void __launch_bounds__(32) wait_receiver(TransferArgs a) {
   uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
   wait::wait_flag_warp(a.ready, epoch, a.timeout_ns, a.error, a.error_mirror, a.rank, a.peer, 0,
-                       WaitSite::kInboxReady, a.call.trap);
+                       kWaitInboxReady, a.call.trap);
 }
 
 __global__ void __launch_bounds__(32) release_chunk(uint64_t* flag, CallEpoch call) {

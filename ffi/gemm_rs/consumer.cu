@@ -28,9 +28,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "comm/ptx.cuh"
+#include "comm/wait.cuh"
 #include "gemm_rs/gemm_rs.h"
-#include "common/ptx.cuh"
-#include "common/wait.cuh"
 
 namespace entwine::consumer {
 
@@ -48,10 +48,12 @@ struct Params {
   int tiles_per_block;    // reduction tiles per producer block (block_n / 128)
 };
 
-template <class Element>
+// The CUDA type of each DType and its packed conversions to and from fp32 pairs.
+template <DType>
 struct Pack;
 template <>
-struct Pack<__nv_bfloat16> {
+struct Pack<DType::kBF16> {
+  using Element = __nv_bfloat16;
   static __device__ float2 to_float2(uint32_t v) { return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v)); }
   static __device__ uint32_t from_float2(float2 f) {
     __nv_bfloat162 h = __float22bfloat162_rn(f);
@@ -59,7 +61,8 @@ struct Pack<__nv_bfloat16> {
   }
 };
 template <>
-struct Pack<__half> {
+struct Pack<DType::kFP16> {
+  using Element = __half;
   static __device__ float2 to_float2(uint32_t v) { return __half22float2(*reinterpret_cast<__half2*>(&v)); }
   static __device__ uint32_t from_float2(float2 f) {
     __half2 h = __float22half2_rn(f);
@@ -91,7 +94,7 @@ __device__ bool wait_flag(const uint64_t* flag, uint64_t epoch, Params const& p,
     }
     if (ptx::global_timer_ns() - start > p.args.timeout_ns) {
       wait::record_deadline(p.args.error, p.args.error_mirror, p.rank, source, tile, epoch, observed,
-                            WaitSite::kReduceTile);
+                            kWaitReduceTile);
       if (p.args.call.trap) __trap();
       return false;
     }
@@ -104,10 +107,11 @@ __device__ bool wait_flag(const uint64_t* flag, uint64_t epoch, Params const& p,
 // Reduces one step (one producer block: tiles_per_block 128x128 tiles) with `threads` threads,
 // `thread` being this thread's index among them, from the partial slot `slot` elements past slot 0
 // (the call's parity). Its releases must have been acquired.
-template <class Element, int W>
+template <DType kDType, int W>
 __device__ void reduce_step(Params const& p, int64_t slot, int step, int thread, int threads) {
   // Chunks per thread per round: about 16 16-byte loads in flight whatever W is (the reads cross
   // NVLink: ~2 us of latency to cover per CTA); 8 for W = 1, whose reads are all local.
+  using Element = typename Pack<kDType>::Element;
   constexpr int kUnroll = W == 1 ? 8 : W >= 8 ? 2 : 16 / W;
   int const chunks_per_row = p.tiles_per_block * kChunksPerRow;
   int const chunks = kTileM * chunks_per_row;
@@ -139,22 +143,22 @@ __device__ void reduce_step(Params const& p, int64_t slot, int step, int thread,
       float2 acc[4];
       uint32_t const* first = reinterpret_cast<uint32_t const*>(&v[u][0]);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) acc[j] = Pack<Element>::to_float2(first[j]);
+      for (int j = 0; j < 4; ++j) acc[j] = Pack<kDType>::to_float2(first[j]);
 #pragma unroll
       for (int s = 1; s < W; ++s) {
         uint32_t const* next = reinterpret_cast<uint32_t const*>(&v[u][s]);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          float2 f = Pack<Element>::to_float2(next[j]);
+          float2 f = Pack<kDType>::to_float2(next[j]);
           acc[j].x += f.x;
           acc[j].y += f.y;
         }
       }
       uint4 out;
-      out.x = Pack<Element>::from_float2(acc[0]);
-      out.y = Pack<Element>::from_float2(acc[1]);
-      out.z = Pack<Element>::from_float2(acc[2]);
-      out.w = Pack<Element>::from_float2(acc[3]);
+      out.x = Pack<kDType>::from_float2(acc[0]);
+      out.y = Pack<kDType>::from_float2(acc[1]);
+      out.z = Pack<kDType>::from_float2(acc[2]);
+      out.w = Pack<kDType>::from_float2(acc[3]);
       *reinterpret_cast<uint4*>(dst + u * dst_pass) = out;
     }
   }
@@ -190,8 +194,9 @@ constexpr int kStepReady = 1;  // +parity: ids 1, 2
 constexpr int kStepFree = 3;   // +parity: ids 3, 4
 constexpr int kWaiterThreads = 32;
 
-template <class Element, int W>
+template <DType kDType, int W>
 __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__grid_constant__ const Params p) {
+  using Element = typename Pack<kDType>::Element;
   __shared__ uint32_t leave[2];
   int const steps = p.tiles / p.tiles_per_block;
   int const my_steps = int(blockIdx.x) < steps ? (steps - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 0;
@@ -219,45 +224,46 @@ __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__
     ptx::named_barrier_sync(kStepReady + s, threads);
     if (ptx::load_shared_word(&leave[s])) return;
     if (i + 2 < my_steps) ptx::named_barrier_arrive(kStepFree + s, threads);
-    reduce_step<Element, W>(p, slot, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x) - kWaiterThreads,
+    reduce_step<kDType, W>(p, slot, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x) - kWaiterThreads,
                             data_threads);
   }
 }
 
-template <class Element, int W>
+template <DType kDType, int W>
 void launch_world(Params const& p, int grid, int block, cudaStream_t stream) {
-  consumer_kernel<Element, W><<<grid, block + kWaiterThreads, 0, stream>>>(p);
+  consumer_kernel<kDType, W><<<grid, block + kWaiterThreads, 0, stream>>>(p);
 }
 
-template <class Element>
-cudaError_t launch_typed(ProblemShape const& shape, GemmRsConfig const& config, ConsumerArgs const& args,
-                         cudaStream_t stream) {
+// Runs the plan's consumer: its block order, its grid and block from the config.
+template <DType kDType>
+cudaError_t launch_typed(GemmRsPlan const& plan, ConsumerArgs const& args, cudaStream_t stream) {
+  ProblemShape const& shape = plan.shape;
   Params p{args,
            shape.n,
            shape.part_cols(),
            shape.part_row0(shape.rank),
            shape.part_col0(shape.rank),
            shape.part_cols() / kTileN,
-           shape.tiles_per_partition(),
+           plan.tiles_per_partition,
            shape.rank,
-           tile_order(shape, config),
-           config.block_n / kTileN};
-  int const grid = config.consumer_grid, block = config.consumer_block;
+           plan.order,
+           int(plan.config.block_n) / kTileN};
+  int const grid = int(plan.config.consumer_grid), block = int(plan.config.consumer_block);
   switch (shape.world) {
-    case 1: launch_world<Element, 1>(p, grid, block, stream); break;
-    case 2: launch_world<Element, 2>(p, grid, block, stream); break;
-    case 3: launch_world<Element, 3>(p, grid, block, stream); break;
-    case 4: launch_world<Element, 4>(p, grid, block, stream); break;
-    case 5: launch_world<Element, 5>(p, grid, block, stream); break;
-    case 6: launch_world<Element, 6>(p, grid, block, stream); break;
-    case 7: launch_world<Element, 7>(p, grid, block, stream); break;
-    case 8: launch_world<Element, 8>(p, grid, block, stream); break;
+    case 1: launch_world<kDType, 1>(p, grid, block, stream); break;
+    case 2: launch_world<kDType, 2>(p, grid, block, stream); break;
+    case 3: launch_world<kDType, 3>(p, grid, block, stream); break;
+    case 4: launch_world<kDType, 4>(p, grid, block, stream); break;
+    case 5: launch_world<kDType, 5>(p, grid, block, stream); break;
+    case 6: launch_world<kDType, 6>(p, grid, block, stream); break;
+    case 7: launch_world<kDType, 7>(p, grid, block, stream); break;
+    case 8: launch_world<kDType, 8>(p, grid, block, stream); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
 
-template <class Element>
+template <DType kDType>
 cudaError_t prepare_typed() {
   // cudaFuncGetAttributes forces the module load now, not while a peer's consumer spins.
   cudaFuncAttributes attr;
@@ -265,14 +271,14 @@ cudaError_t prepare_typed() {
   auto load = [&](auto kernel) {
     if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
   };
-  load(consumer_kernel<Element, 1>);
-  load(consumer_kernel<Element, 2>);
-  load(consumer_kernel<Element, 3>);
-  load(consumer_kernel<Element, 4>);
-  load(consumer_kernel<Element, 5>);
-  load(consumer_kernel<Element, 6>);
-  load(consumer_kernel<Element, 7>);
-  load(consumer_kernel<Element, 8>);
+  load(consumer_kernel<kDType, 1>);
+  load(consumer_kernel<kDType, 2>);
+  load(consumer_kernel<kDType, 3>);
+  load(consumer_kernel<kDType, 4>);
+  load(consumer_kernel<kDType, 5>);
+  load(consumer_kernel<kDType, 6>);
+  load(consumer_kernel<kDType, 7>);
+  load(consumer_kernel<kDType, 8>);
   return err;
 }
 
@@ -280,15 +286,17 @@ cudaError_t prepare_typed() {
 
 namespace entwine {
 
-cudaError_t launch_consumer(DType dtype, ProblemShape const& shape, GemmRsConfig const& config,
-                            ConsumerArgs const& args, cudaStream_t stream) {
-  return dtype == DType::kBF16 ? consumer::launch_typed<__nv_bfloat16>(shape, config, args, stream)
-                               : consumer::launch_typed<__half>(shape, config, args, stream);
+cudaError_t launch_consumer(DType dtype, GemmRsPlan const& plan, ConsumerArgs const& args, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kBF16: return consumer::launch_typed<DType::kBF16>(plan, args, stream);
+    case DType::kFP16: return consumer::launch_typed<DType::kFP16>(plan, args, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t prepare_consumer_kernels() {
-  cudaError_t err = consumer::prepare_typed<__nv_bfloat16>();
-  return err != cudaSuccess ? err : consumer::prepare_typed<__half>();
+  cudaError_t err = consumer::prepare_typed<DType::kBF16>();
+  return err != cudaSuccess ? err : consumer::prepare_typed<DType::kFP16>();
 }
 
 }  // namespace entwine

@@ -1,21 +1,39 @@
-// XLA FFI handler `entwine_gemm_rs`: validates one rank's call, then forks XLA's stream into the
-// producer (GEMM) and consumer (reduction) streams of the rank's communicator and joins them back.
-// No kernel syntax here; no allocation, free, synchronisation, IPC or peer-access call either (any
-// of them can deadlock against a consumer spinning on another device of this process).
+// XLA FFI handler `entwine_gemm_rs`: validates and plans one rank's call, forks XLA's stream into the
+// producer (GEMM) and consumer (reduction) streams and joins them back; and gemm_rs::kHooks. No
+// kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (any of them can
+// deadlock against a consumer spinning on another device of this process).
 #include <cstdint>
 #include <exception>
 #include <string>
 
 #include <cuda_runtime.h>
 
-#include "common/comm.h"
-#include "common/handler_util.h"
+#include "comm/comm.h"
+#include "comm/handler_util.h"
 #include "gemm_rs/gemm_rs.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace entwine {
+
+namespace gemm_rs {
+
+// The kernels are loaded with the communicator; the producer's split tail needs one workspace per
+// producer stream, i.e. per entry.
+const comm::OpHooks kHooks{
+    "gemm_rs",
+    prepare_kernels,
+    kGemmRsWaitSiteBase,
+    [](const DeviceError& e, const std::string& waited) {
+      return "entwine gemm_rs: " + waited + "for tile " + std::to_string(e.tile) + " from rank " +
+             std::to_string(e.source);
+    },
+    kSplitWorkspaceBytes,
+};
+
+}  // namespace gemm_rs
+
 namespace {
 
 constexpr const char* kOp = "entwine gemm_rs";
@@ -58,37 +76,39 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
     return ffi::Error::InvalidArgument("entwine gemm_rs: scatter_dimension must be 0 (rows) or 1 (columns), got " +
                                        std::to_string(scatter_dimension));
   }
-  bool const scatter_cols = scatter_dimension == 1;
-  int64_t const world = dc->world;
-  bool const dims_ok = xd.size() == 2 && wd.size() == 2 && yd.size() == 2 && wd[0] == xd[1] &&
-                       (scatter_cols ? yd[0] == xd[0] && yd[1] * world == wd[1]
-                                     : yd[0] * world == xd[0] && yd[1] == wd[1]);
-  if (!dims_ok) {
-    std::string const expected_y = scatter_cols ? "[M, N / " + std::to_string(world) + "]"
-                                                : "[M / " + std::to_string(world) + ", N]";
-    return ffi::Error::InvalidArgument("entwine gemm_rs: expected x [M, K], w [K, N], y " + expected_y + ", got x " +
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[0] != xd[1]) {
+    return ffi::Error::InvalidArgument("entwine gemm_rs: expected x [M, K], w [K, N], y 2-D, got x " +
                                        dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd));
   }
 
-  // The plan Python padded the operands with: the same function, on the padded shape, must plan
-  // it unchanged (docs/design.md, "gemm_rs").
+  // The plan of the call, made once here and run by both launchers. Python padded the operands with
+  // the same function: on the padded shape it must plan the problem unchanged (docs/design.md,
+  // "gemm_rs"). The plan alone checks that the scattered dimension divides.
   GemmRsProblem problem;
   problem.m = xd[0];
   problem.n = wd[1];
   problem.k = xd[1];
   problem.world = dc->world;
   problem.rank = dc->rank;
-  problem.scatter_cols = scatter_cols;
+  problem.scatter_cols = scatter_dimension == 1;
   GemmRsPlan const plan = gemm_rs_plan(problem, cfg);
-  std::string const call = " (M=" + std::to_string(problem.m) + ", N=" + std::to_string(problem.n) +
-                           ", K=" + std::to_string(problem.k) + ", W=" + std::to_string(world) +
-                           ", block_n=" + std::to_string(cfg.block_n) + ")";
-  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string("entwine gemm_rs: ") + plan.error + call);
+  // Built only for a message: the handler's host time is on every call's path.
+  auto const call = [&] {
+    return " (M=" + std::to_string(problem.m) + ", N=" + std::to_string(problem.n) + ", K=" +
+           std::to_string(problem.k) + ", W=" + std::to_string(problem.world) + ", config " +
+           ENTWINE_CONFIG_STRING(cfg, ENTWINE_GEMM_RS_CONFIG_FIELDS) + ")";
+  };
+  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string("entwine gemm_rs: ") + plan.error + call());
   ProblemShape const& shape = plan.shape;
   if (shape.m != problem.m || shape.n != problem.n || shape.k != problem.k) {
     return ffi::Error::InvalidArgument("entwine gemm_rs: operands not padded to the plan's [M, N, K] = [" +
                                        std::to_string(shape.m) + ", " + std::to_string(shape.n) + ", " +
-                                       std::to_string(shape.k) + "]" + call);
+                                       std::to_string(shape.k) + "]" + call());
+  }
+  if (yd[0] != shape.part_rows() || yd[1] != shape.part_cols()) {
+    return ffi::Error::InvalidArgument("entwine gemm_rs: y must be this rank's partition [" +
+                                       std::to_string(shape.part_rows()) + ", " + std::to_string(shape.part_cols()) +
+                                       "], got " + dims_string(yd) + call());
   }
 
   // Python grows the heap at trace time, before any call of a new shape runs; this only catches
@@ -134,14 +154,14 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
         reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[q]) + dc->layout.flags_offset());
   }
   producer_args.call = epoch_args;
-  producer_args.split_workspace = dc->split_workspace;  // used only by this device's producer stream
+  producer_args.split_workspace = dc->workspace(&gemm_rs::kHooks);  // used only by this device's producer stream
 
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
   // Consumer first: its small high-priority grid must be resident before the GEMM fills the SMs.
-  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(dtype, shape, cfg, consumer_args, dc->consumer));
-  ENTWINE_RETURN_IF_CUDA(kOp, launch_producer(dtype, shape, cfg, producer_args, dc->producer));
+  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(dtype, plan, consumer_args, dc->consumer));
+  ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::launch_gemm(dtype, plan, producer_args, dc->producer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, dc->producer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
@@ -153,18 +173,10 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
 ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t scatter_dimension, int64_t block_n,
-                      int64_t producer_sms, int64_t consumer_grid, int64_t consumer_block, int64_t raster_rows,
-                      bool split_tail) {
-  GemmRsConfig cfg;
-  cfg.block_n = int32_t(block_n);
-  cfg.producer_sms = int32_t(producer_sms);
-  cfg.consumer_grid = int32_t(consumer_grid);
-  cfg.consumer_block = int32_t(consumer_block);
-  cfg.raster_rows = int32_t(raster_rows);
-  cfg.split_tail = split_tail ? 1 : 0;
+                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t scatter_dimension,
+                      GemmRsConfig config) {
   try {
-    return RunGemmRs(xla_stream, device, x, w, y, comm_id, scatter_dimension, cfg);
+    return RunGemmRs(xla_stream, device, x, w, y, comm_id, scatter_dimension, config);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("entwine gemm_rs: ") + e.what());
   } catch (...) {
@@ -174,6 +186,9 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
 
 }  // namespace
 }  // namespace entwine
+
+// `config` arrives as one dictionary attribute, decoded by name into GemmRsConfig.
+ENTWINE_REGISTER_CONFIG_DECODING(entwine::GemmRsConfig, ENTWINE_GEMM_RS_CONFIG_FIELDS);
 
 // Command-buffer compatible: no host value that changes per call reaches a kernel, so XLA may
 // record the call into a CUDA graph and replay it (docs/design.md, "Graph safety").
@@ -186,10 +201,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                                   .Ret<ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("scatter_dimension")        // scatter_dimension
-                                  .Attr<int64_t>("block_n")                  // config.block_n
-                                  .Attr<int64_t>("producer_sms")             // config.producer_sms
-                                  .Attr<int64_t>("consumer_grid")            // config.consumer_grid
-                                  .Attr<int64_t>("consumer_block")           // config.consumer_block
-                                  .Attr<int64_t>("raster_rows")              // config.raster_rows
-                                  .Attr<bool>("split_tail"),                 // config.split_tail
+                                  .Attr<entwine::GemmRsConfig>("config"),    // config
                               {ffi::Traits::kCmdBufferCompatible});

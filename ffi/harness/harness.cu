@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "ag_gemm/ag_gemm.h"
-#include "common/comm.h"
+#include "comm/comm.h"
 #include "gemm_rs/gemm_rs.h"
 
 using namespace entwine;
@@ -92,6 +92,11 @@ struct Case {
     ProblemShape s{m, n, k, world, rank};
     s.scatter_cols = scatter_cols;
     return s;
+  }
+  // Rank r's plan: the cases are aligned, so it plans the case's own shape (run_case checks that).
+  GemmRsPlan plan(int rank) const { return plan_of(shape(rank), config); }
+  static GemmRsPlan plan_of(ProblemShape const& s, GemmRsConfig const& config) {
+    return gemm_rs_plan(GemmRsProblem{s.m, s.n, s.k, s.world, s.rank, s.scatter_cols}, config);
   }
 };
 
@@ -257,7 +262,7 @@ struct World {
   void launch_consumers() {
     DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
     for (int r = 0; r < c.world; ++r) {
-      CHECK_CUDA(launch_consumer(dtype, c.shape(r), c.config, consumer_args(r), ranks[r].consumer_stream));
+      CHECK_CUDA(launch_consumer(dtype, c.plan(r), consumer_args(r), ranks[r].consumer_stream));
     }
     if (sequential) CHECK_CUDA(cudaDeviceSynchronize());
   }
@@ -266,7 +271,7 @@ struct World {
     DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
-      CHECK_CUDA(launch_producer(dtype, c.shape(r), c.config, producer_args(r), ranks[r].producer_stream));
+      CHECK_CUDA(gemm_rs::launch_gemm(dtype, c.plan(r), producer_args(r), ranks[r].producer_stream));
     }
     if (sequential) CHECK_CUDA(cudaDeviceSynchronize());
   }
@@ -386,23 +391,26 @@ void expect(bool ok, std::string const& what) {
 std::string describe(Case const& c) {
   char buf[256];
   std::snprintf(buf, sizeof buf, "W=%d M=%d N=%d K=%d %s scatter=%s block_n=%d producer_sms=%d x=%d b=%d r=%d",
-                c.world, c.m, c.n, c.k, c.bf16 ? "bf16" : "fp16", c.scatter_cols ? "cols" : "rows", c.config.block_n,
-                c.config.producer_sms, c.config.consumer_grid, c.config.consumer_block, c.config.raster_rows);
+                c.world, c.m, c.n, c.k, c.bf16 ? "bf16" : "fp16", c.scatter_cols ? "cols" : "rows", int(c.config.block_n),
+                int(c.config.producer_sms), int(c.config.consumer_grid), int(c.config.consumer_block),
+                int(c.config.raster_rows));
   return buf;
 }
 
 // Several epochs in a row with no resets: fresh inputs and poisoned outputs each epoch, checked
 // against float64; then the same inputs again must give bitwise identical outputs.
 void run_case(Case const& c, int epochs, bool sequential = false, bool check_partials = false) {
-  if (char const* why = check_problem(c.shape(0), c.config)) {
-    expect(false, describe(c) + ": " + why);
+  GemmRsPlan const plan = c.plan(0);
+  if (plan.error != nullptr) {
+    expect(false, describe(c) + ": " + plan.error);
     return;
   }
-  // A case that asks for the split tail is built to split: make sure it does (rank 0's schedule).
-  if (c.config.split_tail) {
-    ProducerSchedule const s = producer_schedule(c.shape(0), c.config);
-    expect(s.split_first_block < s.num_blocks, describe(c) + ": split_tail set but nothing splits");
+  if (plan.shape.m != c.m || plan.shape.n != c.n || plan.shape.k != c.k) {
+    expect(false, describe(c) + ": the case is not aligned (its plan pads it)");
+    return;
   }
+  // A case that asks for the split tail is built to split: make sure it does (rank 0's plan).
+  if (c.config.split_tail) expect(plan.split, describe(c) + ": split_tail set but nothing splits");
   World world(c);
   world.sequential = sequential;
   double worst = 0, worst_partial = 0;
@@ -496,7 +504,7 @@ void run_graph(CaseT const& c, int replays) {
 }
 
 int test_main() {
-  CHECK_CUDA(prepare_kernels());
+  CHECK_CUDA(gemm_rs::prepare_kernels());
   GemmRsConfig const base{128, 0, 8, 512};
   for (int world : {1, 2, 4, 8}) {
     for (bool bf16 : {true, false}) {
@@ -536,7 +544,7 @@ int test_main() {
 
 // sequential: producers before consumers (racecheck slows the producer past any deadline).
 int sanitize_main(bool sequential) {
-  CHECK_CUDA(prepare_kernels());
+  CHECK_CUDA(gemm_rs::prepare_kernels());
   run_case(Case{2 * 128, 256, 72, 2, true, GemmRsConfig{128, 0, 2, 128}}, 2, sequential, true);
   run_case(Case{128, 2 * 256, 72, 2, true, GemmRsConfig{256, 0, 2, 128}, true}, 2, sequential, true);
   // Split tail (B 16, G 5, R 1, T 20); 4 consumer steps per CTA reuse the waiter's handoff words.
@@ -822,7 +830,8 @@ std::function<void()> producer_launcher(World& world, ProblemShape const& s, Gem
   ProducerArgs a = world.producer_args(0);
   a.interleave = interleave;
   a.publish = publish;
-  return [=, &s]() mutable { CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, a, stream)); };
+  GemmRsPlan const plan = Case::plan_of(s, cfg);
+  return [=]() mutable { CHECK_CUDA(gemm_rs::launch_gemm(DType::kBF16, plan, a, stream)); };
 }
 
 // Two passes over the launchers in rotated order, each launcher alone in its steady state.
@@ -846,7 +855,7 @@ std::vector<std::vector<SteadyState>> steady_passes(Nvml const& nv, std::vector<
 //     without and with the interleaved order and the flags (and with raster groups of 16 rows)
 //     against cuBLASLt's fastest algorithm, one line per shape.
 int energy_main(bool suite, std::vector<std::array<int, 3>> const& shapes, double seconds, bool names_only) {
-  CHECK_CUDA(prepare_kernels());
+  CHECK_CUDA(gemm_rs::prepare_kernels());
   Nvml const* nv = names_only ? nullptr : Nvml::load();
   if (!names_only && !nv) {
     std::fprintf(stderr, "libnvidia-ml.so.1 not found: no energy counter\n");
@@ -942,7 +951,7 @@ int energy_main(bool suite, std::vector<std::array<int, 3>> const& shapes, doubl
 // A few producer launches of one shape, for ncu: producer M N K block_n producer_sms raster_rows
 // [plain] (plain: row-major partitions without flags, else interleaved with flags).
 int producer_main(int argc, char** argv) {
-  CHECK_CUDA(prepare_kernels());
+  CHECK_CUDA(gemm_rs::prepare_kernels());
   int const m = std::atoi(argv[2]), n = std::atoi(argv[3]), k = std::atoi(argv[4]);
   GemmRsConfig cfg{std::atoi(argv[5]), std::atoi(argv[6]), 16, 512, std::atoi(argv[7])};
   Case c{m, n, k, 2, true, cfg};
@@ -980,14 +989,15 @@ void bench_fused_one_rank(FILE* out, int sms) {
     for (int x : {4, 8, 16, 24}) {
       for (int producer_sms : {0, sms - x, sms}) {
         GemmRsConfig cfg{block_n, producer_sms, x, 512, 8};
+        GemmRsPlan const plan = Case::plan_of(s, cfg);
         auto call = [&](bool with_consumer) {
           CHECK_CUDA(cudaEventRecord(fork, main_stream));
           CHECK_CUDA(cudaStreamWaitEvent(r.producer_stream, fork, 0));
           CHECK_CUDA(cudaStreamWaitEvent(r.consumer_stream, fork, 0));
           if (with_consumer) {
-            CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, world.consumer_args(0), r.consumer_stream));
+            CHECK_CUDA(launch_consumer(DType::kBF16, plan, world.consumer_args(0), r.consumer_stream));
           }
-          CHECK_CUDA(launch_producer(DType::kBF16, s, cfg, world.producer_args(0), r.producer_stream));
+          CHECK_CUDA(gemm_rs::launch_gemm(DType::kBF16, plan, world.producer_args(0), r.producer_stream));
           CHECK_CUDA(cudaEventRecord(producer_done, r.producer_stream));
           CHECK_CUDA(cudaEventRecord(consumer_done, r.consumer_stream));
           CHECK_CUDA(cudaStreamWaitEvent(main_stream, producer_done, 0));
@@ -1010,7 +1020,7 @@ void bench_fused_one_rank(FILE* out, int sms) {
 // sections: nullptr (all) or one of "fused", "producer", "consumer".
 int bench_main(char const* jsonl, char const* section) {
   auto wanted = [&](char const* name) { return section == nullptr || std::string(section) == name; };
-  CHECK_CUDA(prepare_kernels());
+  CHECK_CUDA(gemm_rs::prepare_kernels());
   FILE* out = jsonl ? std::fopen(jsonl, "w") : nullptr;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -1108,10 +1118,11 @@ int bench_main(char const* jsonl, char const* section) {
       for (int b : {128, 256, 512}) {
         for (int x : {8, 16, 32, 64, 132}) {
           GemmRsConfig cfg{block_n, 0, x, b};
+          GemmRsPlan const plan = Case::plan_of(s, cfg);
           world.set_epoch(1);
           ConsumerArgs a = world.consumer_args(0);
           a.timeout_ns = 1'000'000'000ull;
-          float ms = median_ms([&] { CHECK_CUDA(launch_consumer(DType::kBF16, s, cfg, a, stream)); }, stream);
+          float ms = median_ms([&] { CHECK_CUDA(launch_consumer(DType::kBF16, plan, a, stream)); }, stream);
           double gbs = bytes / (ms * 1e-3) / 1e9;
           std::printf(" n%d/b%d/x%d %.0f", block_n, b, x, gbs);
           if (out) std::fprintf(out, "{\"kind\":\"consumer\",\"block_n\":%d,\"world\":%d,\"grid\":%d,\"block\":%d,\"ms\":%.5f,\"gbs\":%.1f,\"copy_frac\":%.3f}\n", block_n, world_size, x, b, ms, gbs, gbs / copy_gbs);
@@ -1144,8 +1155,8 @@ struct AgCase {
 std::string describe(AgCase const& c) {
   char buf[256];
   std::snprintf(buf, sizeof buf, "ag W=%d rows=%d cols=%d N=%d %s %s block_n=%d gemm_sms=%d r=%d chunks<=%d", c.world,
-                c.rows, c.cols, c.n, c.bf16 ? "bf16" : "fp16", c.gather_k ? "contraction" : "rows", c.config.block_n,
-                c.config.gemm_sms, c.config.raster_rows, c.config.max_chunks);
+                c.rows, c.cols, c.n, c.bf16 ? "bf16" : "fp16", c.gather_k ? "contraction" : "rows", int(c.config.block_n),
+                int(c.config.gemm_sms), int(c.config.raster_rows), int(c.config.max_chunks));
   return buf;
 }
 
@@ -1159,7 +1170,8 @@ struct AgWorld {
     cudaStream_t transfer[kMaxWorld] = {};
   };
   AgCase c;
-  AgPlan plan;
+  AgPlan plan;                  // rank 0's: the sizes every rank shares
+  std::vector<AgPlan> plans;    // each rank's, as its launches run them
   std::vector<Rank> ranks;
   DeviceError* error = nullptr;
   uint64_t epoch = 0;              // the last call's epoch, as the host counts it
@@ -1167,6 +1179,7 @@ struct AgWorld {
   uint64_t timeout_ns = 3'000'000'000ull;
 
   explicit AgWorld(AgCase const& c_) : c(c_), plan(ag_plan(c_.problem(0), c_.config)), ranks(c_.world) {
+    for (int r = 0; r < c.world; ++r) plans.push_back(ag_plan(c.problem(r), c.config));
     int lo, hi;
     CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     for (auto& r : ranks) {
@@ -1233,7 +1246,7 @@ struct AgWorld {
       AgGemmArgs a{ranks[r].x, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr, call_epoch(),
                    timeout_ns};
       for (int q = 0; q < c.world; ++q) a.announce[q] = q == r ? nullptr : ranks[q].ready + r;
-      CHECK_CUDA(launch_ag_gemm(dtype, c.problem(r), c.config, plan, a, ranks[r].gemm));
+      CHECK_CUDA(ag_gemm::launch_gemm(dtype, plans[r], a, ranks[r].gemm));
     }
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
@@ -1380,17 +1393,16 @@ void run_ag_deadline(int world_size, bool gather_k) {
   DeviceError const e = world.read_error();
   char buf[256];
   std::snprintf(buf, sizeof buf, "ag deadline W=%d %s: code=%u op=%d rank=%d source=%d chunk=%d expected=%llu after %.2f s",
-                world_size, gather_k ? "contraction" : "rows", e.code, e.op, e.rank, e.source, e.tile,
+                world_size, gather_k ? "contraction" : "rows", e.code, e.site, e.rank, e.source, e.tile,
                 (unsigned long long)e.expected, secs);
   // Either wait may pass its deadline first: a GEMM's for the absent rank's chunk, or a transfer
   // stream's for the absent rank's announcement of the call.
-  bool const site_ok = e.op == int32_t(WaitSite::kGatherChunk) || e.op == int32_t(WaitSite::kInboxReady);
+  bool const site_ok = e.site == kWaitGatherChunk || e.site == kWaitInboxReady;
   expect(e.code == kErrorDeadline && site_ok && e.source == missing && e.expected == 2 && secs < 5, buf);
 }
 
 int ag_test_main() {
-  CHECK_CUDA(prepare_kernels());
-  CHECK_CUDA(prepare_transfer_kernels());
+  CHECK_CUDA(ag_gemm::prepare_kernels());
   CHECK_CUDA(comm::prepare_epoch_kernel());
   for (int world : {1, 2, 4, 8}) {
     for (bool gather_k : {false, true}) {
@@ -1415,8 +1427,7 @@ int ag_test_main() {
 // Small cases of both layouts for compute-sanitizer (pushes, releases and GEMMs as in `ag test`;
 // the GEMM's waits see the pushes land while it runs).
 int ag_sanitize_main() {
-  CHECK_CUDA(prepare_kernels());
-  CHECK_CUDA(prepare_transfer_kernels());
+  CHECK_CUDA(ag_gemm::prepare_kernels());
   CHECK_CUDA(comm::prepare_epoch_kernel());
   run_ag_case(AgCase{256, 136, 256, 2, true, false, ag_config_for(2, 128, 8, 2)}, 2);
   run_ag_case(AgCase{256, 136, 512, 2, true, true, ag_config_for(2, 256, 8, 2)}, 2);
@@ -1429,8 +1440,7 @@ int ag_sanitize_main() {
 // two operands' descriptors, the arrival order and the flag checks. Then the copy engine's
 // bandwidth for one push (chunked copies and their release kernels) between two ranks of this GPU.
 int ag_bench_main() {
-  CHECK_CUDA(prepare_kernels());
-  CHECK_CUDA(prepare_transfer_kernels());
+  CHECK_CUDA(ag_gemm::prepare_kernels());
   CHECK_CUDA(comm::prepare_epoch_kernel());
   CublasLt* lt = CublasLt::load();
   struct Shape {
@@ -1462,7 +1472,7 @@ int ag_bench_main() {
         AgPlan const plan = ag_plan(c.problem(0), cfg);
         // The flags were set for max_chunks 8; fewer chunks index a prefix of them.
         launches.push_back([&, a, cfg, plan]() {
-          CHECK_CUDA(launch_ag_gemm(DType::kBF16, c.problem(0), cfg, plan, a, stream));
+          CHECK_CUDA(ag_gemm::launch_gemm(DType::kBF16, plan, a, stream));
         });
       }
       uint16_t* ref_out = nullptr;

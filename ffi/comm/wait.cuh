@@ -5,15 +5,15 @@
 
 #include <cstdint>
 
-#include "common/protocol.h"
-#include "common/ptx.cuh"
+#include "comm/protocol.h"
+#include "comm/ptx.cuh"
 
 namespace entwine::wait {
 
 // Claims the record (the first failing thread of any CTA wins), fills it, then publishes the code
 // last, in device memory and in the host-mapped mirror, so a reader that sees the code sees the fields.
 __device__ inline void record_deadline(DeviceError* e, DeviceError* mirror, int rank, int source, int unit,
-                                       uint64_t expected, uint64_t observed, WaitSite site) {
+                                       uint64_t expected, uint64_t observed, int32_t site) {
   if (atomicCAS(&e->code, 0u, kErrorClaimed) != 0u) return;
   auto fill = [&](DeviceError* r) {
     r->rank = rank;
@@ -21,7 +21,7 @@ __device__ inline void record_deadline(DeviceError* e, DeviceError* mirror, int 
     r->tile = unit;
     r->expected = expected;
     r->observed = observed;
-    r->op = int32_t(site);
+    r->site = site;
   };
   fill(e);
   __threadfence();
@@ -40,7 +40,7 @@ __device__ inline void record_deadline(DeviceError* e, DeviceError* mirror, int 
 // passed or another wait already recorded an error (then nothing was acquired); with `trap`, traps
 // instead (a call inside a CUDA graph: no handler runs between replays to report the record).
 __device__ inline bool wait_flag_warp(const uint64_t* flag, uint64_t epoch, uint64_t timeout_ns, DeviceError* error,
-                                      DeviceError* mirror, int rank, int source, int unit, WaitSite site,
+                                      DeviceError* mirror, int rank, int source, int unit, int32_t site,
                                       bool trap) {
   constexpr int kCheckEvery = 256;
   int const lane = threadIdx.x % 32;

@@ -1,7 +1,6 @@
-// Communicators of the fused ops (gemm_rs and ag_gemm share them): per mesh-axis comm id and per
-// local GPU, the symmetric heap (flags + two slots), the peer table, the side streams, the events,
-// the epoch counter and the host-mapped device error record. Setup runs from Python at trace time,
-// in one place (entwine_jax.fused.acquire_comm, through module.cc); the FFI handlers only look
+// Communicators, shared by the fused ops: per mesh-axis comm id and local GPU, the symmetric heap,
+// peer table, side streams, events, epoch word and device error record. Names no op: each op
+// registers what it needs (OpHooks). Set up from Python at trace time; FFI handlers only look
 // entries up. Layout and protocol: docs/design.md, "The communicator and symmetric heap".
 #pragma once
 
@@ -15,13 +14,35 @@
 
 #include <cuda_runtime.h>
 
-#include "common/protocol.h"
+#include "comm/protocol.h"
 
 namespace entwine::comm {
 
-// Room for the largest call seen so far, of either op: one partial slot in bytes (gemm_rs: the
-// M x N partial output), the inbox in bytes (ag_gemm: the W gathered shards), and the most flags per
-// source rank (gemm_rs: reduction tiles of one partition; ag_gemm: chunks of one shard).
+struct DeviceComm;
+
+// --- Ops: what each op needs from every communicator entry, registered once per op before the
+// first create() (module.cc, one line per op). ------------------------------------------------
+constexpr int kMaxOps = 8;
+struct OpHooks {
+  const char* name;  // e.g. "gemm_rs": names the op in messages
+  // Loads every kernel module of the op on the current device and sets its attributes. Run at
+  // create(), never lazily: a module loaded at first launch can wait behind a kernel that spins on
+  // a flag which that launch's own work would release (a deadlock).
+  cudaError_t (*prepare_kernels)();
+  // The op's waits record sites [wait_site_base, wait_site_base + kWaitSitesPerOp) in DeviceError.
+  int32_t wait_site_base;
+  // The message of a deadline record of one of the op's sites; `waited` reads "rank r waited t ms ".
+  std::string (*describe_deadline)(const DeviceError& record, const std::string& waited);
+  // Bytes of device memory the op keeps per entry, zeroed once at create() (0: none); the handler
+  // finds it with DeviceComm::workspace(hooks).
+  size_t workspace_bytes;
+};
+// Throws if the op's name or wait sites collide with a registered op's, or after the first create().
+void register_op(const OpHooks* hooks);
+
+// Room for the largest call seen so far, of any op: the double-buffered slot in bytes (gemm_rs: the
+// M x N partial output), the single inbox in bytes (ag_gemm: the W gathered shards), and the most
+// flags per source rank (gemm_rs: reduction tiles of one partition; ag_gemm: chunks of one shard).
 struct Capacity {
   size_t slot_bytes = 0;
   size_t inbox_bytes = 0;
@@ -83,7 +104,10 @@ struct DeviceComm {
   DeviceError* error_host = nullptr;    // host-mapped pinned: read without synchronising
   DeviceError* error_device = nullptr;  // the same record, as the consumer kernel writes it
   DeviceError* error_local = nullptr;   // device memory: polled and claimed by the consumers
-  void* split_workspace = nullptr;      // the gemm_rs producer's split tail (gemm_rs.h), zeroed once
+  void* workspaces[kMaxOps] = {};       // each registered op's workspace (OpHooks::workspace_bytes)
+
+  // The workspace of a registered op (nullptr: it asked for none).
+  void* workspace(const OpHooks* op) const noexcept;
 
   DeviceComm() = default;
   DeviceComm(const DeviceComm&) = delete;
@@ -93,9 +117,9 @@ struct DeviceComm {
 
 // --- Setup (Python, trace time). Each throws std::runtime_error with the CUDA error string. -------
 
-// Creates the comm's entries for the local ranks: (local device ordinal, rank) pairs. Loads the
-// kernels, creates streams, events and the error record, and allocates a zeroed heap of
-// `capacity` on each device. Creating an existing comm id is an error.
+// Creates the comm's entries for the local ranks: (local device ordinal, rank) pairs. Loads every
+// registered op's kernels, creates streams, events, the error record and the ops' workspaces, and
+// allocates a zeroed heap of `capacity` on each device. Creating an existing comm id is an error.
 void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
             const Capacity& capacity);
 

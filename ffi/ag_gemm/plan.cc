@@ -1,8 +1,6 @@
-// ag_gemm's plan (the shape rules of its kernels, in one place) and the dispatch from (dtype,
-// config) to the GEMM instantiations it shares with gemm_rs.
+// ag_gemm's plan: the config's rules and the shape rules of its kernels, in one place, and the
+// loading of every ag_gemm kernel module at setup.
 #include "ag_gemm/ag_gemm.h"
-#include "common/gemm_kernels.h"
-#include "gemm_rs/gemm_rs.h"
 
 namespace entwine {
 
@@ -22,6 +20,7 @@ int32_t chunk_count(int32_t tile_rows, int32_t max_chunks) {
 
 AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   AgPlan plan{};
+  plan.config = c;
   auto fail = [&](const char* rule) {
     plan.error = rule;
     return plan;
@@ -36,7 +35,7 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   if (c.max_chunks < 1 || c.max_chunks > 64) return fail("config.max_chunks must be in [1, 64]");
   if (p.rows <= 0 || p.cols <= 0 || p.n <= 0) return fail("rows, cols and N must be positive");
   auto round_up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
-  int64_t const rows_pad = round_up(p.rows, kTileM), cols_pad = round_up(p.cols, kAlignK),
+  int64_t const rows_pad = round_up(p.rows, kBlockM), cols_pad = round_up(p.cols, kAlignK),
                 n_pad = round_up(p.n, c.block_n);
   // int32 coordinates in the kernels (the gathered operand's rows, w's rows and columns).
   if (int64_t(p.world) * rows_pad >= (int64_t(1) << 31) || int64_t(p.world) * cols_pad >= (int64_t(1) << 31) ||
@@ -46,28 +45,32 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   plan.rows_pad = int32_t(rows_pad);
   plan.cols_pad = int32_t(cols_pad);
   plan.n_pad = int32_t(n_pad);
-  plan.tile_rows = plan.rows_pad / kTileM;
+  plan.tile_rows = plan.rows_pad / kBlockM;
   plan.chunks = chunk_count(plan.tile_rows, c.max_chunks);
   plan.chunk_tiles = plan.tile_rows / plan.chunks;
   plan.n_blocks = plan.n_pad / c.block_n;
-  plan.k_tiles = (plan.cols_pad + kProducerBlockK - 1) / kProducerBlockK;
+  plan.k_tiles = (plan.cols_pad + kBlockK - 1) / kBlockK;
   plan.num_blocks = (p.gather_k ? 1 : p.world) * plan.tile_rows * plan.n_blocks;
-  plan.grid = c.gemm_sms < plan.num_blocks ? c.gemm_sms : plan.num_blocks;
-  plan.shard_bytes = rows_pad * cols_pad * 2;
+  plan.grid = c.gemm_sms < plan.num_blocks ? int32_t(c.gemm_sms) : plan.num_blocks;
+  plan.shard_bytes = rows_pad * cols_pad * kElementBytes;
   plan.inbox_bytes = p.world * plan.shard_bytes;
   plan.flags = int64_t(p.world) * plan.chunks;
+  plan.shape = AgProblem{plan.rows_pad, plan.cols_pad, plan.n_pad, p.world, p.rank, p.gather_k};
+  plan.order = TileOrder{plan.chunk_tiles, plan.n_blocks,
+                         c.raster_rows < plan.chunk_tiles ? int32_t(c.raster_rows) : plan.chunk_tiles};
+  // Contraction layout: a block's K loop runs over every source's k-tiles. Nothing splits.
+  plan.schedule = WorkSchedule{plan.num_blocks, plan.grid, (p.gather_k ? p.world : 1) * plan.k_tiles,
+                               plan.num_blocks};
   return plan;
 }
 
-cudaError_t launch_ag_gemm(DType dtype, const AgProblem& s, const AgGemmConfig& c, const AgPlan& plan,
-                           const AgGemmArgs& a, cudaStream_t stream) {
-  bool const wide = c.block_n == 256;
-  if (dtype == DType::kBF16) {
-    return wide ? producer::launch_gather_bf16_n256(s, c, plan, a, stream)
-                : producer::launch_gather_bf16_n128(s, c, plan, a, stream);
-  }
-  return wide ? producer::launch_gather_fp16_n256(s, c, plan, a, stream)
-              : producer::launch_gather_fp16_n128(s, c, plan, a, stream);
+namespace ag_gemm {
+
+cudaError_t prepare_kernels() {
+  cudaError_t err = prepare_gemms();
+  return err != cudaSuccess ? err : prepare_transfer_kernels();
 }
+
+}  // namespace ag_gemm
 
 }  // namespace entwine

@@ -2,7 +2,7 @@
 // one-thread kernel on XLA's stream adds 1, once the whole call (every side stream joined) is done,
 // so the next call's kernels read the next epoch. A CUDA graph that replays a call replays this
 // kernel too, which is what makes the calls graph safe (docs/design.md, "Graph safety").
-#include "common/comm.h"
+#include "comm/comm.h"
 
 namespace entwine::comm {
 namespace {

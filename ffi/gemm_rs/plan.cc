@@ -1,13 +1,15 @@
-// gemm_rs's plan (the shape rules of its kernels, the padding that meets them, the producer's
-// schedule), the dispatch from (dtype, config) to the kernel instantiations, and eager module
-// loading at setup.
+// gemm_rs's plan: the config's rules, the shape rules of its kernels and the padding that meets
+// them, the producer's schedule; and the loading of every gemm_rs kernel module at setup. Every
+// shape rule of the op is here, once.
 #include "gemm_rs/gemm_rs.h"
-#include "common/gemm_kernels.h"
 
 namespace entwine {
 
 cudaError_t prepare_consumer_kernels();  // consumer.cu
 
+namespace {
+
+// The config's own rules (whatever the shape): nullptr when they hold, else the violated rule.
 const char* check_config(const GemmRsConfig& c) {
   if (c.block_n != 128 && c.block_n != 256) return "config.block_n must be 128 or 256";
   if (c.consumer_block != 128 && c.consumer_block != 256 && c.consumer_block != 512)
@@ -16,23 +18,6 @@ const char* check_config(const GemmRsConfig& c) {
   if (c.consumer_grid < 1 || c.consumer_grid > 64) return "config.consumer_grid must be in [1, 64]";
   if (c.producer_sms < 0) return "config.producer_sms must be >= 0";
   if (c.raster_rows < 1) return "config.raster_rows must be >= 1";
-  if (c.split_tail != 0 && c.split_tail != 1) return "config.split_tail must be 0 or 1";
-  return nullptr;
-}
-
-const char* check_problem(const ProblemShape& s, const GemmRsConfig& c) {
-  if (s.world < 1 || s.world > kMaxWorld) return "world size must be in [1, 8]";
-  if (s.rank < 0 || s.rank >= s.world) return "rank must be in [0, world)";
-  if (const char* rule = check_config(c)) return rule;
-  if (s.m <= 0 || s.n <= 0 || s.k <= 0) return "M, N and K must be positive";
-  if (s.scatter_cols) {
-    if (s.m % kTileM != 0) return "M must be a multiple of 128";
-    if (s.n % s.world != 0 || (s.n / s.world) % c.block_n != 0) return "N / world must be a multiple of config.block_n";
-  } else {
-    if (s.m % s.world != 0 || (s.m / s.world) % kTileM != 0) return "M / world must be a multiple of 128";
-    if (s.n % c.block_n != 0) return "N must be a multiple of config.block_n";
-  }
-  if (s.k % kAlignK != 0) return "K must be a multiple of 8 (16-byte rows for TMA)";
   return nullptr;
 }
 
@@ -42,14 +27,22 @@ const char* check_problem(const ProblemShape& s, const GemmRsConfig& c) {
 // (docs/performance.md, "What was tried": the split tail).
 constexpr int kSplitMinIdleKTiles = 16;
 
-ProducerSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c) {
+// The one block order of a call: the producer runs it and the consumer walks it (a raster group
+// never spans more tile rows than the partition has).
+TileOrder tile_order(const ProblemShape& s, const GemmRsConfig& c) {
+  int32_t const m_blocks = s.part_rows() / kTileM;
+  int32_t const n_blocks = s.part_cols() / int32_t(c.block_n);
+  return TileOrder{m_blocks, n_blocks, c.raster_rows < m_blocks ? int32_t(c.raster_rows) : m_blocks};
+}
+
+WorkSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c) {
   TileOrder const order = tile_order(s, c);
-  ProducerSchedule p{};
+  WorkSchedule p{};
   p.num_blocks = s.world * order.m_blocks * order.n_blocks;
   // producer_sms == 0: one CTA per block (the hardware hands freed SMs to either kernel);
   // otherwise a persistent grid that leaves the rest of the SMs to the consumer.
-  p.grid = c.producer_sms > 0 && c.producer_sms < p.num_blocks ? c.producer_sms : p.num_blocks;
-  p.k_tiles = (s.k + kProducerBlockK - 1) / kProducerBlockK;
+  p.grid = c.producer_sms > 0 && c.producer_sms < p.num_blocks ? int32_t(c.producer_sms) : p.num_blocks;
+  p.k_tiles = (s.k + kBlockK - 1) / kBlockK;
   // Split tail: whole waves run as before, except the last full one, which joins the partial last
   // wave in the split region, divided evenly in k-tiles over the grid. So every CTA does about
   // (1 + remainder / grid) blocks' work there instead of one or two whole blocks.
@@ -60,14 +53,13 @@ ProducerSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c)
   return p;
 }
 
-namespace {
-
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 }  // namespace
 
 GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
   GemmRsPlan plan;
+  plan.config = c;
   auto fail = [&](const char* rule, bool config_error = false) {
     plan.error = rule;
     plan.config_error = config_error;
@@ -79,6 +71,8 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) return fail("M, N and K must be positive");
   // Padding: each partition to whole 128 x block_n blocks, on its own, so that partition q of the
   // padded product holds partition q of the real one; K to kAlignK. Zeros add nothing to the sum.
+  // The scattered dimension divides by the world here, and only here: the padded shape then meets
+  // every rule of the kernels by construction.
   int64_t m, n;
   if (p.scatter_cols) {
     if (p.n % p.world != 0) return fail("N must be divisible by the world size (the scattered dim)");
@@ -95,7 +89,6 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
     return fail("a padded dimension of the product is 2^31 or more (the kernels index with int32)");
   }
   plan.shape = ProblemShape{int32_t(m), int32_t(n), int32_t(k), p.world, p.rank, p.scatter_cols};
-  if (const char* rule = check_problem(plan.shape, c)) return fail(rule);
   plan.order = tile_order(plan.shape, c);
   plan.tiles_per_partition = plan.shape.tiles_per_partition();
   plan.schedule = producer_schedule(plan.shape, c);
@@ -104,24 +97,13 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
   return plan;
 }
 
-cudaError_t launch_producer(DType dtype, const ProblemShape& s, const GemmRsConfig& c, const ProducerArgs& a,
-                            cudaStream_t stream) {
-  bool const wide = c.block_n == 256;
-  if (dtype == DType::kBF16) {
-    return wide ? producer::launch_bf16_n256(s, c, a, stream) : producer::launch_bf16_n128(s, c, a, stream);
-  }
-  return wide ? producer::launch_fp16_n256(s, c, a, stream) : producer::launch_fp16_n128(s, c, a, stream);
-}
+namespace gemm_rs {
 
 cudaError_t prepare_kernels() {
-  cudaError_t (*const steps[])() = {producer::prepare_bf16_n128, producer::prepare_bf16_n256,
-                                    producer::prepare_fp16_n128, producer::prepare_fp16_n256,
-                                    prepare_consumer_kernels};
-  for (auto step : steps) {
-    cudaError_t err = step();
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  cudaError_t err = prepare_gemms();
+  return err != cudaSuccess ? err : prepare_consumer_kernels();
 }
+
+}  // namespace gemm_rs
 
 }  // namespace entwine

@@ -1,7 +1,7 @@
-// Process-wide registry of the communicators of both ops (see comm.h): allocation, peer pointers and
-// IPC handles, growth and teardown. Everything here runs from Python at trace time or at exit,
-// never from the execute path except find() and error_message().
-#include "common/comm.h"
+// Process-wide registry of the communicators (see comm.h) and of the ops that use them: allocation,
+// peer pointers and IPC handles, growth and teardown. Everything here runs from Python at trace
+// time or at exit, never from the execute path except find(), workspace() and error_message().
+#include "comm/comm.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -10,11 +10,14 @@
 #include <mutex>
 #include <stdexcept>
 
-#include "ag_gemm/ag_gemm.h"
-#include "gemm_rs/gemm_rs.h"
-
 namespace entwine::comm {
 namespace {
+
+// Filled by register_op() before the first create() and read-only afterwards (created_any), so
+// the execute path reads it without the lock.
+const OpHooks* registered_ops[kMaxOps] = {};
+int op_count = 0;
+bool created_any = false;
 
 struct Comm {
   int world = 1;
@@ -83,6 +86,28 @@ void close_imports(DeviceComm& dc) {
 
 }  // namespace
 
+void register_op(const OpHooks* hooks) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  if (created_any) throw std::runtime_error(std::string("entwine comm: op ") + hooks->name + " registered after the first communicator");
+  if (op_count == kMaxOps) throw std::runtime_error("entwine comm: more than kMaxOps ops");
+  for (int i = 0; i < op_count; ++i) {
+    if (registered_ops[i] == hooks) return;
+    if (std::strcmp(registered_ops[i]->name, hooks->name) == 0 ||
+        registered_ops[i]->wait_site_base == hooks->wait_site_base) {
+      throw std::runtime_error(std::string("entwine comm: ops ") + registered_ops[i]->name + " and " + hooks->name +
+                               " share a name or a wait_site_base");
+    }
+  }
+  registered_ops[op_count++] = hooks;
+}
+
+void* DeviceComm::workspace(const OpHooks* op) const noexcept {
+  for (int i = 0; i < op_count; ++i) {
+    if (registered_ops[i] == op) return workspaces[i];
+  }
+  return nullptr;
+}
+
 HeapLayout heap_layout(int world, const Capacity& capacity) {
   HeapLayout layout;
   layout.flags_bytes = HeapLayout::align(size_t(world) * size_t(capacity.max_tiles) * sizeof(uint64_t));
@@ -111,7 +136,9 @@ DeviceComm::~DeviceComm() {
   if (consumer) cudaStreamDestroy(consumer);
   if (error_host) cudaFreeHost(error_host);
   if (error_local) cudaFree(error_local);
-  if (split_workspace) cudaFree(split_workspace);
+  for (void* p : workspaces) {
+    if (p) cudaFree(p);
+  }
   cudaGetLastError();
 }
 
@@ -124,6 +151,7 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
   if (world < 1 || world > kMaxWorld) {
     throw std::runtime_error("entwine comm: world " + std::to_string(world) + " outside [1, 8]");
   }
+  created_any = true;
   Comm comm;
   comm.world = world;
   comm.capacity = capacity;
@@ -137,9 +165,10 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     dc->rank = rank;
     dc->world = world;
     check(cudaSetDevice(device), "cudaSetDevice");
-    // Lazy module loading while a consumer spins can deadlock: load both kernels now.
-    check(prepare_kernels(), "prepare_kernels");
-    check(prepare_transfer_kernels(), "prepare_transfer_kernels");
+    // Lazy module loading while a consumer spins can deadlock: load every kernel now.
+    for (int i = 0; i < op_count; ++i) {
+      check(registered_ops[i]->prepare_kernels(), (std::string(registered_ops[i]->name) + " prepare_kernels").c_str());
+    }
     check(prepare_epoch_kernel(), "prepare_epoch_kernel");
     int least, greatest;
     check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
@@ -170,8 +199,12 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     uint64_t const first_epoch = 1;
     check(cudaMalloc(reinterpret_cast<void**>(&dc->epoch), sizeof(uint64_t)), "cudaMalloc(epoch)");
     check(cudaMemcpy(dc->epoch, &first_epoch, sizeof(uint64_t), cudaMemcpyHostToDevice), "cudaMemcpy(epoch)");
-    check(cudaMalloc(&dc->split_workspace, kSplitWorkspaceBytes), "cudaMalloc(split workspace)");
-    check(cudaMemset(dc->split_workspace, 0, kSplitWorkspaceBytes), "cudaMemset(split workspace)");
+    for (int i = 0; i < op_count; ++i) {
+      size_t const bytes = registered_ops[i]->workspace_bytes;
+      if (bytes == 0) continue;
+      check(cudaMalloc(&dc->workspaces[i], bytes), "cudaMalloc(op workspace)");
+      check(cudaMemset(dc->workspaces[i], 0, bytes), "cudaMemset(op workspace)");
+    }
     allocate_heap(*dc, capacity);
     comm.by_device[device] = std::move(dc);
   }
@@ -330,7 +363,7 @@ bool profiling() noexcept {
 
 std::vector<CallTiming> last_call_ms(int64_t comm_id) {
   if (!profiling()) {
-    throw std::runtime_error("entwine comm: call timings need ENTWINE_PROFILE=1 set before the first gemm_rs");
+    throw std::runtime_error("entwine comm: call timings need ENTWINE_PROFILE=1 set before the first fused call");
   }
   std::lock_guard<std::mutex> lock(registry_mutex);
   std::vector<CallTiming> timings;
@@ -366,25 +399,25 @@ std::optional<std::string> error_message(const DeviceComm& dc) {
   const volatile DeviceError* e = dc.error_host;
   if (e == nullptr || e->code == 0) return std::nullopt;
   if (e->code != kErrorDeadline) {
-    return "entwine gemm_rs: rank " + std::to_string(dc.rank) + " recorded device error code " +
-           std::to_string(e->code);
+    return "entwine: rank " + std::to_string(dc.rank) + " recorded device error code " + std::to_string(e->code);
   }
-  std::string const waited = "rank " + std::to_string(e->rank) + " waited " + std::to_string(timeout_ms()) + " ms ";
-  std::string what;
-  switch (WaitSite(e->op)) {
-    case WaitSite::kGatherChunk:
-      what = "entwine ag_gemm: " + waited + "for chunk " + std::to_string(e->tile) + " of the shard of rank " +
-             std::to_string(e->source);
-      break;
-    case WaitSite::kInboxReady:
-      what = "entwine ag_gemm: " + waited + "for rank " + std::to_string(e->source) +
-             " to start the call (before pushing its shard into rank " + std::to_string(e->source) + "'s inbox)";
-      break;
-    default:
-      what = "entwine gemm_rs: " + waited + "for tile " + std::to_string(e->tile) + " from rank " +
-             std::to_string(e->source);
+  DeviceError record{};
+  record.code = e->code;
+  record.rank = e->rank;
+  record.source = e->source;
+  record.tile = e->tile;
+  record.expected = e->expected;
+  record.observed = e->observed;
+  record.site = e->site;
+  std::string const waited = "rank " + std::to_string(record.rank) + " waited " + std::to_string(timeout_ms()) + " ms ";
+  std::string what = "entwine: " + waited + "at unknown wait site " + std::to_string(record.site);
+  for (int i = 0; i < op_count; ++i) {
+    int32_t const base = registered_ops[i]->wait_site_base;
+    if (record.site >= base && record.site < base + kWaitSitesPerOp) {
+      what = registered_ops[i]->describe_deadline(record, waited);
+    }
   }
-  return what + " (expected epoch " + std::to_string(e->expected) + ", saw " + std::to_string(e->observed) +
+  return what + " (expected epoch " + std::to_string(record.expected) + ", saw " + std::to_string(record.observed) +
          "); the communicator is unusable until the process restarts";
 }
 

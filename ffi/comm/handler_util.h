@@ -1,7 +1,7 @@
-// What both FFI handlers do alike before they launch: a CUDA-error-to-ffi::Error macro, a
-// printable buffer shape, the communicator entry a call may use, the kernels' element type, the
-// capture test and the call's epoch arguments, a host timer, and a guard that restores XLA's
-// current device. Host-only.
+// What every FFI handler does alike before it launches: a CUDA-error-to-ffi::Error macro, the
+// decoding of an op's config attribute, a printable buffer shape, the communicator entry a call
+// may use, the kernels' element type, the capture test and the call's epoch arguments, a host
+// timer, and a guard that restores XLA's current device. Host-only.
 #pragma once
 
 #include <chrono>
@@ -9,8 +9,8 @@
 
 #include <cuda_runtime.h>
 
-#include "common/comm.h"
-#include "common/protocol.h"
+#include "comm/comm.h"
+#include "comm/protocol.h"
 #include "xla/ffi/api/ffi.h"
 
 // Returns an ffi::Error naming the op (`what`, e.g. "entwine gemm_rs"), the call and CUDA's error.
@@ -21,6 +21,14 @@
       return ::xla::ffi::Error::Internal(std::string(what) + ": " + #expr + ": " + cudaGetErrorString(err_)); \
     }                                                                                                 \
   } while (0)
+
+// Registers the decoding of the config struct T from a dictionary attribute whose entries are the
+// rows of FIELDS (comm/config.h): a missing, extra or mistyped entry fails the call with XLA's
+// message naming it. At global scope, once per op (its handler.cc).
+#define ENTWINE_CONFIG_DECODING_MEMBER(type, name, value) , ::xla::ffi::StructMember<type>(#name)
+#define ENTWINE_CONFIG_DECODING_EXPANDED(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
+#define ENTWINE_REGISTER_CONFIG_DECODING(T, FIELDS) \
+  ENTWINE_CONFIG_DECODING_EXPANDED(T FIELDS(ENTWINE_CONFIG_DECODING_MEMBER))
 
 namespace entwine::handler {
 

@@ -1,6 +1,7 @@
-// What every fused op shares with the communicator: the largest group, the element types, and the
-// device error record that a bounded wait fills instead of hanging (docs/design.md, "Bounded waits").
-// No kernel syntax: included by handlers, kernels and the harness.
+// What every fused op shares with the communicator: the largest group, the element types, the
+// call's epoch and the device error record that a bounded wait fills instead of hanging
+// (docs/design.md, "Bounded waits"). Names no op. No kernel syntax: included by handlers, kernels
+// and the harness.
 #pragma once
 
 #include <cstdint>
@@ -10,14 +11,15 @@ namespace entwine {
 // Largest mesh axis the fused ops support (one NVLink node).
 constexpr int kMaxWorld = 8;
 
+// The kernels' element types: the only list of them on the C++ side. Each entry is 2 bytes wide,
+// which sizes the heap's slot and inbox. Handlers map XLA's types here (handler_util.h), kernels
+// map these to CUDA types (comm/dtype.cuh), the kernel table names them (cmake/gemm_kernels.cmake).
 enum class DType : int32_t { kBF16 = 0, kFP16 = 1 };
+constexpr int kElementBytes = 2;
 
-// Which wait of which op ran past its deadline (DeviceError::op).
-enum class WaitSite : int32_t {
-  kReduceTile = 0,  // gemm_rs consumer: a 128x128 tile of a peer's partial output
-  kGatherChunk = 1,  // ag_gemm GEMM: a chunk of rows of a peer's shard
-  kInboxReady = 2,   // ag_gemm transfer: the receiving peer has not started the call (its GEMM announces it)
-};
+// Which wait ran past its deadline (DeviceError::site). Each op numbers its own waits from its
+// base (OpHooks::wait_site_base, a multiple of kWaitSitesPerOp) and formats its own records.
+constexpr int32_t kWaitSitesPerOp = 256;
 
 // How every kernel of a call finds the call's epoch and its half of the double-buffered heap
 // regions. The epoch is a device word that a one-thread kernel advances after each call, in stream
@@ -38,7 +40,7 @@ struct DeviceError {
   int32_t tile;       // gemm_rs: reduction tile of the waiting rank's partition; ag_gemm: chunk of the source
   uint64_t expected;  // epoch waited for
   uint64_t observed;  // last epoch seen in the flag
-  int32_t op;         // WaitSite
+  int32_t site;       // which wait: an op's wait_site_base + its own number
   int32_t pad_;
 };
 constexpr uint32_t kErrorDeadline = 1;

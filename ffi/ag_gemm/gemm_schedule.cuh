@@ -1,0 +1,175 @@
+// ag_gemm's schedule of the shared GEMM (gemm/gemm_kernel.cuh): the kernel announces the call to
+// every peer as it starts, blocks visit the gathered operand in arrival order (the local shard
+// first), and the TMA warp waits on a chunk's flag before it loads a byte of that chunk. Stored
+// blocks need no release: y is read after the call joins. Protocol: docs/design.md, "ag_gemm".
+#pragma once
+
+#include "ag_gemm/ag_gemm.h"
+#include "comm/wait.cuh"
+#include "gemm/gemm_kernel.cuh"
+
+namespace entwine::ag_gemm {
+
+struct GemmSchedule {
+  using Plan = GemmPlan;
+  using Args = GemmArgs;
+  static constexpr bool kLocalOperand = true;  // A: the local shard (x) or the gathered inbox
+
+  struct Params {
+    const uint64_t* gather_flags;   // flags[source * chunks + chunk] of this rank, parity 0
+    uint64_t* announce[kMaxWorld];  // ready[rank] in each peer's heap (AgGemmArgs)
+    bool gather_k;                  // contraction layout (AgProblem)
+    int world, rank;
+    int chunks, chunk_tiles, shard_tiles, blocks_per_chunk, k_tiles_per_source;
+    DeviceError* error;
+    DeviceError* error_mirror;
+    uint64_t timeout_ns;
+  };
+
+  // Position p -> (source shard, tile row inside it, block column), in arrival order. Rows layout:
+  // the local shard's blocks first (no wait), then chunk by chunk, for each chunk the peers in the
+  // order their pushes start (rank r-1 pushes to r first, see the handler). Contraction layout:
+  // chunk by chunk (every block loops over all shards; source is unused).
+  static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order) {
+    int const per_chunk = op.blocks_per_chunk;
+    int source = 0, chunk, i;
+    if (op.gather_k) {
+      chunk = p / per_chunk;
+      i = p % per_chunk;
+    } else if (p < op.chunks * per_chunk) {
+      source = op.rank;
+      chunk = p / per_chunk;
+      i = p % per_chunk;
+    } else {
+      int const j = p - op.chunks * per_chunk, per_round = (op.world - 1) * per_chunk;
+      chunk = j / per_round;
+      source = (op.rank + op.world - 1 - (j % per_round) / per_chunk) % op.world;
+      i = j % per_chunk;
+    }
+    BlockCoord c{source, 0, 0};
+    order.block(i, c.tile_m, c.n_block);
+    c.tile_m += chunk * op.chunk_tiles;
+    return c;
+  }
+
+  // Announce the call to every peer first (ready words; see AgGemmArgs::announce). This kernel
+  // starts after everything of this rank's earlier calls is complete; the fence orders that (their
+  // reads of the inbox) before the announcement.
+  template <class Kernel>
+  static __device__ void start(typename Kernel::Params const& params) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      uint64_t const epoch = ptx::load_relaxed_sys(params.call.epoch);
+      ptx::fence_acq_rel_sys();
+      for (int q = 0; q < params.op.world; ++q) {
+        if (params.op.announce[q] != nullptr) ptx::store_relaxed_sys(params.op.announce[q], epoch);
+      }
+    }
+  }
+
+  // The TMA warp: every block's A comes from the local shard (x) or from a peer's chunk in the
+  // gathered inbox, which is loaded only after the whole warp has seen the chunk's flag carry this
+  // call's epoch (wait_flag_warp: acquire, then the proxy fence that orders the TMA engine's reads
+  // after it). A CTA's consecutive blocks mostly share a chunk, so the wait is skipped when it repeats.
+  template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
+  static __device__ void load(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
+                              State& write_state, Inputs const& load_inputs, Inputs const& load_local,
+                              Storage& smem) {
+    Params const& op = params.op;
+    int const lane = cutlass::canonical_lane_idx();
+    uint64_t const epoch = ptx::load_relaxed_sys(params.call.epoch);
+    const uint64_t* const flags = op.gather_flags + int64_t(epoch & 1) * params.call.flags_stride;
+    int waited_source = -1, waited_chunk = -1;
+    bool ok = true;  // false once a wait ran past its deadline: the rest loads without waiting
+    auto k_shape = cute::shape<3>(cute::get<0>(load_inputs));
+    auto load_block = [&](bool local, int m_block, int n_block, int batch, int source, int chunk) {
+      if (!local && (source != waited_source || chunk != waited_chunk)) {
+        ok = ok && wait::wait_flag_warp(flags + source * op.chunks + chunk, epoch, op.timeout_ns, op.error,
+                                        op.error_mirror, op.rank, source, chunk, kWaitGatherChunk, params.call.trap);
+        // The TMA engine (async proxy) reads what the acquire made visible to this thread.
+        ptx::fence_proxy_async_global();
+        waited_source = source;
+        waited_chunk = chunk;
+      }
+      auto k_iter = cute::make_coord_iterator(cute::idx2crd(0, k_shape), k_shape);
+      mainloop.load(local ? params.mainloop_local : params.mainloop, pipeline, write_state,
+                    local ? load_local : load_inputs, cute::make_coord(m_block, n_block, cute::_, batch), k_iter,
+                    op.k_tiles_per_source, lane, 0u, smem);
+      write_state.advance(op.k_tiles_per_source);
+    };
+    typename Kernel::WorkIter work(params);
+    for (typename Kernel::Unit u; work.next(u);) {
+      BlockCoord const c = block_coord(u.p, op, params.order);
+      int const chunk = c.tile_m / op.chunk_tiles;
+      if (!op.gather_k) {
+        bool const local = c.owner == op.rank;
+        load_block(local, (local ? 0 : c.owner * op.shard_tiles) + c.tile_m, c.n_block, 0, c.owner, chunk);
+      } else {
+        // The K loop: the local shard, then the peers in arrival order (r-1 first).
+        for (int d = 0; d < op.world; ++d) {
+          int const source = (op.rank + op.world - d) % op.world;
+          load_block(d == 0, c.tile_m, c.n_block, d == 0 ? 0 : source, source, chunk);
+        }
+      }
+    }
+    mainloop.load_tail(pipeline, write_state);
+  }
+
+  template <class Kernel>
+  static __device__ void release(typename Kernel::Params const&, BlockCoord const&, uint64_t, int64_t) {}
+
+  // Rows layout: A = the inbox [world * rows, cols] (peers) or x [rows, cols] (local), B = w.
+  // Contraction layout: A = the inbox as a batch of world shards [rows, cols] (peers, batch =
+  // source) or x (local), B = w as a batch of world slices [cols, n] (local: the rank's own slice).
+  template <class Kernel>
+  static typename Kernel::Params make_params(Plan const& plan, Args const& args) {
+    using Element = typename Kernel::Element;
+    AgProblem const& pr = plan.shape;
+    auto const* x = static_cast<Element const*>(args.x);
+    auto const* gathered = static_cast<Element const*>(args.gathered);
+    auto const* w = static_cast<Element const*>(args.w);
+    typename Kernel::Params p{};
+    p.n = pr.n;
+    p.k = pr.cols;
+    p.m_local = pr.rows;
+    if (pr.gather_k) {
+      int64_t const shard = int64_t(pr.rows) * pr.cols, slice = int64_t(pr.cols) * pr.n;
+      p.m = pr.rows;
+      p.l = pr.world;
+      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, gathered, shard, w, slice);
+      p.mainloop_local =
+          Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, slice);
+    } else {
+      p.m = pr.world * pr.rows;
+      p.l = 1;
+      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, 1, gathered, 0, w, 0);
+      p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, 0, w, 0);
+    }
+    p.world = pr.world;
+    p.rank = pr.rank;
+    // The store warp writes block (source, tile row, column) to y at row source * part_row_step + ...
+    p.part_row_step = pr.gather_k ? 0 : pr.rows;
+    p.part_col_step = 0;
+    p.order = plan.order;
+    p.schedule = plan.schedule;
+    p.split_workspace = nullptr;
+    p.out = static_cast<Element*>(args.y);
+    p.call = args.call;
+    p.call.slot_stride = 0;  // the store warp writes y, which has one copy
+    p.op.gather_flags = args.flags;
+    for (int q = 0; q < kMaxWorld; ++q) p.op.announce[q] = args.announce[q];
+    p.op.gather_k = pr.gather_k;
+    p.op.world = pr.world;
+    p.op.rank = pr.rank;
+    p.op.chunks = plan.chunks;
+    p.op.chunk_tiles = plan.chunk_tiles;
+    p.op.shard_tiles = plan.tile_rows;
+    p.op.blocks_per_chunk = plan.chunk_tiles * plan.n_blocks;
+    p.op.k_tiles_per_source = plan.k_tiles;
+    p.op.error = args.error;
+    p.op.error_mirror = args.error_mirror;
+    p.op.timeout_ns = args.timeout_ns;
+    return p;
+  }
+};
+
+}  // namespace entwine::ag_gemm

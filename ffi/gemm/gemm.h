@@ -1,0 +1,58 @@
+// Host-side contract of the GEMM that both ops run (gemm_kernel.cuh): its block extents, the block
+// order inside a group of tile rows, the CTA work split (with the split tail), and the block
+// coordinates an op's schedule hands the kernel. No kernel syntax; names no op.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace entwine {
+
+// A GEMM block is BLOCK_M x block_n x BLOCK_K (block_n: 128 or 256, per instantiation).
+constexpr int kBlockM = 128;  // two math warpgroups of 64 rows each
+constexpr int kBlockK = 64;   // one 128-byte TMA swizzle row of 2-byte types
+// K is padded to this (zeros add nothing): 16-byte rows for TMA, with 2-byte elements.
+constexpr int kAlignK = 8;
+
+// Production order of the GEMM blocks of one group of tile rows (a partition, a chunk): groups of
+// `raster_rows` tile rows, each group visited column by column, so the blocks in flight at once
+// share rows of A and columns of B in L2. Block i -> (tile row, block column).
+struct TileOrder {
+  int32_t m_blocks, n_blocks, raster_rows;
+#ifdef __CUDACC__
+  __host__ __device__
+#endif
+  void block(int32_t i, int32_t& tile_m, int32_t& n_block) const {
+    int32_t const per_group = raster_rows * n_blocks;
+    int32_t const group = i / per_group, j = i % per_group;
+    int32_t const rows = m_blocks - group * raster_rows < raster_rows ? m_blocks - group * raster_rows : raster_rows;
+    tile_m = group * raster_rows + j % rows;
+    n_block = j / rows;
+  }
+};
+
+// A schedule's block p: the owner (gemm_rs: the partition; ag_gemm: the source shard), the tile
+// row inside it and the block column.
+struct BlockCoord {
+  int owner, tile_m, n_block;
+};
+
+// The GEMM grid and its work split for one call, part of each op's plan.
+struct WorkSchedule {
+  int32_t num_blocks;         // GEMM blocks of the call
+  int32_t grid;               // CTAs: num_blocks, or a persistent grid
+  int32_t k_tiles;            // k-tiles per block: TMA zero-fills the K tail
+  int32_t split_first_block;  // blocks from here on are split in K over the grid (num_blocks: none)
+};
+
+// Split tail of a persistent grid (gemm_kernel.cuh): the last one-and-a-fraction waves of blocks
+// are divided evenly in K over the grid, and a block computed in two pieces by two CTAs meets in
+// one slot of a workspace: an arrival counter, a ready sequence and an fp32 partial block. One
+// workspace per stream (calls on one stream run one after the other), zeroed once at allocation;
+// the counters are never reset (each call adds two arrivals per used slot).
+constexpr int kSplitSlots = 160;  // a grid of G CTAs uses slots 0 .. G-2: grids above 161 do not split
+constexpr size_t kSplitCountersBytes = 4096;  // u32 arrive[kSplitSlots], u32 ready[kSplitSlots]
+constexpr size_t kSplitSlotBytes = size_t(kBlockM) * 256 * sizeof(float);  // the widest block, fp32
+constexpr size_t kSplitWorkspaceBytes = kSplitCountersBytes + kSplitSlots * kSplitSlotBytes;
+
+}  // namespace entwine

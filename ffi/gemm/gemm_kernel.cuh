@@ -1,0 +1,377 @@
+// The GEMM both fused ops run: CUTLASS 3.x SM90 TMA + wgmma mainloop, warp-specialised (TMA warp,
+// store warp copying staged blocks out with bulk copies, two math warpgroups). What differs between
+// the ops (block order, what the TMA warp waits for, how a stored block is released) is the op's
+// Schedule, a template parameter. One instantiation per generated file (cmake/gemm_kernels.cmake).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "comm/protocol.h"
+#include "comm/ptx.cuh"
+#include "gemm/gemm.h"
+
+namespace entwine::gemm {
+
+using namespace cute;
+
+// The CUTLASS element type of each DType of the table (cmake/gemm_kernels.cmake).
+template <DType>
+struct ElementOf;
+template <>
+struct ElementOf<DType::kBF16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct ElementOf<DType::kFP16> {
+  using type = cutlass::half_t;
+};
+
+// The GEMM of one (dtype, BLOCK_N, op schedule) row of the kernel table. What is the op's is its
+// Schedule (gemm_rs/gemm_schedule.cuh, ag_gemm/gemm_schedule.cuh), a type with:
+//   Params                 what only the schedule reads (Params::op)
+//   Plan, Args             the op's plan and launch arguments (host)
+//   block_coord(p, op, order)        block p of the call's order -> (owner, tile row, block column)
+//   start<Kernel>(params)            first thing of every CTA (ag_gemm: announce the call)
+//   load<Kernel>(params, ...)        the TMA warp's loop over its units (ag_gemm: waits on chunks)
+//   release<Kernel>(params, c, e, parity)  after the store warp's copies of block c completed
+//   make_params<Kernel>(plan, args)  the kernel parameters of a plan (host)
+template <DType kDType, int BLOCK_N_, class Schedule_>
+struct GemmKernel {
+  // ---- core config ---------------------------------------------------------------------------
+  using Element = typename ElementOf<kDType>::type;  // bf16 or fp16 in and out, fp32 accumulation
+  using Schedule = Schedule_;                          // the op's block order, loads and releases
+  static constexpr int BLOCK_M = kBlockM;             // two math warpgroups of 64 rows each
+  static constexpr int BLOCK_N = BLOCK_N_;            // 128 or 256
+  static constexpr int BLOCK_K = kBlockK;             // one 128-byte TMA swizzle row of 2-byte types
+  static constexpr int kThreads = 384;                // warp 0: TMA, warp 1: stores, warps 2-3: exit, warpgroups 1-2: math
+  static constexpr int kMathThreads = 256;            // cooperative: both warpgroups on every block
+  using TileShape = Shape<Int<BLOCK_M>, Int<BLOCK_N>, Int<BLOCK_K>>;
+  using ClusterShape = Shape<_1, _1, _1>;
+
+  // ---- epilogue staging: the finished block in shared memory, each row contiguous (one bulk copy
+  //      per row) and padded by 16 bytes, so the math warps' fragment stores (8 rows x 16 bytes per
+  //      instruction) hit 32 distinct banks ----------------------------------------------------
+  static constexpr int kStagePitch = BLOCK_N + 8;  // elements
+  struct EpilogueStorage {
+    alignas(128) Element tile[BLOCK_M * kStagePitch];
+    uint32_t split_arrival;  // math thread 0 -> math threads: this CTA's arrival at a split slot
+    uint32_t skip;           // math -> store warp: the staged unit was a first-arriving split piece
+  };
+
+  // ---- mainloop: A = x [M, K] row-major (K-major), B = w [K, N] row-major (N-major) -----------
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Element, cutlass::layout::RowMajor, 8,
+      Element, cutlass::layout::RowMajor, 8,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(EpilogueStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using TiledMma = typename CollectiveMainloop::TiledMma;
+  using MainloopPipeline = typename CollectiveMainloop::MainloopPipeline;
+  using PipelineState = typename CollectiveMainloop::PipelineState;
+  using StrideA = typename CollectiveMainloop::StrideA;
+  using StrideB = typename CollectiveMainloop::StrideB;
+  static_assert(size(TiledMma{}) == kMathThreads, "cooperative mainloop: two math warpgroups");
+
+  struct SharedStorage {
+    typename CollectiveMainloop::TensorStorage mainloop;
+    EpilogueStorage epilogue;
+    typename CollectiveMainloop::PipelineStorage pipeline;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+
+  struct Params {
+    typename CollectiveMainloop::Params mainloop;        // A: x (gemm_rs) or the gathered inbox (ag_gemm)
+    typename CollectiveMainloop::Params mainloop_local;  // A: the local shard (ag_gemm; unused by gemm_rs)
+    int m, n, k, l, m_local, world, rank;
+    int64_t part_row_step;        // block (owner q, ...) is stored at row q * part_row_step ...
+    int64_t part_col_step;        // ... and column q * part_col_step of the output
+    WorkSchedule schedule;        // blocks, grid, k-tiles, split region (none without a workspace)
+    char* split_workspace;        // gemm/gemm.h: arrival counters, ready sequences, fp32 partial blocks
+    TileOrder order;              // blocks of one owner's group of tile rows, in production order
+    Element* out;                 // slot 0 of the output (gemm_rs: the partial; ag_gemm: y)
+    CallEpoch call;               // the epoch word and the parity strides
+    typename Schedule::Params op;
+  };
+
+  // One unit of a CTA's work: k-tiles [k_begin, k_end) of logical block p. slot >= 0: the block is
+  // split between this CTA and a neighbour, which meet in that workspace slot.
+  struct Unit {
+    int p, k_begin, k_end, slot;
+  };
+
+  // A CTA's units, the same sequence for its three roles: the blocks blockIdx.x + i * grid below
+  // split_first_block (whole waves), then its 1/grid share of the split region's k-tiles, in order.
+  // Every share is at least one block long, so a block has at most two pieces: its head (from
+  // k = 0) ends the share of CTA c and its tail starts the share of CTA c + 1; both use slot c.
+  struct WorkIter {
+    WorkSchedule const& s;
+    int p, it, end;  // next whole block; this CTA's k-tiles [it, end) of the split region
+    __device__ explicit WorkIter(Params const& params) : s(params.schedule), p(blockIdx.x) {
+      // (< 2^31: the split region holds less than two grids' blocks)
+      int64_t const split_iters = int64_t(s.num_blocks - s.split_first_block) * s.k_tiles;
+      it = int(split_iters * blockIdx.x / s.grid);
+      end = int(split_iters * (blockIdx.x + 1) / s.grid);
+    }
+    __device__ bool next(Unit& u) {
+      if (p < s.split_first_block) {
+        u = Unit{p, 0, s.k_tiles, -1};
+        p += s.grid;
+        return true;
+      }
+      if (it >= end) return false;
+      int const k_begin = it % s.k_tiles;
+      int const k_end = k_begin + end - it < s.k_tiles ? k_begin + end - it : s.k_tiles;
+      u = Unit{s.split_first_block + it / s.k_tiles, k_begin, k_end, -1};
+      if (k_begin > 0) {
+        u.slot = int(blockIdx.x) - 1;
+      } else if (k_end < s.k_tiles) {
+        u.slot = int(blockIdx.x);
+      }
+      it += k_end - k_begin;
+      return true;
+    }
+  };
+
+  static __device__ void run(Params const& params, char* smem) {
+    SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
+    int const thread_idx = threadIdx.x;
+    int const warp_idx = cutlass::canonical_warp_idx_sync();
+    int const warp_group = cutlass::canonical_warp_group_idx();
+    int const lane_predicate = cute::elect_one_sync();
+
+    Schedule::template start<GemmKernel>(params);
+
+    if (warp_idx == 0 && lane_predicate) {
+      CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
+      if constexpr (Schedule::kLocalOperand) CollectiveMainloop::prefetch_tma_descriptors(params.mainloop_local);
+    }
+
+    // Mainloop pipeline: warp 0 produces (TMA), the 256 math threads consume.
+    typename MainloopPipeline::Params pipeline_params;
+    if (warp_group == 0 && warp_idx == 0) {
+      pipeline_params.role = MainloopPipeline::ThreadCategory::Producer;
+    }
+    if (warp_group > 0) {
+      pipeline_params.role = MainloopPipeline::ThreadCategory::Consumer;
+    }
+    pipeline_params.is_leader = (thread_idx % cutlass::NumThreadsPerWarpGroup) == 0;
+    pipeline_params.num_consumers = kMathThreads;
+    pipeline_params.transaction_bytes = params.mainloop.tma_transaction_bytes;
+    MainloopPipeline pipeline(storage.pipeline, pipeline_params, ClusterShape{});
+    // Barrier init must be visible to every thread before first use.
+    __syncthreads();
+
+    CollectiveMainloop mainloop;
+    auto load_inputs = mainloop.load_init(make_shape(params.m, params.n, params.k, params.l), params.mainloop);
+    auto load_local = mainloop.load_init(make_shape(params.m_local, params.n, params.k, 1), params.mainloop_local);
+
+    if (warp_group == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<40>();
+      if (warp_idx == 0) {
+        PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+        Schedule::template load<GemmKernel>(params, mainloop, pipeline, write_state, load_inputs, load_local,
+                                            storage.mainloop);
+      } else if (warp_idx == 1) {
+        store_and_release(params, storage.epilogue.tile, &storage.epilogue.skip, cutlass::canonical_lane_idx());
+      }
+      return;
+    }
+
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    int const math_idx = thread_idx - cutlass::NumThreadsPerWarpGroup;
+    PipelineState read_state;
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_thread_slice(math_idx);
+    Tensor sC = make_tensor(make_smem_ptr(storage.epilogue.tile),
+                            make_layout(make_shape(Int<BLOCK_M>{}, Int<BLOCK_N>{}), make_stride(Int<kStagePitch>{}, _1{})));
+    // stmatrix: each instruction stores four 8x8 matrices (16 bytes per thread) of the fragment.
+    auto staging_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma);
+    auto thread_staging = staging_copy.get_thread_slice(math_idx);
+    Tensor tSsC = thread_staging.partition_D(sC);
+
+    WorkIter work(params);
+    bool first = true;
+    for (Unit u; work.next(u); first = false) {
+      int const k_count = u.k_end - u.k_begin;
+      Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
+      mainloop.mma(pipeline, read_state, accum, k_count, math_idx, storage.mainloop, params.mainloop);
+      mainloop.mma_tail(pipeline, read_state, k_count);
+      read_state.advance(k_count);
+      bool const write = u.slot < 0 || join_split(params, u.slot, accum, math_idx, storage.epilogue.split_arrival);
+
+      // The store warp's bulk copies must have read the previous block out of the staging tile.
+      if (!first) ptx::named_barrier_sync(kEmptyBarrier, kMathThreads + kStoreThreads);
+      if (write) {
+        Tensor converted = make_fragment_like<Element>(accum);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) converted(i) = Element(accum(i));
+        copy(staging_copy, thread_staging.retile_S(converted), tSsC);
+        // The bulk copies read the staging tile through the async proxy.
+        cute::tma_store_fence();
+      }
+      if (math_idx == 0) ptx::store_shared_word(&storage.epilogue.skip, !write);
+      // Hand the staged block to the store warp and go on with the next block's mainloop.
+      ptx::named_barrier_arrive(kFullBarrier, kMathThreads + kStoreThreads);
+    }
+  }
+
+  // The two pieces of a split block meet in workspace slot `slot`. The first of the two CTAs to
+  // arrive leaves its fp32 sum there and writes nothing else; the second adds it to its own sum and
+  // writes and publishes the block. A sum of two terms does not depend on which came first, so the
+  // output stays bitwise reproducible. The second waits only for a CTA that has already arrived
+  // (running, writing 128 KB), so the wait cannot deadlock even if the two never run at once.
+  // Pitfall: the arrival parity assumes every call adds exactly two arrivals per used slot, i.e.
+  // no producer launch on this workspace was ever killed half-way (which also kills the context).
+  template <class Accum>
+  static __device__ bool join_split(Params const& params, int slot, Accum& accum, int math_idx,
+                                    uint32_t& arrival_word) {
+    uint32_t* const arrive = reinterpret_cast<uint32_t*>(params.split_workspace) + slot;
+    uint32_t* const ready = arrive + kSplitSlots;
+    if (math_idx == 0) ptx::store_shared_word(&arrival_word, atomicAdd(arrive, 1u));
+    ptx::named_barrier_sync(kSplitBarrier, kMathThreads);
+    uint32_t const arrival = ptx::load_shared_word(&arrival_word);
+    uint32_t const sequence = arrival / 2 + 1;  // this call's use of the slot
+    // Vector i of thread t at i * kMathThreads + t: every warp instruction moves 512 contiguous bytes.
+    float4* partial = reinterpret_cast<float4*>(params.split_workspace + kSplitCountersBytes + slot * kSplitSlotBytes) + math_idx;
+    constexpr int kVectors = decltype(size(accum))::value / 4;
+    if (arrival % 2 == 0) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kVectors; ++i) {
+        __stcg(partial + i * kMathThreads, make_float4(accum(4 * i), accum(4 * i + 1), accum(4 * i + 2), accum(4 * i + 3)));
+      }
+      // Every math thread's stores, then one GPU-scope release (cumulative over the barrier).
+      ptx::named_barrier_sync(kSplitBarrier, kMathThreads);
+      if (math_idx == 0) {
+        __threadfence();
+        ptx::store_release_gpu(ready, sequence);
+      }
+      return false;
+    }
+    if (math_idx == 0) {
+      // A deadline, not a hang: the other CTA has arrived, so only a broken device gets here.
+      uint64_t const deadline = ptx::global_timer_ns() + kSplitTimeoutNs;
+      while (int32_t(ptx::load_acquire_gpu(ready) - sequence) < 0) {
+        if (ptx::global_timer_ns() > deadline) __trap();
+      }
+    }
+    ptx::named_barrier_sync(kSplitBarrier, kMathThreads);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVectors; ++i) {
+      float4 const v = __ldcg(partial + i * kMathThreads);
+      accum(4 * i) += v.x;
+      accum(4 * i + 1) += v.y;
+      accum(4 * i + 2) += v.z;
+      accum(4 * i + 3) += v.w;
+    }
+    return true;
+  }
+
+  // The TMA warp's loop when every block's A is ready at launch (gemm_rs): each unit's k-tiles of
+  // its block, at the block's owner's offset in A (partition offsets are multiples of the block).
+  template <class Pipeline, class State, class Inputs>
+  static __device__ void load_units(Params const& params, CollectiveMainloop& mainloop, Pipeline& pipeline,
+                                    State& write_state, Inputs const& load_inputs,
+                                    typename CollectiveMainloop::TensorStorage& smem) {
+    WorkIter work(params);
+    for (Unit u; work.next(u);) {
+      BlockCoord const c = Schedule::block_coord(u.p, params.op, params.order);
+      int m_block = int(c.owner * params.part_row_step / BLOCK_M) + c.tile_m;
+      int n_block = int(c.owner * params.part_col_step / BLOCK_N) + c.n_block;
+      auto k_shape = shape<3>(get<0>(load_inputs));
+      auto k_iter = cute::make_coord_iterator(idx2crd(u.k_begin, k_shape), k_shape);
+      mainloop.load(params.mainloop, pipeline, write_state, load_inputs, make_coord(m_block, n_block, _, 0), k_iter,
+                    u.k_end - u.k_begin, cutlass::canonical_lane_idx(), 0u, smem);
+      write_state.advance(u.k_end - u.k_begin);
+    }
+    mainloop.load_tail(pipeline, write_state);
+  }
+
+  // Warp 1 (idle in the CUTLASS schedule) copies each staged block to the output with one bulk
+  // copy per row (the TMA engine: no load/store instructions compete with the mainloop) and lets
+  // the schedule release it, overlapped with the next block's mainloop. Lane 0 does the work; the
+  // other lanes keep the barrier counts whole-warp.
+  static __device__ void store_and_release(Params const& params, Element const* stage, uint32_t* skip_word, int lane) {
+    constexpr int kRowBytes = BLOCK_N * sizeof(Element);
+    // The call's epoch and its parity's output slot (CallEpoch; slot_stride 0: one output).
+    uint64_t const epoch = ptx::load_relaxed_sys(params.call.epoch);
+    int64_t const parity = int64_t(epoch & 1);
+    Element* const partial = params.out + parity * params.call.slot_stride / int64_t(sizeof(Element));
+    WorkIter work(params);
+    Unit next;
+    for (bool more = work.next(next); more;) {
+      Unit const u = next;
+      more = work.next(next);
+      BlockCoord const c = Schedule::block_coord(u.p, params.op, params.order);
+      int64_t const row0 = c.owner * params.part_row_step + int64_t(c.tile_m) * BLOCK_M;
+      int64_t const col0 = c.owner * params.part_col_step + int64_t(c.n_block) * BLOCK_N;
+      Element* dst = partial + row0 * params.n + col0;
+      ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
+      bool const skip = ptx::load_shared_word(skip_word) != 0;
+      if (lane == 0 && !skip) {
+        for (int row = 0; row < BLOCK_M; ++row) {
+          SM90_BULK_COPY_S2G::copy(stage + row * kStagePitch, dst + int64_t(row) * params.n, kRowBytes);
+        }
+        cute::tma_store_arrive();
+        cute::tma_store_wait<0>();
+      }
+      __syncwarp();
+      // The copies have read the staging tile: it may take the next block, if there is one, while
+      // the release below waits for the copies' writes.
+      if (more) ptx::named_barrier_arrive(kEmptyBarrier, kMathThreads + kStoreThreads);
+      // Release: the copies' writes are complete (wait_group 0, not .read); the schedule may then
+      // publish them (gemm_rs: its flags; ag_gemm: nothing, stream order releases y).
+      if (lane == 0 && !skip) {
+        ptx::bulk_wait();
+        Schedule::template release<GemmKernel>(params, c, epoch, parity);
+      }
+    }
+  }
+
+  // Named barriers between the math warps and the store warp; ids below 8 are left to CUTLASS.
+  static constexpr int kStoreThreads = 32;
+  static constexpr int kFullBarrier = 8;   // math -> store: the staging tile holds a block
+  static constexpr int kEmptyBarrier = 9;  // store -> math: the staging tile may be overwritten
+  static constexpr int kSplitBarrier = 10;  // math threads among themselves, at a split slot
+  static constexpr uint64_t kSplitTimeoutNs = 10'000'000'000ull;
+
+  // A's and B's TMA parameters: A [l][m, k] and B [l][k, n], row-major, batch strides in elements.
+  static typename CollectiveMainloop::Params mainloop_params(int m, int n, int k, int l, Element const* a,
+                                                             int64_t batch_a, Element const* b, int64_t batch_b) {
+    StrideA stride_a{};
+    get<0>(stride_a) = int64_t(k);
+    StrideB stride_b{};
+    get<1>(stride_b) = int64_t(n);
+    get<2>(stride_a) = batch_a;
+    get<2>(stride_b) = batch_b;
+    return CollectiveMainloop::to_underlying_arguments(make_shape(m, n, k, l), {a, stride_a, b, stride_b}, nullptr);
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1) gemm_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+  extern __shared__ __align__(128) char smem[];
+  Kernel::run(params, smem);
+}
+
+// Loads the instantiation's module and allows its shared memory (setup, see comm::OpHooks).
+template <class Kernel>
+cudaError_t prepare() {
+  return cudaFuncSetAttribute(gemm_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+}
+
+// Runs the plan: the parameters are the schedule's reading of the plan and the arguments.
+template <class Kernel>
+cudaError_t launch(typename Kernel::Schedule::Plan const& plan, typename Kernel::Schedule::Args const& args,
+                   cudaStream_t stream) {
+  typename Kernel::Params const params = Kernel::Schedule::template make_params<Kernel>(plan, args);
+  gemm_kernel<Kernel><<<params.schedule.grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace entwine::gemm

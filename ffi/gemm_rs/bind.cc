@@ -1,0 +1,58 @@
+// gemm_rs's part of the nanobind module (see bind.h): its FFI target, GEMM_RS_TARGET, the plan that
+// Python asks instead of restating the kernels' shape rules, and its communicator hooks.
+#include <nanobind/nanobind.h>
+
+#include "bind.h"
+#include "comm/comm.h"
+#include "gemm_rs/gemm_rs.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in gemm_rs/handler.cc.
+extern "C" XLA_FFI_Error* GemmRs(XLA_FFI_CallFrame* call_frame);
+
+namespace entwine::gemm_rs {
+
+void bind(nb::module_& m, FfiTargets& targets) {
+  // The XLA FFI target name, spelled only here: Python reads it from the module.
+  constexpr const char* kTarget = "entwine_gemm_rs";
+  m.attr("GEMM_RS_TARGET") = kTarget;
+  targets.emplace_back(kTarget, reinterpret_cast<void*>(GemmRs));
+  comm::register_op(&kHooks);
+
+  m.def("gemm_rs_plan",
+        [](int64_t m, int64_t n, int64_t k, int world, bool scatter_cols, int block_n, int producer_sms,
+           int consumer_grid, int consumer_block, int raster_rows, bool split_tail) {
+          GemmRsProblem problem{m, n, k, world, 0, scatter_cols};
+          GemmRsConfig config{block_n, producer_sms, consumer_grid, consumer_block, raster_rows, split_tail};
+          GemmRsPlan const p = gemm_rs_plan(problem, config);
+          nb::dict d;
+          d["error"] = rule_or_none(p.error);
+          d["config_error"] = p.config_error;
+          d["m"] = p.shape.m;
+          d["n"] = p.shape.n;
+          d["k"] = p.shape.k;
+          d["part_rows"] = p.shape.part_rows();
+          d["part_cols"] = p.shape.part_cols();
+          d["tiles_per_partition"] = p.tiles_per_partition;
+          d["m_blocks"] = p.order.m_blocks;
+          d["n_blocks"] = p.order.n_blocks;
+          d["raster_rows"] = p.order.raster_rows;
+          d["num_blocks"] = p.schedule.num_blocks;
+          d["grid"] = p.schedule.grid;
+          d["k_tiles"] = p.schedule.k_tiles;
+          d["split_first_block"] = p.schedule.split_first_block;
+          d["split"] = p.split;
+          d["slot_bytes"] = p.slot_bytes;
+          return d;
+        },
+        nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("world"), nb::arg("scatter_cols"), nb::arg("block_n"),
+        nb::arg("producer_sms"), nb::arg("consumer_grid"), nb::arg("consumer_block"), nb::arg("raster_rows"),
+        nb::arg("split_tail"),
+        "gemm_rs's plan of one call (ffi/gemm_rs/gemm_rs.h) for x [m, k], w [k, n], unpadded: {error: None or "
+        "the violated rule, config_error, m, n, k (the padded problem), part_rows, part_cols, tiles_per_partition, "
+        "m_blocks, n_blocks, raster_rows, num_blocks, grid, k_tiles, split_first_block, split, slot_bytes}.");
+}
+
+}  // namespace entwine::gemm_rs
