@@ -275,8 +275,9 @@ class Rank:
 
         w_ = self.world
         # Growing sizes: every new shape regrows the heaps of all processes.
+        # The two suite-like shapes keep M near 2048 and 4096 rows for any W (M must divide by W).
         shapes = [(w_ * 77, 130, 60), (w_ * 128, 256, 64), (w_ * 200, 1000, 1000), (w_ * 129, 257, 72),
-                  (2048, 4096, 1024), (4096, 8192, 1024)]
+                  (2048 // w_ * w_, 4096, 1024), (4096 // w_ * w_, 8192, 1024)]
         worst = 0.0
         for dtype in (jnp.bfloat16, jnp.float16):
             for i, (m, n, k) in enumerate(shapes):
