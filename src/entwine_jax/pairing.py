@@ -5,6 +5,8 @@ import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from entwine_jax import callsite
 from entwine_jax._dot import matmul_weight_grad
@@ -101,10 +103,31 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
     Rows layout (gather_dimension a leading or middle dim: sequence parallelism): x [..., M/W, ..., K],
     w [K, N_local] -> [..., M, ..., N_local]. Contraction layout (gather_dimension = -1: activations
     sharded over the hidden dim): x [..., K/W], w [K, N_local] -> [..., N_local].
+
+    Grouped: w a tuple (or list) of weights [K, N_i] (e.g. query, key and value, of any widths) ->
+    a tuple of outputs [..., N_i], from one gather of x: the weights are one GEMM over their
+    concatenated columns, and the backward is one gemm_rs on all the cotangents.
     config: an AgGemmConfig; default: ag_heuristic_config().
     """
+    if isinstance(w, (tuple, list)):
+        return _grouped_ag_gemm(x, tuple(w), axis_name=axis_name, gather_dimension=gather_dimension, config=config,
+                                return_gathered=return_gathered)
     plan = ag_op.plan(x, w, axis_name=axis_name, gather_dimension=gather_dimension, config=config,
                       return_gathered=return_gathered)
     names = callsite.varying_over(x, w, axis_name=plan.axis_name)
     with jax.named_scope("entwine_ag_gemm"):  # see gemm_rs: the census finds the op's collectives by it
         return _ag_gemm(callsite.make_varying(x, names), callsite.make_varying(w, names), plan)
+
+
+def _grouped_ag_gemm(x, weights: tuple, *, axis_name, gather_dimension, config, return_gathered):
+    # One ag_gemm over the weights' concatenated columns, split after. Differentiating through the
+    # concatenation and the split gives the pairing for the group: one gemm_rs on the concatenated
+    # cotangents (dx of every weight summed inside the GEMM) and each dw a column block of gathered
+    # x.T @ dy. The price is one copy of the weights (and of the cotangents in the backward) per call.
+    widths = ag_op.check_group(x, weights)
+    with jax.named_scope("entwine_ag_gemm"):
+        out = ag_gemm(x, jnp.concatenate(weights, axis=1), axis_name=axis_name, gather_dimension=gather_dimension,
+                      config=config, return_gathered=return_gathered)
+        y, g = out if return_gathered else (out, None)
+        ys = tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
+    return (ys, g) if return_gathered else ys

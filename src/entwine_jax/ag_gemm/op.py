@@ -54,6 +54,26 @@ def _check_args(x, w, axis_name, gather_dimension) -> tuple[int, int]:
     return size, gd
 
 
+def check_group(x, weights: tuple) -> list:
+    """ValueError unless `weights` is a non-empty group of [K, N_i] arrays that one GEMM can serve
+    (x's dtype, one K); returns the widths N_i."""
+    if not weights:
+        raise ValueError("ag_gemm: w is an empty group; pass one weight or a tuple of weights [K, N_i]")
+    for i, w in enumerate(weights):
+        if not (hasattr(w, "shape") and hasattr(w, "dtype")):
+            raise ValueError(f"ag_gemm: w[{i}] must be an array, got {type(w).__name__}")
+        if w.ndim != 2:
+            raise ValueError(f"ag_gemm: w[{i}] must have rank 2 ([K, N_{i}]), got shape {tuple(w.shape)}")
+        if w.shape[0] != weights[0].shape[0] or w.dtype != weights[0].dtype:
+            raise ValueError(f"ag_gemm: the weights of a group must share K and dtype: w[0] is "
+                             f"{weights[0].dtype}{list(weights[0].shape)}, w[{i}] is {w.dtype}{list(w.shape)}")
+        if hasattr(x, "dtype") and w.dtype != x.dtype:
+            raise ValueError(f"ag_gemm: w[{i}].dtype must equal x.dtype ({x.dtype}), got {w.dtype}")
+        if w.shape[1] == 0:
+            raise ValueError(f"ag_gemm: w[{i}] has no columns (shape {tuple(w.shape)})")
+    return [int(w.shape[1]) for w in weights]
+
+
 def _check_config(config: AgGemmConfig) -> None:
     """ValueError for a GEMM grid that leaves no SM for the chunk releases on this GPU."""
     if config.path == "xla":
