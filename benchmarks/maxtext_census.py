@@ -153,7 +153,7 @@ def main(argv=None) -> int:
             results[routed] = (step, layer)
             label = "routed" if routed else "stock"
             print(f"# {name} {label}: {layers} layers compiled in {seconds:.0f} s; loops "
-                  f"{[(l.body, l.trip_count) for l in step.loops]}; routed sites {sites['routed']}; "
+                  f"{[(l.body, l.trip_count) for l in step.loops]}; routed sites {sites['routed']}; grouped {sites.get('grouped', {})}; "
                   f"kept {sites['kept']}", flush=True)
             if args.tables:
                 print(layer.table(f"{name} {label}: one decoder layer"))

@@ -6,7 +6,7 @@ the kernels are longer than dispatch), median of 15 batches after warm-up.
 `entwine_harness energy suite SECONDS` times the producer and cuBLASLt (the power cap's steady state):
 the host keeps two batches of ~20 ms queued and times the window between two batch completions.
 Prints a table (with the mean SM clock of the window, from NVML, where it loads) and writes JSON lines.
-Usage: python scripts/xla_gemm_time.py [--steady SECONDS] [out.jsonl]
+Usage: python benchmarks/xla_gemm_time.py [--steady SECONDS] [out.jsonl]
 """
 import collections
 import ctypes

@@ -1,5 +1,5 @@
 // nanobind module entwine_jax._entwine: each op's FFI target and plan (bound by the op, one line
-// each), and the communicator API that entwine_jax.fused.acquire_comm drives at trace time (create,
+// each), and the communicator API that entwine_jax.comm.acquire_comm drives at trace time (create,
 // IPC handles, connect, grow, errors, shutdown). Failures raise RuntimeError with CUDA's message.
 #include <string>
 #include <tuple>

@@ -222,11 +222,12 @@ def test_plan_pads_each_shard():
     if _extension.module()[0] is None:
         pytest.skip("the plan is the compiled extension's (pure-Python install)")
     plan = ag_plan.ag_plan(77, 60, 130, 2, False, AgGemmConfig(block_n=128), 131)
-    assert plan["error"] is None and (plan["rows_pad"], plan["cols_pad"], plan["n_pad"]) == (128, 64, 256)
-    assert plan["chunks"] == 1 and plan["inbox_bytes"] == 2 * 128 * 64 * 2
+    assert (plan.rows_pad, plan.cols_pad, plan.n_pad) == (128, 64, 256)
+    assert plan.chunks == 1 and plan.inbox_bytes == 2 * 128 * 64 * 2
     plan = ag_plan.ag_plan(1024, 512, 1024, 4, True, AgGemmConfig(max_chunks=3), 131)
-    assert plan["chunks"] == 2 and plan["chunk_tiles"] == 4  # 8 tile rows: the largest divisor <= 3
-    assert "gemm_sms" in ag_plan.ag_plan(128, 64, 256, 2, False, AgGemmConfig(), 0)["error"]
+    assert plan.chunks == 2 and plan.chunk_tiles == 4  # 8 tile rows: the largest divisor <= 3
+    with pytest.raises(ag_plan.PlanError, match="gemm_sms"):
+        ag_plan.ag_plan(128, 64, 256, 2, False, AgGemmConfig(), 0)
 
 
 def test_padding_round_trip():
@@ -246,3 +247,25 @@ def test_padding_round_trip():
     w = np.concatenate([np.full((60, 128), 1.0), np.full((60, 128), 2.0)]).astype(np.float32)
     _, wp = ag_fused.pad_operands(np.zeros((100, 60), np.float32), w, p, xp=np)
     assert wp.shape == (128, 128) and (wp[:60] == 1).all() and (wp[60:64] == 0).all() and (wp[64:124] == 2).all()
+
+
+def test_numpy_integer_gather_dimension_is_accepted():
+    # As gemm_rs takes a NumPy integer scatter_dimension, ag_gemm takes one for gather_dimension.
+    mesh = make_mesh((2,), ("tp",))
+    x, w = random_inputs(3, (8, 4), (4, 6), jnp.float32)
+    in_specs, out_spec = layout_specs(2, 0)
+    y, _, _ = shard_call(lambda x, w: ag_gemm(x, w, axis_name="tp", gather_dimension=np.int64(0)), mesh, (x, w),
+                         in_specs, out_spec)
+    assert rel_err(y, np.asarray(x) @ np.asarray(w)) <= TOL[jnp.float32]
+
+
+def test_gemm_sms_error_says_which_gpu_it_assumed():
+    # Without a GPU the limit comes from an assumed 132-SM Hopper, and the message says so.
+    if _extension.gpu_sm_count():
+        pytest.skip("a GPU is visible: the message names it")
+    mesh = make_mesh((2,), ("tp",))
+    x, w = random_inputs(4, (8, 4), (4, 6), jnp.bfloat16)
+    in_specs, out_spec = layout_specs(2, 0)
+    with pytest.raises(ValueError, match=r"at most 131 on a 132-SM Hopper GPU \(no GPU seen here\), got 100000"):
+        shard_call(lambda x, w: ag_gemm(x, w, axis_name="tp", config=AgGemmConfig(gemm_sms=100000)), mesh, (x, w),
+                   in_specs, out_spec)

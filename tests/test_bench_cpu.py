@@ -1,4 +1,4 @@
-# CPU smoke test of the benchmark machinery (entwine_jax.bench, entwine_jax.timing) on 8 fake devices
+# CPU smoke test of the benchmark machinery (benchmarks/bench.py, entwine_jax.tuning.timing) on 8 fake devices
 # with tiny shapes: the table, the JSON fields, the loud XLA-fallback label, the result check, the
 # config list, the budget sweep, the smoke run without CUDA GPUs and the progress count. Timings on
 # CPU mean nothing and are not asserted.
@@ -92,14 +92,18 @@ def test_sweep_budget(tmp_path, capsys):
     assert capsys.readouterr().out.count("path=xla (") == len(bench.BUDGETS)
 
 
-def test_plot_written_or_skipped_with_message(tmp_path, capsys):
+def test_plot_written_or_refused_before_running(tmp_path, capsys):
     png = tmp_path / "speedup.png"
-    assert bench.main(["--shapes", "256x128x64", "--world", "2", *FAST, "--plot", str(png)]) == 0
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert "matplotlib not installed" in capsys.readouterr().err and not png.exists()
+        # Refused at once (exit 2, the argparse way), before any benchmark runs.
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--shapes", "256x128x64", "--world", "2", *FAST, "--plot", str(png)])
+        assert e.value.code == 2 and "needs matplotlib" in capsys.readouterr().err
+        assert not png.exists()
     else:
+        assert bench.main(["--shapes", "256x128x64", "--world", "2", *FAST, "--plot", str(png)]) == 0
         assert png.stat().st_size > 0
 
 

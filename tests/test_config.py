@@ -33,6 +33,7 @@ def test_frozen_and_hashable():
     (dict(producer_sms=1.5), r"producer_sms must be an int >= 0, got 1.5"),
     (dict(consumer_grid=0), r"consumer_grid must be an int >= 1, got 0"),
     (dict(consumer_grid=True), r"consumer_grid must be an int >= 1, got True"),
+    (dict(consumer_grid=100), r"consumer_grid must be <= 64 \(the consumer kernel's limit\), got 100"),
     (dict(consumer_block=1024), r"consumer_block must be one of \(128, 256, 512\), got 1024"),
     (dict(path="cuda"), r"path must be one of \('auto', 'fused', 'xla'\), got 'cuda'"),
     (dict(split_tail=2), r"split_tail must be a bool, got 2"),

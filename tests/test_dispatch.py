@@ -1,4 +1,4 @@
-# Dispatch between the fused path (entwine_jax.fused) and the XLA reference: the reason is
+# Dispatch between the fused path (entwine_jax.gemm_rs.fused) and the XLA reference: the reason is
 # visible (logged once per call site, printed under ENTWINE_PRINT_CONFIG=1), a fused path that
 # claims availability is prepared once (its plan and communicator) and wired through
 # platform_dependent so the same code still runs on CPU, and a config the kernels cannot run is a
@@ -77,7 +77,7 @@ def fake(monkeypatch):
 
 
 def test_cpu_takes_xla_path_with_visible_reason(caplog, capsys, monkeypatch):
-    # The real entwine_jax.fused (or its absence): on CPU the reference runs and says why.
+    # The real fused path (or the extension's absence): on CPU the reference runs and says why.
     monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
     with caplog.at_level(logging.INFO, logger="entwine_jax"):
         y, exact = run()
@@ -219,6 +219,14 @@ def test_failed_preparation_falls_back_with_its_reason(fake, capsys, monkeypatch
     assert "prepare raised ZeroDivisionError" in capsys.readouterr().err
 
 
+def unchecked_config(**fields) -> GemmRsConfig:
+    """A GemmRsConfig with `fields` set past its own checks."""
+    config = GemmRsConfig()
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    return config
+
+
 def needs_plan():
     if _extension.module()[0] is None:
         pytest.skip(f"the kernels' plan needs the extension: {_extension.module()[1]}")
@@ -226,13 +234,14 @@ def needs_plan():
 
 @pytest.mark.parametrize("jit", [True, False])
 def test_config_the_kernels_cannot_run_is_a_value_error(jit):
-    # consumer_grid 100 passes GemmRsConfig's own checks; the kernels (their C++ plan) take at most 64.
+    # A config that slipped past GemmRsConfig's own checks (as a rule the C++ plan adds before Python
+    # does would): the kernels' plan refuses it at trace time.
     needs_plan()
     with pytest.raises(ValueError, match=r"gemm_rs: config GemmRsConfig\(.*consumer_grid=100.*\) cannot run on "
                                          r"the fused kernels: config.consumer_grid must be in \[1, 64\]"):
-        run(jit=jit, config=GemmRsConfig(consumer_grid=100))
+        run(jit=jit, config=unchecked_config(consumer_grid=100))
     # The XLA path runs no kernel: any config is fine there.
-    y, exact = run(jit=jit, config=GemmRsConfig(consumer_grid=100, path="xla"))
+    y, exact = run(jit=jit, config=unchecked_config(consumer_grid=100, path="xla"))
     assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
 
 

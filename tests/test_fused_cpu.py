@@ -1,5 +1,6 @@
-# CPU-checkable parts of entwine_jax.fused: the reasons it gives off-GPU, the padding the kernels'
-# plan chooses (pad, reduce-scatter, slice == the unpadded reference), comm ids and device groups,
+# CPU-checkable parts of the fused path (entwine_jax.gemm_rs.fused, ag_gemm.fused, comm): the reasons
+# it gives off-GPU, the padding the kernels' plan chooses (pad, reduce-scatter, slice == the unpadded
+# reference), comm ids and device groups,
 # mesh discovery, the communicator lifecycle against a fake extension (predicates only answer;
 # acquire_comm creates, grows and connects), and the traced ffi_call. Tests of the plan run against
 # the C++ plan of the built extension and skip without it.
@@ -245,10 +246,13 @@ def test_plan_blocks_grid_and_split(plan):
 
 
 def test_plan_refuses_what_the_kernels_cannot_run(plan):
+    # GemmRsConfig refuses consumer_grid=100 itself; the kernels' plan refuses it too, past those checks.
+    too_wide = GemmRsConfig()
+    object.__setattr__(too_wide, "consumer_grid", 100)
     with pytest.raises(rs_plan.PlanError, match=r"config.consumer_grid must be in \[1, 64\]") as e:
-        rs_plan.gemm_rs_plan(256, 256, 64, 2, GemmRsConfig(consumer_grid=100))
+        rs_plan.gemm_rs_plan(256, 256, 64, 2, too_wide)
     assert e.value.config_error
-    assert rs_plan.config_rule(GemmRsConfig(consumer_grid=100)) == "config.consumer_grid must be in [1, 64]"
+    assert rs_plan.config_rule(too_wide) == "config.consumer_grid must be in [1, 64]"
     assert rs_plan.config_rule(GemmRsConfig(consumer_grid=64)) is None
     with pytest.raises(rs_plan.PlanError, match=r"world size must be in \[1, 8\]") as e:
         rs_plan.gemm_rs_plan(256, 256, 64, 16, CFG)

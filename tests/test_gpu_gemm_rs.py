@@ -22,7 +22,7 @@ from entwine_jax.gemm_rs.reference import gemm_rs_reference
 
 RANKS = pathlib.Path(__file__).with_name("gpu_ranks.py")
 
-# The benchmarks' design suite (M, N, K_local; entwine_jax.timing.DESIGN_SUITE), the first ones, scaled
+# The benchmarks' design suite (M, N, K_local; entwine_jax.tuning.timing.DESIGN_SUITE), the first ones, scaled
 # to fit any GPU count.
 SUITE = [(4096, 8192, 1024), (8192, 8192, 1024), (8192, 8192, 3584), (8192, 16384, 2048)]
 # Tails: M/W and N not multiples of 128, K not a multiple of 64 (and not of 8).

@@ -48,7 +48,7 @@ inline ffi::Error usable_comm(const char* op, int64_t comm_id, int32_t device, c
   if (dc == nullptr) {
     return ffi::Error::InvalidArgument(std::string(op) + ": no communicator " + std::to_string(comm_id) +
                                        " on device " + std::to_string(device) +
-                                       " (entwine_jax.fused.acquire_comm makes it, at trace time)");
+                                       " (entwine_jax.comm.acquire_comm makes it, at trace time)");
   }
   if (auto message = comm::error_message(*dc)) return ffi::Error::Internal(*message);
   if (!dc->connected) {

@@ -38,6 +38,12 @@ def report_call_site(op: str, key, site: str, config, reason: Optional[str], sou
         print(f"entwine_jax.{op} {site}: path={path} {config} source={source}{why}", file=sys.stderr, flush=True)
 
 
+def reset_key(key) -> None:
+    """Forget one key: its message is logged again the next time."""
+    with _lock:
+        _seen.discard(key)
+
+
 def reset_once() -> None:
     """Forget every key (tests use this to observe first-call messages again)."""
     with _lock:

@@ -84,7 +84,7 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all
          "collective-broadcast")
 # Custom-call target -> (owner, the collective it performs).
 FUSED_TARGETS = {"entwine_gemm_rs": ("gemm_rs", "reduce-scatter"), "entwine_ag_gemm": ("ag_gemm", "all-gather")}
-# Name scope (ops.py, ag_gemm_op.py) -> owner.
+# Name scope (entwine_jax.pairing traces each op under one) -> owner.
 SCOPES = {"entwine_gemm_rs": "gemm_rs", "entwine_ag_gemm": "ag_gemm"}
 OWNERS = ("gemm_rs", "ag_gemm", "xla")
 # Bits per element of HLO's primitive types (token and opaque types move nothing).

@@ -85,6 +85,8 @@ _KERNEL_AXES = {
     "query": ("embed_attn", "q_heads", "kv"),
     "key": ("embed_attn", "kv_heads", "kv_head_dim"),
     "value": ("embed_attn", "kv_heads", "kv_head_dim"),
+    "wi_fused": ("embed", "num_activations", "mlp"),
+    "qkv_proj": ("embed_attn", "heads", "kv"),
 }
 
 
@@ -98,6 +100,17 @@ class _Site:
     kernel_axes: tuple
     x_names: tuple     # logical axes of the projection's input
     out_names: tuple   # logical axes of its output (row-parallel: unless the caller passes out_sharding)
+    group: Any = None  # a _Group of column-parallel projections of one input, served by one ag_gemm
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """Column-parallel projections that read the same activations in one layer call (query, key and
+    value; wi_0 and wi_1): the first of them to run computes all of them with one grouped ag_gemm,
+    the others take their output from here."""
+    name: str                      # "attention/qkv", "mlp/wi": the key of stats()["grouped"]
+    members: list                  # the DenseGeneral modules, in call order
+    results: dict = dataclasses.field(default_factory=dict)  # id(DenseGeneral) -> its output
 
 
 @dataclasses.dataclass
@@ -107,6 +120,7 @@ class _State:
     ag_gemm_config: Any = None
     column_parallel: bool = True
     routed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    grouped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     kept: dict = dataclasses.field(default_factory=dict)
     setup_done: set = dataclasses.field(default_factory=set)
 
@@ -143,7 +157,7 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Any
                          f"got {type(ag_gemm_config).__name__}")
     if column_parallel not in (True, False):
         raise ValueError(f"entwine_jax.maxtext.enable: column_parallel must be a bool, got {column_parallel!r}")
-    linears, attentions = _maxtext_modules()
+    linears, attentions, moe = _maxtext_modules()
     _state.gemm_rs_config, _state.ag_gemm_config, _state.column_parallel = (
         gemm_rs_config, ag_gemm_config, column_parallel)
     if _state.originals:
@@ -152,13 +166,14 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Any
         (linears.DenseGeneral, "__call__"): _dense_general_call,
         (linears.MlpBlock, "__call__"): _mlp_block_call,
         (attentions.Attention, "__call__"): _attention_call,
+        (moe.RoutedMoE, "__call__"): _moe_call,
     }
     for (cls, attr), wrapper in patches.items():
         original = cls.__dict__[attr]
         _state.originals[(cls, attr)] = original
         setattr(cls, attr, _patched(original, wrapper))
-    _log.logger.info("entwine_jax.maxtext: enabled (MaxText %s; row-parallel -> gemm_rs, column-parallel -> %s)",
-                     _maxtext_version(), "ag_gemm" if _column_available() else "MaxText (no entwine_jax.ag_gemm)")
+    # Said by the first patched call (_announce): absl may not have set up logging yet.
+    _log.reset_key("maxtext-enabled")
 
 
 def disable() -> None:
@@ -187,14 +202,16 @@ def enabled(**kwargs):
 
 def stats() -> dict:
     """What the traces since the last reset_stats() did: ``{"routed": {site: traced calls},
-    "kept": {site: reason}}``, sites such as ``"mlp/wo"``, ``"attention/out"``. A site is counted
-    each time a routed call is traced (a scanned layer stack traces its body once; remat and the
-    backward pass may trace it again)."""
-    return {"routed": dict(_state.routed), "kept": dict(_state.kept)}
+    "grouped": {group: traced calls}, "kept": {site: reason}}``, sites such as ``"mlp/wo"``,
+    ``"attention/out"``, groups ``"attention/qkv"`` and ``"mlp/wi"`` (projections of one input served
+    by one ag_gemm). A site is counted each time a routed call is traced (a scanned layer stack
+    traces its body once; remat and the backward pass may trace it again)."""
+    return {"routed": dict(_state.routed), "grouped": dict(_state.grouped), "kept": dict(_state.kept)}
 
 
 def reset_stats() -> None:
     _state.routed.clear()
+    _state.grouped.clear()
     _state.kept.clear()
 
 
@@ -207,11 +224,11 @@ def _patched(original, wrapper):
 
 def _maxtext_modules():
     try:
-        from maxtext.layers import attentions, linears
+        from maxtext.layers import attentions, linears, moe
     except ImportError as e:
         raise ImportError(f"entwine_jax.maxtext needs MaxText (pip install 'maxtext[tpu]==0.2.5'): {e}") from e
     for cls, attr in ((linears.DenseGeneral, "__call__"), (linears.MlpBlock, "__call__"),
-                      (attentions.Attention, "__call__")):
+                      (attentions.Attention, "__call__"), (moe.RoutedMoE, "__call__")):
         if attr not in cls.__dict__:
             raise RuntimeError(f"entwine_jax.maxtext: {cls.__module__}.{cls.__name__} has no {attr} of its own in "
                                f"MaxText {_maxtext_version()}; this integration was written for MaxText "
@@ -220,7 +237,7 @@ def _maxtext_modules():
         _log.log_once(("maxtext-version", _maxtext_version()), logging.WARNING,
                       "entwine_jax.maxtext: MaxText %s is not one of the tested versions %s; compare losses with "
                       "and without enable()", _maxtext_version(), TESTED_MAXTEXT_VERSIONS)
-    return linears, attentions
+    return linears, attentions, moe
 
 
 def _maxtext_version() -> str:
@@ -249,6 +266,7 @@ def _marked(sites: dict):
 
 
 def _mlp_block_call(original, self, inputs, *args, **kwargs):
+    _announce()
     mode = getattr(self, "model_mode", None)
     if mode not in (None, _TRAIN):
         _keep("mlp/wo", f"model_mode={mode!r} (inference) is left to MaxText")
@@ -257,37 +275,60 @@ def _mlp_block_call(original, self, inputs, *args, **kwargs):
     intermediate = tuple(self.intermediate_logical)
     sites = {id(self.wo): site(name="mlp/wo", kind=ROW, kernel_axes=_KERNEL_AXES["wo"], x_names=intermediate,
                                out_names=_DECODER_ACTIVATION)}
-    if not self.config.fused_mlp:
-        for idx in range(len(self.activations)):
-            name = "wi" if len(self.activations) == 1 else f"wi_{idx}"
-            sites[id(getattr(self, name))] = site(name=f"mlp/{name}", kind=COLUMN, kernel_axes=_KERNEL_AXES["wi"],
-                                                  x_names=_DECODER_ACTIVATION, out_names=intermediate)
+    if self.config.fused_mlp:
+        # One kernel [embed, num_activations, mlp]: already one GEMM per input, its mlp dim over T.
+        sites[id(self.wi)] = site(name="mlp/wi", kind=COLUMN, kernel_axes=_KERNEL_AXES["wi_fused"],
+                                  x_names=_DECODER_ACTIVATION, out_names=intermediate[:2] + (None,) + intermediate[2:])
     else:
-        _keep("mlp/wi", "fused_mlp (one wi kernel [embed, num_activations, mlp]) is left to MaxText")
+        names = ["wi"] if len(self.activations) == 1 else [f"wi_{idx}" for idx in range(len(self.activations))]
+        modules = [getattr(self, name) for name in names]
+        # wi_0, wi_1, ... all read `inputs`: one gather serves them.
+        group = _Group("mlp/wi", modules) if len(modules) > 1 else None
+        for name, module in zip(names, modules):
+            sites[id(module)] = site(name=f"mlp/{name}", kind=COLUMN, kernel_axes=_KERNEL_AXES["wi"],
+                                     x_names=_DECODER_ACTIVATION, out_names=intermediate, group=group)
     with _marked(sites):
         return original(self, inputs, *args, **kwargs)
 
 
 def _attention_call(original, self, inputs_q, inputs_kv, *args, **kwargs):
+    _announce()
     mode = kwargs.get("model_mode", _TRAIN)
     if mode != _TRAIN:
         _keep("attention/out", f"model_mode={mode!r} (inference) is left to MaxText")
         return original(self, inputs_q, inputs_kv, *args, **kwargs)
     site = functools.partial(_Site, mesh=self.mesh, config=self.config)
     sites = {}
-    if getattr(self.config, "fused_qkv", False):
-        _keep("attention/qkv_proj", "fused_qkv (one kernel for query, key and value) is left to MaxText")
     if getattr(self, "out", None) is not None:
         sites[id(self.out)] = site(name="attention/out", kind=ROW, kernel_axes=_KERNEL_AXES["out"],
                                    x_names=tuple(self.out_axis_names), out_names=_DECODER_ACTIVATION)
-    for proj, out_names in (("query", self.query_axis_names), ("key", self.key_axis_names),
-                            ("value", self.value_axis_names)):
-        module = getattr(self, proj, None)
-        if module is not None and id(module) not in sites:  # value may be key (share_kv_projections)
+    if getattr(self.config, "fused_qkv", False) and getattr(self, "qkv_proj", None) is not None:
+        # One kernel [embed, q_heads + 2 kv_heads, head_dim], heads over T: one GEMM already.
+        sites[id(self.qkv_proj)] = site(name="attention/qkv_proj", kind=COLUMN, kernel_axes=_KERNEL_AXES["qkv_proj"],
+                                        x_names=tuple(self.input_axis_names), out_names=tuple(self.query_axis_names))
+    projections = [(proj, getattr(self, proj, None), out_names) for proj, out_names in
+                   (("query", self.query_axis_names), ("key", self.key_axis_names), ("value", self.value_axis_names))]
+    # value may be key (share_kv_projections): one module, one site.
+    projections = [(p, m, o) for i, (p, m, o) in enumerate(projections)
+                   if m is not None and all(m is not other for _, other, _ in projections[:i])]
+    # Self-attention reads one activation for query, key and value (MaxText passes the same array
+    # twice); shared_key / shared_value skip the key and value projections.
+    self_attention = inputs_q is inputs_kv and kwargs.get("shared_key") is None and kwargs.get("shared_value") is None
+    group = _Group("attention/qkv", [m for _, m, _ in projections]) if self_attention and len(projections) > 1 else None
+    for proj, module, out_names in projections:
+        if id(module) not in sites:
             sites[id(module)] = site(name=f"attention/{proj}", kind=COLUMN, kernel_axes=_KERNEL_AXES[proj],
-                                     x_names=tuple(self.input_axis_names), out_names=tuple(out_names))
+                                     x_names=tuple(self.input_axis_names), out_names=tuple(out_names), group=group)
     with _marked(sites):
         return original(self, inputs_q, inputs_kv, *args, **kwargs)
+
+
+def _moe_call(original, self, *args, **kwargs):
+    # The experts' GEMMs are not DenseGenerals: say that they stay MaxText's instead of passing over
+    # them in silence (an all-to-all GEMM would serve them).
+    _announce()
+    _keep("moe/experts", "routed experts (MoE: all-to-all dispatch and grouped GEMMs) are left to MaxText")
+    return original(self, *args, **kwargs)
 
 
 def _dense_general_call(original, self, inputs, _initializing: bool = False, out_sharding=None,
@@ -295,12 +336,31 @@ def _dense_general_call(original, self, inputs, _initializing: bool = False, out
     site = _sites.get().get(id(self))
     if site is None or _initializing:
         return original(self, inputs, _initializing, out_sharding, slice_bounds)
+    group = site.group
+    if group is not None and id(self) in group.results:
+        # An earlier member's call computed this projection with the whole group.
+        _state.routed[site.name] += 1
+        return group.results.pop(id(self))
     plan = _plan(self, site, inputs, out_sharding, slice_bounds)
     if isinstance(plan, str):
         _keep(site.name, plan)
         return original(self, inputs, _initializing, out_sharding, slice_bounds)
     _state.routed[site.name] += 1
+    if group is not None and self is group.members[0]:
+        outputs = _grouped_island(group, plan, inputs, out_sharding)
+        if outputs is not None:
+            _state.grouped[group.name] += 1
+            group.results.update((id(m), y) for m, y in zip(group.members[1:], outputs[1:]))
+            return outputs[0]
     return _island(self, site, plan, inputs)
+
+
+def _announce() -> None:
+    """Say once, when MaxText first calls a patched layer (absl's logging is set up by then, which it
+    may not have been when enable() ran), that the integration is on."""
+    _log.log_once("maxtext-enabled", logging.INFO, "entwine_jax.maxtext: enabled (MaxText %s; row-parallel -> "
+                  "gemm_rs, column-parallel -> %s)", _maxtext_version(),
+                  "ag_gemm" if _state.column_parallel else "MaxText (column_parallel=False)")
 
 
 def _keep(name: str, reason: str) -> None:
@@ -394,7 +454,24 @@ def _plan(dense, site: _Site, inputs, out_sharding, slice_bounds):
     kernel_shape = tuple(dense.in_features_shape) + tuple(dense.out_features_shape)
     if site.kind == ROW:
         return _row_plan(site, x, kernel_shape, inputs.shape, out_sharding)
-    return _column_plan(site, x, kernel_shape, inputs.shape)
+    plan = _column_plan(site, x, kernel_shape, inputs.shape)
+    if isinstance(plan, _Plan) and _explicit(site) and isinstance(out_sharding, NamedSharding):
+        # Under explicit sharding DenseGeneral's output takes out_sharding's layout (its spec padded
+        # with replicated dims, as MaxText's truncate_out_sharding leaves it): the island must give
+        # that layout, or leave the projection to MaxText.
+        rank = 1 + len(kernel_shape)
+        want = [_axes(e, site.mesh) for e in tuple(out_sharding.spec)[:rank]]
+        want += [()] * (rank - len(want))
+        ours = [_axes(e, site.mesh) for e in plan.out_spec] + [()] * (rank - len(plan.out_spec))
+        if want != ours:
+            return (f"out_sharding {_fmt(want)} is not the column-parallel output layout {_fmt(ours)} (explicit "
+                    "sharding: MaxText's dot gives its caller that layout)")
+    return plan
+
+
+def _explicit(site: _Site) -> bool:
+    from maxtext.common.common_types import ShardMode
+    return site.config.shard_mode == ShardMode.EXPLICIT
 
 
 def _row_plan(site: _Site, x: list, kernel_shape: tuple, x_shape: tuple, out_sharding):
@@ -449,10 +526,12 @@ def _column_plan(site: _Site, x: list, kernel_shape: tuple, x_shape: tuple):
     features = [a for dims in out[2:] for a in dims]
     if not features:
         return f"no tensor parallelism: the output features of {site.out_names} are not sharded ({_fmt(out)})"
-    if len(features) > 1 or not out[2]:
+    if len(features) > 1:
         return f"2-D tensor parallelism: the output features are sharded over {tuple(features)} ({_fmt(out)})"
     axis = features[0]
-    width = mesh.shape[axis]
+    # The sharded feature dim: the first for separate projections, a later one for a fused kernel
+    # ([embed, num_activations, mlp]); the local kernel block is contiguous either way.
+    sharded = next(i for i, dims in enumerate(out[2:]) if dims)
     if out[0] != x[0]:
         return f"the output's batch axes {out[0]} are not the input's {x[0]}"
     if out[1]:
@@ -466,12 +545,19 @@ def _column_plan(site: _Site, x: list, kernel_shape: tuple, x_shape: tuple):
     else:
         return f"input layout {_fmt(x)} is neither the hidden nor the sequence split over {axis!r}"
     batch, seq = x_shape[0], x_shape[1]
-    if batch % _size(mesh, x[0]) or kernel_shape[1] % width or (seq if layout == "sequence" else kernel_shape[0]) % width:
-        return f"shapes: batch {batch}, sequence {seq}, kernel {kernel_shape} do not divide over {axis!r} (size {width})"
-    rest = (None,) * (len(kernel_shape) - 2)
+    # Each divisibility the island needs, named with its own mesh axes.
+    splits = [(f"batch {batch}", batch, x[0]), (f"output features {kernel_shape[1 + sharded]}",
+                                                 kernel_shape[1 + sharded], (axis,)),
+              (f"sequence {seq}" if layout == "sequence" else f"embed {kernel_shape[0]}",
+               seq if layout == "sequence" else kernel_shape[0], (axis,))]
+    bad = [f"{what} over {axes} (size {_size(mesh, axes)})" for what, n, axes in splits if n % _size(mesh, axes)]
+    if bad:
+        return "shapes do not divide: " + "; ".join(bad)
     b = _entry(x[0])
     x_spec = P(b, None, axis) if layout == "hidden" else P(b, axis, None)
-    return _Plan(axis=axis, x_spec=x_spec, kernel_spec=P(None, axis, *rest), out_spec=P(b, None, axis, *rest),
+    features_spec = [None] * (len(kernel_shape) - 1)
+    features_spec[sharded] = axis
+    return _Plan(axis=axis, x_spec=x_spec, kernel_spec=P(None, *features_spec), out_spec=P(b, None, *features_spec),
                  dimension=dimension, layout=layout)
 
 
@@ -492,12 +578,11 @@ def _kernel_value(dense):
 
 
 def _island(dense, site: _Site, plan: _Plan, inputs):
-    from maxtext.common.common_types import ShardMode
     mesh = site.mesh
     x = jnp.asarray(inputs, dense.dtype)
     # Cast before the island, as DenseGeneral does, so that the FSDP all-gather moves compute-dtype bytes.
     kernel = jnp.asarray(_kernel_value(dense), dense.dtype)
-    if site.config.shard_mode == ShardMode.EXPLICIT:
+    if _explicit(site):
         # Under explicit sharding shard_map takes its operands only in the in_specs layout: gather the
         # FSDP shards of the kernel (and move x) first, as MaxText's dot would.
         x = jax.sharding.reshard(x, NamedSharding(mesh, plan.x_spec))
@@ -517,6 +602,39 @@ def _row_local(x, kernel, *, axis, dimension, config):
     k = math.prod(kernel.shape[:-1])
     return entwine_jax.gemm_rs(x.reshape(x.shape[:2] + (k,)), kernel.reshape(k, kernel.shape[-1]), axis_name=axis,
                                scatter_dimension=dimension, config=config)
+
+
+def _grouped_island(group: _Group, plan: _Plan, inputs, out_sharding):
+    """The outputs of every projection of `group` from one grouped ag_gemm (in member order), or
+    None when some member cannot share this plan (each then runs on its own)."""
+    sites = _sites.get()
+    plans = [plan]
+    for module in group.members[1:]:
+        other = _plan(module, sites[id(module)], inputs, out_sharding, None)
+        if isinstance(other, str) or (other.axis, other.x_spec, other.dimension) != (plan.axis, plan.x_spec,
+                                                                                     plan.dimension):
+            return None
+        plans.append(other)
+    if len({m.dtype for m in group.members}) != 1:
+        return None
+    first = sites[id(group.members[0])]
+    mesh = first.mesh
+    x = jnp.asarray(inputs, group.members[0].dtype)
+    kernels = [jnp.asarray(_kernel_value(m), m.dtype) for m in group.members]
+    if _explicit(first):
+        x = jax.sharding.reshard(x, NamedSharding(mesh, plan.x_spec))
+        kernels = [jax.sharding.reshard(k, NamedSharding(mesh, p.kernel_spec)) for k, p in zip(kernels, plans)]
+    _setup_fused(mesh, plan.axis)
+    local = functools.partial(_grouped_local, axis=plan.axis, dimension=plan.dimension, config=_state.ag_gemm_config)
+    return jax.shard_map(local, mesh=mesh, in_specs=(plan.x_spec, *(p.kernel_spec for p in plans)),
+                         out_specs=tuple(p.out_spec for p in plans))(x, *kernels)
+
+
+def _grouped_local(x, *kernels, axis, dimension, config):
+    # One gather of x for every kernel [E, F_i local, *rest_i]: ag_gemm's group of 2-D kernels.
+    ys = entwine_jax.ag_gemm(x, tuple(k.reshape(k.shape[0], -1) for k in kernels), axis_name=axis,
+                             gather_dimension=dimension, config=config)
+    return tuple(y.reshape(y.shape[:2] + k.shape[1:]) for y, k in zip(ys, kernels))
 
 
 def _column_local(x, kernel, *, axis, dimension, config):

@@ -1,4 +1,4 @@
-# The measurement protocol shared by the benchmark (entwine_jax.bench) and tune() (entwine_jax.tuning):
+# The measurement protocol shared by the benchmark programs (benchmarks/) and tune() (entwine_jax.tuning.tune):
 # the suite shapes and their command-line spelling, the result check, programs timed in interleaved
 # rounds and the max over processes. A library module: it imports neither the CLI nor ops.
 import argparse
