@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ import entwine_jax
 import bench_ag_gemm as bench_ag
 import bench_mlp
 import runner as bench_run
-from entwine_jax import _extension, _log
+from entwine_jax import _extension, _log, census
 from entwine_jax.gemm_rs import op as gemm_rs_op
 # XLA's windowed-einsum flags (per compile): one definition for every op's benchmark.
 from runner import WINDOWED_OPTIONS
@@ -246,8 +245,7 @@ class Bench:
         _, windowed = self.compile(lambda x, w: jnp.dot(x, w, out_sharding=out), x, w, options=WINDOWED_OPTIONS)
         # A windowed reduce-scatter einsum is a while loop of collective-permutes; without one XLA
         # kept the plain dot + reduce-scatter (e.g. on CPU, whose partitioner ignores the gpu flags).
-        text = windowed.as_text()
-        windowed_loop = bool(re.search(r"\bwhile\b", text)) and "collective-permute" in text
+        windowed_loop = any(c.loops for c in census.collectives(windowed).select(kind="collective-permute"))
         ref = base(x, w)
         programs = {"gemm": (gemm, (x, w)), "rs": (rs, (partial,)), "base": (base, (x, w)),
                     "windowed": (windowed, (x, w))}

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import _extension
+from entwine_jax import _extension, census
 from entwine_jax.ag_gemm import op as ag_gemm_op
-from runner import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, ratio, windowed_loop
+from runner import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, ratio
 from entwine_jax.ag_gemm.config import AgGemmConfig
 from entwine_jax.tuning.timing import TOL
 
@@ -121,7 +121,8 @@ class AgBench:
             out = r.sharding(P(None, AXIS))
             _, windowed = r.compile(lambda x, w: jnp.dot(x, w, out_sharding=out), x, w,
                                     options=WINDOWED_OPTIONS)
-            windowed_built = windowed_loop(windowed.as_text())
+            # XLA built a windowed-einsum loop: collective-permutes inside a while loop.
+            windowed_built = any(c.loops for c in census.collectives(windowed).select(kind="collective-permute"))
             base_err = r.max_over_processes([r.shard_error([base(x, w)], [ref])])[0]
             programs.update({"ag": (ag, (x,)), "base": (base, (x, w)), "windowed": (windowed, (x, w))})
         trials = []

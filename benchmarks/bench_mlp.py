@@ -21,6 +21,7 @@ Columns:
                (x [T, D] per rank, y [T, D]) with no collective: the same FLOPs per rank; a
                perfect overlap reaches it.
 """
+import collections
 import math
 
 import jax
@@ -28,10 +29,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import entwine_jax
-from entwine_jax import _extension
+from entwine_jax import census
 from entwine_jax.ag_gemm import op as ag_gemm_op
 from entwine_jax.gemm_rs import op as gemm_rs_op
-from runner import AXIS, WINDOWED_OPTIONS, collectives, fmt, ms_or_none, ratio, windowed_loop
+from runner import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, ratio
 from entwine_jax.gemm_rs.config import get_default_config
 from entwine_jax.tuning.timing import TOL
 from entwine_jax.tuning.table import select_config
@@ -44,11 +45,12 @@ LAYOUTS = ("rows", "hidden")
 SMOKE_SHAPE = (64, 64, 128)
 
 
+def xla_collectives(program) -> dict:
+    """{kind: instructions} of the XLA collectives (not the fused ops' custom calls) of a compiled
+    program or its census (entwine_jax.census)."""
+    found = program if isinstance(program, census.Census) else census.collectives(program)
+    return dict(collections.Counter(c.kind for c in found.select(custom_call=False)))
 
-def _targets() -> tuple:
-    """The custom-call names of the two fused ops (defined once, in the extension)."""
-    ext, _ = _extension.module()
-    return (ext.AG_GEMM_TARGET, ext.GEMM_RS_TARGET) if ext is not None else ("(no extension)",)
 
 def suite() -> list:
     return [(t, d, f) for d, f in MLP_DIMS for t in TOKENS]
@@ -160,20 +162,21 @@ class MlpBench:
         del full
         out_specs = (xs, xs, *wspecs)
         progress.phase(f"{name}: compiling entwine and the bound")
-        ours_lowered, ours = r.compile(r.shard_map(step(block_ours(gd, sd)), (xs, *wspecs, xs), out_specs), *args)
+        ours = r.compile(r.shard_map(step(block_ours(gd, sd)), (xs, *wspecs, xs), out_specs), *args)[1]
         if (t, d, f) not in self._bounds:
             self._bounds[(t, d, f)] = r.compile(r.shard_map(step(block_plain), (P(AXIS, None), *wspecs, P(AXIS, None)),
                                                             (P(AXIS, None), P(AXIS, None), *wspecs)), *bound_args)[1]
         bound = self._bounds[(t, d, f)]
-        ours_collectives = collectives(ours.as_text())
-        lowered_text = ours_lowered.as_text()
-        targets = _targets()
-        fused = all(target in lowered_text for target in targets) and not ours_collectives
+        # Fused: both ops' custom calls and no XLA collective left (entwine_jax.census).
+        ours_census = census.collectives(ours)
+        ours_collectives = xla_collectives(ours_census)
+        calls = {c.owner for c in ours_census.select(custom_call=True)}
+        missing = [f"entwine_{op} custom call" for op in ("ag_gemm", "gemm_rs") if op not in calls]
+        fused = not missing and not ours_collectives
         reason = None
         if not fused:
-            missing = [target for target in targets if target not in lowered_text]
             reason = self.fused_reason(t, d, f, layout) or (
-                f"{', '.join(missing) or 'no target'} missing, XLA collectives {ours_collectives}")
+                f"{', '.join(missing) or 'no custom call'} missing, XLA collectives {ours_collectives}")
         programs = {"bound": (bound, bound_args)}
         skipped = not fused and r.shared_gpu and r.on_gpu
         err = None
@@ -181,7 +184,7 @@ class MlpBench:
             r.barrier()  # the first fused call: no rank waits out another's compile in it
             err = r.max_over_processes([r.shard_error(ours(*args), ref)])[0]
             programs["ours"] = (ours, args)
-        xla_err, windowed_built, census = None, None, {"ours": ours_collectives}
+        xla_err, windowed_built, kinds = None, None, {"ours": ours_collectives}
         if not r.fused_only:
             progress.phase(f"{name}: compiling XLA (default flags) and XLA windowed einsum")
             xla = r.compile(r.shard_map(step(block_xla(gd, sd)), (xs, *wspecs, xs), out_specs), *args)[1]
@@ -194,8 +197,10 @@ class MlpBench:
                 return jnp.dot(a, w2, out_sharding=y_out)
 
             windowed = r.compile(step(block_global), *args, options=WINDOWED_OPTIONS)[1]
-            windowed_built = windowed_loop(windowed.as_text())
-            census.update(xla=collectives(xla.as_text()), windowed=collectives(windowed.as_text()))
+            # XLA built a windowed-einsum loop: collective-permutes inside a while loop.
+            windowed_census = census.collectives(windowed)
+            windowed_built = any(c.loops for c in windowed_census.select(kind="collective-permute"))
+            kinds.update(xla=xla_collectives(xla), windowed=xla_collectives(windowed_census))
             xla_err = r.max_over_processes([r.shard_error(xla(*args), ref)])[0]
             programs.update({"xla": (xla, args), "windowed": (windowed, args)})
         del ref
@@ -209,7 +214,7 @@ class MlpBench:
                 "speedup": ratio(xla_ms, ours_ms), "vs_windowed": ratio(windowed_ms, ours_ms),
                 "ours_over_bound": ratio(ours_ms, bound_ms), "xla_over_bound": ratio(xla_ms, bound_ms),
                 "check": check, "rel_err": err, "xla_rel_err": xla_err, "path": "fused" if fused else "xla",
-                "reason": reason, "collectives": census}
+                "reason": reason, "collectives": kinds}
 
 
 def path_note(row) -> str:

@@ -16,7 +16,6 @@ are checked shard by shard against a reference computed on the process's own dev
 timings meet in the jax.distributed key-value store.
 """
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -42,21 +41,6 @@ KV_TIMEOUT_MS = 1_800_000
 # flags in XLA_FLAGS is harmless to the other columns (shard_map bodies are never windowed).
 WINDOWED_OPTIONS = {"xla_gpu_multi_streamed_windowed_einsum": True,
                     "xla_gpu_threshold_for_windowed_einsum_mib": 0}
-# An XLA collective in compiled HLO text: the op name followed by "(" or "-start(".
-_COLLECTIVE = re.compile(r"\b(all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)(?:-start)?\(")
-
-
-def collectives(hlo_text: str) -> dict:
-    """{op: count} of the XLA collectives in a compiled program's text (async pairs counted once)."""
-    counts = {}
-    for name in _COLLECTIVE.findall(hlo_text):
-        counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
-def windowed_loop(hlo_text: str) -> bool:
-    """Whether XLA built a windowed-einsum loop: a while loop of collective-permutes."""
-    return bool(re.search(r"\bwhile\b", hlo_text)) and "collective-permute" in hlo_text
 
 
 # --- Launcher (--processes W) ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ import textwrap
 import jax
 import pytest
 
-from entwine_jax import _distributed
+from entwine_jax import _distributed, census
 from entwine_jax.tuning import timing
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -243,12 +243,36 @@ def test_tables_print_skipped_columns_as_dashes(capsys):
     assert "no windowed-einsum loop" not in out
 
 
+def _module(*lines: str, body: tuple = ()) -> str:
+    """An HLO module: `lines` in its entry computation; `body`: the lines of a while loop's body
+    called by the entry (the loop added to the entry)."""
+    entry = ["%x = f32[8]{0} parameter(0)", *lines]
+    text = "HloModule m\n"
+    if body:
+        text += ("%body (p: f32[8]) -> f32[8] {\n  %p = f32[8]{0} parameter(0)\n"
+                 + "".join(f"  {line}\n" for line in body) + "}\n")
+        text += "%cond (p: f32[8]) -> pred[] {\n  %p = f32[8]{0} parameter(0)\n  ROOT %t = pred[] constant(true)\n}\n"
+        entry.append("%w = f32[8]{0} while(%x), condition=%cond, body=%body")
+    return text + "ENTRY %main (x: f32[8]) -> f32[8] {\n" + "".join(f"  {line}\n" for line in entry) + "}\n"
+
+
 def test_collectives_census():
-    text = ("%a = bf16[8] all-gather-start(%x)\n%b = bf16[8] all-gather-done(%a)\n"
-            "%c = f32[4] reduce-scatter(%y), dimensions={0}\n%d = f32[] all-reduce(%z)\n%e = f32[] add(%c, %d)")
-    assert runner.collectives(text) == {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 1}
-    assert runner.collectives("%e = f32[] custom-call(%a), custom_call_target=\"entwine_ag_gemm\"") == {}
-    assert runner.windowed_loop("while(...) collective-permute(") and not runner.windowed_loop("while(")
+    # What bench_mlp's "collectives" and the windowed_loop columns read from entwine_jax.census: the
+    # XLA collectives by kind (an async pair once, the fused ops' custom calls not), and whether
+    # collective-permutes run inside a while loop.
+    text = _module("%a = f32[8]{0} all-gather-start(%x)", "%b = f32[8]{0} all-gather-done(%a)",
+                   "%c = f32[4]{0} reduce-scatter(%x), dimensions={0}", "%d = f32[8]{0} all-reduce(%x)")
+    assert bench_mlp.xla_collectives(text) == {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 1}
+    fused = _module("%e = f32[8]{0} custom-call(%x, %x), custom_call_target=\"entwine_ag_gemm\"")
+    assert bench_mlp.xla_collectives(fused) == {}
+
+    def windowed_loop(text):  # as bench.py, bench_ag_gemm and bench_mlp decide it
+        return any(c.loops for c in census.collectives(text).select(kind="collective-permute"))
+
+    permute = "%cp = f32[8]{0} collective-permute(%p), source_target_pairs={{0,1},{1,0}}"
+    assert windowed_loop(_module(body=(permute, "ROOT %r = f32[8]{0} copy(%cp)")))
+    assert not windowed_loop(_module(body=("ROOT %r = f32[8]{0} copy(%p)",)))
+    assert not windowed_loop(_module(permute.replace("%p", "%x")))
 
 
 # --- several processes -----------------------------------------------------------------------------------

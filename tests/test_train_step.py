@@ -2,7 +2,7 @@
 # from entwine_jax.layers trains for 3 steps in lockstep with the plain-XLA unsharded model, and
 # the losses agree within the example's fp32 tolerance, in the plain-all-gather preset and the
 # sequence-parallel one (ag_gemm), whose collectives over tp all come from the fused ops; the
-# collectives checks (jaxpr walk, compiled HLO) catch what they must.
+# collectives check (the census of the compiled step, entwine_jax.census) catches what it must.
 import collections
 import dataclasses
 import importlib.util
@@ -11,6 +11,8 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+
+from entwine_jax import census
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -38,8 +40,8 @@ def test_losses_match_plain_xla(train_step):
     assert losses[-1] < losses[0] - 1.0, losses
     # The collectives check flags this preset's plain all-gather of each sub-block (and its
     # transpose, a reduce-scatter): what the sp presets replace by ag_gemm.
-    assert sorted(p.split(" over")[0] for p in result.problems) == ["jaxpr: all_gather"] * 2 + [
-        "jaxpr: reduce_scatter"] * 2, result.problems
+    assert sorted(p.split(" over")[0] for p in result.problems) == ["HLO: all-gather"] * 2 + [
+        "HLO: reduce-scatter"] * 2, result.problems
 
 
 def test_sequence_parallel_preset(train_step):
@@ -51,9 +53,10 @@ def test_sequence_parallel_preset(train_step):
     assert result.problems == []
     assert result.diff <= train_step.TOL["float32"], (result.losses, result.ref_losses)
     assert result.losses[-1] < result.losses[0] - 1.0, result.losses
-    # Per block: 2 ag_gemm (all_gather forward, their backward a reduce-scatter) and 2 gemm_rs.
-    assert ("ag_gemm 2 all_gather, ag_gemm 2 reduce_scatter, gemm_rs 2 all_gather, gemm_rs 2 reduce_scatter, "
-            "reduce_gradients") in result.report[0], result.report
+    # Per block: 2 ag_gemm (an all-gather forward, their backward a gemm_rs) and 2 gemm_rs (a
+    # reduce-scatter forward, their backward an ag_gemm); the census counts a backward as its op.
+    assert ("ag_gemm 4 all-gather, gemm_rs 4 reduce-scatter, reduce_gradients 1 all-reduce"
+            in result.report[0]), result.report
 
 
 def test_compiled_hlo_check(train_step):
@@ -65,8 +68,8 @@ def test_compiled_hlo_check(train_step):
     tokens, targets = train_step.make_batch(np.random.default_rng(0), cfg, mesh.shape["dp"])
     with jax.set_mesh(mesh):
         text = step.lower(params, opt_state, *place(tokens, targets)).compile().as_text()
-    report, problems = train_step.check_compiled_hlo(text, cfg.layers)
-    assert "0 entwine_ag_gemm and 0 entwine_gemm_rs custom calls, 1 gradient all-reduce(s) over 'tp'" in report[0]
+    report, problems = train_step.check_census(census.collectives(text, mesh=mesh), cfg.layers, fused=True)
+    assert "0 entwine_ag_gemm and 0 entwine_gemm_rs custom calls, 1 gradient all-reduce(s) over 'tp'" in report[1]
     kinds = collections.Counter(p.split(" over")[0] if " over" in p else p.split(" custom")[0] for p in problems)
     assert kinds == {"HLO: all-gather": 4, "HLO: reduce-scatter": 4, "HLO: 0 entwine_ag_gemm": 1,
                      "HLO: 0 entwine_gemm_rs": 1}, problems
@@ -74,15 +77,20 @@ def test_compiled_hlo_check(train_step):
     # gradient all-reduce over (dp, tp), one over dp alone; a stray all-gather over tp fails it.
     calls = "\n".join(f'%c{i} = bf16[256,128]{{1,0}} custom-call(%x, %w), custom_call_target="entwine_{t}"'
                       for i, t in enumerate(["ag_gemm", "gemm_rs"] * 4))
+
+    def hlo(lines):  # the lines as the body of an HLO module's entry computation
+        body = "".join(f"  {line}\n" for line in ["%x = bf16[64,128]{1,0} parameter(0)", *lines.splitlines()])
+        return census.collectives(f"HloModule m\nENTRY %main () -> f32[] {{\n{body}}}\n", mesh=mesh)
+
     grads = ("%all-reduce = (f32[128]{0}, f32[]) all-reduce(%a, %b), channel_id=1, replica_groups=mesh['dp'=2,'tp'=4] "
              "{'dp','tp'}, to_apply=%add, metadata={op_name=\"jit(local_step)/shard_map/reduce_gradients/psum\"}\n"
              "%all-reduce.1 = f32[64,128]{1,0} all-reduce(%c), channel_id=2, replica_groups=mesh['dp'=2,'tp'=4] "
              "{'dp'}, to_apply=%add, metadata={op_name=\"jit(local_step)/shard_map/transpose(jvp())/psum\"}")
-    report, problems = train_step.check_compiled_hlo(calls + "\n" + grads, 1)
-    assert problems == [] and "4 entwine_ag_gemm and 4 entwine_gemm_rs custom calls, 1 gradient" in report[0]
+    report, problems = train_step.check_census(hlo(calls + "\n" + grads), 1, fused=True)
+    assert problems == [] and "4 entwine_ag_gemm and 4 entwine_gemm_rs custom calls, 1 gradient" in report[1]
     stray = "%ag = bf16[64,128]{1,0} all-gather-start(%x), replica_groups=mesh['dp'=2,'tp'=4] {'tp'}, dimensions={0}"
-    assert train_step.check_compiled_hlo(calls + "\n" + stray, 1)[1] == [
-        f"HLO: all-gather over 'tp' outside the gradient all-reduce: {stray}"]
+    assert train_step.check_census(hlo(calls + "\n" + stray), 1, fused=True)[1] == [
+        "HLO: all-gather over tp outside ag_gemm, gemm_rs and the gradient all-reduce: %ag bf16[64,128] (no op_name)"]
 
 
 def test_mesh_and_config_checks(train_step):
