@@ -311,59 +311,6 @@ def check_collectives(cfg: Config, mesh, train_step, args) -> tuple[list, list]:
     return report, problems
 
 
-# The jaxpr walk that checked the train step before the census. The example no longer uses it;
-# it stays only for tests/test_layer_collectives.py, which imports it (move that test to
-# entwine_jax.census, then delete this section).
-# Primitives that name a mesh axis but move no data.
-_NOT_COMMUNICATION = frozenset({"axis_index", "pvary"})
-Collective = collections.namedtuple("Collective", "primitive axes shapes owner")
-
-
-def _function_key(fn) -> tuple:
-    return os.path.realpath(fn.__code__.co_filename), fn.__code__.co_name
-
-
-def op_owners() -> dict:
-    """(file, function) -> label for the fused ops' entry points: whatever an op traces (its
-    forward, inlined into a differentiated jaxpr, and its backward) has that frame in its traceback."""
-    return {_function_key(entwine_jax.ag_gemm): "ag_gemm", _function_key(entwine_jax.gemm_rs): "gemm_rs"}
-
-
-def tp_collectives(jaxpr, axis: str = "tp", owners: dict | None = None) -> list:
-    """Every collective over `axis` in a jaxpr (jax.make_jaxpr's result) and the jaxprs inside its
-    equations (jit, shard_map, custom_vjp_call, ...), each as a Collective whose owner is the label of
-    the innermost function of `owners` (default: op_owners()) that traced it, or None: a collective
-    that none of them made."""
-    owners = op_owners() if owners is None else owners
-    found = []
-
-    def owner(eqn):
-        # Each equation keeps the Python traceback of the call that traced it (innermost first).
-        tb = eqn.source_info.traceback
-        for frame in (tb.frames if tb is not None else ()):
-            label = owners.get((os.path.realpath(frame.file_name), frame.function_name))
-            if label is not None:
-                return label
-        return None
-
-    def walk(j):
-        for eqn in j.eqns:
-            names = [a for key in ("axis_name", "axes") for v in [eqn.params.get(key)]
-                     for a in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(a, str)]
-            if axis in names and eqn.primitive.name not in _NOT_COMMUNICATION:
-                shapes = tuple(tuple(v.aval.shape) for v in eqn.outvars)
-                found.append(Collective(eqn.primitive.name, tuple(names), shapes, owner(eqn)))
-            for v in eqn.params.values():
-                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr)
-    return found
-
-
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 # The collectives over "tp" of a tensor-parallel SwiGLU block built from entwine_jax.layers, forward
 # and backward under jit, on 8 fake CPU devices (dp=2 x tp=4): in the sequence-parallel layouts
 # (gather/scatter "rows", "sequence") and the hidden one, every collective over tp comes from
-# ag_gemm or gemm_rs (each op's backward is one call of the other), and the values and gradients
-# equal the block written with plain all_gather / psum_scatter, whose collectives the check flags.
+# ag_gemm or gemm_rs (each op's backward is one call of the other; counted by the collective census of
+# the compiled program), and the values and gradients equal the block written with plain all_gather /
+# psum_scatter, whose collectives the census reports as XLA's. "fused": gate and up as one
+# column_parallel_group (one gather).
 import collections
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +14,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 pytest.importorskip("flax")
-pytest.importorskip("optax")  # examples/train_step.py, which holds the jaxpr walk, imports it
 from flax import nnx  # noqa: E402
 
-import entwine_jax  # noqa: E402
-from entwine_jax import layers, pairing  # noqa: E402
+from entwine_jax import census, layers, pairing  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 RULES = layers.DEFAULT_LOGICAL_AXIS_RULES
 D, F, ROWS = 32, 64, 32  # model and hidden features, global tokens
 TOL = 1e-5  # float32: max error relative to max |reference|
@@ -34,21 +31,13 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def walk():
-    spec = importlib.util.spec_from_file_location("train_step_example", REPO / "examples" / "train_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.tp_collectives
-
-
-@pytest.fixture(scope="module")
 def mesh():
     return jax.make_mesh((2, 4), ("dp", "tp"))
 
 
 class SwiGLU(nnx.Module):
     """gate/up column-parallel on the sharded input (ag_gemm), down row-parallel (gemm_rs);
-    fused: gate and up as one ag_gemm on their kernels concatenated."""
+    fused: gate and up as one column_parallel_group (one grouped ag_gemm)."""
 
     def __init__(self, mode: str, fused: bool, *, rngs):
         self.gate = layers.ColumnParallelLinear(D, F, gather=mode, rngs=rngs)
@@ -58,8 +47,7 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):
         if self.fused:
-            kernel = jnp.concatenate([self.gate.kernel[...], self.up.kernel[...]], axis=1)
-            g, u = jnp.split(layers.column_parallel_linear(x, kernel, gather=self.mode), 2, axis=-1)
+            g, u = layers.column_parallel_group(x, (self.gate, self.up))
         else:
             g, u = self.gate(x), self.up(x)
         return self.down(jax.nn.silu(g) * u)
@@ -74,14 +62,14 @@ def plain_swiglu(dim):
     return fn
 
 
-def grad_jaxpr_and_values(mesh, fn, params, specs, x, x_spec):
-    """The jaxpr of jit(value_and_grad) of sum(block(x) * cot) w.r.t. params and x, and its values."""
+def grad_census_and_values(mesh, fn, params, specs, x, x_spec):
+    """The census of jit(value_and_grad) of sum(block(x) * cot) w.r.t. params and x, and its values."""
     block = jax.shard_map(fn, mesh=mesh, in_specs=(specs, x_spec), out_specs=x_spec)
     cot = jax.random.normal(jax.random.key(3), x.shape, jnp.float32)
     step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(block(p, x) * cot), argnums=(0, 1)))
     with jax.set_mesh(mesh):
         x = jax.device_put(x, x_spec)
-        return jax.make_jaxpr(step)(params, x), step(params, x)
+        return census.collectives(step, params, x), step(params, x)
 
 
 def rel_err(a, b):
@@ -93,7 +81,7 @@ CASES = [("rows", False), ("sequence", False), ("hidden", False), ("rows", True)
 
 
 @pytest.mark.parametrize("layout, fused", CASES, ids=[f"{m}{'-fused' if f else ''}" for m, f in CASES])
-def test_every_tp_collective_is_a_fused_op(mesh, walk, monkeypatch, layout, fused):
+def test_every_tp_collective_is_a_fused_op(mesh, monkeypatch, layout, fused):
     # Spies on every entry the layers and the two backward rules call the ops through.
     calls = collections.Counter()
 
@@ -112,37 +100,27 @@ def test_every_tp_collective_is_a_fused_op(mesh, walk, monkeypatch, layout, fuse
     specs = nnx.to_pure_dict(layers.partition_specs(state, RULES))
     params = nnx.to_pure_dict(state)
     x = jax.random.normal(jax.random.key(1), x_shape, jnp.float32)
-    jaxpr, (loss, (gp, gx)) = grad_jaxpr_and_values(mesh, lambda p, x: nnx.merge(graphdef, p)(x), params, specs,
-                                                     x, x_spec)
+    found, (loss, (gp, gx)) = grad_census_and_values(mesh, lambda p, x: nnx.merge(graphdef, p)(x), params, specs,
+                                                      x, x_spec)
 
     # Forward: gate and up (one ag_gemm when fused), down (one gemm_rs). Backward: each ag_gemm's
     # dx is a gemm_rs, the gemm_rs's dx an ag_gemm that also returns the gathered dy (for dw).
     n_ag = 1 if fused else 2
     assert calls == {("ag_gemm", False): n_ag, ("ag_gemm", True): 1, ("gemm_rs", False): 1 + n_ag}
-    found = walk(jaxpr)
-    assert [c for c in found if c.owner is None] == []
-    assert collections.Counter((c.owner, c.primitive) for c in found) == {
-        ("ag_gemm", "all_gather"): n_ag, ("ag_gemm", "reduce_scatter"): n_ag,
-        ("gemm_rs", "reduce_scatter"): 1, ("gemm_rs", "all_gather"): 1}
+    # Over tp, every collective is an op's: ag_gemm's gathers (gemm_rs's backward is one) and
+    # gemm_rs's reduce-scatters (ag_gemm's backward is one); the census names each by the innermost
+    # op. (On CPU XLA may merge the references' identical gathers of x, so counts are not asserted.)
+    # (The loss, summed by the jitted sum around the block, is not the block's: only what the block's
+    # shard_map traced counts.)
+    tp = [c for c in found if c.axes == ("tp",) and "shard_map" in c.op_name]
+    assert {(c.owner, c.kind) for c in tp} == {("ag_gemm", "all-gather"), ("gemm_rs", "reduce-scatter")}, \
+        found.table()
 
     # The same values and gradients as the plain-XLA block, whose all_gather and psum_scatter
     # (and their transposes) the walk reports as collectives outside the ops.
-    plain_jaxpr, (loss_p, (gp_p, gx_p)) = grad_jaxpr_and_values(mesh, plain_swiglu(dim), params, specs, x, x_spec)
+    plain, (loss_p, (gp_p, gx_p)) = grad_census_and_values(mesh, plain_swiglu(dim), params, specs, x, x_spec)
     assert rel_err(loss, loss_p) <= TOL and rel_err(gx, gx_p) <= TOL
     for name in ("gate", "up", "down"):
         assert rel_err(gp[name]["kernel"], gp_p[name]["kernel"]) <= TOL
-    stray = collections.Counter(c.primitive for c in walk(plain_jaxpr) if c.owner is None)
-    assert stray == {"all_gather": 2, "reduce_scatter": 2}
-
-
-def test_walk_sees_collectives_inside_jit_and_loops(mesh, walk):
-    # A psum over tp in a nested jit inside a scan body is found and has no owner; one over dp alone
-    # is not a collective over tp; axis_index names tp but moves no data.
-    def fn(x):
-        inner = jax.jit(lambda c: jax.lax.psum(c, "tp") + jax.lax.psum(c, "dp") + jax.lax.axis_index("tp"))
-        return jax.lax.scan(lambda c, _: (inner(c), None), x, None, length=2)[0]
-
-    f = jax.shard_map(fn, mesh=mesh, in_specs=P(("dp", "tp")), out_specs=P(("dp", "tp")))
-    with jax.set_mesh(mesh):
-        found = walk(jax.make_jaxpr(f)(jax.device_put(jnp.zeros(8, jnp.int32), P(("dp", "tp")))))
-    assert [(c.primitive, c.axes, c.owner) for c in found] == [("psum_invariant", ("tp",), None)]
+    stray = {c.kind for c in plain if c.axes == ("tp",) and c.owner == "xla" and "shard_map" in c.op_name}
+    assert stray >= {"all-gather", "reduce-scatter"}, plain.table()

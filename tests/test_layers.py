@@ -555,3 +555,17 @@ def test_functional_errors(mesh):
                                          r"got GemmRsConfig"):
         ColumnParallelDense(OUT, gather="rows", config=GemmRsConfig()).init(jax.random.key(0), jnp.ones((ROWS, IN)))
 
+
+
+def test_column_parallel_group_checks_its_layers():
+    rngs = nnx.Rngs(0)
+    with nnx.use_eager_sharding(False):
+        gate = ColumnParallelLinear(8, 16, gather="rows", rngs=rngs)
+        other = ColumnParallelLinear(8, 16, gather="hidden", rngs=rngs)
+    with pytest.raises(ValueError, match=r"column_parallel_group: modules\[1\] differs from modules\[0\] in "
+                                         r"\['gather'\]"):
+        layers.column_parallel_group(jnp.zeros((4, 8)), (gate, other))
+    with pytest.raises(ValueError, match="non-empty sequence of ColumnParallelLinear"):
+        layers.column_parallel_group(jnp.zeros((4, 8)), ())
+    with pytest.raises(ValueError, match=r"bias must be None or a tuple of 2"):
+        layers.column_parallel_linear(jnp.zeros((4, 8)), (jnp.zeros((8, 4)), jnp.zeros((8, 4))), jnp.zeros(4))

@@ -41,6 +41,7 @@ VARIANTS = {
                                 "shard_mode=explicit"], 1e-5),
 }
 ROW_SITES = {"mlp/wo", "attention/out"}
+GROUPS = {"attention/qkv", "mlp/wi"}
 COLUMN_SITES = {"mlp/wi_0", "mlp/wi_1", "attention/query", "attention/key", "attention/value"}
 
 
@@ -87,16 +88,18 @@ def test_losses_match_stock_maxtext(train_main, tmp_path, name, caplog):
     assert max(abs(a - b) for a, b in zip(stock, routed)) <= tol, (stock, routed)
     assert not entwine_maxtext.is_enabled()
     # Both row-parallel projections went through gemm_rs; stock MaxText ran none of them.
-    assert stock_stats == {"routed": {}, "kept": {}}
+    assert stock_stats == {"routed": {}, "grouped": {}, "kept": {}}
     assert set(stats["routed"]) >= ROW_SITES, stats
     # The lowered train step: stock MaxText leaves every collective to the partitioner; with the
     # integration each island's psum_scatter (the reference of gemm_rs on CPU) is in the program.
     assert stock_ir.count("stablehlo.reduce_scatter") == stock_ir.count("stablehlo.all_gather") == 0
     assert routed_ir.count("stablehlo.reduce_scatter") >= len(ROW_SITES)
     if hasattr(entwine_jax, "ag_gemm"):
-        # ... and each column-parallel island's all_gather (ag_gemm's reference on CPU).
+        # ... and the column-parallel projections, query/key/value and wi_0/wi_1 each as one group
+        # with one all_gather (ag_gemm's reference on CPU).
         assert set(stats["routed"]) >= COLUMN_SITES, stats
-        assert routed_ir.count("stablehlo.all_gather") >= len(COLUMN_SITES)
+        assert set(stats["grouped"]) == GROUPS, stats
+        assert routed_ir.count("stablehlo.all_gather") >= len(GROUPS)
     else:
         assert {site: stats["kept"].get(site) for site in COLUMN_SITES} == {
             site: "entwine_jax has no ag_gemm yet" for site in COLUMN_SITES}
@@ -117,14 +120,16 @@ def test_kept_layouts_are_logged(train_main, tmp_path, caplog):
 
 
 def test_enable_disable_restores_maxtext():
-    from maxtext.layers import attentions, linears
-    before = (linears.DenseGeneral.__call__, linears.MlpBlock.__call__, attentions.Attention.__call__)
+    from maxtext.layers import attentions, linears, moe
+    before = (linears.DenseGeneral.__call__, linears.MlpBlock.__call__, attentions.Attention.__call__,
+              moe.RoutedMoE.__call__)
     entwine_maxtext.enable()
     entwine_maxtext.enable()  # idempotent
     assert linears.DenseGeneral.__call__ is not before[0] and entwine_maxtext.is_enabled()
     assert linears.DenseGeneral.__call__.__wrapped__ is before[0]
     entwine_maxtext.disable()
-    assert (linears.DenseGeneral.__call__, linears.MlpBlock.__call__, attentions.Attention.__call__) == before
+    assert (linears.DenseGeneral.__call__, linears.MlpBlock.__call__, attentions.Attention.__call__,
+            moe.RoutedMoE.__call__) == before
     assert not entwine_maxtext.is_enabled()
     with pytest.raises(ValueError, match=r"gemm_rs_config must be an entwine_jax.GemmRsConfig or None, got dict"):
         entwine_maxtext.enable(gemm_rs_config={})
@@ -132,3 +137,72 @@ def test_enable_disable_restores_maxtext():
                                          r"GemmRsConfig"):
         entwine_maxtext.enable(ag_gemm_config=entwine_jax.GemmRsConfig())
     assert not entwine_maxtext.is_enabled()
+
+
+# --- The collective census of a training step: routed never moves more than stock ------------------
+
+def _census_program():
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import maxtext_census
+    return maxtext_census
+
+
+@pytest.mark.parametrize("config", ["tiny4", "tiny8"])
+def test_routed_gqa_step_gathers_once_and_moves_no_more_than_stock(train_main, config):
+    """MaxText's tiny decoder with GQA (16 query heads, 8 KV heads), scanned, default remat, at tensor
+    4 (x fsdp 2) and tensor 8, compiled from abstract shapes: the census of the program itself."""
+    program = _census_program()
+    stock_step, stock_layer, layers, _, _ = program.run(config, 0, routed=False)
+    step, layer, _, _, stats = program.run(config, 0, routed=True)
+    # query/key/value and wi_0/wi_1 took one grouped ag_gemm each; nothing was kept.
+    assert set(stats["grouped"]) == GROUPS and not stats["kept"], stats
+    loops = program.layer_loops(step, layers)
+    assert len(loops) == 2, step.loops  # the scanned layers' forward and backward
+    gathers = [step.per_iteration(loop).select(owner="ag_gemm", kind="all-gather").count for loop in loops]
+    # The forward layer gathers each distinct activation once (the attention input, the MLP input);
+    # the backward loop's rematerialised forward gathers them again, and gemm_rs's backward is a gather.
+    assert min(gathers) == len(GROUPS), (gathers, layer.table())
+    # Every tensor-parallel collective of a layer on its activations is one of the ops'; XLA keeps
+    # only small all-reduces (norm statistics, the replicated parameters' gradients).
+    xla = layer.select(owner="xla", axis="tensor")
+    assert not xla.select(kind=("all-gather", "reduce-scatter", "all-to-all")), xla.table()
+    assert layer.bytes <= stock_layer.bytes, (layer.table(), stock_layer.table())
+    assert step.bytes <= stock_step.bytes, (step.table(), stock_step.table())
+
+
+def test_explicit_sharding_out_sharding_is_honoured(train_main):
+    """shard_mode=explicit with tensor_sequence: MaxText asks its column-parallel projections for a
+    sequence-sharded output (out_sharding); that is not the column-parallel layout, so they stay
+    MaxText's (with the reason), and the step traces (it failed in rope before)."""
+    program = _census_program()
+    base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
+    argv = ["census", str(base), *program.COMMON, *TINY[4:13], "ici_tensor_sequence_parallelism=4",
+            "ici_fsdp_parallelism=2", "shard_mode=explicit", "scan_layers=false", "num_vocab_tiling=2",
+            "dtype=float32"]
+    with entwine_maxtext.enabled():
+        entwine_maxtext.reset_stats()
+        program.lower_train_step(argv)
+        stats = entwine_maxtext.stats()
+    assert set(stats["routed"]) >= ROW_SITES, stats
+    assert stats["kept"].get("attention/query", "").startswith("out_sharding"), stats
+
+
+def test_moe_experts_are_reported_as_kept(caplog):
+    entwine_maxtext.reset_stats()
+    entwine_maxtext._log.reset_key("maxtext-enabled")
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        assert entwine_maxtext._moe_call(lambda self, x: x + 1, None, 1) == 2
+    assert entwine_maxtext.stats()["kept"] == {
+        "moe/experts": "routed experts (MoE: all-to-all dispatch and grouped GEMMs) are left to MaxText"}
+    # The first patched call says the integration is on (absl's logging is set up by then).
+    assert "entwine_jax.maxtext: enabled" in caplog.text and "moe/experts keeps MaxText's" in caplog.text
+
+
+def test_shape_reasons_name_the_axis_that_does_not_divide(monkeypatch):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), devices=jax.devices()[:8])
+    site = entwine_maxtext._Site(name="attention/query", kind=entwine_maxtext.COLUMN, mesh=mesh, config=None,
+                                 kernel_axes=(), x_names=(), out_names=("b", "s", "h", "d"))
+    monkeypatch.setattr(entwine_maxtext, "_mesh_dims", lambda names, site: [("fsdp",), (), ("tensor",), ()])
+    reason = entwine_maxtext._column_plan(site, [("fsdp",), (), ("tensor",)], (256, 8, 32), (3, 128, 64))
+    assert reason == "shapes do not divide: batch 3 over ('fsdp',) (size 2)"

@@ -41,13 +41,14 @@ an RMSNorm applied to the sequence-sharded residual stream)::
 
 with ``gate = ColumnParallelLinear(D, F, gather="rows", rngs=rngs)`` (same for ``up``) and
 ``down = RowParallelLinear(F, D, rngs=rngs)``. Each column-parallel call is one ag_gemm and gathers
-x itself, so x travels over ``tp`` twice. One ag_gemm serves both projections when their local
-kernels are concatenated over the output features (``[D, 2F/W]``; the same for q, k and v, and
-for biases)::
+x itself, so x would travel over ``tp`` twice. ``column_parallel_group`` applies several layers to
+one input with one gather (one grouped ag_gemm; its backward is one gemm_rs), each layer keeping
+its own parameters (the same for q, k and v, of any widths)::
 
-    k = jnp.concatenate([gate.kernel[...], up.kernel[...]], axis=1)
-    g, u = jnp.split(column_parallel_linear(x, k, gather="rows"), 2, axis=-1)
+    g, u = column_parallel_group(x, (gate, up))
     y = down(jax.nn.silu(g) * u)
+
+``column_parallel_linear(x, (k1, k2, ...), (b1, b2, ...), gather=...)`` is the same on kernels.
 
 The attention output projection of ``H`` heads of size ``Dh`` is
 ``RowParallelLinear((H, Dh), D, kernel_axes=("heads", "kv", "embed"))`` applied to ``[T, H/W, Dh]``.
@@ -89,6 +90,7 @@ from entwine_jax.gemm_rs.config import GemmRsConfig
 from entwine_jax.pairing import ag_gemm, gemm_rs
 
 __all__ = ["DEFAULT_LOGICAL_AXIS_RULES", "partition_specs", "row_parallel_linear", "column_parallel_linear",
+           "column_parallel_group",
            "RowParallelLinear", "ColumnParallelLinear", "RowParallelDense", "ColumnParallelDense"]
 
 # Logical axis -> mesh axis (None: replicated), MaxText's names on a ("dp", "tp") mesh. A logical
@@ -293,6 +295,26 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     gathered dim whole. dtype: compute and output dtype (default: promoted from x and kernel).
     config: passed to ag_gemm (unused with ``gather=None``).
     """
+    if isinstance(kernel, (tuple, list)):
+        return _column_parallel_group(x, tuple(kernel), bias, axis_name=axis_name, gather=gather, dtype=dtype,
+                                      config=config, where=where)
+    axis_name, dtype = _check_column(x, kernel, bias, axis_name=axis_name, gather=gather, dtype=dtype, config=config,
+                                     where=where)
+    x, kernel = x.astype(dtype), kernel.astype(dtype)
+    if gather is None:
+        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32).astype(dtype)
+    else:
+        # ag_gemm takes a [K, N] kernel: the output dims flattened into N and restored after.
+        out_local = tuple(kernel.shape[1:])
+        y = ag_gemm(x, kernel.reshape(kernel.shape[0], -1), axis_name=axis_name,
+                    gather_dimension=_SPLIT_DIM[gather], config=config)
+        y = y.reshape(tuple(y.shape[:-1]) + out_local)
+    return y if bias is None else y + bias.astype(dtype)
+
+
+def _check_column(x, kernel, bias, *, axis_name, gather, dtype, config, where):
+    """ValueError for a column-parallel call that cannot run; (axis_name, compute dtype) otherwise."""
     _check_choice(where, "gather", gather, _GATHER)
     _check_dtype(where, "dtype", dtype)
     _check_config(where, config, AgGemmConfig)
@@ -317,17 +339,7 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
         if tuple(bias.shape) != tuple(kernel.shape[1:]):
             raise ValueError(f"{where}: bias must have the kernel's output shape {tuple(kernel.shape[1:])} (local "
                              f"shard), got {tuple(bias.shape)}")
-    x, kernel = x.astype(dtype), kernel.astype(dtype)
-    if gather is None:
-        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32).astype(dtype)
-    else:
-        # ag_gemm takes a [K, N] kernel: the output dims flattened into N and restored after.
-        out_local = tuple(kernel.shape[1:])
-        y = ag_gemm(x, kernel.reshape(kernel.shape[0], -1), axis_name=axis_name,
-                    gather_dimension=_SPLIT_DIM[gather], config=config)
-        y = y.reshape(tuple(y.shape[:-1]) + out_local)
-    return y if bias is None else y + bias.astype(dtype)
+    return axis_name, dtype
 
 
 def _check_local_shards(where: str, axis_name, kernel_shape, expected_global, sharded_dim: int, what: str):
@@ -395,6 +407,63 @@ class RowParallelLinear(nnx.Module):
         bias = self.bias[...] if self.bias is not None else None
         return row_parallel_linear(x, kernel, bias, axis_name=self.axis_name, scatter=self.scatter, dtype=self.dtype,
                                    config=self.config, where=where)
+
+
+def _column_parallel_group(x, kernels: tuple, biases, *, axis_name, gather, dtype, config, where):
+    """column_parallel_linear of several kernels on one x: one ag_gemm (one gather of x) for all."""
+    if not kernels:
+        raise ValueError(f"{where}: kernel is an empty group")
+    if biases is not None and (not isinstance(biases, (tuple, list)) or len(biases) != len(kernels)):
+        raise ValueError(f"{where}: with {len(kernels)} kernels, bias must be None or a tuple of {len(kernels)} "
+                         f"(each None or the kernel's output shape), got {type(biases).__name__}")
+    biases = tuple(biases) if biases is not None else (None,) * len(kernels)
+    for i, k in enumerate(kernels):
+        _check_array(where, f"kernel[{i}]", k)
+        if k.ndim < 2 or k.shape[0] != kernels[0].shape[0]:
+            raise ValueError(f"{where}: the kernels of a group must be [in, *out_local] with one `in`: kernel[0] "
+                             f"{tuple(kernels[0].shape)}, kernel[{i}] {tuple(k.shape)}")
+    if gather is None:
+        return tuple(column_parallel_linear(x, k, b, axis_name=axis_name, dtype=dtype, config=config, where=where)
+                     for k, b in zip(kernels, biases))
+    # Each kernel checked as if alone (shapes, dtypes, bias), then one call: the gathered x serves all.
+    for k, b in zip(kernels, biases):
+        axis_name, _ = _check_column(x, k, b, axis_name=axis_name, gather=gather, dtype=dtype, config=config,
+                                     where=where)
+    dtype = _compute_dtype(where, dtype, x, *kernels)
+    x = x.astype(dtype)
+    ys = ag_gemm(x, tuple(k.astype(dtype).reshape(k.shape[0], -1) for k in kernels), axis_name=axis_name,
+                 gather_dimension=_SPLIT_DIM[gather], config=config)
+    out = []
+    for y, k, b in zip(ys, kernels, biases):
+        y = y.reshape(tuple(y.shape[:-1]) + tuple(k.shape[1:]))
+        out.append(y if b is None else y + b.astype(dtype))
+    return tuple(out)
+
+
+def column_parallel_group(x, modules: Sequence["ColumnParallelLinear"]) -> tuple:
+    """Several ColumnParallelLinear layers applied to one input with one all-gather of it (e.g. gate and
+    up of a SwiGLU, or query, key and value): (modules[0](x), modules[1](x), ...), computed by one
+    grouped entwine_jax.ag_gemm whose backward is one gemm_rs. The layers keep their own parameters;
+    they must share in_features, gather, axis_name, dtype and config."""
+    where = "column_parallel_group"
+    modules = tuple(modules)
+    if not modules or not all(isinstance(m, ColumnParallelLinear) for m in modules):
+        raise ValueError(f"{where}: modules must be a non-empty sequence of ColumnParallelLinear, got {modules!r}")
+    first = modules[0]
+    shared = ("in_features", "gather", "axis_name", "dtype", "config")
+    for i, m in enumerate(modules[1:], 1):
+        differ = [name for name in shared if getattr(m, name) != getattr(first, name)]
+        if differ:
+            raise ValueError(f"{where}: modules[{i}] differs from modules[0] in {differ}: one gather needs them equal")
+    kernels, biases = [], []
+    for m in modules:
+        kernel = m.kernel[...]
+        _check_local_shards(type(m).__name__, m.axis_name, kernel.shape, (m.in_features,) + m.out_features, 1,
+                            "out_features[0]")
+        kernels.append(kernel)
+        biases.append(m.bias[...] if m.bias is not None else None)
+    return column_parallel_linear(x, tuple(kernels), tuple(biases), axis_name=first.axis_name, gather=first.gather,
+                                  dtype=first.dtype, config=first.config, where=where)
 
 
 class ColumnParallelLinear(nnx.Module):

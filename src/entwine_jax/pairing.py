@@ -112,6 +112,11 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
     if isinstance(w, (tuple, list)):
         return _grouped_ag_gemm(x, tuple(w), axis_name=axis_name, gather_dimension=gather_dimension, config=config,
                                 return_gathered=return_gathered)
+    return _one_ag_gemm(x, w, axis_name=axis_name, gather_dimension=gather_dimension, config=config,
+                        return_gathered=return_gathered)
+
+
+def _one_ag_gemm(x, w, *, axis_name, gather_dimension, config, return_gathered):
     plan = ag_op.plan(x, w, axis_name=axis_name, gather_dimension=gather_dimension, config=config,
                       return_gathered=return_gathered)
     names = callsite.varying_over(x, w, axis_name=plan.axis_name)
@@ -126,8 +131,8 @@ def _grouped_ag_gemm(x, weights: tuple, *, axis_name, gather_dimension, config, 
     # x.T @ dy. The price is one copy of the weights (and of the cotangents in the backward) per call.
     widths = ag_op.check_group(x, weights)
     with jax.named_scope("entwine_ag_gemm"):
-        out = ag_gemm(x, jnp.concatenate(weights, axis=1), axis_name=axis_name, gather_dimension=gather_dimension,
-                      config=config, return_gathered=return_gathered)
+        out = _one_ag_gemm(x, jnp.concatenate(weights, axis=1), axis_name=axis_name,
+                           gather_dimension=gather_dimension, config=config, return_gathered=return_gathered)
         y, g = out if return_gathered else (out, None)
         ys = tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
     return (ys, g) if return_gathered else ys
