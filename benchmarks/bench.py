@@ -216,7 +216,7 @@ class Bench:
                     jax.ShapeDtypeStruct((m, k), x.dtype), jax.ShapeDtypeStruct((k, n), w.dtype),
                     axis_name=AXIS, axis_size=self.world, scatter_dimension=0, config=config)
         except Exception as e:
-            reason = f"entwine_jax.fused unavailable ({type(e).__name__}: {e})"
+            reason = f"the fused path's availability check raised ({type(e).__name__}: {e})"
         return compiled, "xla", reason or f"{_fused_target()} not in the lowered program"
 
     def config(self, m, n, k, overrides):
@@ -351,13 +351,9 @@ def print_table(rows):
 
 
 def plot(path, rows, sweep):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--plot {path}: matplotlib not installed, no plot written", file=sys.stderr)
-        return
+    import matplotlib  # parse_args made sure it is there
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     if sweep:
         # The paper's budget figure, one panel per shape: end-to-end latency, the GEMM window and
         # the communication tail against the consumer grid x.
@@ -462,6 +458,11 @@ def parse_args(argv, prog="python benchmarks/bench.py"):
             if args.configs is not None else [{}]
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
+    if getattr(args, "plot", None):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error(f"--plot {args.plot}: needs matplotlib (pip install matplotlib), which is not installed")
     return p, args
 
 

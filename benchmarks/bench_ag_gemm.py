@@ -92,7 +92,7 @@ class AgBench:
                     jax.ShapeDtypeStruct(local, x.dtype), jax.ShapeDtypeStruct((k, w.shape[1] // r.world), w.dtype),
                     axis_name=AXIS, axis_size=r.world, gather_dimension=gd, config=config)
         except Exception as e:
-            reason = f"entwine_jax.fused unavailable ({type(e).__name__}: {e})"
+            reason = f"the fused path's availability check raised ({type(e).__name__}: {e})"
         return compiled, "xla", reason or f"{_fused_target()} not in the lowered program"
 
     def row(self, m, n, k, layout, progress, seed) -> dict:

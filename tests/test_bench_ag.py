@@ -1,4 +1,4 @@
-# CPU tests of `python -m entwine_jax bench --op ag_gemm` and `--op mlp` (entwine_jax.bench_ag_gemm,
+# CPU tests of `python benchmarks/bench.py --op ag_gemm` and `--op mlp` (benchmarks/bench_ag_gemm.py,
 # bench_mlp, runner) on 8 fake devices with tiny shapes: argument parsing, the smoke runs (the ops
 # take the XLA reference path here), the tables and JSON, --fused-only, what ranks sharing a GPU skip,
 # the key-value max over processes, and the --processes launcher. Timings on CPU mean nothing.
