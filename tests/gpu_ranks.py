@@ -759,7 +759,78 @@ class Rank:
         self.log("ag: sequence-parallel MLP forward + backward, both directions fused: ok")
         worst = max(worst, self.mlp_grads(self.world * 200, 264, 200, jnp.bfloat16, seed=901))
         self.log("ag: sequence-parallel MLP with tails: ok")
-        return f"ag: {cases} cases + 2 MLP gradients ok, worst rel error {worst:.2e}"
+        # Grouped: q/k/v-like weights of unequal widths (8 query heads per kv head), and tails.
+        groups = [(256, 512, (512, 64, 64), jnp.bfloat16), (77, 60, (130, 17, 17, 40), jnp.float16)]
+        for i, (rows, cols, widths, dtype) in enumerate(groups):
+            for gather_k in (False, True):
+                worst = max(worst, self.grouped_grads(rows, cols, widths, dtype, gather_k, seed=950 + i))
+                self.log(f"ag: grouped rows={rows} cols={cols} widths={widths} gather_k={gather_k}: ok")
+        return f"ag: {cases} cases + 2 MLP gradients + 4 grouped ok, worst rel error {worst:.2e}"
+
+    def grouped_grads(self, rows, cols, widths, dtype, gather_k, seed):
+        """ys = ag_gemm(x, (w_1, ..., w_G)) (one gather, weights of unequal widths), its values and the
+        gradients of loss = sum_i sum(y_i c_i) (summed over ranks) against float64: one fused ag_gemm
+        forward, one fused gemm_rs backward, no XLA collective."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import comm
+
+        rng = np.random.default_rng(seed)
+        k = self.world * cols if gather_k else cols
+        out_rows = rows if gather_k else self.world * rows
+        xs = [(rng.standard_normal((rows, cols), np.float32) / np.sqrt(k)).astype(dtype) for _ in range(self.world)]
+        ws = [[rng.standard_normal((k, n), np.float32).astype(dtype) for n in widths] for _ in range(self.world)]
+        cs = [[rng.standard_normal((out_rows, n), np.float32).astype(dtype) for n in widths]
+              for _ in range(self.world)]
+        config = entwine_jax.AgGemmConfig(path="fused")
+        gd = -1 if gather_k else 0
+        groups = len(widths)
+
+        def values_and_grads(x, *wc):
+            w, c = wc[:groups], wc[groups:]
+
+            def loss(x, *w):
+                ys = entwine_jax.ag_gemm(x, w, axis_name="tp", gather_dimension=gd, config=config)
+                return sum(jnp.sum(y.astype(jnp.float32) * ci.astype(jnp.float32)) for y, ci in zip(ys, c)), ys
+            (_, ys), grads = jax.value_and_grad(loss, argnums=tuple(range(groups + 1)), has_aux=True)(x, *w)
+            return ys, grads
+
+        x_spec = P(None, "tp") if gather_k else P("tp", None)
+        w_spec, c_spec = P(None, "tp"), P(None, "tp")
+        f = jax.jit(jax.shard_map(values_and_grads, mesh=self.mesh,
+                                  in_specs=(x_spec,) + (w_spec,) * groups + (c_spec,) * groups,
+                                  out_specs=((P(None, "tp"),) * groups, (x_spec,) + (w_spec,) * groups)))
+        x_global = (rows, self.world * cols) if gather_k else (self.world * rows, cols)
+        args = [self.place(xs[self.rank], 1 if gather_k else 0, x_global)]
+        args += [self.place(w, 1, (k, self.world * w.shape[1])) for w in ws[self.rank]]
+        args += [self.place(c, 1, (out_rows, self.world * c.shape[1])) for c in cs[self.rank]]
+        found = self.census(f, *args)
+        calls = found.select(custom_call=True).counts("owner")
+        if calls != {"ag_gemm": 1, "gemm_rs": 1}:
+            raise AssertionError(f"grouped: custom calls {calls}, expected one ag_gemm and one gemm_rs")
+        left = found.select(custom_call=False, kind=("all-gather", "reduce-scatter", "all-reduce"))
+        if left:
+            raise AssertionError(f"grouped: the compiled program still has XLA collectives:\n{left.table()}")
+        with jax.set_mesh(self.mesh):
+            ys, grads = f(*args)
+        comm.check_errors()
+        # float64 reference: G = the gathered x; y_i = G @ W_i^r; dG = sum_r sum_i C_i^r W_i^r.T.
+        g = np.concatenate([a.astype(np.float64) for a in xs], axis=1 if gather_k else 0)
+        what = f"grouped rows={rows} cols={cols} widths={widths} {'contraction' if gather_k else 'rows'} {dtype.__name__}"
+        worst = 0.0
+        for i in range(groups):
+            worst = max(worst, self.check(self.local(ys[i]), g @ ws[self.rank][i].astype(np.float64), f"{what} y{i}"))
+            worst = max(worst, self.check(self.local(grads[1 + i]), g.T @ cs[self.rank][i].astype(np.float64),
+                                          f"{what} dw{i}"))
+        dg = sum(cs[r][i].astype(np.float64) @ ws[r][i].astype(np.float64).T for r in range(self.world)
+                 for i in range(groups))
+        mine = (slice(None), slice(self.rank * cols, (self.rank + 1) * cols)) if gather_k else \
+            (slice(self.rank * rows, (self.rank + 1) * rows), slice(None))
+        return max(worst, self.check(self.local(grads[0]), dg[mine], f"{what} dx"))
 
     def mlp_grads(self, t, d, f_local, dtype, seed):
         """x [T/W, D] -> h = ag_gemm(x, w1 [D, F/W]) -> silu -> gemm_rs(., w2 [F/W, D]) -> [T/W, D];
