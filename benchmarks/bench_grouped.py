@@ -1,0 +1,65 @@
+# The grouped ag_gemm against separate calls on one GPU: one call on (w_1, ..., w_G) against G calls
+# (each its own gather and GEMM), the concatenation of the weights alone (the copy the grouped call
+# adds per call), and XLA's GEMM on the concatenated weights. One process, an axis of size 1 with
+# path="fused" (the kernels run; nothing travels), so the numbers are the GEMMs and the copy.
+"""Grouped ag_gemm vs separate ag_gemm calls (one GPU, axis of size 1, path="fused").
+
+    python benchmarks/bench_grouped.py [--iters 100]
+
+Shapes: a Llama-3-70B layer's per-rank projections at tensor 8 with 16384 tokens per tensor group:
+q/k/v (K 8192, N 1024 + 128 + 128) and gate/up (K 8192, N 3584 + 3584). One line per shape.
+"""
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import entwine_jax
+from entwine_jax.tuning.timing import rel_err, time_interleaved
+
+SHAPES = {"qkv": (16384, 8192, (1024, 128, 128)), "gate/up": (16384, 8192, (3584, 3584))}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=100)
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("bench_grouped: needs a GPU (the fused kernels)", file=sys.stderr)
+        return 2
+    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1])
+    config = entwine_jax.AgGemmConfig(path="fused")
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, bf16, axis of size 1, median of "
+          f"{args.iters} calls (ms)")
+    print(f"{'shape':>8} {'M':>6} {'K':>5} {'widths':>18} | {'grouped':>8} {'separate':>8} {'concat':>7} "
+          f"{'xla dot':>8} | grouped/separate")
+    for name, (m, k, widths) in SHAPES.items():
+        keys = jax.random.split(jax.random.key(0), len(widths) + 1)
+        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        ws = tuple(jax.random.normal(kw, (k, n), jnp.bfloat16) / 64 for kw, n in zip(keys[1:], widths))
+        specs = dict(mesh=mesh, in_specs=(P("tp", None),) + (P(None, "tp"),) * len(ws),
+                     out_specs=(P(None, "tp"),) * len(ws))
+        grouped = jax.jit(jax.shard_map(lambda x, *w: entwine_jax.ag_gemm(x, w, axis_name="tp", config=config),
+                                        **specs))
+        separate = jax.jit(jax.shard_map(
+            lambda x, *w: tuple(entwine_jax.ag_gemm(x, wi, axis_name="tp", config=config) for wi in w), **specs))
+        concat = jax.jit(lambda *w: jnp.concatenate(w, axis=1))
+        xla = jax.jit(lambda x, *w: jnp.dot(x, jnp.concatenate(w, axis=1), preferred_element_type=jnp.bfloat16))
+        with jax.set_mesh(mesh):
+            text = grouped.lower(x, *ws).as_text()
+            if "entwine_ag_gemm" not in text:
+                print(f"{name}: the grouped call did not lower to the fused kernels", file=sys.stderr)
+                return 1
+            ys, ref = grouped(x, *ws), xla(x, *ws)
+            err = rel_err(jnp.concatenate(ys, axis=1), ref)
+            ms = time_interleaved({"grouped": (grouped, (x, *ws)), "separate": (separate, (x, *ws)),
+                                   "concat": (concat, ws), "xla": (xla, (x, *ws))}, args.iters, 10, 10)
+        print(f"{name:>8} {m:>6} {k:>5} {str(widths):>18} | {ms['grouped']:8.3f} {ms['separate']:8.3f} "
+              f"{ms['concat']:7.3f} {ms['xla']:8.3f} | {ms['grouped'] / ms['separate']:.3f} (rel err {err:.1e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
