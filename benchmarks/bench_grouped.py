@@ -48,6 +48,8 @@ def main(argv=None) -> int:
         concat = jax.jit(lambda *w: jnp.concatenate(w, axis=1))
         xla = jax.jit(lambda x, *w: jnp.dot(x, jnp.concatenate(w, axis=1), preferred_element_type=jnp.bfloat16))
         with jax.set_mesh(mesh):
+            x = jax.device_put(x, P("tp", None))
+            ws = tuple(jax.device_put(w, P(None, "tp")) for w in ws)
             text = grouped.lower(x, *ws).as_text()
             if "entwine_ag_gemm" not in text:
                 print(f"{name}: the grouped call did not lower to the fused kernels", file=sys.stderr)
