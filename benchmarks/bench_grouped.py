@@ -47,16 +47,17 @@ def main(argv=None) -> int:
             lambda x, *w: tuple(entwine_jax.ag_gemm(x, wi, axis_name="tp", config=config) for wi in w), **specs))
         concat = jax.jit(lambda *w: jnp.concatenate(w, axis=1))
         xla = jax.jit(lambda x, *w: jnp.dot(x, jnp.concatenate(w, axis=1), preferred_element_type=jnp.bfloat16))
+        # XLA's programs take the operands as plain arrays; the ops' take them placed on the mesh.
+        ref = xla(x, *ws)
         with jax.set_mesh(mesh):
-            x = jax.device_put(x, P("tp", None))
-            ws = tuple(jax.device_put(w, P(None, "tp")) for w in ws)
-            text = grouped.lower(x, *ws).as_text()
+            xm = jax.device_put(x, P("tp", None))
+            wm = tuple(jax.device_put(w, P(None, "tp")) for w in ws)
+            text = grouped.lower(xm, *wm).as_text()
             if "entwine_ag_gemm" not in text:
                 print(f"{name}: the grouped call did not lower to the fused kernels", file=sys.stderr)
                 return 1
-            ys, ref = grouped(x, *ws), xla(x, *ws)
-            err = rel_err(jnp.concatenate(ys, axis=1), ref)
-            ms = time_interleaved({"grouped": (grouped, (x, *ws)), "separate": (separate, (x, *ws)),
+            err = rel_err(jnp.concatenate(grouped(xm, *wm), axis=1), ref)
+            ms = time_interleaved({"grouped": (grouped, (xm, *wm)), "separate": (separate, (xm, *wm)),
                                    "concat": (concat, ws), "xla": (xla, (x, *ws))}, args.iters, 10, 10)
         print(f"{name:>8} {m:>6} {k:>5} {str(widths):>18} | {ms['grouped']:8.3f} {ms['separate']:8.3f} "
               f"{ms['concat']:7.3f} {ms['xla']:8.3f} | {ms['grouped'] / ms['separate']:.3f} (rel err {err:.1e})")
