@@ -35,6 +35,7 @@ def _fresh_fused(monkeypatch):
     monkeypatch.setattr(comm, "_comms", {})
     monkeypatch.setattr(comm, "_setup_meshes", {})
     monkeypatch.setattr(comm, "_reason_cache", {})
+    monkeypatch.setattr(comm, "_failed", {})
     monkeypatch.setattr(comm, "_atexit_registered", True)  # no shutdown hook from these tests
 
 
@@ -561,3 +562,54 @@ class _nullcontext:
 
     def __exit__(self, *a):
         return False
+
+
+def test_a_communicator_whose_setup_failed_is_not_used_again(monkeypatch):
+    # A peer that never published its heap (the key-value wait failed) leaves this process's entry
+    # created but unconnected: the call site gets the reason, and so does every later one, as an
+    # XLA-path reason, never a compiled call against an unconnected communicator.
+    mesh = _mesh()
+    ext = FakeExt()
+    monkeypatch.setattr(comm, "_check_devices", lambda *a: None)
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
+    ext.comm_connect = lambda *a: (_ for _ in ()).throw(TimeoutError("no heap from rank 3 within 300 s"))
+    with pytest.raises(comm.Unavailable, match=r"communicator setup failed \(TimeoutError: no heap from rank 3"):
+        comm.acquire_comm(mesh, "tp", 1024, 1)
+    # A smaller call, which the created entry would have room for, is refused too.
+    with pytest.raises(comm.Unavailable, match=r"no longer uses the communicator of axis 'tp'"):
+        comm.acquire_comm(mesh, "tp", 16, 1)
+    assert "no longer uses the communicator" in comm.mesh_reason(ext, mesh, "tp", 4)
+
+
+@pytest.mark.parametrize("flags,refused", [
+    ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT", True),  # XLA's default set records custom calls
+    ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_command_buffer_scheduling_mode=concurrent", True),
+    ("--xla_gpu_enable_command_buffer=FUSION --xla_gpu_command_buffer_scheduling_mode=CONCURRENT", False),
+    ("--xla_gpu_enable_command_buffer= --xla_gpu_command_buffer_scheduling_mode=CONCURRENT", False),
+    ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_command_buffer_scheduling_mode=LHS", False),
+    ("", False),
+])
+def test_concurrent_command_buffers_refuse_the_fused_path(flags, refused, monkeypatch):
+    # Two fused calls of one communicator must never overlap; under CONCURRENT scheduling with custom
+    # calls in command buffers XLA may overlap them (their kernels trapped, issue 37): the fused path
+    # is refused with a reason naming the flag, and the XLA reference runs.
+    reason = comm.command_buffer_hazard(flags)
+    assert (reason is not None) == refused
+    if refused:
+        assert "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT" in reason
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert comm.command_buffer_hazard() == reason
+
+
+def test_concurrent_command_buffers_are_a_reason_of_both_ops(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
+    ext = FakeExt()
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
+    mesh = _gpu_mesh()
+    x, w = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    kw = dict(axis_name="tp", axis_size=2)
+    del mesh  # found through setup(), as under jit
+    for reason in (rs_fused.unavailable_reason(x, w, scatter_dimension=0, config=CFG, **kw),
+                   ag_fused.unavailable_reason(x, w, gather_k=False, config=AgGemmConfig(gemm_sms=100), **kw)):
+        assert "scheduling_mode=CONCURRENT" in reason
+    assert not ext.calls and not comm._comms

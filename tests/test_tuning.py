@@ -459,3 +459,17 @@ def test_runner_up_margin():
     assert tuner.runner_up_margin([trial(1, 1.0)]) is None
     assert tuner.runner_up_margin([trial(1, None)]) is None
     assert tuner.runner_up_margin([]) is None
+
+
+def test_other_processes_wait_for_process_0s_write(monkeypatch, tmp_path):
+    # tune() is a collective: after it, every process must see the winners process 0 wrote, or the
+    # ranks of the next program's fused calls could pick different configs.
+    events = []
+    monkeypatch.setattr(tuner, "write_cache", lambda entries, path: events.append(("write", len(entries))) or path)
+    monkeypatch.setattr(tuner._distributed, "barrier", lambda name, ids, me, timeout: events.append(("barrier", me)))
+    tuner._publish([{"m": 1}], tmp_path / "c.json", process=0, processes=2)
+    tuner._publish([{"m": 1}], tmp_path / "c.json", process=1, processes=2)
+    assert events == [("write", 1), ("barrier", 0), ("barrier", 1)]
+    events.clear()
+    tuner._publish([{"m": 1}], tmp_path / "c.json", process=0, processes=1)  # one process: no barrier
+    assert events == [("write", 1)]

@@ -141,6 +141,9 @@ class _Comm:
 
 
 _comms: dict[int, _Comm] = {}
+# Communicators whose creation or growth failed part way (a peer never published its heap, cudaMalloc
+# failed): their entry is not connected, so no call may be compiled against them. id -> the reason.
+_failed: dict[int, str] = {}
 _atexit_registered = False
 
 
@@ -227,6 +230,8 @@ def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int, inbox_bytes: 
     world = groups.shape[1]
     cid = comm_id(groups, axis_name)
     with _lock:
+        if cid in _failed:
+            raise Unavailable(_failed[cid])
         comm = _comms.get(cid)
         new = _capacity_for(comm, slot_bytes, max_tiles, inbox_bytes)
         if new is None:
@@ -251,7 +256,11 @@ def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int, inbox_bytes: 
         except Unavailable:
             raise
         except Exception as e:  # CUDA or key-value store failures during setup
-            raise Unavailable(f"communicator setup failed ({type(e).__name__}: {e})") from e
+            reason = f"communicator setup failed ({type(e).__name__}: {e})"
+            if cid in _comms:
+                # Created or grown but not connected: no later call site may compile against it.
+                _failed[cid] = f"{reason}; this process no longer uses the communicator of axis {axis_name!r}"
+            raise Unavailable(reason) from e
         return cid
 
 
@@ -371,8 +380,34 @@ def platform_reason(axis_name) -> tuple[Optional[str], Any, Any]:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     if platform != "gpu":
         return f"not running on CUDA GPUs (platform {platform!r})", mesh, None
+    if reason := command_buffer_hazard():
+        return reason, mesh, None
     ext, reason = _extension.registered()
     return reason, mesh, ext
+
+
+def command_buffer_hazard(xla_flags: Optional[str] = None) -> Optional[str]:
+    """Why XLA's flags (XLA_FLAGS, or `xla_flags`) make the fused path unsafe, or None.
+
+    Every fused call on a communicator shares its device epoch and side streams, so two of them must
+    never run at once. XLA's CONCURRENT command-buffer scheduling orders a graph's nodes only by the
+    buffers they share: independent fused calls recorded in one graph may then overlap, and their
+    kernels trap. Until the calls carry an order of their own, the fused path is refused there (the
+    XLA reference runs, with this reason), unless custom calls are kept out of command buffers."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    values = {}
+    for item in flags.split():
+        name, _, value = item.lstrip("-").partition("=")
+        values[name] = value
+    if values.get("xla_gpu_command_buffer_scheduling_mode", "").upper() != "CONCURRENT":
+        return None
+    enabled = values.get("xla_gpu_enable_command_buffer")
+    # Not given: XLA's default set, which records custom calls.
+    if enabled is not None and "CUSTOM_CALL" not in enabled.upper().split(","):
+        return None
+    return ("XLA_FLAGS sets --xla_gpu_command_buffer_scheduling_mode=CONCURRENT with custom calls in command "
+            "buffers: XLA may then run two fused calls of one communicator at once, which is not safe; use the "
+            "default scheduling mode (LHS), or leave CUSTOM_CALL out of --xla_gpu_enable_command_buffer")
 
 
 def mesh_reason(ext, mesh, axis_name, axis_size) -> Optional[str]:
@@ -383,6 +418,8 @@ def mesh_reason(ext, mesh, axis_name, axis_size) -> Optional[str]:
     groups = device_groups(mesh, axis_name)
     if groups.shape[1] != axis_size:
         return f"axis {axis_name!r} has {groups.shape[1]} devices, not {axis_size}"
+    if (failed := _failed.get(comm_id(groups, axis_name))) is not None:
+        return failed
     if comm_id(groups, axis_name) not in _comms:  # a communicator's devices were checked when it was made
         try:
             _check_devices(ext, groups)

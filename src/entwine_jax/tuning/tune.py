@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import math
 import sys
 from typing import Optional
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, _log, comm
+from entwine_jax import _distributed, _extension, _log, comm
 from entwine_jax.gemm_rs import fused
 from entwine_jax.gemm_rs import plan as kernel_plan
 from entwine_jax.gemm_rs.config import GemmRsConfig, heuristic_config, producer_sms_beside, with_overrides
@@ -314,10 +315,25 @@ def tune(mesh, axis_name, shapes, dtype=jnp.bfloat16, candidates=None, iters: in
         if cls is not None:
             entry["device_class"] = cls
         entries.append(entry)
-    if entries and jax.process_index() == 0:
+    _publish(entries, cache_path, jax.process_index(), jax.process_count())
+    return results
+
+
+_publications = itertools.count()  # numbers the barriers of _publish (key-value keys are written once)
+_PUBLISH_TIMEOUT_MS = 300_000
+
+
+def _publish(entries: list, cache_path, process: int, processes: int) -> None:
+    """Process 0 writes the winners into the cache; then every process waits for that write (tune()
+    is a collective, so all of them are here). Without the barrier a process could trace its next
+    program before the write and pick another config than its peers: the ranks of one fused call
+    would then disagree on the plan."""
+    if entries and process == 0:
         written = write_cache(entries, cache_path)
         _log.logger.info("tune: %d winner(s) written to %s", len(entries), written)
-    return results
+    if processes > 1:
+        _distributed.barrier(f"entwine_tune/{next(_publications)}/written", range(processes), process,
+                             _PUBLISH_TIMEOUT_MS)
 
 
 def main(argv=None, prog="python -m entwine_jax tune") -> int:
