@@ -1,6 +1,7 @@
 # The two ops as users call them, and the custom VJPs that pair them: the backward of gemm_rs is an
 # ag_gemm in the same layout (its gathered dy also serves dw), and the backward of ag_gemm is a
 # gemm_rs (its gathered x serves dw). docs/design.md, "The pairing".
+import dataclasses
 import functools
 from typing import Optional
 
@@ -32,8 +33,12 @@ def _gemm_rs_bwd(plan, res, dy):
         return gemm_rs_reference_bwd(x, w, dy, axis_name=plan.axis_name, scatter_dimension=plan.scatter_dimension)
     # The backward of a reduce-scatter is an all-gather: dx = all_gather(dy) @ w.T is one ag_gemm in
     # the same layout (gathering the scattered dim), and its gathered dy serves dw = x.T @ g.
-    dx, g = ag_gemm(dy, w.T, axis_name=plan.axis_name, gather_dimension=plan.scatter_dimension,
-                    config=AgGemmConfig(path="fused") if plan.config.path == "fused" else None,
+    # A forward the user forced onto the kernels keeps its backward there (the small-call rule of
+    # path "auto" must not move it to XLA), with the config the backward would choose itself.
+    config = None
+    if plan.config.path == "fused":
+        config = dataclasses.replace(ag_op.default_config(dy, w.T, plan.axis_size), path="fused")
+    dx, g = ag_gemm(dy, w.T, axis_name=plan.axis_name, gather_dimension=plan.scatter_dimension, config=config,
                     return_gathered=True)
     return dx, matmul_weight_grad(x, g, w.dtype)
 
@@ -61,6 +66,9 @@ def _ag_gemm_bwd(plan, res, cotangents):
     # dx is a reduce-scatter of dy @ w.T over the gathered dim: one gemm_rs on dy and w.T (rows
     # layout: scatter the gathered dim; contraction layout: scatter the last dim, K).
     rs_config = GemmRsConfig(path="xla") if plan.config.path == "xla" else None
+    if plan.config.path == "fused":  # as in _gemm_rs_bwd: a forced forward keeps its backward fused
+        config, _ = rs_op.default_config(dy, w.T, plan.axis_size, plan.gather_dimension)
+        rs_config = dataclasses.replace(config, path="fused")
     dx = gemm_rs(dy, w.T, axis_name=plan.axis_name, scatter_dimension=plan.gather_dimension, config=rs_config)
     # A cotangent of the returned gathered operand reduce-scatters onto x too.
     if dg is not None:

@@ -85,6 +85,13 @@ def _check_config(config: AgGemmConfig) -> None:
                          f"{sms - 1} on {where}, got {config.gemm_sms}")
 
 
+def _cost(x, w, size: int) -> tuple[float, float]:
+    """(flops of this rank's GEMM on the gathered operand, bytes the gather brings in: the W - 1
+    peers' shards). Either layout: the gathered operand holds W shards, the GEMM covers all of them."""
+    shard = math.prod(x.shape)
+    return 2.0 * size * shard * w.shape[1], (size - 1) * shard * jnp.dtype(x.dtype).itemsize
+
+
 def _fused_arguments(x, w, axis_name, size, gd, config) -> tuple:
     x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
@@ -94,7 +101,7 @@ def _fused_arguments(x, w, axis_name, size, gd, config) -> tuple:
 def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, config: AgGemmConfig) -> Optional[str]:
     """Why a call on operands shaped like x and w (gather_dimension normalised) takes the XLA path on
     this mesh, or None; asks only, no communicator is made (for programs that report on calls)."""
-    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "gather")
+    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size))
     if reason is not None:
         return reason
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, gather_dimension, config)
@@ -103,12 +110,17 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, con
 
 def _prepare(x, w, axis_name, size, gd, config) -> tuple[Any, Optional[str]]:
     """(fused.AgGemmCall, None) when the fused kernels run this call, else (None, the reason)."""
-    reason = callsite.early_reason(OP, config, size, x.dtype, "gather")
+    reason = callsite.early_reason(OP, config, size, x.dtype, "gather", *_cost(x, w, size))
     if reason is not None:
         return None, reason
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, gd, config)
     return callsite.prepare(OP, lambda: fused.unavailable_reason(x2d, w_aval, **kwargs),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
+
+
+def default_config(x, w, size: int) -> AgGemmConfig:
+    """The config of a call without an override: the heuristic."""
+    return ag_heuristic_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], size, x.dtype)
 
 
 def plan(x, w, *, axis_name, gather_dimension, config: Optional[AgGemmConfig], return_gathered: bool) -> Plan:
@@ -121,8 +133,7 @@ def plan(x, w, *, axis_name, gather_dimension, config: Optional[AgGemmConfig], r
         raise ValueError(f"ag_gemm: return_gathered must be a bool, got {return_gathered!r}")
     source = "override"
     if config is None:
-        config, source = ag_heuristic_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], size,
-                                             x.dtype), "heuristic"
+        config, source = default_config(x, w, size), "heuristic"
     _check_config(config)
     fused_call, reason = _prepare(x, w, axis_name, size, gd, config)
     p = Plan(axis_name=axis_name, axis_size=size, gather_dimension=gd, config=config,

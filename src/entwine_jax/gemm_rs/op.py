@@ -71,6 +71,13 @@ def _check_config(config: GemmRsConfig) -> None:
         raise ValueError(f"gemm_rs: config {config} cannot run on the fused kernels: {rule}")
 
 
+def _cost(x, w, size: int) -> tuple[float, float]:
+    """(flops of this rank's GEMM, bytes its reduce-scatter brings in: the W - 1 peers' partials of
+    this rank's slice of the [M, N] product)."""
+    m, (k, n) = math.prod(x.shape[:-1]), w.shape
+    return 2.0 * m * n * k, (size - 1) / size * m * n * jax.numpy.dtype(x.dtype).itemsize
+
+
 def _fused_arguments(x, w, axis_name, size, sd, config) -> tuple:
     x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
@@ -82,7 +89,7 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, scatter_dimension: int, co
     """Why a call on operands shaped like x and w (scatter_dimension normalised) takes the XLA path
     on this mesh, or None; asks only, no communicator is made (for programs that report on calls,
     e.g. the benchmarks)."""
-    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "reduce or scatter")
+    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "reduce or scatter", *_cost(x, w, axis_size))
     if reason is not None:
         return reason
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, scatter_dimension, config)
@@ -91,12 +98,23 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, scatter_dimension: int, co
 
 def _prepare(x, w, axis_name, size, sd, config) -> tuple[Any, Optional[str]]:
     """(fused.GemmRsCall, None) when the fused kernels run this call, else (None, the reason)."""
-    reason = callsite.early_reason(OP, config, size, x.dtype, "reduce or scatter")
+    reason = callsite.early_reason(OP, config, size, x.dtype, "reduce or scatter", *_cost(x, w, size))
     if reason is not None:
         return None, reason
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, sd, config)
     return callsite.prepare(OP, lambda: fused.unavailable_reason(x2d, w_aval, **kwargs),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
+
+
+def default_config(x, w, size: int, sd: int) -> tuple[GemmRsConfig, str]:
+    """(config, source) of a call without an override: set_default_config(), else the tuned table,
+    else the heuristic. sd: the normalised scatter dimension."""
+    config = get_default_config()
+    if config is not None:
+        return config, table.SOURCE_OVERRIDE
+    # Keyed by the rows of x as this rank sees them (before the scatter), N, K_local, W, dtype.
+    return table.select_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], size, x.dtype,
+                               rows=kernel_scatter_dim(x, sd) == 0)
 
 
 def plan(x, w, *, axis_name, scatter_dimension, config: Optional[GemmRsConfig]) -> Plan:
@@ -107,11 +125,7 @@ def plan(x, w, *, axis_name, scatter_dimension, config: Optional[GemmRsConfig]) 
         raise ValueError(f"gemm_rs: config must be a GemmRsConfig or None, got {type(config).__name__}")
     source = table.SOURCE_OVERRIDE
     if config is None:
-        config = get_default_config()
-    if config is None:
-        # Keyed by the rows of x as this rank sees them (before the scatter), N, K_local, W, dtype.
-        config, source = table.select_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], size, x.dtype,
-                                             rows=kernel_scatter_dim(x, sd) == 0)
+        config, source = default_config(x, w, size, sd)
     _check_config(config)
     fused_call, reason = _prepare(x, w, axis_name, size, sd, config)
     p = Plan(axis_name=axis_name, axis_size=size, scatter_dimension=sd, config=config, reason=reason,

@@ -1,0 +1,69 @@
+# The small-call rule of path="auto" (entwine_jax.tuning.crossover): a call whose GEMM or transfer is
+# too short for the overlap to pay the fused op's fixed cost takes XLA, with a reason that says so;
+# the design suite's shapes and the grouped projections of a 70B layer take the fused path.
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from entwine_jax import AgGemmConfig, GemmRsConfig, ag_gemm, gemm_rs
+from entwine_jax.tuning import crossover
+from entwine_jax.tuning.timing import DESIGN_SUITE
+
+
+@pytest.fixture(autouse=True)
+def _real_costs(monkeypatch):
+    monkeypatch.setattr(crossover, "COSTS", crossover.Costs())
+
+
+def gemm_rs_cost(m, n, k, world):
+    return 2.0 * m * n * k, (world - 1) / world * m * n * 2
+
+
+def ag_gemm_cost(rows, cols, n, world):
+    return 2.0 * world * rows * cols * n, (world - 1) * rows * cols * 2
+
+
+@pytest.mark.parametrize("m,n,k", DESIGN_SUITE)
+@pytest.mark.parametrize("world", [2, 8])
+def test_design_suite_takes_the_fused_path(m, n, k, world):
+    assert crossover.fused_cannot_win("gemm_rs", *gemm_rs_cost(m, n, k, world)) is None
+
+
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_few_tokens_per_rank_take_xla(tokens):
+    # Llama-3-70B's projections at tensor 8 with a handful of tokens per rank: microseconds of work.
+    assert crossover.fused_cannot_win("gemm_rs", *gemm_rs_cost(8 * tokens, 8192, 1024, 8)) is not None
+    assert crossover.fused_cannot_win("ag_gemm", *ag_gemm_cost(tokens, 8192, 1280, 8)) is not None
+
+
+def test_70b_layer_at_16k_tokens():
+    # 2048 tokens per rank, tensor 8: the grouped q/k/v and gate/up calls are fused; key or value
+    # alone ([8192, 128] per rank) would hide less than the pushes cost: the reason to group them.
+    assert crossover.fused_cannot_win("ag_gemm", *ag_gemm_cost(2048, 8192, 1024 + 128 + 128, 8)) is None
+    assert crossover.fused_cannot_win("ag_gemm", *ag_gemm_cost(2048, 8192, 2 * 3584, 8)) is None
+    reason = crossover.fused_cannot_win("ag_gemm", *ag_gemm_cost(2048, 8192, 128, 8))
+    assert reason.startswith("a small call: the overlap can hide at most") and "fixed cost of ~70 us" in reason
+
+
+def test_auto_reports_the_rule_and_fused_is_not_subject_to_it(capsys, monkeypatch):
+    # On CPU the fused path cannot run anyway; the rule is asked first and names itself.
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+    for config, k in ((None, 64), (GemmRsConfig(path="fused"), 128)):  # two call sites, printed once each
+        x, w = jnp.zeros((16, k), jnp.bfloat16), jnp.zeros((k, 32), jnp.bfloat16)
+        f = jax.shard_map(lambda x, w: gemm_rs(x, w, axis_name="tp", config=config), mesh=mesh,
+                          in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
+        with jax.set_mesh(mesh):
+            jax.jit(f).lower(jax.device_put(x, P(None, "tp")), jax.device_put(w, P("tp", None)))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("entwine_jax.gemm_rs")]
+    assert "a small call" in lines[0] and "a small call" not in lines[1]
+    x, w = jnp.zeros((16, 64), jnp.bfloat16), jnp.zeros((64, 32), jnp.bfloat16)
+    g = jax.shard_map(lambda x, w: ag_gemm(x, w, axis_name="tp", config=AgGemmConfig()), mesh=mesh,
+                      in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"))
+    with jax.set_mesh(mesh):
+        jax.jit(g).lower(jax.device_put(x, P("tp", None)), jax.device_put(w, P(None, "tp")))
+    assert "a small call" in capsys.readouterr().err
