@@ -110,11 +110,10 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, con
 
 def _prepare(x, w, axis_name, size, gd, config) -> tuple[Any, Optional[str]]:
     """(fused.AgGemmCall, None) when the fused kernels run this call, else (None, the reason)."""
-    reason = callsite.early_reason(OP, config, size, x.dtype, "gather", *_cost(x, w, size))
-    if reason is not None:
-        return None, reason
+    # why_not_fused only answers; prepare makes the communicator once it said None.
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, gd, config)
-    return callsite.prepare(OP, lambda: fused.unavailable_reason(x2d, w_aval, **kwargs),
+    return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, gather_dimension=gd,
+                                                      config=config),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
 
 

@@ -98,11 +98,10 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, scatter_dimension: int, co
 
 def _prepare(x, w, axis_name, size, sd, config) -> tuple[Any, Optional[str]]:
     """(fused.GemmRsCall, None) when the fused kernels run this call, else (None, the reason)."""
-    reason = callsite.early_reason(OP, config, size, x.dtype, "reduce or scatter", *_cost(x, w, size))
-    if reason is not None:
-        return None, reason
+    # why_not_fused only answers; prepare makes the communicator once it said None.
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, sd, config)
-    return callsite.prepare(OP, lambda: fused.unavailable_reason(x2d, w_aval, **kwargs),
+    return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, scatter_dimension=sd,
+                                                      config=config),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
 
 
