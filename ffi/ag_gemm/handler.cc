@@ -201,9 +201,10 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 }
 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
-ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
-                      bool gather_k, AgGemmConfig config) {
+// The tokens order the fused calls of a program (gemm_rs's handler); they carry no data.
+ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Token,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, ffi::Result<ffi::Token>,
+                      int64_t comm_id, bool gather_k, AgGemmConfig config) {
   try {
     return RunAgGemm(xla_stream, device, x, w, y, gathered, comm_id, gather_k, config);
   } catch (const std::exception& e) {
@@ -227,8 +228,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Arg<ffi::AnyBuffer>()                     // x: the local shard
                                   .Arg<ffi::AnyBuffer>()                     // w
+                                  .Arg<ffi::Token>()                         // order in (fused calls)
                                   .Ret<ffi::AnyBuffer>()                     // y
                                   .Ret<ffi::AnyBuffer>()                     // gathered (or empty)
+                                  .Ret<ffi::Token>()                         // order out
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<bool>("gather_k")                    // gather_k
                                   .Attr<entwine::AgGemmConfig>("config"),    // config

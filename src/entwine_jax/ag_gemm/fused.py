@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, comm
+from entwine_jax import _extension, _ordered, comm
 from entwine_jax.ag_gemm import plan as _plan
 from entwine_jax.comm import Unavailable
 
@@ -146,11 +146,10 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
     x_pad, w_pad = pad_operands(x2d, w, p)
     y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
     gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
-    ffi = jax.ffi.ffi_call(site.target, (jax.ShapeDtypeStruct((y_rows, p.n_pad), x2d.dtype),
-                                         jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)),
-                           vmap_method="sequential")
     c = site.config
-    y, gathered = ffi(x_pad, w_pad, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
-                      config=c.kernel_attributes(site.gemm_sms))
+    y, gathered = _ordered.fused_call(
+        site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), x2d.dtype), jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)],
+        x_pad, w_pad, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
+        config=c.kernel_attributes(site.gemm_sms))
     return unpad(y, gathered if return_gathered else None, p)
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, comm
+from entwine_jax import _extension, _ordered, comm
 from entwine_jax.comm import Unavailable
 from entwine_jax.gemm_rs import plan as _plan
 from entwine_jax.gemm_rs.config import GemmRsConfig
@@ -146,11 +146,9 @@ def call(x2d, w, site: GemmRsCall) -> jax.Array:
     [M / W, N] (rows) or [M, N / W] (columns). Pads as the plan says, calls, unpads."""
     p = site.plan
     x_pad, w_pad = pad_operands(x2d, w, p)
-    # Under jax.vmap the call runs once per batch element (a loop on the device, like lax.scan):
-    # each element is its own reduce-scatter, with its own epoch.
-    ffi = jax.ffi.ffi_call(site.target, jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype), vmap_method="sequential")
-    y = ffi(x_pad, w_pad, comm_id=np.int64(site.comm_id), scatter_dimension=np.int64(site.scatter_dimension),
-            config=site.config.kernel_attributes())
+    y, = _ordered.fused_call(site.target, [jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype)], x_pad, w_pad,
+                             comm_id=np.int64(site.comm_id), scatter_dimension=np.int64(site.scatter_dimension),
+                             config=site.config.kernel_attributes())
     return unpad(y, p)
 
 
