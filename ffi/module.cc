@@ -119,6 +119,9 @@ NB_MODULE(_entwine, m) {
         "New local heaps (disconnected on every rank first; the old ones are retired until shutdown); "
         "keeps the epochs.");
 
+  m.def("name_call", &comm::name_call, nb::arg("signature"), nb::arg("description"),
+        "Names a call signature for the messages of a failed call (Python, at trace time).");
+
   m.def("error_message",
         [](int64_t comm_id) { return comm::error_message(comm_id); },
         nb::arg("comm_id"), "The device error recorded by a local rank of the comm, or None.");

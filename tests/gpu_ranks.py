@@ -23,12 +23,16 @@ Suites:
            communicator, every result checked.
   agmissing  as `missing`, for ag_gemm: the ranks waiting for the absent rank's chunks report it.
   cmdbuf   XLA command buffers (CUDA graphs) on for fusions, custom calls, loops and conditionals,
-           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts) and a lax.scan of
-           both ops, 20 runs each on operands generated in the program from fresh seeds, every
+           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts), three independent
+           fused calls in one program (ordered by the token alone) and a lax.scan of both ops, 20 runs each on operands generated in the program from fresh seeds, every
            result checked; the device epoch must advance once per call while the handlers execute
            fewer times (the rest are replays), except in the loop, which XLA keeps out of its graphs.
   cmdbufmissing  as `missing`, under command buffers: the replayed call of the ranks whose peer
            never came traps at the deadline, XLA raises, check_errors() names the absent rank.
+  skipcall the last rank skips the first of two different calls (it runs the second while its peers
+           run the first): every rank must fail within seconds (a mismatch naming both calls, or the
+           abort of a peer that saw it), every output since is NaN, the next call is refused.
+  disagree as skipcall, for one shape whose config differs on the last rank (a plan disagreement).
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
            gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time; reports it and
            checks the results.
@@ -68,7 +72,8 @@ def _free_port() -> int:
 def launch(args) -> int:
     # `all` runs the suites as separate launches: the short deadline of `missing` is read once per
     # process, and would turn the compile-time skew between ranks of the other suites into errors.
-    suites = (["quick", "ag", "stress", "mixed", "missing", "agmissing", "cmdbuf", "cmdbufmissing"]
+    suites = (["quick", "ag", "stress", "mixed", "missing", "agmissing", "cmdbuf", "cmdbufmissing", "skipcall",
+               "disagree"]
               if args.suite == "all"
               else args.suite.split(","))
     lines = [launch_suite(args, suite) for suite in suites]
@@ -82,7 +87,7 @@ def launch_suite(args, suite) -> str:
     """Runs one suite on W fresh processes; returns 'PASS (...)' or 'FAIL (...)'."""
     port = _free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    if suite in ("missing", "agmissing", "cmdbufmissing"):
+    if suite in ("missing", "agmissing", "cmdbufmissing", "skipcall", "disagree"):
         env["ENTWINE_TIMEOUT_MS"] = str(MISSING_TIMEOUT_MS)
     env.pop("XLA_FLAGS", None)  # fake host devices of the pytest process would confuse the mesh
     if suite.startswith("cmdbuf"):
@@ -234,7 +239,7 @@ class Rank:
 
     # -- the op --
 
-    def gemm_fn(self, m, n, k, dtype, extra_work=False):
+    def gemm_fn(self, m, n, k, dtype, extra_work=False, config=None):
         """jit(shard_map(entwine_jax.gemm_rs)); refuses to run unless it lowers to the fused call
         (the XLA fallback would need NCCL, which cannot run two ranks on one GPU)."""
         import jax
@@ -245,7 +250,7 @@ class Rank:
         from entwine_jax import comm
         from entwine_jax.gemm_rs import fused as rs_fused
 
-        config = self.fused_config(m, n, k, dtype)
+        config = config or self.fused_config(m, n, k, dtype)
         with jax.set_mesh(self.mesh):
             reason = rs_fused.unavailable_reason(
                 jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype), axis_name="tp",
@@ -528,6 +533,18 @@ class Rank:
             return entwine_jax.ag_gemm(dev(seed, (rows, cols), 3), dev(seed, (kk, n_ag), 4), axis_name="tp",
                                        gather_dimension=-1 if gather_k else 0, config=ag_config)
 
+        def independent(seed):
+            # Three fused calls that share no data: only the order token orders them, so XLA's
+            # scheduler may place them anywhere but must keep the same order on every rank.
+            y1 = rs(seed, False)
+            y2 = entwine_jax.gemm_rs(dev(seed, (m, k), 5), dev(seed, (k, n), 6), axis_name="tp", config=rs_config)
+            return y1, y2, ag(seed, False)
+
+        def independent_local(seed):
+            xs = [host(seed, q, (m, k), 5) for q in range(w_)]
+            ws = [host(seed, q, (k, n), 6) for q in range(w_)]
+            return [rs_local(seed), self.reference(xs, ws), ag_local(seed, False)]
+
         layers = 3
 
         def scanned(seed):
@@ -551,6 +568,8 @@ class Rank:
              True),
             ("ag_gemm contraction", program(lambda s: ag(s, True), P(None, "tp")), 1, lambda s: [ag_local(s, True)],
              True),
+            ("three independent calls", program(independent, (P("tp", None), P("tp", None), P(None, "tp"))), 3,
+             independent_local, True),
             (f"scan of {layers} steps of both ops", program(scanned, (P(None, "tp", None), P(None, None, "tp"))),
              2 * layers, lambda s: [r for t in range(layers) for r in (rs_local(s, t), ag_local(s, False, t))],
              False),
@@ -586,7 +605,7 @@ class Rank:
                 seed = 1 + i % (runs // 2 + 1) * 7  # fresh seeds, then some again
                 out = call(seed)
                 outs = [self.local(o) for o in (out if isinstance(out, tuple) else (out,))]
-                if per_run > 1:  # scan: stacked over the steps, one stack per op
+                if per_run > len(outs):  # scan: stacked over the steps, one stack per op
                     outs = [o[t] for t in range(per_run // len(outs)) for o in outs]
                 comm.check_errors()
                 for j, (y, r) in enumerate(zip(outs, ref(seed))):
@@ -1009,6 +1028,89 @@ class Rank:
         absent = self.world - 1
         return self.absent_rank("missing", lambda: f(gx, gw), f"from rank {absent}", "entwine gemm_rs")
 
+    def skipcall(self):
+        """The last rank skips one call of a sequence of two different calls (a caught error on one
+        rank, say): at the same epoch it runs the second call while its peers run the first. Every
+        rank must fail with an error (the ranks that see it: one naming both calls), every output
+        since is NaN, nothing hangs, and the next call is refused."""
+        import jax.numpy as jnp
+
+        w_ = self.world
+        first = (w_ * 128, 256, 128)
+        second = (w_ * 256, 384, 64)
+        calls = {}
+        for name, (m, n, k) in (("first", first), ("second", second)):
+            xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=len(calls) + 31)
+            calls[name] = (self.gemm_fn(m, n, k, jnp.bfloat16), self.global_arrays(xs, ws), self.reference(xs, ws))
+        sequence = ["second", "second"] if self.rank == w_ - 1 else ["first", "second", "second"]
+        return self.disagreement("skipcall", calls, sequence)
+
+    def disagree(self):
+        """Same shape, different plans: the last rank runs the call with another config (a tuned
+        table that differs between ranks, say). Its signature differs: every rank fails, one of them
+        naming both calls, instead of adding up partial tiles of different layouts."""
+        import dataclasses
+
+        import jax.numpy as jnp
+
+        m, n, k = self.world * 256, 512, 256
+        xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=41)
+        config = self.fused_config(m, n, k, jnp.bfloat16)
+        other = dataclasses.replace(config, consumer_grid=config.consumer_grid // 2 if config.consumer_grid > 1 else 2)
+        calls = {"agreed": (self.gemm_fn(m, n, k, jnp.bfloat16), self.global_arrays(xs, ws), self.reference(xs, ws)),
+                 "own": (self.gemm_fn(m, n, k, jnp.bfloat16, config=other if self.rank == self.world - 1 else None),
+                         self.global_arrays(xs, ws), self.reference(xs, ws))}
+        return self.disagreement("disagree", calls, ["own", "agreed"])
+
+    def disagreement(self, suite, calls, sequence):
+        """Warm-up: every call of `calls` ({name: (f, (gx, gw), reference)}) once on every rank, checked.
+        Then this rank runs `sequence` (ranks differ): every rank must get an error from check_errors
+        (a mismatch naming both calls, or the abort of a peer that saw one) within a few seconds, every
+        output of the sequence must be all NaN or its call must raise, and the next call must be refused."""
+        import jax
+        import numpy as np
+
+        from entwine_jax import _distributed, comm
+
+        for name in sorted(calls):
+            f, (gx, gw), ref = calls[name]
+            self.check(self.local(f(gx, gw)), ref, f"{suite}: warm-up {name}")
+        comm.check_errors()
+        _distributed.barrier(f"entwine_test/{suite}_warm", range(self.world), self.rank, 120_000)
+        t0 = time.monotonic()
+        outputs = []
+        for name in sequence:
+            f, (gx, gw), _ = calls[name]
+            try:
+                outputs.append((name, self.local(jax.block_until_ready(f(gx, gw)))))
+            except Exception as e:  # the handler refused: the error was already seen on this rank
+                outputs.append((name, f"{type(e).__name__}"))
+        waited = time.monotonic() - t0
+        try:
+            comm.check_errors()
+        except RuntimeError as e:
+            message = str(e)
+        else:
+            raise AssertionError(f"{suite}: no error after {waited:.1f} s although the ranks ran different calls")
+        if "while rank" not in message and "gave up on the communicator" not in message:
+            raise AssertionError(f"{suite}: the error is neither a mismatch nor an abort: {message}")
+        if "while rank" in message and message.count("gemm_rs bfloat16") != 2:
+            raise AssertionError(f"{suite}: the mismatch does not describe both calls: {message}")
+        for name, y in outputs:
+            if isinstance(y, np.ndarray) and not np.isnan(y.astype(np.float32)).all():
+                raise AssertionError(f"{suite}: an output of call {name} after the failure is not all NaN")
+        if waited > 10 * MISSING_TIMEOUT_MS / 1000 + 20:
+            raise AssertionError(f"{suite}: the failure took {waited:.1f} s")
+        f, (gx, gw), _ = calls[sequence[-1]]
+        try:
+            jax.block_until_ready(f(gx, gw))
+        except Exception:
+            pass
+        else:
+            raise AssertionError(f"{suite}: a call after the failure was not refused")
+        _distributed.barrier(f"entwine_test/{suite}_done", range(self.world), self.rank, 120_000)
+        return f"{suite}: failed after {waited:.1f} s with: {message[:200]}"
+
     def absent_rank(self, suite, call, names_absent, op):
         """The last rank skips one call; every other rank must get the deadline error (naming the
         absent rank as `names_absent`, or one of its phrases, says, and the timeout) within the deadline and never hang; with
@@ -1055,7 +1157,8 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=2, help="number of ranks (processes), 1..8")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (rank r on GPU r %% gpus)")
     parser.add_argument("--suite", default="quick",
-                        help="quick, ag, stress, mixed, missing, agmissing, cmdbuf, cmdbufmissing, hostcost, all, "
+                        help="quick, ag, stress, mixed, missing, agmissing, cmdbuf, cmdbufmissing, skipcall, disagree, "
+                             "hostcost, all, "
                              "or a comma-separated list")
     parser.add_argument("--timeout", type=float, default=900, help="wall-clock limit per suite in seconds; stragglers are killed")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)

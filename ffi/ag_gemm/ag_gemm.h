@@ -76,10 +76,6 @@ struct AgGemmArgs {
   DeviceError* error_mirror;  // host-mapped copy written once on failure
   CallEpoch call;
   uint64_t timeout_ns;
-  // ready[rank] in the heap of every peer (nullptr at this rank): the GEMM's first thread stores the
-  // call's epoch there as it starts, which tells each peer that this rank's inbox is free (every
-  // earlier call, its reads of the inbox included, is complete: stream order).
-  uint64_t* announce[kMaxWorld];
 };
 
 // The wait that opens a transfer stream (transfer.cu): no byte goes to the receiver before its GEMM

@@ -53,7 +53,7 @@ using handler::dims_string;
 // every call of either op takes a flag from every peer), so calls of both ops may alternate.
 ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
-                     bool gather_k, AgGemmConfig const& config) {
+                     bool gather_k, int64_t signature, AgGemmConfig const& config) {
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
   handler::HostTimer timer{dc};
@@ -128,7 +128,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   char* const own_inbox = own + dc->layout.inbox_offset();
   int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
   char const* const shard = static_cast<char const*>(x.untyped_data());
-  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing);
+  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
   uint64_t const timeout_ns = comm::timeout_ms() * 1000000ull;
 
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
@@ -142,12 +142,6 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   args.error_mirror = dc->error_device;
   args.call = epoch_args;
   args.timeout_ns = timeout_ns;
-  for (int q = 0; q < world; ++q) {
-    if (q != dc->rank) {
-      args.announce[q] = reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[q]) + dc->layout.ready_offset()) +
-                         dc->rank;
-    }
-  }
   // The GEMM first: its local shard needs nothing from a peer, so it starts while the host still
   // enqueues the pushes (2 calls per chunk and peer).
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
@@ -195,8 +189,12 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   for (int d = 1; d < world; ++d) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->transfer_done[d], 0));
   }
-  // The next call's epoch, once this whole call is done.
-  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_advance_epoch(dc->epoch, xla_stream));
+  // The next call's epoch, once this whole call is done (outputs poisoned if the call failed anywhere).
+  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(handler::call_end(*dc, epoch_args, y->untyped_data(),
+                                                                       int64_t(y->size_bytes()),
+                                                                       gathered->untyped_data(),
+                                                                       int64_t(gathered->size_bytes())),
+                                                    xla_stream));
   return ffi::Error::Success();
 }
 
@@ -204,9 +202,9 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 // The tokens order the fused calls of a program (gemm_rs's handler); they carry no data.
 ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Token,
                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, ffi::Result<ffi::Token>,
-                      int64_t comm_id, bool gather_k, AgGemmConfig config) {
+                      int64_t comm_id, bool gather_k, int64_t signature, AgGemmConfig config) {
   try {
-    return RunAgGemm(xla_stream, device, x, w, y, gathered, comm_id, gather_k, config);
+    return RunAgGemm(xla_stream, device, x, w, y, gathered, comm_id, gather_k, signature, config);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("entwine ag_gemm: ") + e.what());
   } catch (...) {
@@ -234,5 +232,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
                                   .Ret<ffi::Token>()                         // order out
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<bool>("gather_k")                    // gather_k
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
                                   .Attr<entwine::AgGemmConfig>("config"),    // config
                               {ffi::Traits::kCmdBufferCompatible});

@@ -18,15 +18,14 @@ namespace {
 
 __global__ void __launch_bounds__(32) wait_receiver(TransferArgs a) {
   uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
-  wait::wait_flag_warp(a.ready, epoch, a.timeout_ns, a.error, a.error_mirror, a.rank, a.peer, 0,
-                       kWaitInboxReady, a.call.trap);
+  wait::wait_flag_warp(a.ready, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, a.peer, 0,
+                       kWaitInboxReady);
 }
 
 __global__ void __launch_bounds__(32) release_chunk(uint64_t* flag, CallEpoch call) {
   if (threadIdx.x == 0) {
     uint64_t const epoch = ptx::load_relaxed_sys(call.epoch);
-    ptx::fence_acq_rel_sys();
-    ptx::store_relaxed_sys(flag + (epoch & 1) * call.flags_stride, epoch);
+    wait::release_stamp(flag + (epoch & 1) * call.flags_stride, epoch, call);
   }
 }
 

@@ -33,6 +33,14 @@ std::map<int64_t, Comm>& registry() {
   return *comms;
 }
 
+// What each call signature this process traced is (name_call), for error messages. Its own lock:
+// messages are formatted while registry_mutex is held.
+std::mutex call_names_mutex;
+std::map<uint32_t, std::string>& call_names() {
+  static auto* names = new std::map<uint32_t, std::string>();  // leaked, as the registry
+  return *names;
+}
+
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear a non-sticky error so later calls are not blamed for it
@@ -394,13 +402,31 @@ DeviceComm* find(int64_t comm_id, int device) noexcept {
   return jt == it->second.by_device.end() ? nullptr : jt->second.get();
 }
 
+void name_call(uint32_t signature, const std::string& description) {
+  std::lock_guard<std::mutex> lock(call_names_mutex);
+  call_names()[signature & kSignatureMask] = description;
+}
+
+namespace {
+
+// "call 17 (gemm_rs x [512, 1024] ...)": a stamp as the user knows it; a signature this process
+// never traced is printed as a number.
+std::string describe_stamp(uint64_t value) {
+  std::string name = "signature " + std::to_string(stamp_signature(value));
+  {
+    std::lock_guard<std::mutex> lock(call_names_mutex);
+    auto it = call_names().find(stamp_signature(value));
+    if (it != call_names().end()) name = it->second;
+  }
+  return "call " + std::to_string(stamp_epoch(value)) + " (" + name + ")";
+}
+
+}  // namespace
+
 std::optional<std::string> error_message(const DeviceComm& dc) {
   // Host-mapped and written by the kernel: volatile reads, code last-written by convention.
   const volatile DeviceError* e = dc.error_host;
-  if (e == nullptr || e->code == 0) return std::nullopt;
-  if (e->code != kErrorDeadline) {
-    return "entwine: rank " + std::to_string(dc.rank) + " recorded device error code " + std::to_string(e->code);
-  }
+  if (e == nullptr || e->code == 0 || e->code == kErrorClaimed) return std::nullopt;
   DeviceError record{};
   record.code = e->code;
   record.rank = e->rank;
@@ -409,6 +435,21 @@ std::optional<std::string> error_message(const DeviceComm& dc) {
   record.expected = e->expected;
   record.observed = e->observed;
   record.site = e->site;
+  std::string const unusable = "; the communicator is unusable until the process restarts, and every output of a "
+                               "fused call on it since the failure is NaN";
+  if (record.code == kErrorAborted) {
+    return "entwine: rank " + std::to_string(record.source) + " gave up on the communicator (its own error says why)" +
+           unusable;
+  }
+  if (record.code == kErrorMismatch) {
+    return "entwine: rank " + std::to_string(record.rank) + " ran " + describe_stamp(record.expected) + " while rank " +
+           std::to_string(record.source) + " ran " + describe_stamp(record.observed) +
+           ": the ranks disagree on the sequence of fused calls (a call skipped on one rank, a different plan, "
+           "or calls dispatched in different orders)" + unusable;
+  }
+  if (record.code != kErrorDeadline) {
+    return "entwine: rank " + std::to_string(dc.rank) + " recorded device error code " + std::to_string(record.code);
+  }
   std::string const waited = "rank " + std::to_string(record.rank) + " waited " + std::to_string(timeout_ms()) + " ms ";
   std::string what = "entwine: " + waited + "at unknown wait site " + std::to_string(record.site);
   for (int i = 0; i < op_count; ++i) {
@@ -417,8 +458,8 @@ std::optional<std::string> error_message(const DeviceComm& dc) {
       what = registered_ops[i]->describe_deadline(record, waited);
     }
   }
-  return what + " (expected epoch " + std::to_string(record.expected) + ", saw " + std::to_string(record.observed) +
-         "); the communicator is unusable until the process restarts";
+  return what + " in " + describe_stamp(record.expected) + " (its flag held " +
+         (record.observed == 0 ? std::string("nothing yet") : describe_stamp(record.observed)) + ")" + unusable;
 }
 
 std::optional<std::string> error_message(int64_t comm_id) {

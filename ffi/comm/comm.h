@@ -64,9 +64,10 @@ struct HeapLayout {
   size_t flags_bytes = 0;  // one parity
   size_t slot_bytes = 0;
   size_t inbox_bytes = 0;
-  static constexpr size_t kReadyBytes = 256;  // kMaxWorld u64, one per sender, padded
+  static constexpr size_t kReadyBytes = 256;  // kMaxWorld u64, one per sender, then the abort word, padded
   size_t flags_offset() const { return 0; }
   size_t ready_offset() const { return align(2 * flags_bytes); }
+  size_t abort_offset() const { return ready_offset() + kMaxWorld * sizeof(uint64_t); }
   size_t slot_offset() const { return ready_offset() + kReadyBytes; }
   size_t inbox_offset() const { return slot_offset() + 2 * slot_bytes; }
   size_t total() const { return inbox_offset() + inbox_bytes; }
@@ -144,9 +145,19 @@ void grow(int64_t comm_id, const Capacity& capacity);
 // Destroys every comm (synchronising each device first). Called once at exit from Python.
 void shutdown();
 
-// The call's epoch kernel (epoch.cu): one thread adds 1 to *epoch once `stream`'s earlier work,
-// the whole call, is done. prepare_epoch_kernel loads its module (setup).
-cudaError_t launch_advance_epoch(uint64_t* epoch, cudaStream_t stream);
+// The call's last kernel (epoch.cu): once `stream`'s earlier work, the whole call, is done, it
+// poisons the outputs if this rank failed or a peer aborted, then adds 1 to *epoch.
+// prepare_epoch_kernel loads its module (setup). Null pointers: nothing to check or poison.
+struct CallEnd {
+  uint64_t* epoch = nullptr;
+  DeviceError* error = nullptr;   // this rank's record (device memory)
+  DeviceError* mirror = nullptr;  // its host-mapped copy
+  const uint64_t* aborted = nullptr;  // this rank's abort word (CallEpoch::aborted)
+  int rank = 0;
+  void* out[2] = {};              // the call's outputs, poisoned on failure
+  int64_t bytes[2] = {};
+};
+cudaError_t launch_end_call(const CallEnd& end, cudaStream_t stream);
 cudaError_t prepare_epoch_kernel();
 
 // The epoch word of each local device, after synchronising it (tests and diagnostics only).
@@ -180,6 +191,10 @@ struct HandlerCost {
   double mean_us;
 };
 std::vector<HandlerCost> handler_cost(int64_t comm_id);
+
+// Names a call signature (CallEpoch::signature) for the error messages of this process: Python
+// names each call it traces (op, shapes, layout, config).
+void name_call(uint32_t signature, const std::string& description);
 
 // The device error recorded on this entry, formatted for the user, or nullopt.
 std::optional<std::string> error_message(const DeviceComm& dc);

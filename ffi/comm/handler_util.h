@@ -83,9 +83,36 @@ inline ffi::Error is_capturing(const char* op, cudaStream_t stream, bool* out) {
   return ffi::Error::Success();
 }
 
-// Where the kernels of a call on `dc` find its epoch and parity strides (protocol.h, CallEpoch).
-inline CallEpoch call_epoch(const comm::DeviceComm& dc, bool trap) {
-  return CallEpoch{dc.epoch, int64_t(dc.layout.slot_bytes), int64_t(dc.layout.flags_bytes / sizeof(uint64_t)), trap};
+// Where the kernels of a call on `dc` find its epoch, parity strides, ready and abort words, and
+// what the call is (protocol.h, CallEpoch).
+inline CallEpoch call_epoch(const comm::DeviceComm& dc, bool trap, int64_t signature) {
+  CallEpoch call{dc.epoch, int64_t(dc.layout.slot_bytes), int64_t(dc.layout.flags_bytes / sizeof(uint64_t)), trap,
+                 uint32_t(uint64_t(signature) & kSignatureMask)};
+  char* const own = static_cast<char*>(dc.heap);
+  call.ready = reinterpret_cast<const uint64_t*>(own + dc.layout.ready_offset());
+  call.aborted = reinterpret_cast<const uint64_t*>(own + dc.layout.abort_offset());
+  for (int q = 0; q < dc.world; ++q) {
+    char* const heap = static_cast<char*>(dc.peer_heap[q]);
+    call.abort[q] = reinterpret_cast<uint64_t*>(heap + dc.layout.abort_offset());
+    if (q != dc.rank) call.announce[q] = reinterpret_cast<uint64_t*>(heap + dc.layout.ready_offset()) + dc.rank;
+  }
+  return call;
+}
+
+// The call's last kernel's arguments: the epoch, the failure records, the outputs to poison.
+inline comm::CallEnd call_end(const comm::DeviceComm& dc, const CallEpoch& call, void* out0, int64_t bytes0,
+                              void* out1 = nullptr, int64_t bytes1 = 0) {
+  comm::CallEnd end;
+  end.epoch = dc.epoch;
+  end.error = dc.error_local;
+  end.mirror = dc.error_device;
+  end.aborted = call.aborted;
+  end.rank = dc.rank;
+  end.out[0] = out0;
+  end.bytes[0] = bytes0;
+  end.out[1] = out1;
+  end.bytes[1] = bytes1;
+  return end;
 }
 
 // Adds the handler's wall time, from its construction to the return, to the entry's host cost.

@@ -57,7 +57,7 @@ using handler::dims_string;
 // communicator (same epochs), which SPMD programs do.
 ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t scatter_dimension,
-                     GemmRsConfig const& cfg) {
+                     int64_t signature, GemmRsConfig const& cfg) {
   // --- Validation: everything below is cheap host work on the call's metadata. --------------------
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
@@ -131,7 +131,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   DeviceGuard guard;
   ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
   char* own = static_cast<char*>(dc->heap);
-  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing);
+  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
 
   ConsumerArgs consumer_args{};
   for (int s = 0; s < dc->world; ++s) {
@@ -166,8 +166,10 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
-  // The next call's epoch, once this whole call is done.
-  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_advance_epoch(dc->epoch, xla_stream));
+  // The next call's epoch, once this whole call is done (y poisoned if the call failed anywhere).
+  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(handler::call_end(*dc, epoch_args, y->untyped_data(),
+                                                                       int64_t(y->size_bytes())),
+                                                    xla_stream));
   return ffi::Error::Success();
 }
 
@@ -176,9 +178,9 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 // them); they carry no data.
 ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Token,
                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm_id,
-                      int64_t scatter_dimension, GemmRsConfig config) {
+                      int64_t scatter_dimension, int64_t signature, GemmRsConfig config) {
   try {
-    return RunGemmRs(xla_stream, device, x, w, y, comm_id, scatter_dimension, config);
+    return RunGemmRs(xla_stream, device, x, w, y, comm_id, scatter_dimension, signature, config);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("entwine gemm_rs: ") + e.what());
   } catch (...) {
@@ -205,5 +207,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                                   .Ret<ffi::Token>()                         // order out
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("scatter_dimension")        // scatter_dimension
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
                                   .Attr<entwine::GemmRsConfig>("config"),    // config
                               {ffi::Traits::kCmdBufferCompatible});

@@ -118,7 +118,7 @@ cudaGraphExec_t capture_call(cudaStream_t origin, std::vector<cudaStream_t> cons
     CHECK_CUDA(cudaEventRecord(joins[i], streams[i]));
     CHECK_CUDA(cudaStreamWaitEvent(origin, joins[i], 0));
   }
-  CHECK_CUDA(comm::launch_advance_epoch(epoch_word, origin));
+  CHECK_CUDA(comm::launch_end_call(comm::CallEnd{epoch_word}, origin));
   cudaGraph_t graph;
   CHECK_CUDA(cudaStreamEndCapture(origin, &graph));
   cudaGraphExec_t exec;
@@ -255,7 +255,7 @@ struct World {
       launch_producers(skip_rank);
     }
     CHECK_CUDA(cudaDeviceSynchronize());
-    CHECK_CUDA(comm::launch_advance_epoch(epoch_word, 0));
+    CHECK_CUDA(comm::launch_end_call(comm::CallEnd{epoch_word}, 0));
     CHECK_CUDA(cudaDeviceSynchronize());
   }
 
@@ -456,7 +456,7 @@ void run_deadline(int world_size) {
                 world_size, e.code, e.rank, e.source, e.tile, (unsigned long long)e.expected,
                 (unsigned long long)e.observed, secs);
   // Parity 0's flags (epoch 2) were never written: the healthy call used parity 1.
-  expect(e.code == kErrorDeadline && e.source == missing && e.expected == 2 && e.observed == 0 && secs < 5, buf);
+  expect(e.code == kErrorDeadline && e.source == missing && stamp_epoch(e.expected) == 2 && e.observed == 0 && secs < 5, buf);
 }
 
 // Graph safety (docs/design.md, "Graph safety"): the whole call of every rank captured once into a
@@ -497,7 +497,7 @@ void run_graph(CaseT const& c, int replays) {
   DeviceError const e = world.read_error();
   std::snprintf(buf, sizeof buf, " graph without rank %d: code=%u source=%d expected=%llu (epoch %llu) after %.2f s",
                 absent, e.code, e.source, (unsigned long long)e.expected, (unsigned long long)world.epoch, secs);
-  expect(e.code == kErrorDeadline && e.source == absent && e.expected == world.epoch && secs < 5, describe(c) + buf);
+  expect(e.code == kErrorDeadline && e.source == absent && stamp_epoch(e.expected) == world.epoch && secs < 5, describe(c) + buf);
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaGraphExecDestroy(without));
   CHECK_CUDA(cudaStreamDestroy(origin));
@@ -1002,7 +1002,7 @@ void bench_fused_one_rank(FILE* out, int sms) {
           CHECK_CUDA(cudaEventRecord(consumer_done, r.consumer_stream));
           CHECK_CUDA(cudaStreamWaitEvent(main_stream, producer_done, 0));
           CHECK_CUDA(cudaStreamWaitEvent(main_stream, consumer_done, 0));
-          CHECK_CUDA(comm::launch_advance_epoch(world.epoch_word, main_stream));
+          CHECK_CUDA(comm::launch_end_call(comm::CallEnd{world.epoch_word}, main_stream));
         };
         float const alone = median_ms([&] { call(false); }, main_stream, 10, 50);
         float const fused = median_ms([&] { call(true); }, main_stream, 10, 50);
@@ -1245,7 +1245,7 @@ struct AgWorld {
       if (r == skip_rank) continue;
       AgGemmArgs a{ranks[r].x, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr, call_epoch(),
                    timeout_ns};
-      for (int q = 0; q < c.world; ++q) a.announce[q] = q == r ? nullptr : ranks[q].ready + r;
+      for (int q = 0; q < c.world; ++q) a.call.announce[q] = q == r ? nullptr : ranks[q].ready + r;
       CHECK_CUDA(ag_gemm::launch_gemm(dtype, plans[r], a, ranks[r].gemm));
     }
     for (int r = 0; r < c.world; ++r) {
@@ -1269,7 +1269,7 @@ struct AgWorld {
     ++epoch;
     enqueue(skip_rank);
     CHECK_CUDA(cudaDeviceSynchronize());
-    CHECK_CUDA(comm::launch_advance_epoch(epoch_word, 0));
+    CHECK_CUDA(comm::launch_end_call(comm::CallEnd{epoch_word}, 0));
     CHECK_CUDA(cudaDeviceSynchronize());
   }
 
@@ -1398,7 +1398,7 @@ void run_ag_deadline(int world_size, bool gather_k) {
   // Either wait may pass its deadline first: a GEMM's for the absent rank's chunk, or a transfer
   // stream's for the absent rank's announcement of the call.
   bool const site_ok = e.site == kWaitGatherChunk || e.site == kWaitInboxReady;
-  expect(e.code == kErrorDeadline && site_ok && e.source == missing && e.expected == 2 && secs < 5, buf);
+  expect(e.code == kErrorDeadline && site_ok && e.source == missing && stamp_epoch(e.expected) == 2 && secs < 5, buf);
 }
 
 int ag_test_main() {

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import hashlib
 import os
 import threading
+import zlib
 from typing import Any, Optional
 
 import jax
@@ -327,6 +329,27 @@ def check_errors() -> None:
             message = ext.error_message(comm.id)
             if message:
                 raise RuntimeError(message)
+
+
+_SIGNATURE_BITS = 24  # the low bits of every flag word (CallEpoch::signature, comm/protocol.h)
+
+
+@functools.cache
+def call_signature(description: str) -> int:
+    """The signature of a fused call described by `description` (op, padded shapes, dtype, layout,
+    config: the same words on every rank for the same call), named in this process's error messages.
+    The kernels stamp it next to the epoch in every flag, so a rank waiting for one call that sees
+    another from a peer fails naming both (docs/design.md, "Per-call identity")."""
+    signature = zlib.crc32(description.encode()) & ((1 << _SIGNATURE_BITS) - 1)
+    ext, _ = _extension.registered()
+    if ext is not None and hasattr(ext, "name_call"):
+        ext.name_call(signature, description)
+    return signature
+
+
+def attributes_text(attributes: dict) -> str:
+    """A config's kernel attributes as `name=value` words, for call descriptions."""
+    return " ".join(f"{name}={int(value)}" for name, value in attributes.items())
 
 
 def _queried_comm(what: str, mesh, axis_name):

@@ -146,10 +146,13 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
     x_pad, w_pad = pad_operands(x2d, w, p)
     y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
     gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
-    c = site.config
+    attributes = site.config.kernel_attributes(site.gemm_sms)
+    layout = "contraction" if p.gather_k else "rows"
+    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w {list(w_pad.shape)} gathering "
+                                    f"{layout}, gathered {list(gathered_shape)}, config {comm.attributes_text(attributes)}")
     y, gathered = _ordered.fused_call(
         site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), x2d.dtype), jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)],
-        x_pad, w_pad, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
-        config=c.kernel_attributes(site.gemm_sms))
+        x_pad, w_pad, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k), signature=np.int64(signature),
+        config=attributes)
     return unpad(y, gathered if return_gathered else None, p)
 
