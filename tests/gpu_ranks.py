@@ -87,8 +87,10 @@ def launch_suite(args, suite) -> str:
     """Runs one suite on W fresh processes; returns 'PASS (...)' or 'FAIL (...)'."""
     port = _free_port()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    if suite in ("missing", "agmissing", "cmdbufmissing", "skipcall", "disagree"):
+    if suite in ("missing", "agmissing", "cmdbufmissing"):
         env["ENTWINE_TIMEOUT_MS"] = str(MISSING_TIMEOUT_MS)
+    if suite in ("skipcall", "disagree"):  # a mismatch fails at once; the deadline covers a first compile
+        env["ENTWINE_TIMEOUT_MS"] = str(10 * MISSING_TIMEOUT_MS)
     env.pop("XLA_FLAGS", None)  # fake host devices of the pytest process would confuse the mesh
     if suite.startswith("cmdbuf"):
         env["XLA_FLAGS"] = CMDBUF_XLA_FLAGS
@@ -1060,10 +1062,11 @@ class Rank:
         calls = {"agreed": (self.gemm_fn(m, n, k, jnp.bfloat16), self.global_arrays(xs, ws), self.reference(xs, ws)),
                  "own": (self.gemm_fn(m, n, k, jnp.bfloat16, config=other if self.rank == self.world - 1 else None),
                          self.global_arrays(xs, ws), self.reference(xs, ws))}
-        return self.disagreement("disagree", calls, ["own", "agreed"])
+        return self.disagreement("disagree", calls, ["own", "agreed"], warm=["agreed"])
 
-    def disagreement(self, suite, calls, sequence):
-        """Warm-up: every call of `calls` ({name: (f, (gx, gw), reference)}) once on every rank, checked.
+    def disagreement(self, suite, calls, sequence, warm=None):
+        """Warm-up: the calls `warm` (default: all) of `calls` ({name: (f, (gx, gw), reference)}) once on
+        every rank, checked.
         Then this rank runs `sequence` (ranks differ): every rank must get an error from check_errors
         (a mismatch naming both calls, or the abort of a peer that saw one) within a few seconds, every
         output of the sequence must be all NaN or its call must raise, and the next call must be refused."""
@@ -1072,7 +1075,7 @@ class Rank:
 
         from entwine_jax import _distributed, comm
 
-        for name in sorted(calls):
+        for name in warm or sorted(calls):
             f, (gx, gw), ref = calls[name]
             self.check(self.local(f(gx, gw)), ref, f"{suite}: warm-up {name}")
         comm.check_errors()

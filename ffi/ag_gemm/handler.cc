@@ -199,9 +199,10 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 }
 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
-// The tokens order the fused calls of a program (gemm_rs's handler); they carry no data.
+// The token orders the fused calls of a program and carries no data (the next one comes from
+// entwine_order, comm/order.cc).
 ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Token,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, ffi::Result<ffi::Token>,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered,
                       int64_t comm_id, bool gather_k, int64_t signature, AgGemmConfig config) {
   try {
     return RunAgGemm(xla_stream, device, x, w, y, gathered, comm_id, gather_k, signature, config);
@@ -229,7 +230,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
                                   .Arg<ffi::Token>()                         // order in (fused calls)
                                   .Ret<ffi::AnyBuffer>()                     // y
                                   .Ret<ffi::AnyBuffer>()                     // gathered (or empty)
-                                  .Ret<ffi::Token>()                         // order out
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<bool>("gather_k")                    // gather_k
                                   .Attr<int64_t>("signature")                // what the call is (stamps)

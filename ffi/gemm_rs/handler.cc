@@ -174,10 +174,10 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 }
 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
-// The tokens order the fused calls of a program (the Python primitive threads one through all of
-// them); they carry no data.
+// The token orders the fused calls of a program and carries no data (the next one comes from
+// entwine_order, comm/order.cc).
 ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Token,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm_id,
+                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
                       int64_t scatter_dimension, int64_t signature, GemmRsConfig config) {
   try {
     return RunGemmRs(xla_stream, device, x, w, y, comm_id, scatter_dimension, signature, config);
@@ -204,7 +204,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                                   .Arg<ffi::AnyBuffer>()                     // w
                                   .Arg<ffi::Token>()                         // order in (fused calls)
                                   .Ret<ffi::AnyBuffer>()                     // y
-                                  .Ret<ffi::Token>()                         // order out
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("scatter_dimension")        // scatter_dimension
                                   .Attr<int64_t>("signature")                // what the call is (stamps)
