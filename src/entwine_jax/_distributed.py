@@ -1,5 +1,5 @@
 """The only place entwine_jax touches ``jax._src``: the concrete mesh set by ``jax.set_mesh`` and
-the ``jax.distributed`` key-value store (IPC handle exchange and barriers between processes).
+the ``jax.distributed`` key-value store (the names of the sockets that share heap memory, barriers).
 
 Why private: inside ``jit`` the public ``jax.sharding.get_mesh()`` refuses to answer (it raises
 "can only be used outside of jax.jit") and ``get_abstract_mesh()`` has no devices; and jax has no
@@ -35,8 +35,16 @@ def client():
         return None
 
 
-def kv_set(key: str, value: bytes) -> None:
-    client().key_value_set_bytes(key, value)
+def kv_set(key: str, value: bytes, overwrite: bool = False) -> None:
+    """Sets ``key``; a second set of a key raises unless ``overwrite``."""
+    if overwrite:
+        client().key_value_set_bytes(key, value, allow_overwrite=True)
+    else:
+        client().key_value_set_bytes(key, value)
+
+
+def kv_delete(key: str) -> None:
+    client().key_value_delete(key)
 
 
 def kv_get(key: str, timeout_ms: int) -> bytes:
