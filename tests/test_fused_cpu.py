@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import entwine_jax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -617,3 +618,42 @@ def test_concurrent_command_buffers_are_a_reason_of_both_ops(monkeypatch):
                    ag_fused.unavailable_reason(x, w, gather_k=False, config=AgGemmConfig(gemm_sms=100), **kw)):
         assert "scheduling_mode=CONCURRENT" in reason
     assert not ext.calls and not comm._comms
+
+
+def test_reserve_grows_once_for_every_call_site(monkeypatch):
+    # reserve() traces the function with growth deferred, then creates the communicator once with the
+    # largest need of its call sites (each op's prepare asks acquire_comm, as these sites do); tracing
+    # the sites again grows nothing.
+    ext = FakeExt()
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
+    mesh = _gpu_mesh()
+    sites = [(64 << 20, 512, 0), (8 << 20, 4096, 0), (0, 64, 32 << 20)]  # slot bytes, flags, inbox bytes
+
+    def step(scale):
+        for slot, tiles, inbox in sites:
+            comm.acquire_comm(mesh, "tp", slot, tiles, inbox)
+        return scale * 2
+
+    sized = entwine_jax.reserve(step, jax.ShapeDtypeStruct((), jnp.float32))
+    cid = comm.comm_id(comm.device_groups(mesh, "tp"), "tp")
+    assert [c[0] for c in ext.calls] == ["comm_create"] + ["comm_connect"] * 2
+    assert ext.calls[0][4:7] == (64 << 20, 4096, 32 << 20)
+    entry = comm._comms[cid]
+    assert sized == {"tp": ext.heap_bytes(2, *entry.capacity)}
+    step(1.0)
+    assert len(ext.calls) == 3
+    # Sites that fit the cap one by one but not together: reserve says so, naming the function, and
+    # grows nothing.
+    monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(ext.heap_bytes(2, 128 << 20, 4096, 32 << 20)))
+
+    def bigger():
+        comm.acquire_comm(mesh, "tp", 128 << 20, 512)
+        comm.acquire_comm(mesh, "tp", 0, 64, 64 << 20)
+
+    with pytest.raises(RuntimeError, match=r"reserve: the heap of axis 'tp' cannot hold every call site of 'bigger'"):
+        entwine_jax.reserve(bigger)
+    assert len(ext.calls) == 3
+    with comm.deferred_growth():
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with comm.deferred_growth():
+                pass

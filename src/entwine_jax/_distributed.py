@@ -48,8 +48,13 @@ def kv_delete(key: str) -> None:
 
 
 def kv_get(key: str, timeout_ms: int) -> bytes:
-    """Blocks until another process set ``key``; raises after ``timeout_ms``."""
-    return bytes(client().blocking_key_value_get_bytes(key, timeout_ms))
+    """Blocks until another process set ``key``; raises TimeoutError after ``timeout_ms``."""
+    try:
+        return bytes(client().blocking_key_value_get_bytes(key, timeout_ms))
+    except Exception as e:  # jax raises its runtime error, with the coordination service's status
+        if "DEADLINE_EXCEEDED" in str(e):
+            raise TimeoutError(str(e)) from None
+        raise
 
 
 def barrier(name: str, process_ids, my_process: int, timeout_ms: int) -> None:
