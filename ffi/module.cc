@@ -69,6 +69,21 @@ NB_MODULE(_entwine, m) {
     return ok != 0;
   }, nb::arg("device"), nb::arg("peer"), "Whether local device `device` can map `peer`'s memory.");
 
+  m.def("device_memory", [](int device) {
+    // On this thread's current device, restored after: an XLA thread never runs this.
+    int previous = 0;
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaGetDevice(&previous);
+    cudaError_t err = cudaSetDevice(device);
+    if (err == cudaSuccess) err = cudaMemGetInfo(&free_bytes, &total_bytes);
+    cudaSetDevice(previous);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("cudaMemGetInfo: ") + cudaGetErrorString(err));
+    }
+    return std::make_pair(free_bytes, total_bytes);
+  }, nb::arg("device"), "(free, total) bytes of local device `device`, as CUDA sees them (all processes).");
+
   m.def("comm_create",
         [](int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
            size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes, size_t heap_max_bytes) {
