@@ -109,7 +109,8 @@ void unmap_beyond(void* base, std::vector<Chunk>& chunks, const HeapLayout& layo
 // epoch; a region's new memory is unused until connect() publishes the capacity).
 void map_own(DeviceComm& dc, const Capacity& capacity) {
   check(cudaSetDevice(dc.device), "cudaSetDevice");
-  MappedBytes const have = mapped_bytes(dc.world, dc.mapped);
+  // A new heap has nothing mapped, not even the ready words that every capacity includes.
+  MappedBytes const have = dc.chunks.empty() ? MappedBytes{} : mapped_bytes(dc.world, dc.mapped);
   std::vector<Region> const before = regions(dc.layout, have);
   std::vector<Region> const after = regions(dc.layout, mapped_bytes(dc.world, capacity));
   try {
