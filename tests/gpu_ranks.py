@@ -33,6 +33,14 @@ Suites:
            run the first): every rank must fail within seconds (a mismatch naming both calls, or the
            abort of a peer that saw it), every output since is NaN, the next call is refused.
   disagree as skipcall, for one shape whose config differs on the last rank (a plan disagreement).
+  heapgrow eight gemm_rs call sites of growing size (M = 2048*i*W, N = 8192, K = 256, bf16, i = 1..8),
+           each traced and run once, every result checked; then the first site again, after the last
+           growth; then rank 0 alone traces a ninth, larger site (jax.eval_shape) and must give up
+           within ENTWINE_SETUP_TIMEOUT_MS with its heap unchanged, after which all ranks run that site.
+           The device memory the processes gained beyond XLA's own pool must stay within 1.5x the last
+           heap per process (retired heaps would add up to about 4.5x). Runs twice: plainly, and with
+           XLA command buffers for fusions and custom calls (the first site's graph, recorded before
+           every growth, is replayed after them).
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
            gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time; reports it and
            checks the results.
@@ -58,6 +66,9 @@ MISSING_TIMEOUT_MS = 2000
 # Command buffers for fusions and custom calls, however small the graph.
 CMDBUF_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL "
                     "--xla_gpu_graph_min_graph_size=1")
+# heapgrow_cmdbuf: graphs of fusions and the fused custom calls.
+HEAPGROW_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+LONE_TRACE_TIMEOUT_MS = 3000
 
 
 # --- Launcher -----------------------------------------------------------------------------------------
@@ -73,9 +84,11 @@ def launch(args) -> int:
     # `all` runs the suites as separate launches: the short deadline of `missing` is read once per
     # process, and would turn the compile-time skew between ranks of the other suites into errors.
     suites = (["quick", "ag", "stress", "mixed", "missing", "agmissing", "cmdbuf", "cmdbufmissing", "skipcall",
-               "disagree"]
+               "disagree", "heapgrow"]
               if args.suite == "all"
               else args.suite.split(","))
+    # heapgrow runs with and without command buffers: XLA reads its flags once per process.
+    suites = [s for suite in suites for s in (["heapgrow", "heapgrow_cmdbuf"] if suite == "heapgrow" else [suite])]
     lines = [launch_suite(args, suite) for suite in suites]
     ok = all(line.startswith("PASS") for line in lines)
     print(f"gpu_ranks: world={args.world} gpus={args.gpus}: {'PASS' if ok else 'FAIL'}: " + " | ".join(
@@ -94,6 +107,8 @@ def launch_suite(args, suite) -> str:
     env.pop("XLA_FLAGS", None)  # fake host devices of the pytest process would confuse the mesh
     if suite.startswith("cmdbuf"):
         env["XLA_FLAGS"] = CMDBUF_XLA_FLAGS
+    if suite == "heapgrow_cmdbuf":
+        env["XLA_FLAGS"] = HEAPGROW_XLA_FLAGS
     procs, results, lock = [], {}, threading.Lock()
 
     def pump(rank, proc):
@@ -968,6 +983,111 @@ class Rank:
         jax.block_until_ready(first[0])
         return f"mixed: {checked} calls of both ops checked in {time.monotonic() - t0:.1f} s"
 
+    # -- heap growth --
+
+    def memory_point(self, label):
+        """(device bytes in use, summed over the processes on this GPU; XLA's pool bytes, summed
+        likewise), measured while every rank waits between two barriers, so no process is mid-call."""
+        import json
+
+        from entwine_jax import _distributed, _extension
+
+        _distributed.barrier(f"entwine_test/mem/{label}/before", range(self.world), self.rank, 300_000)
+        free, total = _extension.ext().device_memory(self.device.local_hardware_id)
+        stats = self.device.memory_stats() or {}
+        pool = int(stats.get("pool_bytes", stats.get("bytes_reserved", stats.get("bytes_in_use", 0))))
+        _distributed.kv_set(f"entwine_test/mem/{label}/{self.rank}", json.dumps([total - free, pool]).encode())
+        sharing = [r for r in range(self.world) if r % self.args.gpus == self.rank % self.args.gpus]
+        points = [json.loads(_distributed.kv_get(f"entwine_test/mem/{label}/{r}", 300_000)) for r in sharing]
+        _distributed.barrier(f"entwine_test/mem/{label}/after", range(self.world), self.rank, 300_000)
+        # Every process on the GPU saw the same device-wide bytes in use; their pools add up.
+        return max(p[0] for p in points), sum(p[1] for p in points), len(sharing)
+
+    def heapgrow(self):
+        return self.grow_heap(cmdbuf=False)
+
+    def heapgrow_cmdbuf(self):
+        if HEAPGROW_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+            raise AssertionError("heapgrow_cmdbuf runs with command buffers enabled (launch it as --suite heapgrow)")
+        return self.grow_heap(cmdbuf=True)
+
+    def grow_heap(self, cmdbuf):
+        import jax
+        import jax.numpy as jnp
+
+        from entwine_jax import _distributed, comm
+
+        dtype, n, k = jnp.bfloat16, 8192, 256
+        mib = 1 << 20
+        start_used, start_pool, sharing = self.memory_point("start")
+        worst, first, lines = 0.0, None, []
+
+        def site(i):
+            m = 2048 * i * self.world
+            xs, ws = self.host_inputs(m, n, k, dtype, seed=300 + i)
+            gx, gw = self.global_arrays(xs, ws)
+            return m, self.gemm_fn(m, n, k, dtype), gx, gw, self.reference(xs, ws)
+
+        def record(i):
+            used, pool, _ = self.memory_point(f"site{i}")
+            (_, own, imported, reserved), = comm.heap_usage(self.mesh, "tp")
+            gained = (used - start_used - (pool - start_pool)) / sharing
+            lines.append(f"site {i}: heap {own // mib} MiB (imported {imported // mib} MiB, reserved "
+                         f"{reserved // mib} MiB), device memory gained per process beyond XLA's pool "
+                         f"{gained / mib:.0f} MiB (XLA's pool {pool // mib} MiB over {sharing} processes)")
+            self.log(lines[-1])
+            return own, gained
+
+        for i in range(1, 9):
+            m, f, gx, gw, ref = site(i)
+            worst = max(worst, self.check(self.local(f(gx, gw)), ref, f"heapgrow site {i} (M={m})"))
+            if i == 1:  # recorded (under command buffers) and replayed before any growth
+                worst = max(worst, self.check(self.local(f(gx, gw)), ref, "heapgrow site 1, second call"))
+                first = (f, gx, gw, ref)
+            else:
+                del f, gx, gw
+            record(i)
+        # The first site, compiled (and recorded) against the smallest heap, after the last growth.
+        f, gx, gw, ref = first
+        exec0 = self.handler_executions()
+        for r in range(3):
+            worst = max(worst, self.check(self.local(f(gx, gw)), ref, f"heapgrow site 1 after the growths, run {r}"))
+        comm.check_errors()
+        handler_runs = self.handler_executions() - exec0
+        if cmdbuf and handler_runs >= 3:
+            raise AssertionError("the first site was recorded again after the growths, never replayed")
+
+        # A trace on rank 0 alone (jax.eval_shape) of a larger site: it waits for the others at most
+        # ENTWINE_SETUP_TIMEOUT_MS, then gives up and leaves the heap as it was; the site takes the
+        # XLA path in that trace only. Then every rank runs the site: the growth is tried again.
+        (_, own_before, _, _), = comm.heap_usage(self.mesh, "tp")
+        m, f, gx, gw, ref = site(9)
+        if self.rank == 0:
+            os.environ["ENTWINE_SETUP_TIMEOUT_MS"] = str(LONE_TRACE_TIMEOUT_MS)
+            lone = self.gemm_fn(m, n, k, dtype)  # its own trace: f's cache must not keep the XLA path
+            t0 = time.monotonic()
+            jax.eval_shape(lone, gx, gw)
+            waited = time.monotonic() - t0
+            del os.environ["ENTWINE_SETUP_TIMEOUT_MS"]
+            (_, own_after, _, _), = comm.heap_usage(self.mesh, "tp")
+            if own_after != own_before:
+                raise AssertionError(f"a lone trace changed the heap: {own_before} -> {own_after} bytes")
+            if not LONE_TRACE_TIMEOUT_MS / 1000 <= waited < LONE_TRACE_TIMEOUT_MS / 1000 + 30:
+                raise AssertionError(f"a lone trace waited {waited:.1f} s (deadline {LONE_TRACE_TIMEOUT_MS} ms)")
+            lines.append(f"lone trace on rank 0: gave up after {waited:.1f} s, heap unchanged")
+            self.log(lines[-1])
+        _distributed.barrier("entwine_test/heapgrow/lone", range(self.world), self.rank, 300_000)
+        worst = max(worst, self.check(self.local(f(gx, gw)), ref, f"heapgrow site 9 (M={m}) after the lone trace"))
+        del f, gx, gw
+        heap, gained = record(9)
+        # What the old heaps cost when they were kept: the sum of every heap; now the last one alone.
+        if gained > 1.5 * heap:
+            raise AssertionError(f"device memory gained per process {gained / mib:.0f} MiB > 1.5 x the last heap "
+                                 f"{heap / mib:.0f} MiB: " + "; ".join(lines))
+        return (f"heapgrow{' (command buffers)' if cmdbuf else ''}: worst rel error {worst:.2e}; first site after "
+                f"the growths: {handler_runs} handler runs in 3 calls; last heap {heap // mib} MiB, gained "
+                f"{gained / mib:.0f} MiB per process beyond XLA's pool")
+
     def hostcost(self, calls=200):
         """Mean host time of one handler execution, per op, from the extension's own counters."""
         import jax
@@ -1161,8 +1281,7 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (rank r on GPU r %% gpus)")
     parser.add_argument("--suite", default="quick",
                         help="quick, ag, stress, mixed, missing, agmissing, cmdbuf, cmdbufmissing, skipcall, disagree, "
-                             "hostcost, all, "
-                             "or a comma-separated list")
+                             "heapgrow, hostcost, all, or a comma-separated list")
     parser.add_argument("--timeout", type=float, default=900, help="wall-clock limit per suite in seconds; stragglers are killed")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)

@@ -42,7 +42,7 @@ inline std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
 
 // The entry of (comm_id, device) in *out, if a call may use it: it exists (Python's acquire_comm
 // made it at trace time), no wait of an earlier call passed its deadline (the error is sticky), and
-// its peer table is filled (not in the middle of a growth).
+// its peer table is filled.
 inline ffi::Error usable_comm(const char* op, int64_t comm_id, int32_t device, comm::DeviceComm** out) {
   comm::DeviceComm* dc = comm::find(comm_id, device);
   if (dc == nullptr) {
@@ -54,7 +54,7 @@ inline ffi::Error usable_comm(const char* op, int64_t comm_id, int32_t device, c
   if (!dc->connected) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(op) + ": communicator " + std::to_string(comm_id) +
-                          " is being resized or was shut down on device " + std::to_string(device));
+                          " is not connected (yet, or any more) on device " + std::to_string(device));
   }
   *out = dc;
   return ffi::Error::Success();
@@ -86,7 +86,7 @@ inline ffi::Error is_capturing(const char* op, cudaStream_t stream, bool* out) {
 // Where the kernels of a call on `dc` find its epoch, parity strides, ready and abort words, and
 // what the call is (protocol.h, CallEpoch).
 inline CallEpoch call_epoch(const comm::DeviceComm& dc, bool trap, int64_t signature) {
-  CallEpoch call{dc.epoch, int64_t(dc.layout.slot_bytes), int64_t(dc.layout.flags_bytes / sizeof(uint64_t)), trap,
+  CallEpoch call{dc.epoch, dc.layout.slot_stride_bytes(), dc.layout.flags_stride_words(), trap,
                  uint32_t(uint64_t(signature) & kSignatureMask)};
   char* const own = static_cast<char*>(dc.heap);
   call.ready = reinterpret_cast<const uint64_t*>(own + dc.layout.ready_offset());
