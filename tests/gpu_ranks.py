@@ -16,15 +16,17 @@ Suites:
   missing  the last rank skips one call; the others must report the deadline error (with
            ENTWINE_TIMEOUT_MS=2000) through entwine_jax.comm.check_errors(), never hang.
   ag       ag_gemm in both layouts (gathering rows, also a middle dim, and gathering the contraction
-           dim), bf16 and fp16, tails, the gathered operand returned, repeated calls bitwise equal;
+           dim), bf16 and fp16, tails, the gathered operand returned, repeated calls bitwise equal,
+           every shape and layout pushed by the SM copy kernel and by the copy engines;
            then a sequence-parallel MLP (ag_gemm -> silu -> gemm_rs) forward and backward with both
            directions fused, gradients against a float64 host reference.
-  mixed    1000 back-to-back calls alternating gemm_rs and ag_gemm (both layouts) on one
-           communicator, every result checked.
-  agmissing  as `missing`, for ag_gemm: the ranks waiting for the absent rank's chunks report it.
+  mixed    1000 back-to-back calls alternating gemm_rs and ag_gemm (both layouts, both pushes) on
+           one communicator, every result checked.
+  agmissing  as `missing`, for ag_gemm (the SM push): the ranks waiting for the absent rank's
+           chunks or announcement report it.
   cmdbuf   XLA command buffers (CUDA graphs) on for fusions, custom calls, loops and conditionals,
-           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts) and a lax.scan of
-           both ops, 20 runs each on operands generated in the program from fresh seeds, every
+           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts, both pushes) and a
+           lax.scan of both ops, 20 runs each on operands generated in the program from fresh seeds, every
            result checked; the device epoch must advance once per call while the handlers execute
            fewer times (the rest are replays), except in the loop, which XLA keeps out of its graphs.
   cmdbufmissing  as `missing`, under command buffers: the replayed call of the ranks whose peer
@@ -524,9 +526,11 @@ class Rank:
             return y
 
         def ag(seed, gather_k):
+            # Both pushes replayed: the SM push in the rows layout, the copy engines in the other.
             kk = w_ * cols if gather_k else cols
             return entwine_jax.ag_gemm(dev(seed, (rows, cols), 3), dev(seed, (kk, n_ag), 4), axis_name="tp",
-                                       gather_dimension=-1 if gather_k else 0, config=ag_config)
+                                       gather_dimension=-1 if gather_k else 0,
+                                       config=dataclasses.replace(ag_config, push=("sm", "ce")[gather_k]))
 
         layers = 3
 
@@ -676,9 +680,9 @@ class Rank:
         return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(*spec)),
                                                         [jax.device_put(a, self.device)])
 
-    def ag_fn(self, rows, cols, n, dtype, gather_k, return_gathered=False):
+    def ag_fn(self, rows, cols, n, dtype, gather_k, return_gathered=False, push="auto"):
         """jit(shard_map(entwine_jax.ag_gemm)) on x sharded over its rows or columns and w sharded
-        over N; refuses to run unless the fused path takes it."""
+        over N, the shard pushed as `push` says; refuses to run unless the fused path takes it."""
         import dataclasses
 
         import jax
@@ -688,7 +692,8 @@ class Rank:
         from entwine_jax import comm
         from entwine_jax.ag_gemm import fused as ag_fused
 
-        config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, dtype), path="fused")
+        config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, dtype), path="fused",
+                                     push=push)
         k = self.world * cols if gather_k else cols
         with jax.set_mesh(self.mesh):
             reason = ag_fused.unavailable_reason(
@@ -716,20 +721,21 @@ class Rank:
         return (self.place(x, 1 if gather_k else 0, x_shape),
                 self.place(w, 1, (w.shape[0], self.world * w.shape[1])))
 
-    def ag_case(self, rows, cols, n, dtype, gather_k, seed, return_gathered=False, repeats=2):
+    def ag_case(self, rows, cols, n, dtype, gather_k, seed, return_gathered=False, repeats=2, push="auto"):
         import numpy as np
 
         from entwine_jax import comm
 
         xs, ws = self.ag_inputs(rows, cols, n, dtype, seed, gather_k)
         ref, g_ref = self.ag_reference(xs, ws, gather_k)
-        call, f = self.ag_fn(rows, cols, n, dtype, gather_k, return_gathered)
+        call, f = self.ag_fn(rows, cols, n, dtype, gather_k, return_gathered, push)
         gx, gw = self.ag_globals(xs, ws, gather_k)
         if not self.fused_calls(f, gx, gw).get("ag_gemm"):
             raise AssertionError("ag_gemm did not lower to the fused call")
         outs = [call(gx, gw) for _ in range(repeats)]
         comm.check_errors()
-        what = f"ag_gemm rows={rows} cols={cols} N={n} {'contraction' if gather_k else 'rows'} {dtype.__name__}"
+        what = (f"ag_gemm rows={rows} cols={cols} N={n} {'contraction' if gather_k else 'rows'} {dtype.__name__} "
+                f"push={push}")
         ys = [self.local(o[0] if return_gathered else o) for o in outs]
         if ys[0].shape != ref.shape:
             raise AssertionError(f"{what}: local result of shape {ys[0].shape}, expected {ref.shape}")
@@ -748,13 +754,15 @@ class Rank:
 
         shapes = [(128, 64, 256), (77, 60, 130), (200, 1000, 1000), (1024, 512, 2048), (2048, 1024, 4096)]
         worst, cases = 0.0, 0
-        for dtype in (jnp.bfloat16, jnp.float16):
+        for d, dtype in enumerate((jnp.bfloat16, jnp.float16)):
             for gather_k in (False, True):
                 for i, (rows, cols, n) in enumerate(shapes):
+                    # Each shape and layout by both pushes: the SM push in one dtype, the copy engines in the other.
+                    push = ("sm", "ce")[(i + gather_k + d) % 2]
                     worst = max(worst, self.ag_case(rows, cols, n, dtype, gather_k, seed=700 + i,
-                                                    return_gathered=i % 2 == 1))
+                                                    return_gathered=i % 2 == 1, push=push))
                     cases += 1
-                    self.log(f"ag rows={rows} cols={cols} N={n} gather_k={gather_k} {dtype.__name__}: ok")
+                    self.log(f"ag rows={rows} cols={cols} N={n} gather_k={gather_k} {dtype.__name__} push={push}: ok")
         worst = max(worst, self.mlp_grads(self.world * 256, 512, 384, jnp.float16, seed=900))
         self.log("ag: sequence-parallel MLP forward + backward, both directions fused: ok")
         worst = max(worst, self.mlp_grads(self.world * 200, 264, 200, jnp.bfloat16, seed=901))
@@ -907,8 +915,9 @@ class Rank:
                    self.check(dw2, dw2_ref, what + " dw2"))
 
     def mixed(self, calls=1000, batch=16):
-        """Back-to-back calls of gemm_rs and ag_gemm (both layouts) on one communicator: the two ops
-        share its epochs and slots, so a wrong double-buffer argument would show as a wrong result."""
+        """Back-to-back calls of gemm_rs and ag_gemm (both layouts, both pushes) on one communicator:
+        the two ops and the two pushes share its epochs, flags and inbox, so a wrong double-buffer
+        argument would show as a wrong result."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -923,7 +932,7 @@ class Rank:
             rs_sites.append((self.gemm_fn(m, n, k, jnp.bfloat16), self.global_arrays(xs, ws), self.reference(xs, ws)))
             for gather_k in (False, True):
                 xs, ws = self.ag_inputs(256, 192, 512, jnp.bfloat16, 1200 + v + 10 * gather_k, gather_k)
-                call, _ = self.ag_fn(256, 192, 512, jnp.bfloat16, gather_k)
+                call, _ = self.ag_fn(256, 192, 512, jnp.bfloat16, gather_k, push=("sm", "ce")[v])
                 ag_sites.append((call, self.ag_globals(xs, ws, gather_k), self.ag_reference(xs, ws, gather_k)[0]))
         sites = [s for pair in zip(rs_sites + rs_sites, ag_sites) for s in pair]
         first, pending, checked = {}, [], 0

@@ -1,6 +1,7 @@
 // XLA FFI handler `entwine_ag_gemm`: validates and plans one rank's call, forks XLA's stream into the
-// transfer streams (the shard pushed to every peer by copy engines, one flag per chunk) and the GEMM
-// stream (consuming the gathered operand as it arrives), joins them back; and ag_gemm::kHooks. No
+// transfer streams (the shard pushed to every peer by copy engines or by one SM copy kernel, one
+// flag per chunk) and the GEMM stream (consuming the gathered operand as it arrives), joins them
+// back; and ag_gemm::kHooks. No
 // kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (see gemm_rs).
 #include <cstdint>
 #include <exception>
@@ -19,7 +20,8 @@ namespace entwine {
 
 namespace ag_gemm {
 
-// The GEMM and the transfer kernels are loaded with the communicator; no workspace.
+// The GEMM and the transfer kernels are loaded with the communicator; the workspace holds the SM
+// push's arrival counters (one transfer stream runs the push kernel: one set per entry).
 const comm::OpHooks kHooks{
     "ag_gemm",
     prepare_kernels,
@@ -32,7 +34,7 @@ const comm::OpHooks kHooks{
       return "entwine ag_gemm: " + waited + "for chunk " + std::to_string(e.tile) + " of the shard of rank " +
              std::to_string(e.source);
     },
-    0,
+    kPushArrivalsBytes,
 };
 
 }  // namespace ag_gemm
@@ -102,10 +104,11 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   if (plan.rows_pad != problem.rows || plan.cols_pad != problem.cols || plan.n_pad != problem.n) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": operands not padded as the plan pads them" + call());
   }
-  if (config.gemm_sms >= dc->sm_count) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": config.gemm_sms (" + std::to_string(config.gemm_sms) +
-                                       ") must leave an SM free for the chunk releases: at most " +
-                                       std::to_string(dc->sm_count - 1) + " on this GPU");
+  if (plan.sms_needed > dc->sm_count) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": the GEMM's " + std::to_string(plan.grid) +
+                                       " CTAs and the push's " + std::to_string(plan.push_grid) +
+                                       " (or one SM for the chunk releases) need " + std::to_string(plan.sms_needed) +
+                                       " SMs, this GPU has " + std::to_string(dc->sm_count) + call());
   }
   if (size_t(plan.inbox_bytes) > dc->capacity.inbox_bytes || plan.chunks > dc->capacity.max_tiles) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
@@ -149,15 +152,42 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
     }
   }
   // The GEMM first: its local shard needs nothing from a peer, so it starts while the host still
-  // enqueues the pushes (2 calls per chunk and peer).
+  // enqueues the pushes.
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
   ENTWINE_RETURN_IF_CUDA(kOp, ag_gemm::launch_gemm(dtype, plan, args, dc->producer));
-  // Pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
+  uint64_t* const own_ready = reinterpret_cast<uint64_t*>(own + dc->layout.ready_offset());
+  // The joins of the transfer streams used: transfer[1] alone for the SM push.
+  int const transfer_streams = plan.push_grid > 0 && world > 1 ? 1 : int(world) - 1;
+  if (plan.push_grid > 0 && world > 1) {
+    // SM push: one kernel on one transfer stream waits for every receiver, pushes every chunk to
+    // every peer and releases each (launch_push).
+    PushArgs push{};
+    push.shard = shard;
+    for (int q = 0; q < world; ++q) {
+      if (q == rank) continue;
+      char* const peer_heap = static_cast<char*>(dc->peer_heap[q]);
+      push.inbox[q] = peer_heap + dc->layout.inbox_offset();
+      push.flags[q] = reinterpret_cast<uint64_t*>(peer_heap + dc->layout.flags_offset());
+    }
+    push.ready = own_ready;
+    push.arrivals = static_cast<uint32_t*>(dc->workspace(&ag_gemm::kHooks));
+    push.shard_bytes = plan.shard_bytes;
+    push.chunks = plan.chunks;
+    push.rank = rank;
+    push.world = int32_t(world);
+    push.error = dc->error_local;
+    push.error_mirror = dc->error_device;
+    push.call = epoch_args;
+    push.timeout_ns = timeout_ns;
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->transfer[1], dc->start, 0));
+    ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, dc->transfer[1]));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->transfer_done[1], dc->transfer[1]));
+  }
+  // Copy-engine pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
   // released by its flag in the receiver's memory (launch_release, after the copy). Rank r thus
   // receives from r-1 first on every link at once; the GEMM visits peers in that order. Each stream
   // opens with the wait for the receiver's announcement (its GEMM has started the call).
-  uint64_t* const own_ready = reinterpret_cast<uint64_t*>(own + dc->layout.ready_offset());
-  for (int d = 1; d < world; ++d) {
+  for (int d = 1; plan.push_grid == 0 && d < world; ++d) {
     int const peer = (rank + d) % int(world);
     cudaStream_t const stream = dc->transfer[d];
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(stream, dc->start, 0));
@@ -192,7 +222,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   }
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, dc->producer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
-  for (int d = 1; d < world; ++d) {
+  for (int d = 1; d <= transfer_streams; ++d) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->transfer_done[d], 0));
   }
   // The next call's epoch, once this whole call is done.
