@@ -150,6 +150,8 @@ extern const comm::OpHooks kHooks;
 using GemmPlan = AgPlan;
 using GemmArgs = AgGemmArgs;
 cudaError_t launch_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
+// The same launch prepared, to be enqueued any number of times (handlers keep it per call site).
+cudaError_t prepare_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
 cudaError_t prepare_gemms();
 
 // Load every kernel module of ag_gemm on the current device (once per device at setup).

@@ -132,7 +132,6 @@ DeviceComm::~DeviceComm() {
     if (transfer_done[d]) cudaEventDestroy(transfer_done[d]);
     if (transfer[d]) cudaStreamDestroy(transfer[d]);
   }
-  if (producer) cudaStreamDestroy(producer);
   if (consumer) cudaStreamDestroy(consumer);
   if (error_host) cudaFreeHost(error_host);
   if (error_local) cudaFree(error_local);
@@ -172,7 +171,6 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     check(prepare_epoch_kernel(), "prepare_epoch_kernel");
     int least, greatest;
     check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-    check(cudaStreamCreateWithFlags(&dc->producer, cudaStreamNonBlocking), "cudaStreamCreate(producer)");
     // The consumer goes first on freed SMs so its small grid stays resident next to the GEMM.
     check(cudaStreamCreateWithPriority(&dc->consumer, cudaStreamNonBlocking, greatest),
           "cudaStreamCreateWithPriority(consumer)");

@@ -87,8 +87,7 @@ struct DeviceComm {
   void* peer_heap[kMaxWorld] = {};      // heap base of every rank of the group, as seen from here
   bool peer_imported[kMaxWorld] = {};   // opened with cudaIpcOpenMemHandle (closed before frees)
   std::atomic<bool> connected{false};   // peer table filled for the current heap (read by calls)
-  cudaStream_t producer = nullptr;      // default priority
-  cudaStream_t consumer = nullptr;      // highest priority, non-blocking
+  cudaStream_t consumer = nullptr;      // highest priority, non-blocking (the GEMMs run on XLA's stream)
   cudaEvent_t start = nullptr, producer_done = nullptr, consumer_done = nullptr;
   // ag_gemm: stream d (1 <= d < world) pushes this rank's shard to rank (rank + d) % world, so
   // every link carries a transfer from the start of a call; each joins back through its event.
