@@ -3,7 +3,7 @@ localhost), one rank each, sharing one GPU (CUDA IPC between processes of one de
 each.
 
     python tests/gpu_ranks.py --world 2 --suite quick            # 2 ranks on GPU 0
-    python tests/gpu_ranks.py --world 4 --suite all              # every suite but hostcost
+    python tests/gpu_ranks.py --world 4 --suite all              # all but hostcost and smallshapes
     python tests/gpu_ranks.py --world 2 --gpus 2 --suite quick   # one process per GPU
 
 Suites:
@@ -16,15 +16,18 @@ Suites:
   missing  the last rank skips one call; the others must report the deadline error (with
            ENTWINE_TIMEOUT_MS=2000) through entwine_jax.comm.check_errors(), never hang.
   ag       ag_gemm in both layouts (gathering rows, also a middle dim, and gathering the contraction
-           dim), bf16 and fp16, tails, the gathered operand returned, repeated calls bitwise equal;
+           dim), bf16 and fp16, tails, the gathered operand returned, repeated calls bitwise equal,
+           every shape and layout pushed by the SM copy kernel and by the copy engines;
            then a sequence-parallel MLP (ag_gemm -> silu -> gemm_rs) forward and backward with both
            directions fused, gradients against a float64 host reference.
-  mixed    1000 back-to-back calls alternating gemm_rs and ag_gemm (both layouts) on one
-           communicator, every result checked.
-  agmissing  as `missing`, for ag_gemm: the ranks waiting for the absent rank's chunks report it.
+  mixed    1000 back-to-back calls alternating gemm_rs and ag_gemm (both layouts, both pushes) on
+           one communicator, every result checked.
+  agmissing  as `missing`, for ag_gemm (the SM push): the ranks waiting for the absent rank's
+           chunks or announcement report it.
   cmdbuf   XLA command buffers (CUDA graphs) on for fusions, custom calls, loops and conditionals,
-           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts), three independent
-           fused calls in one program (ordered by the token alone) and a lax.scan of both ops, 20 runs each on operands generated in the program from fresh seeds, every
+           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts, both pushes), three
+           independent fused calls in one program (ordered by the token alone) and a lax.scan of both
+           ops, 20 runs each on operands generated in the program from fresh seeds, every
            result checked; the device epoch must advance once per call while the handlers execute
            fewer times (the rest are replays), except in the loop, which XLA keeps out of its graphs.
   cmdbufmissing  as `missing`, under command buffers: the replayed call of the ranks whose peer
@@ -42,8 +45,14 @@ Suites:
            XLA command buffers for fusions and custom calls (the first site's graph, recorded before
            every growth, is replayed after them).
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
-           gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time; reports it and
-           checks the results.
+           gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time; then the host
+           time per step of a lax.scan over an 8-layer MLP block (ag_gemm -> silu -> gemm_rs);
+           reports them and checks the results.
+  smallshapes  the fused ops against XLA's path on Llama-8B and -70B projections (q/k/v and
+           gate/up: ag_gemm; o and down: gemm_rs) at 16..2048 tokens per rank: XLA's GEMM alone
+           plus the transfer at the link rate of tuning/crossover.py (no NCCL between processes of
+           one GPU); prints a table, the fixed costs fitted to it, and where the rule of
+           tuning/crossover.py disagrees with the measurement.
 
 NCCL refuses two ranks on one GPU, so each rank computes its reference on the host from the shared
 seeds. Every rank prints `ENTWINE_RANK <r> PASS|FAIL <detail>`; the launcher kills every rank of a
@@ -546,9 +555,11 @@ class Rank:
             return y
 
         def ag(seed, gather_k):
+            # Both pushes replayed: the SM push in the rows layout, the copy engines in the other.
             kk = w_ * cols if gather_k else cols
             return entwine_jax.ag_gemm(dev(seed, (rows, cols), 3), dev(seed, (kk, n_ag), 4), axis_name="tp",
-                                       gather_dimension=-1 if gather_k else 0, config=ag_config)
+                                       gather_dimension=-1 if gather_k else 0,
+                                       config=dataclasses.replace(ag_config, push=("sm", "ce")[gather_k]))
 
         def independent(seed):
             # Three fused calls that share no data: only the order token orders them, so XLA's
@@ -712,9 +723,9 @@ class Rank:
         return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(*spec)),
                                                         [jax.device_put(a, self.device)])
 
-    def ag_fn(self, rows, cols, n, dtype, gather_k, return_gathered=False):
+    def ag_fn(self, rows, cols, n, dtype, gather_k, return_gathered=False, push="auto"):
         """jit(shard_map(entwine_jax.ag_gemm)) on x sharded over its rows or columns and w sharded
-        over N; refuses to run unless the fused path takes it."""
+        over N, the shard pushed as `push` says; refuses to run unless the fused path takes it."""
         import dataclasses
 
         import jax
@@ -724,7 +735,8 @@ class Rank:
         from entwine_jax import comm
         from entwine_jax.ag_gemm import fused as ag_fused
 
-        config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, dtype), path="fused")
+        config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, dtype), path="fused",
+                                     push=push)
         k = self.world * cols if gather_k else cols
         with jax.set_mesh(self.mesh):
             reason = ag_fused.unavailable_reason(
@@ -752,20 +764,21 @@ class Rank:
         return (self.place(x, 1 if gather_k else 0, x_shape),
                 self.place(w, 1, (w.shape[0], self.world * w.shape[1])))
 
-    def ag_case(self, rows, cols, n, dtype, gather_k, seed, return_gathered=False, repeats=2):
+    def ag_case(self, rows, cols, n, dtype, gather_k, seed, return_gathered=False, repeats=2, push="auto"):
         import numpy as np
 
         from entwine_jax import comm
 
         xs, ws = self.ag_inputs(rows, cols, n, dtype, seed, gather_k)
         ref, g_ref = self.ag_reference(xs, ws, gather_k)
-        call, f = self.ag_fn(rows, cols, n, dtype, gather_k, return_gathered)
+        call, f = self.ag_fn(rows, cols, n, dtype, gather_k, return_gathered, push)
         gx, gw = self.ag_globals(xs, ws, gather_k)
         if not self.fused_calls(f, gx, gw).get("ag_gemm"):
             raise AssertionError("ag_gemm did not lower to the fused call")
         outs = [call(gx, gw) for _ in range(repeats)]
         comm.check_errors()
-        what = f"ag_gemm rows={rows} cols={cols} N={n} {'contraction' if gather_k else 'rows'} {dtype.__name__}"
+        what = (f"ag_gemm rows={rows} cols={cols} N={n} {'contraction' if gather_k else 'rows'} {dtype.__name__} "
+                f"push={push}")
         ys = [self.local(o[0] if return_gathered else o) for o in outs]
         if ys[0].shape != ref.shape:
             raise AssertionError(f"{what}: local result of shape {ys[0].shape}, expected {ref.shape}")
@@ -784,13 +797,15 @@ class Rank:
 
         shapes = [(128, 64, 256), (77, 60, 130), (200, 1000, 1000), (1024, 512, 2048), (2048, 1024, 4096)]
         worst, cases = 0.0, 0
-        for dtype in (jnp.bfloat16, jnp.float16):
+        for d, dtype in enumerate((jnp.bfloat16, jnp.float16)):
             for gather_k in (False, True):
                 for i, (rows, cols, n) in enumerate(shapes):
+                    # Each shape and layout by both pushes: the SM push in one dtype, the copy engines in the other.
+                    push = ("sm", "ce")[(i + gather_k + d) % 2]
                     worst = max(worst, self.ag_case(rows, cols, n, dtype, gather_k, seed=700 + i,
-                                                    return_gathered=i % 2 == 1))
+                                                    return_gathered=i % 2 == 1, push=push))
                     cases += 1
-                    self.log(f"ag rows={rows} cols={cols} N={n} gather_k={gather_k} {dtype.__name__}: ok")
+                    self.log(f"ag rows={rows} cols={cols} N={n} gather_k={gather_k} {dtype.__name__} push={push}: ok")
         worst = max(worst, self.mlp_grads(self.world * 256, 512, 384, jnp.float16, seed=900))
         self.log("ag: sequence-parallel MLP forward + backward, both directions fused: ok")
         worst = max(worst, self.mlp_grads(self.world * 200, 264, 200, jnp.bfloat16, seed=901))
@@ -943,8 +958,9 @@ class Rank:
                    self.check(dw2, dw2_ref, what + " dw2"))
 
     def mixed(self, calls=1000, batch=16):
-        """Back-to-back calls of gemm_rs and ag_gemm (both layouts) on one communicator: the two ops
-        share its epochs and slots, so a wrong double-buffer argument would show as a wrong result."""
+        """Back-to-back calls of gemm_rs and ag_gemm (both layouts, both pushes) on one communicator:
+        the two ops and the two pushes share its epochs, flags and inbox, so a wrong double-buffer
+        argument would show as a wrong result."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -959,7 +975,7 @@ class Rank:
             rs_sites.append((self.gemm_fn(m, n, k, jnp.bfloat16), self.global_arrays(xs, ws), self.reference(xs, ws)))
             for gather_k in (False, True):
                 xs, ws = self.ag_inputs(256, 192, 512, jnp.bfloat16, 1200 + v + 10 * gather_k, gather_k)
-                call, _ = self.ag_fn(256, 192, 512, jnp.bfloat16, gather_k)
+                call, _ = self.ag_fn(256, 192, 512, jnp.bfloat16, gather_k, push=("sm", "ce")[v])
                 ag_sites.append((call, self.ag_globals(xs, ws, gather_k), self.ag_reference(xs, ws, gather_k)[0]))
         sites = [s for pair in zip(rs_sites + rs_sites, ag_sites) for s in pair]
         first, pending, checked = {}, [], 0
@@ -1118,7 +1134,160 @@ class Rank:
             execs = calls1 - calls0
             per_exec = (calls1 * mean1 - calls0 * mean0) / max(execs, 1)
             parts.append(f"{name}: {execs} handler executions for {calls} calls, {per_exec:.1f} us each")
+        parts.append(self.scanned_block_cost())
         return "hostcost: " + "; ".join(parts)
+
+    def scanned_block_cost(self, layers=8, runs=50):
+        """Host time per step of a lax.scan over `layers` MLP blocks (ag_gemm over rows -> silu ->
+        gemm_rs over rows: MaxText's scan_layers, where XLA 0.11.2 runs the handlers at every step),
+        every step's result checked against float64 on the host."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import comm
+
+        w_, bf = self.world, jnp.bfloat16
+        tl, d, fl = 256, 512, 512  # tokens, embed and mlp width per rank
+        rng = np.random.default_rng(1400)
+        xs = [(rng.standard_normal((tl, d), np.float32) / np.sqrt(d)).astype(bf) for _ in range(w_)]
+        w1 = [[rng.standard_normal((d, fl), np.float32).astype(bf) for _ in range(w_)] for _ in range(layers)]
+        w2 = [[(rng.standard_normal((fl, d), np.float32) / np.sqrt(w_ * fl)).astype(bf) for _ in range(w_)]
+              for _ in range(layers)]
+        r = self.rank
+        gx = self.place(xs[r], 0, (w_ * tl, d))
+        gw1 = self.place(np.stack([w1[i][r] for i in range(layers)]), 2, (layers, d, w_ * fl))
+        gw2 = self.place(np.stack([w2[i][r] for i in range(layers)]), 1, (layers, w_ * fl, d))
+        ag_config = dataclasses.replace(entwine_jax.ag_heuristic_config(tl, fl, d, w_, bf), path="fused")
+        rs_config = self.fused_config(w_ * tl, d, fl, bf)
+
+        def body(x, w1s, w2s):
+            def step(carry, ws):
+                h = entwine_jax.ag_gemm(x, ws[0], axis_name="tp", gather_dimension=0, config=ag_config)
+                return carry, entwine_jax.gemm_rs(jax.nn.silu(h), ws[1], axis_name="tp", config=rs_config)
+            return jax.lax.scan(step, None, (w1s, w2s))[1]
+
+        f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P("tp", None), P(None, None, "tp"),
+                                                                  P(None, "tp", None)),
+                                  out_specs=P(None, "tp", None), check_vma=False))
+
+        def run():
+            with jax.set_mesh(self.mesh):
+                return jax.block_until_ready(f(gx, gw1, gw2))
+
+        ys = self.local(run())
+        comm.check_errors()
+        g = np.concatenate([x.astype(np.float64) for x in xs])
+        rows = slice(r * tl, (r + 1) * tl)
+        silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+        for i in range(layers):
+            ref = sum(silu(g @ w1[i][q].astype(np.float64))[rows] @ w2[i][q].astype(np.float64) for q in range(w_))
+            self.check(ys[i], ref, f"scanned block, step {i}")
+        (_, calls0, mean0), = comm.handler_cost(self.mesh, "tp")
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            run()
+        wall = time.perf_counter() - t0
+        comm.check_errors()
+        (_, calls1, mean1), = comm.handler_cost(self.mesh, "tp")
+        steps = runs * layers
+        host_us = (calls1 * mean1 - calls0 * mean0) / steps
+        return (f"scanned {layers}-layer MLP block (ag_gemm + gemm_rs per step): {(calls1 - calls0) / steps:.1f} "
+                f"handler executions and {host_us:.1f} us of handler time per step, {wall / steps * 1e6:.0f} us "
+                f"wall per step")
+
+    # Llama projections per model (hidden, mlp, kv width): q/k/v and gate/up gather the tokens
+    # (ag_gemm, rows layout), o and down scatter them (gemm_rs): (name, op, K of the call, N of the call).
+    SMALL_MODELS = (("8B", 4096, 14336, 1024), ("70B", 8192, 28672, 1024))
+    SMALL_TOKENS = (16, 64, 256, 1024, 2048)
+
+    def small_projections(self, hidden, mlp, kv):
+        w_ = self.world
+        return (("qkv", "ag_gemm", hidden, (hidden + 2 * kv) // w_), ("o", "gemm_rs", hidden // w_, hidden),
+                ("gate/up", "ag_gemm", hidden, 2 * mlp // w_), ("down", "gemm_rs", mlp // w_, hidden))
+
+    def smallshapes(self, iters=40, batch=10):
+        """The fused op (path="fused") against XLA's path on every projection and token count: XLA's
+        GEMM alone on this rank's operands plus the transfer at tuning.crossover's link rate (XLA's
+        collective cannot run between processes of one GPU). Max over ranks of interleaved medians."""
+        import itertools
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        import entwine_jax
+        from entwine_jax import _distributed, comm
+        from entwine_jax.ag_gemm import fused as ag_fused
+        from entwine_jax.tuning import crossover, timing
+
+        w_, bf = self.world, jnp.bfloat16
+        batches = itertools.count()
+        costs = crossover.COSTS
+        key = jax.random.key(1500 + self.rank)
+        rows, fits = [], {"gemm_rs": [], "ag_gemm": []}
+        header = f"{'model':5} {'proj':7} {'tokens':>6} {'M':>6} {'N':>6} {'K':>6} {'fused_us':>9} {'xla_us':>8} " \
+                 f"{'gemm_us':>8} {'link_us':>8} {'rule':>5} {'winner':>6}"
+        for model, hidden, mlp, kv in self.SMALL_MODELS:
+            for proj, op, k, n in self.small_projections(hidden, mlp, kv):
+                for t in self.SMALL_TOKENS:
+                    m = w_ * t  # the GEMM's rows: the gathered tokens (ag_gemm) or the unscattered ones (gemm_rs)
+                    ka, kb = jax.random.split(jax.random.fold_in(key, len(rows)))
+                    with jax.default_device(self.device):
+                        if op == "gemm_rs":
+                            x = jax.random.normal(ka, (m, k), jnp.float32).astype(bf) / np.sqrt(w_ * k)
+                            gx = self.place(x, 1, (m, w_ * k))
+                            a_full = x
+                            moved = (w_ - 1) / w_ * m * n * 2
+                        else:
+                            x = jax.random.normal(ka, (t, k), jnp.float32).astype(bf) / np.sqrt(k)
+                            gx = self.place(x, 0, (m, k))
+                            a_full = jnp.concatenate([x] * w_)  # the gathered operand's shape
+                            moved = (w_ - 1) * t * k * 2
+                        w = jax.random.normal(kb, (k, n), jnp.float32).astype(bf)
+                    if op == "gemm_rs":
+                        gw = self.place(w, 0, (w_ * k, n))
+                        fused = self.gemm_fn(m, n, k, bf)
+                    else:
+                        gw = self.place(w, 1, (k, w_ * n))
+                        fused, _ = self.ag_fn(t, k, n, bf, False)
+                    gemm = jax.jit(lambda a, b: a @ b)
+                    # Every process times the same batch of the same program at once (they share the GPU).
+                    barrier = lambda: _distributed.barrier(f"entwine_test/small/{next(batches)}", range(w_),  # noqa: E731
+                                                           self.rank, 120_000)
+                    ms = timing.time_interleaved({"fused": (fused, (gx, gw)), "gemm": (gemm, (a_full, w))},
+                                                 iters=iters, warmup=5, batch=batch, before_batch=barrier)
+                    comm.check_errors()
+                    fused_ms, gemm_ms = timing.max_over_processes([ms["fused"], ms["gemm"]])
+                    link_ms = moved / (costs.link_gbps * 1e9) * 1e3
+                    xla_ms = gemm_ms + link_ms
+                    flops = 2.0 * m * n * k
+                    push = ag_fused.push_of(entwine_jax.ag_heuristic_config(t, n, k, w_, bf), t * k * 2) \
+                        if op == "ag_gemm" else None
+                    rule = "xla" if crossover.fused_cannot_win(op, flops, moved, push=push) else "fused"
+                    winner = "fused" if fused_ms < xla_ms else "xla"
+                    # The fixed cost the rule assumes: what the fused op takes beyond the longer of its
+                    # GEMM and its transfer (the overlap's bound).
+                    fits[op].append((fused_ms - max(gemm_ms, link_ms)) * 1e3)
+                    rows.append((model, proj, t, m, n, k, fused_ms * 1e3, xla_ms * 1e3, gemm_ms * 1e3, link_ms * 1e3,
+                                 rule, winner))
+                    self.log(f"smallshapes {model} {proj} T={t}: fused {fused_ms * 1e3:.1f} us, XLA path "
+                             f"{xla_ms * 1e3:.1f} us")
+        if self.rank == 0:
+            print(header, flush=True)
+            for r in rows:
+                print(f"{r[0]:5} {r[1]:7} {r[2]:>6} {r[3]:>6} {r[4]:>6} {r[5]:>6} {r[6]:>9.1f} {r[7]:>8.1f} {r[8]:>8.1f} "
+                      f"{r[9]:>8.1f} {r[10]:>5} {r[11]:>6}", flush=True)
+        fitted = {op: float(np.median(v)) for op, v in fits.items()}
+        wrong = [f"{r[0]} {r[1]} T={r[2]}" for r in rows if r[10] != r[11]]
+        return (f"smallshapes: {len(rows)} shapes; fitted fixed_us (median of fused - max(GEMM, link)): "
+                f"gemm_rs {fitted['gemm_rs']:.1f}, ag_gemm {fitted['ag_gemm']:.1f} (crossover.py has "
+                f"{dict(costs.fixed_us)}); the rule disagrees with the measurement on {len(wrong)}: "
+                f"{', '.join(wrong) or 'none'}")
 
     def agmissing(self):
         import jax.numpy as jnp
@@ -1281,7 +1450,7 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (rank r on GPU r %% gpus)")
     parser.add_argument("--suite", default="quick",
                         help="quick, ag, stress, mixed, missing, agmissing, cmdbuf, cmdbufmissing, skipcall, disagree, "
-                             "heapgrow, hostcost, all, or a comma-separated list")
+                             "heapgrow, hostcost, smallshapes, all, or a comma-separated list")
     parser.add_argument("--timeout", type=float, default=900, help="wall-clock limit per suite in seconds; stragglers are killed")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)

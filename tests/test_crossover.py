@@ -67,3 +67,13 @@ def test_auto_reports_the_rule_and_fused_is_not_subject_to_it(capsys, monkeypatc
     with jax.set_mesh(mesh):
         jax.jit(g).lower(jax.device_put(x, P("tp", None)), jax.device_put(w, P(None, "tp")))
     assert "a small call" in capsys.readouterr().err
+
+
+def test_push_crossover_and_its_fixed_cost():
+    # One constant decides the push by shard size; the SM push's smaller fixed cost lets smaller calls
+    # take the fused path than the copy engines' would.
+    limit = crossover.COSTS.sm_push_max_shard_bytes
+    assert crossover.ag_push(limit) == "sm" and crossover.ag_push(limit + 1) == "ce"
+    cost = ag_gemm_cost(1024, 4096, 1024, 2)
+    assert crossover.fused_cannot_win("ag_gemm", *cost, push="sm") is None
+    assert "fixed cost of ~70 us" in crossover.fused_cannot_win("ag_gemm", *cost, push="ce")

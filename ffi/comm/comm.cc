@@ -233,7 +233,7 @@ DeviceComm::~DeviceComm() {
     if (transfer_done[d]) cudaEventDestroy(transfer_done[d]);
     if (transfer[d]) cudaStreamDestroy(transfer[d]);
   }
-  for (cudaStream_t s : {setup, producer, consumer}) {
+  for (cudaStream_t s : {setup, consumer}) {
     if (s) cudaStreamDestroy(s);
   }
   if (error_host) cudaFreeHost(error_host);
@@ -274,7 +274,6 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     check(prepare_epoch_kernel(), "prepare_epoch_kernel");
     int least, greatest;
     check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-    check(cudaStreamCreateWithFlags(&dc->producer, cudaStreamNonBlocking), "cudaStreamCreate(producer)");
     // The consumer goes first on freed SMs so its small grid stays resident next to the GEMM.
     check(cudaStreamCreateWithPriority(&dc->consumer, cudaStreamNonBlocking, greatest),
           "cudaStreamCreateWithPriority(consumer)");

@@ -119,8 +119,7 @@ struct DeviceComm {
   std::vector<Chunk> peer_chunks[kMaxWorld];
   std::atomic<bool> connected{false};   // peer table filled (read by calls)
   cudaStream_t setup = nullptr;         // zeroes new chunks without waiting for XLA's or our calls
-  cudaStream_t producer = nullptr;      // default priority
-  cudaStream_t consumer = nullptr;      // highest priority, non-blocking
+  cudaStream_t consumer = nullptr;      // highest priority, non-blocking (the GEMMs run on XLA's stream)
   cudaEvent_t start = nullptr, producer_done = nullptr, consumer_done = nullptr;
   // ag_gemm: stream d (1 <= d < world) pushes this rank's shard to rank (rank + d) % world, so
   // every link carries a transfer from the start of a call; each joins back through its event.

@@ -1,10 +1,13 @@
 // What every FFI handler does alike before it launches: a CUDA-error-to-ffi::Error macro, the
 // decoding of an op's config attribute, a printable buffer shape, the communicator entry a call
 // may use, the kernels' element type, the capture test and the call's epoch arguments, a host
-// timer, and a guard that restores XLA's current device. Host-only.
+// timer, a guard that restores XLA's current device, and the memo of what a call site derives.
+// Host-only.
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <cstring>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -126,16 +129,80 @@ struct HostTimer {
   }
 };
 
-// Restores the caller's current device: XLA's thread may rely on it after we return.
+// Restores the caller's current device: XLA's thread may rely on it after we return. Usually XLA's
+// thread is on the call's device already, and nothing is set either way.
 struct DeviceGuard {
   int previous = -1;
+  bool changed = false;
   cudaError_t set(int device) {
     cudaGetDevice(&previous);
-    return cudaSetDevice(device);
+    changed = previous != device;
+    return changed ? cudaSetDevice(device) : cudaSuccess;
   }
   ~DeviceGuard() {
-    if (previous >= 0) cudaSetDevice(previous);
+    if (changed && previous >= 0) cudaSetDevice(previous);
   }
+};
+
+// The words of a CallMemo key: every value a handler's derivation reads, each widened to 64 bits.
+template <size_t kWords>
+struct MemoKey {
+  uint64_t words[kWords] = {};
+  size_t used = 0;
+  bool overflow = false;  // more values than kWords: the key matches nothing
+  void add(uint64_t v) {
+    if (used < kWords) {
+      words[used++] = v;
+    } else {
+      overflow = true;
+    }
+  }
+  void add(const void* p) { add(uint64_t(reinterpret_cast<uintptr_t>(p))); }
+  bool operator==(MemoKey const& o) const {
+    return !overflow && !o.overflow && used == o.used && std::memcmp(words, o.words, sizeof words) == 0;
+  }
+};
+
+// Adds what the kernels read of the call's CallEpoch beyond its epoch word and strides (which the
+// handlers add themselves): the signature and the ready, abort and announce words.
+template <size_t kWords>
+inline void add_call(MemoKey<kWords>& key, CallEpoch const& call) {
+  key.add(uint64_t(call.signature));
+  key.add(call.ready);
+  key.add(call.aborted);
+  for (uint64_t* a : call.abort) key.add(a);
+  for (uint64_t* a : call.announce) key.add(a);
+}
+
+// What a handler derives from a call and may reuse (its plan, its prepared GEMM launch), memoised by
+// the key of every value the derivation reads: a call of the same site, shape, config and buffers
+// skips the planning and the TMA descriptors. The derivation is a pure function of the key, so an
+// entry is never stale (a freed buffer whose address comes back gets the same derivation). One memo
+// per host thread (XLA calls a device's handlers on its threads), a few entries replaced in turn;
+// no allocation, no lock.
+template <size_t kWords, class Value, int kEntries = 8>
+class CallMemo {
+ public:
+  using Key = MemoKey<kWords>;
+  Value const* find(Key const& key) const {
+    for (int i = 0; i < filled_; ++i) {
+      if (keys_[i] == key) return &values_[i];
+    }
+    return nullptr;
+  }
+  // The entry for `key`, to be filled by the caller.
+  Value* insert(Key const& key) {
+    int const i = next_;
+    next_ = (next_ + 1) % kEntries;
+    if (filled_ < kEntries) ++filled_;
+    keys_[i] = key;
+    return &values_[i];
+  }
+
+ private:
+  Key keys_[kEntries];
+  Value values_[kEntries];
+  int next_ = 0, filled_ = 0;
 };
 
 }  // namespace entwine::handler

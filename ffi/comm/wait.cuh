@@ -99,13 +99,6 @@ __device__ inline bool wait_flag_warp(const uint64_t* flag, uint64_t epoch, Call
   return ok != 0;
 }
 
-// Publishes this call's stamp in `word` (a peer's flag or ready word) after this thread's earlier
-// writes: one system fence, then a relaxed system-scope store (docs/design.md, "Memory ordering").
-__device__ inline void release_stamp(uint64_t* word, uint64_t epoch, CallEpoch const& call) {
-  ptx::fence_acq_rel_sys();
-  ptx::store_relaxed_sys(word, stamp(epoch, call.signature));
-}
-
 // Stores this call's stamp in every peer's ready word for this rank (CallEpoch::announce), after
 // everything this rank did before (its earlier calls' reads of the inbox included).
 __device__ inline void announce(CallEpoch const& call) {

@@ -13,6 +13,7 @@ import numpy as np
 from entwine_jax import _extension, _ordered, comm
 from entwine_jax.ag_gemm import plan as _plan
 from entwine_jax.comm import Unavailable
+from entwine_jax.tuning import crossover
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -65,13 +66,32 @@ def unpad(y, gathered, p: AgPadding):
     return y, gathered
 
 
-def ag_gemm_sms(config) -> int:
-    """The GEMM grid the kernels run: config.gemm_sms, or every SM of the GPU but one."""
-    return config.gemm_sms or _extension.sm_count() - 1
+def push_of(config, shard_bytes: int) -> str:
+    """How a call pushes its shard of `shard_bytes` (unpadded): config.push, or with "auto" the SM
+    push up to tuning.crossover's shard size, if a user's gemm_sms leaves it room."""
+    if config.push != "auto":
+        return config.push
+    push = crossover.ag_push(shard_bytes)
+    if push == "sm" and config.gemm_sms and config.gemm_sms + push_budget(config) > _extension.sm_count():
+        return "ce"
+    return push
 
 
-def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config) -> _plan.AgPlan:
-    return _plan.ag_plan(rows, cols, n, world, gather_k, config, ag_gemm_sms(config))
+def push_budget(config) -> int:
+    """CTAs of the SM push: config.push_sms, or tuning.crossover's default."""
+    return config.push_sms or crossover.COSTS.push_sms
+
+
+def launch_sms(config, shard_bytes: int) -> tuple[int, int]:
+    """(gemm_sms, push_sms) the kernels run for a shard of `shard_bytes`: the GEMM grid (config's,
+    or every SM the push leaves) and the SM push's CTAs (0: the copy engines push, and leave the
+    chunk releases one SM)."""
+    push_sms = push_budget(config) if push_of(config, shard_bytes) == "sm" else 0
+    return config.gemm_sms or _extension.sm_count() - max(push_sms, 1), push_sms
+
+
+def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, itemsize: int) -> _plan.AgPlan:
+    return _plan.ag_plan(rows, cols, n, world, gather_k, config, *launch_sms(config, rows * cols * itemsize))
 
 
 def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
@@ -89,9 +109,12 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
     if reason:
         return reason
     try:
-        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config)
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, dtype.itemsize)
     except _plan.PlanError as e:
         return f"the kernels cannot run this call: {e.rule}"
+    if plan.sms_needed > _extension.sm_count():
+        return (f"the GEMM's {plan.grid} CTAs and the push's {plan.push_grid} (or one SM for the chunk releases) "
+                f"need {plan.sms_needed} SMs at once, the GPU has {_extension.sm_count()}")
     if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
         return reason
     return comm.heap_reason(ext, mesh, axis_name, axis_size, 0, plan.chunks, plan.inbox_bytes)
@@ -117,6 +140,7 @@ class AgGemmCall:
 
     padding: AgPadding
     gemm_sms: int
+    push_sms: int  # 0: the copy engines push
     comm_id: int
     config: Any  # AgGemmConfig
     target: str
@@ -128,15 +152,16 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> 
     Raises Unavailable with the reason when the fused path cannot run it after all."""
     mesh = comm.mesh_for(axis_name)
     (rows, cols), n = x_local_aval.shape, w_aval.shape[1]
+    gemm_sms, push_sms = launch_sms(config, rows * cols * jnp.dtype(x_local_aval.dtype).itemsize)
     try:
-        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config)
+        plan = _plan.ag_plan(rows, cols, n, axis_size, gather_k, config, gemm_sms, push_sms)
     except _plan.NoExtension as e:
         raise Unavailable(str(e)) from None
     except _plan.PlanError as e:
         raise Unavailable(f"the kernels cannot run this call: {e.rule}") from None
     p = ag_padding(plan, rows, cols, n, axis_size, gather_k)
     cid = comm.acquire_comm(mesh, axis_name, 0, plan.chunks, inbox_bytes=plan.inbox_bytes)
-    return AgGemmCall(padding=p, gemm_sms=ag_gemm_sms(config), comm_id=cid, config=config,
+    return AgGemmCall(padding=p, gemm_sms=gemm_sms, push_sms=push_sms, comm_id=cid, config=config,
                       target=_plan.target())
 
 
@@ -146,7 +171,7 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
     x_pad, w_pad = pad_operands(x2d, w, p)
     y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
     gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
-    attributes = site.config.kernel_attributes(site.gemm_sms)
+    attributes = site.config.kernel_attributes(site.gemm_sms, site.push_sms)
     layout = "contraction" if p.gather_k else "rows"
     signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w {list(w_pad.shape)} gathering "
                                     f"{layout}, gathered {list(gathered_shape)}, config {comm.attributes_text(attributes)}")
