@@ -1222,7 +1222,7 @@ class Rank:
 
         import entwine_jax
         from entwine_jax import _distributed, comm
-        from entwine_jax.ag_gemm import fused as ag_fused
+        from entwine_jax.ag_gemm import config as ag_config
         from entwine_jax.tuning import crossover, timing
 
         w_, bf = self.world, jnp.bfloat16
@@ -1266,7 +1266,7 @@ class Rank:
                     link_ms = moved / (costs.link_gbps * 1e9) * 1e3
                     xla_ms = gemm_ms + link_ms
                     flops = 2.0 * m * n * k
-                    push = ag_fused.push_of(entwine_jax.ag_heuristic_config(t, n, k, w_, bf), t * k * 2) \
+                    push = ag_config.push_of(entwine_jax.ag_heuristic_config(t, n, k, w_, bf), t * k * 2) \
                         if op == "ag_gemm" else None
                     rule = "xla" if crossover.fused_cannot_win(op, flops, moved, push=push) else "fused"
                     winner = "fused" if fused_ms < xla_ms else "xla"

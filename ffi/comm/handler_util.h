@@ -178,8 +178,8 @@ inline void add_call(MemoKey<kWords>& key, CallEpoch const& call) {
 // the key of every value the derivation reads: a call of the same site, shape, config and buffers
 // skips the planning and the TMA descriptors. The derivation is a pure function of the key, so an
 // entry is never stale (a freed buffer whose address comes back gets the same derivation). One memo
-// per host thread (XLA calls a device's handlers on its threads), a few entries replaced in turn;
-// no allocation, no lock.
+// per host thread (XLA calls a device's handlers on its threads; the thread's first call has the
+// runtime allocate its copy), a few entries replaced in turn; no lock.
 template <size_t kWords, class Value, int kEntries = 8>
 class CallMemo {
  public:

@@ -1,10 +1,12 @@
 # ag_gemm's printable config (the kernels' fields mirror the config struct of ffi/ag_gemm, plus the
-# Python-only `path`) and its heuristic.
+# Python-only `path` and `push`), its heuristic, and how a call resolves its push.
 import dataclasses
 
 import numpy as np
 
+from entwine_jax import _extension
 from entwine_jax._config import BLOCK_N, PATHS, check_int
+from entwine_jax.tuning import crossover
 
 PUSHES = ("auto", "sm", "ce")
 
@@ -73,3 +75,19 @@ def ag_heuristic_config(rows: int, n: int, cols: int, world: int, dtype, path: s
     # A persistent grid on every SM the push leaves (gemm_sms=0), whose epilogue overlaps the next
     # block's mainloop; the push by shard size (push="auto": tuning.crossover).
     return AgGemmConfig(block_n=block_n, gemm_sms=0, raster_rows=8, max_chunks=8, push="auto", path=path)
+
+
+def push_budget(config: AgGemmConfig) -> int:
+    """CTAs of the SM push: config.push_sms, or tuning.crossover's default."""
+    return config.push_sms or crossover.COSTS.push_sms
+
+
+def push_of(config: AgGemmConfig, shard_bytes: int) -> str:
+    """How a call pushes its shard of `shard_bytes` (unpadded): config.push, or with "auto" the SM
+    push up to tuning.crossover's shard size, if a user's gemm_sms leaves it room."""
+    if config.push != "auto":
+        return config.push
+    push = crossover.ag_push(shard_bytes)
+    if push == "sm" and config.gemm_sms and config.gemm_sms + push_budget(config) > _extension.sm_count():
+        return "ce"
+    return push

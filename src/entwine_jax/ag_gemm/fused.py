@@ -12,8 +12,8 @@ import numpy as np
 
 from entwine_jax import _extension, _ordered, comm
 from entwine_jax.ag_gemm import plan as _plan
+from entwine_jax.ag_gemm.config import push_budget, push_of
 from entwine_jax.comm import Unavailable
-from entwine_jax.tuning import crossover
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -64,22 +64,6 @@ def unpad(y, gathered, p: AgPadding):
     if gathered is not None and (p.rows, p.cols) != (p.rows_pad, p.cols_pad):
         gathered = gathered[:, : p.rows, : p.cols]
     return y, gathered
-
-
-def push_of(config, shard_bytes: int) -> str:
-    """How a call pushes its shard of `shard_bytes` (unpadded): config.push, or with "auto" the SM
-    push up to tuning.crossover's shard size, if a user's gemm_sms leaves it room."""
-    if config.push != "auto":
-        return config.push
-    push = crossover.ag_push(shard_bytes)
-    if push == "sm" and config.gemm_sms and config.gemm_sms + push_budget(config) > _extension.sm_count():
-        return "ce"
-    return push
-
-
-def push_budget(config) -> int:
-    """CTAs of the SM push: config.push_sms, or tuning.crossover's default."""
-    return config.push_sms or crossover.COSTS.push_sms
 
 
 def launch_sms(config, shard_bytes: int) -> tuple[int, int]:
