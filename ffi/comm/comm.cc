@@ -204,10 +204,12 @@ MappedBytes mapped_bytes(int world, const Capacity& capacity) {
 }
 
 DeviceComm::~DeviceComm() {
-  // Nothing of ours may still run; then every mapping goes before its reservation. Physical memory
-  // lives until the last process unmaps it, so the order between processes does not matter.
+  // Nothing of ours may still run (shutdown() synchronised the device before; a comm destroyed
+  // after a failed creation ran nothing but the zeroing); then every mapping goes before its
+  // reservation. Physical memory lives until the last process unmaps it, so the order between
+  // processes does not matter.
   cudaSetDevice(device);
-  cudaDeviceSynchronize();
+  if (setup) cudaStreamSynchronize(setup);
   for (int s = 0; s < kMaxWorld; ++s) {
     if (!peer_reserved[s]) continue;
     unmap_beyond(peer_reserved[s], peer_chunks[s], layout, MappedBytes{});
@@ -306,7 +308,7 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     }
     check(cudaStreamCreateWithFlags(&dc->setup, cudaStreamNonBlocking), "cudaStreamCreate(setup)");
     dc->layout = heap_layout(heap_max_bytes);
-    dc->heap = vmm::reserve(dc->layout.reserved());
+    dc->heap = vmm::reserve(dc->layout.reserved(), kChunkBytes);
     dc->accessors = {device};
     map_own(*dc, capacity);
     comm.by_device[device] = std::move(dc);
@@ -341,7 +343,7 @@ void import_chunks(int64_t comm_id, int device, int rank, const std::vector<Shar
                              std::to_string(dc.rank) + " of " + std::to_string(dc.world));
   }
   check(cudaSetDevice(device), "cudaSetDevice");
-  if (!dc.peer_reserved[rank]) dc.peer_reserved[rank] = vmm::reserve(dc.layout.reserved());
+  if (!dc.peer_reserved[rank]) dc.peer_reserved[rank] = vmm::reserve(dc.layout.reserved(), kChunkBytes);
   std::vector<Chunk>& mapped = dc.peer_chunks[rank];
   size_t const before = mapped.size();
   try {
