@@ -240,13 +240,16 @@ def _receive_chunks(conn: socket.socket, deadline: float) -> dict[int, list]:
             conn.settimeout(max(deadline - time.monotonic(), 0.001))
             data, fds, flags, _ = socket.recv_fds(conn, 1 << 16, _FDS_PER_MESSAGE)
             chunks_fds = list(fds)
-            if not data:
-                raise RuntimeError("a peer closed the exchange of heap chunks early")
-            header = json.loads(data)
-            if flags & socket.MSG_CTRUNC or len(header.get("chunks", [])) != len(chunks_fds):
+            try:
+                if not data:
+                    raise RuntimeError("a peer closed the exchange of heap chunks early")
+                header = json.loads(data)
+                if flags & socket.MSG_CTRUNC or len(header.get("chunks", [])) != len(chunks_fds):
+                    raise RuntimeError("a peer's message of heap chunks arrived truncated")
+            except BaseException:
                 for fd in chunks_fds:
                     os.close(fd)
-                raise RuntimeError("a peer's message of heap chunks arrived truncated")
+                raise
             if not header:
                 return received
             received.setdefault(int(header["device"]), []).extend(
