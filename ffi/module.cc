@@ -16,12 +16,8 @@
 
 #include "bind.h"
 #include "comm/comm.h"
-#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
-
-// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in comm/order.cc: the order token's link between fused calls.
-extern "C" XLA_FFI_Error* EntwineOrder(XLA_FFI_CallFrame* call_frame);
 
 // The ops, one row each: ffi/<op>/bind.cc defines entwine::<op>::bind (see bind.h).
 #define ENTWINE_OPS(X) \
@@ -57,8 +53,6 @@ NB_MODULE(_entwine, m) {
 #define ENTWINE_BIND(op) entwine::op::bind(m, ffi_targets());
   ENTWINE_OPS(ENTWINE_BIND)
 #undef ENTWINE_BIND
-  m.attr("ORDER_TARGET") = "entwine_order";
-  ffi_targets().emplace_back("entwine_order", reinterpret_cast<void*>(EntwineOrder));
   m.def("registrations", [] {
     nb::dict targets;
     for (auto const& [name, handler] : ffi_targets()) targets[name.c_str()] = nb::capsule(handler);

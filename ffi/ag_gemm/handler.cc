@@ -266,9 +266,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 }
 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
-// The token orders the fused calls of a program and carries no data (the next one comes from
-// entwine_order, comm/order.cc).
-ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Token,
+ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered,
                       int64_t comm_id, bool gather_k, int64_t signature, AgGemmConfig config) {
   try {
@@ -294,7 +292,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Arg<ffi::AnyBuffer>()                     // x: the local shard
                                   .Arg<ffi::AnyBuffer>()                     // w
-                                  .Arg<ffi::Token>()                         // order in (fused calls)
                                   .Ret<ffi::AnyBuffer>()                     // y
                                   .Ret<ffi::AnyBuffer>()                     // gathered (or empty)
                                   .Attr<int64_t>("comm_id")                  // comm_id

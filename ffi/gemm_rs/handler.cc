@@ -210,9 +210,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 }
 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
-// The token orders the fused calls of a program and carries no data (the next one comes from
-// entwine_order, comm/order.cc).
-ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Token,
+ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
                       int64_t scatter_dimension, int64_t signature, GemmRsConfig config) {
   try {
@@ -238,7 +236,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Arg<ffi::AnyBuffer>()                     // x
                                   .Arg<ffi::AnyBuffer>()                     // w
-                                  .Arg<ffi::Token>()                         // order in (fused calls)
                                   .Ret<ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("scatter_dimension")        // scatter_dimension

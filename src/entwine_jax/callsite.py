@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _log, _ordered
+from entwine_jax import _log
 from entwine_jax.comm import Unavailable
 from entwine_jax.tuning import crossover
 
@@ -103,17 +103,10 @@ def report(op: str, key, site: str, config, reason: Optional[str], source: str, 
 
 def dispatch(reason: Optional[str], reference: Callable, fused: Callable, *args):
     """reference(*args) where the fused path cannot run (reason); else fused(*args) on CUDA and
-    reference(*args) on any other platform of the same program. The reference branch passes its
-    arguments through the fused calls' order point, so that both branches carry the ordering effect
-    (_ordered.py)."""
+    reference(*args) on any other platform of the same program."""
     if reason is not None:
         return reference(*args)
-
-    def ordered_reference(*operands):
-        flat, tree = jax.tree.flatten(operands)
-        return reference(*jax.tree.unflatten(tree, _ordered.order_point(*flat)))
-
-    return jax.lax.platform_dependent(*args, cuda=fused, default=ordered_reference)
+    return jax.lax.platform_dependent(*args, cuda=fused, default=reference)
 
 
 def varying_axes(v) -> frozenset:

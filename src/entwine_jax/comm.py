@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import zlib
@@ -585,6 +586,24 @@ def call_signature(description: str) -> int:
     if ext is not None and hasattr(ext, "name_call"):
         ext.name_call(signature, description)
     return signature
+
+
+_NOT_USER_CODE = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, np))
+
+
+def call_site() -> str:
+    """`file:line (function)` of the innermost frame of the user's code (not jax's, NumPy's, this
+    package's or the standard library's) tracing the current call: it names the call in its
+    signature, so that two calls of the same shape from different lines differ."""
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    stdlib = os.path.dirname(os.__file__) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith((own, stdlib) + _NOT_USER_CODE) and "/flax/" not in path and "<" not in path:
+            return f"{os.path.basename(path)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "unknown site"
 
 
 def attributes_text(attributes: dict) -> str:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, _ordered, comm
+from entwine_jax import _extension, _ffi, comm
 from entwine_jax.ag_gemm import plan as _plan
 from entwine_jax.ag_gemm.config import push_budget, push_of
 from entwine_jax.comm import Unavailable
@@ -158,8 +158,9 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
     attributes = site.config.kernel_attributes(site.gemm_sms, site.push_sms)
     layout = "contraction" if p.gather_k else "rows"
     signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w {list(w_pad.shape)} gathering "
-                                    f"{layout}, gathered {list(gathered_shape)}, config {comm.attributes_text(attributes)}")
-    y, gathered = _ordered.fused_call(
+                                    f"{layout}, gathered {list(gathered_shape)}, config {comm.attributes_text(attributes)}, "
+                                    f"from {comm.call_site()}")
+    y, gathered = _ffi.fused_call(
         site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), x2d.dtype), jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)],
         x_pad, w_pad, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k), signature=np.int64(signature),
         config=attributes)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, _ordered, comm
+from entwine_jax import _extension, _ffi, comm
 from entwine_jax.comm import Unavailable
 from entwine_jax.gemm_rs import plan as _plan
 from entwine_jax.gemm_rs.config import GemmRsConfig
@@ -148,8 +148,8 @@ def call(x2d, w, site: GemmRsCall) -> jax.Array:
     x_pad, w_pad = pad_operands(x2d, w, p)
     layout = "columns" if site.scatter_dimension else "rows"
     signature = comm.call_signature(f"gemm_rs {x2d.dtype} x {list(x_pad.shape)} w {list(w_pad.shape)} scattering "
-                                    f"{layout}, config {comm.attributes_text(site.config.kernel_attributes())}")
-    y, = _ordered.fused_call(site.target, [jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype)], x_pad, w_pad,
+                                    f"{layout}, config {comm.attributes_text(site.config.kernel_attributes())}, from {comm.call_site()}")
+    y, = _ffi.fused_call(site.target, [jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype)], x_pad, w_pad,
                              comm_id=np.int64(site.comm_id), scatter_dimension=np.int64(site.scatter_dimension),
                              signature=np.int64(signature), config=site.config.kernel_attributes())
     return unpad(y, p)
