@@ -11,20 +11,24 @@ namespace nb = nanobind;
 
 // Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in ag_gemm/handler.cc.
 extern "C" XLA_FFI_Error* AgGemm(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AgGemmFp8(XLA_FFI_CallFrame* call_frame);
 
 namespace entwine::ag_gemm {
 
 void bind(nb::module_& m, FfiTargets& targets) {
-  // The XLA FFI target name, spelled only here: Python reads it from the module.
+  // The XLA FFI target names, spelled only here: Python reads them from the module.
   constexpr const char* kTarget = "entwine_ag_gemm";
+  constexpr const char* kFp8Target = "entwine_ag_gemm_fp8";
   m.attr("AG_GEMM_TARGET") = kTarget;
-  targets.emplace_back(kTarget, reinterpret_cast<void*>(AgGemm));
+  m.attr("AG_GEMM_FP8_TARGET") = kFp8Target;
+  targets.push_back({kTarget, reinterpret_cast<void*>(AgGemm), false});
+  targets.push_back({kFp8Target, reinterpret_cast<void*>(AgGemmFp8), true});
   comm::register_op(&kHooks);
 
   m.def("ag_plan",
         [](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
-           int max_chunks) {
-          AgProblem problem{rows, cols, n, world, 0, gather_k};
+           int max_chunks, bool fp8, bool shared_scale) {
+          AgProblem problem{rows, cols, n, world, 0, gather_k, fp8 ? DType::kE4M3 : DType::kBF16, shared_scale};
           AgGemmConfig config{block_n, gemm_sms, raster_rows, max_chunks};
           AgPlan const p = ag_plan(problem, config);
           nb::dict d;
@@ -38,14 +42,18 @@ void bind(nb::module_& m, FfiTargets& targets) {
           d["grid"] = p.grid;
           d["k_tiles"] = p.k_tiles;
           d["inbox_bytes"] = p.inbox_bytes;
+          d["shard_bytes"] = p.shard_bytes;
           d["flags"] = p.flags;
           return d;
         },
         nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
-        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"),
-        "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h) of an unpadded shard [rows, cols] and N = n: "
-        "{error: None or the violated rule, rows_pad, cols_pad, n_pad, chunks, chunk_tiles, num_blocks, grid, "
-        "k_tiles, inbox_bytes, flags}.");
+        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"), nb::arg("fp8") = false,
+        nb::arg("shared_scale") = true,
+        "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h) of an unpadded shard [rows, cols] and N = n (fp8: "
+        "float8_e4m3fn shards, w_t [n, W*cols or cols], cols padded to 16, block_n 128; shared_scale: one x "
+        "scale for every shard, needed by gather_k): {error: None or the violated rule, rows_pad, cols_pad, "
+        "n_pad, chunks, chunk_tiles, num_blocks, grid, k_tiles, inbox_bytes (fp8: with the scale slots), "
+        "shard_bytes, flags}.");
 }
 
 }  // namespace entwine::ag_gemm

@@ -11,20 +11,24 @@ namespace nb = nanobind;
 
 // Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in gemm_rs/handler.cc.
 extern "C" XLA_FFI_Error* GemmRs(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* GemmRsFp8(XLA_FFI_CallFrame* call_frame);
 
 namespace entwine::gemm_rs {
 
 void bind(nb::module_& m, FfiTargets& targets) {
-  // The XLA FFI target name, spelled only here: Python reads it from the module.
+  // The XLA FFI target names, spelled only here: Python reads them from the module.
   constexpr const char* kTarget = "entwine_gemm_rs";
+  constexpr const char* kFp8Target = "entwine_gemm_rs_fp8";
   m.attr("GEMM_RS_TARGET") = kTarget;
-  targets.emplace_back(kTarget, reinterpret_cast<void*>(GemmRs));
+  m.attr("GEMM_RS_FP8_TARGET") = kFp8Target;
+  targets.push_back({kTarget, reinterpret_cast<void*>(GemmRs), false});
+  targets.push_back({kFp8Target, reinterpret_cast<void*>(GemmRsFp8), true});
   comm::register_op(&kHooks);
 
   m.def("gemm_rs_plan",
         [](int64_t m, int64_t n, int64_t k, int world, bool scatter_cols, int block_n, int producer_sms,
-           int consumer_grid, int consumer_block, int raster_rows, bool split_tail) {
-          GemmRsProblem problem{m, n, k, world, 0, scatter_cols};
+           int consumer_grid, int consumer_block, int raster_rows, bool split_tail, bool fp8) {
+          GemmRsProblem problem{m, n, k, world, 0, scatter_cols, fp8 ? DType::kE4M3 : DType::kBF16};
           GemmRsConfig config{block_n, producer_sms, consumer_grid, consumer_block, raster_rows, split_tail};
           GemmRsPlan const p = gemm_rs_plan(problem, config);
           nb::dict d;
@@ -49,8 +53,9 @@ void bind(nb::module_& m, FfiTargets& targets) {
         },
         nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("world"), nb::arg("scatter_cols"), nb::arg("block_n"),
         nb::arg("producer_sms"), nb::arg("consumer_grid"), nb::arg("consumer_block"), nb::arg("raster_rows"),
-        nb::arg("split_tail"),
-        "gemm_rs's plan of one call (ffi/gemm_rs/gemm_rs.h) for x [m, k], w [k, n], unpadded: {error: None or "
+        nb::arg("split_tail"), nb::arg("fp8") = false,
+        "gemm_rs's plan of one call (ffi/gemm_rs/gemm_rs.h) for x [m, k], w [k, n] (fp8: float8_e4m3fn operands, "
+        "w_t [n, k], K padded to 16, block_n 128), unpadded: {error: None or "
         "the violated rule, config_error, m, n, k (the padded problem), part_rows, part_cols, tiles_per_partition, "
         "m_blocks, n_blocks, raster_rows, num_blocks, grid, k_tiles, split_first_block, split, slot_bytes}.");
 }

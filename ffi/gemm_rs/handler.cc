@@ -1,9 +1,10 @@
-// XLA FFI handler `entwine_gemm_rs`: validates and plans one rank's call, forks XLA's stream into the
-// producer (GEMM) and consumer (reduction) streams and joins them back; and gemm_rs::kHooks. No
+// XLA FFI handlers `entwine_gemm_rs` (bf16/fp16) and `entwine_gemm_rs_fp8` (FP8 operands with their
+// scales): each checks its operands' types, then one body validates and plans the call, forks XLA's
+// stream into the producer (GEMM) and consumer (reduction) streams and joins them back; and
+// gemm_rs::kHooks. No
 // kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (any of them can
 // deadlock against a consumer spinning on another device of this process).
 #include <cstdint>
-#include <exception>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -40,6 +41,31 @@ constexpr const char* kOp = "entwine gemm_rs";
 using handler::DeviceGuard;
 using handler::dims_string;
 
+// One call's operands once its target's type checks passed: x [m, k] and w [k, n] (FP8: w_t [n, k]).
+struct Operands {
+  DType input, output;  // output: y's and the partials' type
+  const void* x;
+  const void* w;
+  const float* x_scale = nullptr;  // FP8 only
+  const float* w_scale = nullptr;
+  int64_t m, n, k;
+};
+
+// The 2-D shapes of x, w (or w_t) and y, and their common K; fills m, n, k.
+ffi::Error check_dims(ffi::AnyBuffer const& x, ffi::AnyBuffer const& w, ffi::AnyBuffer const& y, bool w_transposed,
+                      Operands* ops) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[w_transposed ? 1 : 0] != xd[1]) {
+    return ffi::Error::InvalidArgument(std::string("entwine gemm_rs: expected x [M, K], ") +
+                                       (w_transposed ? "w_t [N, K]" : "w [K, N]") + ", y 2-D, got x " +
+                                       dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd));
+  }
+  ops->m = xd[0];
+  ops->n = wd[w_transposed ? 0 : 1];
+  ops->k = xd[1];
+  return ffi::Error::Success();
+}
+
 // Double-buffer argument (docs/design.md, "The double-buffer argument"). Call e of rank A writes
 // A's partial slot V[e % 2] (e and its parity are read on the device: CallEpoch); the consumers of
 // every rank B read A's V[e % 2] during their call e.
@@ -55,42 +81,29 @@ using handler::dims_string;
 // writers of one flag word of parity e % 2 (calls e and e+2), which is why the flags are
 // double-buffered too (comm.h). Requires every rank to make the same sequence of calls on the
 // communicator (same epochs), which SPMD programs do.
-ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                     ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t scatter_dimension,
-                     GemmRsConfig const& cfg) {
+ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& ops, ffi::Result<ffi::AnyBuffer> y,
+                     int64_t comm_id, int64_t scatter_dimension, GemmRsConfig const& cfg) {
   // --- Validation: everything below is cheap host work on the call's metadata. --------------------
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
   handler::HostTimer timer{dc};
-  DType dtype;
-  if (ffi::Error e = handler::element_type(kOp, x, &dtype); e.failure()) return e;
-  if (w.element_type() != x.element_type() || y->element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument("entwine gemm_rs: x, w and y must share one dtype, got codes " +
-                                       std::to_string(int(x.element_type())) + ", " +
-                                       std::to_string(int(w.element_type())) + ", " +
-                                       std::to_string(int(y->element_type())));
-  }
-
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  auto yd = y->dimensions();
   if (scatter_dimension != 0 && scatter_dimension != 1) {
     return ffi::Error::InvalidArgument("entwine gemm_rs: scatter_dimension must be 0 (rows) or 1 (columns), got " +
                                        std::to_string(scatter_dimension));
-  }
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[0] != xd[1]) {
-    return ffi::Error::InvalidArgument("entwine gemm_rs: expected x [M, K], w [K, N], y 2-D, got x " +
-                                       dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd));
   }
 
   // The plan of the call, made once here and run by both launchers. Python padded the operands with
   // the same function: on the padded shape it must plan the problem unchanged (docs/design.md,
   // "gemm_rs"). The plan alone checks that the scattered dimension divides.
   GemmRsProblem problem;
-  problem.m = xd[0];
-  problem.n = wd[1];
-  problem.k = xd[1];
+  problem.m = ops.m;
+  problem.n = ops.n;
+  problem.k = ops.k;
   problem.world = dc->world;
   problem.rank = dc->rank;
   problem.scatter_cols = scatter_dimension == 1;
+  problem.input = ops.input;
   GemmRsPlan const plan = gemm_rs_plan(problem, cfg);
   // Built only for a message: the handler's host time is on every call's path.
   auto const call = [&] {
@@ -145,8 +158,10 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   consumer_args.timeout_ns = comm::timeout_ms() * 1000000ull;
 
   ProducerArgs producer_args{};
-  producer_args.x = x.untyped_data();
-  producer_args.w = w.untyped_data();
+  producer_args.x = ops.x;
+  producer_args.w = ops.w;
+  producer_args.x_scale = ops.x_scale;
+  producer_args.w_scale = ops.w_scale;
   producer_args.partial = own + dc->layout.slot_offset();
   for (int q = 0; q < dc->world; ++q) {
     // Push: each tile's flag goes into the memory of the rank that owns its partition.
@@ -160,8 +175,8 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
   // Consumer first: its small high-priority grid must be resident before the GEMM fills the SMs.
-  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(dtype, plan, consumer_args, dc->consumer));
-  ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::launch_gemm(dtype, plan, producer_args, dc->producer));
+  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, plan, consumer_args, dc->consumer));
+  ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::launch_gemm(ops.input, ops.output, plan, producer_args, dc->producer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, dc->producer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
@@ -171,19 +186,46 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   return ffi::Error::Success();
 }
 
-// Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
-// The tokens order the fused calls of a program (the Python primitive threads one through all of
-// them); they carry no data.
+// bf16 or fp16: x, w and y of one type. The tokens order the fused calls of a program (the Python
+// primitive threads one through all of them); they carry no data.
 ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Token,
                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm_id,
                       int64_t scatter_dimension, GemmRsConfig config) {
-  try {
-    return RunGemmRs(xla_stream, device, x, w, y, comm_id, scatter_dimension, config);
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("entwine gemm_rs: ") + e.what());
-  } catch (...) {
-    return ffi::Error::Internal("entwine gemm_rs: unknown C++ exception");
-  }
+  return handler::guarded(kOp, [&] {
+    Operands ops{};
+    if (ffi::Error e = handler::element_type(kOp, "x", x, &ops.input); e.failure()) return e;
+    if (w.element_type() != x.element_type() || y->element_type() != x.element_type()) {
+      return ffi::Error::InvalidArgument("entwine gemm_rs: x, w and y must share one dtype, got codes " +
+                                         std::to_string(int(x.element_type())) + ", " +
+                                         std::to_string(int(w.element_type())) + ", " +
+                                         std::to_string(int(y->element_type())));
+    }
+    if (ffi::Error e = check_dims(x, w, *y, false, &ops); e.failure()) return e;
+    ops.output = ops.input;
+    ops.x = x.untyped_data();
+    ops.w = w.untyped_data();
+    return RunGemmRs(xla_stream, device, ops, y, comm_id, scatter_dimension, config);
+  });
+}
+
+// FP8: x [M, K] and w_t [N, K] in float8_e4m3fn, one f32 scale each; y bf16 or fp16 (its type picks
+// the kernel and the partials' type): y = x_scale * w_scale * (x @ w_t^T), reduce-scattered.
+ffi::Error GemmRsFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w_t,
+                         ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::Token>, int64_t comm_id, int64_t scatter_dimension, GemmRsConfig config) {
+  return handler::guarded(kOp, [&] {
+    Operands ops{};
+    ops.input = DType::kE4M3;
+    if (ffi::Error e = handler::fp8_operand(kOp, "x", x); e.failure()) return e;
+    if (ffi::Error e = handler::fp8_operand(kOp, "w_t", w_t); e.failure()) return e;
+    if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops.x_scale); e.failure()) return e;
+    if (ffi::Error e = handler::scale_operand(kOp, "w_scale", w_scale, &ops.w_scale); e.failure()) return e;
+    if (ffi::Error e = handler::element_type(kOp, "y", *y, &ops.output); e.failure()) return e;
+    if (ffi::Error e = check_dims(x, w_t, *y, true, &ops); e.failure()) return e;
+    ops.x = x.untyped_data();
+    ops.w = w_t.untyped_data();
+    return RunGemmRs(xla_stream, device, ops, y, comm_id, scatter_dimension, config);
+  });
 }
 
 }  // namespace
@@ -202,6 +244,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                                   .Arg<ffi::AnyBuffer>()                     // w
                                   .Arg<ffi::Token>()                         // order in (fused calls)
                                   .Ret<ffi::AnyBuffer>()                     // y
+                                  .Ret<ffi::Token>()                         // order out
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<int64_t>("scatter_dimension")        // scatter_dimension
+                                  .Attr<entwine::GemmRsConfig>("config"),    // config
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRsFp8, entwine::GemmRsFp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // x: float8_e4m3fn [M, K]
+                                  .Arg<ffi::AnyBuffer>()                     // w_t: float8_e4m3fn [N, K]
+                                  .Arg<ffi::AnyBuffer>()                     // x_scale: f32
+                                  .Arg<ffi::AnyBuffer>()                     // w_scale: f32
+                                  .Arg<ffi::Token>()                         // order in (fused calls)
+                                  .Ret<ffi::AnyBuffer>()                     // y: bf16 or f16
                                   .Ret<ffi::Token>()                         // order out
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("scatter_dimension")        // scatter_dimension
