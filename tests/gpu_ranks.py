@@ -807,8 +807,8 @@ class Rank:
                 full = sum(float(scales[s][0] * scales[s][1]) * (f8(xs[s]) @ f8(w_ts[s]).T) for s in range(w_))
                 part = full[:, r * n // w_:(r + 1) * n // w_] if scatter_cols else full[r * m // w_:(r + 1) * m // w_]
                 config = dataclasses.replace(self.fused_config(m, n, k, out_dtype), block_n=128)
-                plan = ext.gemm_rs_plan(m, n, k, w_, scatter_cols, 128, config.producer_sms, config.consumer_grid,
-                                        config.consumer_block, config.raster_rows, config.split_tail, fp8=True)
+                plan = ext.gemm_rs_fp8_plan(m, n, k, w_, scatter_cols, 128, config.producer_sms, config.consumer_grid,
+                                            config.consumer_block, config.raster_rows, config.split_tail)
                 if plan["error"] or (plan["m"], plan["n"], plan["k"]) != (m, n, k):
                     raise AssertionError(f"fp8 gemm_rs plan of an aligned call: {plan}")
                 cid = comm.acquire_comm(self.mesh, "tp", plan["slot_bytes"], plan["tiles_per_partition"])
@@ -839,8 +839,8 @@ class Rank:
                 ref = float(w_scale) * (np.concatenate(deq, axis=0) @ f8(w_t).T)
             config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, w_, jnp.bfloat16), block_n=128)
             gemm_sms = ag_gemm_sms(config)
-            plan = ext.ag_plan(rows, cols, n, w_, gather_k, 128, gemm_sms, config.raster_rows, config.max_chunks,
-                               fp8=True, shared_scale=shared)
+            plan = ext.ag_gemm_fp8_plan(rows, cols, n, w_, gather_k, 128, gemm_sms, config.raster_rows,
+                                        config.max_chunks, shared_scale=shared)
             if plan["error"]:
                 raise AssertionError(f"fp8 ag plan: {plan['error']}")
             cid = comm.acquire_comm(self.mesh, "tp", 0, plan["chunks"], inbox_bytes=plan["inbox_bytes"])

@@ -1,5 +1,6 @@
-// ag_gemm's part of the nanobind module (see bind.h): its FFI target, AG_GEMM_TARGET, the plan that
-// Python asks instead of restating the kernels' shape rules, and its communicator hooks.
+// ag_gemm's part of the nanobind module (see bind.h): its FFI targets (AG_GEMM_TARGET and, for FP8
+// operands, AG_GEMM_FP8_TARGET), the plans that Python asks instead of restating the kernels' shape
+// rules, and its communicator hooks.
 #include <nanobind/nanobind.h>
 
 #include "ag_gemm/ag_gemm.h"
@@ -25,35 +26,50 @@ void bind(nb::module_& m, FfiTargets& targets) {
   targets.push_back({kFp8Target, reinterpret_cast<void*>(AgGemmFp8), true});
   comm::register_op(&kHooks);
 
+  // The plan of one call of an unpadded shard [rows, cols] and N = n as a dict.
+  auto plan_dict = [](AgProblem const& problem, AgGemmConfig const& config) {
+    AgPlan const p = ag_plan(problem, config);
+    nb::dict d;
+    d["error"] = rule_or_none(p.error);
+    d["rows_pad"] = p.rows_pad;
+    d["cols_pad"] = p.cols_pad;
+    d["n_pad"] = p.n_pad;
+    d["chunks"] = p.chunks;
+    d["chunk_tiles"] = p.chunk_tiles;
+    d["num_blocks"] = p.num_blocks;
+    d["grid"] = p.grid;
+    d["k_tiles"] = p.k_tiles;
+    d["inbox_bytes"] = p.inbox_bytes;
+    d["shard_bytes"] = p.shard_bytes;
+    d["flags"] = p.flags;
+    return d;
+  };
+  // What both return (a string literal, so that the docstrings below are literals too).
+#define ENTWINE_AG_PLAN_RETURNS                                                                                 \
+  "{error: None or the violated rule, rows_pad, cols_pad, n_pad, chunks, chunk_tiles, num_blocks, grid, k_tiles, " \
+  "inbox_bytes, shard_bytes, flags}."
   m.def("ag_plan",
-        [](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
-           int max_chunks, bool fp8, bool shared_scale) {
-          AgProblem problem{rows, cols, n, world, 0, gather_k, fp8 ? DType::kE4M3 : DType::kBF16, shared_scale};
-          AgGemmConfig config{block_n, gemm_sms, raster_rows, max_chunks};
-          AgPlan const p = ag_plan(problem, config);
-          nb::dict d;
-          d["error"] = rule_or_none(p.error);
-          d["rows_pad"] = p.rows_pad;
-          d["cols_pad"] = p.cols_pad;
-          d["n_pad"] = p.n_pad;
-          d["chunks"] = p.chunks;
-          d["chunk_tiles"] = p.chunk_tiles;
-          d["num_blocks"] = p.num_blocks;
-          d["grid"] = p.grid;
-          d["k_tiles"] = p.k_tiles;
-          d["inbox_bytes"] = p.inbox_bytes;
-          d["shard_bytes"] = p.shard_bytes;
-          d["flags"] = p.flags;
-          return d;
+        [plan_dict](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
+                    int max_chunks) {
+          return plan_dict(AgProblem{rows, cols, n, world, 0, gather_k},
+                           AgGemmConfig{block_n, gemm_sms, raster_rows, max_chunks});
         },
         nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
-        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"), nb::arg("fp8") = false,
-        nb::arg("shared_scale") = true,
-        "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h) of an unpadded shard [rows, cols] and N = n (fp8: "
-        "float8_e4m3fn shards, w_t [n, W*cols or cols], cols padded to 16, block_n 128; shared_scale: one x "
-        "scale for every shard, needed by gather_k): {error: None or the violated rule, rows_pad, cols_pad, "
-        "n_pad, chunks, chunk_tiles, num_blocks, grid, k_tiles, inbox_bytes (fp8: with the scale slots), "
-        "shard_bytes, flags}.");
+        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"),
+        "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h) of an unpadded bf16 or fp16 shard [rows, cols] and "
+        "N = n: " ENTWINE_AG_PLAN_RETURNS);
+  m.def("ag_gemm_fp8_plan",
+        [plan_dict](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
+                    int max_chunks, bool shared_scale) {
+          return plan_dict(AgProblem{rows, cols, n, world, 0, gather_k, DType::kE4M3, shared_scale},
+                           AgGemmConfig{block_n, gemm_sms, raster_rows, max_chunks});
+        },
+        nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
+        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"), nb::arg("shared_scale") = false,
+        "ag_gemm's plan of one FP8 call (entwine_ag_gemm_fp8) of an unpadded float8_e4m3fn shard [rows, cols], "
+        "w_t [n, W * cols or cols] (cols padded to 16, block_n 128 only; inbox_bytes includes the scale slots; "
+        "shared_scale: one x scale for every shard, which gather_k needs): " ENTWINE_AG_PLAN_RETURNS);
+#undef ENTWINE_AG_PLAN_RETURNS
 }
 
 }  // namespace entwine::ag_gemm
