@@ -19,9 +19,10 @@ namespace entwine {
 // listed here only, as X(type, name, default) (comm/config.h).
 #define ENTWINE_AG_GEMM_CONFIG_FIELDS(X)                                                                  \
   X(int64_t, block_n, 256)    /* GEMM block: 128 x block_n x 64, block_n in {128, 256} */                  \
-  X(int64_t, gemm_sms, 131)   /* persistent grid of that many CTAs, fewer than the SMs (see launch_release) */ \
+  X(int64_t, gemm_sms, 131)   /* persistent grid; gemm_sms + max(push_sms, 1) <= SMs (see launch_push) */   \
   X(int64_t, raster_rows, 8)  /* blocks of a chunk run in groups of this many tile rows (L2 reuse) */      \
-  X(int64_t, max_chunks, 8)   /* a shard travels in at most this many chunks of whole tile rows, one flag each */
+  X(int64_t, max_chunks, 8)   /* a shard travels in at most this many chunks of whole tile rows, one flag each */ \
+  X(int64_t, push_sms, 0)     /* 0: copy engines push the shard; > 0: one copy kernel of that many CTAs */
 struct AgGemmConfig {
   ENTWINE_AG_GEMM_CONFIG_FIELDS(ENTWINE_CONFIG_MEMBER)
 };
@@ -70,6 +71,8 @@ struct AgPlan {
   int64_t inbox_bytes;    // the gathered operand: world padded shards (FP8: then world scale slots)
   int64_t scales_offset;  // FP8: bytes from the inbox's start to the scale slots (world * shard_bytes)
   int64_t flags;          // flag words per rank: world * chunks
+  int32_t push_grid;      // CTAs of the SM push (launch_push), 0: the copy engines push
+  int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or the releases')
   TileOrder order;        // the blocks of one chunk, in production order
   WorkSchedule schedule;  // the GEMM's blocks, grid and k-tiles (every source's in the contraction layout)
 };
@@ -87,10 +90,6 @@ struct AgGemmArgs {
   DeviceError* error_mirror;  // host-mapped copy written once on failure
   CallEpoch call;
   uint64_t timeout_ns;
-  // ready[rank] in the heap of every peer (nullptr at this rank): the GEMM's first thread stores the
-  // call's epoch there as it starts, which tells each peer that this rank's inbox is free (every
-  // earlier call, its reads of the inbox included, is complete: stream order).
-  uint64_t* announce[kMaxWorld];
   const float* x_scale = nullptr;  // FP8: the local shard's and w's dequantisation scales (device
   const float* w_scale = nullptr;  // scalars); a peer's x scale is read from the inbox (AgPlan::scales_offset)
 };
@@ -106,6 +105,29 @@ struct TransferArgs {
   uint64_t timeout_ns;
 };
 
+// The SM push (push_sms > 0): one kernel copies the local shard into every peer's inbox with 16-byte
+// stores and releases each chunk itself, so a call enqueues one launch instead of a copy and a
+// release kernel per chunk and peer (whose enqueueing bounds a small push on the copy engines). It
+// copies bytes: an FP8 shard (1-byte elements) is a whole number of 16-byte vectors per chunk too.
+constexpr int kPushThreads = 512;
+struct PushArgs {
+  const void* shard;               // the local shard: shard_bytes, 16-byte aligned
+  const float* scale;              // FP8 with a per-shard scale: x_scale, for each peer's scale slot; else nullptr
+  int64_t scales_offset;           // AgPlan::scales_offset
+  char* inbox[kMaxWorld];          // every peer's inbox (this rank's entry unused)
+  uint64_t* flags[kMaxWorld];      // every peer's flags of parity 0 (the kernel adds the parity)
+  const uint64_t* ready;           // ready[0 .. world) in this rank's heap: the receivers' announcements
+  uint32_t* arrivals;              // one counter per (chunk, peer), zero between calls (ag_gemm's workspace)
+  int64_t shard_bytes;
+  int32_t chunks, rank, world;
+  DeviceError* error;
+  DeviceError* error_mirror;
+  CallEpoch call;
+  uint64_t timeout_ns;
+};
+// Counters of the SM push: a chunk per flag of one source, for each peer.
+constexpr size_t kPushArrivalsBytes = size_t(64) * kMaxWorld * sizeof(uint32_t);
+
 // The waits of ag_gemm (DeviceError::site).
 constexpr int32_t kAgGemmWaitSiteBase = 2 * kWaitSitesPerOp;
 constexpr int32_t kWaitGatherChunk = kAgGemmWaitSiteBase + 0;  // the GEMM: a chunk of rows of a peer's shard
@@ -117,6 +139,11 @@ constexpr int32_t kWaitInboxReady = kAgGemmWaitSiteBase + 1;   // a transfer: th
 // SM while the GEMM runs: its persistent grid leaves at least one SM free (config.gemm_sms).
 cudaError_t launch_wait_receiver(const TransferArgs& args, cudaStream_t stream);
 cudaError_t launch_release(uint64_t* flag, const CallEpoch& call, cudaStream_t stream);
+// The SM push of a plan with push_grid > 0: its CTAs, in one group per peer (or several peers per
+// group when the grid is smaller), wait for their receivers' announcements, copy chunk by chunk and
+// the last CTA of a group done with a chunk of a peer releases it. Its grid must find SMs beside the
+// GEMM's (plan.sms_needed).
+cudaError_t launch_push(const AgPlan& plan, const PushArgs& args, cudaStream_t stream);
 cudaError_t prepare_transfer_kernels();
 
 namespace comm {
@@ -135,6 +162,8 @@ extern const comm::OpHooks kHooks;
 using GemmPlan = AgPlan;
 using GemmArgs = AgGemmArgs;
 cudaError_t launch_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
+// The same launch prepared, to be enqueued any number of times (handlers keep it per call site).
+cudaError_t prepare_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
 cudaError_t prepare_gemms();
 
 // Load every kernel module of ag_gemm on the current device (once per device at setup).

@@ -42,30 +42,33 @@ void bind(nb::module_& m, FfiTargets& targets) {
     d["inbox_bytes"] = p.inbox_bytes;
     d["shard_bytes"] = p.shard_bytes;
     d["flags"] = p.flags;
+    d["push_grid"] = p.push_grid;
+    d["sms_needed"] = p.sms_needed;
     return d;
   };
   // What both return (a string literal, so that the docstrings below are literals too).
 #define ENTWINE_AG_PLAN_RETURNS                                                                                 \
   "{error: None or the violated rule, rows_pad, cols_pad, n_pad, chunks, chunk_tiles, num_blocks, grid, k_tiles, " \
-  "inbox_bytes, shard_bytes, flags}."
+  "inbox_bytes, shard_bytes, flags, push_grid, sms_needed}."
   m.def("ag_plan",
         [plan_dict](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
-                    int max_chunks) {
+                    int max_chunks, int push_sms) {
           return plan_dict(AgProblem{rows, cols, n, world, 0, gather_k},
-                           AgGemmConfig{block_n, gemm_sms, raster_rows, max_chunks});
+                           AgGemmConfig{block_n, gemm_sms, raster_rows, max_chunks, push_sms});
         },
         nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
-        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"),
+        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"), nb::arg("push_sms"),
         "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h) of an unpadded bf16 or fp16 shard [rows, cols] and "
         "N = n: " ENTWINE_AG_PLAN_RETURNS);
   m.def("ag_gemm_fp8_plan",
         [plan_dict](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
-                    int max_chunks, bool shared_scale) {
+                    int max_chunks, int push_sms, bool shared_scale) {
           return plan_dict(AgProblem{rows, cols, n, world, 0, gather_k, DType::kE4M3, shared_scale},
-                           AgGemmConfig{block_n, gemm_sms, raster_rows, max_chunks});
+                           AgGemmConfig{block_n, gemm_sms, raster_rows, max_chunks, push_sms});
         },
         nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
-        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"), nb::arg("shared_scale") = false,
+        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"), nb::arg("push_sms"),
+        nb::arg("shared_scale") = false,
         "ag_gemm's plan of one FP8 call (entwine_ag_gemm_fp8) of an unpadded float8_e4m3fn shard [rows, cols], "
         "w_t [n, W * cols or cols] (cols padded to 16, block_n 128 only; inbox_bytes includes the scale slots; "
         "shared_scale: one x scale for every shard, which gather_k needs): " ENTWINE_AG_PLAN_RETURNS);

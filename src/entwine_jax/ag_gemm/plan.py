@@ -29,20 +29,25 @@ class AgPlan:
     k_tiles: int
     inbox_bytes: int  # the W gathered shards
     flags: int  # flag words per source rank
+    push_grid: int  # CTAs of the SM push (0: the copy engines push)
+    sms_needed: int  # SMs the GEMM and the push (or the chunk releases) hold at once
 
 
 @functools.lru_cache(maxsize=4096)
-def _asked(rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks) -> dict:
-    return dict(_extension.ext().ag_plan(rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks))
+def _asked(rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks, push_sms) -> dict:
+    return dict(_extension.ext().ag_plan(rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks,
+                                         push_sms))
 
 
-def ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, gemm_sms: int) -> AgPlan:
+def ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, gemm_sms: int,
+            push_sms: int = 0) -> AgPlan:
     """ag_gemm's plan of one rank's shard [rows, cols] and N = n over `world` ranks (gather_k: the
-    shards are slices of the contraction dim) with `config` (an AgGemmConfig); gemm_sms: the GEMM
-    grid the call runs (config.gemm_sms resolved). Raises PlanError with the C++ rule when the
-    kernels cannot run it, NoExtension without the extension."""
+    shards are slices of the contraction dim) with `config` (an AgGemmConfig); gemm_sms and push_sms:
+    the GEMM grid and the SM push's CTAs the call runs (config's resolved; push_sms 0: the copy
+    engines). Raises PlanError with the C++ rule when the kernels cannot run it, NoExtension without
+    the extension."""
     d = _asked(int(rows), int(cols), int(n), int(world), bool(gather_k), int(config.block_n), int(gemm_sms),
-               int(config.raster_rows), int(config.max_chunks))
+               int(config.raster_rows), int(config.max_chunks), int(push_sms))
     if d["error"] is not None:
         raise PlanError(d["error"], False)
     return AgPlan(**{f.name: int(d[f.name]) for f in dataclasses.fields(AgPlan)})
