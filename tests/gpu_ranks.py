@@ -41,7 +41,8 @@ Suites:
            growth; then rank 0 alone traces a ninth, larger site (jax.eval_shape) and must give up
            within ENTWINE_SETUP_TIMEOUT_MS with its heap unchanged, after which all ranks run that site.
            The device memory the processes gained beyond XLA's own pool must stay within 1.5x the last
-           heap per process (retired heaps would add up to about 4.5x). Runs twice: plainly, and with
+           heap per process (retired heaps would add up to about 5x). Then entwine_jax.reserve sizes two
+           larger sites at once, and running them must grow nothing. Runs twice: plainly, and with
            XLA command buffers for fusions and custom calls (the first site's graph, recorded before
            every growth, is replayed after them).
   fp8kernels  the FP8 FFI targets called directly (no Python op): entwine_gemm_rs_fp8 (rows and
@@ -1232,9 +1233,22 @@ class Rank:
         if gained > 1.5 * heap:
             raise AssertionError(f"device memory gained per process {gained / mib:.0f} MiB > 1.5 x the last heap "
                                  f"{heap / mib:.0f} MiB: " + "; ".join(lines))
+        # entwine_jax.reserve: two larger sites sized by one growth; running them grows nothing more.
+        import entwine_jax
+
+        sites = [site(i) for i in (10, 11)]
+        with jax.set_mesh(self.mesh):
+            sized = entwine_jax.reserve(lambda: [f(gx, gw) for _, f, gx, gw, _ in sites])
+        (_, reserved_heap, _, _), = comm.heap_usage(self.mesh, "tp")
+        for i, (m, f, gx, gw, ref) in zip((10, 11), sites):
+            worst = max(worst, self.check(self.local(f(gx, gw)), ref, f"heapgrow site {i} (M={m}) after reserve"))
+        (_, own, _, _), = comm.heap_usage(self.mesh, "tp")
+        if own != reserved_heap or sized.get("tp") != own:
+            raise AssertionError(f"reserve sized {sized} ({reserved_heap} bytes mapped), the sites then had {own} bytes")
         return (f"heapgrow{' (command buffers)' if cmdbuf else ''}: worst rel error {worst:.2e}; first site after "
                 f"the growths: {handler_runs} handler runs in 3 calls; last heap {heap // mib} MiB, gained "
-                f"{gained / mib:.0f} MiB per process beyond XLA's pool")
+                f"{gained / mib:.0f} MiB per process beyond XLA's pool; reserve for two more sites: "
+                f"{own // mib} MiB, no growth while they ran")
 
     def hostcost(self, calls=200):
         """Mean host time of one handler execution, per op, from the extension's own counters."""

@@ -220,11 +220,13 @@ def test_pad_operands_skips_aligned_operands(plan):
 
 
 def test_heap_bytes_and_the_plan_capacity(plan):
-    # [flags parity 0][flags parity 1][ready words][slot 0][slot 1][inbox], each region 256-byte
-    # aligned (comm::heap_layout).
-    assert _extension.heap_bytes(2, 1 << 20, 64) == 2 * 1024 + 256 + 2 * (1 << 20)
-    assert _extension.heap_bytes(3, 100, 1) == 2 * 256 + 256 + 2 * 256
-    assert _extension.heap_bytes(2, 1 << 20, 64, 3000) == 2 * 1024 + 256 + 2 * (1 << 20) + 3072
+    # Device memory mapped: [flags parity 0][flags parity 1][ready words][slot 0][slot 1][inbox], each
+    # region in whole 2 MiB chunks, the ready words one chunk (comm::mapped_bytes).
+    chunk = 2 << 20
+    assert _extension.heap_bytes(2, 1 << 20, 64) == 2 * chunk + chunk + 2 * chunk
+    assert _extension.heap_bytes(3, 100, 1) == 5 * chunk
+    assert _extension.heap_bytes(2, 5 << 20, 64, 3000) == 2 * chunk + chunk + 2 * 3 * chunk + chunk
+    assert _extension.heap_bytes(8, 64 << 20, 32768 + 1) == 2 * 2 * chunk + chunk + 2 * 32 * chunk
     # One slot holds the padded M x N product (2-byte elements); one flag per tile of a partition.
     p = rs_fused.padding(8192, 1024, 8192, 2, 128)
     assert p.slot_bytes == 8192 * 8192 * 2 and p.tiles_per_partition == 32 * 64

@@ -16,6 +16,8 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Abstract Unix sockets and memfd files are Linux's, as the exchange is.
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
 
 def _free_port() -> int:
@@ -24,7 +26,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
 def test_two_processes_share_their_chunks_and_retry_after_a_late_peer():
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.join(ROOT, "src"))
@@ -53,6 +54,35 @@ def test_two_processes_share_their_chunks_and_retry_after_a_late_peer():
         assert result["calls"][-4:] == ["comm_grow", "comm_export", "comm_import", "comm_connect"]
         assert result["connect"] == [[0, -1], [-1, 0]][rank]
         assert result["open_fds_after"] == result["open_fds_before"]
+
+
+def test_many_chunks_cross_in_several_messages():
+    # More descriptors than one message carries, over two devices, and a device with none.
+    from entwine_jax import comm
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    table = []
+    for device, count in ((3, 150), (5, 0), (7, 2)):
+        chunks = []
+        for i in range(count):
+            fd = os.memfd_create("chunk")
+            os.write(fd, f"d{device}-c{i}".encode())
+            chunks.append((i << 21, 2 << 20, fd))
+        table.append((device, chunks))
+    with a, b:
+        comm._send_chunks(a, table)
+        received = comm._receive_chunks(b, time.monotonic() + 10)
+    try:
+        assert sorted(received) == [3, 5, 7] and received[5] == []
+        for device, chunks in table:
+            got = received[device]
+            assert [(o, n) for o, n, _ in got] == [(o, n) for o, n, _ in chunks]
+            assert [os.pread(fd, 16, 0).decode() for _, _, fd in got] == [f"d{device}-c{i}" for i in range(len(chunks))]
+    finally:
+        comm._close_received(received)
+        for _, chunks in table:
+            for _, _, fd in chunks:
+                os.close(fd)
 
 
 # --- One process --------------------------------------------------------------------------------------

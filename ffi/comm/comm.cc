@@ -30,9 +30,13 @@ struct Comm {
   std::map<int, std::unique_ptr<DeviceComm>> by_device;  // local ordinal -> rank entry
 };
 
-// The map is only changed by create() and shutdown(); entries are never moved (unique_ptr), so a
-// pointer from find() stays valid until shutdown().
+// The map is only changed by create(), destroy() and shutdown(); entries are never moved
+// (unique_ptr), so a pointer from find() stays valid until then.
 std::mutex registry_mutex;
+// Serialises the setup calls (create, grow, shrink, export, import, connect, destroy, shutdown).
+// They make driver calls that can take a while and do not hold registry_mutex meanwhile: every
+// handler takes it in find(), and a handler kept waiting can keep a peer's kernel spinning.
+std::mutex setup_mutex;
 std::map<int64_t, Comm>& registry() {
   static auto* comms = new std::map<int64_t, Comm>();  // leaked: outlives static destructors
   return *comms;
@@ -53,6 +57,7 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
+// The comm of comm_id; the caller holds registry_mutex.
 Comm& get(int64_t comm_id) {
   auto it = registry().find(comm_id);
   if (it == registry().end()) {
@@ -68,6 +73,12 @@ DeviceComm& entry(Comm& comm, int64_t comm_id, int device) {
                              " has no rank on local device " + std::to_string(device));
   }
   return *it->second;
+}
+
+// The comm of comm_id for a setup call, which holds setup_mutex: no other call can remove it then.
+Comm& setup_get(int64_t comm_id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  return get(comm_id);
 }
 
 size_t whole_chunks(size_t bytes) { return (bytes + kChunkBytes - 1) / kChunkBytes * kChunkBytes; }
@@ -212,10 +223,12 @@ MappedBytes mapped_bytes(int world, const Capacity& capacity) {
 }
 
 DeviceComm::~DeviceComm() {
-  // Nothing of ours may still run; then every mapping goes before its reservation. Physical memory
-  // lives until the last process unmaps it, so the order between processes does not matter.
+  // Nothing of ours may still run (shutdown() synchronised the device before; a comm destroyed
+  // after a failed creation ran nothing but the zeroing); then every mapping goes before its
+  // reservation. Physical memory lives until the last process unmaps it, so the order between
+  // processes does not matter.
   cudaSetDevice(device);
-  cudaDeviceSynchronize();
+  if (setup) cudaStreamSynchronize(setup);
   for (int s = 0; s < kMaxWorld; ++s) {
     if (!peer_reserved[s]) continue;
     unmap_beyond(peer_reserved[s], peer_chunks[s], layout, MappedBytes{});
@@ -246,14 +259,17 @@ DeviceComm::~DeviceComm() {
 
 void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
             const Capacity& capacity, size_t heap_max_bytes) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  if (registry().count(comm_id)) {
-    throw std::runtime_error("entwine comm: communicator " + std::to_string(comm_id) + " exists");
-  }
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
   if (world < 1 || world > kMaxWorld) {
     throw std::runtime_error("entwine comm: world " + std::to_string(world) + " outside [1, 8]");
   }
-  created_any = true;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (registry().count(comm_id)) {
+      throw std::runtime_error("entwine comm: communicator " + std::to_string(comm_id) + " exists");
+    }
+    created_any = true;
+  }
   Comm comm;
   comm.world = world;
   comm.capacity = capacity;
@@ -313,23 +329,29 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     }
     check(cudaStreamCreateWithFlags(&dc->setup, cudaStreamNonBlocking), "cudaStreamCreate(setup)");
     dc->layout = heap_layout(heap_max_bytes);
-    dc->heap = vmm::reserve(dc->layout.reserved());
+    dc->heap = vmm::reserve(dc->layout.reserved(), kChunkBytes);
     dc->accessors = {device};
     map_own(*dc, capacity);
     comm.by_device[device] = std::move(dc);
   }
+  std::lock_guard<std::mutex> lock(registry_mutex);
   registry()[comm_id] = std::move(comm);
 }
 
 void destroy(int64_t comm_id) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  get(comm_id);
-  registry().erase(comm_id);
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  Comm removed;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    removed = std::move(get(comm_id));
+    registry().erase(comm_id);
+  }
+  // The entries are freed here, outside registry_mutex.
 }
 
 std::vector<SharedChunk> export_chunks(int64_t comm_id, int device) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  DeviceComm& dc = entry(get(comm_id), comm_id, device);
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  DeviceComm& dc = entry(setup_get(comm_id), comm_id, device);
   std::vector<SharedChunk> shared;
   try {
     for (const Chunk& c : dc.chunks) shared.push_back({c.offset, c.bytes, vmm::export_fd(c.handle)});
@@ -341,14 +363,14 @@ std::vector<SharedChunk> export_chunks(int64_t comm_id, int device) {
 }
 
 void import_chunks(int64_t comm_id, int device, int rank, const std::vector<SharedChunk>& chunks) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  DeviceComm& dc = entry(get(comm_id), comm_id, device);
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  DeviceComm& dc = entry(setup_get(comm_id), comm_id, device);
   if (rank < 0 || rank >= dc.world || rank == dc.rank) {
     throw std::runtime_error("entwine comm: cannot import the heap of rank " + std::to_string(rank) + " on rank " +
                              std::to_string(dc.rank) + " of " + std::to_string(dc.world));
   }
   check(cudaSetDevice(device), "cudaSetDevice");
-  if (!dc.peer_reserved[rank]) dc.peer_reserved[rank] = vmm::reserve(dc.layout.reserved());
+  if (!dc.peer_reserved[rank]) dc.peer_reserved[rank] = vmm::reserve(dc.layout.reserved(), kChunkBytes);
   std::vector<Chunk>& mapped = dc.peer_chunks[rank];
   size_t const before = mapped.size();
   try {
@@ -384,8 +406,8 @@ void import_chunks(int64_t comm_id, int device, int rank, const std::vector<Shar
 }
 
 void connect(int64_t comm_id, int device, const std::vector<int>& peers) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  Comm& comm = get(comm_id);
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  Comm& comm = setup_get(comm_id);
   DeviceComm& dc = entry(comm, comm_id, device);
   if (int(peers.size()) != dc.world) {
     throw std::runtime_error("entwine comm: connect got " + std::to_string(peers.size()) +
@@ -467,8 +489,8 @@ std::vector<std::pair<int, uint64_t>> device_epochs(int64_t comm_id) {
 }
 
 void grow(int64_t comm_id, const Capacity& capacity) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  Comm& comm = get(comm_id);
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  Comm& comm = setup_get(comm_id);
   std::vector<DeviceComm*> grown;
   try {
     for (auto& [device, dc] : comm.by_device) {
@@ -486,8 +508,8 @@ void grow(int64_t comm_id, const Capacity& capacity) {
 }
 
 void shrink(int64_t comm_id, const Capacity& capacity) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  Comm& comm = get(comm_id);
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  Comm& comm = setup_get(comm_id);
   for (auto& [device, dc] : comm.by_device) {
     if (!at_least(capacity, dc->capacity)) {
       throw std::runtime_error("entwine comm: shrink() below what calls may use (" + describe(dc->capacity) + ")");
@@ -501,9 +523,9 @@ void shrink(int64_t comm_id, const Capacity& capacity) {
 }
 
 std::vector<HeapUsage> heap_usage(int64_t comm_id) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
   std::vector<HeapUsage> usage;
-  for (auto& [device, dc] : get(comm_id).by_device) {
+  for (auto& [device, dc] : setup_get(comm_id).by_device) {
     HeapUsage u{device, 0, 0, dc->layout.reserved()};
     for (const Chunk& c : dc->chunks) u.own_bytes += c.bytes;
     for (int s = 0; s < kMaxWorld; ++s) {
@@ -515,6 +537,7 @@ std::vector<HeapUsage> heap_usage(int64_t comm_id) {
 }
 
 void shutdown() {
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
   std::vector<int> devices;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -527,8 +550,12 @@ void shutdown() {
     cudaSetDevice(device);
     cudaDeviceSynchronize();
   }
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  registry().clear();
+  std::map<int64_t, Comm> removed;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    removed.swap(registry());
+  }
+  removed.clear();  // frees the entries outside registry_mutex
   cudaGetLastError();
 }
 

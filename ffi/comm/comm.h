@@ -215,7 +215,8 @@ std::vector<std::pair<int, uint64_t>> device_epochs(int64_t comm_id);
 
 // --- Execute path (FFI handler): lookups only, no CUDA calls, no exceptions. ----------------------
 
-// The entry of (comm_id, device), or nullptr. Entries live until shutdown().
+// The entry of (comm_id, device), or nullptr. Entries live until shutdown() (or the destroy() of a
+// comm that no call used).
 DeviceComm* find(int64_t comm_id, int device) noexcept;
 
 // Deadline of every flag wait: ENTWINE_TIMEOUT_MS (default 60000: it also has to cover the skew

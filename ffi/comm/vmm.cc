@@ -90,9 +90,9 @@ size_t granularity(int device) {
   return bytes;
 }
 
-void* reserve(size_t bytes) {
+void* reserve(size_t bytes, size_t alignment) {
   CUdeviceptr base = 0;
-  check(driver().address_reserve(&base, bytes, 0, 0, 0), "cuMemAddressReserve");
+  check(driver().address_reserve(&base, bytes, alignment, 0, 0), "cuMemAddressReserve");
   return reinterpret_cast<void*>(base);
 }
 

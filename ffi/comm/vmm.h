@@ -16,8 +16,9 @@ using Handle = unsigned long long;  // CUmemGenericAllocationHandle
 // The driver's smallest mapping unit on `device` (2 MiB on Hopper).
 size_t granularity(int device);
 
-// A range of virtual addresses, mapped nowhere yet; `bytes` a multiple of the granularity.
-void* reserve(size_t bytes);
+// A range of virtual addresses aligned to `alignment`, mapped nowhere yet; both multiples of the
+// granularity.
+void* reserve(size_t bytes, size_t alignment);
 void free_reservation(void* base, size_t bytes) noexcept;
 
 // Physical memory of `bytes` on `device`, exportable as a POSIX file descriptor.

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -44,6 +45,8 @@ _SLOT_GRANULE = 2 << 20
 _TILES_GRANULE = 64
 # Cross-process setup (the exchange of heap chunks): generous, since a peer may still be compiling.
 _DEFAULT_SETUP_TIMEOUT_MS = 300_000
+# A partner slower than this to join a growth is reported (in the log) while the wait goes on.
+_SLOW_PEER_MS = 10_000
 # File descriptors per socket message (the kernel takes at most 253).
 _FDS_PER_MESSAGE = 64
 
@@ -239,13 +242,16 @@ def _receive_chunks(conn: socket.socket, deadline: float) -> dict[int, list]:
             conn.settimeout(max(deadline - time.monotonic(), 0.001))
             data, fds, flags, _ = socket.recv_fds(conn, 1 << 16, _FDS_PER_MESSAGE)
             chunks_fds = list(fds)
-            if not data:
-                raise RuntimeError("a peer closed the exchange of heap chunks early")
-            header = json.loads(data)
-            if flags & socket.MSG_CTRUNC or len(header.get("chunks", [])) != len(chunks_fds):
+            try:
+                if not data:
+                    raise RuntimeError("a peer closed the exchange of heap chunks early")
+                header = json.loads(data)
+                if flags & socket.MSG_CTRUNC or len(header.get("chunks", [])) != len(chunks_fds):
+                    raise RuntimeError("a peer's message of heap chunks arrived truncated")
+            except BaseException:
                 for fd in chunks_fds:
                     os.close(fd)
-                raise RuntimeError("a peer's message of heap chunks arrived truncated")
+                raise
             if not header:
                 return received
             received.setdefault(int(header["device"]), []).extend(
@@ -265,11 +271,23 @@ def _connect_to_peer(name_key: str, deadline: float) -> socket.socket:
     """A connection to the socket a peer process published under name_key. A name can be stale (an
     earlier attempt of the peer that gave up): it is read again until the peer's live socket answers
     or the deadline passes."""
+    said = False
     while True:
         left_ms = int((deadline - time.monotonic()) * 1000)
         if left_ms <= 0:
             raise TimeoutError(f"no live socket under {name_key} before the deadline")
-        name = _distributed.kv_get(name_key, left_ms).decode()
+        try:
+            # First a short wait, so that a long one is said while it lasts (a lone trace waits).
+            name = _distributed.kv_get(name_key, left_ms if said else min(left_ms, _SLOW_PEER_MS)).decode()
+        except TimeoutError:
+            if said or left_ms <= _SLOW_PEER_MS:
+                raise
+            said = True
+            logging.getLogger("entwine_jax").warning(
+                "entwine_jax: waiting up to %.0f s more for another process to join the growth of a fused op's heap "
+                "(%s); every process must trace the same fused call sites", left_ms / 1000 - _SLOW_PEER_MS / 1000,
+                name_key)
+            continue
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.settimeout(max(deadline - time.monotonic(), 0.001))
