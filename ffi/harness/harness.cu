@@ -17,7 +17,8 @@
 //                                     cuBLASLt's fastest algorithm, one line per shape
 //   entwine_harness fp8 test          FP8 operands (e4m3, f32 scales) of both ops against float64 of
 //                                     the dequantised inputs: W in {1,2,4,8}, bf16/fp16 outputs,
-//                                     per-shard and shared scales, split tail, graphs
+//                                     per-shard and shared scales, both pushes, split tail, graphs,
+//                                     a failed call's three outputs poisoned
 //   entwine_harness fp8 bench         the FP8 producer and ag_gemm's FP8 GEMM vs cuBLASLt's FP8 GEMM
 //                                     on the design suite; an FP8 shard's push time vs a bf16 one
 #include <cuda_bf16.h>
@@ -1745,8 +1746,42 @@ int ag_push_main() {
 
 // ---- FP8 operands (both ops) -----------------------------------------------------------------
 
+// The last kernel of a failed FP8 ag_gemm call: all three outputs (y, the gathered e4m3 shards, the
+// f32 scales; odd sizes for the byte tail) filled with all bits set, NaN in each type, and the
+// epoch advanced.
+void run_fp8_poison() {
+  size_t const bytes[comm::CallEnd::kOutputs] = {2 * 300, 4 * 128 * 208 + 5, sizeof(float) * 4};
+  comm::CallEnd end;
+  DeviceError failed{};
+  failed.code = kErrorDeadline;
+  CHECK_CUDA(cudaMalloc(&end.epoch, sizeof(uint64_t)));
+  CHECK_CUDA(cudaMemset(end.epoch, 0, sizeof(uint64_t)));
+  CHECK_CUDA(cudaMalloc(&end.error, sizeof(DeviceError)));
+  CHECK_CUDA(cudaMemcpy(end.error, &failed, sizeof failed, cudaMemcpyHostToDevice));
+  for (int o = 0; o < comm::CallEnd::kOutputs; ++o) {
+    CHECK_CUDA(cudaMalloc(&end.out[o], bytes[o]));
+    CHECK_CUDA(cudaMemset(end.out[o], 0, bytes[o]));
+    end.bytes[o] = int64_t(bytes[o]);
+  }
+  CHECK_CUDA(comm::launch_end_call(end, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  uint64_t epoch = 0;
+  CHECK_CUDA(cudaMemcpy(&epoch, end.epoch, sizeof epoch, cudaMemcpyDeviceToHost));
+  bool all_set = true;
+  for (int o = 0; o < comm::CallEnd::kOutputs; ++o) {
+    std::vector<unsigned char> host(bytes[o]);
+    CHECK_CUDA(cudaMemcpy(host.data(), end.out[o], bytes[o], cudaMemcpyDeviceToHost));
+    for (unsigned char b : host) all_set = all_set && b == 0xFF;
+    cudaFree(end.out[o]);
+  }
+  cudaFree(end.epoch);
+  cudaFree(end.error);
+  expect(all_set && epoch == 1, "fp8 aftermath: a failed call's three outputs are all-ones (NaN), the epoch advances");
+}
+
 // FP8 cases of both ops, checked against float64 of the dequantised inputs (so only the output's
-// rounding and the accumulation order differ: the 16-bit tolerances apply), and the plans' FP8 rules.
+// rounding and the accumulation order differ: the 16-bit tolerances apply), the plans' FP8 rules and
+// the poisoning of a failed call's three outputs.
 int fp8_test_main() {
   CHECK_CUDA(gemm_rs::prepare_kernels());
   CHECK_CUDA(ag_gemm::prepare_kernels());
@@ -1799,6 +1834,10 @@ int fp8_test_main() {
          "fp8 ag plan: cols 200 pad to 208, 1-byte shards, one scale slot per source");
   expect(ag_plan(AgProblem{128, 256, 256, 2, 0, true, DType::kE4M3, false}, AgGemmConfig{128}).error != nullptr,
          "fp8 ag plan: gather_k with per-shard scales is refused");
+  AgPlan const pushed = ag_plan(AgProblem{128, 208, 256, 2, 0, false, DType::kE4M3, false}, AgGemmConfig{128, 100, 8, 8, 64});
+  expect(pushed.error == nullptr && pushed.push_grid == 4 && pushed.sms_needed == pushed.grid + 4,
+         "fp8 ag plan: the SM push's grid counts the 16-byte vectors of a 1-byte chunk (26624 bytes: 4 CTAs)");
+  run_fp8_poison();
   std::printf("harness fp8 test: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }
