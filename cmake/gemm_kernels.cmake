@@ -1,17 +1,22 @@
-# The GEMM instantiations, from one table: each row "op dtype block_n" becomes one generated
+# The GEMM instantiations, from one table: each row "op input output block_n" becomes one generated
 # translation unit (one CUTLASS instantiation: ~35 s and ~3.5 GB to compile, so one per file), and
 # each op's rows become its generated dispatch, <op>::prepare_gemm, launch_gemm and prepare_gemms (declared
 # in ffi/<op>/<op>.h; the schedule is entwine::<op>::GemmSchedule in ffi/<op>/gemm_schedule.cuh).
-# Adding a variant is adding a row; dtype is a DType of ffi/comm/protocol.h, lower-case.
+# Adding a variant is adding a row; input and output are DTypes of ffi/comm/protocol.h, lower-case.
+# FP8 (e4m3) inputs run 128-wide blocks only (ffi/gemm/gemm.h, kFp8BlockN).
 set(ENTWINE_GEMM_TABLE
-  "gemm_rs bf16 128"
-  "gemm_rs bf16 256"
-  "gemm_rs fp16 128"
-  "gemm_rs fp16 256"
-  "ag_gemm bf16 128"
-  "ag_gemm bf16 256"
-  "ag_gemm fp16 128"
-  "ag_gemm fp16 256")
+  "gemm_rs bf16 bf16 128"
+  "gemm_rs bf16 bf16 256"
+  "gemm_rs fp16 fp16 128"
+  "gemm_rs fp16 fp16 256"
+  "gemm_rs e4m3 bf16 128"
+  "gemm_rs e4m3 fp16 128"
+  "ag_gemm bf16 bf16 128"
+  "ag_gemm bf16 bf16 256"
+  "ag_gemm fp16 fp16 128"
+  "ag_gemm fp16 fp16 256"
+  "ag_gemm e4m3 bf16 128"
+  "ag_gemm e4m3 fp16 128")
 
 # Sets ENTWINE_GEMM_SOURCES to the generated files (instances and dispatches).
 function(entwine_generate_gemm_kernels out_dir)
@@ -20,11 +25,14 @@ function(entwine_generate_gemm_kernels out_dir)
   foreach(row IN LISTS ENTWINE_GEMM_TABLE)
     separate_arguments(fields UNIX_COMMAND "${row}")
     list(GET fields 0 OP)
-    list(GET fields 1 DTYPE)
-    list(GET fields 2 BLOCK_N)
-    string(TOUPPER "${DTYPE}" DTYPE_UPPER)
-    set(NAME "${DTYPE}_n${BLOCK_N}")
-    set(DTYPE_ENUM "DType::k${DTYPE_UPPER}")
+    list(GET fields 1 INPUT)
+    list(GET fields 2 OUTPUT)
+    list(GET fields 3 BLOCK_N)
+    string(TOUPPER "${INPUT}" INPUT_UPPER)
+    string(TOUPPER "${OUTPUT}" OUTPUT_UPPER)
+    set(NAME "${INPUT}_${OUTPUT}_n${BLOCK_N}")
+    set(INPUT_ENUM "DType::k${INPUT_UPPER}")
+    set(OUTPUT_ENUM "DType::k${OUTPUT_UPPER}")
     configure_file("${CMAKE_CURRENT_FUNCTION_LIST_DIR}/gemm_instance.cu.in" "${out_dir}/${OP}/gemm_${NAME}.cu" @ONLY)
     list(APPEND sources "${out_dir}/${OP}/gemm_${NAME}.cu")
     if(NOT OP IN_LIST ops)
@@ -37,7 +45,7 @@ function(entwine_generate_gemm_kernels out_dir)
       "cudaError_t prepare_${NAME}();\n"
       "void prepare_launch_${NAME}(GemmPlan const& plan, GemmArgs const& args, PreparedGemm* out);\n")
     string(APPEND CASES_${OP}
-      "  if (dtype == ${DTYPE_ENUM} && plan.config.block_n == ${BLOCK_N}) {\n"
+      "  if (input == ${INPUT_ENUM} && output == ${OUTPUT_ENUM} && plan.config.block_n == ${BLOCK_N}) {\n"
       "    prepare_launch_${NAME}(plan, args, out);\n"
       "    return cudaSuccess;\n"
       "  }\n")

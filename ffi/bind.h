@@ -4,7 +4,6 @@
 #pragma once
 
 #include <string>
-#include <utility>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -12,8 +11,14 @@
 
 namespace entwine {
 
-// {target name, XLA_FFI_Handler*}: what registrations() hands to jax.ffi.register_ffi_target.
-using FfiTargets = std::vector<std::pair<std::string, void*>>;
+// An FFI target: what registrations() hands to jax.ffi.register_ffi_target; fp8_targets() lists
+// those whose operands are FP8.
+struct FfiTarget {
+  std::string name;
+  void* handler;  // XLA_FFI_Handler*
+  bool fp8;
+};
+using FfiTargets = std::vector<FfiTarget>;
 
 // The violated rule of a plan, or None.
 inline nanobind::object rule_or_none(const char* rule) {

@@ -55,9 +55,16 @@ NB_MODULE(_entwine, m) {
 #undef ENTWINE_BIND
   m.def("registrations", [] {
     nb::dict targets;
-    for (auto const& [name, handler] : ffi_targets()) targets[name.c_str()] = nb::capsule(handler);
+    for (auto const& t : ffi_targets()) targets[t.name.c_str()] = nb::capsule(t.handler);
     return targets;
   }, "{target name: FFI handler capsule}, for jax.ffi.register_ffi_target(platform='CUDA').");
+  m.def("fp8_targets", [] {
+    std::vector<std::string> names;
+    for (auto const& t : ffi_targets()) {
+      if (t.fp8) names.push_back(t.name);
+    }
+    return names;
+  }, "Names of the registered FFI targets whose operands are FP8 (float8_e4m3fn with f32 scales).");
 
   m.def("can_access_peer", [](int device, int peer) {
     int ok = 0;

@@ -45,6 +45,11 @@ Suites:
            larger sites at once, and running them must grow nothing. Runs twice: plainly, and with
            XLA command buffers for fusions and custom calls (the first site's graph, recorded before
            every growth, is replayed after them).
+  fp8kernels  the FP8 FFI targets called directly (no Python op): entwine_gemm_rs_fp8 (rows and
+           columns, bf16 and fp16 out) and entwine_ag_gemm_fp8 (rows layout with per-shard scales,
+           the gathered shards and scales returned; contraction layout with a shared scale; each by
+           both pushes) on e4m3 operands with a scale per rank, against float64 of the dequantised
+           operands.
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
            gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time; then the host
            time per step of a lax.scan over an 8-layer MLP block (ag_gemm -> silu -> gemm_rs);
@@ -94,7 +99,7 @@ def launch(args) -> int:
     # `all` runs the suites as separate launches: the short deadline of `missing` is read once per
     # process, and would turn the compile-time skew between ranks of the other suites into errors.
     suites = (["quick", "ag", "stress", "mixed", "missing", "agmissing", "cmdbuf", "cmdbufmissing", "skipcall",
-               "disagree", "heapgrow"]
+               "disagree", "heapgrow", "fp8kernels"]
               if args.suite == "all"
               else args.suite.split(","))
     # heapgrow runs with and without command buffers: XLA reads its flags once per process.
@@ -793,6 +798,133 @@ class Rank:
             if g.shape != g_ref.shape or not np.array_equal(g.astype(np.float64), g_ref):
                 raise AssertionError(f"{what}: the gathered operand differs from the shards")
         return err
+
+    # -- FP8 targets, called directly --
+
+    def fp8_operand(self, rng, shape):
+        """float8_e4m3fn values of a standard normal array (ml_dtypes, host)."""
+        import ml_dtypes
+        import numpy as np
+
+        return rng.standard_normal(shape, np.float32).astype(ml_dtypes.float8_e4m3fn)
+
+    def fp8_call(self, target, results, operands, **attributes):
+        """jit(shard_map) of one FP8 FFI call: every operand is this rank's block of a global array
+        stacked over ranks ([W, ...], one block each); returns this rank's results."""
+        import jax
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        from entwine_jax import _ffi
+
+        def body(*blocks):
+            outs = _ffi.fused_call(target, results, *(b[0] for b in blocks), **attributes)
+            return tuple(o[None] for o in outs)
+
+        stacked = [self.place(np.asarray(a)[None], 0, (self.world, *np.shape(a))) for a in operands]
+        f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P("tp"),) * len(operands),
+                                  out_specs=(P("tp"),) * len(results), check_vma=False))
+        with jax.set_mesh(self.mesh):
+            return [self.local(o)[0] for o in f(*stacked)]
+
+    def fp8kernels(self):
+        """entwine_gemm_rs_fp8 and entwine_ag_gemm_fp8 on e4m3 operands with a scale per rank,
+        against float64 of the dequantised operands (every rank builds all ranks' operands from one
+        seed): gemm_rs over rows and columns into bf16 and fp16, ag_gemm's rows layout with
+        per-shard scales (the gathered shards and scales returned) and its contraction layout with
+        a shared scale, each by the copy engines and by the SM push. Repeated calls bitwise equal."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        import entwine_jax
+        from entwine_jax import _extension, comm
+        from entwine_jax.ag_gemm.config import push_budget
+
+        ext = _extension.ext()
+        if set(ext.fp8_targets()) != {ext.GEMM_RS_FP8_TARGET, ext.AG_GEMM_FP8_TARGET}:
+            raise AssertionError(f"fp8_targets() lists {ext.fp8_targets()}")
+        w_, r = self.world, self.rank
+        f8 = lambda a: a.astype(np.float64)
+        scales = [(np.float32(0.5 + 0.125 * s), np.float32(0.25 * (1 + s % 3))) for s in range(w_)]
+        worst, cases = 0.0, 0
+        for out_dtype in (jnp.bfloat16, jnp.float16):
+            for scatter_cols in (False, True):
+                m, n, k = (256, w_ * 256, 1040) if scatter_cols else (w_ * 256, 384, 1040)
+                rng = np.random.default_rng(1300 + cases)
+                xs = [self.fp8_operand(rng, (m, k)) for _ in range(w_)]
+                w_ts = [self.fp8_operand(rng, (n, k)) for _ in range(w_)]
+                full = sum(float(scales[s][0] * scales[s][1]) * (f8(xs[s]) @ f8(w_ts[s]).T) for s in range(w_))
+                part = full[:, r * n // w_:(r + 1) * n // w_] if scatter_cols else full[r * m // w_:(r + 1) * m // w_]
+                config = dataclasses.replace(self.fused_config(m, n, k, out_dtype), block_n=128)
+                plan = ext.gemm_rs_fp8_plan(m, n, k, w_, scatter_cols, 128, config.producer_sms, config.consumer_grid,
+                                            config.consumer_block, config.raster_rows, config.split_tail)
+                if plan["error"] or (plan["m"], plan["n"], plan["k"]) != (m, n, k):
+                    raise AssertionError(f"fp8 gemm_rs plan of an aligned call: {plan}")
+                cid = comm.acquire_comm(self.mesh, "tp", plan["slot_bytes"], plan["tiles_per_partition"])
+                what = f"gemm_rs fp8 -> {jnp.dtype(out_dtype).name} M={m} N={n} K={k} scatter={'cols' if scatter_cols else 'rows'}"
+                signature = comm.call_signature(f"fp8kernels {what}")
+                outs = [self.fp8_call(ext.GEMM_RS_FP8_TARGET, [jax.ShapeDtypeStruct(part.shape, out_dtype)],
+                                      [xs[r], w_ts[r], np.array([scales[r][0]]), np.array([scales[r][1]])],
+                                      comm_id=np.int64(cid), scatter_dimension=np.int64(int(scatter_cols)),
+                                      signature=np.int64(signature), config=config.kernel_attributes())[0]
+                        for _ in range(2)]
+                comm.check_errors()
+                worst = max(worst, self.check(outs[0], part, what))
+                if not np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16)):
+                    raise AssertionError(f"{what}: repeated calls differ bitwise")
+                cases += 1
+                self.log(f"{what}: ok")
+
+        # Both layouts by both pushes: the SM push carries a per-shard scale in its slot too.
+        for gather_k, push_sms in ((False, 0), (False, -1), (True, 0), (True, -1)):
+            rows, cols, n = 256, 512, 384
+            shared = gather_k  # the contraction layout needs one scale for every shard
+            rng = np.random.default_rng(1400 + int(gather_k))
+            xs = [self.fp8_operand(rng, (rows, cols)) for _ in range(w_)]
+            w_t = self.fp8_operand(rng, (n, w_ * cols if gather_k else cols))
+            x_scales = [scales[0 if shared else s][0] for s in range(w_)]
+            w_scale = scales[r][1]
+            deq = [float(x_scales[s]) * f8(xs[s]) for s in range(w_)]
+            if gather_k:
+                ref = float(w_scale) * (np.concatenate(deq, axis=1) @ f8(w_t).T)
+            else:
+                ref = float(w_scale) * (np.concatenate(deq, axis=0) @ f8(w_t).T)
+            config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, w_, jnp.bfloat16), block_n=128)
+            push_sms = push_budget(config) if push_sms < 0 else 0
+            gemm_sms = _extension.sm_count() - max(push_sms, 1)
+            plan = ext.ag_gemm_fp8_plan(rows, cols, n, w_, gather_k, 128, gemm_sms, config.raster_rows,
+                                        config.max_chunks, push_sms, shared_scale=shared)
+            if plan["error"]:
+                raise AssertionError(f"fp8 ag plan: {plan['error']}")
+            if w_ > 1 and (plan["push_grid"] > 0) != (push_sms > 0):
+                raise AssertionError(f"fp8 ag plan: push_grid {plan['push_grid']} with push_sms {push_sms}")
+            cid = comm.acquire_comm(self.mesh, "tp", 0, plan["chunks"], inbox_bytes=plan["inbox_bytes"])
+            what = (f"ag_gemm fp8 -> bf16 rows={rows} cols={cols} N={n} "
+                    f"{'contraction, shared scale' if gather_k else 'rows, per-shard scales'} "
+                    f"push={'sm' if push_sms else 'ce'}")
+            signature = comm.call_signature(f"fp8kernels {what}")
+            results = [jax.ShapeDtypeStruct(ref.shape, jnp.bfloat16),
+                       jax.ShapeDtypeStruct((w_, rows, cols), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((w_,), jnp.float32)]
+            outs = [self.fp8_call(ext.AG_GEMM_FP8_TARGET, results,
+                                  [xs[r], w_t, np.array([x_scales[r]]), np.array([w_scale])],
+                                  comm_id=np.int64(cid), gather_k=bool(gather_k), signature=np.int64(signature),
+                                  config=config.kernel_attributes(gemm_sms, push_sms), shared_scale=bool(shared))
+                    for _ in range(2)]
+            comm.check_errors()
+            y, gathered, gathered_scales = outs[0]
+            worst = max(worst, self.check(y, ref, what))
+            if not np.array_equal(y.view(np.uint16), outs[1][0].view(np.uint16)):
+                raise AssertionError(f"{what}: repeated calls differ bitwise")
+            if not np.array_equal(gathered.view(np.uint8), np.stack(xs).view(np.uint8)):
+                raise AssertionError(f"{what}: the gathered shards differ from the ranks' shards")
+            if not np.array_equal(gathered_scales, np.array(x_scales, np.float32)):
+                raise AssertionError(f"{what}: gathered scales {gathered_scales}, expected {x_scales}")
+            cases += 1
+            self.log(f"{what}: ok")
+        return f"fp8kernels: {cases} cases, worst rel err {worst:.2e}"
 
     def ag(self):
         import jax.numpy as jnp

@@ -35,11 +35,21 @@ struct AgGemmConfig {
 //   contraction layout (gather_k true): A = [rows, world * cols], shard s holding columns
 //     s*cols .. (s+1)*cols; y = sum_s shard_s @ w[s*cols:(s+1)*cols], [rows, n]. Every block needs
 //     every shard, so its K loop runs over the local shard first, then the peers' in arrival order.
+// FP8 (input kE4M3): w is transposed, w_t [n, world * cols] or [n, cols], and each shard carries a
+// dequantisation scale. shared_scale: every rank's x_scale is the same, so none travels; otherwise
+// each shard's scale is pushed with it and scales that shard's rows (rows layout only: a K slice
+// of its own scale would need the accumulator scaled per slice, which the mainloop does not do).
 struct AgProblem {
   int32_t rows = 0, cols = 0, n = 0;
   int32_t world = 1, rank = 0;
   bool gather_k = false;
+  DType input = DType::kBF16;
+  bool shared_scale = true;
 };
+
+// FP8: the inbox ends with one 16-byte slot per source (a copy of 16-byte alignment), the first 4
+// bytes of which hold that source's x_scale (pushed before the shard's first chunk).
+constexpr int64_t kScaleSlotBytes = 16;
 
 // Everything static about one call, from the problem and the config: the kernels run exactly
 // this, the handler sizes the transfers with it, Python sizes the heap with it.
@@ -48,17 +58,18 @@ struct AgPlan {
   AgGemmConfig config;    // the config the plan was made with
   AgProblem shape;        // the kernels' problem: rows, cols and n padded
   int32_t rows_pad;       // rows rounded up to 128: every shard padded on its own
-  int32_t cols_pad;       // cols rounded up to 8 (16-byte rows for TMA); w's slices padded alike
+  int32_t cols_pad;       // cols rounded up to 16-byte rows (TMA); w's slices padded alike
   int32_t n_pad;          // n rounded up to config.block_n
   int32_t tile_rows;      // rows_pad / 128
   int32_t chunks;         // chunks per shard (divides tile_rows, <= config.max_chunks)
   int32_t chunk_tiles;    // tile rows per chunk
   int32_t n_blocks;       // n / block_n
-  int32_t k_tiles;        // k-tiles of one shard: ceil(cols / 64) (TMA zero-fills the tail)
+  int32_t k_tiles;        // k-tiles of one shard: ceil(cols / BLOCK_K) (TMA zero-fills the tail)
   int32_t num_blocks;     // GEMM blocks of the call
   int32_t grid;           // GEMM CTAs
   int64_t shard_bytes;    // one padded shard
-  int64_t inbox_bytes;    // the gathered operand: world padded shards
+  int64_t inbox_bytes;    // the gathered operand: world padded shards (FP8: then world scale slots)
+  int64_t scales_offset;  // FP8: bytes from the inbox's start to the scale slots (world * shard_bytes)
   int64_t flags;          // flag words per rank: world * chunks
   int32_t push_grid;      // CTAs of the SM push (launch_push), 0: the copy engines push
   int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or the releases')
@@ -79,6 +90,8 @@ struct AgGemmArgs {
   DeviceError* error_mirror;  // host-mapped copy written once on failure
   CallEpoch call;
   uint64_t timeout_ns;
+  const float* x_scale = nullptr;  // FP8: the local shard's and w's dequantisation scales (device
+  const float* w_scale = nullptr;  // scalars); a peer's x scale is read from the inbox (AgPlan::scales_offset)
 };
 
 // The wait that opens a transfer stream (transfer.cu): no byte goes to the receiver before its GEMM
@@ -94,10 +107,13 @@ struct TransferArgs {
 
 // The SM push (push_sms > 0): one kernel copies the local shard into every peer's inbox with 16-byte
 // stores and releases each chunk itself, so a call enqueues one launch instead of a copy and a
-// release kernel per chunk and peer (whose enqueueing bounds a small push on the copy engines).
+// release kernel per chunk and peer (whose enqueueing bounds a small push on the copy engines). It
+// copies bytes: an FP8 shard (1-byte elements) is a whole number of 16-byte vectors per chunk too.
 constexpr int kPushThreads = 512;
 struct PushArgs {
   const void* shard;               // the local shard: shard_bytes, 16-byte aligned
+  const float* scale;              // FP8 with a per-shard scale: x_scale, for each peer's scale slot; else nullptr
+  int64_t scales_offset;           // AgPlan::scales_offset
   char* inbox[kMaxWorld];          // every peer's inbox (this rank's entry unused)
   uint64_t* flags[kMaxWorld];      // every peer's flags of parity 0 (the kernel adds the parity)
   const uint64_t* ready;           // ready[0 .. world) in this rank's heap: the receivers' announcements
@@ -140,14 +156,14 @@ namespace ag_gemm {
 extern const comm::OpHooks kHooks;
 
 // The GEMM that consumes the gathered operand as it arrives (its TMA warp waits on each chunk's
-// flag; ag_gemm/gemm_schedule.cuh), dispatched to the instantiation of (dtype,
+// flag; ag_gemm/gemm_schedule.cuh), dispatched to the instantiation of (input, output,
 // plan.config.block_n) by code generated from the kernel table (cmake/gemm_kernels.cmake). The
 // transfers are the handler's (copy engines, no SMs).
 using GemmPlan = AgPlan;
 using GemmArgs = AgGemmArgs;
-cudaError_t launch_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
+cudaError_t launch_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
 // The same launch prepared, to be enqueued any number of times (handlers keep it per call site).
-cudaError_t prepare_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
+cudaError_t prepare_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
 cudaError_t prepare_gemms();
 
 // Load every kernel module of ag_gemm on the current device (once per device at setup).

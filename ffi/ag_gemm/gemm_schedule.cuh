@@ -23,6 +23,10 @@ struct GemmSchedule {
     DeviceError* error;
     DeviceError* error_mirror;
     uint64_t timeout_ns;
+    const float* x_scale;      // FP8 (AgGemmArgs)
+    const float* w_scale;
+    const char* peer_scales;   // FP8: the inbox's scale slots, source-major (kScaleSlotBytes apart)
+    bool shared_scale;         // FP8: every block is scaled by x_scale (AgProblem)
   };
 
   // Position p -> (source shard, tile row inside it, block column), in arrival order. Rows layout:
@@ -110,32 +114,51 @@ struct GemmSchedule {
   template <class Kernel>
   static __device__ void release(typename Kernel::Params const&, BlockCoord const&, uint64_t, int64_t) {}
 
+  // FP8: block c's factor, its source's x scale times w's. A peer's scale was pushed before its
+  // shard's first chunk, so the release of the chunk this block's rows came from published it too;
+  // this thread is ordered after the TMA warp's acquire of that flag (the mbarrier of the loads it
+  // consumed), and reads the slot past L1 (ld.global.cv).
+  template <class Kernel>
+  static __device__ float alpha(typename Kernel::Params const& params, BlockCoord const& c) {
+    Params const& op = params.op;
+    float const x_scale = op.shared_scale || op.gather_k || c.owner == op.rank
+                              ? *op.x_scale
+                              : __ldcv(reinterpret_cast<const float*>(op.peer_scales + c.owner * kScaleSlotBytes));
+    return x_scale * *op.w_scale;
+  }
+
   // Rows layout: A = the inbox [world * rows, cols] (peers) or x [rows, cols] (local), B = w.
   // Contraction layout: A = the inbox as a batch of world shards [rows, cols] (peers, batch =
   // source) or x (local), B = w as a batch of world slices [cols, n] (local: the rank's own slice).
+  // FP8: w_t [n, world * cols] holds slice s in columns s*cols .. (s+1)*cols: pitch world * cols,
+  // slice stride cols (16-bit: w [world * cols, n], slice stride cols * n).
   template <class Kernel>
   static typename Kernel::Params make_params(Plan const& plan, Args const& args) {
     using Element = typename Kernel::Element;
+    using ElementIn = typename Kernel::ElementIn;
     AgProblem const& pr = plan.shape;
-    auto const* x = static_cast<Element const*>(args.x);
-    auto const* gathered = static_cast<Element const*>(args.gathered);
-    auto const* w = static_cast<Element const*>(args.w);
+    auto const* x = static_cast<ElementIn const*>(args.x);
+    auto const* gathered = static_cast<ElementIn const*>(args.gathered);
+    auto const* w = static_cast<ElementIn const*>(args.w);
     typename Kernel::Params p{};
     p.n = pr.n;
     p.k = pr.cols;
     p.m_local = pr.rows;
     if (pr.gather_k) {
-      int64_t const shard = int64_t(pr.rows) * pr.cols, slice = int64_t(pr.cols) * pr.n;
+      int64_t const shard = int64_t(pr.rows) * pr.cols;
+      int64_t const ldb = Kernel::kFp8 ? int64_t(pr.world) * pr.cols : pr.n;
+      int64_t const slice = Kernel::kFp8 ? int64_t(pr.cols) : int64_t(pr.cols) * pr.n;
       p.m = pr.rows;
       p.l = pr.world;
-      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, gathered, shard, w, slice);
+      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, gathered, shard, w, ldb, slice);
       p.mainloop_local =
-          Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, slice);
+          Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, ldb, slice);
     } else {
+      int64_t const ldb = Kernel::kFp8 ? pr.cols : pr.n;
       p.m = pr.world * pr.rows;
       p.l = 1;
-      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, 1, gathered, 0, w, 0);
-      p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, 0, w, 0);
+      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, 1, gathered, 0, w, ldb, 0);
+      p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, 0, w, ldb, 0);
     }
     p.world = pr.world;
     p.rank = pr.rank;
@@ -160,6 +183,10 @@ struct GemmSchedule {
     p.op.error = args.error;
     p.op.error_mirror = args.error_mirror;
     p.op.timeout_ns = args.timeout_ns;
+    p.op.x_scale = args.x_scale;
+    p.op.w_scale = args.w_scale;
+    p.op.peer_scales = static_cast<const char*>(args.gathered) + plan.scales_offset;
+    p.op.shared_scale = pr.shared_scale;
     return p;
   }
 };

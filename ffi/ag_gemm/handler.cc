@@ -1,10 +1,10 @@
-// XLA FFI handler `entwine_ag_gemm`: validates and plans one rank's call, runs the GEMM (consuming the
-// gathered operand as it arrives) on XLA's stream and forks the transfer streams beside it (the
-// shard pushed to every peer by copy engines or by one SM copy kernel, one flag per chunk), joins
-// them back; and ag_gemm::kHooks. No kernel syntax; no allocation, free, synchronisation, IPC or
+// XLA FFI handlers `entwine_ag_gemm` (bf16/fp16) and `entwine_ag_gemm_fp8` (FP8 shards with their
+// scales): each checks its operands' types, then one body validates and plans one rank's call, runs
+// the GEMM (consuming the gathered operand as it arrives) on XLA's stream and forks the transfer
+// streams beside it (the shard, and an FP8 shard's scale, pushed to every peer by copy engines or by
+// one SM copy kernel, one flag per chunk), joins them back; and ag_gemm::kHooks. No kernel syntax; no allocation, free, synchronisation, IPC or
 // peer-access call (see gemm_rs).
 #include <cstdint>
-#include <exception>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -45,6 +45,17 @@ constexpr const char* kOp = "entwine ag_gemm";
 using handler::DeviceGuard;
 using handler::dims_string;
 
+// One call's operands once its target's type checks passed: the shard x [rows, cols] and w
+// [W * cols or cols, N] (FP8: w_t [N, W * cols or cols]).
+struct Operands {
+  DType input, output;
+  ffi::AnyBuffer x, w;
+  const float* x_scale = nullptr;  // FP8 only
+  const float* w_scale = nullptr;
+  bool shared_scale = true;        // FP8: no scale travels (AgProblem)
+  ffi::AnyBuffer* gathered_scales = nullptr;  // FP8: f32 [W] or empty
+};
+
 // The plan's rules, and what the call needs of the GPU and of the communicator: checked when a call
 // site's plan is made (a memoised plan passed them).
 ffi::Error check_plan(AgPlan const& plan, AgProblem const& problem, AgGemmConfig const& config,
@@ -84,43 +95,51 @@ ffi::Error check_plan(AgPlan const& plan, AgProblem const& problem, AgGemmConfig
 // after r's start event of e, recorded on r's XLA stream once r's call e-1, every read of the
 // inbox included, was joined. The flags stay double-buffered (their chain is gemm_rs's:
 // every call of either op takes a flag from every peer), so calls of both ops may alternate.
-ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
-                     bool gather_k, int64_t signature, AgGemmConfig const& config) {
+ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& ops, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id, bool gather_k, int64_t signature,
+                     AgGemmConfig const& config) {
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
   handler::HostTimer timer{dc};
-  DType dtype;
-  if (ffi::Error e = handler::element_type(kOp, x, &dtype); e.failure()) return e;
-  if (w.element_type() != x.element_type() || y->element_type() != x.element_type() ||
-      gathered->element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument("entwine ag_gemm: x, w, y and the gathered output must share one dtype");
-  }
+  ffi::AnyBuffer const& x = ops.x;
+  bool const fp8 = ops.input == DType::kE4M3;
 
   AgProblem problem;
   problem.world = dc->world;
   problem.rank = dc->rank;
   problem.gather_k = gather_k;
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions(), gd = gathered->dimensions();
+  problem.input = ops.input;
+  problem.shared_scale = ops.shared_scale;
+  auto xd = x.dimensions(), wd = ops.w.dimensions(), yd = y->dimensions(), gd = gathered->dimensions();
   int64_t const world = dc->world;
+  // FP8's w_t is w transposed: its K is the second dimension.
+  int const w_k = fp8 ? 1 : 0, w_n = fp8 ? 0 : 1;
   bool dims_ok = xd.size() == 2 && wd.size() == 2 && yd.size() == 2;
   if (dims_ok) {
     int64_t const rows = xd[0], cols = xd[1];
-    dims_ok = wd[0] == (gather_k ? world * cols : cols) && yd[0] == (gather_k ? rows : world * rows) && yd[1] == wd[1];
+    dims_ok = wd[w_k] == (gather_k ? world * cols : cols) && yd[0] == (gather_k ? rows : world * rows) &&
+              yd[1] == wd[w_n];
     // The gathered output: [world, rows, cols] (source-major), or empty when not asked for.
     bool const no_gathered = gathered->element_count() == 0;
     dims_ok = dims_ok && (no_gathered || (gd.size() == 3 && gd[0] == world && gd[1] == rows && gd[2] == cols));
+    // FP8: each shard's scale, [world] (source-major), or empty.
+    dims_ok = dims_ok && (!fp8 || ops.gathered_scales->element_count() == 0 ||
+                          (ops.gathered_scales->dimensions().size() == 1 && ops.gathered_scales->dimensions()[0] == world));
   }
   if (!dims_ok) {
+    std::string const w_shape = fp8 ? (gather_k ? "w_t [N, W * cols]" : "w_t [N, cols]")
+                                    : (gather_k ? "w [W * cols, N]" : "w [cols, N]");
     return ffi::Error::InvalidArgument(
-        std::string("entwine ag_gemm: expected x [rows, cols], w ") +
-        (gather_k ? "[W * cols, N], y [rows, N]" : "[cols, N], y [W * rows, N]") +
-        ", gathered [W, rows, cols] or empty; got x " + dims_string(xd) + ", w " + dims_string(wd) + ", y " +
-        dims_string(yd) + ", gathered " + dims_string(gd) + " with W = " + std::to_string(world));
+        std::string("entwine ag_gemm: expected x [rows, cols], ") + w_shape +
+        (gather_k ? ", y [rows, N]" : ", y [W * rows, N]") + ", gathered [W, rows, cols] or empty" +
+        (fp8 ? ", gathered_scales [W] or empty" : "") + "; got x " + dims_string(xd) + ", w " + dims_string(wd) +
+        ", y " + dims_string(yd) + ", gathered " + dims_string(gd) +
+        (fp8 ? ", gathered_scales " + dims_string(ops.gathered_scales->dimensions()) : std::string()) +
+        " with W = " + std::to_string(world));
   }
   problem.rows = int32_t(xd[0]);
   problem.cols = int32_t(xd[1]);
-  problem.n = int32_t(wd[1]);
+  problem.n = int32_t(wd[w_n]);
 
   bool capturing = false;
   if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
@@ -140,8 +159,10 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   AgGemmArgs args{};
   args.x = x.untyped_data();
   args.gathered = own_inbox;
-  args.w = w.untyped_data();
+  args.w = ops.w.untyped_data();
   args.y = y->untyped_data();
+  args.x_scale = ops.x_scale;
+  args.w_scale = ops.w_scale;
   args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
   args.error = dc->error_local;
   args.error_mirror = dc->error_device;
@@ -149,14 +170,15 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   args.timeout_ns = timeout_ns;
 
   // The plan and the GEMM's parameters (TMA descriptors), derived once per call site and buffers:
-  // the key holds every value they are derived from (the problem, the config, the GEMM's arguments).
+  // the key holds every value they are derived from (the problem, the config, the GEMM's arguments,
+  // the FP8 scales' addresses among them: kernel parameters).
   struct Derived {
     AgPlan plan;
     PreparedGemm gemm;
   };
   static thread_local handler::CallMemo<64, Derived> memo;
   handler::MemoKey<64> key;
-  for (int64_t v : {int64_t(dtype), int64_t(problem.rows), int64_t(problem.cols), int64_t(problem.n),
+  for (int64_t v : {int64_t(ops.input), int64_t(ops.output), int64_t(problem.shared_scale), int64_t(problem.rows), int64_t(problem.cols), int64_t(problem.n),
                     int64_t(problem.world), int64_t(problem.rank), int64_t(problem.gather_k), int64_t(capturing),
                     args.call.slot_stride, args.call.flags_stride, int64_t(args.timeout_ns)}) {
     key.add(uint64_t(v));
@@ -166,7 +188,8 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 #undef ENTWINE_MEMO_FIELD
   for (const void* p : {args.x, args.gathered, args.w, static_cast<const void*>(args.y),
                         static_cast<const void*>(args.flags), static_cast<const void*>(args.error),
-                        static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch)}) {
+                        static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch),
+                        static_cast<const void*>(args.x_scale), static_cast<const void*>(args.w_scale)}) {
     key.add(p);
   }
   handler::add_call(key, args.call);
@@ -174,7 +197,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   if (derived == nullptr) {
     Derived fresh{ag_plan(problem, config), {}};
     if (ffi::Error e = check_plan(fresh.plan, problem, config, *dc); e.failure()) return e;
-    ENTWINE_RETURN_IF_CUDA(kOp, ag_gemm::prepare_gemm(dtype, fresh.plan, args, &fresh.gemm));
+    ENTWINE_RETURN_IF_CUDA(kOp, ag_gemm::prepare_gemm(ops.input, ops.output, fresh.plan, args, &fresh.gemm));
     Derived* entry = memo.insert(key);
     *entry = fresh;
     derived = entry;
@@ -202,6 +225,9 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
     }
     push.ready = own_ready;
     push.arrivals = static_cast<uint32_t*>(dc->workspace(&ag_gemm::kHooks));
+    // A per-shard FP8 scale travels in its slot, ahead of the first chunk's release (PushArgs).
+    push.scale = fp8 && !ops.shared_scale ? ops.x_scale : nullptr;
+    push.scales_offset = plan.scales_offset;
     push.shard_bytes = plan.shard_bytes;
     push.chunks = plan.chunks;
     push.rank = rank;
@@ -234,6 +260,11 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
     ENTWINE_RETURN_IF_CUDA(kOp, launch_wait_receiver(receiver, stream));
     char* const peer_inbox = peer_heap + dc->layout.inbox_offset();
     uint64_t* const peer_flags = reinterpret_cast<uint64_t*>(peer_heap + dc->layout.flags_offset());
+    if (fp8 && !ops.shared_scale) {
+      // The shard's scale first: every chunk's release then publishes it too.
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_inbox + plan.scales_offset + rank * kScaleSlotBytes, ops.x_scale,
+                                                  sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    }
     for (int c = 0; c < plan.chunks; ++c) {
       ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_inbox + rank * plan.shard_bytes + c * chunk_bytes,
                                              shard + c * chunk_bytes, chunk_bytes, cudaMemcpyDeviceToDevice, stream));
@@ -251,31 +282,74 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
                                              cudaMemcpyDeviceToDevice, xla_stream));
     }
   }
+  void* const scales_out = fp8 ? ops.gathered_scales->untyped_data() : nullptr;
+  int64_t const scales_out_bytes = fp8 ? int64_t(ops.gathered_scales->size_bytes()) : 0;
+  if (scales_out_bytes != 0) {
+    // Each source's scale, in the same order: the peers' from the inbox's slots (after the GEMM, as
+    // above), this rank's own (and with a shared scale every one) from x_scale.
+    auto* const scales = static_cast<float*>(scales_out);
+    for (int s = 0; s < world; ++s) {
+      void const* const from = s == rank || ops.shared_scale ? static_cast<void const*>(ops.x_scale)
+                                                             : own_inbox + plan.scales_offset + s * kScaleSlotBytes;
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(scales + s, from, sizeof(float), cudaMemcpyDeviceToDevice,
+                                                  xla_stream));
+    }
+  }
   // The GEMM window, for ENTWINE_PROFILE=1 (comm::last_call_ms).
   if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
   for (int d = 1; d <= transfer_streams; ++d) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->transfer_done[d], 0));
   }
   // The next call's epoch, once this whole call is done (outputs poisoned if the call failed anywhere).
-  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(handler::call_end(*dc, epoch_args, y->untyped_data(),
-                                                                       int64_t(y->size_bytes()),
-                                                                       gathered->untyped_data(),
-                                                                       int64_t(gathered->size_bytes())),
-                                                    xla_stream));
+  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(
+                                  handler::call_end(*dc, epoch_args, y->untyped_data(), int64_t(y->size_bytes()),
+                                                    gathered->untyped_data(), int64_t(gathered->size_bytes()),
+                                                    scales_out, scales_out_bytes),
+                                  xla_stream));
   return ffi::Error::Success();
 }
 
-// Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
+// bf16 or fp16: x, w, y and the gathered output of one type.
 ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered,
-                      int64_t comm_id, bool gather_k, int64_t signature, AgGemmConfig config) {
-  try {
-    return RunAgGemm(xla_stream, device, x, w, y, gathered, comm_id, gather_k, signature, config);
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("entwine ag_gemm: ") + e.what());
-  } catch (...) {
-    return ffi::Error::Internal("entwine ag_gemm: unknown C++ exception");
-  }
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
+                      bool gather_k, int64_t signature, AgGemmConfig config) {
+  return handler::guarded(kOp, [&] {
+    Operands ops{DType::kBF16, DType::kBF16, x, w};
+    if (ffi::Error e = handler::element_type(kOp, "x", x, &ops.input); e.failure()) return e;
+    if (w.element_type() != x.element_type() || y->element_type() != x.element_type() ||
+        gathered->element_type() != x.element_type()) {
+      return ffi::Error::InvalidArgument("entwine ag_gemm: x, w, y and the gathered output must share one dtype");
+    }
+    ops.output = ops.input;
+    return RunAgGemm(xla_stream, device, ops, y, gathered, comm_id, gather_k, signature, config);
+  });
+}
+
+// FP8: the shard x [rows, cols] and w_t [N, W * cols or cols] in float8_e4m3fn, one f32 scale each;
+// y bf16 or fp16 (its type picks the kernel). Each source's rows (rows layout) are scaled by that
+// source's x_scale, which travels with its shard, unless shared_scale says they are all equal.
+// Returns the gathered shards (float8_e4m3fn [W, rows, cols] or empty) and their scales (f32 [W] or
+// empty).
+ffi::Error AgGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w_t,
+                         ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::AnyBuffer> gathered, ffi::Result<ffi::AnyBuffer> gathered_scales,
+                         int64_t comm_id, bool gather_k, int64_t signature, AgGemmConfig config, bool shared_scale) {
+  return handler::guarded(kOp, [&] {
+    Operands ops{DType::kE4M3, DType::kBF16, x, w_t};
+    if (ffi::Error e = handler::fp8_operand(kOp, "x", x); e.failure()) return e;
+    if (ffi::Error e = handler::fp8_operand(kOp, "w_t", w_t); e.failure()) return e;
+    if (ffi::Error e = handler::fp8_operand(kOp, "gathered", *gathered); e.failure()) return e;
+    if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops.x_scale); e.failure()) return e;
+    if (ffi::Error e = handler::scale_operand(kOp, "w_scale", w_scale, &ops.w_scale); e.failure()) return e;
+    if (ffi::Error e = handler::element_type(kOp, "y", *y, &ops.output); e.failure()) return e;
+    if (gathered_scales->element_type() != ffi::DataType::F32) {
+      return ffi::Error::InvalidArgument("entwine ag_gemm: gathered_scales must be float32, got dtype code " +
+                                         std::to_string(int(gathered_scales->element_type())));
+    }
+    ops.shared_scale = shared_scale;
+    ops.gathered_scales = &*gathered_scales;
+    return RunAgGemm(xla_stream, device, ops, y, gathered, comm_id, gather_k, signature, config);
+  });
 }
 
 }  // namespace
@@ -298,4 +372,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
                                   .Attr<bool>("gather_k")                    // gather_k
                                   .Attr<int64_t>("signature")                // what the call is (stamps)
                                   .Attr<entwine::AgGemmConfig>("config"),    // config
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemmFp8, entwine::AgGemmFp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // x: the local shard, float8_e4m3fn
+                                  .Arg<ffi::AnyBuffer>()                     // w_t: float8_e4m3fn [N, K]
+                                  .Arg<ffi::AnyBuffer>()                     // x_scale: f32
+                                  .Arg<ffi::AnyBuffer>()                     // w_scale: f32
+                                  .Ret<ffi::AnyBuffer>()                     // y: bf16 or f16
+                                  .Ret<ffi::AnyBuffer>()                     // gathered (or empty)
+                                  .Ret<ffi::AnyBuffer>()                     // gathered_scales (or empty)
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<bool>("gather_k")                    // gather_k
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
+                                  .Attr<entwine::AgGemmConfig>("config")     // config
+                                  .Attr<bool>("shared_scale"),               // shared_scale
                               {ffi::Traits::kCmdBufferCompatible});

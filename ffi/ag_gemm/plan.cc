@@ -36,8 +36,17 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   if (c.max_chunks < 1 || c.max_chunks > 64) return fail("config.max_chunks must be in [1, 64]");
   if (c.push_sms < 0 || c.push_sms > 64) return fail("config.push_sms must be in [0, 64]");
   if (p.rows <= 0 || p.cols <= 0 || p.n <= 0) return fail("rows, cols and N must be positive");
+  bool const fp8 = p.input == DType::kE4M3;
+  if (fp8 && c.block_n != kFp8BlockN) {
+    return fail("config.block_n must be 128 with FP8 operands (the promoted accumulator of a wider block does "
+                "not fit the registers)");
+  }
+  if (fp8 && p.gather_k && !p.shared_scale) {
+    return fail("FP8 gather_k needs one x scale shared by every shard (shared_scale): a per-shard scale would "
+                "scale each K slice of the accumulator, which the kernel does not do");
+  }
   auto round_up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
-  int64_t const rows_pad = round_up(p.rows, kBlockM), cols_pad = round_up(p.cols, kAlignK),
+  int64_t const rows_pad = round_up(p.rows, kBlockM), cols_pad = round_up(p.cols, align_k(p.input)),
                 n_pad = round_up(p.n, c.block_n);
   // int32 coordinates in the kernels (the gathered operand's rows, w's rows and columns).
   if (int64_t(p.world) * rows_pad >= (int64_t(1) << 31) || int64_t(p.world) * cols_pad >= (int64_t(1) << 31) ||
@@ -51,11 +60,12 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   plan.chunks = chunk_count(plan.tile_rows, c.max_chunks);
   plan.chunk_tiles = plan.tile_rows / plan.chunks;
   plan.n_blocks = plan.n_pad / c.block_n;
-  plan.k_tiles = (plan.cols_pad + kBlockK - 1) / kBlockK;
+  plan.k_tiles = (plan.cols_pad + block_k(p.input) - 1) / block_k(p.input);
   plan.num_blocks = (p.gather_k ? 1 : p.world) * plan.tile_rows * plan.n_blocks;
   plan.grid = c.gemm_sms < plan.num_blocks ? int32_t(c.gemm_sms) : plan.num_blocks;
-  plan.shard_bytes = rows_pad * cols_pad * kElementBytes;
-  plan.inbox_bytes = p.world * plan.shard_bytes;
+  plan.shard_bytes = rows_pad * cols_pad * element_bytes(p.input);
+  plan.scales_offset = p.world * plan.shard_bytes;
+  plan.inbox_bytes = plan.scales_offset + (fp8 ? p.world * kScaleSlotBytes : 0);
   plan.flags = int64_t(p.world) * plan.chunks;
   // The SM push splits each chunk over the CTAs of a peer's group, kPushThreads 16-byte vectors at a
   // time: a CTA beyond one vector per thread of a chunk, for every peer, would only wait and count.
@@ -65,7 +75,7 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   // Every CTA of the GEMM may wait for a chunk that only a running push CTA (or, on the copy
   // engines, a one-warp release kernel) releases: they all must be resident at once.
   plan.sms_needed = plan.grid + (plan.push_grid > 0 ? plan.push_grid : 1);
-  plan.shape = AgProblem{plan.rows_pad, plan.cols_pad, plan.n_pad, p.world, p.rank, p.gather_k};
+  plan.shape = AgProblem{plan.rows_pad, plan.cols_pad, plan.n_pad, p.world, p.rank, p.gather_k, p.input, p.shared_scale};
   plan.order = TileOrder{plan.chunk_tiles, plan.n_blocks,
                          c.raster_rows < plan.chunk_tiles ? int32_t(c.raster_rows) : plan.chunk_tiles};
   // Contraction layout: a block's K loop runs over every source's k-tiles. Nothing splits.

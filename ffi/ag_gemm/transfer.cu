@@ -71,6 +71,11 @@ __global__ void __launch_bounds__(kPushThreads) push_shard(PushArgs a) {
   for (int chunk = 0; chunk < a.chunks; ++chunk) {
     for (int d = 1 + group; d <= peers; d += groups) {
       int const peer = (a.rank + d) % a.world;
+      if (peer_ok[peer] && chunk == 0 && member == 0 && threadIdx.x == 0 && a.scale != nullptr) {
+        // The FP8 shard's scale, before this thread's fenced arrival at chunk 0: every release of a
+        // chunk to this peer reads an arrival chain that follows it, so each publishes the scale.
+        *reinterpret_cast<float*>(a.inbox[peer] + a.scales_offset + a.rank * kScaleSlotBytes) = *a.scale;
+      }
       if (peer_ok[peer]) {
         uint4 const* from = shard + chunk * chunk_vectors;
         uint4* to = reinterpret_cast<uint4*>(a.inbox[peer] + a.rank * a.shard_bytes) + chunk * chunk_vectors;

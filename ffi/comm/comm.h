@@ -203,8 +203,9 @@ struct CallEnd {
   DeviceError* mirror = nullptr;  // its host-mapped copy
   const uint64_t* aborted = nullptr;  // this rank's abort word (CallEpoch::aborted)
   int rank = 0;
-  void* out[2] = {};              // the call's outputs, poisoned on failure
-  int64_t bytes[2] = {};
+  static constexpr int kOutputs = 3;  // ag_gemm FP8: y, the gathered shards and their scales
+  void* out[kOutputs] = {};       // the call's outputs, poisoned on failure
+  int64_t bytes[kOutputs] = {};
 };
 cudaError_t launch_end_call(const CallEnd& end, cudaStream_t stream);
 cudaError_t prepare_epoch_kernel();

@@ -1,13 +1,14 @@
 // What every FFI handler does alike before it launches: a CUDA-error-to-ffi::Error macro, the
 // decoding of an op's config attribute, a printable buffer shape, the communicator entry a call
-// may use, the kernels' element type, the capture test and the call's epoch arguments, a host
-// timer, a guard that restores XLA's current device, and the memo of what a call site derives.
-// Host-only.
+// may use, the kernels' element types (FP8 operands and their scales), the body that turns
+// exceptions into errors, the capture test and the call's epoch arguments, a host timer, a guard
+// that restores XLA's current device, and the memo of what a call site derives. Host-only.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -63,17 +64,48 @@ inline ffi::Error usable_comm(const char* op, int64_t comm_id, int32_t device, c
   return ffi::Error::Success();
 }
 
-// The kernels' element type of x (bf16 or fp16), in *out.
-inline ffi::Error element_type(const char* op, ffi::AnyBuffer const& x, DType* out) {
-  if (x.element_type() == ffi::DataType::BF16) {
+// A 16-bit operand's or output's element type (bf16 or fp16), in *out.
+inline ffi::Error element_type(const char* op, const char* name, ffi::AnyBuffer const& a, DType* out) {
+  if (a.element_type() == ffi::DataType::BF16) {
     *out = DType::kBF16;
-  } else if (x.element_type() == ffi::DataType::F16) {
+  } else if (a.element_type() == ffi::DataType::F16) {
     *out = DType::kFP16;
   } else {
-    return ffi::Error::InvalidArgument(std::string(op) + ": x must be bf16 or f16, got dtype code " +
-                                       std::to_string(int(x.element_type())));
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must be bf16 or f16, got dtype code " +
+                                       std::to_string(int(a.element_type())));
   }
   return ffi::Error::Success();
+}
+
+// An FP8 operand: float8_e4m3fn, the one FP8 type the kernels are built for.
+inline ffi::Error fp8_operand(const char* op, const char* name, ffi::AnyBuffer const& a) {
+  if (a.element_type() == ffi::DataType::F8E4M3FN) return ffi::Error::Success();
+  std::string const got = a.element_type() == ffi::DataType::F8E5M2 ? "float8_e5m2 (only e4m3 kernels are built)"
+                                                                    : "dtype code " + std::to_string(int(a.element_type()));
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must be float8_e4m3fn, got " + got);
+}
+
+// A dequantisation scale: one f32 on the device (a traced value: read by the kernels, never here).
+inline ffi::Error scale_operand(const char* op, const char* name, ffi::AnyBuffer const& a, const float** out) {
+  if (a.element_type() != ffi::DataType::F32 || a.element_count() != 1 || a.dimensions().size() > 1) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must be one float32 ([] or [1]), got dtype code " +
+                                       std::to_string(int(a.element_type())) + " " + dims_string(a.dimensions()));
+  }
+  *out = static_cast<const float*>(a.untyped_data());
+  return ffi::Error::Success();
+}
+
+// Runs a handler's body: nothing but an ffi::Error may leave a handler (std::string and the
+// registry lock can throw).
+template <class Body>
+ffi::Error guarded(const char* op, Body const& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string(op) + ": " + e.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string(op) + ": unknown C++ exception");
+  }
 }
 
 // Whether XLA's stream is being captured into a CUDA graph (an XLA command buffer, or a user's own
@@ -104,7 +136,8 @@ inline CallEpoch call_epoch(const comm::DeviceComm& dc, bool trap, int64_t signa
 
 // The call's last kernel's arguments: the epoch, the failure records, the outputs to poison.
 inline comm::CallEnd call_end(const comm::DeviceComm& dc, const CallEpoch& call, void* out0, int64_t bytes0,
-                              void* out1 = nullptr, int64_t bytes1 = 0) {
+                              void* out1 = nullptr, int64_t bytes1 = 0, void* out2 = nullptr,
+                              int64_t bytes2 = 0) {
   comm::CallEnd end;
   end.epoch = dc.epoch;
   end.error = dc.error_local;
@@ -115,6 +148,8 @@ inline comm::CallEnd call_end(const comm::DeviceComm& dc, const CallEpoch& call,
   end.bytes[0] = bytes0;
   end.out[1] = out1;
   end.bytes[1] = bytes1;
+  end.out[2] = out2;
+  end.bytes[2] = bytes2;
   return end;
 }
 

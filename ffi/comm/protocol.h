@@ -11,11 +11,14 @@ namespace entwine {
 // Largest mesh axis the fused ops support (one NVLink node).
 constexpr int kMaxWorld = 8;
 
-// The kernels' element types: the only list of them on the C++ side. Each entry is 2 bytes wide,
-// which sizes the heap's slot and inbox. Handlers map XLA's types here (handler_util.h), kernels
-// map these to CUDA types (comm/dtype.cuh), the kernel table names them (cmake/gemm_kernels.cmake).
-enum class DType : int32_t { kBF16 = 0, kFP16 = 1 };
+// The kernels' element types: the only list of them on the C++ side. Handlers map XLA's types here
+// (handler_util.h), kernels map these to CUDA types (gemm/gemm_kernel.cuh, gemm_rs/consumer.cu), the
+// kernel table names them (cmake/gemm_kernels.cmake). kE4M3 is an input type only (FP8 operands):
+// outputs, and so gemm_rs's partial slots, are 2 bytes wide (kElementBytes); ag_gemm's inbox holds
+// shards of the input type (element_bytes).
+enum class DType : int32_t { kBF16 = 0, kFP16 = 1, kE4M3 = 2 };
 constexpr int kElementBytes = 2;
+constexpr int element_bytes(DType t) { return t == DType::kE4M3 ? 1 : 2; }
 
 // Which wait ran past its deadline (DeviceError::site). Each op numbers its own waits from its
 // base (OpHooks::wait_site_base, a multiple of kWaitSitesPerOp) and formats its own records.

@@ -9,13 +9,20 @@
 
 #include <cuda_runtime.h>
 
+#include "comm/protocol.h"
+
 namespace entwine {
 
 // A GEMM block is BLOCK_M x block_n x BLOCK_K (block_n: 128 or 256, per instantiation).
 constexpr int kBlockM = 128;  // two math warpgroups of 64 rows each
-constexpr int kBlockK = 64;   // one 128-byte TMA swizzle row of 2-byte types
-// K is padded to this (zeros add nothing): 16-byte rows for TMA, with 2-byte elements.
-constexpr int kAlignK = 8;
+// BLOCK_K is one 128-byte TMA swizzle row of the input type: 64 2-byte elements, 128 FP8 ones.
+constexpr int block_k(DType input) { return 128 / element_bytes(input); }
+// K is padded to this (zeros add nothing): 16-byte rows for TMA.
+constexpr int align_k(DType input) { return 16 / element_bytes(input); }
+// FP8 operands run 128-wide blocks only: the mainloop adds the tensor cores' partial sums into a
+// second fp32 accumulator (gemm_kernel.cuh), and two 64 x 256 fp32 fragments per math thread
+// would not fit its registers.
+constexpr int kFp8BlockN = 128;
 
 // Production order of the GEMM blocks of one group of tile rows (a partition, a chunk): groups of
 // `raster_rows` tile rows, each group visited column by column, so the blocks in flight at once

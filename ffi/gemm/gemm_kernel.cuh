@@ -32,24 +32,36 @@ template <>
 struct ElementOf<DType::kFP16> {
   using type = cutlass::half_t;
 };
+template <>
+struct ElementOf<DType::kE4M3> {
+  using type = cutlass::float_e4m3_t;
+};
 
-// The GEMM of one (dtype, BLOCK_N, op schedule) row of the kernel table. What is the op's is its
-// Schedule (gemm_rs/gemm_schedule.cuh, ag_gemm/gemm_schedule.cuh), a type with:
+// The GEMM of one (input, output, BLOCK_N, op schedule) row of the kernel table. What is the op's is
+// its Schedule (gemm_rs/gemm_schedule.cuh, ag_gemm/gemm_schedule.cuh), a type with:
 //   Params                 what only the schedule reads (Params::op)
 //   Plan, Args             the op's plan and launch arguments (host)
 //   block_coord(p, op, order)        block p of the call's order -> (owner, tile row, block column)
 //   start<Kernel>(params)            first thing of every CTA (ag_gemm: announce the call)
 //   load<Kernel>(params, ...)        the TMA warp's loop over its units (ag_gemm: waits on chunks)
 //   release<Kernel>(params, c, e, parity)  after the store warp's copies of block c completed
+//   alpha<Kernel>(params, c)         FP8: the factor that dequantises block c's fp32 sum
 //   make_params<Kernel>(plan, args)  the kernel parameters of a plan (host)
-template <DType kDType, int BLOCK_N_, class Schedule_>
+template <DType kInput, DType kOutput, int BLOCK_N_, class Schedule_>
 struct GemmKernel {
   // ---- core config ---------------------------------------------------------------------------
-  using Element = typename ElementOf<kDType>::type;  // bf16 or fp16 in and out, fp32 accumulation
+  using ElementIn = typename ElementOf<kInput>::type;  // A and B: bf16, fp16 or FP8 (e4m3)
+  using Element = typename ElementOf<kOutput>::type;   // the output: bf16 or fp16; fp32 accumulation
   using Schedule = Schedule_;                          // the op's block order, loads and releases
+  // FP8: wgmma reads both operands K-major (B is w transposed, [N, K]), and the block's sum is
+  // dequantised by the schedule's alpha in the epilogue.
+  static constexpr bool kFp8 = kInput == DType::kE4M3;
+  static_assert(!kFp8 || kOutput != DType::kE4M3, "FP8 is an input type only");
+  static_assert(kFp8 || kInput == kOutput, "16-bit inputs produce their own type");
   static constexpr int BLOCK_M = kBlockM;             // two math warpgroups of 64 rows each
-  static constexpr int BLOCK_N = BLOCK_N_;            // 128 or 256
-  static constexpr int BLOCK_K = kBlockK;             // one 128-byte TMA swizzle row of 2-byte types
+  static constexpr int BLOCK_N = BLOCK_N_;            // 128 or 256 (FP8: 128, gemm.h)
+  static constexpr int BLOCK_K = block_k(kInput);     // one 128-byte TMA swizzle row of the input type
+  static_assert(!kFp8 || BLOCK_N == kFp8BlockN, "FP8 blocks are 128 wide (gemm.h)");
   static constexpr int kThreads = 384;                // warp 0: TMA, warp 1: stores, warps 2-3: exit, warpgroups 1-2: math
   static constexpr int kMathThreads = 256;            // cooperative: both warpgroups on every block
   using TileShape = Shape<Int<BLOCK_M>, Int<BLOCK_N>, Int<BLOCK_K>>;
@@ -65,11 +77,19 @@ struct GemmKernel {
     uint32_t skip;           // math -> store warp: the staged unit was a first-arriving split piece
   };
 
-  // ---- mainloop: A = x [M, K] row-major (K-major), B = w [K, N] row-major (N-major) -----------
+  // ---- mainloop: A = x [M, K] row-major (K-major); B = w [K, N] row-major (N-major), or for FP8
+  //      w_t [N, K] row-major (K-major: the only FP8 wgmma layout). 16-byte aligned rows (TMA).
+  //      For FP8 the builder picks CUTLASS's FP8 mainloop, which adds the tensor cores' partial sum
+  //      into a second fp32 accumulator every 4 wgmma k-steps (once per 128-deep k-tile): FP8 wgmma
+  //      keeps fewer mantissa bits in its accumulator than fp32, so a long K loop without the
+  //      promotion loses accuracy. The fast-accumulation schedule would save those adds; we keep
+  //      them, as cuBLASLt's FP8 default does: training shapes have K of 8k-32k.
+  using LayoutB = cute::conditional_t<kFp8, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  static constexpr int kAlignment = 16 / int(sizeof(ElementIn));
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      Element, cutlass::layout::RowMajor, 8,
-      Element, cutlass::layout::RowMajor, 8,
+      ElementIn, cutlass::layout::RowMajor, kAlignment,
+      ElementIn, LayoutB, kAlignment,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(EpilogueStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
@@ -202,10 +222,20 @@ struct GemmKernel {
     for (Unit u; work.next(u); first = false) {
       int const k_count = u.k_end - u.k_begin;
       Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
+      // The FP8 mainloop adds its promoted partial sums into accum, so accum starts at zero.
+      if constexpr (kFp8) clear(accum);
       mainloop.mma(pipeline, read_state, accum, k_count, math_idx, storage.mainloop, params.mainloop);
       mainloop.mma_tail(pipeline, read_state, k_count);
       read_state.advance(k_count);
       bool const write = u.slot < 0 || join_split(params, u.slot, accum, math_idx, storage.epilogue.split_arrival);
+      if constexpr (kFp8) {
+        // Dequantise the whole sum (after a split block's two pieces met: one rounding, one factor).
+        if (write) {
+          float const alpha = Schedule::template alpha<GemmKernel>(params, Schedule::block_coord(u.p, params.op, params.order));
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(accum); ++i) accum(i) *= alpha;
+        }
+      }
 
       // The store warp's bulk copies must have read the previous block out of the staging tile.
       if (!first) ptx::named_barrier_sync(kEmptyBarrier, kMathThreads + kStoreThreads);
@@ -342,13 +372,20 @@ struct GemmKernel {
   static constexpr int kSplitBarrier = 10;  // math threads among themselves, at a split slot
   static constexpr uint64_t kSplitTimeoutNs = 10'000'000'000ull;
 
-  // A's and B's TMA parameters: A [l][m, k] and B [l][k, n], row-major, batch strides in elements.
-  static typename CollectiveMainloop::Params mainloop_params(int m, int n, int k, int l, Element const* a,
-                                                             int64_t batch_a, Element const* b, int64_t batch_b) {
+  // A's and B's TMA parameters: A [l][m, k] row-major; B [l][k, n] row-major, or for FP8 [l][n, k]
+  // row-major; ldb is B's row pitch (16-bit: n; FP8: k, or more when B is a column slice of a wider
+  // w_t); batch strides in elements.
+  static typename CollectiveMainloop::Params mainloop_params(int m, int n, int k, int l, ElementIn const* a,
+                                                             int64_t batch_a, ElementIn const* b, int64_t ldb,
+                                                             int64_t batch_b) {
     StrideA stride_a{};
     get<0>(stride_a) = int64_t(k);
     StrideB stride_b{};
-    get<1>(stride_b) = int64_t(n);
+    if constexpr (kFp8) {
+      get<0>(stride_b) = ldb;
+    } else {
+      get<1>(stride_b) = ldb;
+    }
     get<2>(stride_a) = batch_a;
     get<2>(stride_b) = batch_b;
     return CollectiveMainloop::to_underlying_arguments(make_shape(m, n, k, l), {a, stride_a, b, stride_b}, nullptr);

@@ -50,11 +50,13 @@ struct ProblemShape {
 };
 
 // One rank's call as the op sees it, before any padding: x [m, k] (the rows before the scatter),
-// w [k, n], scattered over rows (partition q: rows q*m/W ..) or columns (columns q*n/W ..).
+// w [k, n] (FP8: w_t [n, k]), scattered over rows (partition q: rows q*m/W ..) or columns (columns
+// q*n/W ..). `input` is the operands' type; the output's (bf16 or fp16) changes no shape rule.
 struct GemmRsProblem {
   int64_t m = 0, n = 0, k = 0;
   int32_t world = 1, rank = 0;
   bool scatter_cols = false;
+  DType input = DType::kBF16;
 };
 
 // Everything static about one call, from the problem and the config (docs/design.md, "gemm_rs"):
@@ -65,7 +67,7 @@ struct GemmRsPlan {
   bool config_error = false;    // the violated rule is one of the config's own (check_config)
   GemmRsConfig config;          // the config the plan was made with
   ProblemShape shape;           // the kernels' problem: each partition padded to whole 128 x block_n
-                                // blocks, K to kAlignK (a padded problem plans to itself)
+                                // blocks, K to align_k(input) (a padded problem plans to itself)
   TileOrder order{};            // the blocks of one partition, in production order
   int32_t tiles_per_partition = 0;  // reduction tiles of one partition: flag words per source rank
   WorkSchedule schedule{};      // the producer's blocks, grid, k-tiles and split region
@@ -78,7 +80,9 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& problem, const GemmRsConfig& config
 // last call whose producer on `source` published that tile of the owner's partition.
 struct ProducerArgs {
   const void* x;
-  const void* w;
+  const void* w;                  // w [K, N]; FP8: w_t [N, K]
+  const float* x_scale = nullptr;  // FP8: the dequantisation scales (device scalars): the output is
+  const float* w_scale = nullptr;  // x_scale * w_scale * (x @ w)
   void* partial;                  // this rank's M x N partial output, slot 0 (the kernel adds the parity)
   uint64_t* flags[kMaxWorld];     // flag array of each owner rank, parity 0 (peer pointers)
   CallEpoch call;
@@ -117,14 +121,15 @@ namespace gemm_rs {
 // What gemm_rs asks of every communicator entry (handler.cc), registered by bind.cc.
 extern const comm::OpHooks kHooks;
 
-// The producer GEMM (gemm_rs/gemm_schedule.cuh), dispatched to the instantiation of (dtype,
+// The producer GEMM (gemm_rs/gemm_schedule.cuh), dispatched to the instantiation of (input, output,
 // plan.config.block_n) by code generated from the kernel table (cmake/gemm_kernels.cmake), which
-// also loads every instantiation's module (prepare_gemms).
+// also loads every instantiation's module (prepare_gemms). `output` is the partial's type, which the
+// consumer reduces (launch_consumer's dtype).
 using GemmPlan = GemmRsPlan;
 using GemmArgs = ProducerArgs;
-cudaError_t launch_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
+cudaError_t launch_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
 // The same launch prepared, to be enqueued any number of times (handlers keep it per call site).
-cudaError_t prepare_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
+cudaError_t prepare_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
 cudaError_t prepare_gemms();
 
 // Load every kernel module of gemm_rs and set its attributes on the current device (once per

@@ -23,6 +23,8 @@ struct GemmSchedule {
     int tiles_per_partition;
     int world, rank;
     bool interleave, publish;    // harness switches (ProducerArgs)
+    const float* x_scale;        // FP8: one dequantisation scale per operand (ProducerArgs)
+    const float* w_scale;
   };
 
   // Logical block p -> (owner partition, tile row inside it, block column). Interleaved: block p
@@ -74,13 +76,21 @@ struct GemmSchedule {
     for (int t = 0; t < kTilesPerBlock; ++t) flag::store(owner_flags + tile0 + t, params.call, epoch);
   }
 
+  // FP8: every block of the call has the same factor, x's scale times w's (device scalars, written
+  // before the call: stream order).
+  template <class Kernel>
+  static __device__ float alpha(typename Kernel::Params const& params, BlockCoord const&) {
+    return *params.op.x_scale * *params.op.w_scale;
+  }
+
   template <class Kernel>
   static typename Kernel::Params make_params(Plan const& plan, Args const& args) {
     using Element = typename Kernel::Element;
+    using ElementIn = typename Kernel::ElementIn;
     ProblemShape const& shape = plan.shape;
     typename Kernel::Params p{};
-    p.mainloop = Kernel::mainloop_params(shape.m, shape.n, shape.k, 1, static_cast<Element const*>(args.x), 0,
-                                         static_cast<Element const*>(args.w), 0);
+    p.mainloop = Kernel::mainloop_params(shape.m, shape.n, shape.k, 1, static_cast<ElementIn const*>(args.x), 0,
+                                         static_cast<ElementIn const*>(args.w), Kernel::kFp8 ? shape.k : shape.n, 0);
     p.mainloop_local = p.mainloop;
     p.l = 1;
     p.m_local = shape.m;
@@ -105,6 +115,8 @@ struct GemmSchedule {
     p.op.rank = shape.rank;
     p.op.interleave = args.interleave;
     p.op.publish = args.publish;
+    p.op.x_scale = args.x_scale;
+    p.op.w_scale = args.w_scale;
     return p;
   }
 };

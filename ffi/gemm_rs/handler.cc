@@ -1,9 +1,9 @@
-// XLA FFI handler `entwine_gemm_rs`: validates and plans one rank's call, runs the producer (GEMM) on
-// XLA's stream beside the consumer (reduction) on its own stream, joins it back; and gemm_rs::kHooks. No
-// kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (any of them can
+// XLA FFI handlers `entwine_gemm_rs` (bf16/fp16) and `entwine_gemm_rs_fp8` (FP8 operands with their
+// scales): each checks its operands' types, then one body validates and plans the call, runs the
+// producer (GEMM) on XLA's stream beside the consumer (reduction) on its own stream, joins it back;
+// and gemm_rs::kHooks. No kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (any of them can
 // deadlock against a consumer spinning on another device of this process).
 #include <cstdint>
-#include <exception>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -39,6 +39,31 @@ namespace {
 constexpr const char* kOp = "entwine gemm_rs";
 using handler::DeviceGuard;
 using handler::dims_string;
+
+// One call's operands once its target's type checks passed: x [m, k] and w [k, n] (FP8: w_t [n, k]).
+struct Operands {
+  DType input, output;  // output: y's and the partials' type
+  const void* x;
+  const void* w;
+  const float* x_scale = nullptr;  // FP8 only
+  const float* w_scale = nullptr;
+  int64_t m, n, k;
+};
+
+// The 2-D shapes of x, w (or w_t) and y, and their common K; fills m, n, k.
+ffi::Error check_dims(ffi::AnyBuffer const& x, ffi::AnyBuffer const& w, ffi::AnyBuffer const& y, bool w_transposed,
+                      Operands* ops) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[w_transposed ? 1 : 0] != xd[1]) {
+    return ffi::Error::InvalidArgument(std::string("entwine gemm_rs: expected x [M, K], ") +
+                                       (w_transposed ? "w_t [N, K]" : "w [K, N]") + ", y 2-D, got x " +
+                                       dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd));
+  }
+  ops->m = xd[0];
+  ops->n = wd[w_transposed ? 0 : 1];
+  ops->k = xd[1];
+  return ffi::Error::Success();
+}
 
 // The plan's rules and what the call needs of the communicator: checked when a call site's plan is
 // made (a memoised plan passed them). Python padded the operands with the same function: on the
@@ -85,39 +110,26 @@ ffi::Error check_plan(GemmRsPlan const& plan, GemmRsProblem const& problem, Gemm
 // writers of one flag word of parity e % 2 (calls e and e+2), which is why the flags are
 // double-buffered too (comm.h). Requires every rank to make the same sequence of calls on the
 // communicator (same epochs), which SPMD programs do.
-ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                     ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t scatter_dimension,
-                     int64_t signature, GemmRsConfig const& cfg) {
+ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& ops, ffi::Result<ffi::AnyBuffer> y,
+                     int64_t comm_id, int64_t scatter_dimension, int64_t signature, GemmRsConfig const& cfg) {
   // --- Validation: everything below is cheap host work on the call's metadata. --------------------
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
   handler::HostTimer timer{dc};
-  DType dtype;
-  if (ffi::Error e = handler::element_type(kOp, x, &dtype); e.failure()) return e;
-  if (w.element_type() != x.element_type() || y->element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument("entwine gemm_rs: x, w and y must share one dtype, got codes " +
-                                       std::to_string(int(x.element_type())) + ", " +
-                                       std::to_string(int(w.element_type())) + ", " +
-                                       std::to_string(int(y->element_type())));
-  }
-
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  auto yd = y->dimensions();
   if (scatter_dimension != 0 && scatter_dimension != 1) {
     return ffi::Error::InvalidArgument("entwine gemm_rs: scatter_dimension must be 0 (rows) or 1 (columns), got " +
                                        std::to_string(scatter_dimension));
   }
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[0] != xd[1]) {
-    return ffi::Error::InvalidArgument("entwine gemm_rs: expected x [M, K], w [K, N], y 2-D, got x " +
-                                       dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd));
-  }
 
   GemmRsProblem problem;
-  problem.m = xd[0];
-  problem.n = wd[1];
-  problem.k = xd[1];
+  problem.m = ops.m;
+  problem.n = ops.n;
+  problem.k = ops.k;
   problem.world = dc->world;
   problem.rank = dc->rank;
   problem.scatter_cols = scatter_dimension == 1;
+  problem.input = ops.input;
 
   bool capturing = false;
   if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
@@ -142,8 +154,10 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   consumer_args.timeout_ns = comm::timeout_ms() * 1000000ull;
 
   ProducerArgs producer_args{};
-  producer_args.x = x.untyped_data();
-  producer_args.w = w.untyped_data();
+  producer_args.x = ops.x;
+  producer_args.w = ops.w;
+  producer_args.x_scale = ops.x_scale;
+  producer_args.w_scale = ops.w_scale;
   producer_args.partial = own + dc->layout.slot_offset();
   for (int q = 0; q < dc->world; ++q) {
     // Push: each tile's flag goes into the memory of the rank that owns its partition.
@@ -154,14 +168,15 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   producer_args.split_workspace = dc->workspace(&gemm_rs::kHooks);  // used only by this entry's XLA stream
 
   // The plan and the GEMM's parameters (TMA descriptors), derived once per call site and buffers:
-  // the key holds every value they are derived from (the problem, the config, the GEMM's arguments).
+  // the key holds every value they are derived from (the problem, the config, the GEMM's arguments,
+  // the FP8 scales' addresses among them: kernel parameters).
   struct Derived {
     GemmRsPlan plan;
     PreparedGemm gemm;
   };
   static thread_local handler::CallMemo<64, Derived> memo;
   handler::MemoKey<64> key;
-  for (int64_t v : {int64_t(dtype), problem.m, problem.n, problem.k, int64_t(problem.world), int64_t(problem.rank),
+  for (int64_t v : {int64_t(ops.input), int64_t(ops.output), problem.m, problem.n, problem.k, int64_t(problem.world), int64_t(problem.rank),
                     int64_t(problem.scatter_cols), int64_t(capturing), epoch_args.slot_stride,
                     epoch_args.flags_stride, int64_t(producer_args.interleave), int64_t(producer_args.publish)}) {
     key.add(uint64_t(v));
@@ -171,7 +186,9 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
 #undef ENTWINE_MEMO_FIELD
   for (const void* p : {producer_args.x, producer_args.w, static_cast<const void*>(producer_args.partial),
                         static_cast<const void*>(epoch_args.epoch),
-                        static_cast<const void*>(producer_args.split_workspace)}) {
+                        static_cast<const void*>(producer_args.split_workspace),
+                        static_cast<const void*>(producer_args.x_scale),
+                        static_cast<const void*>(producer_args.w_scale)}) {
     key.add(p);
   }
   for (uint64_t* f : producer_args.flags) key.add(f);
@@ -180,7 +197,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   if (derived == nullptr) {
     Derived fresh{gemm_rs_plan(problem, cfg), {}};
     if (ffi::Error e = check_plan(fresh.plan, problem, cfg, *dc); e.failure()) return e;
-    ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::prepare_gemm(dtype, fresh.plan, producer_args, &fresh.gemm));
+    ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::prepare_gemm(ops.input, ops.output, fresh.plan, producer_args, &fresh.gemm));
     Derived* entry = memo.insert(key);
     *entry = fresh;
     derived = entry;
@@ -196,7 +213,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
   // Consumer first: its small high-priority grid must be resident before the GEMM fills the SMs. The
   // GEMM runs on XLA's stream itself (no fork to join).
-  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(dtype, derived->plan, consumer_args, dc->consumer));
+  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, dc->consumer));
   ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
   // The GEMM window, for ENTWINE_PROFILE=1 (comm::last_call_ms).
   if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
@@ -209,17 +226,45 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   return ffi::Error::Success();
 }
 
-// Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
+// bf16 or fp16: x, w and y of one type.
 ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                      int64_t scatter_dimension, int64_t signature, GemmRsConfig config) {
-  try {
-    return RunGemmRs(xla_stream, device, x, w, y, comm_id, scatter_dimension, signature, config);
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("entwine gemm_rs: ") + e.what());
-  } catch (...) {
-    return ffi::Error::Internal("entwine gemm_rs: unknown C++ exception");
-  }
+                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t scatter_dimension, int64_t signature,
+                      GemmRsConfig config) {
+  return handler::guarded(kOp, [&] {
+    Operands ops{};
+    if (ffi::Error e = handler::element_type(kOp, "x", x, &ops.input); e.failure()) return e;
+    if (w.element_type() != x.element_type() || y->element_type() != x.element_type()) {
+      return ffi::Error::InvalidArgument("entwine gemm_rs: x, w and y must share one dtype, got codes " +
+                                         std::to_string(int(x.element_type())) + ", " +
+                                         std::to_string(int(w.element_type())) + ", " +
+                                         std::to_string(int(y->element_type())));
+    }
+    if (ffi::Error e = check_dims(x, w, *y, false, &ops); e.failure()) return e;
+    ops.output = ops.input;
+    ops.x = x.untyped_data();
+    ops.w = w.untyped_data();
+    return RunGemmRs(xla_stream, device, ops, y, comm_id, scatter_dimension, signature, config);
+  });
+}
+
+// FP8: x [M, K] and w_t [N, K] in float8_e4m3fn, one f32 scale each; y bf16 or fp16 (its type picks
+// the kernel and the partials' type): y = x_scale * w_scale * (x @ w_t^T), reduce-scattered.
+ffi::Error GemmRsFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w_t,
+                         ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm_id, int64_t scatter_dimension, int64_t signature, GemmRsConfig config) {
+  return handler::guarded(kOp, [&] {
+    Operands ops{};
+    ops.input = DType::kE4M3;
+    if (ffi::Error e = handler::fp8_operand(kOp, "x", x); e.failure()) return e;
+    if (ffi::Error e = handler::fp8_operand(kOp, "w_t", w_t); e.failure()) return e;
+    if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops.x_scale); e.failure()) return e;
+    if (ffi::Error e = handler::scale_operand(kOp, "w_scale", w_scale, &ops.w_scale); e.failure()) return e;
+    if (ffi::Error e = handler::element_type(kOp, "y", *y, &ops.output); e.failure()) return e;
+    if (ffi::Error e = check_dims(x, w_t, *y, true, &ops); e.failure()) return e;
+    ops.x = x.untyped_data();
+    ops.w = w_t.untyped_data();
+    return RunGemmRs(xla_stream, device, ops, y, comm_id, scatter_dimension, signature, config);
+  });
 }
 
 }  // namespace
@@ -237,6 +282,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                                   .Arg<ffi::AnyBuffer>()                     // x
                                   .Arg<ffi::AnyBuffer>()                     // w
                                   .Ret<ffi::AnyBuffer>()                     // y
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<int64_t>("scatter_dimension")        // scatter_dimension
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
+                                  .Attr<entwine::GemmRsConfig>("config"),    // config
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRsFp8, entwine::GemmRsFp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // x: float8_e4m3fn [M, K]
+                                  .Arg<ffi::AnyBuffer>()                     // w_t: float8_e4m3fn [N, K]
+                                  .Arg<ffi::AnyBuffer>()                     // x_scale: f32
+                                  .Arg<ffi::AnyBuffer>()                     // w_scale: f32
+                                  .Ret<ffi::AnyBuffer>()                     // y: bf16 or f16
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("scatter_dimension")        // scatter_dimension
                                   .Attr<int64_t>("signature")                // what the call is (stamps)

@@ -35,14 +35,14 @@ TileOrder tile_order(const ProblemShape& s, const GemmRsConfig& c) {
   return TileOrder{m_blocks, n_blocks, c.raster_rows < m_blocks ? int32_t(c.raster_rows) : m_blocks};
 }
 
-WorkSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c) {
+WorkSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c, DType input) {
   TileOrder const order = tile_order(s, c);
   WorkSchedule p{};
   p.num_blocks = s.world * order.m_blocks * order.n_blocks;
   // producer_sms == 0: one CTA per block (the hardware hands freed SMs to either kernel);
   // otherwise a persistent grid that leaves the rest of the SMs to the consumer.
   p.grid = c.producer_sms > 0 && c.producer_sms < p.num_blocks ? int32_t(c.producer_sms) : p.num_blocks;
-  p.k_tiles = (s.k + kBlockK - 1) / kBlockK;
+  p.k_tiles = (s.k + block_k(input) - 1) / block_k(input);
   // Split tail: whole waves run as before, except the last full one, which joins the partial last
   // wave in the split region, divided evenly in k-tiles over the grid. So every CTA does about
   // (1 + remainder / grid) blocks' work there instead of one or two whole blocks.
@@ -69,8 +69,12 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
   if (p.world < 1 || p.world > kMaxWorld) return fail("world size must be in [1, 8]");
   if (p.rank < 0 || p.rank >= p.world) return fail("rank must be in [0, world)");
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) return fail("M, N and K must be positive");
+  if (p.input == DType::kE4M3 && c.block_n != kFp8BlockN) {
+    return fail("config.block_n must be 128 with FP8 operands (the promoted accumulator of a wider block "
+                "does not fit the registers)", true);
+  }
   // Padding: each partition to whole 128 x block_n blocks, on its own, so that partition q of the
-  // padded product holds partition q of the real one; K to kAlignK. Zeros add nothing to the sum.
+  // padded product holds partition q of the real one; K to align_k (16-byte rows). Zeros add nothing.
   // The scattered dimension divides by the world here, and only here: the padded shape then meets
   // every rule of the kernels by construction.
   int64_t m, n;
@@ -83,7 +87,7 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
     m = p.world * round_up(p.m / p.world, kTileM);
     n = round_up(p.n, c.block_n);
   }
-  int64_t const k = round_up(p.k, kAlignK);
+  int64_t const k = round_up(p.k, align_k(p.input));
   // The kernels index rows, columns and K with int32.
   if (m >= (int64_t(1) << 31) || n >= (int64_t(1) << 31) || k >= (int64_t(1) << 31)) {
     return fail("a padded dimension of the product is 2^31 or more (the kernels index with int32)");
@@ -91,7 +95,7 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
   plan.shape = ProblemShape{int32_t(m), int32_t(n), int32_t(k), p.world, p.rank, p.scatter_cols};
   plan.order = tile_order(plan.shape, c);
   plan.tiles_per_partition = plan.shape.tiles_per_partition();
-  plan.schedule = producer_schedule(plan.shape, c);
+  plan.schedule = producer_schedule(plan.shape, c, p.input);
   plan.split = plan.schedule.split_first_block < plan.schedule.num_blocks;
   plan.slot_bytes = m * n * kElementBytes;
   return plan;

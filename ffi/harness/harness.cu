@@ -15,8 +15,15 @@
 //   entwine_harness energy suite [seconds] [shapes]   the same on the design suite (its first
 //                                     `shapes` shapes): order and flag costs and the ratio to
 //                                     cuBLASLt's fastest algorithm, one line per shape
+//   entwine_harness fp8 test          FP8 operands (e4m3, f32 scales) of both ops against float64 of
+//                                     the dequantised inputs: W in {1,2,4,8}, bf16/fp16 outputs,
+//                                     per-shard and shared scales, both pushes, split tail, graphs,
+//                                     a failed call's three outputs poisoned
+//   entwine_harness fp8 bench         the FP8 producer and ag_gemm's FP8 GEMM vs cuBLASLt's FP8 GEMM
+//                                     on the design suite; an FP8 shard's push time vs a bf16 one
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -73,6 +80,26 @@ __global__ void fill_random(uint16_t* out, int64_t count, uint64_t seed, bool bf
   }
 }
 
+// FP8 operands: hash_uniform scaled to [-4, 4), rounded to float8_e4m3fn (one byte each).
+__global__ void fill_random_fp8(uint8_t* out, int64_t count, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = __nv_fp8_e4m3(4.0f * hash_uniform(seed, i)).__x;
+  }
+}
+
+// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, 0x7F/0xFF are NaN.
+double fp8_to_double(uint8_t bits) {
+  int const exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+  double const sign = bits & 0x80 ? -1.0 : 1.0;
+  if (exponent == 0xF && mantissa == 0x7) return NAN;
+  if (exponent == 0) return sign * std::ldexp(mantissa / 8.0, -6);
+  return sign * std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
+}
+
+// Each rank's dequantisation scales (x's, w's): exact in binary, different per rank, so a block
+// scaled with another rank's factor shows.
+std::array<float, 2> fp8_scales(int rank) { return {0.5f + 0.125f * rank, 0.25f * float(1 + rank % 3)}; }
+
 double to_double(uint16_t bits, bool bf16) {
   if (bf16) {
     uint32_t u = uint32_t(bits) << 16;
@@ -87,18 +114,21 @@ double to_double(uint16_t bits, bool bf16) {
 
 struct Case {
   int m, n, k, world;
-  bool bf16;
+  bool bf16;  // the output's type (and the inputs', unless fp8)
   GemmRsConfig config;
   bool scatter_cols = false;
+  bool fp8 = false;  // x [M, K] and w_t [N, K] in e4m3, with each rank's fp8_scales
   ProblemShape shape(int rank) const {
     ProblemShape s{m, n, k, world, rank};
     s.scatter_cols = scatter_cols;
     return s;
   }
+  DType output() const { return bf16 ? DType::kBF16 : DType::kFP16; }
+  DType input() const { return fp8 ? DType::kE4M3 : output(); }
   // Rank r's plan: the cases are aligned, so it plans the case's own shape (run_case checks that).
-  GemmRsPlan plan(int rank) const { return plan_of(shape(rank), config); }
-  static GemmRsPlan plan_of(ProblemShape const& s, GemmRsConfig const& config) {
-    return gemm_rs_plan(GemmRsProblem{s.m, s.n, s.k, s.world, s.rank, s.scatter_cols}, config);
+  GemmRsPlan plan(int rank) const { return plan_of(shape(rank), config, input()); }
+  static GemmRsPlan plan_of(ProblemShape const& s, GemmRsConfig const& config, DType input = DType::kBF16) {
+    return gemm_rs_plan(GemmRsProblem{s.m, s.n, s.k, s.world, s.rank, s.scatter_cols, input}, config);
   }
 };
 
@@ -134,8 +164,9 @@ cudaGraphExec_t capture_call(cudaStream_t origin, std::vector<cudaStream_t> cons
 struct VirtualRank {
   // partial[1] = partial[0] + M*N and flags holds two parities: the layout the kernels assume
   // (CallEpoch's strides).
-  uint16_t *x = nullptr, *w = nullptr, *partial[2] = {nullptr, nullptr}, *out = nullptr;
+  uint16_t *x = nullptr, *w = nullptr, *partial[2] = {nullptr, nullptr}, *out = nullptr;  // FP8: x, w_t bytes
   uint64_t* flags = nullptr;
+  float* scales = nullptr;          // FP8: x's and w's dequantisation scales
   void* split_workspace = nullptr;  // the producer's split tail (one per producer stream)
   cudaStream_t producer_stream = nullptr, consumer_stream = nullptr;
 };
@@ -165,6 +196,7 @@ struct World {
       CHECK_CUDA(cudaMemset(r.flags, 0, 2 * sizeof(uint64_t) * flags_per_parity));
       CHECK_CUDA(cudaMalloc(&r.split_workspace, kSplitWorkspaceBytes));
       CHECK_CUDA(cudaMemset(r.split_workspace, 0, kSplitWorkspaceBytes));
+      CHECK_CUDA(cudaMalloc(&r.scales, 2 * sizeof(float)));
       CHECK_CUDA(cudaStreamCreateWithPriority(&r.producer_stream, cudaStreamNonBlocking, lo));
       CHECK_CUDA(cudaStreamCreateWithPriority(&r.consumer_stream, cudaStreamNonBlocking, hi));
     }
@@ -191,6 +223,7 @@ struct World {
       cudaFree(r.partial[0]);
       cudaFree(r.out);
       cudaFree(r.flags);
+      cudaFree(r.scales);
       cudaFree(r.split_workspace);
       cudaStreamDestroy(r.producer_stream);
       cudaStreamDestroy(r.consumer_stream);
@@ -201,6 +234,13 @@ struct World {
 
   void fill_inputs(uint64_t seed) {
     for (int r = 0; r < c.world; ++r) {
+      if (c.fp8) {
+        fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].x), int64_t(c.m) * c.k, seed * 131 + 2 * r);
+        fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].w), int64_t(c.k) * c.n, seed * 131 + 2 * r + 1);
+        std::array<float, 2> const scales = fp8_scales(r);
+        CHECK_CUDA(cudaMemcpy(ranks[r].scales, scales.data(), sizeof scales, cudaMemcpyHostToDevice));
+        continue;
+      }
       fill_random<<<264, 256>>>(ranks[r].x, int64_t(c.m) * c.k, seed * 131 + 2 * r, c.bf16);
       fill_random<<<264, 256>>>(ranks[r].w, int64_t(c.k) * c.n, seed * 131 + 2 * r + 1, c.bf16);
     }
@@ -221,6 +261,8 @@ struct World {
     ProducerArgs a{};
     a.x = ranks[r].x;
     a.w = ranks[r].w;
+    a.x_scale = ranks[r].scales;
+    a.w_scale = ranks[r].scales + 1;
     a.partial = ranks[r].partial[0];
     a.split_workspace = ranks[r].split_workspace;
     for (int q = 0; q < c.world; ++q) a.flags[q] = ranks[q].flags;
@@ -262,18 +304,16 @@ struct World {
   }
 
   void launch_consumers() {
-    DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
     for (int r = 0; r < c.world; ++r) {
-      CHECK_CUDA(launch_consumer(dtype, c.plan(r), consumer_args(r), ranks[r].consumer_stream));
+      CHECK_CUDA(launch_consumer(c.output(), c.plan(r), consumer_args(r), ranks[r].consumer_stream));
     }
     if (sequential) CHECK_CUDA(cudaDeviceSynchronize());
   }
 
   void launch_producers(int skip_rank) {
-    DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
-      CHECK_CUDA(gemm_rs::launch_gemm(dtype, c.plan(r), producer_args(r), ranks[r].producer_stream));
+      CHECK_CUDA(gemm_rs::launch_gemm(c.input(), c.output(), c.plan(r), producer_args(r), ranks[r].producer_stream));
     }
     if (sequential) CHECK_CUDA(cudaDeviceSynchronize());
   }
@@ -294,21 +334,44 @@ struct World {
     return h;
   }
 
-  // Every rank's w in float64, for the host references below.
+  // Every rank's w [K, N] in float64, for the host references below (FP8: w_t dequantised).
   std::vector<std::vector<double>> weights() {
     std::vector<std::vector<double>> ws;
-    for (auto& r : ranks) {
-      auto w = download(r.w, size_t(c.k) * c.n);
-      ws.emplace_back(w.size());
+    for (int r = 0; r < c.world; ++r) {
+      ws.emplace_back(size_t(c.k) * c.n);
+      if (c.fp8) {
+        std::vector<uint8_t> w_t(size_t(c.k) * c.n);
+        CHECK_CUDA(cudaMemcpy(w_t.data(), ranks[r].w, w_t.size(), cudaMemcpyDeviceToHost));
+        double const scale = fp8_scales(r)[1];
+        for (int j = 0; j < c.n; ++j) {
+          for (int kk = 0; kk < c.k; ++kk) ws.back()[size_t(kk) * c.n + j] = scale * fp8_to_double(w_t[size_t(j) * c.k + kk]);
+        }
+        continue;
+      }
+      auto w = download(ranks[r].w, size_t(c.k) * c.n);
       for (size_t i = 0; i < w.size(); ++i) ws.back()[i] = to_double(w[i], c.bf16);
     }
     return ws;
   }
 
-  // row += x_row @ w in float64 (x_row: K elements of x, w: K x N).
-  void add_product_row(std::vector<double>& row, uint16_t const* x_row, std::vector<double> const& w) const {
+  // Row i of rank r's x in float64 (FP8: dequantised).
+  std::vector<double> x_row(int r, int64_t i) {
+    std::vector<double> row(c.k);
+    if (c.fp8) {
+      std::vector<uint8_t> bytes(c.k);
+      CHECK_CUDA(cudaMemcpy(bytes.data(), reinterpret_cast<uint8_t*>(ranks[r].x) + i * c.k, c.k, cudaMemcpyDeviceToHost));
+      for (int kk = 0; kk < c.k; ++kk) row[kk] = fp8_scales(r)[0] * fp8_to_double(bytes[kk]);
+      return row;
+    }
+    auto const bits = download(ranks[r].x + i * c.k, c.k);
+    for (int kk = 0; kk < c.k; ++kk) row[kk] = to_double(bits[kk], c.bf16);
+    return row;
+  }
+
+  // row += x_row @ w in float64 (x_row: K values, w: K x N).
+  void add_product_row(std::vector<double>& row, std::vector<double> const& x_row, std::vector<double> const& w) const {
     for (int kk = 0; kk < c.k; ++kk) {
-      double const xv = to_double(x_row[kk], c.bf16);
+      double const xv = x_row[kk];
       double const* wr = w.data() + size_t(kk) * c.n;
       for (int j = 0; j < c.n; ++j) row[j] += xv * wr[j];
     }
@@ -336,16 +399,12 @@ struct World {
     auto const ws = weights();
     double err2 = 0, ref2 = 0;
     std::vector<double> row(c.n);
-    std::vector<uint16_t> xr(c.k);
     for (int owner = 0; owner < c.world; ++owner) {
       auto out = download(ranks[owner].out, size_t(rows) * cols);
       int64_t const row0 = s.part_row0(owner), col0 = s.part_col0(owner);
       for (int i = owner % stride; i < rows; i += stride) {
         std::fill(row.begin(), row.end(), 0.0);
-        for (int src = 0; src < c.world; ++src) {
-          CHECK_CUDA(cudaMemcpy(xr.data(), ranks[src].x + size_t(row0 + i) * c.k, c.k * 2, cudaMemcpyDeviceToHost));
-          add_product_row(row, xr.data(), ws[src]);
-        }
+        for (int src = 0; src < c.world; ++src) add_product_row(row, x_row(src, row0 + i), ws[src]);
         if (!add_error(out.data() + size_t(i) * cols, row.data() + col0, cols, err2, ref2)) return INFINITY;
       }
     }
@@ -359,11 +418,10 @@ struct World {
     double err2 = 0, ref2 = 0;
     std::vector<double> row(c.n);
     for (int r = 0; r < c.world; ++r) {
-      auto x = download(ranks[r].x, size_t(c.m) * c.k);
       auto part = download(ranks[r].partial[slot], size_t(c.m) * c.n);
       for (int i = 0; i < c.m; i += 7) {
         std::fill(row.begin(), row.end(), 0.0);
-        add_product_row(row, x.data() + size_t(i) * c.k, ws[r]);
+        add_product_row(row, x_row(r, i), ws[r]);
         if (!add_error(part.data() + size_t(i) * c.n, row.data(), c.n, err2, ref2)) return INFINITY;
       }
     }
@@ -392,8 +450,8 @@ void expect(bool ok, std::string const& what) {
 
 std::string describe(Case const& c) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "W=%d M=%d N=%d K=%d %s scatter=%s block_n=%d producer_sms=%d x=%d b=%d r=%d",
-                c.world, c.m, c.n, c.k, c.bf16 ? "bf16" : "fp16", c.scatter_cols ? "cols" : "rows", int(c.config.block_n),
+  std::snprintf(buf, sizeof buf, "W=%d M=%d N=%d K=%d %s%s scatter=%s block_n=%d producer_sms=%d x=%d b=%d r=%d",
+                c.world, c.m, c.n, c.k, c.fp8 ? "e4m3->" : "", c.bf16 ? "bf16" : "fp16", c.scatter_cols ? "cols" : "rows", int(c.config.block_n),
                 int(c.config.producer_sms), int(c.config.consumer_grid), int(c.config.consumer_block),
                 int(c.config.raster_rows));
   return buf;
@@ -618,10 +676,14 @@ struct CublasLt {
   using PrefCreate = int (*)(void**);
   using Destroy = int (*)(void*);
   using PrefSet = int (*)(void*, int, void const*, size_t);
+  using DescSet = int (*)(void*, int, void const*, size_t);
   using Heuristic = int (*)(void*, void*, void*, void*, void*, void*, void*, int, HeuristicResult*, int*);
   using Matmul = int (*)(void*, void*, void const*, void const*, void*, void const*, void*, void const*, void const*,
                          void*, void*, void*, Algo const*, void*, size_t, cudaStream_t);
-  static constexpr int kBF16 = 14 /* CUDA_R_16BF */, kF32 = 0 /* CUDA_R_32F */, kCompute32F = 68;
+  static constexpr int kBF16 = 14 /* CUDA_R_16BF */, kF32 = 0 /* CUDA_R_32F */, kE4M3 = 28 /* CUDA_R_8F_E4M3 */,
+                       kCompute32F = 68;
+  // cublasLtMatmulDescAttributes_t and cublasOperation_t values (cublasLt.h).
+  static constexpr int kDescTransA = 3, kDescAScale = 17, kDescBScale = 18, kOpT = 1;
   static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
   void* handle = nullptr;
@@ -629,6 +691,7 @@ struct CublasLt {
   LayoutCreate layout_create = nullptr;
   PrefCreate pref_create = nullptr;
   PrefSet pref_set = nullptr;
+  DescSet desc_set = nullptr;
   Heuristic heuristic = nullptr;
   Matmul matmul = nullptr;
   Destroy desc_destroy = nullptr, layout_destroy = nullptr, pref_destroy = nullptr;
@@ -643,33 +706,53 @@ struct CublasLt {
     lt.layout_create = reinterpret_cast<LayoutCreate>(dlsym(lib, "cublasLtMatrixLayoutCreate"));
     lt.pref_create = reinterpret_cast<PrefCreate>(dlsym(lib, "cublasLtMatmulPreferenceCreate"));
     lt.pref_set = reinterpret_cast<PrefSet>(dlsym(lib, "cublasLtMatmulPreferenceSetAttribute"));
+    lt.desc_set = reinterpret_cast<DescSet>(dlsym(lib, "cublasLtMatmulDescSetAttribute"));
     lt.heuristic = reinterpret_cast<Heuristic>(dlsym(lib, "cublasLtMatmulAlgoGetHeuristic"));
     lt.matmul = reinterpret_cast<Matmul>(dlsym(lib, "cublasLtMatmul"));
     lt.desc_destroy = reinterpret_cast<Destroy>(dlsym(lib, "cublasLtMatmulDescDestroy"));
     lt.layout_destroy = reinterpret_cast<Destroy>(dlsym(lib, "cublasLtMatrixLayoutDestroy"));
     lt.pref_destroy = reinterpret_cast<Destroy>(dlsym(lib, "cublasLtMatmulPreferenceDestroy"));
-    if (!create || !lt.desc_create || !lt.layout_create || !lt.pref_create || !lt.pref_set || !lt.heuristic ||
+    if (!create || !lt.desc_create || !lt.layout_create || !lt.pref_create || !lt.pref_set || !lt.desc_set || !lt.heuristic ||
         !lt.matmul || !lt.desc_destroy || !lt.layout_destroy || !lt.pref_destroy || create(&lt.handle) != 0)
       return nullptr;
     CHECK_CUDA(cudaMalloc(&lt.workspace, kWorkspaceBytes));
     return &lt;
   }
 
+  // The scales of an FP8 GEMM (device scalars): y = x_scale * w_scale * (x @ w_t^T).
+  struct Fp8Scales {
+    float const* x;
+    float const* w;
+  };
+
   // Row-major bf16 y[M, N] = x[M, K] @ w[K, N] with fp32 accumulation (column-major: y^T = w^T x^T),
-  // with the fastest of the heuristic's algorithms (timed in interleaved rounds); returns the launcher.
-  std::function<void()> gemm(int m, int n, int k, void const* x, void const* w, void* y, cudaStream_t stream) const {
-    std::vector<std::function<void()>> const all = candidates(m, n, k, x, w, y, stream);
+  // or with fp8 scales set: e4m3 x[M, K] and w_t[N, K] (FP8's one layout, "TN": column-major
+  // y^T = (w_t viewed K x N)^T x), dequantised by the scales and promoted as cuBLASLt does by default
+  // (CUBLASLT_MATMUL_DESC_FAST_ACCUM off, the kernels' choice too); with the fastest of the
+  // heuristic's algorithms (timed in interleaved rounds); returns the launcher.
+  std::function<void()> gemm(int m, int n, int k, void const* x, void const* w, void* y, cudaStream_t stream,
+                             Fp8Scales const* fp8 = nullptr) const {
+    std::vector<std::function<void()>> const all = candidates(m, n, k, x, w, y, stream, fp8);
     std::vector<float> const ms = interleaved_median_ms(all, stream, 3, 5, 3);
     return all[std::min_element(ms.begin(), ms.end()) - ms.begin()];
   }
 
   // The launchers of every algorithm the heuristic offers, in its order.
   std::vector<std::function<void()>> candidates(int m, int n, int k, void const* x, void const* w, void* y,
-                                                cudaStream_t stream) const {
+                                                cudaStream_t stream, Fp8Scales const* fp8 = nullptr) const {
     void *desc, *a, *b, *d, *pref;
     check(desc_create(&desc, kCompute32F, kF32));
-    check(layout_create(&a, kBF16, n, k, n));
-    check(layout_create(&b, kBF16, k, m, k));
+    if (fp8) {
+      int const trans = kOpT;
+      check(desc_set(desc, kDescTransA, &trans, sizeof trans));
+      check(desc_set(desc, kDescAScale, &fp8->w, sizeof fp8->w));
+      check(desc_set(desc, kDescBScale, &fp8->x, sizeof fp8->x));
+      check(layout_create(&a, kE4M3, k, n, k));
+      check(layout_create(&b, kE4M3, k, m, k));
+    } else {
+      check(layout_create(&a, kBF16, n, k, n));
+      check(layout_create(&b, kBF16, k, m, k));
+    }
     check(layout_create(&d, kBF16, n, m, n));
     check(pref_create(&pref));
     uint64_t const max_workspace = kWorkspaceBytes;
@@ -826,14 +909,16 @@ SteadyState steady_state(Nvml const& nv, std::function<void()> const& launch, fl
   return {window_ms / double(mark_launches[1] - mark_launches[0]), double(e1 - e0) / (t1 - t0) / 1e3, mhz / samples};
 }
 
-// One producer configuration of rank 0 of `world` as a launcher (a fresh epoch per launch).
+// One producer configuration of rank 0 of `world` as a launcher (a fresh epoch per launch), in
+// the world's types.
 std::function<void()> producer_launcher(World& world, ProblemShape const& s, GemmRsConfig const& cfg, bool interleave,
                                         bool publish, cudaStream_t stream) {
   ProducerArgs a = world.producer_args(0);
   a.interleave = interleave;
   a.publish = publish;
-  GemmRsPlan const plan = Case::plan_of(s, cfg);
-  return [=]() mutable { CHECK_CUDA(gemm_rs::launch_gemm(DType::kBF16, plan, a, stream)); };
+  DType const input = world.c.input(), output = world.c.output();
+  GemmRsPlan const plan = Case::plan_of(s, cfg, input);
+  return [=]() mutable { CHECK_CUDA(gemm_rs::launch_gemm(input, output, plan, a, stream)); };
 }
 
 // Two passes over the launchers in rotated order, each launcher alone in its steady state.
@@ -999,7 +1084,7 @@ void bench_fused_one_rank(FILE* out, int sms) {
           if (with_consumer) {
             CHECK_CUDA(launch_consumer(DType::kBF16, plan, world.consumer_args(0), r.consumer_stream));
           }
-          CHECK_CUDA(gemm_rs::launch_gemm(DType::kBF16, plan, world.producer_args(0), r.producer_stream));
+          CHECK_CUDA(gemm_rs::launch_gemm(DType::kBF16, DType::kBF16, plan, world.producer_args(0), r.producer_stream));
           CHECK_CUDA(cudaEventRecord(producer_done, r.producer_stream));
           CHECK_CUDA(cudaEventRecord(consumer_done, r.consumer_stream));
           CHECK_CUDA(cudaStreamWaitEvent(main_stream, producer_done, 0));
@@ -1148,25 +1233,33 @@ int bench_main(char const* jsonl, char const* section) {
 
 struct AgCase {
   int rows, cols, n, world;
-  bool bf16, gather_k;
+  bool bf16, gather_k;  // bf16: the output's type (and the inputs', unless fp8)
   AgGemmConfig config;
-  AgProblem problem(int rank) const { return AgProblem{rows, cols, n, world, rank, gather_k}; }
+  bool fp8 = false;           // shards and w_t [N, w_rows] in e4m3, with fp8_scales
+  bool shared_scale = false;  // FP8: every rank's x scale is rank 0's, and none travels
+  DType output() const { return bf16 ? DType::kBF16 : DType::kFP16; }
+  DType input() const { return fp8 ? DType::kE4M3 : output(); }
+  AgProblem problem(int rank) const { return AgProblem{rows, cols, n, world, rank, gather_k, input(), shared_scale}; }
+  float x_scale(int rank) const { return fp8_scales(shared_scale ? 0 : rank)[0]; }
   int64_t w_rows() const { return gather_k ? int64_t(world) * cols : cols; }
   int64_t y_rows() const { return gather_k ? rows : int64_t(world) * rows; }
 };
 
 std::string describe(AgCase const& c) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "ag W=%d rows=%d cols=%d N=%d %s %s block_n=%d gemm_sms=%d r=%d chunks<=%d push_sms=%d",
-                c.world, c.rows, c.cols, c.n, c.bf16 ? "bf16" : "fp16", c.gather_k ? "contraction" : "rows",
-                int(c.config.block_n), int(c.config.gemm_sms), int(c.config.raster_rows), int(c.config.max_chunks),
-                int(c.config.push_sms));
+  std::snprintf(buf, sizeof buf,
+                "ag W=%d rows=%d cols=%d N=%d %s%s%s %s block_n=%d gemm_sms=%d r=%d chunks<=%d push_sms=%d", c.world,
+                c.rows, c.cols, c.n, c.fp8 ? "e4m3->" : "", c.bf16 ? "bf16" : "fp16",
+                c.fp8 ? (c.shared_scale ? " shared scale" : " per-shard scales") : "",
+                c.gather_k ? "contraction" : "rows", int(c.config.block_n), int(c.config.gemm_sms),
+                int(c.config.raster_rows), int(c.config.max_chunks), int(c.config.push_sms));
   return buf;
 }
 
 struct AgWorld {
   struct Rank {
-    uint16_t *x = nullptr, *w = nullptr, *y = nullptr;
+    uint16_t *x = nullptr, *w = nullptr, *y = nullptr;  // FP8: x and w_t bytes
+    float* scales = nullptr;                            // FP8: x's and w's dequantisation scales
     char* inbox = nullptr;
     uint64_t* flags = nullptr;  // two parities of plan.flags words
     uint64_t* ready = nullptr;  // kMaxWorld words: ready[s] = the last call rank s's GEMM announced
@@ -1192,6 +1285,7 @@ struct AgWorld {
       CHECK_CUDA(cudaMalloc(&r.w, size_t(c.w_rows()) * c.n * 2));
       CHECK_CUDA(cudaMalloc(&r.y, size_t(c.y_rows()) * c.n * 2));
       CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
+      CHECK_CUDA(cudaMalloc(&r.scales, 2 * sizeof(float)));
       CHECK_CUDA(cudaMalloc(&r.flags, 2 * plan.flags * sizeof(uint64_t)));
       CHECK_CUDA(cudaMemset(r.flags, 0, 2 * plan.flags * sizeof(uint64_t)));
       CHECK_CUDA(cudaMalloc(&r.ready, kMaxWorld * sizeof(uint64_t)));
@@ -1213,6 +1307,7 @@ struct AgWorld {
       cudaFree(r.w);
       cudaFree(r.y);
       cudaFree(r.inbox);
+      cudaFree(r.scales);
       cudaFree(r.flags);
       cudaFree(r.ready);
       cudaFree(r.arrivals);
@@ -1232,6 +1327,13 @@ struct AgWorld {
 
   void fill_inputs(uint64_t seed) {
     for (int r = 0; r < c.world; ++r) {
+      if (c.fp8) {
+        fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].x), int64_t(c.rows) * c.cols, seed * 131 + 2 * r);
+        fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].w), c.w_rows() * c.n, seed * 131 + 2 * r + 1);
+        float const scales[2] = {c.x_scale(r), fp8_scales(r)[1]};
+        CHECK_CUDA(cudaMemcpy(ranks[r].scales, scales, sizeof scales, cudaMemcpyHostToDevice));
+        continue;
+      }
       fill_random<<<264, 256>>>(ranks[r].x, int64_t(c.rows) * c.cols, seed * 131 + 2 * r, c.bf16);
       fill_random<<<264, 256>>>(ranks[r].w, c.w_rows() * c.n, seed * 131 + 2 * r + 1, c.bf16);
     }
@@ -1254,6 +1356,8 @@ struct AgWorld {
     }
     a.ready = ranks[r].ready;
     a.arrivals = ranks[r].arrivals;
+    a.scale = c.fp8 && !c.shared_scale ? ranks[r].scales : nullptr;
+    a.scales_offset = plan.scales_offset;
     a.shard_bytes = plan.shard_bytes;
     a.chunks = plan.chunks;
     a.rank = r;
@@ -1269,13 +1373,14 @@ struct AgWorld {
   // nor runs its GEMM.
   void enqueue(int skip_rank) {
     int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
-    DType const dtype = c.bf16 ? DType::kBF16 : DType::kFP16;
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
       AgGemmArgs a{ranks[r].x, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr, call_epoch(),
                    timeout_ns};
       for (int q = 0; q < c.world; ++q) a.call.announce[q] = q == r ? nullptr : ranks[q].ready + r;
-      CHECK_CUDA(ag_gemm::launch_gemm(dtype, plans[r], a, ranks[r].gemm));
+      a.x_scale = ranks[r].scales;
+      a.w_scale = ranks[r].scales + 1;
+      CHECK_CUDA(ag_gemm::launch_gemm(c.input(), c.output(), plans[r], a, ranks[r].gemm));
     }
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
@@ -1287,6 +1392,10 @@ struct AgWorld {
         int const q = (r + d) % c.world;
         TransferArgs const receiver{ranks[r].ready + q, r, q, error, nullptr, call_epoch(), timeout_ns};
         CHECK_CUDA(launch_wait_receiver(receiver, ranks[r].transfer[d]));
+        if (c.fp8 && !c.shared_scale) {
+          CHECK_CUDA(cudaMemcpyAsync(ranks[q].inbox + plan.scales_offset + r * kScaleSlotBytes, ranks[r].scales,
+                                     sizeof(float), cudaMemcpyDeviceToDevice, ranks[r].transfer[d]));
+        }
         for (int k = 0; k < plan.chunks; ++k) {
           CHECK_CUDA(cudaMemcpyAsync(ranks[q].inbox + r * plan.shard_bytes + k * chunk_bytes,
                                      reinterpret_cast<char*>(ranks[r].x) + k * chunk_bytes, chunk_bytes,
@@ -1322,18 +1431,47 @@ struct AgWorld {
     return h;
   }
 
+  // Rank r's shard (or its w [w_rows, n], w_t for FP8, as [w_rows, n]) in float64, dequantised.
+  std::vector<double> shard(int r) {
+    size_t const count = size_t(c.rows) * c.cols;
+    std::vector<double> x(count);
+    if (c.fp8) {
+      std::vector<uint8_t> bytes(count);
+      CHECK_CUDA(cudaMemcpy(bytes.data(), ranks[r].x, count, cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < count; ++i) x[i] = c.x_scale(r) * fp8_to_double(bytes[i]);
+      return x;
+    }
+    auto const bits = download(ranks[r].x, count);
+    for (size_t i = 0; i < count; ++i) x[i] = to_double(bits[i], c.bf16);
+    return x;
+  }
+  std::vector<double> weight(int r) {
+    int64_t const k = c.w_rows();
+    std::vector<double> w(size_t(k) * c.n);
+    if (c.fp8) {
+      std::vector<uint8_t> w_t(w.size());
+      CHECK_CUDA(cudaMemcpy(w_t.data(), ranks[r].w, w_t.size(), cudaMemcpyDeviceToHost));
+      double const scale = fp8_scales(r)[1];
+      for (int j = 0; j < c.n; ++j) {
+        for (int64_t kk = 0; kk < k; ++kk) w[size_t(kk) * c.n + j] = scale * fp8_to_double(w_t[size_t(j) * k + kk]);
+      }
+      return w;
+    }
+    auto const bits = download(ranks[r].w, w.size());
+    for (size_t i = 0; i < w.size(); ++i) w[i] = to_double(bits[i], c.bf16);
+    return w;
+  }
+
   // Relative error of every rank's y against float64 over about 40 rows per rank.
   double check() {
-    std::vector<std::vector<uint16_t>> xs;
-    for (auto& r : ranks) xs.push_back(download(r.x, size_t(c.rows) * c.cols));
+    std::vector<std::vector<double>> xs;
+    for (int r = 0; r < c.world; ++r) xs.push_back(shard(r));
     double err2 = 0, ref2 = 0;
     int64_t const rows = c.y_rows();
     int const stride = rows <= 40 ? 1 : int((rows / 40) | 1);
     std::vector<double> ref(c.n);
     for (int r = 0; r < c.world; ++r) {
-      auto w16 = download(ranks[r].w, size_t(c.w_rows()) * c.n);
-      std::vector<double> w(w16.size());
-      for (size_t i = 0; i < w.size(); ++i) w[i] = to_double(w16[i], c.bf16);
+      std::vector<double> const w = weight(r);
       auto y = download(ranks[r].y, size_t(rows) * c.n);
       for (int64_t i = r % stride; i < rows; i += stride) {
         std::fill(ref.begin(), ref.end(), 0.0);
@@ -1341,10 +1479,10 @@ struct AgWorld {
         // shard s against w's rows s * cols ...
         int const first = c.gather_k ? 0 : int(i / c.rows), last = c.gather_k ? c.world : first + 1;
         for (int s = first; s < last; ++s) {
-          uint16_t const* xrow = xs[s].data() + size_t(i % c.rows) * c.cols;
+          double const* xrow = xs[s].data() + size_t(i % c.rows) * c.cols;
           double const* wbase = w.data() + (c.gather_k ? size_t(s) * c.cols * c.n : 0);
           for (int kk = 0; kk < c.cols; ++kk) {
-            double const xv = to_double(xrow[kk], c.bf16);
+            double const xv = xrow[kk];
             double const* wr = wbase + size_t(kk) * c.n;
             for (int j = 0; j < c.n; ++j) ref[j] += xv * wr[j];
           }
@@ -1518,7 +1656,7 @@ int ag_bench_main() {
         AgPlan const plan = ag_plan(c.problem(0), cfg);
         // The flags were set for max_chunks 8; fewer chunks index a prefix of them.
         launches.push_back([&, a, cfg, plan]() {
-          CHECK_CUDA(ag_gemm::launch_gemm(DType::kBF16, plan, a, stream));
+          CHECK_CUDA(ag_gemm::launch_gemm(DType::kBF16, DType::kBF16, plan, a, stream));
         });
       }
       uint16_t* ref_out = nullptr;
@@ -1606,6 +1744,220 @@ int ag_push_main() {
   return 0;
 }
 
+// ---- FP8 operands (both ops) -----------------------------------------------------------------
+
+// The last kernel of a failed FP8 ag_gemm call: all three outputs (y, the gathered e4m3 shards, the
+// f32 scales; odd sizes for the byte tail) filled with all bits set, NaN in each type, and the
+// epoch advanced.
+void run_fp8_poison() {
+  size_t const bytes[comm::CallEnd::kOutputs] = {2 * 300, 4 * 128 * 208 + 5, sizeof(float) * 4};
+  comm::CallEnd end;
+  DeviceError failed{};
+  failed.code = kErrorDeadline;
+  CHECK_CUDA(cudaMalloc(&end.epoch, sizeof(uint64_t)));
+  CHECK_CUDA(cudaMemset(end.epoch, 0, sizeof(uint64_t)));
+  CHECK_CUDA(cudaMalloc(&end.error, sizeof(DeviceError)));
+  CHECK_CUDA(cudaMemcpy(end.error, &failed, sizeof failed, cudaMemcpyHostToDevice));
+  for (int o = 0; o < comm::CallEnd::kOutputs; ++o) {
+    CHECK_CUDA(cudaMalloc(&end.out[o], bytes[o]));
+    CHECK_CUDA(cudaMemset(end.out[o], 0, bytes[o]));
+    end.bytes[o] = int64_t(bytes[o]);
+  }
+  CHECK_CUDA(comm::launch_end_call(end, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  uint64_t epoch = 0;
+  CHECK_CUDA(cudaMemcpy(&epoch, end.epoch, sizeof epoch, cudaMemcpyDeviceToHost));
+  bool all_set = true;
+  for (int o = 0; o < comm::CallEnd::kOutputs; ++o) {
+    std::vector<unsigned char> host(bytes[o]);
+    CHECK_CUDA(cudaMemcpy(host.data(), end.out[o], bytes[o], cudaMemcpyDeviceToHost));
+    for (unsigned char b : host) all_set = all_set && b == 0xFF;
+    cudaFree(end.out[o]);
+  }
+  cudaFree(end.epoch);
+  cudaFree(end.error);
+  expect(all_set && epoch == 1, "fp8 aftermath: a failed call's three outputs are all-ones (NaN), the epoch advances");
+}
+
+// FP8 cases of both ops, checked against float64 of the dequantised inputs (so only the output's
+// rounding and the accumulation order differ: the 16-bit tolerances apply), the plans' FP8 rules and
+// the poisoning of a failed call's three outputs.
+int fp8_test_main() {
+  CHECK_CUDA(gemm_rs::prepare_kernels());
+  CHECK_CUDA(ag_gemm::prepare_kernels());
+  CHECK_CUDA(comm::prepare_epoch_kernel());
+  GemmRsConfig const base{128, 0, 8, 512};
+  for (int world : {1, 2, 4, 8}) {
+    for (bool bf16 : {true, false}) run_case(Case{world * 256, 512, 384, world, bf16, base, false, true}, 3);  // 3 k-tiles
+  }
+  // K tail (K % 128 != 0), persistent grid, scatter over columns, a split tail (B 128, G 7, R 2,
+  // T 32), a long K (the promoted accumulator: 128 k-tiles).
+  run_case(Case{2 * 512, 1024, 208, 2, true, GemmRsConfig{128, 100, 8, 256}, false, true}, 3);
+  run_case(Case{512, 4 * 384, 272, 4, false, GemmRsConfig{128, 0, 8, 256, 3}, true, true}, 2);
+  run_case(Case{2 * 1024, 1024, 4000, 2, true, GemmRsConfig{128, 7, 8, 512, 8, 1}, false, true}, 2);
+  run_case(Case{2 * 256, 512, 16384, 2, true, base, false, true}, 1);
+  run_graph<World>(Case{2 * 512, 1024, 208, 2, true, GemmRsConfig{128, 0, 16, 512}, false, true}, 4);
+
+  // ag_gemm: rows layout with each shard's own scale (gather_k only with a shared one).
+  for (int world : {1, 2, 4, 8}) {
+    for (bool gather_k : {false, true}) {
+      for (bool bf16 : {true, false}) {
+        run_ag_case(AgCase{256, 384, 512, world, bf16, gather_k, ag_config_for(world, 128), true, gather_k}, 3);
+      }
+    }
+  }
+  run_ag_case(AgCase{256, 384, 512, 4, true, false, ag_config_for(4, 128), true, true}, 2);
+  run_ag_case(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3), true, false}, 2);
+  run_ag_case(AgCase{768, 208, 384, 4, false, true, ag_config_for(4, 128, 4, 6), true, true}, 2);
+  run_ag_case(AgCase{1024, 1024, 2048, 8, true, false, ag_config_for(8, 128, 8, 8), true, false}, 2);
+  run_graph<AgWorld>(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3), true, false}, 4);
+  // The SM push of 1-byte shards, each shard's scale in its slot (or none, shared): every world,
+  // both layouts, odd chunk counts, one CTA; under a graph.
+  for (int world : {2, 4, 8}) {
+    for (bool gather_k : {false, true}) {
+      run_ag_case(AgCase{256, 384, 512, world, true, gather_k, ag_config_for(world, 128, 8, 8, 4), true, gather_k}, 3);
+    }
+  }
+  run_ag_case(AgCase{768, 208, 384, 2, false, false, ag_config_for(2, 128, 2, 3, 1), true, false}, 2);
+  run_ag_case(AgCase{768, 208, 384, 4, true, true, ag_config_for(4, 128, 4, 6, 8), true, true}, 2);
+  run_graph<AgWorld>(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3, 4), true, false}, 4);
+
+  // The plans' FP8 rules: K padded to 16 (not 8), 128-wide blocks only, gather_k with a shared scale.
+  GemmRsPlan const padded = gemm_rs_plan(GemmRsProblem{256, 256, 200, 1, 0, false, DType::kE4M3}, base);
+  expect(padded.error == nullptr && padded.shape.k == 208 && padded.schedule.k_tiles == 2,
+         "fp8 gemm_rs plan: K 200 pads to 208, 2 k-tiles of 128");
+  expect(gemm_rs_plan(GemmRsProblem{256, 256, 64, 1, 0, false, DType::kE4M3}, GemmRsConfig{256}).config_error,
+         "fp8 gemm_rs plan: block_n 256 is a config error");
+  AgPlan const ag = ag_plan(AgProblem{128, 200, 256, 2, 0, false, DType::kE4M3, false}, AgGemmConfig{128});
+  expect(ag.error == nullptr && ag.cols_pad == 208 && ag.shard_bytes == 128 * 208 &&
+             ag.inbox_bytes == 2 * ag.shard_bytes + 2 * kScaleSlotBytes,
+         "fp8 ag plan: cols 200 pad to 208, 1-byte shards, one scale slot per source");
+  expect(ag_plan(AgProblem{128, 256, 256, 2, 0, true, DType::kE4M3, false}, AgGemmConfig{128}).error != nullptr,
+         "fp8 ag plan: gather_k with per-shard scales is refused");
+  AgPlan const pushed = ag_plan(AgProblem{128, 208, 256, 2, 0, false, DType::kE4M3, false}, AgGemmConfig{128, 100, 8, 8, 64});
+  expect(pushed.error == nullptr && pushed.push_grid == 4 && pushed.sms_needed == pushed.grid + 4,
+         "fp8 ag plan: the SM push's grid counts the 16-byte vectors of a 1-byte chunk (26624 bytes: 4 CTAs)");
+  run_fp8_poison();
+  std::printf("harness fp8 test: %d failure(s)\n", failures);
+  return failures == 0 ? 0 : 1;
+}
+
+// The FP8 GEMMs against cuBLASLt's FP8 GEMM (same types, scales and accumulation), in interleaved
+// rounds: gemm_rs's producer on the design suite (W = 2 partitions), ag_gemm's GEMM alone (chunks
+// released, per-shard scales in the rows layout) on its bench shapes; then the push of an FP8 shard
+// against a bf16 one.
+int fp8_bench_main() {
+  CHECK_CUDA(gemm_rs::prepare_kernels());
+  CHECK_CUDA(ag_gemm::prepare_kernels());
+  CHECK_CUDA(comm::prepare_epoch_kernel());
+  CublasLt const* lt = CublasLt::load();
+  if (!lt) std::printf("(libcublasLt.so.13 not found: no cuBLAS column)\n");
+  int const sms = sm_count();
+  std::printf("# gemm_rs producer, e4m3 -> bf16, W = 2, median ms of interleaved rounds; goal cublas/shipped >= 0.95\n");
+  std::printf("%6s %6s %5s %10s %10s %10s %8s %15s\n", "M", "N", "K", "plain_ms", "shipped_ms", "cublas_ms", "TF/s",
+              "cublas/shipped");
+  for (auto const& sh : kDesignSuite) {
+    Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}, false, true};
+    World world(c);
+    world.fill_inputs(3);
+    cudaStream_t const stream = world.ranks[0].producer_stream;
+    ProblemShape const s{c.m, c.n, c.k, 2, 0};
+    GemmRsConfig const cfg{128, sms, 16, 512, 8};
+    std::vector<std::function<void()>> launches{producer_launcher(world, s, cfg, false, false, stream),
+                                                producer_launcher(world, s, cfg, true, true, stream)};
+    CublasLt::Fp8Scales const scales{world.ranks[0].scales, world.ranks[0].scales + 1};
+    if (lt) {
+      launches.push_back(lt->gemm(c.m, c.n, c.k, world.ranks[0].x, world.ranks[0].w, world.ranks[0].partial[1], stream,
+                                  &scales));
+    }
+    std::vector<float> const ms = interleaved_median_ms(launches, stream);
+    float const cublas = lt ? ms[2] : NAN;
+    std::printf("%6d %6d %5d %10.4f %10.4f %10.4f %8.0f %15.3f\n", c.m, c.n, c.k, ms[0], ms[1], cublas,
+                2.0 * c.m * c.n * c.k / (ms[1] * 1e-3) / 1e12, cublas / ms[1]);
+  }
+
+  std::printf("# ag_gemm GEMM alone (chunks released), e4m3 -> bf16, W = 2 (rows: per-shard scales)\n");
+  std::printf("%-11s %6s %6s %6s %10s %10s %12s\n", "layout", "M", "N", "K", "ms", "cublas_ms", "cublas/ours");
+  struct Shape {
+    int tokens, embed, mlp;
+  };
+  for (bool gather_k : {false, true}) {
+    for (Shape sh : {Shape{8192, 4096, 14336}, Shape{16384, 4096, 14336}, Shape{8192, 8192, 28672}}) {
+      int const world = 2, n = sh.mlp / world;
+      AgCase c{gather_k ? sh.tokens : sh.tokens / world, gather_k ? sh.embed / world : sh.embed, n, world, true, gather_k,
+               AgGemmConfig{128, sms - 1, 8, 8}, true, gather_k};
+      AgWorld wd(c);
+      wd.fill_inputs(5);
+      CHECK_CUDA(cudaMemset(wd.ranks[0].flags, 0xFF, 2 * wd.plan.flags * sizeof(uint64_t)));
+      // The peers' shards and scales in the inbox: e4m3 bytes, scales of 1.
+      fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(wd.ranks[0].inbox), wd.plan.scales_offset, 77);
+      std::vector<float> const ones(size_t(world) * kScaleSlotBytes / sizeof(float), 1.0f);
+      CHECK_CUDA(cudaMemcpy(wd.ranks[0].inbox + wd.plan.scales_offset, ones.data(), ones.size() * sizeof(float),
+                            cudaMemcpyHostToDevice));
+      auto& r0 = wd.ranks[0];
+      cudaStream_t const stream = r0.gemm;
+      AgGemmArgs a{r0.x, r0.inbox, r0.w, r0.y, r0.flags, wd.error, nullptr, wd.call_epoch(), wd.timeout_ns};
+      a.x_scale = r0.scales;
+      a.w_scale = r0.scales + 1;
+      AgPlan const plan = wd.plan;
+      std::vector<std::function<void()>> launches{
+          [&, a, plan]() { CHECK_CUDA(ag_gemm::launch_gemm(DType::kE4M3, DType::kBF16, plan, a, stream)); }};
+      int64_t const m = c.y_rows(), k = gather_k ? int64_t(world) * c.cols : c.cols;
+      uint8_t *a_full = nullptr, *w_full = nullptr;
+      uint16_t* ref_out = nullptr;
+      if (lt) {
+        // The same FLOPs as one [M, K] x [N, K]^T FP8 GEMM.
+        CHECK_CUDA(cudaMalloc(&a_full, size_t(m) * k));
+        CHECK_CUDA(cudaMalloc(&w_full, size_t(k) * n));
+        CHECK_CUDA(cudaMalloc(&ref_out, size_t(m) * n * 2));
+        fill_random_fp8<<<264, 256>>>(a_full, m * k, 78);
+        fill_random_fp8<<<264, 256>>>(w_full, k * n, 79);
+        CHECK_CUDA(cudaDeviceSynchronize());
+        CublasLt::Fp8Scales const scales{r0.scales, r0.scales + 1};
+        launches.push_back(lt->gemm(int(m), n, int(k), a_full, w_full, ref_out, stream, &scales));
+      }
+      std::vector<float> const ms = interleaved_median_ms(launches, stream, 10, 30, 5);
+      float const cublas = lt ? ms[1] : NAN;
+      std::printf("%-11s %6lld %6d %6lld %10.4f %10.4f %12.3f\n", gather_k ? "contraction" : "rows", (long long)m, n,
+                  (long long)k, ms[0], cublas, cublas / ms[0]);
+      if (wd.read_error().code != 0) std::printf("  device error recorded!\n");
+      cudaFree(a_full);
+      cudaFree(w_full);
+      cudaFree(ref_out);
+    }
+  }
+
+  // An FP8 shard has half a bf16 one's bytes: once the copies are bandwidth bound its push (copy
+  // engine + release kernels) should take about half the time.
+  std::printf("# push, rank 0 -> rank 1 on this GPU: bf16 vs e4m3 shard of rows x 4096\n");
+  for (int rows : {1024, 4096, 8192}) {
+    float push_ms[2];
+    for (bool fp8 : {false, true}) {
+      AgCase c{rows, 4096, 256, 2, true, false, AgGemmConfig{128, sms - 1, 8, 8}, fp8, false};
+      AgWorld wd(c);
+      int64_t const chunk_bytes = wd.plan.shard_bytes / wd.plan.chunks;
+      cudaStream_t const s = wd.ranks[0].transfer[1];
+      auto push = [&]() {
+        if (fp8) {
+          CHECK_CUDA(cudaMemcpyAsync(wd.ranks[1].inbox + wd.plan.scales_offset, wd.ranks[0].scales, sizeof(float),
+                                     cudaMemcpyDeviceToDevice, s));
+        }
+        for (int k = 0; k < wd.plan.chunks; ++k) {
+          CHECK_CUDA(cudaMemcpyAsync(wd.ranks[1].inbox + k * chunk_bytes,
+                                     reinterpret_cast<char*>(wd.ranks[0].x) + k * chunk_bytes, chunk_bytes,
+                                     cudaMemcpyDeviceToDevice, s));
+          CHECK_CUDA(launch_release(wd.ranks[1].flags + k, wd.call_epoch(), s));
+        }
+      };
+      push_ms[fp8] = median_ms(push, s, 5, 30);
+      std::printf("shard %5d x 4096 %-4s (%6.1f MB, %d chunks): %.4f ms, %.0f GB/s\n", rows, fp8 ? "e4m3" : "bf16",
+                  wd.plan.shard_bytes / 1e6, wd.plan.chunks, push_ms[fp8], wd.plan.shard_bytes / (push_ms[fp8] * 1e6));
+    }
+    std::printf("  e4m3/bf16 push time %.3f\n", push_ms[1] / push_ms[0]);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string const mode = argc > 1 ? argv[1] : "test";
@@ -1615,6 +1967,8 @@ int main(int argc, char** argv) {
   if (mode == "ag" && argc > 2 && std::string(argv[2]) == "bench") return ag_bench_main();
   if (mode == "ag" && argc > 2 && std::string(argv[2]) == "push") return ag_push_main();
   if (mode == "ag" && argc > 2 && std::string(argv[2]) == "sanitize") return ag_sanitize_main();
+  if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "test") return fp8_test_main();
+  if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "bench") return fp8_bench_main();
   if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
   if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
   if (mode == "energy" && argc >= 3 && std::string(argv[2]) == "suite") {
