@@ -26,14 +26,16 @@ def axis_names(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def check_operands(op: str, x, w, w_rank: str) -> None:
+def check_operands(op: str, x, w, w_rank: str, fp8: bool = False) -> None:
     """ValueError unless x and w are arrays of one supported dtype and w is 2-D (`w_rank`: its shape
-    in words, e.g. "[K, N]")."""
+    in words, e.g. "[K, N]"). fp8: an FP8 call, whose dtypes entwine_jax.fp8 has checked."""
     for name, v in (("x", x), ("w", w)):
         if not (hasattr(v, "shape") and hasattr(v, "dtype")):
             raise ValueError(f"{op}: {name} must be an array, got {type(v).__name__}")
     if w.ndim != 2:
         raise ValueError(f"{op}: w must have rank 2 ({w_rank}), got rank {w.ndim} (shape {tuple(w.shape)})")
+    if fp8:
+        return
     if jnp.dtype(x.dtype) not in DTYPES:
         raise ValueError(f"{op}: x.dtype must be bfloat16 or float16 (or float32 on the XLA path), got {x.dtype}")
     if w.dtype != x.dtype:

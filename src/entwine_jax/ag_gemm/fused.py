@@ -13,8 +13,7 @@ import numpy as np
 from entwine_jax import _extension, _ordered, comm
 from entwine_jax.ag_gemm import plan as _plan
 from entwine_jax.comm import Unavailable
-
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+from entwine_jax.gemm_rs.fused import dtype_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +69,15 @@ def ag_gemm_sms(config) -> int:
     return config.gemm_sms or _extension.sm_count() - 1
 
 
-def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config) -> _plan.AgPlan:
-    return _plan.ag_plan(rows, cols, n, world, gather_k, config, ag_gemm_sms(config))
+def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, fp8: bool = False) -> _plan.AgPlan:
+    return _plan.ag_plan(rows, cols, n, world, gather_k, config, ag_gemm_sms(config), fp8=fp8)
 
 
-def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
+def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, out_dtype):
     if config.path == "xla":
         return "config.path is 'xla'"
-    dtype = jnp.dtype(x_local_aval.dtype)
-    if dtype not in DTYPES or jnp.dtype(w_aval.dtype) != dtype:
-        return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
+    if reason := dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
+        return reason
     if reason := comm.world_reason(axis_size):
         return reason
     (rows, cols), (_, n) = x_local_aval.shape, w_aval.shape
@@ -88,8 +86,10 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
     reason, mesh, ext = comm.platform_reason(axis_name)
     if reason:
         return reason
+    if out_dtype is not None and (reason := _plan.fp8_reason()):
+        return reason
     try:
-        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config)
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, fp8=out_dtype is not None)
     except _plan.PlanError as e:
         return f"the kernels cannot run this call: {e.rule}"
     if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
@@ -97,17 +97,19 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
     return comm.heap_reason(ext, mesh, axis_name, axis_size, 0, plan.chunks, plan.inbox_bytes)
 
 
-def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> Optional[str]:
+def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config,
+                       out_dtype=None) -> Optional[str]:
     """None when the ag_gemm kernels can run this call (x [rows, cols], w [cols or W * cols, n]),
-    else a short reason. Only answers (prepare acquires)."""
+    else a short reason (out_dtype given: the FP8 kernels on e4m3 operands, writing out_dtype).
+    Only answers (prepare acquires)."""
     try:
         mesh = comm.find_mesh(axis_name)
         key = ("ag", tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
-               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh)
+               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh, str(out_dtype))
     except Exception as e:
         return f"cannot inspect the call ({type(e).__name__}: {e})"
     return comm.cached_reason(key, mesh, lambda: _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k,
-                                                               config))
+                                                               config, out_dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,16 +122,19 @@ class AgGemmCall:
     comm_id: int
     config: Any  # AgGemmConfig
     target: str
+    out_dtype: Optional[str] = None  # an FP8 call: the output dtype's name; None: bf16/fp16 in, same out
 
 
-def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> AgGemmCall:
+def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out_dtype=None) -> AgGemmCall:
     """The plan of ag_gemm on this rank's shard x [rows, cols] and w, and its communicator, acquired
-    now (acquire_comm): once per call site at trace time, after unavailable_reason said None.
-    Raises Unavailable with the reason when the fused path cannot run it after all."""
+    now (acquire_comm): once per call site at trace time, after unavailable_reason said None
+    (out_dtype: an FP8 call, as there). Raises Unavailable with the reason when the fused path
+    cannot run it after all."""
     mesh = comm.mesh_for(axis_name)
     (rows, cols), n = x_local_aval.shape, w_aval.shape[1]
+    fp8 = out_dtype is not None
     try:
-        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config)
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, fp8=fp8)
     except _plan.NoExtension as e:
         raise Unavailable(str(e)) from None
     except _plan.PlanError as e:
@@ -137,7 +142,8 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> 
     p = ag_padding(plan, rows, cols, n, axis_size, gather_k)
     cid = comm.acquire_comm(mesh, axis_name, 0, plan.chunks, inbox_bytes=plan.inbox_bytes)
     return AgGemmCall(padding=p, gemm_sms=ag_gemm_sms(config), comm_id=cid, config=config,
-                      target=_plan.target())
+                      target=_plan.fp8_target() if fp8 else _plan.target(),
+                      out_dtype=jnp.dtype(out_dtype).name if fp8 else None)
 
 
 def call(x2d, w, site: AgGemmCall, return_gathered: bool):
@@ -153,3 +159,23 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
         config=c.kernel_attributes(site.gemm_sms))
     return unpad(y, gathered if return_gathered else None, p)
 
+
+
+def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, shared_scale: bool):
+    """call() of the FP8 kernels: e4m3 shard x [rows, cols] (scaled by this rank's x_scale) and w,
+    y in site.out_dtype; returns (y, gathered e4m3 [W, rows, cols] or None, the W sources' x_scale).
+    Each shard's scale travels with it inside the kernels (no collective of its own); shared_scale
+    says every rank's x_scale is equal, so the kernels may use their own. The weight goes in
+    transposed ([N, K], K-major), as for gemm_rs's FP8 call."""
+    p = site.padding
+    x_pad, w_pad = pad_operands(x2d, w, p)
+    y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
+    gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
+    scales = [jnp.reshape(s.astype(jnp.float32), (1,)) for s in (x_scale, w_scale)]
+    y, gathered, gathered_scales = _ordered.fused_call(
+        site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), site.out_dtype),
+                      jax.ShapeDtypeStruct(gathered_shape, x2d.dtype), jax.ShapeDtypeStruct((p.world,), jnp.float32)],
+        x_pad, w_pad.T, *scales, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
+        shared_scale=bool(shared_scale), config=site.config.kernel_attributes(site.gemm_sms))
+    y, gathered = unpad(y, gathered if return_gathered else None, p)
+    return y, gathered, gathered_scales
