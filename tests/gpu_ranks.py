@@ -996,9 +996,14 @@ class Rank:
         config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, jnp.float8_e4m3fn),
                                      path="fused")
         with jax.set_mesh(self.mesh):
-            self.fp8_ready("ag_gemm", ag_fused.unavailable_reason(
+            reason = ag_fused.unavailable_reason(
                 jax.ShapeDtypeStruct((rows, cols), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((k, n), jnp.float8_e4m3fn),
-                axis_name="tp", axis_size=self.world, gather_k=gather_k, config=config, out_dtype=jnp.bfloat16))
+                axis_name="tp", axis_size=self.world, gather_k=gather_k, config=config, out_dtype=jnp.bfloat16)
+        if reason is not None and reason.startswith("the kernels cannot run this call") and gather_k and not shared:
+            # The kernels' own rule (per-source scales of K slices may be left to shared scales only):
+            # reported, not failed.
+            return None, reason
+        self.fp8_ready("ag_gemm", reason)
         gd = -1 if gather_k else 0
         body = lambda x, w, a, b: entwine_jax.ag_gemm(x, w, axis_name="tp", gather_dimension=gd, config=config,
                                                       x_scale=a, w_scale=b, return_gathered=True)
@@ -1029,7 +1034,7 @@ class Rank:
         g = self.local(outs[0][1])
         if not np.array_equal(g.astype(np.float64), np.concatenate([x.astype(np.float64) for x in xs], axis=axis)):
             raise AssertionError(f"{what}: the gathered FP8 operand differs from the shards")
-        return self.check(ys[0], ref, what)
+        return self.check(ys[0], ref, what), None
 
     def fp8_mlp_grads(self, t, d, f_local, seed):
         """x [T/W, D] (fp16) -> ag_gemm FP8 -> silu -> gemm_rs FP8 -> [T/W, D], current scaling of every
@@ -1120,15 +1125,23 @@ class Rank:
                     worst = max(worst, self.fp8_gemm_rs_case(m, n, k, out_dtype, columns, seed=1100 + i))
                     cases += 1
                     self.log(f"fp8 gemm_rs M={m} N={n} K={k} columns={columns} {jnp.dtype(out_dtype).name}: ok")
+        skipped = []
         for gather_k in (False, True):
             for shared in (False, True):
                 for i, (rows, cols, n) in enumerate([(128, 64, 256), (77, 60, 130), (1024, 512, 2048)]):
-                    worst = max(worst, self.fp8_ag_case(rows, cols, n, gather_k, shared, seed=1200 + i))
+                    what = f"fp8 ag_gemm rows={rows} cols={cols} N={n} gather_k={gather_k} shared={shared}"
+                    err, rule = self.fp8_ag_case(rows, cols, n, gather_k, shared, seed=1200 + i)
+                    if rule is not None:
+                        skipped.append(what)
+                        self.log(f"{what}: not run, the kernels' plan says: {rule}")
+                        continue
+                    worst = max(worst, err)
                     cases += 1
-                    self.log(f"fp8 ag_gemm rows={rows} cols={cols} N={n} gather_k={gather_k} shared={shared}: ok")
+                    self.log(f"{what}: ok")
         worst = max(worst, self.fp8_mlp_grads(w_ * 256, 512, 384, seed=1300))
         self.log("fp8: MLP FP8 forward, fp16 backward, all four calls fused: ok")
-        return f"fp8: {cases} cases + MLP gradients ok, worst rel error {worst:.2e}"
+        return (f"fp8: {cases} cases + MLP gradients ok, worst rel error {worst:.2e}"
+                + (f"; {len(skipped)} per-shard contraction cases refused by the kernels' plan" if skipped else ""))
 
     def mixed(self, calls=1000, batch=16):
         """Back-to-back calls of gemm_rs and ag_gemm (both layouts) on one communicator: the two ops
