@@ -206,10 +206,10 @@ def _gemm_rs_fp8_bwd(plan, call, res, dy):
     config = _ag_backward_config(plan.config, dy, w8.T, plan.axis_size)
     if not call.fp8_grads:
         # The backward in bf16/fp16 on the dequantised weight: the bf16 ag_gemm, whose gathered dy serves dw.
-        from entwine_jax.pairing import ag_gemm
         dtype = jnp.dtype(call.grad_dtype)
-        dx, g = ag_gemm(dy.astype(dtype), dequantize(w8, ws, dtype).T, axis_name=plan.axis_name, gather_dimension=sd,
-                        config=config, return_gathered=True)
+        dy, w_t = dy.astype(dtype), dequantize(w8, ws, dtype).T
+        ag_plan = ag_op.plan(dy, w_t, axis_name=plan.axis_name, gather_dimension=sd, config=config, return_gathered=True)
+        dx, g = ag_op.forward(dy, w_t, ag_plan, gathered=True)
         dw = matmul_weight_grad(dequantize(x8, xs, dtype), g, dtype)
     else:
         # dx = all_gather(dy) @ w.T: an FP8 ag_gemm of e5m2 dy (each rank's block scaled by its own grad
@@ -274,10 +274,11 @@ def _ag_gemm_fp8_bwd(plan, call, res, cotangents):
     gd = plan.gather_dimension
     config = _rs_backward_config(plan, dy, w8.T)
     if not call.fp8_grads:
-        from entwine_jax.pairing import gemm_rs
+        # The backward in bf16/fp16 on the dequantised weight and gathered operand: the bf16 gemm_rs.
         dtype = jnp.dtype(call.grad_dtype)
-        dy = dy.astype(dtype)
-        dx = gemm_rs(dy, dequantize(w8, ws, dtype).T, axis_name=plan.axis_name, scatter_dimension=gd, config=config)
+        dy, w_t = dy.astype(dtype), dequantize(w8, ws, dtype).T
+        rs_plan = rs_op.plan(dy, w_t, axis_name=plan.axis_name, scatter_dimension=gd, config=config)
+        dx = rs_op.forward(dy, w_t, rs_plan)
         g = _dequantize_by_source(g8, g_scales, gd, dtype)
         dw = matmul_weight_grad(g, dy, dtype)
     else:

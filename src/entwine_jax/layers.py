@@ -95,6 +95,7 @@ from entwine_jax.pairing import ag_gemm, gemm_rs
 
 __all__ = ["DEFAULT_LOGICAL_AXIS_RULES", "partition_specs", "row_parallel_linear", "column_parallel_linear",
            "column_parallel_group", "FP8_META_NAMES", "fp8_meta", "Fp8Meta", "overwrite_with_gradient",
+           "fp8_call_arguments",
            "RowParallelLinear", "ColumnParallelLinear", "RowParallelDense", "ColumnParallelDense"]
 
 # Logical axis -> mesh axis (None: replicated), MaxText's names on a ("dp", "tp") mesh. A logical
@@ -324,8 +325,9 @@ def _history_scale(scale, history, dtype):
     return jnp.reshape(flax_fp8.compute_scale(jnp.max(history), scale, largest), ())
 
 
-def _fp8_call(where: str, fp8, x, kernel, axis_name, dtype):
-    """(the FP8 keyword arguments of the op call, a function applied to its output) for `fp8`:
+def fp8_call_arguments(where: str, fp8, x, kernel, axis_name, dtype):
+    """(the FP8 keyword arguments of an op call on x and kernel inside shard_map, a function applied to
+    its output; `where` names the caller in errors) for `fp8`:
     None (a bf16/fp16 call), "current" (each rank's current scales of its own x and kernel shard, e5m2
     gradients at their current scale) or a delayed-scaling state (scales from the amax histories,
     the same on every rank, updated through the gradient as Flax does)."""
@@ -403,7 +405,7 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
     x2 = x.reshape(tuple(x.shape[:-n_in]) + (-1,)) if n_in > 1 else x
     w2 = kernel.reshape(-1, n_out) if n_in > 1 else kernel
     x2, w2 = x2.astype(dtype), w2.astype(dtype)
-    fp8_kwargs, finish = _fp8_call(where, fp8, x2, w2, axis_name, dtype)
+    fp8_kwargs, finish = fp8_call_arguments(where, fp8, x2, w2, axis_name, dtype)
     y = finish(gemm_rs(x2, w2, axis_name=axis_name, scatter_dimension=_SPLIT_DIM[scatter], config=config,
                        **fp8_kwargs))
     if bias is None:
@@ -438,7 +440,7 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     x, kernel = x.astype(dtype), kernel.astype(dtype)
     if fp8 is not None:
         kernel2d = kernel.reshape(kernel.shape[0], -1)
-        fp8_kwargs, finish = _fp8_call(where, fp8, x, kernel2d, axis_name, dtype)
+        fp8_kwargs, finish = fp8_call_arguments(where, fp8, x, kernel2d, axis_name, dtype)
         y = finish(ag_gemm(x, kernel2d, axis_name=axis_name, gather_dimension=_SPLIT_DIM[gather], config=config,
                            **fp8_kwargs))
         y = y.reshape(tuple(y.shape[:-1]) + tuple(kernel.shape[1:]))

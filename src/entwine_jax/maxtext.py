@@ -74,12 +74,14 @@ from jax.sharding import PartitionSpec as P
 import entwine_jax
 from entwine_jax import _log
 from entwine_jax.gemm_rs.config import GemmRsConfig
+from entwine_jax.layers import FP8_META_NAMES, fp8_call_arguments
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "stats", "reset_stats", "TESTED_MAXTEXT_VERSIONS"]
 
 TESTED_MAXTEXT_VERSIONS = ("0.2.5",)
 
 ROW, COLUMN = "gemm_rs", "ag_gemm"
+_WHERE = "entwine_jax.maxtext"
 _TRAIN = "train"
 # The decoder layer's activation names around the MLP and attention blocks (LlamaDecoderLayer and
 # the other MaxText decoders): the input of wi / query / key / value's callers and the layout the
@@ -614,7 +616,6 @@ def _fp8_op(dense, site: _Site):
 def _fp8_state(dense, site: _Site) -> Optional[dict]:
     """The delayed-scaling state (Flax's names, in OVERWRITE_WITH_GRADIENT) of a DenseGeneral that
     runs Flax's FP8 dot, as {name: value}; None for any other DenseGeneral."""
-    from entwine_jax.layers import FP8_META_NAMES
     op = _fp8_op(dense, site)
     if op is None or not all(hasattr(op, name) for name in FP8_META_NAMES):
         return None
@@ -658,21 +659,12 @@ def _island(dense, site: _Site, plan: _Plan, inputs):
     return _without_qwix(island)(x, kernel, fp8)
 
 
-def _fp8_arguments(fp8, x, kernel, axis):
-    """The FP8 keyword arguments of the op and the function its output goes through (layers' delayed
-    scaling, Flax's rule), or none for a bf16/fp32 projection."""
-    if fp8 is None:
-        return {}, lambda y: y
-    from entwine_jax.layers import _fp8_call
-    return _fp8_call("entwine_jax.maxtext", fp8, x, kernel, axis, jnp.dtype(x.dtype))
-
-
 def _row_local(x, kernel, fp8, *, axis, dimension, config):
     # [b, s, *in_local] . [*in_local, E] as the 2-D GEMM gemm_rs takes (heads and head_dim of the
     # attention output contract together: heads is the major dim, so the local block is contiguous).
     k = math.prod(kernel.shape[:-1])
     x, kernel = x.reshape(x.shape[:2] + (k,)), kernel.reshape(k, kernel.shape[-1])
-    fp8_kwargs, finish = _fp8_arguments(fp8, x, kernel, axis)
+    fp8_kwargs, finish = fp8_call_arguments(_WHERE, fp8, x, kernel, axis, x.dtype)
     return finish(entwine_jax.gemm_rs(x, kernel, axis_name=axis, scatter_dimension=dimension, config=config,
                                       **fp8_kwargs))
 
@@ -716,7 +708,7 @@ def _column_local(x, kernel, fp8, *, axis, dimension, config):
     # [b, s, E(/T)] . [E, F_local, *rest] -> [b, s, F_local, *rest] through the 2-D [E, F_local * rest].
     out_features = kernel.shape[1:]
     kernel = kernel.reshape(kernel.shape[0], -1)
-    fp8_kwargs, finish = _fp8_arguments(fp8, x, kernel, axis)
+    fp8_kwargs, finish = fp8_call_arguments(_WHERE, fp8, x, kernel, axis, x.dtype)
     y = finish(entwine_jax.ag_gemm(x, kernel, axis_name=axis, gather_dimension=dimension, config=config,
                                    **fp8_kwargs))
     return y.reshape(y.shape[:2] + out_features)
