@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from entwine_jax import AgGemmConfig, _extension, _ordered, ag_gemm, fp8, gemm_rs
+from entwine_jax import AgGemmConfig, _extension, _ordered, ag_gemm, callsite, fp8, gemm_rs
 from entwine_jax.ag_gemm import fused as ag_fused
 from entwine_jax.ag_gemm import plan as ag_plan
 from entwine_jax.gemm_rs import fused as rs_fused
@@ -360,10 +360,10 @@ def test_reason_without_fp8_kernels(monkeypatch):
 
 
 def test_fused_reasons_name_the_fp8_dtypes():
-    assert "float8_e4m3fn operands, got float8_e5m2" in rs_fused.dtype_reason(E5M2, E4M3, jnp.bfloat16)
-    assert "write bf16 or fp16" in rs_fused.dtype_reason(E4M3, E4M3, jnp.float32)
-    assert rs_fused.dtype_reason(E4M3, E4M3, jnp.float16) is None
-    assert "bf16 or fp16 operands" in rs_fused.dtype_reason(E4M3, E4M3)  # a bf16 call with FP8 operands
+    assert "float8_e4m3fn operands, got float8_e5m2" in callsite.kernel_dtype_reason(E5M2, E4M3, jnp.bfloat16)
+    assert "write bf16 or fp16" in callsite.kernel_dtype_reason(E4M3, E4M3, jnp.float32)
+    assert callsite.kernel_dtype_reason(E4M3, E4M3, jnp.float16) is None
+    assert "bf16 or fp16 operands" in callsite.kernel_dtype_reason(E4M3, E4M3)  # a bf16 call with FP8 operands
 
 
 def test_cpu_reason_for_an_fp8_call(caplog):

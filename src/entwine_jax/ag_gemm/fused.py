@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, _ordered, comm
+from entwine_jax import _extension, _ordered, callsite, comm
 from entwine_jax.ag_gemm import plan as _plan
 from entwine_jax.comm import Unavailable
-from entwine_jax.gemm_rs.fused import dtype_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +75,7 @@ def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, f
 def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, out_dtype):
     if config.path == "xla":
         return "config.path is 'xla'"
-    if reason := dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
+    if reason := callsite.kernel_dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
         return reason
     if reason := comm.world_reason(axis_size):
         return reason
@@ -158,7 +157,6 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
         x_pad, w_pad, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
         config=c.kernel_attributes(site.gemm_sms))
     return unpad(y, gathered if return_gathered else None, p)
-
 
 
 def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, shared_scale: bool):

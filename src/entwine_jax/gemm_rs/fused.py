@@ -10,14 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, _ordered, comm
+from entwine_jax import _extension, _ordered, callsite, comm
 from entwine_jax.comm import Unavailable
 from entwine_jax.gemm_rs import plan as _plan
 from entwine_jax.gemm_rs.config import GemmRsConfig
 from entwine_jax.gemm_rs.plan import GemmRsPlan
 
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)  # what the FP8 kernels take (x and the weight)
 
 # The padding of a gemm_rs call is its plan: GemmRsPlan carries the unpadded call (m, k, n, mp,
 # n_part) and the padded partition (mp_pad, k_pad, n_pad) the C++ plan chose.
@@ -65,25 +63,10 @@ def unpad(y, p: Padding):
     return y[: p.mp, : p.n_part] if (p.mp, p.n_part) != (p.mp_pad, p.n_pad) else y
 
 
-def dtype_reason(x_dtype, w_dtype, out_dtype=None) -> Optional[str]:
-    """Why the kernels cannot take these operand dtypes, or None: bf16 or fp16 operands of one dtype,
-    or (out_dtype given: an FP8 call) e4m3 operands with a bf16 or fp16 output."""
-    x_dtype, w_dtype = jnp.dtype(x_dtype), jnp.dtype(w_dtype)
-    if out_dtype is None:
-        if x_dtype not in DTYPES or w_dtype != x_dtype:
-            return f"fused kernels take bf16 or fp16 operands of one dtype, got {x_dtype} and {w_dtype}"
-        return None
-    if (x_dtype, w_dtype) != (FP8_DTYPE, FP8_DTYPE):
-        return f"the FP8 kernels take float8_e4m3fn operands, got {x_dtype} and {w_dtype}"
-    if jnp.dtype(out_dtype) not in DTYPES:
-        return f"the FP8 kernels write bf16 or fp16, got out_dtype {jnp.dtype(out_dtype)}"
-    return None
-
-
 def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config, out_dtype):
     if getattr(config, "path", None) == "xla":
         return "config.path is 'xla'"
-    if reason := dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
+    if reason := callsite.kernel_dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
         return reason
     if scatter_dimension not in (0, 1):
         return f"fused kernels scatter over rows (0) or columns (1) of the 2-D product, got {scatter_dimension}"
