@@ -342,7 +342,7 @@ def test_reason_without_fp8_kernels(monkeypatch):
     # An extension without FP8 targets (or without the extension): the FP8 call takes the XLA path and
     # says why.
     class NoFp8:
-        GEMM_RS_TARGET, AG_GEMM_TARGET = "entwine_gemm_rs", "entwine_ag_gemm"
+        GEMM_RS_FP8_TARGET, AG_GEMM_FP8_TARGET = "entwine_gemm_rs_fp8", "entwine_ag_gemm_fp8"
 
         @staticmethod
         def fp8_targets():
@@ -357,6 +357,15 @@ def test_reason_without_fp8_kernels(monkeypatch):
     NoFp8.gemm_rs_fp8_plan = NoFp8.ag_gemm_fp8_plan = object()
     assert rs_plan.fp8_reason() is None and ag_plan.fp8_reason() is None
     assert rs_plan.fp8_target() == "entwine_gemm_rs_fp8" and ag_plan.fp8_target() == "entwine_ag_gemm_fp8"
+
+
+def test_fp8_heuristics_take_128_wide_blocks():
+    # The FP8 kernels' plan takes block_n 128 only; bf16 keeps 256 where N allows it.
+    from entwine_jax import ag_heuristic_config, heuristic_config
+    assert heuristic_config(4096, 8192, 1024, 2, E4M3).block_n == 128
+    assert heuristic_config(4096, 8192, 1024, 2, jnp.bfloat16).block_n == 256
+    assert ag_heuristic_config(1024, 8192, 1024, 2, E4M3).block_n == 128
+    assert ag_heuristic_config(1024, 8192, 1024, 2, jnp.bfloat16).block_n == 256
 
 
 def test_fused_reasons_name_the_fp8_dtypes():

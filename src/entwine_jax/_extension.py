@@ -85,21 +85,16 @@ def fp8_targets() -> frozenset:
     return frozenset(str(t) for t in mod.fp8_targets())
 
 
-def fp8_target(target_attribute: str) -> str:
-    """An op's FP8 target name: its bf16 target's (the extension's `target_attribute`) with `_fp8`
-    appended."""
-    return getattr(ext(), target_attribute) + "_fp8"
-
-
 def fp8_reason(target_attribute: str, plan_function: str) -> Optional[str]:
-    """Why the extension cannot run an op's FP8 calls (no extension, no FP8 target next to the bf16
-    target named by `target_attribute`, no FP8 plan function `plan_function`), or None."""
+    """Why the extension cannot run an op's FP8 calls (no extension, no FP8 target named by its
+    `target_attribute` among fp8_targets(), no FP8 plan function `plan_function`), or None."""
     mod, reason = module()
     if mod is None:
         return reason
-    target = fp8_target(target_attribute)
-    if target not in fp8_targets() or not hasattr(mod, plan_function):
-        return f"FP8 kernels not built (the extension registers no {target} target and {plan_function})"
+    target = getattr(mod, target_attribute, None)
+    if target is None or target not in fp8_targets() or not hasattr(mod, plan_function):
+        return (f"FP8 kernels not built (the extension has no {target_attribute} among its fp8_targets() and no "
+                f"{plan_function})")
     return None
 
 

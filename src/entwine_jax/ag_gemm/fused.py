@@ -68,11 +68,13 @@ def ag_gemm_sms(config) -> int:
     return config.gemm_sms or _extension.sm_count() - 1
 
 
-def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, fp8: bool = False) -> _plan.AgPlan:
-    return _plan.ag_plan(rows, cols, n, world, gather_k, config, ag_gemm_sms(config), fp8=fp8)
+def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, fp8: bool = False,
+             shared_scale: bool = False) -> _plan.AgPlan:
+    return _plan.ag_plan(rows, cols, n, world, gather_k, config, ag_gemm_sms(config), fp8=fp8,
+                         shared_scale=shared_scale)
 
 
-def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, out_dtype):
+def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, out_dtype, shared_scale):
     if config.path == "xla":
         return "config.path is 'xla'"
     if reason := callsite.kernel_dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
@@ -88,7 +90,8 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, o
     if out_dtype is not None and (reason := _plan.fp8_reason()):
         return reason
     try:
-        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, fp8=out_dtype is not None)
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, fp8=out_dtype is not None,
+                        shared_scale=shared_scale)
     except _plan.PlanError as e:
         return f"the kernels cannot run this call: {e.rule}"
     if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
@@ -97,18 +100,18 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, o
 
 
 def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config,
-                       out_dtype=None) -> Optional[str]:
+                       out_dtype=None, shared_scale: bool = False) -> Optional[str]:
     """None when the ag_gemm kernels can run this call (x [rows, cols], w [cols or W * cols, n]),
-    else a short reason (out_dtype given: the FP8 kernels on e4m3 operands, writing out_dtype).
-    Only answers (prepare acquires)."""
+    else a short reason (out_dtype given: the FP8 kernels on e4m3 operands, writing out_dtype, with
+    one x scale on every rank if shared_scale). Only answers (prepare acquires)."""
     try:
         mesh = comm.find_mesh(axis_name)
         key = ("ag", tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
-               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh, str(out_dtype))
+               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh, str(out_dtype), shared_scale)
     except Exception as e:
         return f"cannot inspect the call ({type(e).__name__}: {e})"
     return comm.cached_reason(key, mesh, lambda: _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k,
-                                                               config, out_dtype))
+                                                               config, out_dtype, shared_scale))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +127,8 @@ class AgGemmCall:
     out_dtype: Optional[str] = None  # an FP8 call: the output dtype's name; None: bf16/fp16 in, same out
 
 
-def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out_dtype=None) -> AgGemmCall:
+def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out_dtype=None,
+            shared_scale: bool = False) -> AgGemmCall:
     """The plan of ag_gemm on this rank's shard x [rows, cols] and w, and its communicator, acquired
     now (acquire_comm): once per call site at trace time, after unavailable_reason said None
     (out_dtype: an FP8 call, as there). Raises Unavailable with the reason when the fused path
@@ -133,7 +137,7 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out
     (rows, cols), n = x_local_aval.shape, w_aval.shape[1]
     fp8 = out_dtype is not None
     try:
-        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, fp8=fp8)
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, fp8=fp8, shared_scale=shared_scale)
     except _plan.NoExtension as e:
         raise Unavailable(str(e)) from None
     except _plan.PlanError as e:

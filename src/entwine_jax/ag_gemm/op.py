@@ -94,33 +94,34 @@ def _cost(x, w, size: int) -> tuple[float, float]:
     return 2.0 * size * shard * w.shape[1], (size - 1) * shard * jnp.dtype(x.dtype).itemsize
 
 
-def _fused_arguments(x, w, axis_name, size, gd, config, out_dtype) -> tuple:
+def _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale) -> tuple:
     x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
     kwargs = dict(axis_name=axis_name, axis_size=size, gather_k=gd == len(x.shape) - 1, config=config)
     if out_dtype is not None:  # an FP8 call
-        kwargs["out_dtype"] = out_dtype
+        kwargs.update(out_dtype=out_dtype, shared_scale=shared_scale)
     return x2d, w_aval, kwargs
 
 
 def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, config: AgGemmConfig,
-                  out_dtype=None) -> Optional[str]:
+                  out_dtype=None, shared_scale: bool = False) -> Optional[str]:
     """Why a call on operands shaped like x and w (gather_dimension normalised; out_dtype: an FP8
-    call's output dtype) takes the XLA path on this mesh, or None; asks only, no communicator is
-    made (for programs that report on calls)."""
+    call's output dtype, shared_scale: its x_scale the same on every rank) takes the XLA path on
+    this mesh, or None; asks only, no communicator is made (for programs that report on calls)."""
     reason = callsite.early_reason(OP, config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size))
     if reason is not None:
         return reason
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, gather_dimension, config, out_dtype)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, gather_dimension, config, out_dtype,
+                                           shared_scale)
     return fused.unavailable_reason(x2d, w_aval, **kwargs)
 
 
-def _prepare(x, w, axis_name, size, gd, config, out_dtype) -> tuple[Any, Optional[str]]:
+def _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale) -> tuple[Any, Optional[str]]:
     """(fused.AgGemmCall, None) when the fused kernels run this call, else (None, the reason)."""
     # why_not_fused only answers; prepare makes the communicator once it said None.
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, gd, config, out_dtype)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
     return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, gather_dimension=gd,
-                                                      config=config, out_dtype=out_dtype),
+                                                      config=config, out_dtype=out_dtype, shared_scale=shared_scale),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
 
 
@@ -145,7 +146,7 @@ def plan(x, w, *, axis_name, gather_dimension, config: Optional[AgGemmConfig], r
     if config is None:
         config, source = default_config(x, w, size), "heuristic"
     _check_config(config)
-    fused_call, reason = _prepare(x, w, axis_name, size, gd, config, out_dtype)
+    fused_call, reason = _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
     p = Plan(axis_name=axis_name, axis_size=size, gather_dimension=gd, config=config,
              return_gathered=return_gathered, reason=reason, fused_call=fused_call, out_dtype=out_dtype,
              shared_scale=shared_scale)

@@ -17,13 +17,13 @@ def target() -> str:
 
 
 def fp8_target() -> str:
-    """The FP8 target's name: the bf16 target's with `_fp8` appended."""
-    return _extension.fp8_target("AG_GEMM_TARGET")
+    """The XLA FFI target name of FP8 ag_gemm (spelled once, in the extension)."""
+    return _extension.ext().AG_GEMM_FP8_TARGET
 
 
 def fp8_reason() -> Optional[str]:
     """Why the extension cannot run FP8 ag_gemm (no FP8 target, no FP8 plan), or None."""
-    return _extension.fp8_reason("AG_GEMM_TARGET", "ag_gemm_fp8_plan")
+    return _extension.fp8_reason("AG_GEMM_FP8_TARGET", "ag_gemm_fp8_plan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,22 +43,26 @@ class AgPlan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _asked(fp8, rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks) -> dict:
-    # The FP8 plan takes the bf16 plan's arguments; its shards are one byte per element.
-    ask = _extension.ext().ag_gemm_fp8_plan if fp8 else _extension.ext().ag_plan
-    return dict(ask(rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks))
+def _asked(fp8, shared_scale, rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks) -> dict:
+    args = (rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks)
+    if fp8:
+        # The FP8 plan: the bf16 plan's arguments and whether every shard has the same scale (the
+        # contraction layout needs it).
+        return dict(_extension.ext().ag_gemm_fp8_plan(*args, shared_scale=shared_scale))
+    return dict(_extension.ext().ag_plan(*args))
 
 
 def ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, gemm_sms: int,
-            fp8: bool = False) -> AgPlan:
+            fp8: bool = False, shared_scale: bool = False) -> AgPlan:
     """ag_gemm's plan of one rank's shard [rows, cols] and N = n over `world` ranks (gather_k: the
     shards are slices of the contraction dim) with `config` (an AgGemmConfig); gemm_sms: the GEMM
-    grid the call runs (config.gemm_sms resolved); fp8: the FP8 kernels' plan. Raises PlanError with
-    the C++ rule when the kernels cannot run it, NoExtension without the extension (or its FP8 plan)."""
+    grid the call runs (config.gemm_sms resolved); fp8: the FP8 kernels' plan, shared_scale: one x
+    scale on every rank. Raises PlanError with the C++ rule when the kernels cannot run it,
+    NoExtension without the extension (or its FP8 plan)."""
     if fp8 and (reason := fp8_reason()) is not None:
         raise NoExtension(reason)
-    d = _asked(bool(fp8), int(rows), int(cols), int(n), int(world), bool(gather_k), int(config.block_n),
-               int(gemm_sms), int(config.raster_rows), int(config.max_chunks))
+    d = _asked(bool(fp8), bool(shared_scale), int(rows), int(cols), int(n), int(world), bool(gather_k),
+               int(config.block_n), int(gemm_sms), int(config.raster_rows), int(config.max_chunks))
     if d["error"] is not None:
         raise PlanError(d["error"], False)
     return AgPlan(**{f.name: int(d[f.name]) for f in dataclasses.fields(AgPlan)})

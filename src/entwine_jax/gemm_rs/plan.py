@@ -17,13 +17,13 @@ def target() -> str:
 
 
 def fp8_target() -> str:
-    """The FP8 target's name: the bf16 target's with `_fp8` appended."""
-    return _extension.fp8_target("GEMM_RS_TARGET")
+    """The XLA FFI target name of FP8 gemm_rs (spelled once, in the extension)."""
+    return _extension.ext().GEMM_RS_FP8_TARGET
 
 
 def fp8_reason() -> Optional[str]:
     """Why the extension cannot run FP8 gemm_rs (no FP8 target, no FP8 plan), or None."""
-    return _extension.fp8_reason("GEMM_RS_TARGET", "gemm_rs_fp8_plan")
+    return _extension.fp8_reason("GEMM_RS_FP8_TARGET", "gemm_rs_fp8_plan")
 
 
 @dataclasses.dataclass(frozen=True)
