@@ -1,6 +1,6 @@
 # The GEMM instantiations, from one table: each row "op dtype block_n" becomes one generated
 # translation unit (one CUTLASS instantiation: ~35 s and ~3.5 GB to compile, so one per file), and
-# each op's rows become its generated dispatch, <op>::launch_gemm and <op>::prepare_gemms (declared
+# each op's rows become its generated dispatch, <op>::prepare_gemm, launch_gemm and prepare_gemms (declared
 # in ffi/<op>/<op>.h; the schedule is entwine::<op>::GemmSchedule in ffi/<op>/gemm_schedule.cuh).
 # Adding a variant is adding a row; dtype is a DType of ffi/comm/protocol.h, lower-case.
 set(ENTWINE_GEMM_TABLE
@@ -35,9 +35,12 @@ function(entwine_generate_gemm_kernels out_dir)
     endif()
     string(APPEND DECLS_${OP}
       "cudaError_t prepare_${NAME}();\n"
-      "cudaError_t launch_${NAME}(GemmPlan const& plan, GemmArgs const& args, cudaStream_t stream);\n")
+      "void prepare_launch_${NAME}(GemmPlan const& plan, GemmArgs const& args, PreparedGemm* out);\n")
     string(APPEND CASES_${OP}
-      "  if (dtype == ${DTYPE_ENUM} && plan.config.block_n == ${BLOCK_N}) return launch_${NAME}(plan, args, stream);\n")
+      "  if (dtype == ${DTYPE_ENUM} && plan.config.block_n == ${BLOCK_N}) {\n"
+      "    prepare_launch_${NAME}(plan, args, out);\n"
+      "    return cudaSuccess;\n"
+      "  }\n")
     string(APPEND PREPARES_${OP} "prepare_${NAME}, ")
   endforeach()
   foreach(OP IN LISTS ops)

@@ -1,6 +1,6 @@
 // nanobind module entwine_jax._entwine: each op's FFI target and plan (bound by the op, one line
 // each), and the communicator API that entwine_jax.comm.acquire_comm drives at trace time (create,
-// IPC handles, connect, grow, errors, shutdown). Failures raise RuntimeError with CUDA's message.
+// grow, share chunks, connect, errors, shutdown). Failures raise RuntimeError with CUDA's message.
 #include <string>
 #include <tuple>
 #include <utility>
@@ -16,8 +16,12 @@
 
 #include "bind.h"
 #include "comm/comm.h"
+#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
+
+// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in comm/order.cc: the order token's link between fused calls.
+extern "C" XLA_FFI_Error* EntwineOrder(XLA_FFI_CallFrame* call_frame);
 
 // The ops, one row each: ffi/<op>/bind.cc defines entwine::<op>::bind (see bind.h).
 #define ENTWINE_OPS(X) \
@@ -53,6 +57,8 @@ NB_MODULE(_entwine, m) {
 #define ENTWINE_BIND(op) entwine::op::bind(m, ffi_targets());
   ENTWINE_OPS(ENTWINE_BIND)
 #undef ENTWINE_BIND
+  m.attr("ORDER_TARGET") = "entwine_order";
+  ffi_targets().emplace_back("entwine_order", reinterpret_cast<void*>(EntwineOrder));
   m.def("registrations", [] {
     nb::dict targets;
     for (auto const& [name, handler] : ffi_targets()) targets[name.c_str()] = nb::capsule(handler);
@@ -69,55 +75,86 @@ NB_MODULE(_entwine, m) {
     return ok != 0;
   }, nb::arg("device"), nb::arg("peer"), "Whether local device `device` can map `peer`'s memory.");
 
+  m.def("device_memory", [](int device) {
+    // On this thread's current device, restored after: an XLA thread never runs this.
+    int previous = 0;
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaGetDevice(&previous);
+    cudaError_t err = cudaSetDevice(device);
+    if (err == cudaSuccess) err = cudaMemGetInfo(&free_bytes, &total_bytes);
+    cudaSetDevice(previous);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("cudaMemGetInfo: ") + cudaGetErrorString(err));
+    }
+    return std::make_pair(free_bytes, total_bytes);
+  }, nb::arg("device"), "(free, total) bytes of local device `device`, as CUDA sees them (all processes).");
+
   m.def("comm_create",
         [](int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
-           size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {
-          comm::create(comm_id, world, local_ranks, {slot_bytes, inbox_bytes, max_tiles});
+           size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes, size_t heap_max_bytes) {
+          comm::create(comm_id, world, local_ranks, {slot_bytes, inbox_bytes, max_tiles}, heap_max_bytes);
         },
         nb::arg("comm_id"), nb::arg("world"), nb::arg("local_ranks"), nb::arg("slot_bytes"),
-        nb::arg("max_tiles"), nb::arg("inbox_bytes"), NoGil(),
-        "Create the local ranks [(device ordinal, rank)] of a communicator with zeroed heaps.");
+        nb::arg("max_tiles"), nb::arg("inbox_bytes"), nb::arg("heap_max_bytes"), NoGil(),
+        "Create the local ranks [(device ordinal, rank)] of a communicator: heaps reserved for heap_max_bytes, "
+        "zeroed memory mapped for the capacity.");
+  m.def("comm_destroy", &comm::destroy, nb::arg("comm_id"), NoGil(),
+        "Remove a communicator no call has used (its creation failed to connect).");
 
   m.def("heap_bytes",
         [](int world, size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {
-          return comm::heap_layout(world, {slot_bytes, inbox_bytes, max_tiles}).total();
+          return comm::mapped_bytes(world, {slot_bytes, inbox_bytes, max_tiles}).total();
         },
         nb::arg("world"), nb::arg("slot_bytes"), nb::arg("max_tiles"), nb::arg("inbox_bytes") = 0,
-        "Bytes of one rank's heap with room for a partial slot of slot_bytes, max_tiles flags per source "
-        "and an inbox of inbox_bytes.");
+        "Bytes of device memory one rank's heap maps for a partial slot of slot_bytes, max_tiles flags per "
+        "source and an inbox of inbox_bytes.");
 
-  m.def("heap_ipc_handle", [](int64_t comm_id, int device) {
-    std::string handle = comm::ipc_handle(comm_id, device);
-    return nb::bytes(handle.data(), handle.size());
-  }, nb::arg("comm_id"), nb::arg("device"), "CUDA IPC handle (64 bytes) of this device's heap.");
-
-  m.def("comm_connect", [](int64_t comm_id, int device, const std::vector<nb::object>& peers) {
-    // Per rank of the device's group: an int (local ordinal) or bytes (IPC handle).
-    std::vector<comm::Peer> parsed;
-    for (const nb::object& peer : peers) {
-      if (nb::isinstance<nb::bytes>(peer)) {
-        nb::bytes b = nb::borrow<nb::bytes>(peer);
-        parsed.emplace_back(std::string(b.c_str(), b.size()));
-      } else {
-        parsed.emplace_back(nb::cast<int>(peer));
-      }
-    }
-    nb::gil_scoped_release release;
-    comm::connect(comm_id, device, parsed);
-  }, nb::arg("comm_id"), nb::arg("device"), nb::arg("peers"),
-     "Fill the device's peer table: one int (local device ordinal) or bytes (IPC handle) per rank.");
-
-  m.def("comm_synchronize", &comm::synchronize, nb::arg("comm_id"), NoGil(),
-        "cudaDeviceSynchronize on every local device of the communicator.");
-  m.def("comm_disconnect", &comm::disconnect, nb::arg("comm_id"), NoGil(),
-        "Close imported IPC handles; calls are rejected until comm_connect.");
   m.def("comm_grow",
         [](int64_t comm_id, size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {
           comm::grow(comm_id, {slot_bytes, inbox_bytes, max_tiles});
         },
         nb::arg("comm_id"), nb::arg("slot_bytes"), nb::arg("max_tiles"), nb::arg("inbox_bytes"), NoGil(),
-        "New local heaps (disconnected on every rank first; the old ones are retired until shutdown); "
-        "keeps the epochs.");
+        "Map zeroed memory behind every local heap's regions up to the capacity (calls use it after comm_connect).");
+  m.def("comm_shrink",
+        [](int64_t comm_id, size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {
+          comm::shrink(comm_id, {slot_bytes, inbox_bytes, max_tiles});
+        },
+        nb::arg("comm_id"), nb::arg("slot_bytes"), nb::arg("max_tiles"), nb::arg("inbox_bytes"), NoGil(),
+        "Undo a comm_grow (and the imports) down to the capacity: a growth whose exchange failed.");
+
+  m.def("comm_export", [](int64_t comm_id, int device) {
+    std::vector<std::tuple<size_t, size_t, int>> out;
+    for (const comm::SharedChunk& c : comm::export_chunks(comm_id, device)) out.emplace_back(c.offset, c.bytes, c.fd);
+    return out;
+  }, nb::arg("comm_id"), nb::arg("device"), NoGil(),
+     "[(offset, bytes, fd)] of every chunk of the device's heap, each with a new file descriptor (close it once sent).");
+  m.def("comm_import",
+        [](int64_t comm_id, int device, int rank, const std::vector<std::tuple<size_t, size_t, int>>& chunks) {
+          std::vector<comm::SharedChunk> parsed;
+          for (auto [offset, bytes, fd] : chunks) parsed.push_back({offset, bytes, fd});
+          nb::gil_scoped_release release;
+          comm::import_chunks(comm_id, device, rank, parsed);
+        },
+        nb::arg("comm_id"), nb::arg("device"), nb::arg("rank"), nb::arg("chunks"),
+        "Map rank's chunks [(offset, bytes, fd)] (another process) into the device's view of its heap; "
+        "mapped ones are skipped; the descriptors stay open.");
+  m.def("comm_connect", &comm::connect, nb::arg("comm_id"), nb::arg("device"), nb::arg("peers"), NoGil(),
+        "Fill the device's peer table (per rank: its local device ordinal, or -1 for another process's rank, "
+        "imported first) and let calls use the grown capacity.");
+  m.def("comm_synchronize", &comm::synchronize, nb::arg("comm_id"), NoGil(),
+        "cudaDeviceSynchronize on every local device of the communicator.");
+  m.def("heap_usage", [](int64_t comm_id) {
+    std::vector<std::tuple<int, size_t, size_t, size_t>> out;
+    for (const comm::HeapUsage& u : comm::heap_usage(comm_id)) {
+      out.emplace_back(u.device, u.own_bytes, u.imported_bytes, u.reserved_bytes);
+    }
+    return out;
+  }, nb::arg("comm_id"),
+     "[(device, own mapped bytes, peers' bytes mapped here, reserved bytes)] of the comm's local heaps.");
+
+  m.def("name_call", &comm::name_call, nb::arg("signature"), nb::arg("description"),
+        "Names a call signature for the messages of a failed call (Python, at trace time).");
 
   m.def("error_message",
         [](int64_t comm_id) { return comm::error_message(comm_id); },
@@ -141,5 +178,5 @@ NB_MODULE(_entwine, m) {
      "[(device, handler executions, mean host microseconds per execution)] of the comm's handlers.");
 
   m.def("shutdown", &comm::shutdown, NoGil(),
-        "Free every communicator (IPC handles closed before heaps are freed).");
+        "Free every communicator (unmapping every heap).");
 }

@@ -3,7 +3,7 @@ localhost), one rank each, sharing one GPU (CUDA IPC between processes of one de
 each.
 
     python tests/gpu_ranks.py --world 2 --suite quick            # 2 ranks on GPU 0
-    python tests/gpu_ranks.py --world 4 --suite all              # every suite but hostcost
+    python tests/gpu_ranks.py --world 4 --suite all              # all but hostcost and smallshapes
     python tests/gpu_ranks.py --world 2 --gpus 2 --suite quick   # one process per GPU
 
 Suites:
@@ -16,19 +16,35 @@ Suites:
   missing  the last rank skips one call; the others must report the deadline error (with
            ENTWINE_TIMEOUT_MS=2000) through entwine_jax.comm.check_errors(), never hang.
   ag       ag_gemm in both layouts (gathering rows, also a middle dim, and gathering the contraction
-           dim), bf16 and fp16, tails, the gathered operand returned, repeated calls bitwise equal;
+           dim), bf16 and fp16, tails, the gathered operand returned, repeated calls bitwise equal,
+           every shape and layout pushed by the SM copy kernel and by the copy engines;
            then a sequence-parallel MLP (ag_gemm -> silu -> gemm_rs) forward and backward with both
            directions fused, gradients against a float64 host reference.
-  mixed    1000 back-to-back calls alternating gemm_rs and ag_gemm (both layouts) on one
-           communicator, every result checked.
-  agmissing  as `missing`, for ag_gemm: the ranks waiting for the absent rank's chunks report it.
+  mixed    1000 back-to-back calls alternating gemm_rs and ag_gemm (both layouts, both pushes) on
+           one communicator, every result checked.
+  agmissing  as `missing`, for ag_gemm (the SM push): the ranks waiting for the absent rank's
+           chunks or announcement report it.
   cmdbuf   XLA command buffers (CUDA graphs) on for fusions, custom calls, loops and conditionals,
-           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts) and a lax.scan of
-           both ops, 20 runs each on operands generated in the program from fresh seeds, every
+           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts, both pushes), three
+           independent fused calls in one program (ordered by the token alone) and a lax.scan of both
+           ops, 20 runs each on operands generated in the program from fresh seeds, every
            result checked; the device epoch must advance once per call while the handlers execute
            fewer times (the rest are replays), except in the loop, which XLA keeps out of its graphs.
   cmdbufmissing  as `missing`, under command buffers: the replayed call of the ranks whose peer
            never came traps at the deadline, XLA raises, check_errors() names the absent rank.
+  skipcall the last rank skips the first of two different calls (it runs the second while its peers
+           run the first): every rank must fail within seconds (a mismatch naming both calls, or the
+           abort of a peer that saw it), every output since is NaN, the next call is refused.
+  disagree as skipcall, for one shape whose config differs on the last rank (a plan disagreement).
+  heapgrow eight gemm_rs call sites of growing size (M = 2048*i*W, N = 8192, K = 256, bf16, i = 1..8),
+           each traced and run once, every result checked; then the first site again, after the last
+           growth; then rank 0 alone traces a ninth, larger site (jax.eval_shape) and must give up
+           within ENTWINE_SETUP_TIMEOUT_MS with its heap unchanged, after which all ranks run that site.
+           The device memory the processes gained beyond XLA's own pool must stay within 1.5x the last
+           heap per process (retired heaps would add up to about 5x). Then entwine_jax.reserve sizes two
+           larger sites at once, and running them must grow nothing. Runs twice: plainly, and with
+           XLA command buffers for fusions and custom calls (the first site's graph, recorded before
+           every growth, is replayed after them).
   fp8      the FP8 calls (float8_e4m3fn operands, fp32 scales, bf16/fp16 out) on the FP8 kernels:
            gemm_rs both layouts with each rank's own scales, tails; ag_gemm both layouts with
            per-shard and shared x_scale, the gathered FP8 operand returned; repeated calls bitwise
@@ -36,8 +52,14 @@ Suites:
            with gradients; all against float64 of the dequantised operands. Fails where the
            extension has no FP8 kernels (the XLA path cannot run several ranks on one GPU).
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
-           gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time; reports it and
-           checks the results.
+           gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time; then the host
+           time per step of a lax.scan over an 8-layer MLP block (ag_gemm -> silu -> gemm_rs);
+           reports them and checks the results.
+  smallshapes  the fused ops against XLA's path on Llama-8B and -70B projections (q/k/v and
+           gate/up: ag_gemm; o and down: gemm_rs) at 16..2048 tokens per rank: XLA's GEMM alone
+           plus the transfer at the link rate of tuning/crossover.py (no NCCL between processes of
+           one GPU); prints a table, the fixed costs fitted to it, and where the rule of
+           tuning/crossover.py disagrees with the measurement.
 
 NCCL refuses two ranks on one GPU, so each rank computes its reference on the host from the shared
 seeds. Every rank prints `ENTWINE_RANK <r> PASS|FAIL <detail>`; the launcher kills every rank of a
@@ -60,6 +82,9 @@ MISSING_TIMEOUT_MS = 2000
 # Command buffers for fusions and custom calls, however small the graph.
 CMDBUF_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL "
                     "--xla_gpu_graph_min_graph_size=1")
+# heapgrow_cmdbuf: graphs of fusions and the fused custom calls.
+HEAPGROW_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+LONE_TRACE_TIMEOUT_MS = 3000
 
 
 # --- Launcher -----------------------------------------------------------------------------------------
@@ -74,9 +99,12 @@ def _free_port() -> int:
 def launch(args) -> int:
     # `all` runs the suites as separate launches: the short deadline of `missing` is read once per
     # process, and would turn the compile-time skew between ranks of the other suites into errors.
-    suites = (["quick", "ag", "stress", "mixed", "missing", "agmissing", "cmdbuf", "cmdbufmissing"]
+    suites = (["quick", "ag", "stress", "mixed", "missing", "agmissing", "cmdbuf", "cmdbufmissing", "skipcall",
+               "disagree", "heapgrow"]
               if args.suite == "all"
               else args.suite.split(","))
+    # heapgrow runs with and without command buffers: XLA reads its flags once per process.
+    suites = [s for suite in suites for s in (["heapgrow", "heapgrow_cmdbuf"] if suite == "heapgrow" else [suite])]
     lines = [launch_suite(args, suite) for suite in suites]
     ok = all(line.startswith("PASS") for line in lines)
     print(f"gpu_ranks: world={args.world} gpus={args.gpus}: {'PASS' if ok else 'FAIL'}: " + " | ".join(
@@ -90,9 +118,13 @@ def launch_suite(args, suite) -> str:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     if suite in ("missing", "agmissing", "cmdbufmissing"):
         env["ENTWINE_TIMEOUT_MS"] = str(MISSING_TIMEOUT_MS)
+    if suite in ("skipcall", "disagree"):  # a mismatch fails at once; the deadline covers a first compile
+        env["ENTWINE_TIMEOUT_MS"] = str(10 * MISSING_TIMEOUT_MS)
     env.pop("XLA_FLAGS", None)  # fake host devices of the pytest process would confuse the mesh
     if suite.startswith("cmdbuf"):
         env["XLA_FLAGS"] = CMDBUF_XLA_FLAGS
+    if suite == "heapgrow_cmdbuf":
+        env["XLA_FLAGS"] = HEAPGROW_XLA_FLAGS
     procs, results, lock = [], {}, threading.Lock()
 
     def pump(rank, proc):
@@ -240,7 +272,7 @@ class Rank:
 
     # -- the op --
 
-    def gemm_fn(self, m, n, k, dtype, extra_work=False):
+    def gemm_fn(self, m, n, k, dtype, extra_work=False, config=None):
         """jit(shard_map(entwine_jax.gemm_rs)); refuses to run unless it lowers to the fused call
         (the XLA fallback would need NCCL, which cannot run two ranks on one GPU)."""
         import jax
@@ -251,7 +283,7 @@ class Rank:
         from entwine_jax import comm
         from entwine_jax.gemm_rs import fused as rs_fused
 
-        config = self.fused_config(m, n, k, dtype)
+        config = config or self.fused_config(m, n, k, dtype)
         with jax.set_mesh(self.mesh):
             reason = rs_fused.unavailable_reason(
                 jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype), axis_name="tp",
@@ -530,9 +562,23 @@ class Rank:
             return y
 
         def ag(seed, gather_k):
+            # Both pushes replayed: the SM push in the rows layout, the copy engines in the other.
             kk = w_ * cols if gather_k else cols
             return entwine_jax.ag_gemm(dev(seed, (rows, cols), 3), dev(seed, (kk, n_ag), 4), axis_name="tp",
-                                       gather_dimension=-1 if gather_k else 0, config=ag_config)
+                                       gather_dimension=-1 if gather_k else 0,
+                                       config=dataclasses.replace(ag_config, push=("sm", "ce")[gather_k]))
+
+        def independent(seed):
+            # Three fused calls that share no data: only the order token orders them, so XLA's
+            # scheduler may place them anywhere but must keep the same order on every rank.
+            y1 = rs(seed, False)
+            y2 = entwine_jax.gemm_rs(dev(seed, (m, k), 5), dev(seed, (k, n), 6), axis_name="tp", config=rs_config)
+            return y1, y2, ag(seed, False)
+
+        def independent_local(seed):
+            xs = [host(seed, q, (m, k), 5) for q in range(w_)]
+            ws = [host(seed, q, (k, n), 6) for q in range(w_)]
+            return [rs_local(seed), self.reference(xs, ws), ag_local(seed, False)]
 
         layers = 3
 
@@ -557,6 +603,8 @@ class Rank:
              True),
             ("ag_gemm contraction", program(lambda s: ag(s, True), P(None, "tp")), 1, lambda s: [ag_local(s, True)],
              True),
+            ("three independent calls", program(independent, (P("tp", None), P("tp", None), P(None, "tp"))), 3,
+             independent_local, True),
             (f"scan of {layers} steps of both ops", program(scanned, (P(None, "tp", None), P(None, None, "tp"))),
              2 * layers, lambda s: [r for t in range(layers) for r in (rs_local(s, t), ag_local(s, False, t))],
              False),
@@ -592,7 +640,7 @@ class Rank:
                 seed = 1 + i % (runs // 2 + 1) * 7  # fresh seeds, then some again
                 out = call(seed)
                 outs = [self.local(o) for o in (out if isinstance(out, tuple) else (out,))]
-                if per_run > 1:  # scan: stacked over the steps, one stack per op
+                if per_run > len(outs):  # scan: stacked over the steps, one stack per op
                     outs = [o[t] for t in range(per_run // len(outs)) for o in outs]
                 comm.check_errors()
                 for j, (y, r) in enumerate(zip(outs, ref(seed))):
@@ -682,9 +730,9 @@ class Rank:
         return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(*spec)),
                                                         [jax.device_put(a, self.device)])
 
-    def ag_fn(self, rows, cols, n, dtype, gather_k, return_gathered=False):
+    def ag_fn(self, rows, cols, n, dtype, gather_k, return_gathered=False, push="auto"):
         """jit(shard_map(entwine_jax.ag_gemm)) on x sharded over its rows or columns and w sharded
-        over N; refuses to run unless the fused path takes it."""
+        over N, the shard pushed as `push` says; refuses to run unless the fused path takes it."""
         import dataclasses
 
         import jax
@@ -694,7 +742,8 @@ class Rank:
         from entwine_jax import comm
         from entwine_jax.ag_gemm import fused as ag_fused
 
-        config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, dtype), path="fused")
+        config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, dtype), path="fused",
+                                     push=push)
         k = self.world * cols if gather_k else cols
         with jax.set_mesh(self.mesh):
             reason = ag_fused.unavailable_reason(
@@ -722,20 +771,21 @@ class Rank:
         return (self.place(x, 1 if gather_k else 0, x_shape),
                 self.place(w, 1, (w.shape[0], self.world * w.shape[1])))
 
-    def ag_case(self, rows, cols, n, dtype, gather_k, seed, return_gathered=False, repeats=2):
+    def ag_case(self, rows, cols, n, dtype, gather_k, seed, return_gathered=False, repeats=2, push="auto"):
         import numpy as np
 
         from entwine_jax import comm
 
         xs, ws = self.ag_inputs(rows, cols, n, dtype, seed, gather_k)
         ref, g_ref = self.ag_reference(xs, ws, gather_k)
-        call, f = self.ag_fn(rows, cols, n, dtype, gather_k, return_gathered)
+        call, f = self.ag_fn(rows, cols, n, dtype, gather_k, return_gathered, push)
         gx, gw = self.ag_globals(xs, ws, gather_k)
         if not self.fused_calls(f, gx, gw).get("ag_gemm"):
             raise AssertionError("ag_gemm did not lower to the fused call")
         outs = [call(gx, gw) for _ in range(repeats)]
         comm.check_errors()
-        what = f"ag_gemm rows={rows} cols={cols} N={n} {'contraction' if gather_k else 'rows'} {dtype.__name__}"
+        what = (f"ag_gemm rows={rows} cols={cols} N={n} {'contraction' if gather_k else 'rows'} {dtype.__name__} "
+                f"push={push}")
         ys = [self.local(o[0] if return_gathered else o) for o in outs]
         if ys[0].shape != ref.shape:
             raise AssertionError(f"{what}: local result of shape {ys[0].shape}, expected {ref.shape}")
@@ -754,13 +804,15 @@ class Rank:
 
         shapes = [(128, 64, 256), (77, 60, 130), (200, 1000, 1000), (1024, 512, 2048), (2048, 1024, 4096)]
         worst, cases = 0.0, 0
-        for dtype in (jnp.bfloat16, jnp.float16):
+        for d, dtype in enumerate((jnp.bfloat16, jnp.float16)):
             for gather_k in (False, True):
                 for i, (rows, cols, n) in enumerate(shapes):
+                    # Each shape and layout by both pushes: the SM push in one dtype, the copy engines in the other.
+                    push = ("sm", "ce")[(i + gather_k + d) % 2]
                     worst = max(worst, self.ag_case(rows, cols, n, dtype, gather_k, seed=700 + i,
-                                                    return_gathered=i % 2 == 1))
+                                                    return_gathered=i % 2 == 1, push=push))
                     cases += 1
-                    self.log(f"ag rows={rows} cols={cols} N={n} gather_k={gather_k} {dtype.__name__}: ok")
+                    self.log(f"ag rows={rows} cols={cols} N={n} gather_k={gather_k} {dtype.__name__} push={push}: ok")
         worst = max(worst, self.mlp_grads(self.world * 256, 512, 384, jnp.float16, seed=900))
         self.log("ag: sequence-parallel MLP forward + backward, both directions fused: ok")
         worst = max(worst, self.mlp_grads(self.world * 200, 264, 200, jnp.bfloat16, seed=901))
@@ -998,7 +1050,8 @@ class Rank:
         with jax.set_mesh(self.mesh):
             reason = ag_fused.unavailable_reason(
                 jax.ShapeDtypeStruct((rows, cols), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((k, n), jnp.float8_e4m3fn),
-                axis_name="tp", axis_size=self.world, gather_k=gather_k, config=config, out_dtype=jnp.bfloat16)
+                axis_name="tp", axis_size=self.world, gather_k=gather_k, config=config, out_dtype=jnp.bfloat16,
+                shared_scale=shared)
         if reason is not None and reason.startswith("the kernels cannot run this call") and gather_k and not shared:
             # The kernels' own rule (per-source scales of K slices may be left to shared scales only):
             # reported, not failed.
@@ -1144,8 +1197,9 @@ class Rank:
                 + (f"; {len(skipped)} per-shard contraction cases refused by the kernels' plan" if skipped else ""))
 
     def mixed(self, calls=1000, batch=16):
-        """Back-to-back calls of gemm_rs and ag_gemm (both layouts) on one communicator: the two ops
-        share its epochs and slots, so a wrong double-buffer argument would show as a wrong result."""
+        """Back-to-back calls of gemm_rs and ag_gemm (both layouts, both pushes) on one communicator:
+        the two ops and the two pushes share its epochs, flags and inbox, so a wrong double-buffer
+        argument would show as a wrong result."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -1160,7 +1214,7 @@ class Rank:
             rs_sites.append((self.gemm_fn(m, n, k, jnp.bfloat16), self.global_arrays(xs, ws), self.reference(xs, ws)))
             for gather_k in (False, True):
                 xs, ws = self.ag_inputs(256, 192, 512, jnp.bfloat16, 1200 + v + 10 * gather_k, gather_k)
-                call, _ = self.ag_fn(256, 192, 512, jnp.bfloat16, gather_k)
+                call, _ = self.ag_fn(256, 192, 512, jnp.bfloat16, gather_k, push=("sm", "ce")[v])
                 ag_sites.append((call, self.ag_globals(xs, ws, gather_k), self.ag_reference(xs, ws, gather_k)[0]))
         sites = [s for pair in zip(rs_sites + rs_sites, ag_sites) for s in pair]
         first, pending, checked = {}, [], 0
@@ -1183,6 +1237,124 @@ class Rank:
                 comm.check_errors()
         jax.block_until_ready(first[0])
         return f"mixed: {checked} calls of both ops checked in {time.monotonic() - t0:.1f} s"
+
+    # -- heap growth --
+
+    def memory_point(self, label):
+        """(device bytes in use, summed over the processes on this GPU; XLA's pool bytes, summed
+        likewise), measured while every rank waits between two barriers, so no process is mid-call."""
+        import json
+
+        from entwine_jax import _distributed, _extension
+
+        _distributed.barrier(f"entwine_test/mem/{label}/before", range(self.world), self.rank, 300_000)
+        free, total = _extension.ext().device_memory(self.device.local_hardware_id)
+        stats = self.device.memory_stats() or {}
+        pool = int(stats.get("pool_bytes", stats.get("bytes_reserved", stats.get("bytes_in_use", 0))))
+        _distributed.kv_set(f"entwine_test/mem/{label}/{self.rank}", json.dumps([total - free, pool]).encode())
+        sharing = [r for r in range(self.world) if r % self.args.gpus == self.rank % self.args.gpus]
+        points = [json.loads(_distributed.kv_get(f"entwine_test/mem/{label}/{r}", 300_000)) for r in sharing]
+        _distributed.barrier(f"entwine_test/mem/{label}/after", range(self.world), self.rank, 300_000)
+        # Every process on the GPU saw the same device-wide bytes in use; their pools add up.
+        return max(p[0] for p in points), sum(p[1] for p in points), len(sharing)
+
+    def heapgrow(self):
+        return self.grow_heap(cmdbuf=False)
+
+    def heapgrow_cmdbuf(self):
+        if HEAPGROW_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+            raise AssertionError("heapgrow_cmdbuf runs with command buffers enabled (launch it as --suite heapgrow)")
+        return self.grow_heap(cmdbuf=True)
+
+    def grow_heap(self, cmdbuf):
+        import jax
+        import jax.numpy as jnp
+
+        from entwine_jax import _distributed, comm
+
+        dtype, n, k = jnp.bfloat16, 8192, 256
+        mib = 1 << 20
+        start_used, start_pool, sharing = self.memory_point("start")
+        worst, first, lines = 0.0, None, []
+
+        def site(i):
+            m = 2048 * i * self.world
+            xs, ws = self.host_inputs(m, n, k, dtype, seed=300 + i)
+            gx, gw = self.global_arrays(xs, ws)
+            return m, self.gemm_fn(m, n, k, dtype), gx, gw, self.reference(xs, ws)
+
+        def record(i):
+            used, pool, _ = self.memory_point(f"site{i}")
+            (_, own, imported, reserved), = comm.heap_usage(self.mesh, "tp")
+            gained = (used - start_used - (pool - start_pool)) / sharing
+            lines.append(f"site {i}: heap {own // mib} MiB (imported {imported // mib} MiB, reserved "
+                         f"{reserved // mib} MiB), device memory gained per process beyond XLA's pool "
+                         f"{gained / mib:.0f} MiB (XLA's pool {pool // mib} MiB over {sharing} processes)")
+            self.log(lines[-1])
+            return own, gained
+
+        for i in range(1, 9):
+            m, f, gx, gw, ref = site(i)
+            worst = max(worst, self.check(self.local(f(gx, gw)), ref, f"heapgrow site {i} (M={m})"))
+            if i == 1:  # recorded (under command buffers) and replayed before any growth
+                worst = max(worst, self.check(self.local(f(gx, gw)), ref, "heapgrow site 1, second call"))
+                first = (f, gx, gw, ref)
+            else:
+                del f, gx, gw
+            record(i)
+        # The first site, compiled (and recorded) against the smallest heap, after the last growth.
+        f, gx, gw, ref = first
+        exec0 = self.handler_executions()
+        for r in range(3):
+            worst = max(worst, self.check(self.local(f(gx, gw)), ref, f"heapgrow site 1 after the growths, run {r}"))
+        comm.check_errors()
+        handler_runs = self.handler_executions() - exec0
+        if cmdbuf and handler_runs >= 3:
+            raise AssertionError("the first site was recorded again after the growths, never replayed")
+
+        # A trace on rank 0 alone (jax.eval_shape) of a larger site: it waits for the others at most
+        # ENTWINE_SETUP_TIMEOUT_MS, then gives up and leaves the heap as it was; the site takes the
+        # XLA path in that trace only. Then every rank runs the site: the growth is tried again.
+        (_, own_before, _, _), = comm.heap_usage(self.mesh, "tp")
+        m, f, gx, gw, ref = site(9)
+        if self.rank == 0:
+            os.environ["ENTWINE_SETUP_TIMEOUT_MS"] = str(LONE_TRACE_TIMEOUT_MS)
+            lone = self.gemm_fn(m, n, k, dtype)  # its own trace: f's cache must not keep the XLA path
+            t0 = time.monotonic()
+            jax.eval_shape(lone, gx, gw)
+            waited = time.monotonic() - t0
+            del os.environ["ENTWINE_SETUP_TIMEOUT_MS"]
+            (_, own_after, _, _), = comm.heap_usage(self.mesh, "tp")
+            if own_after != own_before:
+                raise AssertionError(f"a lone trace changed the heap: {own_before} -> {own_after} bytes")
+            if not LONE_TRACE_TIMEOUT_MS / 1000 <= waited < LONE_TRACE_TIMEOUT_MS / 1000 + 30:
+                raise AssertionError(f"a lone trace waited {waited:.1f} s (deadline {LONE_TRACE_TIMEOUT_MS} ms)")
+            lines.append(f"lone trace on rank 0: gave up after {waited:.1f} s, heap unchanged")
+            self.log(lines[-1])
+        _distributed.barrier("entwine_test/heapgrow/lone", range(self.world), self.rank, 300_000)
+        worst = max(worst, self.check(self.local(f(gx, gw)), ref, f"heapgrow site 9 (M={m}) after the lone trace"))
+        del f, gx, gw
+        heap, gained = record(9)
+        # What the old heaps cost when they were kept: the sum of every heap; now the last one alone.
+        if gained > 1.5 * heap:
+            raise AssertionError(f"device memory gained per process {gained / mib:.0f} MiB > 1.5 x the last heap "
+                                 f"{heap / mib:.0f} MiB: " + "; ".join(lines))
+        # entwine_jax.reserve: two larger sites sized by one growth; running them grows nothing more.
+        import entwine_jax
+
+        sites = [site(i) for i in (10, 11)]
+        with jax.set_mesh(self.mesh):
+            sized = entwine_jax.reserve(lambda: [f(gx, gw) for _, f, gx, gw, _ in sites])
+        (_, reserved_heap, _, _), = comm.heap_usage(self.mesh, "tp")
+        for i, (m, f, gx, gw, ref) in zip((10, 11), sites):
+            worst = max(worst, self.check(self.local(f(gx, gw)), ref, f"heapgrow site {i} (M={m}) after reserve"))
+        (_, own, _, _), = comm.heap_usage(self.mesh, "tp")
+        if own != reserved_heap or sized.get("tp") != own:
+            raise AssertionError(f"reserve sized {sized} ({reserved_heap} bytes mapped), the sites then had {own} bytes")
+        return (f"heapgrow{' (command buffers)' if cmdbuf else ''}: worst rel error {worst:.2e}; first site after "
+                f"the growths: {handler_runs} handler runs in 3 calls; last heap {heap // mib} MiB, gained "
+                f"{gained / mib:.0f} MiB per process beyond XLA's pool; reserve for two more sites: "
+                f"{own // mib} MiB, no growth while they ran")
 
     def hostcost(self, calls=200):
         """Mean host time of one handler execution, per op, from the extension's own counters."""
@@ -1214,7 +1386,160 @@ class Rank:
             execs = calls1 - calls0
             per_exec = (calls1 * mean1 - calls0 * mean0) / max(execs, 1)
             parts.append(f"{name}: {execs} handler executions for {calls} calls, {per_exec:.1f} us each")
+        parts.append(self.scanned_block_cost())
         return "hostcost: " + "; ".join(parts)
+
+    def scanned_block_cost(self, layers=8, runs=50):
+        """Host time per step of a lax.scan over `layers` MLP blocks (ag_gemm over rows -> silu ->
+        gemm_rs over rows: MaxText's scan_layers, where XLA 0.11.2 runs the handlers at every step),
+        every step's result checked against float64 on the host."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import comm
+
+        w_, bf = self.world, jnp.bfloat16
+        tl, d, fl = 256, 512, 512  # tokens, embed and mlp width per rank
+        rng = np.random.default_rng(1400)
+        xs = [(rng.standard_normal((tl, d), np.float32) / np.sqrt(d)).astype(bf) for _ in range(w_)]
+        w1 = [[rng.standard_normal((d, fl), np.float32).astype(bf) for _ in range(w_)] for _ in range(layers)]
+        w2 = [[(rng.standard_normal((fl, d), np.float32) / np.sqrt(w_ * fl)).astype(bf) for _ in range(w_)]
+              for _ in range(layers)]
+        r = self.rank
+        gx = self.place(xs[r], 0, (w_ * tl, d))
+        gw1 = self.place(np.stack([w1[i][r] for i in range(layers)]), 2, (layers, d, w_ * fl))
+        gw2 = self.place(np.stack([w2[i][r] for i in range(layers)]), 1, (layers, w_ * fl, d))
+        ag_config = dataclasses.replace(entwine_jax.ag_heuristic_config(tl, fl, d, w_, bf), path="fused")
+        rs_config = self.fused_config(w_ * tl, d, fl, bf)
+
+        def body(x, w1s, w2s):
+            def step(carry, ws):
+                h = entwine_jax.ag_gemm(x, ws[0], axis_name="tp", gather_dimension=0, config=ag_config)
+                return carry, entwine_jax.gemm_rs(jax.nn.silu(h), ws[1], axis_name="tp", config=rs_config)
+            return jax.lax.scan(step, None, (w1s, w2s))[1]
+
+        f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P("tp", None), P(None, None, "tp"),
+                                                                  P(None, "tp", None)),
+                                  out_specs=P(None, "tp", None), check_vma=False))
+
+        def run():
+            with jax.set_mesh(self.mesh):
+                return jax.block_until_ready(f(gx, gw1, gw2))
+
+        ys = self.local(run())
+        comm.check_errors()
+        g = np.concatenate([x.astype(np.float64) for x in xs])
+        rows = slice(r * tl, (r + 1) * tl)
+        silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+        for i in range(layers):
+            ref = sum(silu(g @ w1[i][q].astype(np.float64))[rows] @ w2[i][q].astype(np.float64) for q in range(w_))
+            self.check(ys[i], ref, f"scanned block, step {i}")
+        (_, calls0, mean0), = comm.handler_cost(self.mesh, "tp")
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            run()
+        wall = time.perf_counter() - t0
+        comm.check_errors()
+        (_, calls1, mean1), = comm.handler_cost(self.mesh, "tp")
+        steps = runs * layers
+        host_us = (calls1 * mean1 - calls0 * mean0) / steps
+        return (f"scanned {layers}-layer MLP block (ag_gemm + gemm_rs per step): {(calls1 - calls0) / steps:.1f} "
+                f"handler executions and {host_us:.1f} us of handler time per step, {wall / steps * 1e6:.0f} us "
+                f"wall per step")
+
+    # Llama projections per model (hidden, mlp, kv width): q/k/v and gate/up gather the tokens
+    # (ag_gemm, rows layout), o and down scatter them (gemm_rs): (name, op, K of the call, N of the call).
+    SMALL_MODELS = (("8B", 4096, 14336, 1024), ("70B", 8192, 28672, 1024))
+    SMALL_TOKENS = (16, 64, 256, 1024, 2048)
+
+    def small_projections(self, hidden, mlp, kv):
+        w_ = self.world
+        return (("qkv", "ag_gemm", hidden, (hidden + 2 * kv) // w_), ("o", "gemm_rs", hidden // w_, hidden),
+                ("gate/up", "ag_gemm", hidden, 2 * mlp // w_), ("down", "gemm_rs", mlp // w_, hidden))
+
+    def smallshapes(self, iters=40, batch=10):
+        """The fused op (path="fused") against XLA's path on every projection and token count: XLA's
+        GEMM alone on this rank's operands plus the transfer at tuning.crossover's link rate (XLA's
+        collective cannot run between processes of one GPU). Max over ranks of interleaved medians."""
+        import itertools
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        import entwine_jax
+        from entwine_jax import _distributed, comm
+        from entwine_jax.ag_gemm import config as ag_config
+        from entwine_jax.tuning import crossover, timing
+
+        w_, bf = self.world, jnp.bfloat16
+        batches = itertools.count()
+        costs = crossover.COSTS
+        key = jax.random.key(1500 + self.rank)
+        rows, fits = [], {"gemm_rs": [], "ag_gemm": []}
+        header = f"{'model':5} {'proj':7} {'tokens':>6} {'M':>6} {'N':>6} {'K':>6} {'fused_us':>9} {'xla_us':>8} " \
+                 f"{'gemm_us':>8} {'link_us':>8} {'rule':>5} {'winner':>6}"
+        for model, hidden, mlp, kv in self.SMALL_MODELS:
+            for proj, op, k, n in self.small_projections(hidden, mlp, kv):
+                for t in self.SMALL_TOKENS:
+                    m = w_ * t  # the GEMM's rows: the gathered tokens (ag_gemm) or the unscattered ones (gemm_rs)
+                    ka, kb = jax.random.split(jax.random.fold_in(key, len(rows)))
+                    with jax.default_device(self.device):
+                        if op == "gemm_rs":
+                            x = jax.random.normal(ka, (m, k), jnp.float32).astype(bf) / np.sqrt(w_ * k)
+                            gx = self.place(x, 1, (m, w_ * k))
+                            a_full = x
+                            moved = (w_ - 1) / w_ * m * n * 2
+                        else:
+                            x = jax.random.normal(ka, (t, k), jnp.float32).astype(bf) / np.sqrt(k)
+                            gx = self.place(x, 0, (m, k))
+                            a_full = jnp.concatenate([x] * w_)  # the gathered operand's shape
+                            moved = (w_ - 1) * t * k * 2
+                        w = jax.random.normal(kb, (k, n), jnp.float32).astype(bf)
+                    if op == "gemm_rs":
+                        gw = self.place(w, 0, (w_ * k, n))
+                        fused = self.gemm_fn(m, n, k, bf)
+                    else:
+                        gw = self.place(w, 1, (k, w_ * n))
+                        fused, _ = self.ag_fn(t, k, n, bf, False)
+                    gemm = jax.jit(lambda a, b: a @ b)
+                    # Every process times the same batch of the same program at once (they share the GPU).
+                    barrier = lambda: _distributed.barrier(f"entwine_test/small/{next(batches)}", range(w_),  # noqa: E731
+                                                           self.rank, 120_000)
+                    ms = timing.time_interleaved({"fused": (fused, (gx, gw)), "gemm": (gemm, (a_full, w))},
+                                                 iters=iters, warmup=5, batch=batch, before_batch=barrier)
+                    comm.check_errors()
+                    fused_ms, gemm_ms = timing.max_over_processes([ms["fused"], ms["gemm"]])
+                    link_ms = moved / (costs.link_gbps * 1e9) * 1e3
+                    xla_ms = gemm_ms + link_ms
+                    flops = 2.0 * m * n * k
+                    push = ag_config.push_of(entwine_jax.ag_heuristic_config(t, n, k, w_, bf), t * k * 2) \
+                        if op == "ag_gemm" else None
+                    rule = "xla" if crossover.fused_cannot_win(op, flops, moved, push=push) else "fused"
+                    winner = "fused" if fused_ms < xla_ms else "xla"
+                    # The fixed cost the rule assumes: what the fused op takes beyond the longer of its
+                    # GEMM and its transfer (the overlap's bound).
+                    fits[op].append((fused_ms - max(gemm_ms, link_ms)) * 1e3)
+                    rows.append((model, proj, t, m, n, k, fused_ms * 1e3, xla_ms * 1e3, gemm_ms * 1e3, link_ms * 1e3,
+                                 rule, winner))
+                    self.log(f"smallshapes {model} {proj} T={t}: fused {fused_ms * 1e3:.1f} us, XLA path "
+                             f"{xla_ms * 1e3:.1f} us")
+        if self.rank == 0:
+            print(header, flush=True)
+            for r in rows:
+                print(f"{r[0]:5} {r[1]:7} {r[2]:>6} {r[3]:>6} {r[4]:>6} {r[5]:>6} {r[6]:>9.1f} {r[7]:>8.1f} {r[8]:>8.1f} "
+                      f"{r[9]:>8.1f} {r[10]:>5} {r[11]:>6}", flush=True)
+        fitted = {op: float(np.median(v)) for op, v in fits.items()}
+        wrong = [f"{r[0]} {r[1]} T={r[2]}" for r in rows if r[10] != r[11]]
+        return (f"smallshapes: {len(rows)} shapes; fitted fixed_us (median of fused - max(GEMM, link)): "
+                f"gemm_rs {fitted['gemm_rs']:.1f}, ag_gemm {fitted['ag_gemm']:.1f} (crossover.py has "
+                f"{dict(costs.fixed_us)}); the rule disagrees with the measurement on {len(wrong)}: "
+                f"{', '.join(wrong) or 'none'}")
 
     def agmissing(self):
         import jax.numpy as jnp
@@ -1245,6 +1570,90 @@ class Rank:
         comm.check_errors()
         absent = self.world - 1
         return self.absent_rank("missing", lambda: f(gx, gw), f"from rank {absent}", "entwine gemm_rs")
+
+    def skipcall(self):
+        """The last rank skips one call of a sequence of two different calls (a caught error on one
+        rank, say): at the same epoch it runs the second call while its peers run the first. Every
+        rank must fail with an error (the ranks that see it: one naming both calls), every output
+        since is NaN, nothing hangs, and the next call is refused."""
+        import jax.numpy as jnp
+
+        w_ = self.world
+        first = (w_ * 128, 256, 128)
+        second = (w_ * 256, 384, 64)
+        calls = {}
+        for name, (m, n, k) in (("first", first), ("second", second)):
+            xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=len(calls) + 31)
+            calls[name] = (self.gemm_fn(m, n, k, jnp.bfloat16), self.global_arrays(xs, ws), self.reference(xs, ws))
+        sequence = ["second", "second"] if self.rank == w_ - 1 else ["first", "second", "second"]
+        return self.disagreement("skipcall", calls, sequence)
+
+    def disagree(self):
+        """Same shape, different plans: the last rank runs the call with another config (a tuned
+        table that differs between ranks, say). Its signature differs: every rank fails, one of them
+        naming both calls, instead of adding up partial tiles of different layouts."""
+        import dataclasses
+
+        import jax.numpy as jnp
+
+        m, n, k = self.world * 256, 512, 256
+        xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=41)
+        config = self.fused_config(m, n, k, jnp.bfloat16)
+        other = dataclasses.replace(config, consumer_grid=config.consumer_grid // 2 if config.consumer_grid > 1 else 2)
+        calls = {"agreed": (self.gemm_fn(m, n, k, jnp.bfloat16), self.global_arrays(xs, ws), self.reference(xs, ws)),
+                 "own": (self.gemm_fn(m, n, k, jnp.bfloat16, config=other if self.rank == self.world - 1 else None),
+                         self.global_arrays(xs, ws), self.reference(xs, ws))}
+        return self.disagreement("disagree", calls, ["own", "agreed"], warm=["agreed"])
+
+    def disagreement(self, suite, calls, sequence, warm=None):
+        """Warm-up: the calls `warm` (default: all) of `calls` ({name: (f, (gx, gw), reference)}) once on
+        every rank, checked.
+        Then this rank runs `sequence` (ranks differ): every rank must get an error from check_errors
+        (a mismatch naming both calls, or the abort of a peer that saw one) within a few seconds, every
+        output of the sequence must be all NaN or its call must raise, and the next call must be refused."""
+        import jax
+        import numpy as np
+
+        from entwine_jax import _distributed, comm
+
+        for name in warm or sorted(calls):
+            f, (gx, gw), ref = calls[name]
+            self.check(self.local(f(gx, gw)), ref, f"{suite}: warm-up {name}")
+        comm.check_errors()
+        _distributed.barrier(f"entwine_test/{suite}_warm", range(self.world), self.rank, 120_000)
+        t0 = time.monotonic()
+        outputs = []
+        for name in sequence:
+            f, (gx, gw), _ = calls[name]
+            try:
+                outputs.append((name, self.local(jax.block_until_ready(f(gx, gw)))))
+            except Exception as e:  # the handler refused: the error was already seen on this rank
+                outputs.append((name, f"{type(e).__name__}"))
+        waited = time.monotonic() - t0
+        try:
+            comm.check_errors()
+        except RuntimeError as e:
+            message = str(e)
+        else:
+            raise AssertionError(f"{suite}: no error after {waited:.1f} s although the ranks ran different calls")
+        if "while rank" not in message and "gave up on the communicator" not in message:
+            raise AssertionError(f"{suite}: the error is neither a mismatch nor an abort: {message}")
+        if "while rank" in message and message.count("gemm_rs bfloat16") != 2:
+            raise AssertionError(f"{suite}: the mismatch does not describe both calls: {message}")
+        for name, y in outputs:
+            if isinstance(y, np.ndarray) and not np.isnan(y.astype(np.float32)).all():
+                raise AssertionError(f"{suite}: an output of call {name} after the failure is not all NaN")
+        if waited > 10 * MISSING_TIMEOUT_MS / 1000 + 20:
+            raise AssertionError(f"{suite}: the failure took {waited:.1f} s")
+        f, (gx, gw), _ = calls[sequence[-1]]
+        try:
+            jax.block_until_ready(f(gx, gw))
+        except Exception:
+            pass
+        else:
+            raise AssertionError(f"{suite}: a call after the failure was not refused")
+        _distributed.barrier(f"entwine_test/{suite}_done", range(self.world), self.rank, 120_000)
+        return f"{suite}: failed after {waited:.1f} s with: {message[:200]}"
 
     def absent_rank(self, suite, call, names_absent, op):
         """The last rank skips one call; every other rank must get the deadline error (naming the
@@ -1292,8 +1701,8 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=2, help="number of ranks (processes), 1..8")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs to spread the ranks over (rank r on GPU r %% gpus)")
     parser.add_argument("--suite", default="quick",
-                        help="quick, ag, stress, mixed, missing, agmissing, cmdbuf, cmdbufmissing, fp8, hostcost, all, "
-                             "or a comma-separated list")
+                        help="quick, ag, stress, mixed, missing, agmissing, cmdbuf, cmdbufmissing, skipcall, disagree, "
+                             "heapgrow, fp8, hostcost, smallshapes, all, or a comma-separated list")
     parser.add_argument("--timeout", type=float, default=900, help="wall-clock limit per suite in seconds; stragglers are killed")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)

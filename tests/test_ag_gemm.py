@@ -210,7 +210,8 @@ def test_bad_dtypes():
 @pytest.mark.parametrize("field,value,match", [
     ("block_n", 64, "block_n must be one of"), ("gemm_sms", -1, "gemm_sms must be an int >= 0"),
     ("raster_rows", 0, "raster_rows must be an int >= 1"), ("max_chunks", 65, "max_chunks must be <= 64"),
-    ("path", "gpu", "path must be one of"),
+    ("push", "dma", "push must be one of"), ("push_sms", 65, "push_sms must be <= 64"),
+    ("push_sms", -1, "push_sms must be an int >= 0"), ("path", "gpu", "path must be one of"),
 ])
 def test_config_validation(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -269,3 +270,45 @@ def test_gemm_sms_error_says_which_gpu_it_assumed():
     with pytest.raises(ValueError, match=r"at most 131 on a 132-SM Hopper GPU \(no GPU seen here\), got 100000"):
         shard_call(lambda x, w: ag_gemm(x, w, axis_name="tp", config=AgGemmConfig(gemm_sms=100000)), mesh, (x, w),
                    in_specs, out_spec)
+
+
+def test_push_and_grids_resolved_per_shard(monkeypatch):
+    # push="auto": the SM push up to the crossover's shard size, the copy engines above it; the GEMM
+    # takes every SM the push leaves (132-SM GPU assumed without one).
+    monkeypatch.setattr(_extension, "sm_count", lambda: 132)
+    small, large = 1 << 20, 64 << 20
+    assert ag_fused.launch_sms(AgGemmConfig(), small) == (132 - 16, 16)
+    assert ag_fused.launch_sms(AgGemmConfig(), large) == (131, 0)
+    assert ag_fused.launch_sms(AgGemmConfig(push="ce"), small) == (131, 0)
+    assert ag_fused.launch_sms(AgGemmConfig(push="sm", push_sms=4), large) == (128, 4)
+    # A user's GEMM grid that leaves the SM push no room keeps the copy engines.
+    assert ag_fused.launch_sms(AgGemmConfig(gemm_sms=130), small) == (130, 0)
+    assert ag_fused.launch_sms(AgGemmConfig(gemm_sms=100), small) == (100, 16)
+    # The kernels read the resolved grids, never `push`.
+    attrs = AgGemmConfig(push="sm").kernel_attributes(116, 16)
+    assert "push" not in attrs and "path" not in attrs and (attrs["gemm_sms"], attrs["push_sms"]) == (116, 16)
+
+
+def test_sm_push_must_leave_its_sms():
+    if _extension.gpu_sm_count():
+        pytest.skip("a GPU is visible: the message names it")
+    mesh = make_mesh((2,), ("tp",))
+    x, w = random_inputs(4, (8, 4), (4, 6), jnp.bfloat16)
+    in_specs, out_spec = layout_specs(2, 0)
+    with pytest.raises(ValueError, match=r"leave the SM push its 16 SMs: at most 116 on a 132-SM Hopper GPU"):
+        shard_call(lambda x, w: ag_gemm(x, w, axis_name="tp", config=AgGemmConfig(gemm_sms=120, push="sm")), mesh,
+                   (x, w), in_specs, out_spec)
+
+
+def test_plan_sizes_the_sm_push():
+    if _extension.module()[0] is None:
+        pytest.skip("the plan is the compiled extension's (pure-Python install)")
+    # 128 x 1024 bf16 in one chunk: 16384 vectors, 32 per thread of one CTA: the grid is the budget.
+    plan = ag_plan.ag_plan(128, 1024, 256, 2, False, AgGemmConfig(), 116, 16)
+    assert (plan.push_grid, plan.sms_needed) == (16, min(plan.grid, 116) + 16)
+    # A tiny shard gives one CTA per peer something to copy, no more.
+    plan = ag_plan.ag_plan(128, 8, 256, 4, False, AgGemmConfig(), 116, 16)
+    assert plan.push_grid == 3
+    # The copy engines: no push grid, one SM for the releases.
+    plan = ag_plan.ag_plan(128, 1024, 256, 2, False, AgGemmConfig(), 131, 0)
+    assert plan.push_grid == 0 and plan.sms_needed == plan.grid + 1

@@ -67,3 +67,35 @@ def test_auto_reports_the_rule_and_fused_is_not_subject_to_it(capsys, monkeypatc
     with jax.set_mesh(mesh):
         jax.jit(g).lower(jax.device_put(x, P("tp", None)), jax.device_put(w, P(None, "tp")))
     assert "a small call" in capsys.readouterr().err
+
+
+def test_push_crossover_and_its_fixed_cost():
+    # One constant decides the push by shard size; the SM push's smaller fixed cost lets smaller calls
+    # take the fused path than the copy engines' would.
+    limit = crossover.COSTS.sm_push_max_shard_bytes
+    assert crossover.ag_push(limit) == "sm" and crossover.ag_push(limit + 1) == "ce"
+    cost = ag_gemm_cost(1024, 4096, 1024, 2)
+    assert crossover.fused_cannot_win("ag_gemm", *cost, push="sm") is None
+    assert "fixed cost of ~70 us" in crossover.fused_cannot_win("ag_gemm", *cost, push="ce")
+
+
+def llama_projections(hidden, mlp, kv, tokens, world):
+    """(op, flops, moved bytes, push) of a Llama layer's projections at `tokens` per rank: q/k/v and
+    gate/up gather the tokens (ag_gemm), o and down scatter them (gemm_rs); as gpu_ranks' smallshapes."""
+    shard = lambda cols: tokens * cols * 2  # noqa: E731
+    return [("ag_gemm", *ag_gemm_cost(tokens, hidden, (hidden + 2 * kv) // world, world),
+             crossover.ag_push(shard(hidden))),
+            ("gemm_rs", *gemm_rs_cost(world * tokens, hidden, hidden // world, world), None),
+            ("ag_gemm", *ag_gemm_cost(tokens, hidden, 2 * mlp // world, world), crossover.ag_push(shard(hidden))),
+            ("gemm_rs", *gemm_rs_cost(world * tokens, hidden, mlp // world, world), None)]
+
+
+@pytest.mark.parametrize("hidden,mlp,kv", [(4096, 14336, 1024), (8192, 28672, 1024)])
+def test_llama_projections_tiny_take_xla_large_take_fused(hidden, mlp, kv):
+    # Llama-8B and -70B at W = 2: a handful of tokens per rank is microseconds of work, XLA's path;
+    # 2048 tokens per rank hide more than either push's fixed cost.
+    for tokens in (16, 64):
+        for op, flops, moved, push in llama_projections(hidden, mlp, kv, tokens, 2):
+            assert crossover.fused_cannot_win(op, flops, moved, push=push) is not None, (op, tokens)
+    for op, flops, moved, push in llama_projections(hidden, mlp, kv, 2048, 2):
+        assert crossover.fused_cannot_win(op, flops, moved, push=push) is None, (op, 2048)

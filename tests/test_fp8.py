@@ -411,7 +411,7 @@ def test_ag_gemm_fp8_call_as_the_ffi_contract_says(gather_k, return_gathered):
     # x the shard [rows, cols] e4m3, w transposed [N, W * cols or cols], the scales; results y, the gathered
     # FP8 shards (or empty) and the W sources' scales; attribute shared_scale.
     p = ag_fused.AgPadding(world=2, rows=100, cols=40, n=96, rows_pad=128, cols_pad=48, n_pad=128, gather_k=gather_k)
-    site = ag_fused.AgGemmCall(padding=p, gemm_sms=131, comm_id=1, config=AgGemmConfig(),
+    site = ag_fused.AgGemmCall(padding=p, gemm_sms=131, push_sms=0, comm_id=1, config=AgGemmConfig(),
                                target="entwine_ag_gemm_fp8", out_dtype="bfloat16")
     k = 2 * 40 if gather_k else 40
     x8, w8 = jnp.ones((100, 40), E4M3), jnp.ones((k, 96), E4M3)

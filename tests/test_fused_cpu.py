@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import entwine_jax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,11 +220,13 @@ def test_pad_operands_skips_aligned_operands(plan):
 
 
 def test_heap_bytes_and_the_plan_capacity(plan):
-    # [flags parity 0][flags parity 1][ready words][slot 0][slot 1][inbox], each region 256-byte
-    # aligned (comm::heap_layout).
-    assert _extension.heap_bytes(2, 1 << 20, 64) == 2 * 1024 + 256 + 2 * (1 << 20)
-    assert _extension.heap_bytes(3, 100, 1) == 2 * 256 + 256 + 2 * 256
-    assert _extension.heap_bytes(2, 1 << 20, 64, 3000) == 2 * 1024 + 256 + 2 * (1 << 20) + 3072
+    # Device memory mapped: [flags parity 0][flags parity 1][ready words][slot 0][slot 1][inbox], each
+    # region in whole 2 MiB chunks, the ready words one chunk (comm::mapped_bytes).
+    chunk = 2 << 20
+    assert _extension.heap_bytes(2, 1 << 20, 64) == 2 * chunk + chunk + 2 * chunk
+    assert _extension.heap_bytes(3, 100, 1) == 5 * chunk
+    assert _extension.heap_bytes(2, 5 << 20, 64, 3000) == 2 * chunk + chunk + 2 * 3 * chunk + chunk
+    assert _extension.heap_bytes(8, 64 << 20, 32768 + 1) == 2 * 2 * chunk + chunk + 2 * 32 * chunk
     # One slot holds the padded M x N product (2-byte elements); one flag per tile of a partition.
     p = rs_fused.padding(8192, 1024, 8192, 2, 128)
     assert p.slot_bytes == 8192 * 8192 * 2 and p.tiles_per_partition == 32 * 64
@@ -347,8 +350,9 @@ class FakeExt:
             raise AttributeError(name)
         return lambda *args: self.calls.append((name,) + args)
 
-    def heap_ipc_handle(self, comm_id, device):
-        return bytes([device]) * 64
+    def comm_export(self, comm_id, device):
+        self.calls.append(("comm_export", comm_id, device))
+        return []
 
     def can_access_peer(self, a, b):
         return True
@@ -403,18 +407,20 @@ def test_create_grow_and_errors_one_process(monkeypatch):
     create = ext.calls[0]
     assert create[1:3] == (entry.id, 4)
     assert create[3] == [(d, d % 4) for d in range(8)]
-    assert create[4] % (2 << 20) == 0 and create[5] % 64 == 0
-    # One process: every peer is a local ordinal (raw pointers), the group of the device.
+    assert create[4] % (2 << 20) == 0 and create[5] % 64 == 0 and create[7] == comm.heap_max_bytes()
+    # One process: every peer is a local ordinal (its heap used directly), the group of the device.
     assert ext.calls[5] == ("comm_connect", entry.id, 4, [4, 5, 6, 7])
-    # A larger call grows the heap: synchronise, disconnect, grow, reconnect; the id stays.
+    # A larger call grows the heap: map more, reconnect; no synchronisation, the id stays.
     ext.calls.clear()
     assert comm.acquire_comm(mesh, "tp", 4 * 4096 * 4096 * 2, 32 * 32) == cid
-    assert [c[0] for c in ext.calls] == ["comm_synchronize", "comm_disconnect", "comm_grow"] + ["comm_connect"] * 8
-    assert entry.slot_bytes >= 4 * 4096 * 4096 * 2 and entry.generation == 1
-    # A failure during setup is a reason (Unavailable), not a crash of the trace.
-    ext.comm_grow = lambda *a: (_ for _ in ()).throw(RuntimeError("cudaMalloc(heap): out of memory"))
-    with pytest.raises(comm.Unavailable, match=r"communicator setup failed \(RuntimeError: cudaMalloc"):
+    assert [c[0] for c in ext.calls] == ["comm_grow"] + ["comm_connect"] * 8
+    assert entry.slot_bytes >= 4 * 4096 * 4096 * 2 and entry.generation == 2
+    # A failure during setup is a reason (Unavailable), not a crash of the trace; nothing changed.
+    before = entry.capacity
+    ext.comm_grow = lambda *a: (_ for _ in ()).throw(RuntimeError("cuMemCreate: out of memory"))
+    with pytest.raises(comm.Unavailable, match=r"setup failed \(RuntimeError: cuMemCreate.*is unchanged"):
         comm.acquire_comm(mesh, "tp", 8 * 4096 * 4096 * 2, 32 * 32)
+    assert entry.capacity == before and cid not in comm._failed
     # check_errors reports what a consumer recorded.
     comm.check_errors()
     ext.error = "entwine gemm_rs: rank 1 waited 2000 ms for tile 7 from rank 0"
@@ -450,14 +456,14 @@ def test_predicates_only_answer_and_prepare_acquires_once(monkeypatch):
     # The other op's call on the same axis shares the communicator; it grows it once, for its inbox.
     ag_call = ag_fused.prepare(x, w, gather_k=False, config=ag_config, **kw)
     assert ag_call.comm_id == cid and hash(ag_call)
-    assert [c[0] for c in ext.calls[3:]] == ["comm_synchronize", "comm_disconnect", "comm_grow"] + ["comm_connect"] * 2
+    assert [c[0] for c in ext.calls[3:]] == ["comm_grow"] + ["comm_connect"] * 2
     assert comm._comms[cid].inbox_bytes >= 2 * 512 * 64 * 2
-    assert ag_fused.prepare(x, w, gather_k=False, config=ag_config, **kw) == ag_call and len(ext.calls) == 8
+    assert ag_fused.prepare(x, w, gather_k=False, config=ag_config, **kw) == ag_call and len(ext.calls) == 6
     # A call above the heap cap: the predicate says so, and nothing is grown.
     monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(8 << 20))
     big = jax.ShapeDtypeStruct((8192, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 8192), jnp.bfloat16)
     reason = rs_fused.unavailable_reason(*big, scatter_dimension=0, config=CFG, **kw)
-    assert "would exceed ENTWINE_HEAP_MAX_BYTES=8388608" in reason and len(ext.calls) == 8
+    assert "would exceed ENTWINE_HEAP_MAX_BYTES=" in reason and len(ext.calls) == 6
     with pytest.raises(comm.Unavailable, match="ENTWINE_HEAP_MAX_BYTES"):
         rs_fused.prepare(*big, scatter_dimension=0, config=CFG, **kw)
 
@@ -466,26 +472,6 @@ def test_prepare_without_a_mesh_says_how_to_give_one():
     x, w = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
     with pytest.raises(comm.Unavailable, match=r"call entwine_jax.setup\(mesh, 'tp'\) first"):
         rs_fused.prepare(x, w, axis_name="tp", axis_size=2, scatter_dimension=0, config=CFG)
-
-
-def test_connect_across_processes_uses_ipc_handles(monkeypatch):
-    # Process 0 of two, one GPU each (or both on GPU 0): rank 1's heap comes from the KV store.
-    kv = FakeKV()
-    monkeypatch.setattr(_distributed, "client", lambda: kv)
-    devices = [FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)]
-    mesh = FakeMesh(devices, ("tp",))
-    groups = comm.device_groups(mesh, "tp")
-    entry = comm._Comm(comm.comm_id(groups, "tp"), [(devices[0], 0, groups[0])], [0, 1])
-    other = b"\x07" * 64
-    kv.store[comm._key(entry, "heap/1")] = other
-    ext = FakeExt()
-    comm._connect(ext, entry)
-    assert kv.store[comm._key(entry, "heap/0")] == bytes([0]) * 64
-    assert ext.calls == [("comm_connect", entry.id, 0, [0, other])]
-    # A missing peer is a timeout error, not a hang.
-    entry.generation += 1
-    with pytest.raises(TimeoutError):
-        comm._connect(ext, entry)
 
 
 def test_device_checks(monkeypatch):
@@ -552,7 +538,10 @@ def test_gemm_rs_local_traces_one_padded_fused_call(monkeypatch):
         text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     call_line = next(line for line in text.splitlines() if rs_plan.target() in line)
     assert f"comm_id = {entry.id} : i64" in call_line
-    assert call_line.count("!stablehlo.token") == 2, call_line  # the order token in and out
+    assert call_line.count("!stablehlo.token") == 1, call_line  # the order token in
+    assert "entwine_order" in text  # the link that makes the next token from the call's result
+    signature = int(attrs["signature"])
+    assert 0 <= signature < 1 << 24 and f"signature = {signature} : i64" in call_line
     for attr in ("block_n = 128 : i64", "producer_sms = 0 : i64", "consumer_grid = 16 : i64",
                  "consumer_block = 512 : i64", "raster_rows = 8 : i64", "split_tail = false"):
         assert attr in call_line, (attr, call_line)
@@ -566,21 +555,40 @@ class _nullcontext:
         return False
 
 
-def test_a_communicator_whose_setup_failed_is_not_used_again(monkeypatch):
-    # A peer that never published its heap (the key-value wait failed) leaves this process's entry
-    # created but unconnected: the call site gets the reason, and so does every later one, as an
-    # XLA-path reason, never a compiled call against an unconnected communicator.
+def test_a_failed_setup_is_undone_and_retried(monkeypatch):
+    # A creation whose connection fails is destroyed again: the call site gets the reason (an XLA-path
+    # reason), nothing is left half-connected, and the next call site creates the communicator anew.
     mesh = _mesh()
     ext = FakeExt()
     monkeypatch.setattr(comm, "_check_devices", lambda *a: None)
     monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
-    ext.comm_connect = lambda *a: (_ for _ in ()).throw(TimeoutError("no heap from rank 3 within 300 s"))
-    with pytest.raises(comm.Unavailable, match=r"communicator setup failed \(TimeoutError: no heap from rank 3"):
+    cid = comm.comm_id(comm.device_groups(mesh, "tp"), "tp")
+
+    def refuse(*a):
+        raise TimeoutError("no heap from rank 3")
+
+    ext.comm_connect = refuse
+    with pytest.raises(comm.Unavailable, match=r"setup failed \(TimeoutError: no heap from rank 3.*'tp' is unchanged"):
         comm.acquire_comm(mesh, "tp", 1024, 1)
-    # A smaller call, which the created entry would have room for, is refused too.
-    with pytest.raises(comm.Unavailable, match=r"no longer uses the communicator of axis 'tp'"):
+    assert [c[:2] for c in ext.calls] == [("comm_create", cid), ("comm_destroy", cid)]
+    assert cid not in comm._comms and comm.mesh_reason(ext, mesh, "tp", 4) is None
+    del ext.comm_connect
+    assert comm.acquire_comm(mesh, "tp", 1024, 1) == cid and comm._comms[cid].generation == 1
+    # A growth that fails is shrunk back to the capacity calls use; if that fails too, no later call
+    # site may use the communicator (it says why), and the predicate says so as well.
+    ext.calls.clear()
+    ext.comm_connect = refuse
+    have = comm._comms[cid].capacity
+    with pytest.raises(comm.Unavailable, match="is unchanged"):
+        comm.acquire_comm(mesh, "tp", 64 << 20, 1)
+    assert [c[0] for c in ext.calls] == ["comm_grow", "comm_shrink"] and ext.calls[1][2:] == have
+    assert comm._comms[cid].capacity == have and comm._comms[cid].generation == 1
+    ext.comm_shrink = lambda *a: (_ for _ in ()).throw(RuntimeError("cuMemUnmap: invalid value"))
+    with pytest.raises(comm.Unavailable, match=r"could not be undone \(RuntimeError: cuMemUnmap"):
+        comm.acquire_comm(mesh, "tp", 64 << 20, 1)
+    with pytest.raises(comm.Unavailable, match="no longer uses it"):
         comm.acquire_comm(mesh, "tp", 16, 1)
-    assert "no longer uses the communicator" in comm.mesh_reason(ext, mesh, "tp", 4)
+    assert "no longer uses it" in comm.mesh_reason(ext, mesh, "tp", 4)
 
 
 @pytest.mark.parametrize("flags,refused", [
@@ -615,3 +623,42 @@ def test_concurrent_command_buffers_are_a_reason_of_both_ops(monkeypatch):
                    ag_fused.unavailable_reason(x, w, gather_k=False, config=AgGemmConfig(gemm_sms=100), **kw)):
         assert "scheduling_mode=CONCURRENT" in reason
     assert not ext.calls and not comm._comms
+
+
+def test_reserve_grows_once_for_every_call_site(monkeypatch):
+    # reserve() traces the function with growth deferred, then creates the communicator once with the
+    # largest need of its call sites (each op's prepare asks acquire_comm, as these sites do); tracing
+    # the sites again grows nothing.
+    ext = FakeExt()
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
+    mesh = _gpu_mesh()
+    sites = [(64 << 20, 512, 0), (8 << 20, 4096, 0), (0, 64, 32 << 20)]  # slot bytes, flags, inbox bytes
+
+    def step(scale):
+        for slot, tiles, inbox in sites:
+            comm.acquire_comm(mesh, "tp", slot, tiles, inbox)
+        return scale * 2
+
+    sized = entwine_jax.reserve(step, jax.ShapeDtypeStruct((), jnp.float32))
+    cid = comm.comm_id(comm.device_groups(mesh, "tp"), "tp")
+    assert [c[0] for c in ext.calls] == ["comm_create"] + ["comm_connect"] * 2
+    assert ext.calls[0][4:7] == (64 << 20, 4096, 32 << 20)
+    entry = comm._comms[cid]
+    assert sized == {"tp": ext.heap_bytes(2, *entry.capacity)}
+    step(1.0)
+    assert len(ext.calls) == 3
+    # Sites that fit the cap one by one but not together: reserve says so, naming the function, and
+    # grows nothing.
+    monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(ext.heap_bytes(2, 128 << 20, 4096, 32 << 20)))
+
+    def bigger():
+        comm.acquire_comm(mesh, "tp", 128 << 20, 512)
+        comm.acquire_comm(mesh, "tp", 0, 64, 64 << 20)
+
+    with pytest.raises(RuntimeError, match=r"reserve: the heap of axis 'tp' cannot hold every call site of 'bigger'"):
+        entwine_jax.reserve(bigger)
+    assert len(ext.calls) == 3
+    with comm.deferred_growth():
+        with pytest.raises(RuntimeError, match="does not nest"):
+            with comm.deferred_growth():
+                pass

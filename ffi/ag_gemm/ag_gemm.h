@@ -19,9 +19,10 @@ namespace entwine {
 // listed here only, as X(type, name, default) (comm/config.h).
 #define ENTWINE_AG_GEMM_CONFIG_FIELDS(X)                                                                  \
   X(int64_t, block_n, 256)    /* GEMM block: 128 x block_n x 64, block_n in {128, 256} */                  \
-  X(int64_t, gemm_sms, 131)   /* persistent grid of that many CTAs, fewer than the SMs (see launch_release) */ \
+  X(int64_t, gemm_sms, 131)   /* persistent grid; gemm_sms + max(push_sms, 1) <= SMs (see launch_push) */   \
   X(int64_t, raster_rows, 8)  /* blocks of a chunk run in groups of this many tile rows (L2 reuse) */      \
-  X(int64_t, max_chunks, 8)   /* a shard travels in at most this many chunks of whole tile rows, one flag each */
+  X(int64_t, max_chunks, 8)   /* a shard travels in at most this many chunks of whole tile rows, one flag each */ \
+  X(int64_t, push_sms, 0)     /* 0: copy engines push the shard; > 0: one copy kernel of that many CTAs */
 struct AgGemmConfig {
   ENTWINE_AG_GEMM_CONFIG_FIELDS(ENTWINE_CONFIG_MEMBER)
 };
@@ -59,6 +60,8 @@ struct AgPlan {
   int64_t shard_bytes;    // one padded shard
   int64_t inbox_bytes;    // the gathered operand: world padded shards
   int64_t flags;          // flag words per rank: world * chunks
+  int32_t push_grid;      // CTAs of the SM push (launch_push), 0: the copy engines push
+  int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or the releases')
   TileOrder order;        // the blocks of one chunk, in production order
   WorkSchedule schedule;  // the GEMM's blocks, grid and k-tiles (every source's in the contraction layout)
 };
@@ -76,10 +79,6 @@ struct AgGemmArgs {
   DeviceError* error_mirror;  // host-mapped copy written once on failure
   CallEpoch call;
   uint64_t timeout_ns;
-  // ready[rank] in the heap of every peer (nullptr at this rank): the GEMM's first thread stores the
-  // call's epoch there as it starts, which tells each peer that this rank's inbox is free (every
-  // earlier call, its reads of the inbox included, is complete: stream order).
-  uint64_t* announce[kMaxWorld];
 };
 
 // The wait that opens a transfer stream (transfer.cu): no byte goes to the receiver before its GEMM
@@ -93,6 +92,26 @@ struct TransferArgs {
   uint64_t timeout_ns;
 };
 
+// The SM push (push_sms > 0): one kernel copies the local shard into every peer's inbox with 16-byte
+// stores and releases each chunk itself, so a call enqueues one launch instead of a copy and a
+// release kernel per chunk and peer (whose enqueueing bounds a small push on the copy engines).
+constexpr int kPushThreads = 512;
+struct PushArgs {
+  const void* shard;               // the local shard: shard_bytes, 16-byte aligned
+  char* inbox[kMaxWorld];          // every peer's inbox (this rank's entry unused)
+  uint64_t* flags[kMaxWorld];      // every peer's flags of parity 0 (the kernel adds the parity)
+  const uint64_t* ready;           // ready[0 .. world) in this rank's heap: the receivers' announcements
+  uint32_t* arrivals;              // one counter per (chunk, peer), zero between calls (ag_gemm's workspace)
+  int64_t shard_bytes;
+  int32_t chunks, rank, world;
+  DeviceError* error;
+  DeviceError* error_mirror;
+  CallEpoch call;
+  uint64_t timeout_ns;
+};
+// Counters of the SM push: a chunk per flag of one source, for each peer.
+constexpr size_t kPushArrivalsBytes = size_t(64) * kMaxWorld * sizeof(uint32_t);
+
 // The waits of ag_gemm (DeviceError::site).
 constexpr int32_t kAgGemmWaitSiteBase = 2 * kWaitSitesPerOp;
 constexpr int32_t kWaitGatherChunk = kAgGemmWaitSiteBase + 0;  // the GEMM: a chunk of rows of a peer's shard
@@ -104,6 +123,11 @@ constexpr int32_t kWaitInboxReady = kAgGemmWaitSiteBase + 1;   // a transfer: th
 // SM while the GEMM runs: its persistent grid leaves at least one SM free (config.gemm_sms).
 cudaError_t launch_wait_receiver(const TransferArgs& args, cudaStream_t stream);
 cudaError_t launch_release(uint64_t* flag, const CallEpoch& call, cudaStream_t stream);
+// The SM push of a plan with push_grid > 0: its CTAs, in one group per peer (or several peers per
+// group when the grid is smaller), wait for their receivers' announcements, copy chunk by chunk and
+// the last CTA of a group done with a chunk of a peer releases it. Its grid must find SMs beside the
+// GEMM's (plan.sms_needed).
+cudaError_t launch_push(const AgPlan& plan, const PushArgs& args, cudaStream_t stream);
 cudaError_t prepare_transfer_kernels();
 
 namespace comm {
@@ -122,6 +146,8 @@ extern const comm::OpHooks kHooks;
 using GemmPlan = AgPlan;
 using GemmArgs = AgGemmArgs;
 cudaError_t launch_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
+// The same launch prepared, to be enqueued any number of times (handlers keep it per call site).
+cudaError_t prepare_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
 cudaError_t prepare_gemms();
 
 // Load every kernel module of ag_gemm on the current device (once per device at setup).

@@ -23,9 +23,9 @@ void bind(nb::module_& m, FfiTargets& targets) {
 
   m.def("ag_plan",
         [](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
-           int max_chunks) {
+           int max_chunks, int push_sms) {
           AgProblem problem{rows, cols, n, world, 0, gather_k};
-          AgGemmConfig config{block_n, gemm_sms, raster_rows, max_chunks};
+          AgGemmConfig config{block_n, gemm_sms, raster_rows, max_chunks, push_sms};
           AgPlan const p = ag_plan(problem, config);
           nb::dict d;
           d["error"] = rule_or_none(p.error);
@@ -39,13 +39,15 @@ void bind(nb::module_& m, FfiTargets& targets) {
           d["k_tiles"] = p.k_tiles;
           d["inbox_bytes"] = p.inbox_bytes;
           d["flags"] = p.flags;
+          d["push_grid"] = p.push_grid;
+          d["sms_needed"] = p.sms_needed;
           return d;
         },
         nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
-        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"),
+        nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"), nb::arg("push_sms"),
         "ag_gemm's plan of one call (ffi/ag_gemm/ag_gemm.h) of an unpadded shard [rows, cols] and N = n: "
         "{error: None or the violated rule, rows_pad, cols_pad, n_pad, chunks, chunk_tiles, num_blocks, grid, "
-        "k_tiles, inbox_bytes, flags}.");
+        "k_tiles, inbox_bytes, flags, push_grid, sms_needed}.");
 }
 
 }  // namespace entwine::ag_gemm

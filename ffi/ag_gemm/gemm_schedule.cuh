@@ -17,7 +17,6 @@ struct GemmSchedule {
 
   struct Params {
     const uint64_t* gather_flags;   // flags[source * chunks + chunk] of this rank, parity 0
-    uint64_t* announce[kMaxWorld];  // ready[rank] in each peer's heap (AgGemmArgs)
     bool gather_k;                  // contraction layout (AgProblem)
     int world, rank;
     int chunks, chunk_tiles, shard_tiles, blocks_per_chunk, k_tiles_per_source;
@@ -52,18 +51,12 @@ struct GemmSchedule {
     return c;
   }
 
-  // Announce the call to every peer first (ready words; see AgGemmArgs::announce). This kernel
+  // Announce the call to every peer first (ready words; see CallEpoch::announce). This kernel
   // starts after everything of this rank's earlier calls is complete; the fence orders that (their
   // reads of the inbox) before the announcement.
   template <class Kernel>
   static __device__ void start(typename Kernel::Params const& params) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      uint64_t const epoch = ptx::load_relaxed_sys(params.call.epoch);
-      ptx::fence_acq_rel_sys();
-      for (int q = 0; q < params.op.world; ++q) {
-        if (params.op.announce[q] != nullptr) ptx::store_relaxed_sys(params.op.announce[q], epoch);
-      }
-    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) wait::announce(params.call);
   }
 
   // The TMA warp: every block's A comes from the local shard (x) or from a peer's chunk in the
@@ -83,8 +76,8 @@ struct GemmSchedule {
     auto k_shape = cute::shape<3>(cute::get<0>(load_inputs));
     auto load_block = [&](bool local, int m_block, int n_block, int batch, int source, int chunk) {
       if (!local && (source != waited_source || chunk != waited_chunk)) {
-        ok = ok && wait::wait_flag_warp(flags + source * op.chunks + chunk, epoch, op.timeout_ns, op.error,
-                                        op.error_mirror, op.rank, source, chunk, kWaitGatherChunk, params.call.trap);
+        ok = ok && wait::wait_flag_warp(flags + source * op.chunks + chunk, epoch, params.call, op.timeout_ns, op.error,
+                                        op.error_mirror, op.rank, source, chunk, kWaitGatherChunk);
         // The TMA engine (async proxy) reads what the acquire made visible to this thread.
         ptx::fence_proxy_async_global();
         waited_source = source;
@@ -156,7 +149,6 @@ struct GemmSchedule {
     p.call = args.call;
     p.call.slot_stride = 0;  // the store warp writes y, which has one copy
     p.op.gather_flags = args.flags;
-    for (int q = 0; q < kMaxWorld; ++q) p.op.announce[q] = args.announce[q];
     p.op.gather_k = pr.gather_k;
     p.op.world = pr.world;
     p.op.rank = pr.rank;

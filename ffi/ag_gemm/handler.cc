@@ -1,7 +1,8 @@
-// XLA FFI handler `entwine_ag_gemm`: validates and plans one rank's call, forks XLA's stream into the
-// transfer streams (the shard pushed to every peer by copy engines, one flag per chunk) and the GEMM
-// stream (consuming the gathered operand as it arrives), joins them back; and ag_gemm::kHooks. No
-// kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (see gemm_rs).
+// XLA FFI handler `entwine_ag_gemm`: validates and plans one rank's call, runs the GEMM (consuming the
+// gathered operand as it arrives) on XLA's stream and forks the transfer streams beside it (the
+// shard pushed to every peer by copy engines or by one SM copy kernel, one flag per chunk), joins
+// them back; and ag_gemm::kHooks. No kernel syntax; no allocation, free, synchronisation, IPC or
+// peer-access call (see gemm_rs).
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -19,7 +20,8 @@ namespace entwine {
 
 namespace ag_gemm {
 
-// The GEMM and the transfer kernels are loaded with the communicator; no workspace.
+// The GEMM and the transfer kernels are loaded with the communicator; the workspace holds the SM
+// push's arrival counters (one transfer stream runs the push kernel: one set per entry).
 const comm::OpHooks kHooks{
     "ag_gemm",
     prepare_kernels,
@@ -32,7 +34,7 @@ const comm::OpHooks kHooks{
       return "entwine ag_gemm: " + waited + "for chunk " + std::to_string(e.tile) + " of the shard of rank " +
              std::to_string(e.source);
     },
-    0,
+    kPushArrivalsBytes,
 };
 
 }  // namespace ag_gemm
@@ -42,6 +44,37 @@ namespace {
 constexpr const char* kOp = "entwine ag_gemm";
 using handler::DeviceGuard;
 using handler::dims_string;
+
+// The plan's rules, and what the call needs of the GPU and of the communicator: checked when a call
+// site's plan is made (a memoised plan passed them).
+ffi::Error check_plan(AgPlan const& plan, AgProblem const& problem, AgGemmConfig const& config,
+                      comm::DeviceComm const& dc) {
+  // Built only for a message: the handler's host time is on every call's path.
+  auto const call = [&] {
+    return " (rows=" + std::to_string(problem.rows) + ", cols=" + std::to_string(problem.cols) + ", N=" +
+           std::to_string(problem.n) + ", W=" + std::to_string(problem.world) + ", config " +
+           ENTWINE_CONFIG_STRING(config, ENTWINE_AG_GEMM_CONFIG_FIELDS) + ")";
+  };
+  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string(kOp) + ": " + plan.error + call());
+  // Python padded the operands with the same plan: planning the padded shape must change nothing.
+  if (plan.rows_pad != problem.rows || plan.cols_pad != problem.cols || plan.n_pad != problem.n) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": operands not padded as the plan pads them" + call());
+  }
+  if (plan.sms_needed > dc.sm_count) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": the GEMM's " + std::to_string(plan.grid) +
+                                       " CTAs and the push's " + std::to_string(plan.push_grid) +
+                                       " (or one SM for the chunk releases) need " + std::to_string(plan.sms_needed) +
+                                       " SMs, this GPU has " + std::to_string(dc.sm_count) + call());
+  }
+  if (size_t(plan.inbox_bytes) > dc.capacity.inbox_bytes || plan.chunks > dc.capacity.max_tiles) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "entwine ag_gemm: call needs an inbox of " + std::to_string(plan.inbox_bytes) + " bytes and " +
+                          std::to_string(plan.chunks) + " chunks per source, communicator has " +
+                          std::to_string(dc.capacity.inbox_bytes) + " bytes and " +
+                          std::to_string(dc.capacity.max_tiles) + " flags per source");
+  }
+  return ffi::Error::Success();
+}
 
 // The inbox argument (docs/design.md, "The double-buffer argument"). In call e, rank q pushes its
 // shard into rank r's inbox and r's GEMM (and r's copy of the gathered operand) reads it. The
@@ -53,7 +86,7 @@ using handler::dims_string;
 // every call of either op takes a flag from every peer), so calls of both ops may alternate.
 ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
-                     bool gather_k, AgGemmConfig const& config) {
+                     bool gather_k, int64_t signature, AgGemmConfig const& config) {
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
   handler::HostTimer timer{dc};
@@ -89,32 +122,6 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   problem.cols = int32_t(xd[1]);
   problem.n = int32_t(wd[1]);
 
-  // The plan of the call, made once here and run by the launchers.
-  AgPlan const plan = ag_plan(problem, config);
-  // Built only for a message: the handler's host time is on every call's path.
-  auto const call = [&] {
-    return " (rows=" + std::to_string(problem.rows) + ", cols=" + std::to_string(problem.cols) + ", N=" +
-           std::to_string(problem.n) + ", W=" + std::to_string(world) + ", config " +
-           ENTWINE_CONFIG_STRING(config, ENTWINE_AG_GEMM_CONFIG_FIELDS) + ")";
-  };
-  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string(kOp) + ": " + plan.error + call());
-  // Python padded the operands with the same plan: planning the padded shape must change nothing.
-  if (plan.rows_pad != problem.rows || plan.cols_pad != problem.cols || plan.n_pad != problem.n) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": operands not padded as the plan pads them" + call());
-  }
-  if (config.gemm_sms >= dc->sm_count) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": config.gemm_sms (" + std::to_string(config.gemm_sms) +
-                                       ") must leave an SM free for the chunk releases: at most " +
-                                       std::to_string(dc->sm_count - 1) + " on this GPU");
-  }
-  if (size_t(plan.inbox_bytes) > dc->capacity.inbox_bytes || plan.chunks > dc->capacity.max_tiles) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "entwine ag_gemm: call needs an inbox of " + std::to_string(plan.inbox_bytes) + " bytes and " +
-                          std::to_string(plan.chunks) + " chunks per source, communicator has " +
-                          std::to_string(dc->capacity.inbox_bytes) + " bytes and " +
-                          std::to_string(dc->capacity.max_tiles) + " flags per source");
-  }
-
   bool capturing = false;
   if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
 
@@ -126,12 +133,10 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   int const rank = dc->rank;
   char* const own = static_cast<char*>(dc->heap);
   char* const own_inbox = own + dc->layout.inbox_offset();
-  int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
   char const* const shard = static_cast<char const*>(x.untyped_data());
-  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing);
+  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
   uint64_t const timeout_ns = comm::timeout_ms() * 1000000ull;
 
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
   AgGemmArgs args{};
   args.x = x.untyped_data();
   args.gathered = own_inbox;
@@ -142,22 +147,78 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   args.error_mirror = dc->error_device;
   args.call = epoch_args;
   args.timeout_ns = timeout_ns;
-  for (int q = 0; q < world; ++q) {
-    if (q != dc->rank) {
-      args.announce[q] = reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[q]) + dc->layout.ready_offset()) +
-                         dc->rank;
-    }
+
+  // The plan and the GEMM's parameters (TMA descriptors), derived once per call site and buffers:
+  // the key holds every value they are derived from (the problem, the config, the GEMM's arguments).
+  struct Derived {
+    AgPlan plan;
+    PreparedGemm gemm;
+  };
+  static thread_local handler::CallMemo<64, Derived> memo;
+  handler::MemoKey<64> key;
+  for (int64_t v : {int64_t(dtype), int64_t(problem.rows), int64_t(problem.cols), int64_t(problem.n),
+                    int64_t(problem.world), int64_t(problem.rank), int64_t(problem.gather_k), int64_t(capturing),
+                    args.call.slot_stride, args.call.flags_stride, int64_t(args.timeout_ns)}) {
+    key.add(uint64_t(v));
   }
-  // The GEMM first: its local shard needs nothing from a peer, so it starts while the host still
-  // enqueues the pushes (2 calls per chunk and peer).
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
-  ENTWINE_RETURN_IF_CUDA(kOp, ag_gemm::launch_gemm(dtype, plan, args, dc->producer));
-  // Pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
+#define ENTWINE_MEMO_FIELD(type, name, value) key.add(uint64_t(config.name));
+  ENTWINE_AG_GEMM_CONFIG_FIELDS(ENTWINE_MEMO_FIELD)
+#undef ENTWINE_MEMO_FIELD
+  for (const void* p : {args.x, args.gathered, args.w, static_cast<const void*>(args.y),
+                        static_cast<const void*>(args.flags), static_cast<const void*>(args.error),
+                        static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch)}) {
+    key.add(p);
+  }
+  handler::add_call(key, args.call);
+  Derived const* derived = memo.find(key);
+  if (derived == nullptr) {
+    Derived fresh{ag_plan(problem, config), {}};
+    if (ffi::Error e = check_plan(fresh.plan, problem, config, *dc); e.failure()) return e;
+    ENTWINE_RETURN_IF_CUDA(kOp, ag_gemm::prepare_gemm(dtype, fresh.plan, args, &fresh.gemm));
+    Derived* entry = memo.insert(key);
+    *entry = fresh;
+    derived = entry;
+  }
+  AgPlan const& plan = derived->plan;
+  int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
+
+  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
+  // The GEMM first, on XLA's stream (no fork to join): its local shard needs nothing from a peer, so
+  // it starts while the host still enqueues the pushes.
+  ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
+  uint64_t* const own_ready = reinterpret_cast<uint64_t*>(own + dc->layout.ready_offset());
+  // The joins of the transfer streams used: transfer[1] alone for the SM push.
+  int const transfer_streams = plan.push_grid > 0 && world > 1 ? 1 : int(world) - 1;
+  if (plan.push_grid > 0 && world > 1) {
+    // SM push: one kernel on one transfer stream waits for every receiver, pushes every chunk to
+    // every peer and releases each (launch_push).
+    PushArgs push{};
+    push.shard = shard;
+    for (int q = 0; q < world; ++q) {
+      if (q == rank) continue;
+      char* const peer_heap = static_cast<char*>(dc->peer_heap[q]);
+      push.inbox[q] = peer_heap + dc->layout.inbox_offset();
+      push.flags[q] = reinterpret_cast<uint64_t*>(peer_heap + dc->layout.flags_offset());
+    }
+    push.ready = own_ready;
+    push.arrivals = static_cast<uint32_t*>(dc->workspace(&ag_gemm::kHooks));
+    push.shard_bytes = plan.shard_bytes;
+    push.chunks = plan.chunks;
+    push.rank = rank;
+    push.world = int32_t(world);
+    push.error = dc->error_local;
+    push.error_mirror = dc->error_device;
+    push.call = epoch_args;
+    push.timeout_ns = timeout_ns;
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->transfer[1], dc->start, 0));
+    ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, dc->transfer[1]));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->transfer_done[1], dc->transfer[1]));
+  }
+  // Copy-engine pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
   // released by its flag in the receiver's memory (launch_release, after the copy). Rank r thus
   // receives from r-1 first on every link at once; the GEMM visits peers in that order. Each stream
   // opens with the wait for the receiver's announcement (its GEMM has started the call).
-  uint64_t* const own_ready = reinterpret_cast<uint64_t*>(own + dc->layout.ready_offset());
-  for (int d = 1; d < world; ++d) {
+  for (int d = 1; plan.push_grid == 0 && d < world; ++d) {
     int const peer = (rank + d) % int(world);
     cudaStream_t const stream = dc->transfer[d];
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(stream, dc->start, 0));
@@ -187,26 +248,31 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
     for (int s = 0; s < world; ++s) {
       char const* const from = s == rank ? shard : own_inbox + s * plan.shard_bytes;
       ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(out + s * plan.shard_bytes, from, plan.shard_bytes,
-                                             cudaMemcpyDeviceToDevice, dc->producer));
+                                             cudaMemcpyDeviceToDevice, xla_stream));
     }
   }
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, dc->producer));
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
-  for (int d = 1; d < world; ++d) {
+  // The GEMM window, for ENTWINE_PROFILE=1 (comm::last_call_ms).
+  if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
+  for (int d = 1; d <= transfer_streams; ++d) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->transfer_done[d], 0));
   }
-  // The next call's epoch, once this whole call is done.
-  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_advance_epoch(dc->epoch, xla_stream));
+  // The next call's epoch, once this whole call is done (outputs poisoned if the call failed anywhere).
+  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(handler::call_end(*dc, epoch_args, y->untyped_data(),
+                                                                       int64_t(y->size_bytes()),
+                                                                       gathered->untyped_data(),
+                                                                       int64_t(gathered->size_bytes())),
+                                                    xla_stream));
   return ffi::Error::Success();
 }
 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
-// The tokens order the fused calls of a program (gemm_rs's handler); they carry no data.
+// The token orders the fused calls of a program and carries no data (the next one comes from
+// entwine_order, comm/order.cc).
 ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Token,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, ffi::Result<ffi::Token>,
-                      int64_t comm_id, bool gather_k, AgGemmConfig config) {
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered,
+                      int64_t comm_id, bool gather_k, int64_t signature, AgGemmConfig config) {
   try {
-    return RunAgGemm(xla_stream, device, x, w, y, gathered, comm_id, gather_k, config);
+    return RunAgGemm(xla_stream, device, x, w, y, gathered, comm_id, gather_k, signature, config);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("entwine ag_gemm: ") + e.what());
   } catch (...) {
@@ -231,8 +297,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
                                   .Arg<ffi::Token>()                         // order in (fused calls)
                                   .Ret<ffi::AnyBuffer>()                     // y
                                   .Ret<ffi::AnyBuffer>()                     // gathered (or empty)
-                                  .Ret<ffi::Token>()                         // order out
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<bool>("gather_k")                    // gather_k
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
                                   .Attr<entwine::AgGemmConfig>("config"),    // config
                               {ffi::Traits::kCmdBufferCompatible});

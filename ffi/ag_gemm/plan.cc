@@ -28,11 +28,13 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   if (p.world < 1 || p.world > kMaxWorld) return fail("world size must be in [1, 8]");
   if (p.rank < 0 || p.rank >= p.world) return fail("rank must be in [0, world)");
   if (c.block_n != 128 && c.block_n != 256) return fail("config.block_n must be 128 or 256");
-  // One CTA per block could fill every SM with CTAs waiting for chunks whose release kernels then
-  // find no SM: the grid is persistent, and the handler checks it leaves an SM free.
+  // One CTA per block could fill every SM with CTAs waiting for chunks whose release kernels (or
+  // push CTAs) then find no SM: the grid is persistent, and the handler checks that plan.sms_needed
+  // fits the GPU.
   if (c.gemm_sms < 1) return fail("config.gemm_sms must be >= 1");
   if (c.raster_rows < 1) return fail("config.raster_rows must be >= 1");
   if (c.max_chunks < 1 || c.max_chunks > 64) return fail("config.max_chunks must be in [1, 64]");
+  if (c.push_sms < 0 || c.push_sms > 64) return fail("config.push_sms must be in [0, 64]");
   if (p.rows <= 0 || p.cols <= 0 || p.n <= 0) return fail("rows, cols and N must be positive");
   auto round_up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
   int64_t const rows_pad = round_up(p.rows, kBlockM), cols_pad = round_up(p.cols, kAlignK),
@@ -55,6 +57,14 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   plan.shard_bytes = rows_pad * cols_pad * kElementBytes;
   plan.inbox_bytes = p.world * plan.shard_bytes;
   plan.flags = int64_t(p.world) * plan.chunks;
+  // The SM push splits each chunk over the CTAs of a peer's group, kPushThreads 16-byte vectors at a
+  // time: a CTA beyond one vector per thread of a chunk, for every peer, would only wait and count.
+  int64_t const chunk_vectors = plan.shard_bytes / plan.chunks / 16;
+  int64_t const useful = (chunk_vectors + kPushThreads - 1) / kPushThreads * (p.world > 1 ? p.world - 1 : 1);
+  plan.push_grid = int32_t(c.push_sms < useful ? c.push_sms : useful);
+  // Every CTA of the GEMM may wait for a chunk that only a running push CTA (or, on the copy
+  // engines, a one-warp release kernel) releases: they all must be resident at once.
+  plan.sms_needed = plan.grid + (plan.push_grid > 0 ? plan.push_grid : 1);
   plan.shape = AgProblem{plan.rows_pad, plan.cols_pad, plan.n_pad, p.world, p.rank, p.gather_k};
   plan.order = TileOrder{plan.chunk_tiles, plan.n_blocks,
                          c.raster_rows < plan.chunk_tiles ? int32_t(c.raster_rows) : plan.chunk_tiles};

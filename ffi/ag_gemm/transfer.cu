@@ -1,5 +1,6 @@
-// The two small kernels of ag_gemm's transfer streams; each is one warp and reads the call's epoch
-// from the device, so a CUDA graph can replay them (docs/design.md, "Graph safety").
+// The kernels of ag_gemm's transfers; each reads the call's epoch from the device, so a CUDA graph
+// can replay it (docs/design.md, "Graph safety").
+// Copy engines (config.push_sms = 0), two one-warp kernels per transfer stream:
 //  - The receiver wait opens a transfer stream: bounded, until the receiver's GEMM has announced
 //    the call (so the receiver has finished reading its inbox in every earlier call). The announce
 //    is the GEMM's, not a kernel of this stream: a spinning kernel and the copy queued behind it can
@@ -9,7 +10,9 @@
 //    system fence, then the epoch into the receiver's flag (docs/design.md, "Memory ordering"). A
 //    stream memory operation (cuStreamWriteValue64) in its place let the receiving GEMM observe the
 //    flag before the chunk's data (two processes sharing one H200): the release is an SM sequence.
+// SMs (config.push_sms > 0): one kernel waits, copies and releases everything (push_shard).
 #include "ag_gemm/ag_gemm.h"
+#include "comm/flag.cuh"
 #include "comm/ptx.cuh"
 #include "comm/wait.cuh"
 
@@ -18,15 +21,80 @@ namespace {
 
 __global__ void __launch_bounds__(32) wait_receiver(TransferArgs a) {
   uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
-  wait::wait_flag_warp(a.ready, epoch, a.timeout_ns, a.error, a.error_mirror, a.rank, a.peer, 0,
-                       kWaitInboxReady, a.call.trap);
+  wait::wait_flag_warp(a.ready, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, a.peer, 0,
+                       kWaitInboxReady);
 }
 
 __global__ void __launch_bounds__(32) release_chunk(uint64_t* flag, CallEpoch call) {
   if (threadIdx.x == 0) {
     uint64_t const epoch = ptx::load_relaxed_sys(call.epoch);
     ptx::fence_acq_rel_sys();
-    ptx::store_relaxed_sys(flag + (epoch & 1) * call.flags_stride, epoch);
+    flag::store(flag, call, epoch);
+  }
+}
+
+// Vectors each thread keeps in flight: the loads of a batch are issued before its stores.
+constexpr int kPushUnroll = 4;
+
+// The CTAs form min(W-1, grid) groups, group g serving the peers rank + d with (d - 1) % groups == g,
+// so that every link carries a push from the start. A group's CTAs copy their shares of each (chunk,
+// peer) unit, chunk-major, so that chunk c reaches the group's peers before chunk c + 1 goes anywhere
+// (the receivers' GEMMs consume chunks in order), then count themselves done with the unit; the last
+// to arrive releases it. Release across CTAs: each CTA's stores, its barrier, its thread 0's system
+// fence and relaxed arrival; the last arrival reads every earlier one (one RMW chain), fences and
+// stores the flag, so every CTA's stores are visible to a reader that acquired the flag. The last CTA
+// also zeroes the counter for the next call, which starts after this kernel ends (stream order); a
+// graph replays the same counters the same way.
+// Pitfalls: every CTA of a group arrives at every unit of the group, even with nothing to copy or
+// after a failed wait, or the counters stop returning to zero; no flag of a peer whose announcement
+// never came is written (its GEMM reports the deadline, or already did).
+__global__ void __launch_bounds__(kPushThreads) push_shard(PushArgs a) {
+  __shared__ int peer_ok[kMaxWorld];
+  uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
+  int const peers = a.world - 1, grid = int(gridDim.x);
+  int const groups = peers < grid ? peers : grid, group = int(blockIdx.x) % groups;
+  int const members = grid / groups + (group < grid % groups ? 1 : 0), member = int(blockIdx.x) / groups;
+  // Warp d - 1 waits for the announcement of peer rank + d, if that peer is the group's: its inbox
+  // is free for this call.
+  int const warp = threadIdx.x / 32;
+  if (warp < peers && warp % groups == group) {
+    int const peer = (a.rank + 1 + warp) % a.world;
+    bool const ok = wait::wait_flag_warp(a.ready + peer, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank,
+                                         peer, 0, kWaitInboxReady);
+    if (threadIdx.x % 32 == 0) peer_ok[peer] = ok;
+  }
+  __syncthreads();
+
+  int64_t const chunk_vectors = a.shard_bytes / a.chunks / 16;
+  int64_t const stride = int64_t(members) * kPushThreads;
+  auto const* shard = static_cast<const uint4*>(a.shard);
+  for (int chunk = 0; chunk < a.chunks; ++chunk) {
+    for (int d = 1 + group; d <= peers; d += groups) {
+      int const peer = (a.rank + d) % a.world;
+      if (peer_ok[peer]) {
+        uint4 const* from = shard + chunk * chunk_vectors;
+        uint4* to = reinterpret_cast<uint4*>(a.inbox[peer] + a.rank * a.shard_bytes) + chunk * chunk_vectors;
+        int64_t i = int64_t(member) * kPushThreads + threadIdx.x;
+        for (; i + (kPushUnroll - 1) * stride < chunk_vectors; i += kPushUnroll * stride) {
+          uint4 v[kPushUnroll];
+#pragma unroll
+          for (int j = 0; j < kPushUnroll; ++j) v[j] = __ldg(from + i + j * stride);
+#pragma unroll
+          for (int j = 0; j < kPushUnroll; ++j) to[i + j * stride] = v[j];
+        }
+        for (; i < chunk_vectors; i += stride) to[i] = __ldg(from + i);
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        uint32_t* const arrivals = a.arrivals + chunk * peers + (d - 1);
+        ptx::fence_acq_rel_sys();
+        if (atomicAdd(arrivals, 1u) == uint32_t(members - 1)) {
+          *arrivals = 0;
+          ptx::fence_acq_rel_sys();
+          if (peer_ok[peer]) flag::store(a.flags[peer] + a.rank * a.chunks + chunk, a.call, epoch);
+        }
+      }
+    }
   }
 }
 
@@ -42,10 +110,16 @@ cudaError_t launch_release(uint64_t* flag, const CallEpoch& call, cudaStream_t s
   return cudaGetLastError();
 }
 
+cudaError_t launch_push(const AgPlan& plan, const PushArgs& args, cudaStream_t stream) {
+  push_shard<<<plan.push_grid, kPushThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
 cudaError_t prepare_transfer_kernels() {
   cudaFuncAttributes attr;
   cudaError_t err = cudaFuncGetAttributes(&attr, wait_receiver);
-  return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, release_chunk);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, release_chunk);
+  return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, push_shard);
 }
 
 }  // namespace entwine

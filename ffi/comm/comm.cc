@@ -1,14 +1,19 @@
-// Process-wide registry of the communicators (see comm.h) and of the ops that use them: allocation,
-// peer pointers and IPC handles, growth and teardown. Everything here runs from Python at trace
+// Process-wide registry of the communicators (see comm.h) and of the ops that use them: the heaps
+// (reserved address ranges with physical memory mapped in, vmm.h), peer tables, growth and teardown. Everything here runs from Python at trace
 // time or at exit, never from the execute path except find(), workspace() and error_message().
 #include "comm/comm.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+
+#include "comm/vmm.h"
 
 namespace entwine::comm {
 namespace {
@@ -25,12 +30,24 @@ struct Comm {
   std::map<int, std::unique_ptr<DeviceComm>> by_device;  // local ordinal -> rank entry
 };
 
-// The map is only changed by create() and shutdown(); entries are never moved (unique_ptr), so a
-// pointer from find() stays valid until shutdown().
+// The map is only changed by create(), destroy() and shutdown(); entries are never moved
+// (unique_ptr), so a pointer from find() stays valid until then.
 std::mutex registry_mutex;
+// Serialises the setup calls (create, grow, shrink, export, import, connect, destroy, shutdown).
+// They make driver calls that can take a while and do not hold registry_mutex meanwhile: every
+// handler takes it in find(), and a handler kept waiting can keep a peer's kernel spinning.
+std::mutex setup_mutex;
 std::map<int64_t, Comm>& registry() {
   static auto* comms = new std::map<int64_t, Comm>();  // leaked: outlives static destructors
   return *comms;
+}
+
+// What each call signature this process traced is (name_call), for error messages. Its own lock:
+// messages are formatted while registry_mutex is held.
+std::mutex call_names_mutex;
+std::map<uint32_t, std::string>& call_names() {
+  static auto* names = new std::map<uint32_t, std::string>();  // leaked, as the registry
+  return *names;
 }
 
 void check(cudaError_t err, const char* what) {
@@ -40,6 +57,7 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
+// The comm of comm_id; the caller holds registry_mutex.
 Comm& get(int64_t comm_id) {
   auto it = registry().find(comm_id);
   if (it == registry().end()) {
@@ -57,31 +75,112 @@ DeviceComm& entry(Comm& comm, int64_t comm_id, int device) {
   return *it->second;
 }
 
-void allocate_heap(DeviceComm& dc, const Capacity& capacity) {
-  check(cudaSetDevice(dc.device), "cudaSetDevice");
-  dc.capacity = capacity;
-  dc.layout = heap_layout(dc.world, capacity);
-  check(cudaMalloc(&dc.heap, dc.layout.total()), "cudaMalloc(heap)");
-  // Zeroed once: flags start below every epoch (the first call uses 1), and never get reset again.
-  check(cudaMemset(dc.heap, 0, dc.layout.total()), "cudaMemset(heap)");
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize(after heap zeroing)");
+// The comm of comm_id for a setup call, which holds setup_mutex: no other call can remove it then.
+Comm& setup_get(int64_t comm_id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  return get(comm_id);
 }
 
-// The peer table is cleared; imported mappings stay open (retired) until shutdown, since a graph
-// recorded earlier may still push to them or read them.
-void retire_imports(DeviceComm& dc) {
-  for (int s = 0; s < kMaxWorld; ++s) {
-    if (dc.peer_imported[s]) dc.retired_imports.push_back(dc.peer_heap[s]);
-    dc.peer_imported[s] = false;
-    dc.peer_heap[s] = nullptr;
+size_t whole_chunks(size_t bytes) { return (bytes + kChunkBytes - 1) / kChunkBytes * kChunkBytes; }
+
+// The regions of a heap in layout order: where each starts, how much of it `mapped` covers and how
+// much it may ever cover.
+struct Region {
+  size_t offset, bytes, limit;
+};
+std::vector<Region> regions(const HeapLayout& layout, const MappedBytes& mapped) {
+  size_t const r = layout.region_bytes;
+  return {{layout.flags_offset(), mapped.flags, r},     {layout.flags_offset() + r, mapped.flags, r},
+          {layout.ready_offset(), mapped.ready, kChunkBytes}, {layout.slot_offset(), mapped.slot, r},
+          {layout.slot_offset() + r, mapped.slot, r},   {layout.inbox_offset(), mapped.inbox, r}};
+}
+
+// Whether a chunk lies in the part of its region that `mapped` covers.
+bool covered(const HeapLayout& layout, const MappedBytes& mapped, const Chunk& chunk) {
+  for (const Region& region : regions(layout, mapped)) {
+    if (chunk.offset >= region.offset && chunk.offset + chunk.bytes <= region.offset + region.bytes) return true;
   }
-  dc.connected = false;
+  return false;
 }
 
-void close_imports(DeviceComm& dc) {
-  retire_imports(dc);
-  for (void* p : dc.retired_imports) cudaIpcCloseMemHandle(p);
-  dc.retired_imports.clear();
+bool at_least(const Capacity& a, const Capacity& b) {
+  return a.slot_bytes >= b.slot_bytes && a.inbox_bytes >= b.inbox_bytes && a.max_tiles >= b.max_tiles;
+}
+
+std::string describe(const Capacity& c) {
+  return "slot " + std::to_string(c.slot_bytes) + " B, inbox " + std::to_string(c.inbox_bytes) + " B, " +
+         std::to_string(c.max_tiles) + " flags per source";
+}
+
+// Unmaps (and frees, for own chunks) every chunk of `chunks` that `keep` does not cover.
+void unmap_beyond(void* base, std::vector<Chunk>& chunks, const HeapLayout& layout, const MappedBytes& keep) {
+  auto outside = [&](const Chunk& c) { return !covered(layout, keep, c); };
+  for (const Chunk& c : chunks) {
+    if (!outside(c)) continue;
+    vmm::unmap(static_cast<char*>(base) + c.offset, c.bytes);
+    if (c.handle) vmm::release(c.handle);
+  }
+  chunks.erase(std::remove_if(chunks.begin(), chunks.end(), outside), chunks.end());
+}
+
+// Maps zeroed physical memory behind each region of the own heap, up to `capacity`; all or nothing.
+// The zeroing runs on the entry's setup stream, so it waits for no call (flags must start below every
+// epoch; a region's new memory is unused until connect() publishes the capacity).
+void map_own(DeviceComm& dc, const Capacity& capacity) {
+  check(cudaSetDevice(dc.device), "cudaSetDevice");
+  // A new heap has nothing mapped, not even the ready words that every capacity includes.
+  MappedBytes const have = dc.chunks.empty() ? MappedBytes{} : mapped_bytes(dc.world, dc.mapped);
+  std::vector<Region> const before = regions(dc.layout, have);
+  std::vector<Region> const after = regions(dc.layout, mapped_bytes(dc.world, capacity));
+  try {
+    for (size_t i = 0; i < after.size(); ++i) {
+      if (after[i].bytes > after[i].limit) {
+        throw std::runtime_error("entwine comm: " + describe(capacity) + " exceeds the heap reserved at creation (" +
+                                 std::to_string(dc.layout.region_bytes) + " bytes per region)");
+      }
+      if (after[i].bytes <= before[i].bytes) continue;
+      Chunk chunk{before[i].offset + before[i].bytes, after[i].bytes - before[i].bytes, 0};
+      chunk.handle = vmm::create(dc.device, chunk.bytes);
+      void* at = static_cast<char*>(dc.heap) + chunk.offset;
+      try {
+        vmm::map(at, chunk.bytes, chunk.handle, dc.accessors);
+      } catch (...) {
+        vmm::release(chunk.handle);
+        throw;
+      }
+      dc.chunks.push_back(chunk);
+      check(cudaMemsetAsync(at, 0, chunk.bytes, dc.setup), "cudaMemsetAsync(new heap memory)");
+    }
+    check(cudaStreamSynchronize(dc.setup), "cudaStreamSynchronize(heap zeroing)");
+  } catch (...) {
+    cudaStreamSynchronize(dc.setup);
+    cudaGetLastError();
+    unmap_beyond(dc.heap, dc.chunks, dc.layout, have);
+    throw;
+  }
+  dc.mapped = capacity;
+}
+
+// Undoes map_own and the imports down to `capacity`, which calls may not have used yet.
+void shrink_entry(DeviceComm& dc, const Capacity& capacity) {
+  MappedBytes const keep = mapped_bytes(dc.world, capacity);
+  unmap_beyond(dc.heap, dc.chunks, dc.layout, keep);
+  for (int s = 0; s < kMaxWorld; ++s) {
+    if (dc.peer_reserved[s]) unmap_beyond(dc.peer_reserved[s], dc.peer_chunks[s], dc.layout, keep);
+  }
+  dc.mapped = capacity;
+}
+
+// Whether the chunks mapped at `chunks` cover every region as far as `mapped` says.
+bool covers(const std::vector<Chunk>& chunks, const HeapLayout& layout, const MappedBytes& mapped) {
+  for (const Region& region : regions(layout, mapped)) {
+    size_t have = 0;
+    for (const Chunk& c : chunks) {
+      if (c.offset >= region.offset && c.offset < region.offset + region.limit) have += c.bytes;
+    }
+    if (have < region.bytes) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -108,22 +207,37 @@ void* DeviceComm::workspace(const OpHooks* op) const noexcept {
   return nullptr;
 }
 
-HeapLayout heap_layout(int world, const Capacity& capacity) {
+HeapLayout heap_layout(size_t heap_max_bytes) {
   HeapLayout layout;
-  layout.flags_bytes = HeapLayout::align(size_t(world) * size_t(capacity.max_tiles) * sizeof(uint64_t));
-  layout.slot_bytes = HeapLayout::align(capacity.slot_bytes);
-  layout.inbox_bytes = HeapLayout::align(capacity.inbox_bytes);
+  layout.region_bytes = std::max(whole_chunks(heap_max_bytes), kChunkBytes);
   return layout;
 }
 
+MappedBytes mapped_bytes(int world, const Capacity& capacity) {
+  MappedBytes m;
+  m.flags = whole_chunks(size_t(world) * size_t(capacity.max_tiles) * sizeof(uint64_t));
+  m.ready = kChunkBytes;
+  m.slot = whole_chunks(capacity.slot_bytes);
+  m.inbox = whole_chunks(capacity.inbox_bytes);
+  return m;
+}
+
 DeviceComm::~DeviceComm() {
-  // Order: nothing of ours may still run, IPC mappings are closed before any heap is freed (CUDA
-  // leaves freeing exported memory that is still open elsewhere undefined), then the rest.
+  // Nothing of ours may still run (shutdown() synchronised the device before; a comm destroyed
+  // after a failed creation ran nothing but the zeroing); then every mapping goes before its
+  // reservation. Physical memory lives until the last process unmaps it, so the order between
+  // processes does not matter.
   cudaSetDevice(device);
-  cudaDeviceSynchronize();
-  close_imports(*this);
-  if (heap) cudaFree(heap);
-  for (void* p : retired_heaps) cudaFree(p);
+  if (setup) cudaStreamSynchronize(setup);
+  for (int s = 0; s < kMaxWorld; ++s) {
+    if (!peer_reserved[s]) continue;
+    unmap_beyond(peer_reserved[s], peer_chunks[s], layout, MappedBytes{});
+    vmm::free_reservation(peer_reserved[s], layout.reserved());
+  }
+  if (heap) {
+    unmap_beyond(heap, chunks, layout, MappedBytes{});
+    vmm::free_reservation(heap, layout.reserved());
+  }
   if (epoch) cudaFree(epoch);
   for (cudaEvent_t e : {start, producer_done, consumer_done}) {
     if (e) cudaEventDestroy(e);
@@ -132,8 +246,9 @@ DeviceComm::~DeviceComm() {
     if (transfer_done[d]) cudaEventDestroy(transfer_done[d]);
     if (transfer[d]) cudaStreamDestroy(transfer[d]);
   }
-  if (producer) cudaStreamDestroy(producer);
-  if (consumer) cudaStreamDestroy(consumer);
+  for (cudaStream_t s : {setup, consumer}) {
+    if (s) cudaStreamDestroy(s);
+  }
   if (error_host) cudaFreeHost(error_host);
   if (error_local) cudaFree(error_local);
   for (void* p : workspaces) {
@@ -143,15 +258,18 @@ DeviceComm::~DeviceComm() {
 }
 
 void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
-            const Capacity& capacity) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  if (registry().count(comm_id)) {
-    throw std::runtime_error("entwine comm: communicator " + std::to_string(comm_id) + " exists");
-  }
+            const Capacity& capacity, size_t heap_max_bytes) {
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
   if (world < 1 || world > kMaxWorld) {
     throw std::runtime_error("entwine comm: world " + std::to_string(world) + " outside [1, 8]");
   }
-  created_any = true;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (registry().count(comm_id)) {
+      throw std::runtime_error("entwine comm: communicator " + std::to_string(comm_id) + " exists");
+    }
+    created_any = true;
+  }
   Comm comm;
   comm.world = world;
   comm.capacity = capacity;
@@ -172,7 +290,6 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     check(prepare_epoch_kernel(), "prepare_epoch_kernel");
     int least, greatest;
     check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-    check(cudaStreamCreateWithFlags(&dc->producer, cudaStreamNonBlocking), "cudaStreamCreate(producer)");
     // The consumer goes first on freed SMs so its small grid stays resident next to the GEMM.
     check(cudaStreamCreateWithPriority(&dc->consumer, cudaStreamNonBlocking, greatest),
           "cudaStreamCreateWithPriority(consumer)");
@@ -205,66 +322,142 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
       check(cudaMalloc(&dc->workspaces[i], bytes), "cudaMalloc(op workspace)");
       check(cudaMemset(dc->workspaces[i], 0, bytes), "cudaMemset(op workspace)");
     }
-    allocate_heap(*dc, capacity);
+    size_t const granule = vmm::granularity(device);
+    if (kChunkBytes % granule != 0) {
+      throw std::runtime_error("entwine comm: device " + std::to_string(device) + " maps memory in units of " +
+                               std::to_string(granule) + " bytes, which do not divide kChunkBytes");
+    }
+    check(cudaStreamCreateWithFlags(&dc->setup, cudaStreamNonBlocking), "cudaStreamCreate(setup)");
+    dc->layout = heap_layout(heap_max_bytes);
+    dc->heap = vmm::reserve(dc->layout.reserved(), kChunkBytes);
+    dc->accessors = {device};
+    map_own(*dc, capacity);
     comm.by_device[device] = std::move(dc);
   }
+  std::lock_guard<std::mutex> lock(registry_mutex);
   registry()[comm_id] = std::move(comm);
 }
 
-std::string ipc_handle(int64_t comm_id, int device) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  DeviceComm& dc = entry(get(comm_id), comm_id, device);
-  check(cudaSetDevice(device), "cudaSetDevice");
-  cudaIpcMemHandle_t handle;
-  // The base of a cudaMalloc allocation: peers add the same offsets as on their own heap.
-  check(cudaIpcGetMemHandle(&handle, dc.heap), "cudaIpcGetMemHandle");
-  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+void destroy(int64_t comm_id) {
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  Comm removed;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    removed = std::move(get(comm_id));
+    registry().erase(comm_id);
+  }
+  // The entries are freed here, outside registry_mutex.
 }
 
-void connect(int64_t comm_id, int device, const std::vector<Peer>& peers) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  Comm& comm = get(comm_id);
+std::vector<SharedChunk> export_chunks(int64_t comm_id, int device) {
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  DeviceComm& dc = entry(setup_get(comm_id), comm_id, device);
+  std::vector<SharedChunk> shared;
+  try {
+    for (const Chunk& c : dc.chunks) shared.push_back({c.offset, c.bytes, vmm::export_fd(c.handle)});
+  } catch (...) {
+    for (const SharedChunk& c : shared) close(c.fd);
+    throw;
+  }
+  return shared;
+}
+
+void import_chunks(int64_t comm_id, int device, int rank, const std::vector<SharedChunk>& chunks) {
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  DeviceComm& dc = entry(setup_get(comm_id), comm_id, device);
+  if (rank < 0 || rank >= dc.world || rank == dc.rank) {
+    throw std::runtime_error("entwine comm: cannot import the heap of rank " + std::to_string(rank) + " on rank " +
+                             std::to_string(dc.rank) + " of " + std::to_string(dc.world));
+  }
+  check(cudaSetDevice(device), "cudaSetDevice");
+  if (!dc.peer_reserved[rank]) dc.peer_reserved[rank] = vmm::reserve(dc.layout.reserved(), kChunkBytes);
+  std::vector<Chunk>& mapped = dc.peer_chunks[rank];
+  size_t const before = mapped.size();
+  try {
+    for (const SharedChunk& c : chunks) {
+      auto same = [&](const Chunk& m) { return m.offset == c.offset; };
+      auto known = std::find_if(mapped.begin(), mapped.end(), same);
+      if (known != mapped.end()) {
+        if (known->bytes != c.bytes) throw std::runtime_error("entwine comm: rank " + std::to_string(rank) +
+                                                              " sent a chunk of another size at a mapped offset");
+        continue;
+      }
+      if (c.offset % kChunkBytes || c.bytes % kChunkBytes || c.offset + c.bytes > dc.layout.reserved()) {
+        throw std::runtime_error("entwine comm: rank " + std::to_string(rank) + " sent a chunk outside the heap layout");
+      }
+      vmm::Handle const handle = vmm::import_fd(c.fd);
+      try {
+        vmm::map(static_cast<char*>(dc.peer_reserved[rank]) + c.offset, c.bytes, handle, {device});
+      } catch (...) {
+        vmm::release(handle);
+        throw;
+      }
+      // The mapping keeps the memory alive; unmapping it is the last reference of this process.
+      vmm::release(handle);
+      mapped.push_back({c.offset, c.bytes, 0});
+    }
+  } catch (...) {
+    for (size_t i = before; i < mapped.size(); ++i) {
+      vmm::unmap(static_cast<char*>(dc.peer_reserved[rank]) + mapped[i].offset, mapped[i].bytes);
+    }
+    mapped.resize(before);
+    throw;
+  }
+}
+
+void connect(int64_t comm_id, int device, const std::vector<int>& peers) {
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  Comm& comm = setup_get(comm_id);
   DeviceComm& dc = entry(comm, comm_id, device);
   if (int(peers.size()) != dc.world) {
     throw std::runtime_error("entwine comm: connect got " + std::to_string(peers.size()) +
                              " peers for world " + std::to_string(dc.world));
   }
-  retire_imports(dc);
   check(cudaSetDevice(device), "cudaSetDevice");
+  MappedBytes const need = mapped_bytes(dc.world, dc.mapped);
+  void* table[kMaxWorld] = {};
   for (int s = 0; s < dc.world; ++s) {
-    if (const int* local = std::get_if<int>(&peers[s])) {
-      auto it = comm.by_device.find(*local);
-      if (it == comm.by_device.end()) {
-        throw std::runtime_error("entwine comm: rank " + std::to_string(s) + " on local device " +
-                                 std::to_string(*local) + " is not part of the communicator");
+    if (peers[s] < 0) {
+      if (!dc.peer_reserved[s] || !covers(dc.peer_chunks[s], dc.layout, need)) {
+        throw std::runtime_error("entwine comm: the heap of rank " + std::to_string(s) +
+                                 " (another process) is not mapped here as far as " + describe(dc.mapped));
       }
-      if (*local != device) {
-        cudaError_t err = cudaDeviceEnablePeerAccess(*local, 0);
-        // XLA usually enabled it already; that is success, but the error must be cleared.
-        if (err == cudaErrorPeerAccessAlreadyEnabled) {
-          cudaGetLastError();
-          err = cudaSuccess;
-        }
-        check(err, "cudaDeviceEnablePeerAccess");
-      }
-      dc.peer_heap[s] = it->second->heap;
-    } else {
-      const std::string& bytes = std::get<std::string>(peers[s]);
-      cudaIpcMemHandle_t handle;
-      if (bytes.size() != sizeof(handle)) {
-        throw std::runtime_error("entwine comm: IPC handle of rank " + std::to_string(s) + " has " +
-                                 std::to_string(bytes.size()) + " bytes");
-      }
-      std::memcpy(&handle, bytes.data(), sizeof(handle));
-      check(cudaIpcOpenMemHandle(&dc.peer_heap[s], handle, cudaIpcMemLazyEnablePeerAccess),
-            "cudaIpcOpenMemHandle");
-      dc.peer_imported[s] = true;
+      table[s] = dc.peer_reserved[s];
+      continue;
     }
+    auto it = comm.by_device.find(peers[s]);
+    if (it == comm.by_device.end()) {
+      throw std::runtime_error("entwine comm: rank " + std::to_string(s) + " on local device " +
+                               std::to_string(peers[s]) + " is not part of the communicator");
+    }
+    DeviceComm& peer = *it->second;
+    if (!at_least(peer.mapped, dc.mapped)) {
+      throw std::runtime_error("entwine comm: local rank " + std::to_string(s) + " has not grown to " + describe(dc.mapped));
+    }
+    if (peers[s] != device) {
+      // The copy engines of ag_gemm's pushes want peer access too; XLA usually enabled it already,
+      // which is success, but the error must be cleared.
+      cudaError_t err = cudaDeviceEnablePeerAccess(peers[s], 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+        err = cudaSuccess;
+      }
+      check(err, "cudaDeviceEnablePeerAccess");
+      // The peer's heap is used through its own addresses: this device is granted its chunks, now
+      // and (as an accessor) at every later growth.
+      if (std::find(peer.accessors.begin(), peer.accessors.end(), device) == peer.accessors.end()) {
+        for (const Chunk& c : peer.chunks) vmm::grant(static_cast<char*>(peer.heap) + c.offset, c.bytes, {device});
+        peer.accessors.push_back(device);
+      }
+    }
+    table[s] = peer.heap;
   }
-  if (dc.peer_heap[dc.rank] != dc.heap) {
+  if (table[dc.rank] != dc.heap) {
     throw std::runtime_error("entwine comm: rank " + std::to_string(dc.rank) +
                              " is not its own device in the peer list");
   }
+  std::copy(table, table + kMaxWorld, dc.peer_heap);
+  dc.capacity = dc.mapped;
   dc.connected = true;
 }
 
@@ -279,11 +472,6 @@ void synchronize(int64_t comm_id) {
     check(cudaSetDevice(device), "cudaSetDevice");
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
-}
-
-void disconnect(int64_t comm_id) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  for (auto& [device, dc] : get(comm_id).by_device) retire_imports(*dc);
 }
 
 std::vector<std::pair<int, uint64_t>> device_epochs(int64_t comm_id) {
@@ -301,22 +489,55 @@ std::vector<std::pair<int, uint64_t>> device_epochs(int64_t comm_id) {
 }
 
 void grow(int64_t comm_id, const Capacity& capacity) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  Comm& comm = get(comm_id);
-  for (auto& [device, dc] : comm.by_device) {
-    if (dc->connected) throw std::runtime_error("entwine comm: grow() before disconnect()");
-  }
-  for (auto& [device, dc] : comm.by_device) {
-    // Retired, not freed: a graph recorded before the growth addresses it.
-    check(cudaSetDevice(device), "cudaSetDevice");
-    dc->retired_heaps.push_back(dc->heap);
-    dc->heap = nullptr;
-    allocate_heap(*dc, capacity);
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  Comm& comm = setup_get(comm_id);
+  std::vector<DeviceComm*> grown;
+  try {
+    for (auto& [device, dc] : comm.by_device) {
+      if (!at_least(capacity, dc->mapped)) {
+        throw std::runtime_error("entwine comm: grow() to " + describe(capacity) + " would shrink " + describe(dc->mapped));
+      }
+      map_own(*dc, capacity);
+      grown.push_back(dc.get());
+    }
+  } catch (...) {
+    for (DeviceComm* dc : grown) shrink_entry(*dc, comm.capacity);
+    throw;
   }
   comm.capacity = capacity;
 }
 
+void shrink(int64_t comm_id, const Capacity& capacity) {
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  Comm& comm = setup_get(comm_id);
+  for (auto& [device, dc] : comm.by_device) {
+    if (!at_least(capacity, dc->capacity)) {
+      throw std::runtime_error("entwine comm: shrink() below what calls may use (" + describe(dc->capacity) + ")");
+    }
+  }
+  for (auto& [device, dc] : comm.by_device) {
+    check(cudaSetDevice(device), "cudaSetDevice");
+    shrink_entry(*dc, capacity);
+  }
+  comm.capacity = capacity;
+}
+
+std::vector<HeapUsage> heap_usage(int64_t comm_id) {
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
+  std::vector<HeapUsage> usage;
+  for (auto& [device, dc] : setup_get(comm_id).by_device) {
+    HeapUsage u{device, 0, 0, dc->layout.reserved()};
+    for (const Chunk& c : dc->chunks) u.own_bytes += c.bytes;
+    for (int s = 0; s < kMaxWorld; ++s) {
+      for (const Chunk& c : dc->peer_chunks[s]) u.imported_bytes += c.bytes;
+    }
+    usage.push_back(u);
+  }
+  return usage;
+}
+
 void shutdown() {
+  std::lock_guard<std::mutex> setup_lock(setup_mutex);
   std::vector<int> devices;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -329,16 +550,12 @@ void shutdown() {
     cudaSetDevice(device);
     cudaDeviceSynchronize();
   }
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  // Close every IPC import of every comm before freeing any heap (DeviceComm's destructor does
-  // both for one entry, but another entry of this process may import a heap freed earlier).
-  for (auto& [id, comm] : registry()) {
-    for (auto& [device, dc] : comm.by_device) {
-      cudaSetDevice(device);
-      close_imports(*dc);
-    }
+  std::map<int64_t, Comm> removed;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    removed.swap(registry());
   }
-  registry().clear();
+  removed.clear();  // frees the entries outside registry_mutex
   cudaGetLastError();
 }
 
@@ -394,13 +611,31 @@ DeviceComm* find(int64_t comm_id, int device) noexcept {
   return jt == it->second.by_device.end() ? nullptr : jt->second.get();
 }
 
+void name_call(uint32_t signature, const std::string& description) {
+  std::lock_guard<std::mutex> lock(call_names_mutex);
+  call_names()[signature & kSignatureMask] = description;
+}
+
+namespace {
+
+// "call 17 (gemm_rs x [512, 1024] ...)": a stamp as the user knows it; a signature this process
+// never traced is printed as a number.
+std::string describe_stamp(uint64_t value) {
+  std::string name = "signature " + std::to_string(stamp_signature(value));
+  {
+    std::lock_guard<std::mutex> lock(call_names_mutex);
+    auto it = call_names().find(stamp_signature(value));
+    if (it != call_names().end()) name = it->second;
+  }
+  return "call " + std::to_string(stamp_epoch(value)) + " (" + name + ")";
+}
+
+}  // namespace
+
 std::optional<std::string> error_message(const DeviceComm& dc) {
   // Host-mapped and written by the kernel: volatile reads, code last-written by convention.
   const volatile DeviceError* e = dc.error_host;
-  if (e == nullptr || e->code == 0) return std::nullopt;
-  if (e->code != kErrorDeadline) {
-    return "entwine: rank " + std::to_string(dc.rank) + " recorded device error code " + std::to_string(e->code);
-  }
+  if (e == nullptr || e->code == 0 || e->code == kErrorClaimed) return std::nullopt;
   DeviceError record{};
   record.code = e->code;
   record.rank = e->rank;
@@ -409,6 +644,21 @@ std::optional<std::string> error_message(const DeviceComm& dc) {
   record.expected = e->expected;
   record.observed = e->observed;
   record.site = e->site;
+  std::string const unusable = "; the communicator is unusable until the process restarts, and every output of a "
+                               "fused call on it since the failure is NaN";
+  if (record.code == kErrorAborted) {
+    return "entwine: rank " + std::to_string(record.source) + " gave up on the communicator (its own error says why)" +
+           unusable;
+  }
+  if (record.code == kErrorMismatch) {
+    return "entwine: rank " + std::to_string(record.rank) + " ran " + describe_stamp(record.expected) + " while rank " +
+           std::to_string(record.source) + " ran " + describe_stamp(record.observed) +
+           ": the ranks disagree on the sequence of fused calls (a call skipped on one rank, a different plan, "
+           "or calls dispatched in different orders)" + unusable;
+  }
+  if (record.code != kErrorDeadline) {
+    return "entwine: rank " + std::to_string(dc.rank) + " recorded device error code " + std::to_string(record.code);
+  }
   std::string const waited = "rank " + std::to_string(record.rank) + " waited " + std::to_string(timeout_ms()) + " ms ";
   std::string what = "entwine: " + waited + "at unknown wait site " + std::to_string(record.site);
   for (int i = 0; i < op_count; ++i) {
@@ -417,8 +667,8 @@ std::optional<std::string> error_message(const DeviceComm& dc) {
       what = registered_ops[i]->describe_deadline(record, waited);
     }
   }
-  return what + " (expected epoch " + std::to_string(record.expected) + ", saw " + std::to_string(record.observed) +
-         "); the communicator is unusable until the process restarts";
+  return what + " in " + describe_stamp(record.expected) + " (its flag held " +
+         (record.observed == 0 ? std::string("nothing yet") : describe_stamp(record.observed)) + ")" + unusable;
 }
 
 std::optional<std::string> error_message(int64_t comm_id) {

@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <variant>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -49,9 +48,16 @@ struct Capacity {
   int64_t max_tiles = 0;
 };
 
-// Heap layout, identical on every rank (peers compute offsets into each other's heaps):
-//   [flags parity 0: world * max_tiles u64][flags parity 1][ready: kMaxWorld u64]
-//   [partial slot 0][partial slot 1][inbox]
+// Physical memory is mapped into the heap in multiples of this (the driver's granularity on Hopper;
+// create() checks that the device's divides it).
+constexpr size_t kChunkBytes = size_t(2) << 20;
+
+// Heap layout: one reserved range of virtual addresses per rank, fixed for the communicator's life,
+// identical on every rank (peers compute offsets into each other's heaps). Every growing region gets
+// `region_bytes` of addresses, the heap cap, so no region ever moves:
+//   [flags parity 0 | R][flags parity 1 | R][ready | 1 chunk][partial slot 0 | R][slot 1 | R][inbox | R]
+// Physical memory is mapped at the start of each region as far as the capacity needs (MappedBytes);
+// growing maps more behind it, so a CUDA graph recorded earlier still addresses mapped memory.
 // Call e uses flags[e % 2] and partial[e % 2], the parity chosen on the device (CallEpoch). The
 // flags are double-buffered like the partials because the kernels index flags by the call's
 // tiles_per_partition: when the shape changes between calls, one flag word can belong to different
@@ -61,34 +67,59 @@ struct Capacity {
 // peers push to ag_gemm) is single: its pushes are copy-engine copies, whose destination a graph
 // fixes, so a sender waits instead until the receiver has started the call (ready[sender]).
 struct HeapLayout {
-  size_t flags_bytes = 0;  // one parity
-  size_t slot_bytes = 0;
-  size_t inbox_bytes = 0;
-  static constexpr size_t kReadyBytes = 256;  // kMaxWorld u64, one per sender, padded
+  size_t region_bytes = 0;  // addresses per growing region: the heap cap rounded up to chunks
+  static constexpr size_t kReadyBytes = 256;  // kMaxWorld u64, one per sender, then the abort word, padded
   size_t flags_offset() const { return 0; }
-  size_t ready_offset() const { return align(2 * flags_bytes); }
-  size_t slot_offset() const { return ready_offset() + kReadyBytes; }
-  size_t inbox_offset() const { return slot_offset() + 2 * slot_bytes; }
-  size_t total() const { return inbox_offset() + inbox_bytes; }
-  static size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
+  size_t ready_offset() const { return 2 * region_bytes; }
+  size_t abort_offset() const { return ready_offset() + kMaxWorld * sizeof(uint64_t); }
+  size_t slot_offset() const { return ready_offset() + kChunkBytes; }
+  size_t inbox_offset() const { return slot_offset() + 2 * region_bytes; }
+  size_t reserved() const { return inbox_offset() + region_bytes; }
+  int64_t flags_stride_words() const { return int64_t(region_bytes / sizeof(uint64_t)); }
+  int64_t slot_stride_bytes() const { return int64_t(region_bytes); }
 };
-HeapLayout heap_layout(int world, const Capacity& capacity);
+HeapLayout heap_layout(size_t heap_max_bytes);
+
+// The bytes mapped at the start of each region for a capacity, whole chunks.
+struct MappedBytes {
+  size_t flags = 0;  // each parity
+  size_t ready = 0;
+  size_t slot = 0;   // each slot
+  size_t inbox = 0;
+  size_t total() const { return 2 * flags + ready + 2 * slot + inbox; }
+};
+MappedBytes mapped_bytes(int world, const Capacity& capacity);
+
+// One physical allocation mapped into a heap: [offset, offset + bytes) of the reserved range.
+struct Chunk {
+  size_t offset = 0, bytes = 0;
+  unsigned long long handle = 0;  // vmm::Handle; kept for own chunks (exported again at each growth)
+};
+
+// A chunk of another process's heap as sent over the socket: where it goes and its descriptor.
+struct SharedChunk {
+  size_t offset = 0, bytes = 0;
+  int fd = -1;
+};
 
 // One rank of one comm, living on one local GPU of this process.
 struct DeviceComm {
   int device = 0;  // local CUDA ordinal (XLA's DeviceOrdinal)
   int rank = 0, world = 1;
+  // What calls may use: checked by the handlers, raised by connect() once every peer has mapped it.
   Capacity capacity;
+  Capacity mapped;                      // what the own heap has mapped (>= capacity during a growth)
   HeapLayout layout;
-  void* heap = nullptr;                 // owned, zeroed at allocation
-  // Heaps and peer mappings replaced by a growth stay until shutdown: a CUDA graph recorded before
-  // the growth (an XLA command buffer) still addresses them when it is replayed.
-  std::vector<void*> retired_heaps, retired_imports;
+  void* heap = nullptr;                 // the own reservation (layout.reserved() bytes)
+  std::vector<Chunk> chunks;            // own physical memory, in mapping order
+  std::vector<int> accessors;           // local devices granted access to the own heap (self first)
   void* peer_heap[kMaxWorld] = {};      // heap base of every rank of the group, as seen from here
-  bool peer_imported[kMaxWorld] = {};   // opened with cudaIpcOpenMemHandle (closed before frees)
-  std::atomic<bool> connected{false};   // peer table filled for the current heap (read by calls)
-  cudaStream_t producer = nullptr;      // default priority
-  cudaStream_t consumer = nullptr;      // highest priority, non-blocking
+  // Ranks of other processes: a reservation of ours for their heap and their chunks mapped into it.
+  void* peer_reserved[kMaxWorld] = {};
+  std::vector<Chunk> peer_chunks[kMaxWorld];
+  std::atomic<bool> connected{false};   // peer table filled (read by calls)
+  cudaStream_t setup = nullptr;         // zeroes new chunks without waiting for XLA's or our calls
+  cudaStream_t consumer = nullptr;      // highest priority, non-blocking (the GEMMs run on XLA's stream)
   cudaEvent_t start = nullptr, producer_done = nullptr, consumer_done = nullptr;
   // ag_gemm: stream d (1 <= d < world) pushes this rank's shard to rank (rank + d) % world, so
   // every link carries a transfer from the start of a call; each joins back through its event.
@@ -97,7 +128,7 @@ struct DeviceComm {
   cudaEvent_t transfer_done[kMaxWorld] = {};
   // The call's epoch: a device word, 1 before the first call, advanced by a one-thread kernel on
   // XLA's stream after each call (launch_advance_epoch). Never reset, so flags of any earlier call
-  // are below it, in this heap and in the retired ones.
+  // are below it, in every chunk however old.
   uint64_t* epoch = nullptr;
   // Host cost of the handlers on this entry: executions and their summed wall time (handler_util.h).
   std::atomic<uint64_t> handler_calls{0}, handler_ns{0};
@@ -112,41 +143,70 @@ struct DeviceComm {
   DeviceComm() = default;
   DeviceComm(const DeviceComm&) = delete;
   DeviceComm& operator=(const DeviceComm&) = delete;
-  ~DeviceComm();  // frees everything (IPC imports first); errors are ignored at this point
+  ~DeviceComm();  // unmaps and frees everything; errors are ignored at this point
 };
 
 // --- Setup (Python, trace time). Each throws std::runtime_error with the CUDA error string. -------
+// Growth is a transaction: grow() maps own memory (undone by shrink()), the peers' chunks are
+// imported, and connect() publishes the capacity to the handlers only once every peer's heap has
+// it mapped here. Calls compiled earlier keep running meanwhile: nothing they address moves.
 
 // Creates the comm's entries for the local ranks: (local device ordinal, rank) pairs. Loads every
-// registered op's kernels, creates streams, events, the error record and the ops' workspaces, and
-// allocates a zeroed heap of `capacity` on each device. Creating an existing comm id is an error.
+// registered op's kernels, creates streams, events, the error record and the ops' workspaces,
+// reserves a heap of heap_layout(heap_max_bytes) and maps zeroed memory for `capacity` on each
+// device. Creating an existing comm id is an error; a failure leaves no comm behind.
 void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
-            const Capacity& capacity);
+            const Capacity& capacity, size_t heap_max_bytes);
+// Removes a comm that no call has used (a creation whose connection failed).
+void destroy(int64_t comm_id);
 
-// This device's heap base as a CUDA IPC handle (64 bytes), for ranks in other processes.
-std::string ipc_handle(int64_t comm_id, int device);
+// Maps zeroed memory behind each region of every local heap up to `capacity` (larger in some
+// dimension, within the heap cap); calls keep the old capacity until connect(). All or nothing.
+void grow(int64_t comm_id, const Capacity& capacity);
+// Undoes grow() and imports down to `capacity` (>= what calls may use): a growth whose exchange
+// with the other processes failed.
+void shrink(int64_t comm_id, const Capacity& capacity);
 
-// One entry per rank of `device`'s group: the local ordinal of a rank driven by this process (raw
-// peer pointer; peer access enabled here) or the IPC handle bytes of a rank in another process.
-using Peer = std::variant<int, std::string>;
-void connect(int64_t comm_id, int device, const std::vector<Peer>& peers);
+// Every own chunk of `device`'s heap with a new file descriptor each, for ranks in other processes
+// (the caller sends and closes them).
+std::vector<SharedChunk> export_chunks(int64_t comm_id, int device);
+// Maps the chunks of `rank`'s heap (another process) into this device's reservation for it; chunks
+// mapped already are skipped. Does not close the descriptors.
+void import_chunks(int64_t comm_id, int device, int rank, const std::vector<SharedChunk>& chunks);
+
+// One entry per rank of `device`'s group: the local ordinal of a rank driven by this process (its
+// heap is granted to this device and used directly), or -1 for a rank of another process (its
+// chunks imported first). Checks that every peer's heap is mapped here as far as the own heap, then
+// lets calls use that capacity.
+void connect(int64_t comm_id, int device, const std::vector<int>& peers);
 
 // Waits for all work on every local device of the comm (cudaDeviceSynchronize).
 void synchronize(int64_t comm_id);
-// Clears the peer tables (the imported mappings are retired, not closed); calls are rejected until
-// connect().
-void disconnect(int64_t comm_id);
-// Gives every local device a new zeroed heap of the new capacity; the old one is retired, not
-// freed. Requires disconnect() on every rank of every process first. The epochs are kept: flags
-// of the new heap start at 0, below the next epoch.
-void grow(int64_t comm_id, const Capacity& capacity);
+
+// Per local device: (device, bytes of physical memory the own heap maps, bytes of peers' memory
+// mapped into this process, reserved addresses of the own heap).
+struct HeapUsage {
+  int device;
+  size_t own_bytes, imported_bytes, reserved_bytes;
+};
+std::vector<HeapUsage> heap_usage(int64_t comm_id);
 
 // Destroys every comm (synchronising each device first). Called once at exit from Python.
 void shutdown();
 
-// The call's epoch kernel (epoch.cu): one thread adds 1 to *epoch once `stream`'s earlier work,
-// the whole call, is done. prepare_epoch_kernel loads its module (setup).
-cudaError_t launch_advance_epoch(uint64_t* epoch, cudaStream_t stream);
+// The call's last kernel (epoch.cu): once `stream`'s earlier work, the whole call, is done, it
+// poisons the outputs if this rank failed or a peer aborted, then adds 1 to *epoch.
+// prepare_epoch_kernel loads its module (setup). Null pointers: nothing to check or poison.
+struct CallEnd {
+  uint64_t* epoch = nullptr;
+  DeviceError* error = nullptr;   // this rank's record (device memory)
+  DeviceError* mirror = nullptr;  // its host-mapped copy
+  const uint64_t* aborted = nullptr;  // this rank's abort word (CallEpoch::aborted)
+  int rank = 0;
+  void* out[2] = {};              // the call's outputs, poisoned on failure
+  int64_t bytes[2] = {};
+};
+cudaError_t launch_end_call(const CallEnd& end, cudaStream_t stream);
 cudaError_t prepare_epoch_kernel();
 
 // The epoch word of each local device, after synchronising it (tests and diagnostics only).
@@ -154,7 +214,8 @@ std::vector<std::pair<int, uint64_t>> device_epochs(int64_t comm_id);
 
 // --- Execute path (FFI handler): lookups only, no CUDA calls, no exceptions. ----------------------
 
-// The entry of (comm_id, device), or nullptr. Entries live until shutdown().
+// The entry of (comm_id, device), or nullptr. Entries live until shutdown() (or the destroy() of a
+// comm that no call used).
 DeviceComm* find(int64_t comm_id, int device) noexcept;
 
 // Deadline of every flag wait: ENTWINE_TIMEOUT_MS (default 60000: it also has to cover the skew
@@ -180,6 +241,10 @@ struct HandlerCost {
   double mean_us;
 };
 std::vector<HandlerCost> handler_cost(int64_t comm_id);
+
+// Names a call signature (CallEpoch::signature) for the error messages of this process: Python
+// names each call it traces (op, shapes, layout, config).
+void name_call(uint32_t signature, const std::string& description);
 
 // The device error recorded on this entry, formatted for the user, or nullopt.
 std::optional<std::string> error_message(const DeviceComm& dc);

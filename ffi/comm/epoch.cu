@@ -1,26 +1,61 @@
-// The call's epoch, kept in device memory and advanced in stream order: after every fused call a
-// one-thread kernel on XLA's stream adds 1, once the whole call (every side stream joined) is done,
-// so the next call's kernels read the next epoch. A CUDA graph that replays a call replays this
-// kernel too, which is what makes the calls graph safe (docs/design.md, "Graph safety").
+// The call's last kernel, on XLA's stream once the whole call (every side stream joined) is done:
+// it advances the call's epoch, kept in device memory, so the next call's kernels read the next
+// epoch. A CUDA graph that replays a call replays this kernel too, which is what makes the calls
+// graph safe (docs/design.md, "Graph safety"). When this rank has failed, or a peer raised its
+// abort word, it first fills the call's outputs with NaN (all bits set: NaN in bf16, fp16 and
+// e4m3), so that no output computed after a failure looks plausible, on any rank (docs/design.md,
+// "After a failure").
 #include "comm/comm.h"
+#include "comm/wait.cuh"
 
 namespace entwine::comm {
 namespace {
 
-__global__ void __launch_bounds__(32) advance_epoch(uint64_t* epoch) {
-  if (threadIdx.x == 0) *epoch += 1;
+constexpr int kEndThreads = 256;
+
+__device__ void poison(void* out, int64_t bytes) {
+  if (out == nullptr) return;
+  // XLA's buffers are at least 16-byte aligned: vector stores for the body, bytes for the tail.
+  uint4 const ones = make_uint4(~0u, ~0u, ~0u, ~0u);
+  uint4* const body = static_cast<uint4*>(out);
+  for (int64_t i = threadIdx.x; i < bytes / 16; i += kEndThreads) body[i] = ones;
+  unsigned char* const tail = static_cast<unsigned char*>(out);
+  for (int64_t i = bytes / 16 * 16 + threadIdx.x; i < bytes; i += kEndThreads) tail[i] = 0xFF;
+}
+
+__global__ void __launch_bounds__(kEndThreads) end_call(CallEnd end) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) {
+    uint64_t const aborted_by = end.aborted != nullptr ? ptx::load_relaxed_sys(end.aborted) : 0;
+    bool const own = end.error != nullptr && *reinterpret_cast<volatile uint32_t*>(&end.error->code) != 0;
+    if (aborted_by != 0 && !own) {
+      // A peer failed first: record it here too, so this rank's host raises on its next call.
+      wait::record_error(CallEpoch{}, end.error, end.mirror, kErrorAborted, end.rank, int(aborted_by) - 1, -1, 0,
+                         0, -1);
+    }
+    failed = own || aborted_by != 0;
+  }
+  __syncthreads();
+  if (failed) {
+    for (int o = 0; o < 2; ++o) poison(end.out[o], end.bytes[o]);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *end.epoch += 1;
+  }
 }
 
 }  // namespace
 
-cudaError_t launch_advance_epoch(uint64_t* epoch, cudaStream_t stream) {
-  advance_epoch<<<1, 32, 0, stream>>>(epoch);
+cudaError_t launch_end_call(const CallEnd& end, cudaStream_t stream) {
+  end_call<<<1, kEndThreads, 0, stream>>>(end);
   return cudaGetLastError();
 }
 
 cudaError_t prepare_epoch_kernel() {
   cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, advance_epoch);
+  return cudaFuncGetAttributes(&attr, end_call);
 }
 
 }  // namespace entwine::comm

@@ -1,10 +1,13 @@
 // What every FFI handler does alike before it launches: a CUDA-error-to-ffi::Error macro, the
 // decoding of an op's config attribute, a printable buffer shape, the communicator entry a call
 // may use, the kernels' element type, the capture test and the call's epoch arguments, a host
-// timer, and a guard that restores XLA's current device. Host-only.
+// timer, a guard that restores XLA's current device, and the memo of what a call site derives.
+// Host-only.
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <cstring>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -42,7 +45,7 @@ inline std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
 
 // The entry of (comm_id, device) in *out, if a call may use it: it exists (Python's acquire_comm
 // made it at trace time), no wait of an earlier call passed its deadline (the error is sticky), and
-// its peer table is filled (not in the middle of a growth).
+// its peer table is filled.
 inline ffi::Error usable_comm(const char* op, int64_t comm_id, int32_t device, comm::DeviceComm** out) {
   comm::DeviceComm* dc = comm::find(comm_id, device);
   if (dc == nullptr) {
@@ -54,7 +57,7 @@ inline ffi::Error usable_comm(const char* op, int64_t comm_id, int32_t device, c
   if (!dc->connected) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(op) + ": communicator " + std::to_string(comm_id) +
-                          " is being resized or was shut down on device " + std::to_string(device));
+                          " is not connected (yet, or any more) on device " + std::to_string(device));
   }
   *out = dc;
   return ffi::Error::Success();
@@ -83,9 +86,36 @@ inline ffi::Error is_capturing(const char* op, cudaStream_t stream, bool* out) {
   return ffi::Error::Success();
 }
 
-// Where the kernels of a call on `dc` find its epoch and parity strides (protocol.h, CallEpoch).
-inline CallEpoch call_epoch(const comm::DeviceComm& dc, bool trap) {
-  return CallEpoch{dc.epoch, int64_t(dc.layout.slot_bytes), int64_t(dc.layout.flags_bytes / sizeof(uint64_t)), trap};
+// Where the kernels of a call on `dc` find its epoch, parity strides, ready and abort words, and
+// what the call is (protocol.h, CallEpoch).
+inline CallEpoch call_epoch(const comm::DeviceComm& dc, bool trap, int64_t signature) {
+  CallEpoch call{dc.epoch, dc.layout.slot_stride_bytes(), dc.layout.flags_stride_words(), trap,
+                 uint32_t(uint64_t(signature) & kSignatureMask)};
+  char* const own = static_cast<char*>(dc.heap);
+  call.ready = reinterpret_cast<const uint64_t*>(own + dc.layout.ready_offset());
+  call.aborted = reinterpret_cast<const uint64_t*>(own + dc.layout.abort_offset());
+  for (int q = 0; q < dc.world; ++q) {
+    char* const heap = static_cast<char*>(dc.peer_heap[q]);
+    call.abort[q] = reinterpret_cast<uint64_t*>(heap + dc.layout.abort_offset());
+    if (q != dc.rank) call.announce[q] = reinterpret_cast<uint64_t*>(heap + dc.layout.ready_offset()) + dc.rank;
+  }
+  return call;
+}
+
+// The call's last kernel's arguments: the epoch, the failure records, the outputs to poison.
+inline comm::CallEnd call_end(const comm::DeviceComm& dc, const CallEpoch& call, void* out0, int64_t bytes0,
+                              void* out1 = nullptr, int64_t bytes1 = 0) {
+  comm::CallEnd end;
+  end.epoch = dc.epoch;
+  end.error = dc.error_local;
+  end.mirror = dc.error_device;
+  end.aborted = call.aborted;
+  end.rank = dc.rank;
+  end.out[0] = out0;
+  end.bytes[0] = bytes0;
+  end.out[1] = out1;
+  end.bytes[1] = bytes1;
+  return end;
 }
 
 // Adds the handler's wall time, from its construction to the return, to the entry's host cost.
@@ -99,16 +129,80 @@ struct HostTimer {
   }
 };
 
-// Restores the caller's current device: XLA's thread may rely on it after we return.
+// Restores the caller's current device: XLA's thread may rely on it after we return. Usually XLA's
+// thread is on the call's device already, and nothing is set either way.
 struct DeviceGuard {
   int previous = -1;
+  bool changed = false;
   cudaError_t set(int device) {
     cudaGetDevice(&previous);
-    return cudaSetDevice(device);
+    changed = previous != device;
+    return changed ? cudaSetDevice(device) : cudaSuccess;
   }
   ~DeviceGuard() {
-    if (previous >= 0) cudaSetDevice(previous);
+    if (changed && previous >= 0) cudaSetDevice(previous);
   }
+};
+
+// The words of a CallMemo key: every value a handler's derivation reads, each widened to 64 bits.
+template <size_t kWords>
+struct MemoKey {
+  uint64_t words[kWords] = {};
+  size_t used = 0;
+  bool overflow = false;  // more values than kWords: the key matches nothing
+  void add(uint64_t v) {
+    if (used < kWords) {
+      words[used++] = v;
+    } else {
+      overflow = true;
+    }
+  }
+  void add(const void* p) { add(uint64_t(reinterpret_cast<uintptr_t>(p))); }
+  bool operator==(MemoKey const& o) const {
+    return !overflow && !o.overflow && used == o.used && std::memcmp(words, o.words, sizeof words) == 0;
+  }
+};
+
+// Adds what the kernels read of the call's CallEpoch beyond its epoch word and strides (which the
+// handlers add themselves): the signature and the ready, abort and announce words.
+template <size_t kWords>
+inline void add_call(MemoKey<kWords>& key, CallEpoch const& call) {
+  key.add(uint64_t(call.signature));
+  key.add(call.ready);
+  key.add(call.aborted);
+  for (uint64_t* a : call.abort) key.add(a);
+  for (uint64_t* a : call.announce) key.add(a);
+}
+
+// What a handler derives from a call and may reuse (its plan, its prepared GEMM launch), memoised by
+// the key of every value the derivation reads: a call of the same site, shape, config and buffers
+// skips the planning and the TMA descriptors. The derivation is a pure function of the key, so an
+// entry is never stale (a freed buffer whose address comes back gets the same derivation). One memo
+// per host thread (XLA calls a device's handlers on its threads; the thread's first call has the
+// runtime allocate its copy), a few entries replaced in turn; no lock.
+template <size_t kWords, class Value, int kEntries = 8>
+class CallMemo {
+ public:
+  using Key = MemoKey<kWords>;
+  Value const* find(Key const& key) const {
+    for (int i = 0; i < filled_; ++i) {
+      if (keys_[i] == key) return &values_[i];
+    }
+    return nullptr;
+  }
+  // The entry for `key`, to be filled by the caller.
+  Value* insert(Key const& key) {
+    int const i = next_;
+    next_ = (next_ + 1) % kEntries;
+    if (filled_ < kEntries) ++filled_;
+    keys_[i] = key;
+    return &values_[i];
+  }
+
+ private:
+  Key keys_[kEntries];
+  Value values_[kEntries];
+  int next_ = 0, filled_ = 0;
 };
 
 }  // namespace entwine::handler

@@ -1,10 +1,13 @@
 // Host-side contract of the GEMM that both ops run (gemm_kernel.cuh): its block extents, the block
-// order inside a group of tile rows, the CTA work split (with the split tail), and the block
-// coordinates an op's schedule hands the kernel. No kernel syntax; names no op.
+// order inside a group of tile rows, the CTA work split (with the split tail), the block
+// coordinates an op's schedule hands the kernel, and a launch prepared once and enqueued many
+// times. No kernel syntax; names no op.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+
+#include <cuda_runtime.h>
 
 namespace entwine {
 
@@ -54,5 +57,16 @@ constexpr int kSplitSlots = 160;  // a grid of G CTAs uses slots 0 .. G-2: grids
 constexpr size_t kSplitCountersBytes = 4096;  // u32 arrive[kSplitSlots], u32 ready[kSplitSlots]
 constexpr size_t kSplitSlotBytes = size_t(kBlockM) * 256 * sizeof(float);  // the widest block, fp32
 constexpr size_t kSplitWorkspaceBytes = kSplitCountersBytes + kSplitSlots * kSplitSlotBytes;
+
+// One GEMM launch with its kernel parameters built (TMA descriptors included: each descriptor's
+// encoding looks up its driver entry point, microseconds of host time), so that a handler can build
+// them once per call site and buffers and enqueue them on every call. Filled by an op's
+// prepare_gemm (generated dispatch); the parameters are the instantiation's, behind `launch`.
+struct PreparedGemm {
+  static constexpr size_t kParamsBytes = 2048;  // above every instantiation's Params (static_assert)
+  alignas(128) unsigned char params[kParamsBytes];
+  cudaError_t (*launch)(void const* params, cudaStream_t stream) = nullptr;
+  cudaError_t enqueue(cudaStream_t stream) const { return launch(params, stream); }
+};
 
 }  // namespace entwine

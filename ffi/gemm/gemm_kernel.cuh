@@ -4,6 +4,8 @@
 // Schedule, a template parameter. One instantiation per generated file (cmake/gemm_kernels.cmake).
 #pragma once
 
+#include <new>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
@@ -365,13 +367,24 @@ cudaError_t prepare() {
   return cudaFuncSetAttribute(gemm_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
 }
 
-// Runs the plan: the parameters are the schedule's reading of the plan and the arguments.
+// Enqueues a launch whose parameters prepare() built.
 template <class Kernel>
-cudaError_t launch(typename Kernel::Schedule::Plan const& plan, typename Kernel::Schedule::Args const& args,
-                   cudaStream_t stream) {
-  typename Kernel::Params const params = Kernel::Schedule::template make_params<Kernel>(plan, args);
+cudaError_t launch_prepared(void const* prepared, cudaStream_t stream) {
+  auto const& params = *static_cast<typename Kernel::Params const*>(prepared);
   gemm_kernel<Kernel><<<params.schedule.grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
+}
+
+// Prepares the launch of a plan: the parameters are the schedule's reading of the plan and the
+// arguments, kept in `out` (a trivially copyable struct of values and descriptors).
+template <class Kernel>
+void prepare_launch(typename Kernel::Schedule::Plan const& plan, typename Kernel::Schedule::Args const& args,
+                    PreparedGemm* out) {
+  using Params = typename Kernel::Params;
+  static_assert(sizeof(Params) <= PreparedGemm::kParamsBytes && alignof(Params) <= alignof(PreparedGemm),
+                "PreparedGemm must hold the kernel's parameters");
+  new (out->params) Params(Kernel::Schedule::template make_params<Kernel>(plan, args));
+  out->launch = launch_prepared<Kernel>;
 }
 
 }  // namespace entwine::gemm

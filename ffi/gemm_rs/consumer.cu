@@ -70,38 +70,11 @@ struct Pack<DType::kFP16> {
   }
 };
 
-// Spin until flag >= epoch or the deadline passes. Returns false when the CTA must leave (or traps,
-// inside a CUDA graph). Polls with relaxed system-scope loads and one acquire fence on success (an
-// acquire load per iteration is a stronger, costlier access than the poll needs); the error record
-// and the timer are looked at only every kCheckEvery polls.
+// Spin until the tile's flag carries this call's stamp (wait::poll_flag). Returns false when the
+// CTA must leave (or traps, inside a CUDA graph). On success the producer's partial tile is visible.
 __device__ bool wait_flag(const uint64_t* flag, uint64_t epoch, Params const& p, int source, int tile) {
-  constexpr int kCheckEvery = 256;
-  uint64_t observed = ptx::load_relaxed_sys(flag);
-  if (observed >= epoch) {
-    ptx::fence_acq_rel_sys();
-    return true;
-  }
-  uint64_t const start = ptx::global_timer_ns();
-  for (int polls = 1;; ++polls) {
-    __nanosleep(64);
-    observed = ptx::load_relaxed_sys(flag);
-    if (observed >= epoch) break;
-    if (polls % kCheckEvery != 0) continue;
-    // Another CTA already recorded a failure (or an earlier call did: the error is sticky).
-    if (*reinterpret_cast<volatile uint32_t*>(&p.args.error->code) != 0) {
-      if (p.args.call.trap) __trap();
-      return false;
-    }
-    if (ptx::global_timer_ns() - start > p.args.timeout_ns) {
-      wait::record_deadline(p.args.error, p.args.error_mirror, p.rank, source, tile, epoch, observed,
-                            kWaitReduceTile);
-      if (p.args.call.trap) __trap();
-      return false;
-    }
-  }
-  // Pairs with the producer's release: the partial tile it published is visible from here on.
-  ptx::fence_acq_rel_sys();
-  return true;
+  return wait::poll_flag(flag, epoch, p.args.call, p.args.timeout_ns, p.args.error, p.args.error_mirror, p.rank,
+                         source, tile, kWaitReduceTile, 64);
 }
 
 // Reduces one step (one producer block: tiles_per_block 128x128 tiles) with `threads` threads,

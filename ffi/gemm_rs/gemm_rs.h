@@ -82,7 +82,7 @@ struct ProducerArgs {
   void* partial;                  // this rank's M x N partial output, slot 0 (the kernel adds the parity)
   uint64_t* flags[kMaxWorld];     // flag array of each owner rank, parity 0 (peer pointers)
   CallEpoch call;
-  void* split_workspace = nullptr;  // kSplitWorkspaceBytes, zeroed once, one per producer stream
+  void* split_workspace = nullptr;  // kSplitWorkspaceBytes, zeroed once, one per stream running producers
                                     // (nullptr: nothing splits, whatever the plan says)
   // Benchmark switches of the harness's producer-alone runs; production keeps both true. They stay
   // in these args because the kernel's parameters read them from here (gemm_rs/gemm_schedule.cuh).
@@ -123,6 +123,8 @@ extern const comm::OpHooks kHooks;
 using GemmPlan = GemmRsPlan;
 using GemmArgs = ProducerArgs;
 cudaError_t launch_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
+// The same launch prepared, to be enqueued any number of times (handlers keep it per call site).
+cudaError_t prepare_gemm(DType dtype, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
 cudaError_t prepare_gemms();
 
 // Load every kernel module of gemm_rs and set its attributes on the current device (once per

@@ -4,6 +4,8 @@
 // (docs/design.md, "Memory ordering").
 #pragma once
 
+#include "comm/flag.cuh"
+#include "comm/wait.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "gemm_rs/gemm_rs.h"
 
@@ -41,8 +43,12 @@ struct GemmSchedule {
     return c;
   }
 
+  // Announce the call to every peer (ready words, CallEpoch): a peer waiting for one of this
+  // call's tiles can then tell this rank running another call from a slow one.
   template <class Kernel>
-  static __device__ void start(typename Kernel::Params const&) {}
+  static __device__ void start(typename Kernel::Params const& params) {
+    if (params.op.publish && blockIdx.x == 0 && threadIdx.x == 0) wait::announce(params.call);
+  }
 
   template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
   static __device__ void load(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
@@ -55,18 +61,17 @@ struct GemmSchedule {
   // stores: push, not pull).
   template <class Kernel>
   static __device__ void release(typename Kernel::Params const& params, BlockCoord const& c, uint64_t epoch,
-                                 int64_t parity) {
+                                 int64_t) {
     constexpr int kTilesPerBlock = Kernel::BLOCK_N / kTileN;
     static_assert(Kernel::BLOCK_N % kTileN == 0, "a GEMM block covers whole reduction tiles");
     Params const& op = params.op;
     if (!op.publish) return;
     ptx::fence_proxy_async_global();
     ptx::fence_acq_rel_sys();
-    uint64_t* owner_flags =
-        op.flags[c.owner] + parity * params.call.flags_stride + int64_t(op.rank) * op.tiles_per_partition;
+    uint64_t* owner_flags = op.flags[c.owner] + int64_t(op.rank) * op.tiles_per_partition;
     int const tile0 = c.tile_m * op.tiles_n + c.n_block * kTilesPerBlock;
     CUTLASS_PRAGMA_UNROLL
-    for (int t = 0; t < kTilesPerBlock; ++t) ptx::store_relaxed_sys(owner_flags + tile0 + t, epoch);
+    for (int t = 0; t < kTilesPerBlock; ++t) flag::store(owner_flags + tile0 + t, params.call, epoch);
   }
 
   template <class Kernel>

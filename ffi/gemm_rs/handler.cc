@@ -1,5 +1,5 @@
-// XLA FFI handler `entwine_gemm_rs`: validates and plans one rank's call, forks XLA's stream into the
-// producer (GEMM) and consumer (reduction) streams and joins them back; and gemm_rs::kHooks. No
+// XLA FFI handler `entwine_gemm_rs`: validates and plans one rank's call, runs the producer (GEMM) on
+// XLA's stream beside the consumer (reduction) on its own stream, joins it back; and gemm_rs::kHooks. No
 // kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (any of them can
 // deadlock against a consumer spinning on another device of this process).
 #include <cstdint>
@@ -20,7 +20,7 @@ namespace entwine {
 namespace gemm_rs {
 
 // The kernels are loaded with the communicator; the producer's split tail needs one workspace per
-// producer stream, i.e. per entry.
+// stream that runs producers: XLA's stream of the entry's device, whose calls run one at a time.
 const comm::OpHooks kHooks{
     "gemm_rs",
     prepare_kernels,
@@ -40,12 +40,42 @@ constexpr const char* kOp = "entwine gemm_rs";
 using handler::DeviceGuard;
 using handler::dims_string;
 
+// The plan's rules and what the call needs of the communicator: checked when a call site's plan is
+// made (a memoised plan passed them). Python padded the operands with the same function: on the
+// padded shape it must plan the problem unchanged (docs/design.md, "gemm_rs"). The plan alone
+// checks that the scattered dimension divides.
+ffi::Error check_plan(GemmRsPlan const& plan, GemmRsProblem const& problem, GemmRsConfig const& cfg,
+                      comm::DeviceComm const& dc) {
+  // Built only for a message: the handler's host time is on every call's path.
+  auto const call = [&] {
+    return " (M=" + std::to_string(problem.m) + ", N=" + std::to_string(problem.n) + ", K=" +
+           std::to_string(problem.k) + ", W=" + std::to_string(problem.world) + ", config " +
+           ENTWINE_CONFIG_STRING(cfg, ENTWINE_GEMM_RS_CONFIG_FIELDS) + ")";
+  };
+  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string("entwine gemm_rs: ") + plan.error + call());
+  ProblemShape const& shape = plan.shape;
+  if (shape.m != problem.m || shape.n != problem.n || shape.k != problem.k) {
+    return ffi::Error::InvalidArgument("entwine gemm_rs: operands not padded to the plan's [M, N, K] = [" +
+                                       std::to_string(shape.m) + ", " + std::to_string(shape.n) + ", " +
+                                       std::to_string(shape.k) + "]" + call());
+  }
+  // Python grows the heap at trace time, before any call of a new shape runs; this only catches
+  // a call compiled against another process's (or a shut down) communicator.
+  if (size_t(plan.slot_bytes) > dc.capacity.slot_bytes || plan.tiles_per_partition > dc.capacity.max_tiles) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "entwine gemm_rs: call needs " + std::to_string(plan.slot_bytes) + " bytes and " +
+                          std::to_string(plan.tiles_per_partition) + " tiles per slot, communicator has " +
+                          std::to_string(dc.capacity.slot_bytes) + " bytes and " +
+                          std::to_string(dc.capacity.max_tiles) + " tiles");
+  }
+  return ffi::Error::Success();
+}
+
 // Double-buffer argument (docs/design.md, "The double-buffer argument"). Call e of rank A writes
 // A's partial slot V[e % 2] (e and its parity are read on the device: CallEpoch); the consumers of
 // every rank B read A's V[e % 2] during their call e.
 // A's producer of call e+2 writes V[e % 2] again, and cannot start before every B finished reading it:
-//   A's producer(e+2) starts after A's start event of e+2, recorded on A's XLA stream after it
-//   waited for A's consumer(e+1);
+//   A's producer(e+2) runs on A's XLA stream after it waited for A's consumer(e+1);
 //   A's consumer(e+1) finished, so it saw a flag of call e+1 from every B (every tile of A's
 //   partition has a contribution from every rank, and the consumer only exits early on a deadline,
 //   which poisons the communicator: later calls are rejected below);
@@ -57,7 +87,7 @@ using handler::dims_string;
 // communicator (same epochs), which SPMD programs do.
 ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t scatter_dimension,
-                     GemmRsConfig const& cfg) {
+                     int64_t signature, GemmRsConfig const& cfg) {
   // --- Validation: everything below is cheap host work on the call's metadata. --------------------
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
@@ -81,9 +111,6 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
                                        dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd));
   }
 
-  // The plan of the call, made once here and run by both launchers. Python padded the operands with
-  // the same function: on the padded shape it must plan the problem unchanged (docs/design.md,
-  // "gemm_rs"). The plan alone checks that the scattered dimension divides.
   GemmRsProblem problem;
   problem.m = xd[0];
   problem.n = wd[1];
@@ -91,47 +118,17 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
   problem.world = dc->world;
   problem.rank = dc->rank;
   problem.scatter_cols = scatter_dimension == 1;
-  GemmRsPlan const plan = gemm_rs_plan(problem, cfg);
-  // Built only for a message: the handler's host time is on every call's path.
-  auto const call = [&] {
-    return " (M=" + std::to_string(problem.m) + ", N=" + std::to_string(problem.n) + ", K=" +
-           std::to_string(problem.k) + ", W=" + std::to_string(problem.world) + ", config " +
-           ENTWINE_CONFIG_STRING(cfg, ENTWINE_GEMM_RS_CONFIG_FIELDS) + ")";
-  };
-  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string("entwine gemm_rs: ") + plan.error + call());
-  ProblemShape const& shape = plan.shape;
-  if (shape.m != problem.m || shape.n != problem.n || shape.k != problem.k) {
-    return ffi::Error::InvalidArgument("entwine gemm_rs: operands not padded to the plan's [M, N, K] = [" +
-                                       std::to_string(shape.m) + ", " + std::to_string(shape.n) + ", " +
-                                       std::to_string(shape.k) + "]" + call());
-  }
-  if (yd[0] != shape.part_rows() || yd[1] != shape.part_cols()) {
-    return ffi::Error::InvalidArgument("entwine gemm_rs: y must be this rank's partition [" +
-                                       std::to_string(shape.part_rows()) + ", " + std::to_string(shape.part_cols()) +
-                                       "], got " + dims_string(yd) + call());
-  }
-
-  // Python grows the heap at trace time, before any call of a new shape runs; this only catches
-  // a call compiled against another process's (or a shut down) communicator.
-  if (size_t(plan.slot_bytes) > dc->capacity.slot_bytes || plan.tiles_per_partition > dc->capacity.max_tiles) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "entwine gemm_rs: call needs " + std::to_string(plan.slot_bytes) + " bytes and " +
-                          std::to_string(plan.tiles_per_partition) +
-                          " tiles per slot, communicator has " +
-                          std::to_string(dc->capacity.slot_bytes) + " bytes and " +
-                          std::to_string(dc->capacity.max_tiles) + " tiles");
-  }
 
   bool capturing = false;
   if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
 
-  // --- Execute: fork XLA's stream into producer and consumer, join both back. --------------------
+  // --- Execute: the GEMM on XLA's stream, the consumer forked beside it and joined back. -----------
   // Every argument below is the same for every call of this shape: the epoch and the parity are
   // read on the device, so a CUDA graph may replay the launches (docs/design.md, "Graph safety").
   DeviceGuard guard;
   ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
   char* own = static_cast<char*>(dc->heap);
-  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing);
+  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
 
   ConsumerArgs consumer_args{};
   for (int s = 0; s < dc->world; ++s) {
@@ -154,31 +151,72 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, 
         reinterpret_cast<uint64_t*>(static_cast<char*>(dc->peer_heap[q]) + dc->layout.flags_offset());
   }
   producer_args.call = epoch_args;
-  producer_args.split_workspace = dc->workspace(&gemm_rs::kHooks);  // used only by this device's producer stream
+  producer_args.split_workspace = dc->workspace(&gemm_rs::kHooks);  // used only by this entry's XLA stream
+
+  // The plan and the GEMM's parameters (TMA descriptors), derived once per call site and buffers:
+  // the key holds every value they are derived from (the problem, the config, the GEMM's arguments).
+  struct Derived {
+    GemmRsPlan plan;
+    PreparedGemm gemm;
+  };
+  static thread_local handler::CallMemo<64, Derived> memo;
+  handler::MemoKey<64> key;
+  for (int64_t v : {int64_t(dtype), problem.m, problem.n, problem.k, int64_t(problem.world), int64_t(problem.rank),
+                    int64_t(problem.scatter_cols), int64_t(capturing), epoch_args.slot_stride,
+                    epoch_args.flags_stride, int64_t(producer_args.interleave), int64_t(producer_args.publish)}) {
+    key.add(uint64_t(v));
+  }
+#define ENTWINE_MEMO_FIELD(type, name, value) key.add(uint64_t(cfg.name));
+  ENTWINE_GEMM_RS_CONFIG_FIELDS(ENTWINE_MEMO_FIELD)
+#undef ENTWINE_MEMO_FIELD
+  for (const void* p : {producer_args.x, producer_args.w, static_cast<const void*>(producer_args.partial),
+                        static_cast<const void*>(epoch_args.epoch),
+                        static_cast<const void*>(producer_args.split_workspace)}) {
+    key.add(p);
+  }
+  for (uint64_t* f : producer_args.flags) key.add(f);
+  handler::add_call(key, epoch_args);
+  Derived const* derived = memo.find(key);
+  if (derived == nullptr) {
+    Derived fresh{gemm_rs_plan(problem, cfg), {}};
+    if (ffi::Error e = check_plan(fresh.plan, problem, cfg, *dc); e.failure()) return e;
+    ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::prepare_gemm(dtype, fresh.plan, producer_args, &fresh.gemm));
+    Derived* entry = memo.insert(key);
+    *entry = fresh;
+    derived = entry;
+  }
+  // The output y is not in the key: the consumer's arguments are built on every call; its shape is.
+  if (yd[0] != derived->plan.shape.part_rows() || yd[1] != derived->plan.shape.part_cols()) {
+    return ffi::Error::InvalidArgument("entwine gemm_rs: y must be this rank's partition [" +
+                                       std::to_string(derived->plan.shape.part_rows()) + ", " +
+                                       std::to_string(derived->plan.shape.part_cols()) + "], got " + dims_string(yd));
+  }
 
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->producer, dc->start, 0));
-  // Consumer first: its small high-priority grid must be resident before the GEMM fills the SMs.
-  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(dtype, plan, consumer_args, dc->consumer));
-  ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::launch_gemm(dtype, plan, producer_args, dc->producer));
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, dc->producer));
+  // Consumer first: its small high-priority grid must be resident before the GEMM fills the SMs. The
+  // GEMM runs on XLA's stream itself (no fork to join).
+  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(dtype, derived->plan, consumer_args, dc->consumer));
+  ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
+  // The GEMM window, for ENTWINE_PROFILE=1 (comm::last_call_ms).
+  if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->producer_done, 0));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
-  // The next call's epoch, once this whole call is done.
-  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_advance_epoch(dc->epoch, xla_stream));
+  // The next call's epoch, once this whole call is done (y poisoned if the call failed anywhere).
+  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(handler::call_end(*dc, epoch_args, y->untyped_data(),
+                                                                       int64_t(y->size_bytes())),
+                                                    xla_stream));
   return ffi::Error::Success();
 }
 
 // Nothing but an ffi::Error may leave the handler (std::string and the registry lock can throw).
-// The tokens order the fused calls of a program (the Python primitive threads one through all of
-// them); they carry no data.
+// The token orders the fused calls of a program and carries no data (the next one comes from
+// entwine_order, comm/order.cc).
 ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Token,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t comm_id,
-                      int64_t scatter_dimension, GemmRsConfig config) {
+                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
+                      int64_t scatter_dimension, int64_t signature, GemmRsConfig config) {
   try {
-    return RunGemmRs(xla_stream, device, x, w, y, comm_id, scatter_dimension, config);
+    return RunGemmRs(xla_stream, device, x, w, y, comm_id, scatter_dimension, signature, config);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("entwine gemm_rs: ") + e.what());
   } catch (...) {
@@ -202,8 +240,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRs, entwine::GemmRsImpl,
                                   .Arg<ffi::AnyBuffer>()                     // w
                                   .Arg<ffi::Token>()                         // order in (fused calls)
                                   .Ret<ffi::AnyBuffer>()                     // y
-                                  .Ret<ffi::Token>()                         // order out
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("scatter_dimension")        // scatter_dimension
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
                                   .Attr<entwine::GemmRsConfig>("config"),    // config
                               {ffi::Traits::kCmdBufferCompatible});

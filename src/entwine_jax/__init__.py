@@ -25,6 +25,16 @@ def check_errors() -> None:
     comm.check_errors()
 
 
+def reserve(fn, *args, **kwargs) -> dict:
+    """Size the fused ops' heaps once for every call site of fn (e.g. a training step), so that
+    tracing it grows nothing: traces fn(*args, **kwargs) abstractly (arrays or ShapeDtypeStructs) and
+    grows each communicator to the largest need of its sites. Call it on every process, under the mesh
+    (jax.set_mesh, or after setup). Returns {axis name: heap bytes per device}; {} without the fused
+    path. Details: entwine_jax.comm.reserve."""
+    from entwine_jax import comm
+    return comm.reserve(fn, *args, **kwargs)
+
+
 def tune(mesh, axis_name, shapes, **kwargs) -> dict:
     """Time candidate GemmRsConfigs of the fused gemm_rs on `mesh` and store each shape's winner in
     the user cache, which later traces look up. Arguments and result: entwine_jax.tuning.tune.tune.
@@ -34,4 +44,4 @@ def tune(mesh, axis_name, shapes, **kwargs) -> dict:
 
 
 __all__ = ["gemm_rs", "ag_gemm", "GemmRsConfig", "AgGemmConfig", "ag_heuristic_config", "set_default_config",
-           "using_config", "heuristic_config", "extension_status", "setup", "check_errors", "tune", "__version__"]
+           "using_config", "heuristic_config", "extension_status", "setup", "check_errors", "reserve", "tune", "__version__"]

@@ -1,5 +1,5 @@
 """The only place entwine_jax touches ``jax._src``: the concrete mesh set by ``jax.set_mesh`` and
-the ``jax.distributed`` key-value store (IPC handle exchange and barriers between processes).
+the ``jax.distributed`` key-value store (the names of the sockets that share heap memory, barriers).
 
 Why private: inside ``jit`` the public ``jax.sharding.get_mesh()`` refuses to answer (it raises
 "can only be used outside of jax.jit") and ``get_abstract_mesh()`` has no devices; and jax has no
@@ -35,13 +35,26 @@ def client():
         return None
 
 
-def kv_set(key: str, value: bytes) -> None:
-    client().key_value_set_bytes(key, value)
+def kv_set(key: str, value: bytes, overwrite: bool = False) -> None:
+    """Sets ``key``; a second set of a key raises unless ``overwrite``."""
+    if overwrite:
+        client().key_value_set_bytes(key, value, allow_overwrite=True)
+    else:
+        client().key_value_set_bytes(key, value)
+
+
+def kv_delete(key: str) -> None:
+    client().key_value_delete(key)
 
 
 def kv_get(key: str, timeout_ms: int) -> bytes:
-    """Blocks until another process set ``key``; raises after ``timeout_ms``."""
-    return bytes(client().blocking_key_value_get_bytes(key, timeout_ms))
+    """Blocks until another process set ``key``; raises TimeoutError after ``timeout_ms``."""
+    try:
+        return bytes(client().blocking_key_value_get_bytes(key, timeout_ms))
+    except Exception as e:  # jax raises its runtime error, with the coordination service's status
+        if "DEADLINE_EXCEEDED" in str(e):
+            raise TimeoutError(str(e)) from None
+        raise
 
 
 def barrier(name: str, process_ids, my_process: int, timeout_ms: int) -> None:

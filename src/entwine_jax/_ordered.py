@@ -1,8 +1,9 @@
-# The fused calls as one primitive with an ordered effect. Every fused call of every op takes and
-# returns the effect's token, so JAX threads one token through all of them in program order (through
+# The fused calls as one primitive with an ordered effect. Every fused call of every op takes the
+# effect's token and yields the next one, so JAX threads one token through all of them in program order (through
 # jit, shard_map, scan, while, cond, custom_vjp and remat) and the lowered program orders them by data
 # flow: XLA's scheduler, stream assignment and command buffers scheduled in LHS mode cannot run two
-# fused calls in different orders on different ranks. (XLA's CONCURRENT command-buffer mode orders
+# fused calls in different orders on different ranks. A call takes the token; entwine_order makes the
+# next one from the call's first result. (XLA's CONCURRENT command-buffer mode orders
 # commands by buffer conflicts alone and ignores tokens: comm.command_buffer_hazard refuses it.)
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import numpy as np
 from jax._src import core, dispatch, effects
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir import ir
+
+from entwine_jax import _extension
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,19 +103,30 @@ def _row_major(aval) -> Sequence[int]:
 def _lower(ctx: mlir.LoweringRuleContext, *operands, target, result_avals, attributes):
     del result_avals
     token = ctx.tokens_in.get(EFFECT)
-    result_types = [mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out] + [mlir.token_type()]
+    # The call takes the token; the next token comes from entwine_order applied to the call's first
+    # result (comm/order.cc says why the call does not return it).
     op = mlir.custom_call(
         target,
-        result_types=result_types,
+        result_types=[mlir.aval_to_ir_type(ctx.module_context, a) for a in ctx.avals_out],
         operands=[*operands, token],
         backend_config={k: _ir_attribute(_thawed(v)) for k, v in attributes},
         api_version=4,
         has_side_effect=True,
         operand_layouts=[_row_major(a) for a in ctx.avals_in] + [()],
-        result_layouts=[_row_major(a) for a in ctx.avals_out] + [()],
+        result_layouts=[_row_major(a) for a in ctx.avals_out],
     )
-    *outs, token_out = op.results
-    ctx.set_tokens_out(mlir.TokenSet({EFFECT: token_out}))
+    outs = list(op.results)
+    link = mlir.custom_call(
+        _extension.ext().ORDER_TARGET,
+        result_types=[mlir.token_type()],
+        operands=[outs[0], token],
+        backend_config={},
+        api_version=4,
+        has_side_effect=True,
+        operand_layouts=[_row_major(ctx.avals_out[0]), ()],
+        result_layouts=[()],
+    )
+    ctx.set_tokens_out(mlir.TokenSet({EFFECT: link.result}))
     return outs
 
 

@@ -79,11 +79,12 @@ def dimension(op: str, name: str, value, shape: tuple, what: str) -> int:
     return int(value) % nd
 
 
-def early_reason(op: str, config, size: int, dtype, nothing: str, flops: float, moved_bytes: float) -> Optional[str]:
+def early_reason(op: str, config, size: int, dtype, nothing: str, flops: float, moved_bytes: float,
+                 push: Optional[str] = None) -> Optional[str]:
     """The reasons every op takes the XLA path before its kernels are asked: the user asked for it,
     an axis of size 1 (`nothing`: what there is nothing of), float32 operands, and (path "auto") a
     call too small for the overlap to pay for the fused op's fixed cost (flops: the call's GEMM,
-    moved_bytes: what its collective brings into each GPU; tuning/crossover.py)."""
+    moved_bytes: what its collective brings into each GPU, push: ag_gemm's; tuning/crossover.py)."""
     if config.path == "xla":
         return "config.path='xla'"
     if size == 1 and config.path == "auto":
@@ -92,7 +93,7 @@ def early_reason(op: str, config, size: int, dtype, nothing: str, flops: float, 
     if jnp.dtype(dtype) == jnp.float32:
         return "float32 inputs (the fused kernels take bfloat16/float16)"
     if config.path == "auto":
-        return crossover.fused_cannot_win(op, flops, moved_bytes)
+        return crossover.fused_cannot_win(op, flops, moved_bytes, push=push)
     return None
 
 

@@ -4,8 +4,14 @@ Knows no op. An op asks, at trace time, ``unavailable(...)`` (a predicate that o
 ``acquire_comm(mesh, axis, need)`` once per call site: the one place that creates, grows and
 connects communicators, with room for what the call needs (``Capacity``: partial-slot bytes, flag
 words per source, inbox bytes). The communicator's id goes into the call's static plan; the FFI
-handlers find it by that id. Diagnostics (``check_errors``, ``device_epochs``, ``handler_cost``,
-``last_call_ms``) read the communicators without changing them.
+handlers find it by that id. ``deferred_growth()`` collects the needs of many call sites instead, so
+that ``entwine_jax.reserve`` grows each communicator once. Diagnostics (``check_errors``,
+``device_epochs``, ``handler_cost``, ``last_call_ms``, ``heap_usage``) read the communicators without
+changing them.
+
+Setup is transactional: a creation or growth whose exchange with the other processes fails (a peer
+that never comes within ENTWINE_SETUP_TIMEOUT_MS, a CUDA error) is undone, the communicator stays as
+it was, and a later call site tries again.
 
 Mesh discovery: inside ``jit`` jax exposes only the abstract mesh, so the device assignment comes
 from the enclosing ``jax.set_mesh(mesh)`` or, failing that, from ``entwine_jax.setup(mesh, axis)``.
@@ -14,10 +20,17 @@ from the enclosing ``jax.set_mesh(mesh)`` or, failing that, from ``entwine_jax.s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import functools
 import hashlib
+import json
+import logging
 import os
+import socket
 import threading
+import time
+import zlib
 from typing import Any, Optional
 
 import jax
@@ -30,8 +43,12 @@ _DEFAULT_HEAP_MAX_BYTES = 4 << 30
 # growing shapes reallocates (and synchronises every rank) a few times, not once per shape.
 _SLOT_GRANULE = 2 << 20
 _TILES_GRANULE = 64
-# Cross-process setup (IPC handle exchange, barriers): generous, compilation may run meanwhile.
-_KV_TIMEOUT_MS = 300_000
+# Cross-process setup (the exchange of heap chunks): generous, since a peer may still be compiling.
+_DEFAULT_SETUP_TIMEOUT_MS = 300_000
+# A partner slower than this to join a growth is reported (in the log) while the wait goes on.
+_SLOW_PEER_MS = 10_000
+# File descriptors per socket message (the kernel takes at most 253).
+_FDS_PER_MESSAGE = 64
 
 
 class Unavailable(Exception):
@@ -49,6 +66,19 @@ def heap_max_bytes() -> int:
         return int(value) if value else _DEFAULT_HEAP_MAX_BYTES
     except ValueError:
         raise ValueError(f"ENTWINE_HEAP_MAX_BYTES must be an integer byte count, got {value!r}")
+
+
+def setup_timeout_ms() -> int:
+    """ENTWINE_SETUP_TIMEOUT_MS: how long a creation or growth waits for the other processes of a
+    communicator before it is undone (default 300000)."""
+    value = os.environ.get("ENTWINE_SETUP_TIMEOUT_MS", "")
+    try:
+        ms = int(value) if value else _DEFAULT_SETUP_TIMEOUT_MS
+    except ValueError:
+        ms = 0
+    if ms <= 0:
+        raise ValueError(f"ENTWINE_SETUP_TIMEOUT_MS must be a positive integer (milliseconds), got {value!r}")
+    return ms
 
 
 def axis_tuple(axis_name) -> tuple[str, ...]:
@@ -130,32 +160,45 @@ class _Comm:
     id: int
     local: list  # (device, rank, its group's row of devices) for the devices of this process
     processes: list  # process indices of the mesh
+    heap_max: int  # the heap cap when it was created: its reserved addresses, fixed
     slot_bytes: int = 0
     max_tiles: int = 0
     inbox_bytes: int = 0
-    generation: int = 0  # bumped per growth: keys of the key-value store are written once
+    generation: int = 0  # successful growths: names the exchange of the next one
 
     @property
-    def multiprocess(self) -> bool:
-        return len(self.processes) > 1
+    def capacity(self) -> tuple[int, int, int]:
+        return self.slot_bytes, self.max_tiles, self.inbox_bytes
+
+    @property
+    def partners(self) -> list[int]:
+        """The other processes driving a rank of one of this process's groups: the ones whose heap
+        chunks this process maps, and which map this process's."""
+        me = jax.process_index()
+        return sorted({int(peer.process_index) for _, _, row in self.local for peer in row} - {me})
 
 
 _comms: dict[int, _Comm] = {}
-# Communicators whose creation or growth failed part way (a peer never published its heap, cudaMalloc
-# failed): their entry is not connected, so no call may be compiled against them. id -> the reason.
+# Communicators whose failed setup could not be undone (the undo itself failed): no later call site
+# may compile against them. id -> the reason.
 _failed: dict[int, str] = {}
 _atexit_registered = False
+# While deferred_growth() runs on a thread: the needs of the call sites traced meanwhile.
+_deferred = threading.local()
 
 
-def _key(comm: _Comm, what: str) -> str:
-    return f"entwine/{comm.id & 0xFFFFFFFFFFFFFFFF:016x}/{comm.generation}/{what}"
+def _key(comm: _Comm, capacity: tuple[int, int, int], what: str) -> str:
+    """A key of the exchange that takes `comm` from its generation to `capacity`: processes meet only
+    on the same growth, so a process that traced a call site alone never pairs with a different one."""
+    return (f"entwine/{comm.id & 0xFFFFFFFFFFFFFFFF:016x}/{comm.generation}/"
+            f"{'-'.join(str(v) for v in capacity)}/{what}")
 
 
 def _capacity_for(comm: Optional[_Comm], slot_bytes: int, max_tiles: int,
                   inbox_bytes: int) -> Optional[tuple[int, int, int]]:
     """The (partial slot bytes, flags per source, inbox bytes) a communicator must grow to for a
     call needing that much, rounded up to the granules; None when it has room already."""
-    old = (comm.slot_bytes, comm.max_tiles, comm.inbox_bytes) if comm else (0, 0, 0)
+    old = comm.capacity if comm else (0, 0, 0)
     if comm is not None and slot_bytes <= old[0] and max_tiles <= old[1] and inbox_bytes <= old[2]:
         return None
     return (_round_up(max(old[0], slot_bytes), _SLOT_GRANULE), _round_up(max(old[1], max_tiles), _TILES_GRANULE),
@@ -164,30 +207,170 @@ def _capacity_for(comm: Optional[_Comm], slot_bytes: int, max_tiles: int,
 
 def _heap_cap_reason(ext, comm: Optional[_Comm], world: int, slot_bytes: int, max_tiles: int,
                      inbox_bytes: int) -> Optional[str]:
-    """Why a call's heap cannot be had (ENTWINE_HEAP_MAX_BYTES), or None."""
+    """Why a call's heap cannot be had (ENTWINE_HEAP_MAX_BYTES, and for an existing communicator also
+    the cap it was created with, which sized its reserved addresses), or None."""
     new = _capacity_for(comm, slot_bytes, max_tiles, inbox_bytes)
     if new is None:
         return None
     need = int(ext.heap_bytes(world, *new))
-    if need > heap_max_bytes():
-        return f"symmetric heap of {need} bytes per device would exceed ENTWINE_HEAP_MAX_BYTES={heap_max_bytes()}"
+    cap = min(heap_max_bytes(), comm.heap_max) if comm is not None else heap_max_bytes()
+    if need > cap:
+        return f"symmetric heap of {need} bytes per device would exceed ENTWINE_HEAP_MAX_BYTES={cap}"
     return None
 
 
-def _connect(ext, comm: _Comm) -> None:
-    """Fills every local peer table: local ordinals for ranks of this process, IPC handles else."""
+def _abstract_name(name: str) -> str:
+    return "\0" + name  # Linux's abstract socket namespace: no file, gone with the socket
+
+
+def _send_chunks(conn: socket.socket, table: list) -> None:
+    """Sends [(device id, [(offset, bytes, fd)])] over a SOCK_SEQPACKET connection: messages of at
+    most _FDS_PER_MESSAGE descriptors (SCM_RIGHTS), each with a JSON header, then an empty end."""
+    for device_id, chunks in table:
+        for i in range(0, max(len(chunks), 1), _FDS_PER_MESSAGE):
+            part = chunks[i:i + _FDS_PER_MESSAGE]
+            header = json.dumps({"device": device_id, "chunks": [[o, b] for o, b, _ in part]}).encode()
+            socket.send_fds(conn, [header], [fd for _, _, fd in part])
+    conn.sendall(b"{}")
+
+
+def _receive_chunks(conn: socket.socket, deadline: float) -> dict[int, list]:
+    """{device id: [(offset, bytes, fd)]} as _send_chunks sent it; the caller closes the fds."""
+    received: dict[int, list] = {}
+    try:
+        while True:
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
+            data, fds, flags, _ = socket.recv_fds(conn, 1 << 16, _FDS_PER_MESSAGE)
+            chunks_fds = list(fds)
+            try:
+                if not data:
+                    raise RuntimeError("a peer closed the exchange of heap chunks early")
+                header = json.loads(data)
+                if flags & socket.MSG_CTRUNC or len(header.get("chunks", [])) != len(chunks_fds):
+                    raise RuntimeError("a peer's message of heap chunks arrived truncated")
+            except BaseException:
+                for fd in chunks_fds:
+                    os.close(fd)
+                raise
+            if not header:
+                return received
+            received.setdefault(int(header["device"]), []).extend(
+                (int(o), int(b), fd) for (o, b), fd in zip(header["chunks"], chunks_fds))
+    except BaseException:
+        _close_received(received)
+        raise
+
+
+def _close_received(received: dict) -> None:
+    for chunks in received.values():
+        for _, _, fd in chunks:
+            os.close(fd)
+
+
+def _connect_to_peer(name_key: str, deadline: float) -> socket.socket:
+    """A connection to the socket a peer process published under name_key. A name can be stale (an
+    earlier attempt of the peer that gave up): it is read again until the peer's live socket answers
+    or the deadline passes."""
+    said = False
+    while True:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            raise TimeoutError(f"no live socket under {name_key} before the deadline")
+        try:
+            # First a short wait, so that a long one is said while it lasts (a lone trace waits).
+            name = _distributed.kv_get(name_key, left_ms if said else min(left_ms, _SLOW_PEER_MS)).decode()
+        except TimeoutError:
+            if said or left_ms <= _SLOW_PEER_MS:
+                raise
+            said = True
+            logging.getLogger("entwine_jax").warning(
+                "entwine_jax: waiting up to %.0f s more for another process to join the growth of a fused op's heap "
+                "(%s); every process must trace the same fused call sites", left_ms / 1000 - _SLOW_PEER_MS / 1000,
+                name_key)
+            continue
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
+            conn.connect(_abstract_name(name))
+            return conn
+        except (ConnectionRefusedError, FileNotFoundError):
+            conn.close()
+            time.sleep(0.05)
+        except BaseException:
+            conn.close()
+            raise
+
+
+def _share_chunks(ext, comm: _Comm, capacity: tuple[int, int, int], deadline: float) -> None:
+    """Maps into this process the heap chunks of every rank of the other processes of our groups,
+    and hands them ours: CUDA's POSIX file descriptors, which are per process, cross over a Unix socket
+    (SCM_RIGHTS) whose name is published in the key-value store. The order cannot deadlock: every
+    process listens before it publishes, connects to all its partners (the kernel queues a connection
+    until it is accepted), serves every partner that connects, and only then reads what it was sent.
+    The socket only lives during this exchange."""
     me = jax.process_index()
-    if comm.multiprocess:
+    partners = comm.partners
+    name = f"entwine-{comm.id & 0xFFFFFFFFFFFFFFFF:016x}-{comm.generation}-{me}-{os.getpid()}-{time.monotonic_ns()}"
+    my_key = _key(comm, capacity, f"socket/{me}")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    clients: dict[int, socket.socket] = {}
+    exported: list = []
+    received: dict[int, list] = {}
+    try:
+        server.bind(_abstract_name(name))
+        server.listen(len(partners))
         for device, _, _ in comm.local:
-            handle = ext.heap_ipc_handle(comm.id, device.local_hardware_id)
-            _distributed.kv_set(_key(comm, f"heap/{device.id}"), handle)
+            exported.append((int(device.id), [tuple(c) for c in ext.comm_export(comm.id, device.local_hardware_id)]))
+        _distributed.kv_set(my_key, name.encode(), overwrite=True)
+        for p in partners:
+            clients[p] = _connect_to_peer(_key(comm, capacity, f"socket/{p}"), deadline)
+        for _ in partners:
+            server.settimeout(max(deadline - time.monotonic(), 0.001))
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                _send_chunks(conn, exported)
+        for p, conn in clients.items():
+            for device_id, chunks in _receive_chunks(conn, deadline).items():
+                received.setdefault(device_id, []).extend(chunks)
+        for device, _, row in comm.local:
+            for rank, peer in enumerate(row):
+                if peer.process_index != me:
+                    chunks = received.get(int(peer.id))
+                    if not chunks:
+                        raise RuntimeError(f"process {peer.process_index} sent no heap chunks of device {peer.id}")
+                    ext.comm_import(comm.id, device.local_hardware_id, rank, [(o, b, fd) for o, b, fd in chunks])
+    except BaseException:
+        with contextlib.suppress(Exception):
+            _distributed.kv_delete(my_key)  # a peer reading it meanwhile finds it stale and reads again
+        raise
+    finally:
+        server.close()
+        for conn in clients.values():
+            conn.close()
+        for _, chunks in exported:
+            for _, _, fd in chunks:
+                os.close(fd)
+        _close_received(received)
+
+
+def _exchange(ext, comm: _Comm, capacity: tuple[int, int, int]) -> None:
+    """Makes `capacity` usable by calls on every local rank: the other processes' chunks mapped here
+    (their heaps have grown as ours), then the peer tables filled. Raises on a peer that never
+    comes within ENTWINE_SETUP_TIMEOUT_MS."""
+    deadline = time.monotonic() + setup_timeout_ms() / 1000
+    if comm.partners:
+        try:
+            _share_chunks(ext, comm, capacity, deadline)
+        except (TimeoutError, socket.timeout) as e:
+            raise TimeoutError(
+                f"processes {comm.partners} did not join the growth of the heap to {capacity} within "
+                f"ENTWINE_SETUP_TIMEOUT_MS={setup_timeout_ms()} ({e}); every process must trace the same fused call "
+                f"sites in the same order (a trace on one process alone, e.g. jax.eval_shape or .lower(), cannot "
+                f"grow the heap)") from None
+    me = jax.process_index()
     for device, _, row in comm.local:
-        peers = []
-        for peer in row:
-            if peer.process_index == me:
-                peers.append(int(peer.local_hardware_id))
-            else:
-                peers.append(_distributed.kv_get(_key(comm, f"heap/{peer.id}"), _KV_TIMEOUT_MS))
+        peers = [int(p.local_hardware_id) if p.process_index == me else -1 for p in row]
         ext.comm_connect(comm.id, device.local_hardware_id, peers)
 
 
@@ -203,7 +386,7 @@ def _check_devices(ext, groups: np.ndarray) -> None:
         cc = str(getattr(d, "compute_capability", ""))
         if cc != "9.0":
             raise Unavailable(f"needs a Hopper GPU (compute capability 9.0), device {d.id} has {cc!r}")
-    # Ranks driven by one process use raw peer pointers: they must be able to map each other.
+    # Ranks driven by one process use each other's heaps directly: they must be able to map them.
     for row in groups:
         mine = [int(d.local_hardware_id) for d in row if d.process_index == me]
         for a in mine:
@@ -212,16 +395,31 @@ def _check_devices(ext, groups: np.ndarray) -> None:
                     raise Unavailable(f"devices not peer-accessible (local GPUs {a} and {b})")
 
 
+@contextlib.contextmanager
+def deferred_growth():
+    """Within it, acquire_comm on this thread only records what each call site needs, per
+    communicator, and changes nothing; yields {comm id: (mesh, axis_name, slot_bytes, max_tiles,
+    inbox_bytes)}, the largest need of each. entwine_jax.reserve grows each to it afterwards."""
+    if getattr(_deferred, "needs", None) is not None:
+        raise RuntimeError("deferred_growth() does not nest")
+    _deferred.needs = {}
+    try:
+        yield _deferred.needs
+    finally:
+        _deferred.needs = None
+
+
 def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int, inbox_bytes: int = 0) -> int:
     """The communicator of `axis_name` of `mesh` (shared by gemm_rs and ag_gemm), with room for one
     partial slot of slot_bytes (gemm_rs), max_tiles flag words per source rank, and an inbox of
     inbox_bytes (ag_gemm); returns its id, which the call passes to its FFI handler.
 
     The one place that changes communicators: it creates one (heaps, streams, peer tables), or grows
-    it (the sequence of docs/design.md, "The communicator and symmetric heap"), or finds it big
-    enough and does nothing. Called once per call site, at trace time, before any call that needs
-    the room can run. Raises Unavailable with the reason when the fused path cannot have it (heap
-    cap, devices, a CUDA or key-value store failure during setup).
+    it (docs/design.md, "The communicator and symmetric heap"), or finds it big enough and does
+    nothing. Called once per call site, at trace time, before any call that needs the room can run;
+    every process of the mesh must make the same calls in the same order. Raises Unavailable with the
+    reason when the fused path cannot have it (heap cap, devices, a CUDA failure or a peer that never
+    came); the communicator is then exactly as before and a later call may try again.
     """
     ext, reason = _extension.registered()
     if reason:
@@ -239,48 +437,92 @@ def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int, inbox_bytes: 
         cap_reason = _heap_cap_reason(ext, comm, world, slot_bytes, max_tiles, inbox_bytes)
         if cap_reason:
             raise Unavailable(cap_reason)
+        needs = getattr(_deferred, "needs", None)
+        if needs is not None:
+            _, _, *have = needs.get(cid, (mesh, axis_name, 0, 0, 0))
+            needs[cid] = (mesh, axis_name, *(max(a, b) for a, b in zip(have, (slot_bytes, max_tiles, inbox_bytes))))
+            return cid
         try:
             if comm is None:
-                _check_devices(ext, groups)
-                me = jax.process_index()
-                local = [(d, r, row) for row in groups for r, d in enumerate(row) if d.process_index == me]
-                processes = sorted({int(d.process_index) for d in groups.ravel()})
-                comm = _Comm(cid, local, processes)
-                ext.comm_create(cid, world, [(int(d.local_hardware_id), r) for d, r, _ in local], *new)
-                _register_atexit()
-                _comms[cid] = comm
-                comm.slot_bytes, comm.max_tiles, comm.inbox_bytes = new
-                _connect(ext, comm)
+                _create(ext, groups, cid, new)
             else:
                 _grow(ext, comm, new)
         except Unavailable:
             raise
-        except Exception as e:  # CUDA or key-value store failures during setup
+        except Exception as e:  # CUDA failures, a peer that never came
             reason = f"communicator setup failed ({type(e).__name__}: {e})"
-            if cid in _comms:
-                # Created or grown but not connected: no later call site may compile against it.
-                _failed[cid] = f"{reason}; this process no longer uses the communicator of axis {axis_name!r}"
-            raise Unavailable(reason) from e
+            if cid in _failed:
+                raise Unavailable(_failed[cid]) from e
+            raise Unavailable(f"{reason}; the communicator of axis {axis_name!r} is unchanged") from e
         return cid
 
 
-def _grow(ext, comm: _Comm, new: tuple[int, int, int]) -> None:
-    # Dispatch is asynchronous: a program launched earlier may not have reached the handler yet and
-    # would run on a freed heap. Wait for everything live, then for our side streams.
-    jax.block_until_ready(jax.live_arrays())
-    ext.comm_synchronize(comm.id)
+def reserve(fn, *args, **kwargs) -> dict:
+    """Sizes the heap of every communicator that fn's fused calls use, once, for all its call sites:
+    traces fn(*args, **kwargs) abstractly (jax.eval_shape; arrays or jax.ShapeDtypeStructs), with each
+    call site's growth deferred, then grows each communicator to the largest need of its sites. A
+    program traced afterwards finds room and grows nothing. Call it on every process, with the same
+    arguments, where fn's mesh is known (under jax.set_mesh, or after entwine_jax.setup).
+
+    Returns {axis name: bytes of device memory one rank's heap maps}. Raises RuntimeError when a
+    communicator cannot be grown (above ENTWINE_HEAP_MAX_BYTES, a peer that never came); call sites
+    whose own need is above the cap take the XLA path and are not counted."""
+    with deferred_growth() as needs:
+        jax.eval_shape(fn, *args, **kwargs)
+    ext, _ = _extension.registered()
+    sized = {}
+    for cid, (mesh, axis_name, slot_bytes, max_tiles, inbox_bytes) in needs.items():
+        try:
+            acquire_comm(mesh, axis_name, slot_bytes, max_tiles, inbox_bytes)
+        except Unavailable as e:
+            raise RuntimeError(f"entwine_jax.reserve: the heap of axis {axis_name!r} cannot hold every call site "
+                               f"of {getattr(fn, '__name__', fn)!r} at once: {e}") from None
+        with _lock:
+            comm = _comms[cid]
+            sized[axis_name] = int(ext.heap_bytes(len(comm.local[0][2]), *comm.capacity))
+    return sized
+
+
+def _create(ext, groups: np.ndarray, cid: int, capacity: tuple[int, int, int]) -> None:
+    _check_devices(ext, groups)
     me = jax.process_index()
-    if comm.multiprocess:
-        # No peer may still run a call on our heap, and (CUDA) no peer may still have it open
-        # through IPC when we free it.
-        _distributed.barrier(_key(comm, "idle"), comm.processes, me, _KV_TIMEOUT_MS)
-    ext.comm_disconnect(comm.id)
-    if comm.multiprocess:
-        _distributed.barrier(_key(comm, "closed"), comm.processes, me, _KV_TIMEOUT_MS)
-    ext.comm_grow(comm.id, *new)
-    comm.slot_bytes, comm.max_tiles, comm.inbox_bytes = new
+    local = [(d, r, row) for row in groups for r, d in enumerate(row) if d.process_index == me]
+    processes = sorted({int(d.process_index) for d in groups.ravel()})
+    comm = _Comm(cid, local, processes, heap_max_bytes())
+    ext.comm_create(cid, groups.shape[1], [(int(d.local_hardware_id), r) for d, r, _ in local], *capacity,
+                    comm.heap_max)
+    _register_atexit()
+    try:
+        _exchange(ext, comm, capacity)
+    except BaseException as e:
+        _undo(cid, lambda: ext.comm_destroy(cid), e)
+        raise
+    comm.slot_bytes, comm.max_tiles, comm.inbox_bytes = capacity
     comm.generation += 1
-    _connect(ext, comm)
+    _comms[cid] = comm
+
+
+def _grow(ext, comm: _Comm, capacity: tuple[int, int, int]) -> None:
+    # Calls compiled earlier may run meanwhile: growing only maps memory behind what they use, and
+    # they keep the old capacity until the exchange made the new one usable on every rank here.
+    ext.comm_grow(comm.id, *capacity)
+    try:
+        _exchange(ext, comm, capacity)
+    except BaseException as e:
+        _undo(comm.id, lambda: ext.comm_shrink(comm.id, *comm.capacity), e)
+        raise
+    comm.slot_bytes, comm.max_tiles, comm.inbox_bytes = capacity
+    comm.generation += 1
+
+
+def _undo(cid: int, undo, cause: BaseException) -> None:
+    """Runs the undo of a failed setup step; if that fails too, no call site may use the
+    communicator any more (_failed)."""
+    try:
+        undo()
+    except Exception as e:
+        _failed[cid] = (f"communicator setup failed ({type(cause).__name__}: {cause}) and could not be undone "
+                        f"({type(e).__name__}: {e}); this process no longer uses it")
 
 
 def _register_atexit() -> None:
@@ -329,6 +571,27 @@ def check_errors() -> None:
                 raise RuntimeError(message)
 
 
+_SIGNATURE_BITS = 24  # the low bits of every flag word (CallEpoch::signature, comm/protocol.h)
+
+
+@functools.cache
+def call_signature(description: str) -> int:
+    """The signature of a fused call described by `description` (op, padded shapes, dtype, layout,
+    config: the same words on every rank for the same call), named in this process's error messages.
+    The kernels stamp it next to the epoch in every flag, so a rank waiting for one call that sees
+    another from a peer fails naming both (docs/design.md, "Per-call identity")."""
+    signature = zlib.crc32(description.encode()) & ((1 << _SIGNATURE_BITS) - 1)
+    ext, _ = _extension.registered()
+    if ext is not None and hasattr(ext, "name_call"):
+        ext.name_call(signature, description)
+    return signature
+
+
+def attributes_text(attributes: dict) -> str:
+    """A config's kernel attributes as `name=value` words, for call descriptions."""
+    return " ".join(f"{name}={int(value)}" for name, value in attributes.items())
+
+
 def _queried_comm(what: str, mesh, axis_name):
     """(extension, communicator id) of the mesh axis for a diagnostic query named `what`; raises
     RuntimeError when there is no extension or no fused call has made the communicator yet."""
@@ -349,6 +612,13 @@ def last_call_ms(mesh, axis_name) -> list[tuple[int, float, float]]:
     extension then records timing events per call); block on the call's result first."""
     ext, cid = _queried_comm("last_call_ms", mesh, axis_name)
     return [tuple(t) for t in ext.last_call_ms(cid)]
+
+
+def heap_usage(mesh, axis_name) -> list[tuple[int, int, int, int]]:
+    """[(local device, bytes of device memory its heap maps, bytes of the other processes' heaps
+    mapped into this process, reserved addresses of its heap)] of the mesh axis's communicator."""
+    ext, cid = _queried_comm("heap_usage", mesh, axis_name)
+    return [tuple(u) for u in ext.heap_usage(cid)]
 
 
 def device_epochs(mesh, axis_name) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ import numpy as np
 
 from entwine_jax import _extension, _ordered, callsite, comm
 from entwine_jax.ag_gemm import plan as _plan
+from entwine_jax.ag_gemm.config import push_budget, push_of
 from entwine_jax.comm import Unavailable
 
 
@@ -63,14 +64,17 @@ def unpad(y, gathered, p: AgPadding):
     return y, gathered
 
 
-def ag_gemm_sms(config) -> int:
-    """The GEMM grid the kernels run: config.gemm_sms, or every SM of the GPU but one."""
-    return config.gemm_sms or _extension.sm_count() - 1
+def launch_sms(config, shard_bytes: int) -> tuple[int, int]:
+    """(gemm_sms, push_sms) the kernels run for a shard of `shard_bytes`: the GEMM grid (config's,
+    or every SM the push leaves) and the SM push's CTAs (0: the copy engines push, and leave the
+    chunk releases one SM)."""
+    push_sms = push_budget(config) if push_of(config, shard_bytes) == "sm" else 0
+    return config.gemm_sms or _extension.sm_count() - max(push_sms, 1), push_sms
 
 
-def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, fp8: bool = False,
+def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, itemsize: int, fp8: bool = False,
              shared_scale: bool = False) -> _plan.AgPlan:
-    return _plan.ag_plan(rows, cols, n, world, gather_k, config, ag_gemm_sms(config), fp8=fp8,
+    return _plan.ag_plan(rows, cols, n, world, gather_k, config, *launch_sms(config, rows * cols * itemsize), fp8=fp8,
                          shared_scale=shared_scale)
 
 
@@ -90,10 +94,13 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, o
     if out_dtype is not None and (reason := _plan.fp8_reason()):
         return reason
     try:
-        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, fp8=out_dtype is not None,
-                        shared_scale=shared_scale)
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, jnp.dtype(x_local_aval.dtype).itemsize,
+                        fp8=out_dtype is not None, shared_scale=shared_scale)
     except _plan.PlanError as e:
         return f"the kernels cannot run this call: {e.rule}"
+    if plan.sms_needed > _extension.sm_count():
+        return (f"the GEMM's {plan.grid} CTAs and the push's {plan.push_grid} (or one SM for the chunk releases) "
+                f"need {plan.sms_needed} SMs at once, the GPU has {_extension.sm_count()}")
     if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
         return reason
     return comm.heap_reason(ext, mesh, axis_name, axis_size, 0, plan.chunks, plan.inbox_bytes)
@@ -121,6 +128,7 @@ class AgGemmCall:
 
     padding: AgPadding
     gemm_sms: int
+    push_sms: int  # 0: the copy engines push
     comm_id: int
     config: Any  # AgGemmConfig
     target: str
@@ -136,15 +144,17 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out
     mesh = comm.mesh_for(axis_name)
     (rows, cols), n = x_local_aval.shape, w_aval.shape[1]
     fp8 = out_dtype is not None
+    gemm_sms, push_sms = launch_sms(config, rows * cols * jnp.dtype(x_local_aval.dtype).itemsize)
     try:
-        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, fp8=fp8, shared_scale=shared_scale)
+        plan = _plan.ag_plan(rows, cols, n, axis_size, gather_k, config, gemm_sms, push_sms, fp8=fp8,
+                             shared_scale=shared_scale)
     except _plan.NoExtension as e:
         raise Unavailable(str(e)) from None
     except _plan.PlanError as e:
         raise Unavailable(f"the kernels cannot run this call: {e.rule}") from None
     p = ag_padding(plan, rows, cols, n, axis_size, gather_k)
     cid = comm.acquire_comm(mesh, axis_name, 0, plan.chunks, inbox_bytes=plan.inbox_bytes)
-    return AgGemmCall(padding=p, gemm_sms=ag_gemm_sms(config), comm_id=cid, config=config,
+    return AgGemmCall(padding=p, gemm_sms=gemm_sms, push_sms=push_sms, comm_id=cid, config=config,
                       target=_plan.fp8_target() if fp8 else _plan.target(),
                       out_dtype=jnp.dtype(out_dtype).name if fp8 else None)
 
@@ -155,11 +165,14 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
     x_pad, w_pad = pad_operands(x2d, w, p)
     y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
     gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
-    c = site.config
+    attributes = site.config.kernel_attributes(site.gemm_sms, site.push_sms)
+    layout = "contraction" if p.gather_k else "rows"
+    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w {list(w_pad.shape)} gathering "
+                                    f"{layout}, gathered {list(gathered_shape)}, config {comm.attributes_text(attributes)}")
     y, gathered = _ordered.fused_call(
         site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), x2d.dtype), jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)],
-        x_pad, w_pad, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
-        config=c.kernel_attributes(site.gemm_sms))
+        x_pad, w_pad, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k), signature=np.int64(signature),
+        config=attributes)
     return unpad(y, gathered if return_gathered else None, p)
 
 
@@ -174,10 +187,16 @@ def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, 
     y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
     gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
     scales = [jnp.reshape(s.astype(jnp.float32), (1,)) for s in (x_scale, w_scale)]
+    w_t = w_pad.T
+    attributes = site.config.kernel_attributes(site.gemm_sms, site.push_sms)
+    layout = "contraction" if p.gather_k else "rows"
+    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w_t {list(w_t.shape)} gathering "
+                                    f"{layout}, gathered {list(gathered_shape)}, out {site.out_dtype}, shared scale "
+                                    f"{bool(shared_scale)}, config {comm.attributes_text(attributes)}")
     y, gathered, gathered_scales = _ordered.fused_call(
         site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), site.out_dtype),
                       jax.ShapeDtypeStruct(gathered_shape, x2d.dtype), jax.ShapeDtypeStruct((p.world,), jnp.float32)],
-        x_pad, w_pad.T, *scales, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
-        shared_scale=bool(shared_scale), config=site.config.kernel_attributes(site.gemm_sms))
+        x_pad, w_t, *scales, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
+        shared_scale=bool(shared_scale), signature=np.int64(signature), config=attributes)
     y, gathered = unpad(y, gathered if return_gathered else None, p)
     return y, gathered, gathered_scales

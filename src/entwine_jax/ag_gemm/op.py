@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from entwine_jax import _extension, callsite
 from entwine_jax.ag_gemm import fused
-from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config
+from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config, push_budget, push_of
 from entwine_jax.ag_gemm.reference import ag_gemm_reference, ag_gemm_reference_fp8
 
 OP = "ag_gemm"
@@ -77,12 +77,16 @@ def check_group(x, weights: tuple, fp8: bool = False) -> list:
 
 
 def _check_config(config: AgGemmConfig) -> None:
-    """ValueError for a GEMM grid that leaves no SM for the chunk releases on this GPU."""
+    """ValueError for a GEMM grid that leaves no SM for the chunk releases (or, with push="sm", not
+    the SM push's CTAs) on this GPU."""
     if config.path == "xla":
         return
     sms = _extension.sm_count()
+    where = "this GPU" if _extension.gpu_sm_count() else "a 132-SM Hopper GPU (no GPU seen here)"
+    if config.push == "sm" and config.gemm_sms + push_budget(config) > sms:
+        raise ValueError(f"ag_gemm: config.gemm_sms must leave the SM push its {push_budget(config)} SMs: at "
+                         f"most {sms - push_budget(config)} on {where}, got {config.gemm_sms}")
     if config.gemm_sms >= sms:
-        where = "this GPU" if _extension.gpu_sm_count() else "a 132-SM Hopper GPU (no GPU seen here)"
         raise ValueError(f"ag_gemm: config.gemm_sms must leave an SM free for the chunk releases: at most "
                          f"{sms - 1} on {where}, got {config.gemm_sms}")
 
@@ -108,7 +112,8 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, con
     """Why a call on operands shaped like x and w (gather_dimension normalised; out_dtype: an FP8
     call's output dtype, shared_scale: its x_scale the same on every rank) takes the XLA path on
     this mesh, or None; asks only, no communicator is made (for programs that report on calls)."""
-    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size))
+    push = push_of(config, math.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
+    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size), push=push)
     if reason is not None:
         return reason
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, gather_dimension, config, out_dtype,

@@ -40,11 +40,14 @@ class AgPlan:
     k_tiles: int
     inbox_bytes: int  # the W gathered shards
     flags: int  # flag words per source rank
+    push_grid: int  # CTAs of the SM push (0: the copy engines push)
+    sms_needed: int  # SMs the GEMM and the push (or the chunk releases) hold at once
 
 
 @functools.lru_cache(maxsize=4096)
-def _asked(fp8, shared_scale, rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks) -> dict:
-    args = (rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks)
+def _asked(fp8, shared_scale, rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks,
+           push_sms) -> dict:
+    args = (rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks, push_sms)
     if fp8:
         # The FP8 plan: the bf16 plan's arguments and whether every shard has the same scale (the
         # contraction layout needs it).
@@ -53,16 +56,17 @@ def _asked(fp8, shared_scale, rows, cols, n, world, gather_k, block_n, gemm_sms,
 
 
 def ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, gemm_sms: int,
-            fp8: bool = False, shared_scale: bool = False) -> AgPlan:
+            push_sms: int = 0, fp8: bool = False, shared_scale: bool = False) -> AgPlan:
     """ag_gemm's plan of one rank's shard [rows, cols] and N = n over `world` ranks (gather_k: the
-    shards are slices of the contraction dim) with `config` (an AgGemmConfig); gemm_sms: the GEMM
-    grid the call runs (config.gemm_sms resolved); fp8: the FP8 kernels' plan, shared_scale: one x
-    scale on every rank. Raises PlanError with the C++ rule when the kernels cannot run it,
-    NoExtension without the extension (or its FP8 plan)."""
+    shards are slices of the contraction dim) with `config` (an AgGemmConfig); gemm_sms and push_sms:
+    the GEMM grid and the SM push's CTAs the call runs (config's resolved; push_sms 0: the copy
+    engines); fp8: the FP8 kernels' plan, shared_scale: one x scale on every rank. Raises PlanError
+    with the C++ rule when the kernels cannot run it, NoExtension without the extension (or its FP8
+    plan)."""
     if fp8 and (reason := fp8_reason()) is not None:
         raise NoExtension(reason)
     d = _asked(bool(fp8), bool(shared_scale), int(rows), int(cols), int(n), int(world), bool(gather_k),
-               int(config.block_n), int(gemm_sms), int(config.raster_rows), int(config.max_chunks))
+               int(config.block_n), int(gemm_sms), int(config.raster_rows), int(config.max_chunks), int(push_sms))
     if d["error"] is not None:
         raise PlanError(d["error"], False)
     return AgPlan(**{f.name: int(d[f.name]) for f in dataclasses.fields(AgPlan)})

@@ -151,9 +151,12 @@ def call(x2d, w, site: GemmRsCall) -> jax.Array:
     [M / W, N] (rows) or [M, N / W] (columns). Pads as the plan says, calls, unpads."""
     p = site.plan
     x_pad, w_pad = pad_operands(x2d, w, p)
+    layout = "columns" if site.scatter_dimension else "rows"
+    signature = comm.call_signature(f"gemm_rs {x2d.dtype} x {list(x_pad.shape)} w {list(w_pad.shape)} scattering "
+                                    f"{layout}, config {comm.attributes_text(site.config.kernel_attributes())}")
     y, = _ordered.fused_call(site.target, [jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype)], x_pad, w_pad,
                              comm_id=np.int64(site.comm_id), scatter_dimension=np.int64(site.scatter_dimension),
-                             config=site.config.kernel_attributes())
+                             signature=np.int64(signature), config=site.config.kernel_attributes())
     return unpad(y, p)
 
 
@@ -165,9 +168,15 @@ def call_fp8(x2d, w, x_scale, w_scale, site: GemmRsCall) -> jax.Array:
     p = site.plan
     x_pad, w_pad = pad_operands(x2d, w, p)
     scales = [jnp.reshape(s.astype(jnp.float32), (1,)) for s in (x_scale, w_scale)]
+    w_t = w_pad.T
+    layout = "columns" if site.scatter_dimension else "rows"
+    signature = comm.call_signature(f"gemm_rs {x2d.dtype} x {list(x_pad.shape)} w_t {list(w_t.shape)} scattering "
+                                    f"{layout}, out {site.out_dtype}, config "
+                                    f"{comm.attributes_text(site.config.kernel_attributes())}")
     y, = _ordered.fused_call(site.target, [jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), site.out_dtype)], x_pad,
-                             w_pad.T, *scales, comm_id=np.int64(site.comm_id),
-                             scatter_dimension=np.int64(site.scatter_dimension), config=site.config.kernel_attributes())
+                             w_t, *scales, comm_id=np.int64(site.comm_id),
+                             scatter_dimension=np.int64(site.scatter_dimension), signature=np.int64(signature),
+                             config=site.config.kernel_attributes())
     return unpad(y, p)
 
 

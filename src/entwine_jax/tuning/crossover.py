@@ -1,8 +1,12 @@
-# When path="auto" leaves a call to XLA because the fused op cannot win: the overlap can hide at most
-# the shorter of the call's GEMM and its transfer, and the fused op pays a fixed cost XLA does not (its
-# side streams, flag round trips, and for ag_gemm the copy-engine pushes, whose enqueueing bounds a
-# small push). Where the hideable time is below that fixed cost, XLA's GEMM + collective is at least
-# as fast. The constants live here alone, to be refined by measurements on several GPUs.
+# The small-call rules of path="auto", with their constants in one place (to be refined by
+# measurements on several GPUs: tests/gpu_ranks.py --suite push and --suite smallshapes print them).
+# 1. Fused or XLA: the overlap can hide at most the shorter of the call's GEMM and its transfer, and
+#    the fused op pays a fixed cost XLA does not (its side streams, flag round trips, and for ag_gemm
+#    the pushes). Where the hideable time is below that fixed cost, XLA's GEMM + collective is at
+#    least as fast.
+# 2. How ag_gemm pushes a shard: a copy kernel on a few SMs (one launch) below a shard size, the copy
+#    engines (no SMs taken from the GEMM, but a copy and a release kernel to enqueue per chunk and
+#    peer) above it.
 import dataclasses
 from typing import Optional
 
@@ -15,21 +19,37 @@ class Costs:
     # NVLink rate of one GPU's incoming traffic (SM-issued loads reached 372 GB/s per direction on
     # 2 x H200; NCCL's reduce-scatter 180-237 GB/s).
     link_gbps: float = 370.0
-    # Fixed device cost of a fused call beyond XLA's, in microseconds. ag_gemm: 8 chunk pushes and
-    # releases took 65 us to enqueue whatever their size below ~30 MB (one H200, docs/performance.md,
-    # "ag_gemm"). gemm_rs: the consumer's launch on its own stream and the fork/join events; not
-    # measured apart yet, set from its handler's launches.
-    fixed_us: tuple = (("gemm_rs", 15.0), ("ag_gemm", 70.0))
+    # Fixed device cost of a fused call beyond XLA's, in microseconds. ag_gemm on the copy engines: 8
+    # chunk pushes and releases took 65 us to enqueue whatever their size below ~30 MB (one H200,
+    # docs/performance.md, "ag_gemm"). ag_gemm with the SM push: one launch beside the GEMM, estimated
+    # like gemm_rs's consumer launch. gemm_rs: the consumer's launch on its own stream and the
+    # fork/join events; not measured apart yet, set from its handler's launches.
+    fixed_us: tuple = (("gemm_rs", 15.0), ("ag_gemm", 70.0), ("ag_gemm sm push", 20.0))
+    # Shards up to this many bytes are pushed by the SM copy kernel: below it the copy engines' cost
+    # is their enqueueing (flat ~65 us up to ~30 MB on one H200), above it the SMs the copy kernel
+    # takes from the GEMM cost more than the launches it saves. An estimate until --suite push has
+    # measured both paths on NVLink.
+    sm_push_max_shard_bytes: int = 16 << 20
+    # CTAs of the SM push (the GEMM keeps the other SMs): 16 CTAs of 512 threads keep 8192 16-byte
+    # stores in flight, the order of what saturated an NVLink direction with SM-issued loads.
+    push_sms: int = 16
 
 
 COSTS = Costs()
 
 
-def fused_cannot_win(op: str, flops: float, moved_bytes: float, costs: Optional[Costs] = None) -> Optional[str]:
-    """Why path="auto" should leave a call of `op` with this GEMM (flops) and transfer (bytes into
-    each GPU) to XLA, or None when the fused op can win."""
+def ag_push(shard_bytes: int, costs: Optional[Costs] = None) -> str:
+    """How ag_gemm pushes a (padded) shard of `shard_bytes` by default: "sm" or "ce"."""
     costs = costs or COSTS
-    fixed = dict(costs.fixed_us)[op]
+    return "sm" if shard_bytes <= costs.sm_push_max_shard_bytes else "ce"
+
+
+def fused_cannot_win(op: str, flops: float, moved_bytes: float, costs: Optional[Costs] = None,
+                     push: Optional[str] = None) -> Optional[str]:
+    """Why path="auto" should leave a call of `op` with this GEMM (flops) and transfer (bytes into
+    each GPU) to XLA, or None when the fused op can win. push: ag_gemm's push ("sm" or "ce")."""
+    costs = costs or COSTS
+    fixed = dict(costs.fixed_us)[op + (" sm push" if push == "sm" else "")]
     gemm_us = flops / (costs.gemm_tflops * 1e12) * 1e6
     transfer_us = moved_bytes / (costs.link_gbps * 1e9) * 1e6
     hidden = min(gemm_us, transfer_us)
