@@ -182,6 +182,27 @@ ENTRY %main (x: bf16[256,32], w: bf16[32,16], a: bf16[64,32], b: bf16[32,48]) ->
     assert "(custom call)" in c.table()
 
 
+def test_fp8_custom_calls_are_read_from_text():
+    """The FP8 targets (weights transposed, [N, K]): gemm_rs over columns, y [64, 16] of N = 64 over W = 4
+    (the bf16 output's bytes); ag_gemm gathering K slices of an e4m3 x [64, 32] (one byte each)."""
+    text = """HloModule jit_step, num_partitions=8
+ENTRY %main (x: f8e4m3fn[64,32], w: f8e4m3fn[64,32], a: f8e4m3fn[64,32], b: f8e4m3fn[48,128], s: f32[1]) -> bf16[64,16] {
+  %x = f8e4m3fn[64,32]{1,0} parameter(0)
+  %w = f8e4m3fn[64,32]{1,0} parameter(1)
+  %a = f8e4m3fn[64,32]{1,0} parameter(2)
+  %b = f8e4m3fn[48,128]{1,0} parameter(3)
+  %s = f32[1]{0} parameter(4)
+  %rs = bf16[64,16]{1,0} custom-call(%x, %w, %s, %s), custom_call_target="entwine_gemm_rs_fp8", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/entwine_gemm_rs/ffi_call"}, backend_config={comm_id = 7 : i64, scatter_dimension = 1 : i64}
+  %ag = (bf16[64,48]{1,0}, f8e4m3fn[0]{0}, f32[4]{0}) custom-call(%a, %b, %s, %s), custom_call_target="entwine_ag_gemm_fp8", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/entwine_ag_gemm/ffi_call"}, backend_config={comm_id = 7 : i64, gather_k = true, shared_scale = false}
+  ROOT %r = bf16[64,16]{1,0} add(%rs, %rs)
+}
+"""
+    c = census.collectives(text, mesh=jax.sharding.AbstractMesh((2, 4), ("dp", "tp")))
+    rs, ag = _one(c.select(owner="gemm_rs")), _one(c.select(owner="ag_gemm"))
+    assert (rs.kind, rs.group_size, rs.axes, rs.bytes) == ("reduce-scatter", 4, ("tp",), 3 * 64 * 16 * 2)
+    assert (ag.kind, ag.group_size, ag.axes, ag.bytes) == ("all-gather", 4, ("tp",), 3 * 64 * 32 * 1)
+
+
 def test_iota_and_explicit_groups():
     mesh = jax.sharding.AbstractMesh((2, 4), ("dp", "tp"))
     line = "  %{n} = f32[8]{{0}} all-reduce(%p), channel_id=1, replica_groups={g}, to_apply=%add\n"

@@ -76,6 +76,28 @@ def registered() -> tuple[Any, Optional[str]]:
         return _registration
 
 
+def fp8_targets() -> frozenset:
+    """The FP8 FFI targets the extension registers (its fp8_targets()); empty without the extension
+    or in a build without FP8 kernels, where every FP8 call takes the XLA reference path."""
+    mod, _ = module()
+    if mod is None or not hasattr(mod, "fp8_targets"):
+        return frozenset()
+    return frozenset(str(t) for t in mod.fp8_targets())
+
+
+def fp8_reason(target_attribute: str, plan_function: str) -> Optional[str]:
+    """Why the extension cannot run an op's FP8 calls (no extension, no FP8 target named by its
+    `target_attribute` among fp8_targets(), no FP8 plan function `plan_function`), or None."""
+    mod, reason = module()
+    if mod is None:
+        return reason
+    target = getattr(mod, target_attribute, None)
+    if target is None or target not in fp8_targets() or not hasattr(mod, plan_function):
+        return (f"FP8 kernels not built (the extension has no {target_attribute} among its fp8_targets() and no "
+                f"{plan_function})")
+    return None
+
+
 def max_world() -> int:
     """The largest axis the kernels serve (kMaxWorld in the extension)."""
     return int(ext().MAX_WORLD)

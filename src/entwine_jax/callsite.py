@@ -14,6 +14,8 @@ from entwine_jax.tuning import crossover
 
 # Every op takes these; the fused kernels take the first two, float32 runs the XLA reference.
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+KERNEL_DTYPES = DTYPES[:2]
+KERNEL_FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)  # what the FP8 kernels take (x and the weight)
 
 
 def hashable_axis(axis_name):
@@ -26,18 +28,35 @@ def axis_names(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def check_operands(op: str, x, w, w_rank: str) -> None:
+def check_operands(op: str, x, w, w_rank: str, fp8: bool = False) -> None:
     """ValueError unless x and w are arrays of one supported dtype and w is 2-D (`w_rank`: its shape
-    in words, e.g. "[K, N]")."""
+    in words, e.g. "[K, N]"). fp8: an FP8 call, whose dtypes entwine_jax.fp8 has checked."""
     for name, v in (("x", x), ("w", w)):
         if not (hasattr(v, "shape") and hasattr(v, "dtype")):
             raise ValueError(f"{op}: {name} must be an array, got {type(v).__name__}")
     if w.ndim != 2:
         raise ValueError(f"{op}: w must have rank 2 ({w_rank}), got rank {w.ndim} (shape {tuple(w.shape)})")
+    if fp8:
+        return
     if jnp.dtype(x.dtype) not in DTYPES:
         raise ValueError(f"{op}: x.dtype must be bfloat16 or float16 (or float32 on the XLA path), got {x.dtype}")
     if w.dtype != x.dtype:
         raise ValueError(f"{op}: w.dtype must equal x.dtype ({x.dtype}), got {w.dtype}")
+
+
+def kernel_dtype_reason(x_dtype, w_dtype, out_dtype=None) -> Optional[str]:
+    """Why the kernels cannot take these operand dtypes, or None: bf16 or fp16 operands of one dtype,
+    or (out_dtype given: an FP8 call) e4m3 operands with a bf16 or fp16 output."""
+    x_dtype, w_dtype = jnp.dtype(x_dtype), jnp.dtype(w_dtype)
+    if out_dtype is None:
+        if x_dtype not in KERNEL_DTYPES or w_dtype != x_dtype:
+            return f"fused kernels take bf16 or fp16 operands of one dtype, got {x_dtype} and {w_dtype}"
+        return None
+    if (x_dtype, w_dtype) != (KERNEL_FP8_DTYPE, KERNEL_FP8_DTYPE):
+        return f"the FP8 kernels take float8_e4m3fn operands, got {x_dtype} and {w_dtype}"
+    if jnp.dtype(out_dtype) not in KERNEL_DTYPES:
+        return f"the FP8 kernels write bf16 or fp16, got out_dtype {jnp.dtype(out_dtype)}"
+    return None
 
 
 def axis_size(op: str, axis_name) -> int:

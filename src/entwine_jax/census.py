@@ -83,7 +83,8 @@ __all__ = ["collectives", "Census", "Collective", "Loop", "KINDS", "OWNERS"]
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
          "collective-broadcast")
 # Custom-call target -> (owner, the collective it performs).
-FUSED_TARGETS = {"entwine_gemm_rs": ("gemm_rs", "reduce-scatter"), "entwine_ag_gemm": ("ag_gemm", "all-gather")}
+FUSED_TARGETS = {"entwine_gemm_rs": ("gemm_rs", "reduce-scatter"), "entwine_ag_gemm": ("ag_gemm", "all-gather"),
+                 "entwine_gemm_rs_fp8": ("gemm_rs", "reduce-scatter"), "entwine_ag_gemm_fp8": ("ag_gemm", "all-gather")}
 # Name scope (entwine_jax.pairing traces each op under one) -> owner.
 SCOPES = {"entwine_gemm_rs": "gemm_rs", "entwine_ag_gemm": "ag_gemm"}
 OWNERS = ("gemm_rs", "ag_gemm", "xla")
@@ -713,6 +714,8 @@ def _custom_call(instr: _Instr, shapes: dict, axes: _Axes) -> Optional[tuple]:
     if len(ins) < 2 or not ins[0] or not ins[1] or not outs:
         return owner, kind, None, 0, outs, 0
     (_, x), (_, w) = ins[0][0], ins[1][0]
+    if target.endswith("_fp8"):
+        w = w[::-1]  # the FP8 targets take the weight transposed, [N, K]
     (_, y) = outs[0]
     if owner == "gemm_rs":
         # Rows: x [W * M', K] -> y [M', N]; columns: w [K, W * N'] -> y [M, N'] (fused.call_gemm_rs).

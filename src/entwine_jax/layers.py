@@ -70,6 +70,7 @@ parameters come out sharded as the rules say), or under ``nnx.use_eager_sharding
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -82,15 +83,19 @@ try:
     import flax.linen as nn
     from flax import nnx
     from flax.core import meta as flax_meta
+    from flax.linen import fp8_ops as flax_fp8
 except ImportError as e:  # flax is an optional dependency of entwine_jax
     raise ImportError(f"entwine_jax.layers needs flax: pip install 'entwine_jax[layers]' ({e})") from e
 
+from entwine_jax import callsite
+from entwine_jax import fp8 as fp8_ops
 from entwine_jax.ag_gemm.config import AgGemmConfig
 from entwine_jax.gemm_rs.config import GemmRsConfig
 from entwine_jax.pairing import ag_gemm, gemm_rs
 
 __all__ = ["DEFAULT_LOGICAL_AXIS_RULES", "partition_specs", "row_parallel_linear", "column_parallel_linear",
-           "column_parallel_group",
+           "column_parallel_group", "FP8_META_NAMES", "fp8_meta", "Fp8Meta", "overwrite_with_gradient",
+           "fp8_call_arguments",
            "RowParallelLinear", "ColumnParallelLinear", "RowParallelDense", "ColumnParallelDense"]
 
 # Logical axis -> mesh axis (None: replicated), MaxText's names on a ("dp", "tp") mesh. A logical
@@ -219,11 +224,136 @@ def _flat_init(init: Initializer, n_in: int) -> Initializer:
 
 
 # ----------------------------------------------------------------------------------------------
+# FP8: current scaling, and delayed scaling with Flax's state (flax.linen.fp8_ops)
+# ----------------------------------------------------------------------------------------------
+
+# The delayed-scaling state of one layer, named and shaped as Flax's Fp8DotGeneral keeps it (scales
+# (1,), amax histories (amax_history_length,), float32) in the collection OVERWRITE_WITH_GRADIENT:
+# the training step replaces each of them by its "gradient", which is its next value.
+FP8_META_NAMES = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history", "input_scale",
+                  "kernel_scale", "output_grad_scale")
+OVERWRITE_WITH_GRADIENT = flax_fp8.OVERWRITE_WITH_GRADIENT
+
+
+def fp8_meta(amax_history_length: int = 1024) -> dict:
+    """A fresh delayed-scaling state (Flax's initial values: scales 1, histories 0)."""
+    history = jnp.zeros((amax_history_length,), jnp.float32)
+    scale = jnp.ones((1,), jnp.float32)
+    return {name: history if name.endswith("history") else scale for name in FP8_META_NAMES}
+
+
+class Fp8Meta(nnx.Variable):
+    """An NNX variable of the delayed-scaling state (FP8_META_NAMES). Differentiate with respect to it
+    too (``nnx.DiffState(0, (nnx.Param, Fp8Meta))``) and overwrite it with its gradient
+    (overwrite_with_gradient), as Flax's OVERWRITE_WITH_GRADIENT collection is."""
+
+
+def overwrite_with_gradient(state, grads):
+    """Replaces every Fp8Meta value of the NNX `state` by its gradient in `grads` (same structure)."""
+    return jax.tree.map(lambda v, g: g if isinstance(v, Fp8Meta) else v, state, grads,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def _check_fp8(where: str, fp8) -> None:
+    if fp8 is None or fp8 == "current":
+        return
+    if not isinstance(fp8, Mapping) or set(fp8) != set(FP8_META_NAMES):
+        raise ValueError(f"{where}: fp8 must be None, 'current' or a delayed-scaling state with the keys "
+                         f"{FP8_META_NAMES} (layers.fp8_meta()), got {fp8!r}")
+    for name in FP8_META_NAMES:
+        v = fp8[name]
+        if not (hasattr(v, "dtype") and jnp.dtype(v.dtype) == jnp.float32 and v.ndim == 1):
+            raise ValueError(f"{where}: fp8[{name!r}] must be a 1-D float32 array, got "
+                             f"{getattr(v, 'dtype', type(v).__name__)}{list(getattr(v, 'shape', ()))}")
+
+
+def _global_amax(v, axis_name):
+    # The largest |v| over every rank's shard, over axis_name and every other axis v varies over (a
+    # data-parallel axis): the delayed-scaling state stays the same on every device, so its
+    # "gradient" is not summed over the axes it is replicated on.
+    axes = tuple(sorted(set(callsite.axis_names(axis_name)) | callsite.varying_axes(v), key=str))
+    return jax.lax.pmax(jnp.max(jnp.abs(v)).astype(jnp.float32), axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _delayed_scale(dtype, axis_name, v, scale, history):
+    """This step's scale of v (from the amax history, Flax's rule); its "gradient" with respect to
+    scale and history is their next value (the history rolled, v's global amax in front)."""
+    return _next_meta(dtype, axis_name, v, scale, history)[0]
+
+
+def _next_meta(dtype, axis_name, v, scale, history):
+    return flax_fp8.update_fp8_meta(_global_amax(v, axis_name), dtype, scale, history)
+
+
+def _delayed_scale_fwd(dtype, axis_name, v, scale, history):
+    new_scale, new_history = _next_meta(dtype, axis_name, v, scale, history)
+    return new_scale, (new_scale, new_history)
+
+
+def _delayed_scale_bwd(dtype, axis_name, res, _):
+    new_scale, new_history = res
+    return None, new_scale, new_history
+
+
+_delayed_scale.defvjp(_delayed_scale_fwd, _delayed_scale_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _output_grad_meta(axis_name, y, scale, history):
+    """y, unchanged; the "gradient" of the output-gradient scale and history is their next value,
+    from the global amax of y's cotangent (the scale the backward used came from the history alone)."""
+    return y
+
+
+def _output_grad_meta_fwd(axis_name, y, scale, history):
+    return y, (scale, history)
+
+
+def _output_grad_meta_bwd(axis_name, res, dy):
+    scale, history = res
+    new_scale, new_history = flax_fp8.update_fp8_meta(_global_amax(dy, axis_name), fp8_ops.E5M2, scale, history)
+    return dy, new_scale, new_history
+
+
+_output_grad_meta.defvjp(_output_grad_meta_fwd, _output_grad_meta_bwd)
+
+
+def _history_scale(scale, history, dtype):
+    """The scale update_fp8_meta gives from the history alone (what the backward quantises dy with)."""
+    largest = jnp.finfo(dtype).max.astype(jnp.float32)
+    return jnp.reshape(flax_fp8.compute_scale(jnp.max(history), scale, largest), ())
+
+
+def fp8_call_arguments(where: str, fp8, x, kernel, axis_name, dtype):
+    """(the FP8 keyword arguments of an op call on x and kernel inside shard_map, a function applied to
+    its output; `where` names the caller in errors) for `fp8`:
+    None (a bf16/fp16 call), "current" (each rank's current scales of its own x and kernel shard, e5m2
+    gradients at their current scale) or a delayed-scaling state (scales from the amax histories,
+    the same on every rank, updated through the gradient as Flax does)."""
+    if fp8 is None:
+        return {}, lambda y: y
+    out_dtype = dtype if dtype in fp8_ops.OUT_DTYPES else jnp.dtype(jnp.bfloat16)
+    if fp8 == "current":
+        return (dict(x_scale=fp8_ops.current_scale(x), w_scale=fp8_ops.current_scale(kernel), out_dtype=out_dtype),
+                lambda y: y.astype(dtype))
+    meta = {name: jnp.asarray(v) for name, v in fp8.items()}
+    e4m3 = fp8_ops.E4M3
+    kwargs = dict(x_scale=_delayed_scale(e4m3, axis_name, x, meta["input_scale"], meta["input_amax_history"]),
+                  w_scale=_delayed_scale(e4m3, axis_name, kernel, meta["kernel_scale"], meta["kernel_amax_history"]),
+                  grad_scale=jax.lax.stop_gradient(_history_scale(meta["output_grad_scale"],
+                                                                  meta["output_grad_amax_history"], fp8_ops.E5M2)),
+                  out_dtype=out_dtype)
+    return kwargs, lambda y: _output_grad_meta(axis_name, y, meta["output_grad_scale"],
+                                               meta["output_grad_amax_history"]).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
 # Functional cores (shared by the NNX and Linen modules; usable on their own)
 # ----------------------------------------------------------------------------------------------
 
 def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = "rows", dtype=None,
-                        config: Optional[GemmRsConfig] = None, where: str = "row_parallel_linear"):
+                        config: Optional[GemmRsConfig] = None, fp8=None, where: str = "row_parallel_linear"):
     """Row-parallel linear on local shards, inside jax.shard_map: ``gemm_rs(x, kernel) + bias``.
 
     x: ``[..., *in_local]``; kernel: ``[*in_local, out]`` (the contraction dims sharded over
@@ -232,8 +362,12 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
     (x's leading dim split); ``"sequence"``: ``[B, S/W, ..., out]`` (dim 1 split); ``"hidden"``:
     ``[..., out/W]``. dtype: compute and output dtype
     (default: promoted from x and kernel). config: passed to gemm_rs.
+    fp8: None; "current" (the FP8 op with each rank's current scales of its x and kernel shards,
+    e5m2 gradients at their current scale); or a delayed-scaling state (``fp8_meta()``, Flax's
+    names), whose gradient is its next value (see the module docstring).
     """
     _check_choice(where, "scatter", scatter, _SCATTER)
+    _check_fp8(where, fp8)
     _check_dtype(where, "dtype", dtype)
     _check_config(where, config)
     axis_name = _check_axis_name(where, axis_name)
@@ -270,8 +404,10 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
                              f"{axis_name!r}), got {tuple(bias.shape)}")
     x2 = x.reshape(tuple(x.shape[:-n_in]) + (-1,)) if n_in > 1 else x
     w2 = kernel.reshape(-1, n_out) if n_in > 1 else kernel
-    y = gemm_rs(x2.astype(dtype), w2.astype(dtype), axis_name=axis_name,
-                scatter_dimension=_SPLIT_DIM[scatter], config=config)
+    x2, w2 = x2.astype(dtype), w2.astype(dtype)
+    fp8_kwargs, finish = fp8_call_arguments(where, fp8, x2, w2, axis_name, dtype)
+    y = finish(gemm_rs(x2, w2, axis_name=axis_name, scatter_dimension=_SPLIT_DIM[scatter], config=config,
+                       **fp8_kwargs))
     if bias is None:
         return y
     b = bias.astype(dtype)
@@ -284,7 +420,7 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
 
 
 def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Optional[str] = None, dtype=None,
-                           config: Optional[AgGemmConfig] = None, where: str = "column_parallel_linear"):
+                           config: Optional[AgGemmConfig] = None, fp8=None, where: str = "column_parallel_linear"):
     """Column-parallel linear on local shards: ``x @ kernel + bias``, with x first all-gathered over
     ``axis_name`` when ``gather`` is set (one entwine_jax.ag_gemm: the gather fused into the GEMM).
 
@@ -293,15 +429,22 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     (output dims sharded over ``axis_name``; several kernels concatenated on dim 1 share one gather);
     bias: ``kernel.shape[1:]`` or None, added after the GEMM. Output ``[..., *out_local]`` with the
     gathered dim whole. dtype: compute and output dtype (default: promoted from x and kernel).
-    config: passed to ag_gemm (unused with ``gather=None``).
+    config: passed to ag_gemm (unused with ``gather=None``). fp8: as for row_parallel_linear (an
+    ag_gemm: needs ``gather``; a group takes None or "current", its kernels quantised with one scale).
     """
     if isinstance(kernel, (tuple, list)):
         return _column_parallel_group(x, tuple(kernel), bias, axis_name=axis_name, gather=gather, dtype=dtype,
-                                      config=config, where=where)
+                                      config=config, fp8=fp8, where=where)
     axis_name, dtype = _check_column(x, kernel, bias, axis_name=axis_name, gather=gather, dtype=dtype, config=config,
-                                     where=where)
+                                     fp8=fp8, where=where)
     x, kernel = x.astype(dtype), kernel.astype(dtype)
-    if gather is None:
+    if fp8 is not None:
+        kernel2d = kernel.reshape(kernel.shape[0], -1)
+        fp8_kwargs, finish = fp8_call_arguments(where, fp8, x, kernel2d, axis_name, dtype)
+        y = finish(ag_gemm(x, kernel2d, axis_name=axis_name, gather_dimension=_SPLIT_DIM[gather], config=config,
+                           **fp8_kwargs))
+        y = y.reshape(tuple(y.shape[:-1]) + tuple(kernel.shape[1:]))
+    elif gather is None:
         y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32).astype(dtype)
     else:
@@ -313,9 +456,13 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     return y if bias is None else y + bias.astype(dtype)
 
 
-def _check_column(x, kernel, bias, *, axis_name, gather, dtype, config, where):
+def _check_column(x, kernel, bias, *, axis_name, gather, dtype, config, fp8=None, where):
     """ValueError for a column-parallel call that cannot run; (axis_name, compute dtype) otherwise."""
     _check_choice(where, "gather", gather, _GATHER)
+    _check_fp8(where, fp8)
+    if fp8 is not None and gather is None:
+        raise ValueError(f"{where}: fp8={fp8 if isinstance(fp8, str) else 'a delayed-scaling state'} runs the FP8 "
+                         "ag_gemm, which needs a sharded input: set gather ('rows', 'sequence' or 'hidden')")
     _check_dtype(where, "dtype", dtype)
     _check_config(where, config, AgGemmConfig)
     axis_name = _check_axis_name(where, axis_name)
@@ -378,8 +525,10 @@ class RowParallelLinear(nnx.Module):
                  kernel_init: Initializer = default_kernel_init, bias_init: Initializer = default_bias_init,
                  kernel_axes: Optional[Sequence[Optional[str]]] = None,
                  bias_axes: Optional[Sequence[Optional[str]]] = None,
-                 config: Optional[GemmRsConfig] = None, rngs: nnx.Rngs):
+                 config: Optional[GemmRsConfig] = None, fp8: Optional[str] = None, amax_history_length: int = 1024,
+                 rngs: nnx.Rngs):
         where = type(self).__name__
+        self.fp8 = _nnx_fp8(self, where, fp8, amax_history_length)
         self.in_features = _features(where, "in_features", in_features)
         self.out_features = _feature(where, "out_features", out_features)
         self.axis_name = _check_layer_args(where, axis_name, "scatter", scatter, _SCATTER, use_bias, dtype, param_dtype)
@@ -406,13 +555,32 @@ class RowParallelLinear(nnx.Module):
                             "in_features[0]")
         bias = self.bias[...] if self.bias is not None else None
         return row_parallel_linear(x, kernel, bias, axis_name=self.axis_name, scatter=self.scatter, dtype=self.dtype,
-                                   config=self.config, where=where)
+                                   config=self.config, fp8=_nnx_fp8_argument(self), where=where)
 
 
-def _column_parallel_group(x, kernels: tuple, biases, *, axis_name, gather, dtype, config, where):
+def _nnx_fp8(module, where: str, fp8, amax_history_length: int) -> Optional[str]:
+    """Checks an NNX layer's fp8 mode; "delayed" gives the module its state as Fp8Meta variables."""
+    _check_choice(where, "fp8", fp8, (None, "current", "delayed"))
+    if fp8 == "delayed":
+        for name, value in fp8_meta(_feature(where, "amax_history_length", amax_history_length)).items():
+            setattr(module, name, Fp8Meta(value))
+    return fp8
+
+
+def _nnx_fp8_argument(module):
+    """The fp8 argument of the functional core: the mode, or the module's delayed-scaling state."""
+    if module.fp8 != "delayed":
+        return module.fp8
+    return {name: getattr(module, name)[...] for name in FP8_META_NAMES}
+
+
+def _column_parallel_group(x, kernels: tuple, biases, *, axis_name, gather, dtype, config, fp8, where):
     """column_parallel_linear of several kernels on one x: one ag_gemm (one gather of x) for all."""
     if not kernels:
         raise ValueError(f"{where}: kernel is an empty group")
+    if fp8 not in (None, "current"):
+        raise ValueError(f"{where}: a group takes fp8=None or 'current' (one gather quantises the group's kernels "
+                         f"with one scale); delayed scaling keeps a state per layer: call the layers one by one")
     if biases is not None and (not isinstance(biases, (tuple, list)) or len(biases) != len(kernels)):
         raise ValueError(f"{where}: with {len(kernels)} kernels, bias must be None or a tuple of {len(kernels)} "
                          f"(each None or the kernel's output shape), got {type(biases).__name__}")
@@ -423,16 +591,24 @@ def _column_parallel_group(x, kernels: tuple, biases, *, axis_name, gather, dtyp
             raise ValueError(f"{where}: the kernels of a group must be [in, *out_local] with one `in`: kernel[0] "
                              f"{tuple(kernels[0].shape)}, kernel[{i}] {tuple(k.shape)}")
     if gather is None:
-        return tuple(column_parallel_linear(x, k, b, axis_name=axis_name, dtype=dtype, config=config, where=where)
+        return tuple(column_parallel_linear(x, k, b, axis_name=axis_name, dtype=dtype, config=config, fp8=fp8,
+                                            where=where)
                      for k, b in zip(kernels, biases))
     # Each kernel checked as if alone (shapes, dtypes, bias), then one call: the gathered x serves all.
     for k, b in zip(kernels, biases):
         axis_name, _ = _check_column(x, k, b, axis_name=axis_name, gather=gather, dtype=dtype, config=config,
-                                     where=where)
+                                     fp8=fp8, where=where)
     dtype = _compute_dtype(where, dtype, x, *kernels)
     x = x.astype(dtype)
-    ys = ag_gemm(x, tuple(k.astype(dtype).reshape(k.shape[0], -1) for k in kernels), axis_name=axis_name,
-                 gather_dimension=_SPLIT_DIM[gather], config=config)
+    group = tuple(k.astype(dtype).reshape(k.shape[0], -1) for k in kernels)
+    fp8_kwargs = {}
+    if fp8 == "current":
+        # One scale for the group: the largest of the kernels' current scales.
+        fp8_kwargs = dict(x_scale=fp8_ops.current_scale(x),
+                          w_scale=jnp.max(jnp.stack([fp8_ops.current_scale(k) for k in group])),
+                          out_dtype=dtype if dtype in fp8_ops.OUT_DTYPES else jnp.dtype(jnp.bfloat16))
+    ys = ag_gemm(x, group, axis_name=axis_name, gather_dimension=_SPLIT_DIM[gather], config=config, **fp8_kwargs)
+    ys = tuple(y.astype(dtype) for y in ys)
     out = []
     for y, k, b in zip(ys, kernels, biases):
         y = y.reshape(tuple(y.shape[:-1]) + tuple(k.shape[1:]))
@@ -450,7 +626,7 @@ def column_parallel_group(x, modules: Sequence["ColumnParallelLinear"]) -> tuple
     if not modules or not all(isinstance(m, ColumnParallelLinear) for m in modules):
         raise ValueError(f"{where}: modules must be a non-empty sequence of ColumnParallelLinear, got {modules!r}")
     first = modules[0]
-    shared = ("in_features", "gather", "axis_name", "dtype", "config")
+    shared = ("in_features", "gather", "axis_name", "dtype", "config", "fp8")
     for i, m in enumerate(modules[1:], 1):
         differ = [name for name in shared if getattr(m, name) != getattr(first, name)]
         if differ:
@@ -463,7 +639,7 @@ def column_parallel_group(x, modules: Sequence["ColumnParallelLinear"]) -> tuple
         kernels.append(kernel)
         biases.append(m.bias[...] if m.bias is not None else None)
     return column_parallel_linear(x, tuple(kernels), tuple(biases), axis_name=first.axis_name, gather=first.gather,
-                                  dtype=first.dtype, config=first.config, where=where)
+                                  dtype=first.dtype, config=first.config, fp8=first.fp8, where=where)
 
 
 class ColumnParallelLinear(nnx.Module):
@@ -485,8 +661,10 @@ class ColumnParallelLinear(nnx.Module):
                  kernel_init: Initializer = default_kernel_init, bias_init: Initializer = default_bias_init,
                  kernel_axes: Optional[Sequence[Optional[str]]] = None,
                  bias_axes: Optional[Sequence[Optional[str]]] = None,
-                 config: Optional[AgGemmConfig] = None, rngs: nnx.Rngs):
+                 config: Optional[AgGemmConfig] = None, fp8: Optional[str] = None, amax_history_length: int = 1024,
+                 rngs: nnx.Rngs):
         where = type(self).__name__
+        self.fp8 = _nnx_fp8(self, where, fp8, amax_history_length)
         self.in_features = _feature(where, "in_features", in_features)
         self.out_features = _features(where, "out_features", out_features)
         self.axis_name = _check_layer_args(where, axis_name, "gather", gather, _GATHER, use_bias, dtype, param_dtype)
@@ -513,7 +691,7 @@ class ColumnParallelLinear(nnx.Module):
                             "out_features[0]")
         bias = self.bias[...] if self.bias is not None else None
         return column_parallel_linear(x, kernel, bias, axis_name=self.axis_name, gather=self.gather, dtype=self.dtype,
-                                      config=self.config, where=where)
+                                      config=self.config, fp8=_nnx_fp8_argument(self), where=where)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -552,10 +730,13 @@ class RowParallelDense(nn.Module):
     kernel_axes: Optional[Sequence[Optional[str]]] = None
     bias_axes: Optional[Sequence[Optional[str]]] = None
     config: Optional[GemmRsConfig] = None
+    fp8: Optional[str] = None
+    amax_history_length: int = 1024
 
     @nn.compact
     def __call__(self, x):
         where = type(self).__name__
+        fp8 = _linen_fp8(self, where)
         features = _feature(where, "features", self.features)
         n_in = _feature(where, "contract_dims", self.contract_dims)
         axis_name = _check_layer_args(where, self.axis_name, "scatter", self.scatter, _SCATTER, self.use_bias,
@@ -581,7 +762,18 @@ class RowParallelDense(nn.Module):
             y = column_parallel_linear(flat_x, kernel.reshape(-1, features), bias, dtype=self.dtype, where=where)
             return y
         return row_parallel_linear(x, kernel, bias, axis_name=axis_name, scatter=self.scatter, dtype=self.dtype,
-                                   config=self.config, where=where)
+                                   config=self.config, fp8=fp8, where=where)
+
+
+def _linen_fp8(module: nn.Module, where: str):
+    """Checks a Linen layer's fp8 mode; "delayed" declares its state in Flax's OVERWRITE_WITH_GRADIENT
+    collection (Flax's names and initial values) and returns the state's values."""
+    _check_choice(where, "fp8", module.fp8, (None, "current", "delayed"))
+    if module.fp8 != "delayed":
+        return module.fp8
+    initial = fp8_meta(_feature(where, "amax_history_length", module.amax_history_length))
+    return {name: module.variable(OVERWRITE_WITH_GRADIENT, name, lambda v=value: v).value
+            for name, value in initial.items()}
 
 
 class ColumnParallelDense(nn.Module):
@@ -603,10 +795,13 @@ class ColumnParallelDense(nn.Module):
     kernel_axes: Optional[Sequence[Optional[str]]] = None
     bias_axes: Optional[Sequence[Optional[str]]] = None
     config: Optional[AgGemmConfig] = None
+    fp8: Optional[str] = None
+    amax_history_length: int = 1024
 
     @nn.compact
     def __call__(self, x):
         where = type(self).__name__
+        fp8 = _linen_fp8(self, where)
         features = _features(where, "features", self.features)
         axis_name = _check_layer_args(where, self.axis_name, "gather", self.gather, _GATHER, self.use_bias,
                                       self.dtype, self.param_dtype)
@@ -620,7 +815,7 @@ class ColumnParallelDense(nn.Module):
         world = _axis_size(axis_name)
         gather = self.gather
         if world is None and self.is_initializing():
-            world, gather = 1, None  # init outside shard_map: global shapes, nothing to gather
+            world, gather, fp8 = 1, None, None  # init outside shard_map: global shapes, nothing to gather
         elif world is None:
             raise ValueError(f"{where}: axis_name {axis_name!r} is not bound; apply the layer inside jax.shard_map "
                              "over a mesh with that axis")
@@ -634,7 +829,7 @@ class ColumnParallelDense(nn.Module):
         bias = (_linen_param(self, "bias", _flat_init(self.bias_init, 0), bias_axes, local, self.param_dtype, where)
                 if self.use_bias else None)
         return column_parallel_linear(x, kernel, bias, axis_name=axis_name, gather=gather, dtype=self.dtype,
-                                      config=self.config, where=where)
+                                      config=self.config, fp8=fp8, where=where)
 
 
 # ----------------------------------------------------------------------------------------------

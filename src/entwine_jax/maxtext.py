@@ -38,8 +38,17 @@ under, else ``config.logical_axis_rules``), resolved on the layer's mesh with Ma
 * the batch axes: whatever the activation's batch dim maps to (``activation_batch`` ->
   ``data``, ``fsdp``, ``fsdp_transpose``, ``expert``, those of size > 1).
 
-Kept as MaxText's own layer (logged once): quantised ``DenseGeneral`` (``quant``, fp8 or scaled
-weights, which includes TransformerEngine's ``te_comm_gemm_overlap``), a bias, host-offloaded
+``quantization=fp8_gpu`` (through qwix, ``use_qwix_quantization=true``) and ``quantization=fp8``
+(MaxText's ``Fp8Quantization``) run Flax's ``Fp8DirectDotGeneralOp`` in every projection; those
+projections are routed through the FP8 ops: the island reads the projection's delayed-scaling state
+(scales and amax histories, replicated) and returns its next value as its gradient, as Flax's op
+does, so MaxText's train step updates it unchanged. Each FP8 projection runs its own island (no
+grouped gather: each keeps its own scales). Under qwix the state exists only after MaxText's own
+first call of the projection (qwix creates it there): that call is MaxText's, the later ones are
+routed, and the island runs with qwix's interceptions off.
+
+Kept as MaxText's own layer (logged once): other quantised ``DenseGeneral`` (``quant``: AQT, other
+qwix recipes, fp8 or scaled weights, which includes TransformerEngine's ``te_comm_gemm_overlap``), a bias, host-offloaded
 parameters, a non-default ``matmul_precision``, kernel axes other than MaxText's, context
 parallelism (the sequence dim sharded on the island's input), 2-D tensor parallelism (the
 contraction or output features over more than one mesh axis), no tensor parallelism, an output
@@ -65,12 +74,14 @@ from jax.sharding import PartitionSpec as P
 import entwine_jax
 from entwine_jax import _log
 from entwine_jax.gemm_rs.config import GemmRsConfig
+from entwine_jax.layers import FP8_META_NAMES, fp8_call_arguments
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "stats", "reset_stats", "TESTED_MAXTEXT_VERSIONS"]
 
 TESTED_MAXTEXT_VERSIONS = ("0.2.5",)
 
 ROW, COLUMN = "gemm_rs", "ag_gemm"
+_WHERE = "entwine_jax.maxtext"
 _TRAIN = "train"
 # The decoder layer's activation names around the MLP and attention blocks (LlamaDecoderLayer and
 # the other MaxText decoders): the input of wi / query / key / value's callers and the layout the
@@ -416,8 +427,13 @@ def _fmt(dims) -> str:
 def _module_reason(dense, site: _Site, inputs, slice_bounds) -> Optional[str]:
     """Why MaxText's DenseGeneral must run this call itself, from the module alone."""
     from maxtext.common.common_types import is_fp8_dtype
-    if dense.quant is not None:
+    if dense.quant is not None and _fp8_state(dense, site) is None:
         return f"quantised DenseGeneral (quant={type(dense.quant).__name__})"
+    if _qwix_fp8(site) and _fp8_state(dense, site) is None:
+        return "quantization=fp8_gpu: qwix creates the FP8 state in MaxText's own first call"
+    if getattr(site.config, "use_qwix_quantization", False) and getattr(site.config, "quantization", "") and not (
+            _qwix_fp8(site)):
+        return f"qwix quantization {site.config.quantization!r}"
     if getattr(dense, "kernel_scale", None) is not None or is_fp8_dtype(getattr(dense, "weight_dtype", None)):
         return "quantised weights (kernel_scale / fp8 weight_dtype)"
     if dense.bias is not None:
@@ -577,31 +593,80 @@ def _kernel_value(dense):
     return getattr(kernel, "value", kernel)
 
 
+def _qwix_fp8(site: _Site) -> bool:
+    """quantization=fp8_gpu through qwix (use_qwix_quantization): qwix intercepts the DenseGeneral's
+    dot_general and runs Flax's Fp8DirectDotGeneralOp, whose state it keeps on the DenseGeneral."""
+    config = site.config
+    return bool(getattr(config, "use_qwix_quantization", False)) and str(
+        getattr(getattr(config, "quantization", ""), "value", getattr(config, "quantization", ""))) == "fp8_gpu"
+
+
+def _fp8_op(dense, site: _Site):
+    """The Flax Fp8DirectDotGeneralOp (bridged to NNX) that holds this DenseGeneral's FP8 state: MaxText's
+    Fp8Quantization (quantization=fp8) or qwix's (fp8_gpu, created by the first call MaxText runs
+    itself); None for a DenseGeneral without one."""
+    if type(dense.quant).__name__ == "Fp8Quantization":
+        return getattr(dense, "quant_dot_general", None)
+    if _qwix_fp8(site):
+        ops = [v for name, v in vars(dense).items() if name.startswith("_qwix_fp8_gpu_")]
+        return ops[0] if len(ops) == 1 else None
+    return None
+
+
+def _fp8_state(dense, site: _Site) -> Optional[dict]:
+    """The delayed-scaling state (Flax's names, in OVERWRITE_WITH_GRADIENT) of a DenseGeneral that
+    runs Flax's FP8 dot, as {name: value}; None for any other DenseGeneral."""
+    op = _fp8_op(dense, site)
+    if op is None or not all(hasattr(op, name) for name in FP8_META_NAMES):
+        return None
+    return {name: getattr(op, name)[...] for name in FP8_META_NAMES}
+
+
+def _without_qwix(fn):
+    """fn with qwix's interceptions off (under qwix quantization they would turn the island's own
+    dot_generals into quantised ones a second time)."""
+    try:
+        from qwix._src import interception
+    except ImportError:
+        return fn
+    return interception.disable_interceptions(fn)
+
+
 def _island(dense, site: _Site, plan: _Plan, inputs):
     mesh = site.mesh
     x = jnp.asarray(inputs, dense.dtype)
     # Cast before the island, as DenseGeneral does, so that the FSDP all-gather moves compute-dtype bytes.
     kernel = jnp.asarray(_kernel_value(dense), dense.dtype)
+    # fp8_gpu: the layer's Flax FP8 state goes in replicated; its gradient is its next value, as for
+    # MaxText's own Fp8DirectDotGeneralOp (the train step overwrites the state with it).
+    fp8 = _fp8_state(dense, site)
+    meta_specs = None if fp8 is None else {name: P() for name in fp8}
     if _explicit(site):
         # Under explicit sharding shard_map takes its operands only in the in_specs layout: gather the
         # FSDP shards of the kernel (and move x) first, as MaxText's dot would.
         x = jax.sharding.reshard(x, NamedSharding(mesh, plan.x_spec))
         kernel = jax.sharding.reshard(kernel, NamedSharding(mesh, plan.kernel_spec))
+        if fp8 is not None:
+            fp8 = {name: jax.sharding.reshard(v, NamedSharding(mesh, P())) for name, v in fp8.items()}
     _setup_fused(mesh, plan.axis)
     if site.kind == ROW:
         local = functools.partial(_row_local, axis=plan.axis, dimension=plan.dimension, config=_state.gemm_rs_config)
     else:
         local = functools.partial(_column_local, axis=plan.axis, dimension=plan.dimension,
                                   config=_state.ag_gemm_config)
-    return jax.shard_map(local, mesh=mesh, in_specs=(plan.x_spec, plan.kernel_spec), out_specs=plan.out_spec)(x, kernel)
+    island = jax.shard_map(local, mesh=mesh, in_specs=(plan.x_spec, plan.kernel_spec, meta_specs),
+                           out_specs=plan.out_spec)
+    return _without_qwix(island)(x, kernel, fp8)
 
 
-def _row_local(x, kernel, *, axis, dimension, config):
+def _row_local(x, kernel, fp8, *, axis, dimension, config):
     # [b, s, *in_local] . [*in_local, E] as the 2-D GEMM gemm_rs takes (heads and head_dim of the
     # attention output contract together: heads is the major dim, so the local block is contiguous).
     k = math.prod(kernel.shape[:-1])
-    return entwine_jax.gemm_rs(x.reshape(x.shape[:2] + (k,)), kernel.reshape(k, kernel.shape[-1]), axis_name=axis,
-                               scatter_dimension=dimension, config=config)
+    x, kernel = x.reshape(x.shape[:2] + (k,)), kernel.reshape(k, kernel.shape[-1])
+    fp8_kwargs, finish = fp8_call_arguments(_WHERE, fp8, x, kernel, axis, x.dtype)
+    return finish(entwine_jax.gemm_rs(x, kernel, axis_name=axis, scatter_dimension=dimension, config=config,
+                                      **fp8_kwargs))
 
 
 def _grouped_island(group: _Group, plan: _Plan, inputs, out_sharding):
@@ -615,7 +680,9 @@ def _grouped_island(group: _Group, plan: _Plan, inputs, out_sharding):
                                                                                      plan.dimension):
             return None
         plans.append(other)
-    if len({m.dtype for m in group.members}) != 1:
+    if len({m.dtype for m in group.members}) != 1 or any(_fp8_op(m, sites[id(m)]) is not None
+                                                          for m in group.members):
+        # FP8 projections keep a delayed-scaling state each: they run one island each.
         return None
     first = sites[id(group.members[0])]
     mesh = first.mesh
@@ -637,11 +704,13 @@ def _grouped_local(x, *kernels, axis, dimension, config):
     return tuple(y.reshape(y.shape[:2] + k.shape[1:]) for y, k in zip(ys, kernels))
 
 
-def _column_local(x, kernel, *, axis, dimension, config):
+def _column_local(x, kernel, fp8, *, axis, dimension, config):
     # [b, s, E(/T)] . [E, F_local, *rest] -> [b, s, F_local, *rest] through the 2-D [E, F_local * rest].
     out_features = kernel.shape[1:]
-    y = entwine_jax.ag_gemm(x, kernel.reshape(kernel.shape[0], -1), axis_name=axis, gather_dimension=dimension,
-                            config=config)
+    kernel = kernel.reshape(kernel.shape[0], -1)
+    fp8_kwargs, finish = fp8_call_arguments(_WHERE, fp8, x, kernel, axis, x.dtype)
+    y = finish(entwine_jax.ag_gemm(x, kernel, axis_name=axis, gather_dimension=dimension, config=config,
+                                   **fp8_kwargs))
     return y.reshape(y.shape[:2] + out_features)
 
 

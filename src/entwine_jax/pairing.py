@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import callsite
+from entwine_jax import callsite, fp8
 from entwine_jax._dot import matmul_weight_grad
 from entwine_jax.ag_gemm import op as ag_op
 from entwine_jax.ag_gemm.config import AgGemmConfig
@@ -81,7 +81,8 @@ def _ag_gemm_bwd(plan, res, cotangents):
 _ag_gemm.defvjp(_ag_gemm_fwd, _ag_gemm_bwd)
 
 
-def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[GemmRsConfig] = None):
+def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[GemmRsConfig] = None,
+            x_scale=None, w_scale=None, out_dtype=None, grad_dtype=None, grad_scale=None):
     """Fused GEMM + ReduceScatter, called inside jax.shard_map.
 
     Computes jax.lax.psum_scatter(x @ w, axis_name, scatter_dimension=scatter_dimension, tiled=True)
@@ -91,7 +92,17 @@ def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[Gem
     scatter_dimension indexes the output [..., N]; negative values count from the end.
     config: a GemmRsConfig; default: set_default_config(), else the tuned table (user cache, then
     shipped; entwine_jax.tuning), else heuristic_config().
+
+    FP8 (entwine_jax.fp8): with x_scale and w_scale (float32 scalars) computes
+    psum_scatter((x * x_scale) @ (w * w_scale)) on float8_e4m3fn operands (or bf16/fp16/fp32 ones the
+    op quantises with those scales) in out_dtype (bfloat16 or float16); the backward quantises the
+    cotangent to grad_dtype (float8_e5m2 with grad_scale, default each rank's current scale; or
+    bfloat16/float16).
     """
+    if fp8.requested(x, w, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
+        return fp8.gemm_rs(x, w, axis_name=axis_name, scatter_dimension=scatter_dimension, config=config,
+                           x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype, grad_dtype=grad_dtype,
+                           grad_scale=grad_scale)
     plan = rs_op.plan(x, w, axis_name=axis_name, scatter_dimension=scatter_dimension, config=config)
     names = callsite.varying_over(x, w, axis_name=plan.axis_name)
     # The scope names every operation of the call (forward and backward) in the program's metadata,
@@ -101,7 +112,8 @@ def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[Gem
 
 
 def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGemmConfig] = None,
-            return_gathered: bool = False):
+            return_gathered: bool = False, x_scale=None, w_scale=None, out_dtype=None, grad_dtype=None,
+            grad_scale=None):
     """Fused AllGather + GEMM, called inside jax.shard_map.
 
     Computes jnp.matmul(jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True), w) with
@@ -116,7 +128,16 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
     a tuple of outputs [..., N_i], from one gather of x: the weights are one GEMM over their
     concatenated columns, and the backward is one gemm_rs on all the cotangents.
     config: an AgGemmConfig; default: ag_heuristic_config().
+
+    FP8 (entwine_jax.fp8): with x_scale and w_scale (float32 scalars; a group shares one w_scale)
+    computes all_gather(x * x_scale) @ (w * w_scale) on float8_e4m3fn operands (or bf16/fp16/fp32
+    ones the op quantises) in out_dtype; each rank's x_scale scales its own block of the gathered x.
+    return_gathered returns the gathered FP8 x. Backward as for gemm_rs.
     """
+    if fp8.requested(x, w, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
+        return fp8.ag_gemm(x, w, axis_name=axis_name, gather_dimension=gather_dimension, config=config,
+                           return_gathered=return_gathered, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype,
+                           grad_dtype=grad_dtype, grad_scale=grad_scale)
     if isinstance(w, (tuple, list)):
         return _grouped_ag_gemm(x, tuple(w), axis_name=axis_name, gather_dimension=gather_dimension, config=config,
                                 return_gathered=return_gathered)

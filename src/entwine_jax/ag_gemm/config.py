@@ -2,6 +2,7 @@
 # Python-only `path` and `push`), its heuristic, and how a call resolves its push.
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from entwine_jax import _extension
@@ -69,9 +70,10 @@ class AgGemmConfig:
 
 def ag_heuristic_config(rows: int, n: int, cols: int, world: int, dtype, path: str = "auto") -> AgGemmConfig:
     """Config for an ag_gemm call whose shard is [rows, cols] per rank and w has N = n columns."""
-    del rows, cols, world, dtype  # no rule depends on them yet
-    # As for gemm_rs's producer: 128x256 blocks where N allows them without padding.
-    block_n = 256 if n % 256 == 0 else 128
+    del rows, cols, world  # no rule depends on them yet
+    # As for gemm_rs's producer: 128x256 blocks where N allows them without padding; 128 for FP8
+    # operands, the only width the FP8 kernels' plan takes.
+    block_n = 256 if n % 256 == 0 and jnp.dtype(dtype).itemsize > 1 else 128
     # A persistent grid on every SM the push leaves (gemm_sms=0), whose epilogue overlaps the next
     # block's mainloop; the push by shard size (push="auto": tuning.crossover).
     return AgGemmConfig(block_n=block_n, gemm_sms=0, raster_rows=8, max_chunks=8, push="auto", path=path)

@@ -10,12 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, _ffi, comm
+from entwine_jax import _extension, _ffi, callsite, comm
 from entwine_jax.ag_gemm import plan as _plan
 from entwine_jax.ag_gemm.config import push_budget, push_of
 from entwine_jax.comm import Unavailable
-
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,16 +72,17 @@ def launch_sms(config, shard_bytes: int) -> tuple[int, int]:
     return config.gemm_sms or _extension.sm_count() - max(push_sms, 1), push_sms
 
 
-def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, itemsize: int) -> _plan.AgPlan:
-    return _plan.ag_plan(rows, cols, n, world, gather_k, config, *launch_sms(config, rows * cols * itemsize))
+def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, itemsize: int, fp8: bool = False,
+             shared_scale: bool = False) -> _plan.AgPlan:
+    return _plan.ag_plan(rows, cols, n, world, gather_k, config, *launch_sms(config, rows * cols * itemsize), fp8=fp8,
+                         shared_scale=shared_scale)
 
 
-def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
+def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, out_dtype, shared_scale):
     if config.path == "xla":
         return "config.path is 'xla'"
-    dtype = jnp.dtype(x_local_aval.dtype)
-    if dtype not in DTYPES or jnp.dtype(w_aval.dtype) != dtype:
-        return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
+    if reason := callsite.kernel_dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
+        return reason
     if reason := comm.world_reason(axis_size):
         return reason
     (rows, cols), (_, n) = x_local_aval.shape, w_aval.shape
@@ -92,8 +91,11 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
     reason, mesh, ext = comm.platform_reason(axis_name)
     if reason:
         return reason
+    if out_dtype is not None and (reason := _plan.fp8_reason()):
+        return reason
     try:
-        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, dtype.itemsize)
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, jnp.dtype(x_local_aval.dtype).itemsize,
+                        fp8=out_dtype is not None, shared_scale=shared_scale)
     except _plan.PlanError as e:
         return f"the kernels cannot run this call: {e.rule}"
     if plan.sms_needed > _extension.sm_count():
@@ -104,17 +106,19 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config):
     return comm.heap_reason(ext, mesh, axis_name, axis_size, 0, plan.chunks, plan.inbox_bytes)
 
 
-def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> Optional[str]:
+def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config,
+                       out_dtype=None, shared_scale: bool = False) -> Optional[str]:
     """None when the ag_gemm kernels can run this call (x [rows, cols], w [cols or W * cols, n]),
-    else a short reason. Only answers (prepare acquires)."""
+    else a short reason (out_dtype given: the FP8 kernels on e4m3 operands, writing out_dtype, with
+    one x scale on every rank if shared_scale). Only answers (prepare acquires)."""
     try:
         mesh = comm.find_mesh(axis_name)
         key = ("ag", tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
-               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh)
+               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh, str(out_dtype), shared_scale)
     except Exception as e:
         return f"cannot inspect the call ({type(e).__name__}: {e})"
     return comm.cached_reason(key, mesh, lambda: _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k,
-                                                               config))
+                                                               config, out_dtype, shared_scale))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,17 +132,22 @@ class AgGemmCall:
     comm_id: int
     config: Any  # AgGemmConfig
     target: str
+    out_dtype: Optional[str] = None  # an FP8 call: the output dtype's name; None: bf16/fp16 in, same out
 
 
-def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> AgGemmCall:
+def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out_dtype=None,
+            shared_scale: bool = False) -> AgGemmCall:
     """The plan of ag_gemm on this rank's shard x [rows, cols] and w, and its communicator, acquired
-    now (acquire_comm): once per call site at trace time, after unavailable_reason said None.
-    Raises Unavailable with the reason when the fused path cannot run it after all."""
+    now (acquire_comm): once per call site at trace time, after unavailable_reason said None
+    (out_dtype: an FP8 call, as there). Raises Unavailable with the reason when the fused path
+    cannot run it after all."""
     mesh = comm.mesh_for(axis_name)
     (rows, cols), n = x_local_aval.shape, w_aval.shape[1]
+    fp8 = out_dtype is not None
     gemm_sms, push_sms = launch_sms(config, rows * cols * jnp.dtype(x_local_aval.dtype).itemsize)
     try:
-        plan = _plan.ag_plan(rows, cols, n, axis_size, gather_k, config, gemm_sms, push_sms)
+        plan = _plan.ag_plan(rows, cols, n, axis_size, gather_k, config, gemm_sms, push_sms, fp8=fp8,
+                             shared_scale=shared_scale)
     except _plan.NoExtension as e:
         raise Unavailable(str(e)) from None
     except _plan.PlanError as e:
@@ -146,7 +155,8 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config) -> 
     p = ag_padding(plan, rows, cols, n, axis_size, gather_k)
     cid = comm.acquire_comm(mesh, axis_name, 0, plan.chunks, inbox_bytes=plan.inbox_bytes)
     return AgGemmCall(padding=p, gemm_sms=gemm_sms, push_sms=push_sms, comm_id=cid, config=config,
-                      target=_plan.target())
+                      target=_plan.fp8_target() if fp8 else _plan.target(),
+                      out_dtype=jnp.dtype(out_dtype).name if fp8 else None)
 
 
 def call(x2d, w, site: AgGemmCall, return_gathered: bool):
@@ -166,3 +176,28 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
         config=attributes)
     return unpad(y, gathered if return_gathered else None, p)
 
+
+def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, shared_scale: bool):
+    """call() of the FP8 kernels: e4m3 shard x [rows, cols] (scaled by this rank's x_scale) and w,
+    y in site.out_dtype; returns (y, gathered e4m3 [W, rows, cols] or None, the W sources' x_scale).
+    Each shard's scale travels with it inside the kernels (no collective of its own); shared_scale
+    says every rank's x_scale is equal, so the kernels may use their own. The weight goes in
+    transposed ([N, K], K-major), as for gemm_rs's FP8 call."""
+    p = site.padding
+    x_pad, w_pad = pad_operands(x2d, w, p)
+    y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
+    gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
+    scales = [jnp.reshape(s.astype(jnp.float32), (1,)) for s in (x_scale, w_scale)]
+    w_t = w_pad.T
+    attributes = site.config.kernel_attributes(site.gemm_sms, site.push_sms)
+    layout = "contraction" if p.gather_k else "rows"
+    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w_t {list(w_t.shape)} gathering "
+                                    f"{layout}, gathered {list(gathered_shape)}, out {site.out_dtype}, shared scale "
+                                    f"{bool(shared_scale)}, config {comm.attributes_text(attributes)}")
+    y, gathered, gathered_scales = _ffi.fused_call(
+        site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), site.out_dtype),
+                      jax.ShapeDtypeStruct(gathered_shape, x2d.dtype), jax.ShapeDtypeStruct((p.world,), jnp.float32)],
+        x_pad, w_t, *scales, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
+        shared_scale=bool(shared_scale), signature=np.int64(signature), config=attributes)
+    y, gathered = unpad(y, gathered if return_gathered else None, p)
+    return y, gathered, gathered_scales

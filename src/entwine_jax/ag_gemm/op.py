@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from entwine_jax import _extension, callsite
 from entwine_jax.ag_gemm import fused
 from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config, push_budget, push_of
-from entwine_jax.ag_gemm.reference import ag_gemm_reference
+from entwine_jax.ag_gemm.reference import ag_gemm_reference, ag_gemm_reference_fp8
 
 OP = "ag_gemm"
 printed: set = set()  # call sites printed under ENTWINE_PRINT_CONFIG=1
@@ -28,11 +28,13 @@ class Plan:
     return_gathered: bool
     reason: Optional[str]  # None: the fused path (on CUDA); else why the XLA reference runs
     fused_call: Any = None  # with reason None: fused.AgGemmCall (padding, grid, comm id)
+    out_dtype: Optional[str] = None  # an FP8 call (entwine_jax.fp8): the output dtype's name
+    shared_scale: bool = False  # an FP8 call: every rank's x_scale is the same
 
 
-def _check_args(x, w, axis_name, gather_dimension) -> tuple[int, int]:
+def _check_args(x, w, axis_name, gather_dimension, fp8: bool) -> tuple[int, int]:
     """Raise ValueError for anything ag_gemm cannot compute; returns (axis_size, gather dim)."""
-    callsite.check_operands(OP, x, w, "[K, N]")
+    callsite.check_operands(OP, x, w, "[K, N]", fp8)
     if x.ndim < 1:
         raise ValueError(f"ag_gemm: x must have rank >= 1, got shape {tuple(x.shape)}")
     size = callsite.axis_size(OP, axis_name)
@@ -54,9 +56,9 @@ def _check_args(x, w, axis_name, gather_dimension) -> tuple[int, int]:
     return size, gd
 
 
-def check_group(x, weights: tuple) -> list:
+def check_group(x, weights: tuple, fp8: bool = False) -> list:
     """ValueError unless `weights` is a non-empty group of [K, N_i] arrays that one GEMM can serve
-    (x's dtype, one K); returns the widths N_i."""
+    (x's dtype, or with fp8 one dtype of their own; one K); returns the widths N_i."""
     if not weights:
         raise ValueError("ag_gemm: w is an empty group; pass one weight or a tuple of weights [K, N_i]")
     for i, w in enumerate(weights):
@@ -67,7 +69,7 @@ def check_group(x, weights: tuple) -> list:
         if w.shape[0] != weights[0].shape[0] or w.dtype != weights[0].dtype:
             raise ValueError(f"ag_gemm: the weights of a group must share K and dtype: w[0] is "
                              f"{weights[0].dtype}{list(weights[0].shape)}, w[{i}] is {w.dtype}{list(w.shape)}")
-        if hasattr(x, "dtype") and w.dtype != x.dtype:
+        if not fp8 and hasattr(x, "dtype") and w.dtype != x.dtype:
             raise ValueError(f"ag_gemm: w[{i}].dtype must equal x.dtype ({x.dtype}), got {w.dtype}")
         if w.shape[1] == 0:
             raise ValueError(f"ag_gemm: w[{i}] has no columns (shape {tuple(w.shape)})")
@@ -96,29 +98,35 @@ def _cost(x, w, size: int) -> tuple[float, float]:
     return 2.0 * size * shard * w.shape[1], (size - 1) * shard * jnp.dtype(x.dtype).itemsize
 
 
-def _fused_arguments(x, w, axis_name, size, gd, config) -> tuple:
+def _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale) -> tuple:
     x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
-    return x2d, w_aval, dict(axis_name=axis_name, axis_size=size, gather_k=gd == len(x.shape) - 1, config=config)
+    kwargs = dict(axis_name=axis_name, axis_size=size, gather_k=gd == len(x.shape) - 1, config=config)
+    if out_dtype is not None:  # an FP8 call
+        kwargs.update(out_dtype=out_dtype, shared_scale=shared_scale)
+    return x2d, w_aval, kwargs
 
 
-def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, config: AgGemmConfig) -> Optional[str]:
-    """Why a call on operands shaped like x and w (gather_dimension normalised) takes the XLA path on
+def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, config: AgGemmConfig,
+                  out_dtype=None, shared_scale: bool = False) -> Optional[str]:
+    """Why a call on operands shaped like x and w (gather_dimension normalised; out_dtype: an FP8
+    call's output dtype, shared_scale: its x_scale the same on every rank) takes the XLA path on
     this mesh, or None; asks only, no communicator is made (for programs that report on calls)."""
     push = push_of(config, math.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
     reason = callsite.early_reason(OP, config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size), push=push)
     if reason is not None:
         return reason
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, gather_dimension, config)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, gather_dimension, config, out_dtype,
+                                           shared_scale)
     return fused.unavailable_reason(x2d, w_aval, **kwargs)
 
 
-def _prepare(x, w, axis_name, size, gd, config) -> tuple[Any, Optional[str]]:
+def _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale) -> tuple[Any, Optional[str]]:
     """(fused.AgGemmCall, None) when the fused kernels run this call, else (None, the reason)."""
     # why_not_fused only answers; prepare makes the communicator once it said None.
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, gd, config)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
     return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, gather_dimension=gd,
-                                                      config=config),
+                                                      config=config, out_dtype=out_dtype, shared_scale=shared_scale),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
 
 
@@ -127,10 +135,14 @@ def default_config(x, w, size: int) -> AgGemmConfig:
     return ag_heuristic_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], size, x.dtype)
 
 
-def plan(x, w, *, axis_name, gather_dimension, config: Optional[AgGemmConfig], return_gathered: bool) -> Plan:
-    """Check a call, choose its config and its path, and report the choice once per call site."""
+def plan(x, w, *, axis_name, gather_dimension, config: Optional[AgGemmConfig], return_gathered: bool,
+         out_dtype=None, shared_scale: bool = False) -> Plan:
+    """Check a call, choose its config and its path, and report the choice once per call site.
+    out_dtype: an FP8 call (operands checked by entwine_jax.fp8) writing this dtype; shared_scale:
+    its x_scale is the same on every rank."""
     axis_name = callsite.hashable_axis(axis_name)
-    size, gd = _check_args(x, w, axis_name, gather_dimension)
+    out_dtype = None if out_dtype is None else jnp.dtype(out_dtype).name
+    size, gd = _check_args(x, w, axis_name, gather_dimension, out_dtype is not None)
     if config is not None and not isinstance(config, AgGemmConfig):
         raise ValueError(f"ag_gemm: config must be an AgGemmConfig or None, got {type(config).__name__}")
     if not isinstance(return_gathered, bool):
@@ -139,12 +151,13 @@ def plan(x, w, *, axis_name, gather_dimension, config: Optional[AgGemmConfig], r
     if config is None:
         config, source = default_config(x, w, size), "heuristic"
     _check_config(config)
-    fused_call, reason = _prepare(x, w, axis_name, size, gd, config)
+    fused_call, reason = _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
     p = Plan(axis_name=axis_name, axis_size=size, gather_dimension=gd, config=config,
-             return_gathered=return_gathered, reason=reason, fused_call=fused_call)
-    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, gd)
+             return_gathered=return_gathered, reason=reason, fused_call=fused_call, out_dtype=out_dtype,
+             shared_scale=shared_scale)
+    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, gd, out_dtype, shared_scale)
     site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={axis_name!r} (size {size}) "
-            f"gather_dimension={gd}")
+            f"gather_dimension={gd}" + (f" out_dtype={out_dtype} shared_scale={shared_scale}" if out_dtype else ""))
     callsite.report(OP, key, site, config, reason, source, printed)
     return p
 
@@ -154,15 +167,26 @@ def _reference(x, w, plan: Plan, gathered: bool):
     return (y, g) if gathered else y
 
 
-def _fused_forward(x, w, *, plan: Plan, gathered: bool):
+def _fused_forward(x, w, *scales, plan: Plan, gathered: bool):
     """The kernels see this rank's shard as [rows, cols]. Rows layout: the gathered dim's W slices
     come back stacked in rank order, [W * rows, N]; for a gathered dim with dims in front of it
-    (x [B, S/W, K], gather dim 1) the result is permuted into place (one copy of y)."""
+    (x [B, S/W, K], gather dim 1) the result is permuted into place (one copy of y). scales: an FP8
+    call's (x_scale, w_scale); with `gathered` it also returns the W sources' x_scale."""
+    x2d = x.reshape(-1, x.shape[-1])
+    names = callsite.varying_over(x, w, *scales)
+    if not scales:
+        y2d, g = fused.call(x2d, w, plan.fused_call, return_gathered=gathered)
+        return _placed(x, w, y2d, g, plan, gathered, names)
+    y2d, g, source_scales = fused.call_fp8(x2d, w, *scales, plan.fused_call, gathered, plan.shared_scale)
+    out = _placed(x, w, y2d, g, plan, gathered, names)
+    return (*out, callsite.typed_like(names, source_scales)) if gathered else out
+
+
+def _placed(x, w, y2d, g, plan: Plan, gathered: bool, names):
+    """The kernels' y [W * rows, N] (or [rows, N]) and gathered [W, rows, cols] in x's layout."""
     world, gd, lead = plan.axis_size, plan.gather_dimension, tuple(x.shape[:-1])
     gather_k = gd == x.ndim - 1
     n = w.shape[1]
-    y2d, g = fused.call(x.reshape(-1, x.shape[-1]), w, plan.fused_call, return_gathered=gathered)
-    names = callsite.varying_over(x, w)
     if not gathered:
         # The kernels write no gathered operand at all: a forward-only call moves only what y needs.
         y2d = callsite.typed_like(names, y2d)
@@ -192,3 +216,20 @@ def forward(x, w, plan: Plan, gathered: bool):
     says so (on CUDA), else the reference."""
     return callsite.dispatch(plan.reason, functools.partial(_reference, plan=plan, gathered=gathered),
                              functools.partial(_fused_forward, plan=plan, gathered=gathered), x, w)
+
+
+def _reference_fp8(x, w, x_scale, w_scale, plan: Plan, gathered: bool):
+    y, g, scales = ag_gemm_reference_fp8(x, w, x_scale, w_scale, axis_name=plan.axis_name,
+                                         gather_dimension=plan.gather_dimension, out_dtype=plan.out_dtype,
+                                         shared_scale=plan.shared_scale)
+    # Typed as the fused branch types its results (a shared scale's broadcast varies over nothing).
+    names = callsite.varying_over(x, w, x_scale, w_scale)
+    return callsite.typed_like(names, y, g, scales) if gathered else callsite.typed_like(names, y)
+
+
+def forward_fp8(x, w, x_scale, w_scale, plan: Plan, gathered: bool):
+    """all_gather(x * x_scale) @ (w * w_scale) of FP8 operands in plan.out_dtype, and with `gathered`
+    the gathered FP8 x and the W sources' x_scale: the FP8 kernels where the plan says so (on CUDA),
+    else the reference."""
+    return callsite.dispatch(plan.reason, functools.partial(_reference_fp8, plan=plan, gathered=gathered),
+                             functools.partial(_fused_forward, plan=plan, gathered=gathered), x, w, x_scale, w_scale)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 from entwine_jax import _extension
 from entwine_jax._extension import NoExtension, PlanError  # noqa: F401  (the errors a plan raises)
@@ -13,6 +14,16 @@ from entwine_jax._extension import NoExtension, PlanError  # noqa: F401  (the er
 def target() -> str:
     """The XLA FFI target name of ag_gemm (spelled once, in the extension)."""
     return _extension.ext().AG_GEMM_TARGET
+
+
+def fp8_target() -> str:
+    """The XLA FFI target name of FP8 ag_gemm (spelled once, in the extension)."""
+    return _extension.ext().AG_GEMM_FP8_TARGET
+
+
+def fp8_reason() -> Optional[str]:
+    """Why the extension cannot run FP8 ag_gemm (no FP8 target, no FP8 plan), or None."""
+    return _extension.fp8_reason("AG_GEMM_FP8_TARGET", "ag_gemm_fp8_plan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,20 +45,28 @@ class AgPlan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _asked(rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks, push_sms) -> dict:
-    return dict(_extension.ext().ag_plan(rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks,
-                                         push_sms))
+def _asked(fp8, shared_scale, rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks,
+           push_sms) -> dict:
+    args = (rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks, push_sms)
+    if fp8:
+        # The FP8 plan: the bf16 plan's arguments and whether every shard has the same scale (the
+        # contraction layout needs it).
+        return dict(_extension.ext().ag_gemm_fp8_plan(*args, shared_scale=shared_scale))
+    return dict(_extension.ext().ag_plan(*args))
 
 
 def ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, gemm_sms: int,
-            push_sms: int = 0) -> AgPlan:
+            push_sms: int = 0, fp8: bool = False, shared_scale: bool = False) -> AgPlan:
     """ag_gemm's plan of one rank's shard [rows, cols] and N = n over `world` ranks (gather_k: the
     shards are slices of the contraction dim) with `config` (an AgGemmConfig); gemm_sms and push_sms:
     the GEMM grid and the SM push's CTAs the call runs (config's resolved; push_sms 0: the copy
-    engines). Raises PlanError with the C++ rule when the kernels cannot run it, NoExtension without
-    the extension."""
-    d = _asked(int(rows), int(cols), int(n), int(world), bool(gather_k), int(config.block_n), int(gemm_sms),
-               int(config.raster_rows), int(config.max_chunks), int(push_sms))
+    engines); fp8: the FP8 kernels' plan, shared_scale: one x scale on every rank. Raises PlanError
+    with the C++ rule when the kernels cannot run it, NoExtension without the extension (or its FP8
+    plan)."""
+    if fp8 and (reason := fp8_reason()) is not None:
+        raise NoExtension(reason)
+    d = _asked(bool(fp8), bool(shared_scale), int(rows), int(cols), int(n), int(world), bool(gather_k),
+               int(config.block_n), int(gemm_sms), int(config.raster_rows), int(config.max_chunks), int(push_sms))
     if d["error"] is not None:
         raise PlanError(d["error"], False)
     return AgPlan(**{f.name: int(d[f.name]) for f in dataclasses.fields(AgPlan)})

@@ -1,8 +1,9 @@
 # ag_gemm's XLA reference, used on every backend where the fused kernels cannot run: all_gather, then
-# a dot accumulated in fp32 and rounded once to the input dtype.
+# a dot accumulated in fp32 and rounded once to the input dtype; and the FP8 reference.
 import jax
+import jax.numpy as jnp
 
-from entwine_jax._dot import dot_last_first, dot_type
+from entwine_jax._dot import dot_by_source, dot_last_first, dot_type
 
 
 def ag_gemm_reference(x, w, *, axis_name, gather_dimension: int):
@@ -10,3 +11,19 @@ def ag_gemm_reference(x, w, *, axis_name, gather_dimension: int):
     be normalised; gathering the last dim gathers the contraction dim (w holds all of K)."""
     g = jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
     return dot_last_first(g, w, dot_type(x.dtype)).astype(x.dtype), g
+
+
+def ag_gemm_reference_fp8(x, w, x_scale, w_scale, *, axis_name, gather_dimension: int, out_dtype, shared_scale: bool):
+    """(all_gather(x) @ w of FP8 operands in out_dtype, the gathered FP8 x, the W sources' x_scale).
+    Each source's block of the gathered x (rows, or a K slice in the contraction layout) is scaled by
+    that source's x_scale, gathered with it; shared_scale: every rank's x_scale is equal, nothing to
+    gather. The dot accumulates in fp32."""
+    g = jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
+    world = jax.lax.axis_size(axis_name)
+    if shared_scale:
+        scales = jnp.broadcast_to(x_scale, (world,))
+        y = dot_last_first(g, w) * x_scale
+    else:
+        scales = jax.lax.all_gather(jnp.reshape(x_scale, (1,)), axis_name, tiled=True)
+        y = dot_by_source(g, w, (((g.ndim - 1,), (0,)), ((), ())), gather_dimension, scales)
+    return (y * w_scale).astype(out_dtype), g, scales

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 from typing import Iterator, Optional
 
+import jax.numpy as jnp
 import numpy as np
 
 from entwine_jax import _extension
@@ -118,10 +119,10 @@ def heuristic_config(m: int, n: int, k: int, world: int, dtype, *, scatter_cols:
     Every rule says why; the tuned table (per GPU and shape) overrides these. Measurements:
     docs/performance.md.
     """
-    del dtype  # no rule depends on it yet
     # 128x256 blocks measured 5-15% faster than 128x128 for the producer alone on H200;
-    # 128 only where N is not a multiple of 256, so no padding is needed.
-    block_n = 256 if n % 256 == 0 else 128
+    # 128 only where N is not a multiple of 256, so no padding is needed. FP8 operands: 128, the only
+    # width the FP8 kernels' plan takes (the promoted fp32 accumulator of a wider block does not fit).
+    block_n = 256 if n % 256 == 0 and jnp.dtype(dtype).itemsize > 1 else 128
     # The budget follows the communication share: each rank moves (M/W) x N x W elements whatever
     # K is, while the GEMM grows with K. Best of x in {4, 8, ..., 32} end to end on 2xH200 (W=2):
     # x = 24 at K = 1024 (10-20% faster than 16 there), 12 at K = 2048, 8 at K = 3584, 4 at

@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, _ffi, comm
+from entwine_jax import _extension, _ffi, callsite, comm
 from entwine_jax.comm import Unavailable
 from entwine_jax.gemm_rs import plan as _plan
 from entwine_jax.gemm_rs.config import GemmRsConfig
 from entwine_jax.gemm_rs.plan import GemmRsPlan
 
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # The padding of a gemm_rs call is its plan: GemmRsPlan carries the unpadded call (m, k, n, mp,
 # n_part) and the padded partition (mp_pad, k_pad, n_pad) the C++ plan chose.
@@ -64,12 +63,11 @@ def unpad(y, p: Padding):
     return y[: p.mp, : p.n_part] if (p.mp, p.n_part) != (p.mp_pad, p.n_pad) else y
 
 
-def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config):
+def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config, out_dtype):
     if getattr(config, "path", None) == "xla":
         return "config.path is 'xla'"
-    dtype = jnp.dtype(x_local_aval.dtype)
-    if dtype not in DTYPES or jnp.dtype(w_aval.dtype) != dtype:
-        return f"fused kernels take bf16 or fp16 operands of one dtype, got {dtype} and {w_aval.dtype}"
+    if reason := callsite.kernel_dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
+        return reason
     if scatter_dimension not in (0, 1):
         return f"fused kernels scatter over rows (0) or columns (1) of the 2-D product, got {scatter_dimension}"
     if reason := comm.world_reason(axis_size):
@@ -83,8 +81,10 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, 
         return f"scattered size not divisible by the axis size {axis_size}"
     plan = None
     if _extension.module()[0] is not None:
+        if out_dtype is not None and (reason := _plan.fp8_reason()):
+            return reason
         try:
-            plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1)
+            plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1, fp8=out_dtype is not None)
         except _plan.PlanError as e:
             return f"the kernels cannot run x {x_local_aval.shape} @ w {w_aval.shape} over {axis_size} ranks: {e.rule}"
     # Without the extension there is no plan, and this is where the reason says so.
@@ -97,19 +97,20 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, 
 
 
 def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension,
-                       config) -> Optional[str]:
+                       config, out_dtype=None) -> Optional[str]:
     """None when the fused kernels can run gemm_rs on x [M, K] (this rank's 2-D view), w [K, N],
-    else a short reason. Only answers: no communicator is created or grown here (prepare does
-    that). Never raises for ordinary inputs; cached per call shape."""
+    else a short reason (out_dtype given: the FP8 kernels on e4m3 operands, writing out_dtype).
+    Only answers: no communicator is created or grown here (prepare does that). Never raises for
+    ordinary inputs; cached per call shape."""
     try:
         mesh = comm.find_mesh(axis_name)
         key = (tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
                str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, scatter_dimension,
-               repr(config), mesh)
+               repr(config), mesh, str(out_dtype))
     except Exception as e:
         return f"cannot inspect the call ({type(e).__name__}: {e})"
     return comm.cached_reason(key, mesh, lambda: _unavailable(x_local_aval, w_aval, axis_name, axis_size,
-                                                              scatter_dimension, config))
+                                                              scatter_dimension, config, out_dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,24 +122,28 @@ class GemmRsCall:
     comm_id: int
     config: Any  # GemmRsConfig
     target: str
+    out_dtype: Optional[str] = None  # an FP8 call: the output dtype's name; None: bf16/fp16 in, same out
 
     @property
     def scatter_dimension(self) -> int:
         return int(self.plan.scatter_cols)
 
 
-def prepare(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, config) -> GemmRsCall:
+def prepare(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, config, out_dtype=None) -> GemmRsCall:
     """The plan of gemm_rs on x [M, K] (this rank's 2-D view), w [K, N], and its communicator,
     acquired now (acquire_comm): call once per call site at trace time, after unavailable_reason
-    said None. Raises Unavailable with the reason when the fused path cannot run it after all."""
+    said None (out_dtype: an FP8 call, as there). Raises Unavailable with the reason when the fused
+    path cannot run it after all."""
     mesh = comm.mesh_for(axis_name)
     (m, k), (_, n) = x_local_aval.shape, w_aval.shape
+    fp8 = out_dtype is not None
     try:
-        plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1)
+        plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1, fp8=fp8)
     except (_plan.PlanError, _plan.NoExtension) as e:
         raise Unavailable(f"the kernels cannot run this call: {e}") from None
     cid = comm.acquire_comm(mesh, axis_name, plan.slot_bytes, plan.tiles_per_partition)
-    return GemmRsCall(plan=plan, comm_id=cid, config=config, target=_plan.target())
+    return GemmRsCall(plan=plan, comm_id=cid, config=config, target=_plan.fp8_target() if fp8 else _plan.target(),
+                      out_dtype=jnp.dtype(out_dtype).name if fp8 else None)
 
 
 def call(x2d, w, site: GemmRsCall) -> jax.Array:
@@ -152,6 +157,26 @@ def call(x2d, w, site: GemmRsCall) -> jax.Array:
     y, = _ffi.fused_call(site.target, [jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), x2d.dtype)], x_pad, w_pad,
                              comm_id=np.int64(site.comm_id), scatter_dimension=np.int64(site.scatter_dimension),
                              signature=np.int64(signature), config=site.config.kernel_attributes())
+    return unpad(y, p)
+
+
+def call_fp8(x2d, w, x_scale, w_scale, site: GemmRsCall) -> jax.Array:
+    """call() of the FP8 kernels: x [M, K] and w [K, N] in e4m3, y = (x * x_scale) @ (w * w_scale)
+    reduce-scattered, in site.out_dtype. The kernels take the weight transposed ([N, K], K-major, as
+    Hopper's FP8 wgmma reads both operands); XLA fuses the transpose with the padding (one pass over
+    w's bytes, or none where the quantisation that made w writes it)."""
+    p = site.plan
+    x_pad, w_pad = pad_operands(x2d, w, p)
+    scales = [jnp.reshape(s.astype(jnp.float32), (1,)) for s in (x_scale, w_scale)]
+    w_t = w_pad.T
+    layout = "columns" if site.scatter_dimension else "rows"
+    signature = comm.call_signature(f"gemm_rs {x2d.dtype} x {list(x_pad.shape)} w_t {list(w_t.shape)} scattering "
+                                    f"{layout}, out {site.out_dtype}, config "
+                                    f"{comm.attributes_text(site.config.kernel_attributes())}")
+    y, = _ffi.fused_call(site.target, [jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), site.out_dtype)], x_pad,
+                             w_t, *scales, comm_id=np.int64(site.comm_id),
+                             scatter_dimension=np.int64(site.scatter_dimension), signature=np.int64(signature),
+                             config=site.config.kernel_attributes())
     return unpad(y, p)
 
 

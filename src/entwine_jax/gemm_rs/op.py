@@ -13,7 +13,7 @@ from entwine_jax import callsite
 from entwine_jax.gemm_rs import fused
 from entwine_jax.gemm_rs import plan as kernel_plan
 from entwine_jax.gemm_rs.config import GemmRsConfig, get_default_config
-from entwine_jax.gemm_rs.reference import gemm_rs_reference
+from entwine_jax.gemm_rs.reference import gemm_rs_reference, gemm_rs_reference_fp8
 from entwine_jax.tuning import table
 
 OP = "gemm_rs"
@@ -29,11 +29,12 @@ class Plan:
     config: GemmRsConfig
     reason: Optional[str]  # None: the fused path (on CUDA); else why the XLA reference runs
     fused_call: Any = None  # with reason None: fused.GemmRsCall (the kernels' plan and the comm id)
+    out_dtype: Optional[str] = None  # an FP8 call (entwine_jax.fp8): the output dtype's name
 
 
-def _check_args(x, w, axis_name, scatter_dimension) -> tuple[int, int]:
+def _check_args(x, w, axis_name, scatter_dimension, fp8: bool) -> tuple[int, int]:
     """Raise ValueError for anything gemm_rs cannot compute; returns (axis_size, scatter dim)."""
-    callsite.check_operands(OP, x, w, "[K_local, N]")
+    callsite.check_operands(OP, x, w, "[K_local, N]", fp8)
     if x.ndim < 2:
         raise ValueError(f"gemm_rs: x must have rank >= 2 ([..., K_local]), got rank {x.ndim} (shape {tuple(x.shape)})")
     if x.shape[-1] != w.shape[0]:
@@ -71,37 +72,41 @@ def _check_config(config: GemmRsConfig) -> None:
         raise ValueError(f"gemm_rs: config {config} cannot run on the fused kernels: {rule}")
 
 
-def _cost(x, w, size: int) -> tuple[float, float]:
+def _cost(x, w, size: int, out_dtype) -> tuple[float, float]:
     """(flops of this rank's GEMM, bytes its reduce-scatter brings in: the W - 1 peers' partials of
-    this rank's slice of the [M, N] product)."""
+    this rank's slice of the [M, N] product, in the output dtype)."""
     m, (k, n) = math.prod(x.shape[:-1]), w.shape
-    return 2.0 * m * n * k, (size - 1) / size * m * n * jax.numpy.dtype(x.dtype).itemsize
+    return 2.0 * m * n * k, (size - 1) / size * m * n * jax.numpy.dtype(out_dtype).itemsize
 
 
-def _fused_arguments(x, w, axis_name, size, sd, config) -> tuple:
+def _fused_arguments(x, w, axis_name, size, sd, config, out_dtype) -> tuple:
     x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
     kwargs = dict(axis_name=axis_name, axis_size=size, scatter_dimension=kernel_scatter_dim(x, sd), config=config)
+    if out_dtype is not None:  # an FP8 call
+        kwargs["out_dtype"] = out_dtype
     return x2d, w_aval, kwargs
 
 
-def why_not_fused(x, w, *, axis_name, axis_size: int, scatter_dimension: int, config: GemmRsConfig) -> Optional[str]:
-    """Why a call on operands shaped like x and w (scatter_dimension normalised) takes the XLA path
-    on this mesh, or None; asks only, no communicator is made (for programs that report on calls,
-    e.g. the benchmarks)."""
-    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "reduce or scatter", *_cost(x, w, axis_size))
+def why_not_fused(x, w, *, axis_name, axis_size: int, scatter_dimension: int, config: GemmRsConfig,
+                  out_dtype=None) -> Optional[str]:
+    """Why a call on operands shaped like x and w (scatter_dimension normalised; out_dtype: an FP8
+    call's output dtype) takes the XLA path on this mesh, or None; asks only, no communicator is
+    made (for programs that report on calls, e.g. the benchmarks)."""
+    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "reduce or scatter",
+                                   *_cost(x, w, axis_size, out_dtype or x.dtype))
     if reason is not None:
         return reason
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, scatter_dimension, config)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, scatter_dimension, config, out_dtype)
     return fused.unavailable_reason(x2d, w_aval, **kwargs)
 
 
-def _prepare(x, w, axis_name, size, sd, config) -> tuple[Any, Optional[str]]:
+def _prepare(x, w, axis_name, size, sd, config, out_dtype) -> tuple[Any, Optional[str]]:
     """(fused.GemmRsCall, None) when the fused kernels run this call, else (None, the reason)."""
     # why_not_fused only answers; prepare makes the communicator once it said None.
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, sd, config)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, sd, config, out_dtype)
     return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, scatter_dimension=sd,
-                                                      config=config),
+                                                      config=config, out_dtype=out_dtype),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
 
 
@@ -116,22 +121,24 @@ def default_config(x, w, size: int, sd: int) -> tuple[GemmRsConfig, str]:
                                rows=kernel_scatter_dim(x, sd) == 0)
 
 
-def plan(x, w, *, axis_name, scatter_dimension, config: Optional[GemmRsConfig]) -> Plan:
-    """Check a call, choose its config and its path, and report the choice once per call site."""
+def plan(x, w, *, axis_name, scatter_dimension, config: Optional[GemmRsConfig], out_dtype=None) -> Plan:
+    """Check a call, choose its config and its path, and report the choice once per call site.
+    out_dtype: an FP8 call (operands checked by entwine_jax.fp8) writing this dtype."""
     axis_name = callsite.hashable_axis(axis_name)
-    size, sd = _check_args(x, w, axis_name, scatter_dimension)
+    out_dtype = None if out_dtype is None else jax.numpy.dtype(out_dtype).name
+    size, sd = _check_args(x, w, axis_name, scatter_dimension, out_dtype is not None)
     if config is not None and not isinstance(config, GemmRsConfig):
         raise ValueError(f"gemm_rs: config must be a GemmRsConfig or None, got {type(config).__name__}")
     source = table.SOURCE_OVERRIDE
     if config is None:
         config, source = default_config(x, w, size, sd)
     _check_config(config)
-    fused_call, reason = _prepare(x, w, axis_name, size, sd, config)
+    fused_call, reason = _prepare(x, w, axis_name, size, sd, config, out_dtype)
     p = Plan(axis_name=axis_name, axis_size=size, scatter_dimension=sd, config=config, reason=reason,
-             fused_call=fused_call)
-    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, sd)
+             fused_call=fused_call, out_dtype=out_dtype)
+    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, sd, out_dtype)
     site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={axis_name!r} (size {size}) "
-            f"scatter_dimension={sd}")
+            f"scatter_dimension={sd}" + (f" out_dtype={out_dtype}" if out_dtype else ""))
     middle = 0 < sd < x.ndim - 1
     note = " (a middle dim: x's rows are permuted first, one copy of x)" if middle else ""
     callsite.report(OP, key, site, config, reason, source, printed, note)
@@ -151,15 +158,16 @@ def _rows_by_partition(x, sd: int, world: int):
     return jax.numpy.swapaxes(blocks, 0, 1).reshape(-1, x.shape[-1])
 
 
-def _fused_forward(x, w, *, plan: Plan):
+def _fused_forward(x, w, *scales, plan: Plan):
     # A scatter over N is a scatter over the columns of the [rows, K] view of x; a scatter over any
     # other output dim is a scatter over its rows, once _rows_by_partition has made every rank's
     # slice a contiguous block of rows (for the leading dim it already is, since B % W == 0).
+    # scales: an FP8 call's (x_scale, w_scale).
     sd, world, lead = plan.scatter_dimension, plan.axis_size, tuple(x.shape[:-1])
     columns = kernel_scatter_dim(x, sd)
     x2d = x.reshape(-1, x.shape[-1]) if columns else _rows_by_partition(x, sd, world)
-    y = fused.call(x2d, w, plan.fused_call)
-    y = callsite.typed_like(callsite.varying_over(x, w), y)
+    y = fused.call_fp8(x2d, w, *scales, plan.fused_call) if scales else fused.call(x2d, w, plan.fused_call)
+    y = callsite.typed_like(callsite.varying_over(x, w, *scales), y)
     if columns:
         return y.reshape(lead + (w.shape[1] // world,))
     return y.reshape(lead[:sd] + (lead[sd] // world,) + lead[sd + 1:] + (w.shape[1],))
@@ -170,3 +178,12 @@ def forward(x, w, plan: Plan):
     reference = functools.partial(gemm_rs_reference, axis_name=plan.axis_name,
                                   scatter_dimension=plan.scatter_dimension)
     return callsite.dispatch(plan.reason, reference, functools.partial(_fused_forward, plan=plan), x, w)
+
+
+def forward_fp8(x, w, x_scale, w_scale, plan: Plan):
+    """psum_scatter((x * x_scale) @ (w * w_scale)) of FP8 operands in plan.out_dtype: the FP8
+    kernels where the plan says so (on CUDA), else the reference."""
+    reference = functools.partial(gemm_rs_reference_fp8, axis_name=plan.axis_name,
+                                  scatter_dimension=plan.scatter_dimension, out_dtype=plan.out_dtype)
+    return callsite.dispatch(plan.reason, reference, functools.partial(_fused_forward, plan=plan), x, w, x_scale,
+                             w_scale)

@@ -16,6 +16,16 @@ def target() -> str:
     return _extension.ext().GEMM_RS_TARGET
 
 
+def fp8_target() -> str:
+    """The XLA FFI target name of FP8 gemm_rs (spelled once, in the extension)."""
+    return _extension.ext().GEMM_RS_FP8_TARGET
+
+
+def fp8_reason() -> Optional[str]:
+    """Why the extension cannot run FP8 gemm_rs (no FP8 target, no FP8 plan), or None."""
+    return _extension.fp8_reason("GEMM_RS_FP8_TARGET", "gemm_rs_fp8_plan")
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmRsPlan:
     """gemm_rs's plan of one call (the C++ GemmRsPlan), with the call it was made for.
@@ -61,17 +71,22 @@ class GemmRsPlan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _asked(m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid, consumer_block, raster_rows,
+def _asked(fp8, m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid, consumer_block, raster_rows,
            split_tail) -> dict:
-    return dict(_extension.ext().gemm_rs_plan(m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid,
-                                              consumer_block, raster_rows, split_tail))
+    # The FP8 plan takes the bf16 plan's arguments; it pads K to 16 one-byte elements.
+    ask = _extension.ext().gemm_rs_fp8_plan if fp8 else _extension.ext().gemm_rs_plan
+    return dict(ask(m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid, consumer_block, raster_rows,
+                    split_tail))
 
 
-def gemm_rs_plan(m: int, n: int, k: int, world: int, config, scatter_cols: bool = False) -> GemmRsPlan:
+def gemm_rs_plan(m: int, n: int, k: int, world: int, config, scatter_cols: bool = False,
+                 fp8: bool = False) -> GemmRsPlan:
     """The plan of gemm_rs for x [m, k], w [k, n] (one rank's operands, unpadded) over `world`
-    ranks with `config` (a GemmRsConfig). Raises PlanError with the C++ rule when the kernels
-    cannot run it, NoExtension without the extension."""
-    d = _asked(int(m), int(n), int(k), int(world), bool(scatter_cols), int(config.block_n),
+    ranks with `config` (a GemmRsConfig); fp8: the FP8 kernels' plan. Raises PlanError with the
+    C++ rule when the kernels cannot run it, NoExtension without the extension (or its FP8 plan)."""
+    if fp8 and (reason := fp8_reason()) is not None:
+        raise NoExtension(reason)
+    d = _asked(bool(fp8), int(m), int(n), int(k), int(world), bool(scatter_cols), int(config.block_n),
                int(config.producer_sms), int(config.consumer_grid), int(config.consumer_block),
                int(config.raster_rows), bool(config.split_tail))
     if d["error"] is not None:

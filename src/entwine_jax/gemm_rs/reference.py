@@ -1,6 +1,6 @@
 # gemm_rs's XLA reference, used on every backend where the fused kernels cannot run: an fp32 dot
 # followed by an fp32 psum_scatter, cast back to the input dtype (the kernels accumulate in fp32 too),
-# and the matching backward (all_gather, two dots accumulated in fp32).
+# and the matching backward (all_gather, two dots accumulated in fp32); and the FP8 reference.
 import jax
 
 from entwine_jax._dot import dot_last_first, dot_type
@@ -30,3 +30,13 @@ def gemm_rs_reference_bwd(x, w, dy, *, axis_name, scatter_dimension: int = 0):
     batch = tuple(range(x.ndim - 1))
     dw = jax.lax.dot_general(x, g, ((batch, batch), ((), ())), preferred_element_type=dot_type(w.dtype))
     return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def gemm_rs_reference_fp8(x, w, x_scale, w_scale, *, axis_name, scatter_dimension: int, out_dtype):
+    """psum_scatter((x * x_scale) @ (w * w_scale), tiled=True) of FP8 operands: the dot of the FP8
+    values accumulated in fp32, scaled by this rank's x_scale * w_scale (each rank's partial carries
+    its own scales), summed over the ranks in fp32; output in out_dtype."""
+    y = dot_last_first(x, w) * (x_scale * w_scale)
+    if jax.lax.axis_size(axis_name) > 1:
+        y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+    return y.astype(out_dtype)

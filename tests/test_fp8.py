@@ -1,0 +1,429 @@
+# FP8 calls of gemm_rs and ag_gemm on fake CPU devices (the XLA reference path): values against a float64
+# computation on the dequantised operands (both layouts, tails, a middle dim, per-rank and shared scales,
+# the grouped ag_gemm), the FP8 pairing's gradients (e5m2 cotangents with their own scales, or bf16),
+# the bad inputs, and the FP8 fused call as the FFI contract has it (traced, and its reasons without the
+# FP8 kernels).
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from entwine_jax import AgGemmConfig, _extension, ag_gemm, callsite, fp8, gemm_rs
+from entwine_jax.ag_gemm import fused as ag_fused
+from entwine_jax.ag_gemm import plan as ag_plan
+from entwine_jax.gemm_rs import fused as rs_fused
+from entwine_jax.gemm_rs import plan as rs_plan
+from entwine_jax.gemm_rs.config import GemmRsConfig
+
+from test_gemm_rs import make_mesh, rel_err
+
+W = 4
+BF16_TOL = 1e-2  # fp32 accumulation, one rounding to bf16 (2^-9), with margin
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def run(fn, args, in_specs, out_specs, world=W):
+    mesh = make_mesh((world,), ("tp",))
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    with jax.set_mesh(mesh):
+        return f(*[jax.device_put(a, s) for a, s in zip(args, in_specs)])
+
+
+def grads(loss, args, specs, argnums):
+    """jit(grad(loss)) on args placed with their specs on a W-device mesh."""
+    with jax.set_mesh(make_mesh((W,), ("tp",))):
+        placed = [jax.device_put(a, spec) for a, spec in zip(args, specs)]
+        return jax.jit(jax.grad(loss, argnums=argnums))(*placed)
+
+
+def f64(v):
+    return np.asarray(jnp.asarray(v).astype(jnp.float32), np.float64)
+
+
+def quantized(seed, shape):
+    """An e4m3 array of normal values of this shape, quantised with its current scale, and that scale."""
+    v = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    scale = fp8.current_scale(v)
+    return fp8.quantize(v, scale), scale
+
+
+def per_rank(seed, n=W):
+    """One float32 scale per rank, far apart (a wrong pairing of blocks and scales shows), of the size of
+    a current scale of normal values (fp16 outputs stay finite)."""
+    return jnp.asarray(np.random.default_rng(seed).uniform(0.05, 4.0, n) / 448, jnp.float32)
+
+
+# --- values -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("x_shape,n,sd", [
+    ((64, 128), 96, 0),       # rows
+    ((20, 12), 12, 0),        # tails: 5 rows and 3 contraction columns per rank
+    ((16, 48), 40, -1),       # columns (the hidden dim)
+    ((2, 8, 24), 16, 1),      # a middle dim
+])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+def test_gemm_rs_matches_float64(x_shape, n, sd, out_dtype):
+    # Each rank's partial carries its own x_scale and w_scale: K slice r of x and w scaled by rank r's.
+    x8, _ = quantized(1, x_shape)
+    w8, _ = quantized(2, (x_shape[-1], n))
+    xs, ws = per_rank(3), per_rank(4)
+    k_local = x_shape[-1] // W
+    x_spec = P(*([None] * (len(x_shape) - 1)), "tp")
+    out = [None] * len(x_shape)
+    out[sd] = "tp"
+
+    def body(x, w, xs, ws):
+        return gemm_rs(x, w, axis_name="tp", scatter_dimension=sd, x_scale=xs, w_scale=ws, out_dtype=out_dtype)
+
+    y = run(body, (x8, w8, xs, ws), (x_spec, P("tp", None), P("tp"), P("tp")), P(*out))
+    xd, wd = f64(x8), f64(w8)
+    ref = sum((xd[..., r * k_local:(r + 1) * k_local] * float(xs[r]))
+              @ (wd[r * k_local:(r + 1) * k_local] * float(ws[r])) for r in range(W))
+    assert y.dtype == out_dtype and y.shape == ref.shape
+    assert rel_err(y, ref) <= BF16_TOL
+
+
+@pytest.mark.parametrize("x_shape,n,gd", [
+    ((64, 32), 64, 0),        # rows
+    ((20, 10), 24, 0),        # tails
+    ((2, 12, 16), 8, 1),      # a middle dim
+    ((16, 64), 48, -1),       # the contraction dim (w holds all of K)
+    ((12, 20), 8, -1),        # contraction tails: 5 columns per rank
+])
+@pytest.mark.parametrize("shared", [False, True])
+def test_ag_gemm_matches_float64(x_shape, n, gd, shared):
+    # Per-rank x_scale: each gathered block (rows, or a K slice) is scaled by its source's scale.
+    # A replicated x_scale is shared: one scale for all of the gathered x.
+    x8, _ = quantized(5, x_shape)
+    w8, ws = quantized(6, (x_shape[-1], n))
+    xs = per_rank(7)[:1].reshape(()) if shared else per_rank(7)
+    ndim = len(x_shape)
+    x_spec = [None] * ndim
+    x_spec[gd] = "tp"
+    out = [None] * ndim
+    out[-1] = "tp"
+
+    def body(x, w, xs, ws):
+        y, g = ag_gemm(x, w, axis_name="tp", gather_dimension=gd, x_scale=xs, w_scale=ws, return_gathered=True)
+        return y, g[None]
+
+    xs_spec = P() if shared else P("tp")
+    g_spec = P("tp", *([None] * ndim))  # every rank's gathered copy
+    y, g = run(body, (x8, w8, xs, ws), (P(*x_spec), P(None, "tp"), xs_spec, P()), (P(*out), g_spec))
+    xd = f64(x8)
+    d = x_shape[gd] // W
+    blocks = np.split(xd, W, axis=gd)
+    scaled = np.concatenate([b * float(xs if shared else xs[r]) for r, b in enumerate(blocks)], axis=gd)
+    ref = scaled @ (f64(w8) * float(ws))
+    assert y.dtype == jnp.bfloat16 and y.shape == ref.shape and d > 0
+    assert rel_err(y, ref) <= BF16_TOL
+    # The gathered operand is FP8, all of x on every rank.
+    assert g.dtype == E4M3
+    for copy in g:
+        np.testing.assert_array_equal(f64(copy), xd)
+
+
+def test_shared_scale_is_seen_in_the_types(capsys, monkeypatch):
+    # Replicated over tp (shard_map's types say so): shared; each rank's own: not shared.
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    x8, _ = quantized(8, (32, 16))
+    w8, ws = quantized(9, (16, 32))
+    for xs, spec, shared in ((jnp.float32(0.5), P(), True), (per_rank(10), P("tp"), False)):
+        run(lambda x, w, xs, ws: ag_gemm(x, w, axis_name="tp", x_scale=xs, w_scale=ws),
+            (x8, w8, xs, ws), (P("tp", None), P(None, "tp"), spec, P()), P(None, "tp"))
+        assert f"shared_scale={shared}" in capsys.readouterr().err
+
+
+def test_grouped_ag_gemm():
+    # q/k/v-like weights of unequal widths sharing one w_scale, one gather of x.
+    x8, _ = quantized(11, (16, 32))
+    ws_ = [quantized(12 + i, (32, n))[0] for i, n in enumerate((32, 8, 8))]
+    xs, w_scale = per_rank(15), jnp.float32(0.25)
+
+    def body(x, xs, ws, *weights):
+        return ag_gemm(x, weights, axis_name="tp", x_scale=xs, w_scale=ws)
+
+    ys = run(body, (x8, xs, w_scale, *ws_), (P("tp", None), P("tp"), P()) + (P(None, "tp"),) * 3,
+             (P(None, "tp"),) * 3)
+    rows = np.split(f64(x8), W)
+    xd = np.concatenate([b * float(xs[r]) for r, b in enumerate(rows)])
+    for y, w in zip(ys, ws_):
+        assert rel_err(y, xd @ (f64(w) * 0.25)) <= BF16_TOL
+
+
+def test_high_precision_operands_are_quantised_by_the_op():
+    # bf16 operands with scales: the op quantises them (clip(v / scale)), as quantize() does.
+    x = jax.random.normal(jax.random.key(16), (32, 64), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(17), (64, 24), jnp.float32).astype(jnp.bfloat16)
+    xs, ws = jnp.float32(0.005), jnp.float32(0.02)  # x's scale small: its largest values clip at 448
+
+    y = run(lambda x, w: gemm_rs(x, w, axis_name="tp", x_scale=xs, w_scale=ws), (x, w),
+            (P(None, "tp"), P("tp", None)), P("tp", None))
+    ref = (f64(fp8.quantize(x, xs)) * 0.005) @ (f64(fp8.quantize(w, ws)) * 0.02)
+    assert y.dtype == jnp.bfloat16 and rel_err(y, ref) <= BF16_TOL
+    assert np.abs(f64(fp8.quantize(x, xs))).max() == 448.0
+
+
+def test_axis_of_size_one():
+    x8, xs = quantized(18, (8, 16))
+    w8, ws = quantized(19, (16, 8))
+    y = run(lambda x, w: gemm_rs(x, w, axis_name="tp", x_scale=xs, w_scale=ws), (x8, w8),
+            (P(None, "tp"), P("tp", None)), P("tp", None), world=1)
+    assert rel_err(y, (f64(x8) * float(xs)) @ (f64(w8) * float(ws))) <= BF16_TOL
+
+
+# --- gradients ----------------------------------------------------------------------------------------
+
+
+def _dequantized_e5m2(v, scale):
+    return f64(fp8.quantize(jnp.asarray(v), jnp.float32(scale), E5M2)) * float(scale)
+
+
+@pytest.mark.parametrize("sd", [0, -1])
+def test_gemm_rs_fp8_gradients_exact(sd):
+    # grad_scale given: dy in e5m2 with that scale; dx = all_gather(dy) @ w.T and dw = x.T @ all_gather(dy)
+    # on the dequantised FP8 values, checked in float64.
+    x = jax.random.normal(jax.random.key(20), (32, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(21), (64, 48), jnp.float32)
+    c = jax.random.normal(jax.random.key(22), (32, 48), jnp.float32).astype(jnp.bfloat16)
+    xs, ws, gs = fp8.current_scale(x), fp8.current_scale(w), jnp.float32(2.0 ** -14)
+    out = [None, None]
+    out[sd] = "tp"
+
+    def loss(x, w, c):
+        def body(x, w):
+            return gemm_rs(x, w, axis_name="tp", scatter_dimension=sd, x_scale=xs, w_scale=ws, grad_scale=gs)
+        y = jax.shard_map(body, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P(*out))(x, w)
+        return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32))
+
+    dx, dw = grads(loss, (x, w, c), (P(None, "tp"), P("tp", None), P()), (0, 1))
+    g = _dequantized_e5m2(c, gs)
+    xd = f64(fp8.quantize(x, xs)) * float(xs)
+    wd = f64(fp8.quantize(w, ws)) * float(ws)
+    assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32  # the operands' dtypes
+    assert rel_err(dx, g @ wd.T) <= BF16_TOL
+    assert rel_err(dw, xd.T @ g) <= 1e-5  # fp32 dot of FP8 values, no rounding to bf16
+
+
+@pytest.mark.parametrize("gd", [0, -1])
+def test_ag_gemm_fp8_gradients_exact(gd):
+    # Per-rank x_scale (each shard's own current scale): dw sums each source's block with its scale.
+    x = jax.random.normal(jax.random.key(23), (32, 64), jnp.float32)
+    x = x * jnp.repeat(jnp.asarray([1.0, 8.0, 0.1, 3.0]), 8 if gd == 0 else 16, axis=gd)[
+        (slice(None), None) if gd == 0 else (None, slice(None))]
+    w = jax.random.normal(jax.random.key(24), (64, 48), jnp.float32)
+    c = jax.random.normal(jax.random.key(25), (32, 48), jnp.float32).astype(jnp.bfloat16)
+    ws, gs = fp8.current_scale(w), jnp.float32(2.0 ** -14)
+    x_spec = P("tp", None) if gd == 0 else P(None, "tp")
+
+    def loss(x, w, c):
+        def body(x, w):
+            return ag_gemm(x, w, axis_name="tp", gather_dimension=gd, x_scale=fp8.current_scale(x), w_scale=ws,
+                           grad_scale=gs)
+        y = jax.shard_map(body, in_specs=(x_spec, P(None, "tp")), out_specs=P(None, "tp"))(x, w)
+        return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32))
+
+    dx, dw = grads(loss, (x, w, c), (x_spec, P(None, "tp"), P()), (0, 1))
+    blocks = np.split(f64(x), W, axis=gd)
+    xd = np.concatenate([f64(fp8.quantize(jnp.asarray(b), fp8.current_scale(jnp.asarray(b)))) *
+                         float(fp8.current_scale(jnp.asarray(b))) for b in blocks], axis=gd)
+    wd = f64(fp8.quantize(w, ws)) * float(ws)
+    g = _dequantized_e5m2(c, gs)
+    assert rel_err(dx, g @ wd.T) <= BF16_TOL
+    assert rel_err(dw, xd.T @ g) <= 1e-5
+
+
+@pytest.mark.parametrize("grad_dtype", [None, jnp.bfloat16])
+def test_gradients_near_the_high_precision_ones(grad_dtype):
+    # A sequence-parallel block ag_gemm -> gemm_rs in FP8, current scaling throughout: gradients within
+    # FP8's precision of float32 autodiff (e5m2 dy: 2 mantissa bits; bf16 dy: the e4m3 operands only).
+    x = jax.random.normal(jax.random.key(26), (32, 64), jnp.float32)
+    w1 = jax.random.normal(jax.random.key(27), (64, 96), jnp.float32) / 8
+    w2 = jax.random.normal(jax.random.key(28), (96, 64), jnp.float32) / 8
+
+    def block(x, w1, w2):
+        h = ag_gemm(x, w1, axis_name="tp", x_scale=fp8.current_scale(x), w_scale=fp8.current_scale(w1),
+                    grad_dtype=grad_dtype)
+        h = jnp.tanh(h.astype(jnp.float32))
+        return gemm_rs(h, w2, axis_name="tp", x_scale=fp8.current_scale(h), w_scale=fp8.current_scale(w2),
+                       grad_dtype=grad_dtype)
+
+    def loss(x, w1, w2):
+        y = jax.shard_map(block, in_specs=(P("tp", None), P(None, "tp"), P("tp", None)), out_specs=P("tp", None))(
+            x, w1, w2)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    def exact(x, w1, w2):
+        return jnp.sum(jnp.sin(jnp.tanh(x @ w1) @ w2))
+
+    got_grads = grads(loss, (x, w1, w2), (P("tp", None), P(None, "tp"), P("tp", None)), (0, 1, 2))
+    want = jax.grad(exact, argnums=(0, 1, 2))(np.asarray(x), np.asarray(w1), np.asarray(w2))
+    tol = 0.15 if grad_dtype is None else 0.08
+    for got, ref in zip(got_grads, want):
+        err = np.linalg.norm(f64(got) - f64(ref)) / np.linalg.norm(f64(ref))
+        assert got.dtype == jnp.float32 and err <= tol, err
+
+
+def test_fp8_operands_are_constants_to_differentiation():
+    # Quantised operands carry no gradient (zero cotangents in their own dtype), as in Flax's recipe.
+    x8, xs = quantized(29, (16, 32))
+    w8, ws = quantized(30, (32, 16))
+
+    def loss(x8, w8):
+        y = jax.shard_map(lambda x, w: gemm_rs(x, w, axis_name="tp", x_scale=xs, w_scale=ws),
+                          in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))(x8, w8)
+        return jnp.sum(y.astype(jnp.float32))
+
+    dx, dw = grads(loss, (x8, w8), (P(None, "tp"), P("tp", None)), (0, 1))
+    assert dx.dtype == E4M3 and dw.dtype == E4M3
+    assert not np.any(f64(dx)) and not np.any(f64(dw))
+
+
+# --- bad input ----------------------------------------------------------------------------------------
+
+
+def _trace(op, x, w, **kwargs):
+    mesh = make_mesh((W,), ("tp",))
+    f = jax.shard_map(lambda x, w: op(x, w, axis_name="tp", **kwargs), mesh=mesh, in_specs=(P(), P()),
+                      out_specs=P(), check_vma=False)
+    with jax.set_mesh(mesh):
+        jax.eval_shape(f, x, w)
+
+
+S = jnp.float32(1.0)
+X8, W8 = jnp.ones((8, 16), E4M3), jnp.ones((16, 8), E4M3)
+
+
+@pytest.mark.parametrize("op", [gemm_rs, ag_gemm])
+@pytest.mark.parametrize("x,w,kwargs,match", [
+    (X8, W8, dict(), r"an FP8 call .* needs both x_scale and w_scale, got x_scale=None and w_scale=None"),
+    (X8, W8, dict(x_scale=S), r"an FP8 call .* needs both x_scale and w_scale, got x_scale=an array and w_scale=None"),
+    (X8.astype(jnp.bfloat16), W8.astype(jnp.bfloat16), dict(out_dtype=jnp.bfloat16), r"an FP8 call .* needs both x_scale"),
+    (X8, W8, dict(x_scale=jnp.float16(1), w_scale=S), r"x_scale must be a float32 scalar array .*got float16\[\]"),
+    (X8, W8, dict(x_scale=S, w_scale=jnp.ones((2,))), r"w_scale must be a float32 scalar array .*got float32\[2\]"),
+    (X8, W8, dict(x_scale=1.0, w_scale=S), r"x_scale must be a float32 scalar array .*got float"),
+    (X8.astype(E5M2), W8, dict(x_scale=S, w_scale=S), r"x is float8_e5m2, the FP8 forward takes float8_e4m3fn"),
+    (X8, W8.astype(E5M2), dict(x_scale=S, w_scale=S), r"w is float8_e5m2"),
+    (X8, W8.astype(jnp.bfloat16), dict(x_scale=S, w_scale=S),
+     r"mixed FP8 and high-precision operands \(x float8_e4m3fn, w bfloat16\)"),
+    (X8.astype(jnp.int8), W8, dict(x_scale=S, w_scale=S), r"x.dtype must be float8_e4m3fn .* got int8"),
+    (X8, W8, dict(x_scale=S, w_scale=S, out_dtype=jnp.float32), r"out_dtype must be bfloat16 or float16, got float32"),
+    (X8, W8, dict(x_scale=S, w_scale=S, grad_dtype=jnp.float8_e4m3fn), r"grad_dtype must be float8_e5m2 .*got float8_e4m3fn"),
+    (X8, W8, dict(x_scale=S, w_scale=S, grad_dtype=jnp.bfloat16, grad_scale=S),
+     r"grad_scale scales float8_e5m2 gradients; grad_dtype is bfloat16"),
+])
+def test_bad_fp8_input(op, x, w, kwargs, match):
+    name = op.__name__
+    with pytest.raises(ValueError, match=f"{name}: " + match):
+        _trace(op, x, w, **kwargs)
+
+
+def test_group_shares_one_w_scale():
+    with pytest.raises(ValueError, match=r"ag_gemm: w_scale must be one float32 scalar; a group of weights shares"):
+        _trace(lambda x, w, **k: ag_gemm(x, (w, w), **k), X8, W8, x_scale=S, w_scale=(S, S))
+    with pytest.raises(ValueError, match=r"ag_gemm: the weights of a group must share one dtype"):
+        _trace(lambda x, w, **k: ag_gemm(x, (w, w.astype(jnp.bfloat16)), **k), X8, W8, x_scale=S, w_scale=S)
+
+
+def test_bf16_calls_are_unchanged_by_the_fp8_arguments():
+    # No FP8 operand and no FP8 argument: the bf16 op, its dtype rules included.
+    with pytest.raises(ValueError, match=r"gemm_rs: w.dtype must equal x.dtype \(bfloat16\), got float16"):
+        _trace(gemm_rs, jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 8), jnp.float16))
+
+
+# --- the fused call (the FFI contract), off-GPU -------------------------------------------------------
+
+
+def test_reason_without_fp8_kernels(monkeypatch):
+    # An extension without FP8 targets (or without the extension): the FP8 call takes the XLA path and
+    # says why.
+    class NoFp8:
+        GEMM_RS_FP8_TARGET, AG_GEMM_FP8_TARGET = "entwine_gemm_rs_fp8", "entwine_ag_gemm_fp8"
+
+        @staticmethod
+        def fp8_targets():
+            return []
+
+    monkeypatch.setattr(_extension, "module", lambda: (NoFp8, None))
+    assert "FP8 kernels not built" in rs_plan.fp8_reason()
+    assert "FP8 kernels not built" in ag_plan.fp8_reason()
+    with pytest.raises(_extension.NoExtension, match="FP8 kernels not built"):
+        rs_plan.gemm_rs_plan(256, 256, 64, 2, GemmRsConfig(), fp8=True)
+    NoFp8.fp8_targets = staticmethod(lambda: ["entwine_gemm_rs_fp8", "entwine_ag_gemm_fp8"])
+    NoFp8.gemm_rs_fp8_plan = NoFp8.ag_gemm_fp8_plan = object()
+    assert rs_plan.fp8_reason() is None and ag_plan.fp8_reason() is None
+    assert rs_plan.fp8_target() == "entwine_gemm_rs_fp8" and ag_plan.fp8_target() == "entwine_ag_gemm_fp8"
+
+
+def test_fp8_heuristics_take_128_wide_blocks():
+    # The FP8 kernels' plan takes block_n 128 only; bf16 keeps 256 where N allows it.
+    from entwine_jax import ag_heuristic_config, heuristic_config
+    assert heuristic_config(4096, 8192, 1024, 2, E4M3).block_n == 128
+    assert heuristic_config(4096, 8192, 1024, 2, jnp.bfloat16).block_n == 256
+    assert ag_heuristic_config(1024, 8192, 1024, 2, E4M3).block_n == 128
+    assert ag_heuristic_config(1024, 8192, 1024, 2, jnp.bfloat16).block_n == 256
+
+
+def test_fused_reasons_name_the_fp8_dtypes():
+    assert "float8_e4m3fn operands, got float8_e5m2" in callsite.kernel_dtype_reason(E5M2, E4M3, jnp.bfloat16)
+    assert "write bf16 or fp16" in callsite.kernel_dtype_reason(E4M3, E4M3, jnp.float32)
+    assert callsite.kernel_dtype_reason(E4M3, E4M3, jnp.float16) is None
+    assert "bf16 or fp16 operands" in callsite.kernel_dtype_reason(E4M3, E4M3)  # a bf16 call with FP8 operands
+
+
+def test_cpu_reason_for_an_fp8_call(caplog):
+    x8, xs = quantized(31, (32, 64))
+    w8, ws = quantized(32, (64, 32))
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        run(lambda x, w: gemm_rs(x, w, axis_name="tp", x_scale=xs, w_scale=ws), (x8, w8),
+            (P(None, "tp"), P("tp", None)), P("tp", None))
+    msgs = [r.getMessage() for r in caplog.records if "XLA reference path" in r.getMessage()]
+    assert len(msgs) == 1 and "out_dtype=bfloat16" in msgs[0]
+
+
+def _custom_calls(jaxpr):
+    return [e for e in jaxpr.eqns if e.primitive.name == "ffi_call"]
+
+
+def test_gemm_rs_fp8_call_as_the_ffi_contract_says():
+    # x [M, K] e4m3 padded, the weight transposed [N, K], two f32[1] scales; y in the output dtype.
+    plan = rs_plan.GemmRsPlan(world=2, m=200, k=40, n=96, scatter_cols=False, mp=100, mp_pad=128, k_pad=48,
+                              n_pad=128, tiles_per_partition=1, m_blocks=1, n_blocks=1, raster_rows=1, num_blocks=2,
+                              grid=2, k_tiles=1, split_first_block=2, split=False, slot_bytes=0)
+    site = rs_fused.GemmRsCall(plan=plan, comm_id=3, config=GemmRsConfig(), target="entwine_gemm_rs_fp8",
+                               out_dtype="float16")
+    x8, w8 = jnp.ones((200, 40), E4M3), jnp.ones((40, 96), E4M3)
+    jaxpr = jax.make_jaxpr(lambda x, w: rs_fused.call_fp8(x, w, S, S, site))(x8, w8)
+    eqn, = _custom_calls(jaxpr.jaxpr)
+    assert eqn.params["target_name"] == "entwine_gemm_rs_fp8"
+    assert [(v.aval.shape, v.aval.dtype) for v in eqn.invars] == [
+        ((256, 48), E4M3), ((128, 48), E4M3), ((1,), jnp.float32), ((1,), jnp.float32)]
+    assert [(a.shape, a.dtype) for a in eqn.params["result_avals"]] == [((128, 128), jnp.float16)]
+    assert jaxpr.out_avals[0].shape == (100, 96)
+
+
+@pytest.mark.parametrize("gather_k,return_gathered", [(False, True), (True, False)])
+def test_ag_gemm_fp8_call_as_the_ffi_contract_says(gather_k, return_gathered):
+    # x the shard [rows, cols] e4m3, w transposed [N, W * cols or cols], the scales; results y, the gathered
+    # FP8 shards (or empty) and the W sources' scales; attribute shared_scale.
+    p = ag_fused.AgPadding(world=2, rows=100, cols=40, n=96, rows_pad=128, cols_pad=48, n_pad=128, gather_k=gather_k)
+    site = ag_fused.AgGemmCall(padding=p, gemm_sms=131, push_sms=0, comm_id=1, config=AgGemmConfig(),
+                               target="entwine_ag_gemm_fp8", out_dtype="bfloat16")
+    k = 2 * 40 if gather_k else 40
+    x8, w8 = jnp.ones((100, 40), E4M3), jnp.ones((k, 96), E4M3)
+    jaxpr = jax.make_jaxpr(lambda x, w: ag_fused.call_fp8(x, w, S, S, site, return_gathered, True))(x8, w8)
+    eqn, = _custom_calls(jaxpr.jaxpr)
+    assert [(v.aval.shape, v.aval.dtype) for v in eqn.invars] == [
+        ((128, 48), E4M3), ((128, 2 * 48 if gather_k else 48), E4M3), ((1,), jnp.float32), ((1,), jnp.float32)]
+    y_rows = 128 if gather_k else 256
+    gathered = (2, 128, 48) if return_gathered else (0,)
+    assert [(a.shape, a.dtype) for a in eqn.params["result_avals"]] == [
+        ((y_rows, 128), jnp.bfloat16), (gathered, E4M3), ((2,), jnp.float32)]
+    assert dict(eqn.params["attributes"])["shared_scale"] is True
+    shapes = [a.shape for a in jaxpr.out_avals]
+    y = (100, 96) if gather_k else (200, 96)
+    assert shapes == ([y, (2, 100, 40), (2,)] if return_gathered else [y, (2,)])
