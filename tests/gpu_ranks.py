@@ -727,6 +727,17 @@ class Rank:
         g = np.concatenate([x.astype(np.float64) for x in xs], axis=1 if gather_k else 0)
         return g @ ws[self.rank].astype(np.float64), g
 
+    def replicated(self, a):
+        """The same value on every rank as one replicated array, from this rank's copy (a device_put
+        of a host value to a sharding over every process would check it with a collective: NCCL)."""
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        a = np.asarray(a)
+        return jax.make_array_from_single_device_arrays(a.shape, NamedSharding(self.mesh, P()),
+                                                        [jax.device_put(a, self.device)])
+
     def place(self, a, spec_dim, shape):
         import jax
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -1199,11 +1210,11 @@ class Rank:
         f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(x_spec, P(None, "tp"), s_spec, P()),
                                   out_specs=(P(None, "tp"), P("tp"))))
         x_shape = (rows, self.world * cols) if gather_k else (self.world * rows, cols)
-        scale_arg = (jax.device_put(x_scales[0], jax.sharding.NamedSharding(self.mesh, P())) if shared
+        scale_arg = (self.replicated(x_scales[0]) if shared
                      else self.place(x_scales[self.rank:self.rank + 1], 0, (self.world,)))
         args = (self.place(xs[self.rank], 1 if gather_k else 0, x_shape),
                 self.place(ws[self.rank], 1, (k, self.world * n)), scale_arg,
-                jax.device_put(w_scales[0], jax.sharding.NamedSharding(self.mesh, P())))
+                self.replicated(w_scales[0]))
         if not self.fused_calls(f, *args).get("ag_gemm"):
             raise AssertionError("FP8 ag_gemm did not lower to the fused call")
         with jax.set_mesh(self.mesh):
@@ -1478,7 +1489,7 @@ class Rank:
 
         sites = [site(i) for i in (10, 11)]
         with jax.set_mesh(self.mesh):
-            sized = entwine_jax.reserve(lambda: [f(gx, gw) for _, f, gx, gw, _ in sites])
+            sized = entwine_jax.reserve(lambda: [f.jitted(gx, gw) for _, f, gx, gw, _ in sites])
         (_, reserved_heap, _, _), = comm.heap_usage(self.mesh, "tp")
         for i, (m, f, gx, gw, ref) in zip((10, 11), sites):
             worst = max(worst, self.check(self.local(f(gx, gw)), ref, f"heapgrow site {i} (M={m}) after reserve"))
