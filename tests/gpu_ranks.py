@@ -1259,7 +1259,9 @@ class Rank:
               for _ in range(self.world)]
         cs = [rng.standard_normal((tl, d), np.float32).astype(half) for _ in range(self.world)]
         up = dataclasses.replace(entwine_jax.ag_heuristic_config(tl, f_local, d, self.world, half), path="fused")
-        down = dataclasses.replace(entwine_jax.heuristic_config(t, d, f_local, self.world, half), path="fused")
+        # FP8 operands take 128-wide blocks only (the plan's rule); the fp16 heuristic may pick 256.
+        down = dataclasses.replace(entwine_jax.heuristic_config(t, d, f_local, self.world, half), block_n=128,
+                                   path="fused")
 
         def loss(x, w1_, w2_, c):
             h = entwine_jax.ag_gemm(x, w1_, axis_name="tp", config=up, x_scale=fp8.current_scale(x),
