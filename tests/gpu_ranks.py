@@ -1278,8 +1278,11 @@ class Rank:
         args = (self.place(xs[self.rank], 0, (t, d)), self.place(w1[self.rank], 1, (d, self.world * f_local)),
                 self.place(w2[self.rank], 0, (self.world * f_local, d)), self.place(cs[self.rank], 0, (t, d)))
         calls = self.fused_calls(f, *args)
-        if calls.get("ag_gemm", 0) != 2 or calls.get("gemm_rs", 0) != 2:
-            raise AssertionError(f"FP8 MLP gradients: fused calls {calls}, expected 2 ag_gemm and 2 gemm_rs")
+        # The loss is linear in y, so its gradient never needs y: the forward gemm_rs is dead code under
+        # jax.grad. What runs: ag_gemm forward (FP8), gemm_rs's backward ag_gemm and ag_gemm's backward
+        # gemm_rs (fp16).
+        if calls.get("ag_gemm", 0) != 2 or calls.get("gemm_rs", 0) != 1:
+            raise AssertionError(f"FP8 MLP gradients: fused calls {calls}, expected 2 ag_gemm and 1 gemm_rs")
         with jax.set_mesh(self.mesh):
             dx, dw1, dw2 = (self.local(o) for o in f(*args))
         comm.check_errors()
