@@ -544,6 +544,42 @@ def test_gemm_rs_local_traces_one_padded_fused_call(monkeypatch):
         assert attr in call_line, (attr, call_line)
 
 
+def test_call_signature_names_op_shapes_config_and_the_users_line(monkeypatch):
+    """Two calls of one shape from two lines of the user's code get two signatures; the same line
+    traced again gets the same one; the description names the call site and the process can name it."""
+    needs_plan()
+    mesh = _mesh()
+    ext = FakeExt()
+    named = {}
+    ext.name_call = lambda signature, description: named.__setitem__(signature, description)
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
+    monkeypatch.setattr(comm, "_check_devices", lambda *a: None)
+    comm.call_signature.cache_clear()
+
+    def site_a(x, w):
+        return rs_fused.call_local(x, w, axis_name="tp", axis_size=4, config=CFG)
+
+    def site_b(x, w):
+        return rs_fused.call_local(x, w, axis_name="tp", axis_size=4, config=CFG)
+
+    x = _sds((512, 4 * 64), jnp.bfloat16, mesh, P(None, "tp"))
+    w = _sds((4 * 64, 256), jnp.bfloat16, mesh, P("tp", None))
+
+    def signature(body):
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None),
+                          check_vma=False)
+        with jax.set_mesh(mesh):
+            jaxpr = jax.make_jaxpr(f)(x, w)
+        call, = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "ffi_call"]
+        return int(dict(call.params["attributes"])["signature"])
+
+    a, b, a_again = signature(site_a), signature(site_b), signature(site_a)
+    assert a != b and a == a_again
+    assert set(named) == {a, b}
+    assert "gemm_rs bfloat16 x [512, 64] w [64, 256] scattering rows" in named[a]
+    assert "test_fused_cpu.py" in named[a] and "(site_a)" in named[a] and "(site_b)" in named[b]
+
+
 class _nullcontext:
     def __enter__(self):
         return self
