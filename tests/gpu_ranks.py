@@ -1797,14 +1797,22 @@ class Rank:
         if waited > 10 * MISSING_TIMEOUT_MS / 1000 + 20:
             raise AssertionError(f"{suite}: the failure took {waited:.1f} s")
         f, (gx, gw), _ = calls[sequence[-1]]
-        try:
-            jax.block_until_ready(f(gx, gw))
-        except Exception:
-            pass
-        else:
-            raise AssertionError(f"{suite}: a call after the failure was not refused")
+        self.expect_refused(lambda: f(gx, gw), None, f"{suite}: a call after the failure was not refused")
         _distributed.barrier(f"entwine_test/{suite}_done", range(self.world), self.rank, 120_000)
         return f"{suite}: failed after {waited:.1f} s with: {message[:200]}"
+
+    def expect_refused(self, call, op, failure):
+        """call() must raise (an XlaRuntimeError from the handler of a poisoned communicator), with `op`
+        in its message unless op is None; else AssertionError(failure)."""
+        import jax
+
+        try:
+            jax.block_until_ready(call())
+        except Exception as e:
+            if op is not None and op not in str(e):
+                raise
+        else:
+            raise AssertionError(failure)
 
     def absent_rank(self, suite, call, names_absent, op):
         """The last rank skips one call; every other rank must get the deadline error (naming the
@@ -1834,13 +1842,7 @@ class Rank:
                 raise AssertionError(f"the deadline took {waited:.1f} s")
             # The communicator is poisoned: the next call fails in the handler, before any launch.
             if op is not None:
-                try:
-                    jax.block_until_ready(call())
-                except Exception as e:  # XlaRuntimeError
-                    if op not in str(e):
-                        raise
-                else:
-                    raise AssertionError("a call after the deadline error did not fail")
+                self.expect_refused(call, op, "a call after the deadline error did not fail")
             detail = f"{suite}: deadline reported after {waited:.1f} s: {message[:120]}"
         # The absent rank keeps its heap mapped until the others are done with it.
         _distributed.barrier(f"entwine_test/{suite}_done", range(self.world), self.rank, 120_000)

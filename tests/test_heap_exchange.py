@@ -5,7 +5,6 @@ comes too late (the attempt is undone, the retry works) and the descriptors left
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -88,23 +87,6 @@ def test_many_chunks_cross_in_several_messages():
 # --- One process --------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Device:
-    id: int
-    process_index: int
-    local_hardware_id: int
-    platform: str = "gpu"
-    compute_capability: str = "9.0"
-
-
-class _Mesh:
-    def __init__(self, devices, names):
-        import numpy as np
-
-        self.devices = np.array(devices, dtype=object)
-        self.axis_names = names
-
-
 class _ChunkExt:
     """A fake extension whose heap chunks are memfd files holding their owner's name and offset."""
 
@@ -163,7 +145,9 @@ def _process_main(rank: int, port: int) -> None:
 
     ext = _ChunkExt(rank)
     _extension.registered = lambda: (ext, None)
-    mesh = _Mesh([_Device(0, 0, 0), _Device(1, 1, 0)], ("tp",))
+    from test_fused_cpu import FakeDevice, FakeMesh  # this file's directory leads sys.path: run as a script
+
+    mesh = FakeMesh([FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)], ("tp",))
     open_before = len(os.listdir("/proc/self/fd"))
     result = {}
     if rank == 0:

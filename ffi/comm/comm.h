@@ -68,8 +68,8 @@ constexpr size_t kChunkBytes = size_t(2) << 20;
 // fixes, so a sender waits instead until the receiver has started the call (ready[sender]).
 struct HeapLayout {
   size_t region_bytes = 0;  // addresses per growing region: the heap cap rounded up to chunks
-  static constexpr size_t kReadyBytes = 256;  // kMaxWorld u64, one per sender, then the abort word, padded
   size_t flags_offset() const { return 0; }
+  // One chunk: kMaxWorld ready words (one per sender), then the abort word.
   size_t ready_offset() const { return 2 * region_bytes; }
   size_t abort_offset() const { return ready_offset() + kMaxWorld * sizeof(uint64_t); }
   size_t slot_offset() const { return ready_offset() + kChunkBytes; }
@@ -126,8 +126,8 @@ struct DeviceComm {
   cudaStream_t transfer[kMaxWorld] = {};  // highest priority: the release kernels go first
   int sm_count = 0;
   cudaEvent_t transfer_done[kMaxWorld] = {};
-  // The call's epoch: a device word, 1 before the first call, advanced by a one-thread kernel on
-  // XLA's stream after each call (launch_advance_epoch). Never reset, so flags of any earlier call
+  // The call's epoch: a device word, 1 before the first call, advanced by the call's last kernel on
+  // XLA's stream (launch_end_call). Never reset, so flags of any earlier call
   // are below it, in every chunk however old.
   uint64_t* epoch = nullptr;
   // Host cost of the handlers on this entry: executions and their summed wall time (handler_util.h).
