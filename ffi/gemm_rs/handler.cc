@@ -102,8 +102,9 @@ ffi::Error check_plan(GemmRsPlan const& plan, GemmRsProblem const& problem, Gemm
 // A's producer of call e+2 writes V[e % 2] again, and cannot start before every B finished reading it:
 //   A's producer(e+2) runs on A's XLA stream after it waited for A's consumer(e+1);
 //   A's consumer(e+1) finished, so it saw a flag of call e+1 from every B (every tile of A's
-//   partition has a contribution from every rank, and the consumer only exits early on a deadline,
-//   which poisons the communicator: later calls are rejected below);
+//   partition has a contribution from every rank, and the consumer only exits early on a failed
+//   wait (deadline, mismatch or a peer's abort), which poisons the communicator: later calls are
+//   rejected below);
 //   B published in call e+1, so B's producer(e+1) had started, which was after B's XLA stream
 //   waited for B's consumer(e): B's reads of V[e % 2] on every rank had completed.
 // Call e+1 (the other slot) may overlap a slow peer's call e freely. The same chain orders the two
