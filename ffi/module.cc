@@ -172,11 +172,14 @@ NB_MODULE(_entwine, m) {
         "[(device, epoch word)] of the comm's local devices (synchronous copies; tests and diagnostics).");
 
   m.def("handler_cost", [](int64_t comm_id) {
-    std::vector<std::tuple<int, uint64_t, double>> out;
-    for (const comm::HandlerCost& c : comm::handler_cost(comm_id)) out.emplace_back(c.device, c.calls, c.mean_us);
+    std::vector<std::tuple<int, uint64_t, double, std::vector<double>>> out;
+    for (const comm::HandlerCost& c : comm::handler_cost(comm_id)) {
+      out.emplace_back(c.device, c.calls, c.mean_us, std::vector<double>(c.phase_us, c.phase_us + comm::kHostPhases));
+    }
     return out;
   }, nb::arg("comm_id"),
-     "[(device, handler executions, mean host microseconds per execution)] of the comm's handlers.");
+     "[(device, handler executions, mean host microseconds per execution, [mean microseconds per phase: checks, "
+     "fork, launch, join, end])] of the comm's handlers.");
 
   m.def("shutdown", &comm::shutdown, NoGil(),
         "Free every communicator (unmapping every heap).");

@@ -205,7 +205,9 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   AgPlan const& plan = derived->plan;
   int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
 
+  timer.lap(comm::kPhaseChecks);
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
+  timer.lap(comm::kPhaseFork);
   // The GEMM first, on XLA's stream (no fork to join): its local shard needs nothing from a peer, so
   // it starts while the host still enqueues the pushes.
   ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
@@ -297,15 +299,18 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   }
   // The GEMM window, for ENTWINE_PROFILE=1 (comm::last_call_ms).
   if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
+  timer.lap(comm::kPhaseLaunch);
   for (int d = 1; d <= transfer_streams; ++d) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->transfer_done[d], 0));
   }
+  timer.lap(comm::kPhaseJoin);
   // The next call's epoch, once this whole call is done (outputs poisoned if the call failed anywhere).
   ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(
                                   handler::call_end(*dc, epoch_args, y->untyped_data(), int64_t(y->size_bytes()),
                                                     gathered->untyped_data(), int64_t(gathered->size_bytes()),
                                                     scales_out, scales_out_bytes),
                                   xla_stream));
+  timer.lap(comm::kPhaseEnd);
   return ffi::Error::Success();
 }
 

@@ -598,7 +598,9 @@ std::vector<HandlerCost> handler_cost(int64_t comm_id) {
   std::vector<HandlerCost> costs;
   for (auto& [device, dc] : get(comm_id).by_device) {
     uint64_t const calls = dc->handler_calls.load();
-    costs.push_back({device, calls, calls ? dc->handler_ns.load() / 1e3 / double(calls) : 0.0});
+    HandlerCost cost{device, calls, calls ? dc->handler_ns.load() / 1e3 / double(calls) : 0.0, {}};
+    for (int p = 0; p < kHostPhases; ++p) cost.phase_us[p] = calls ? dc->phase_ns[p].load() / 1e3 / double(calls) : 0.0;
+    costs.push_back(cost);
   }
   return costs;
 }

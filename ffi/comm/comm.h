@@ -19,6 +19,11 @@ namespace entwine::comm {
 
 struct DeviceComm;
 
+// Where a handler's host time goes, in the order a call passes through (HostTimer::lap): its
+// checks and plan, the fork of its side streams, the launches of its kernels and copies, the join
+// back to XLA's stream, the call's last kernel.
+enum HostPhase { kPhaseChecks, kPhaseFork, kPhaseLaunch, kPhaseJoin, kPhaseEnd, kHostPhases };
+
 // --- Ops: what each op needs from every communicator entry, registered once per op before the
 // first create() (module.cc, one line per op). ------------------------------------------------
 constexpr int kMaxOps = 8;
@@ -130,8 +135,10 @@ struct DeviceComm {
   // XLA's stream (launch_end_call). Never reset, so flags of any earlier call
   // are below it, in every chunk however old.
   uint64_t* epoch = nullptr;
-  // Host cost of the handlers on this entry: executions and their summed wall time (handler_util.h).
+  // Host cost of the handlers on this entry: executions, their summed wall time, and that time by
+  // phase (handler_util.h, HostTimer).
   std::atomic<uint64_t> handler_calls{0}, handler_ns{0};
+  std::atomic<uint64_t> phase_ns[kHostPhases] = {};
   DeviceError* error_host = nullptr;    // host-mapped pinned: read without synchronising
   DeviceError* error_device = nullptr;  // the same record, as the consumer kernel writes it
   DeviceError* error_local = nullptr;   // device memory: polled and claimed by the consumers
@@ -240,6 +247,7 @@ struct HandlerCost {
   int device;
   uint64_t calls;
   double mean_us;
+  double phase_us[kHostPhases];  // the mean by HostPhase
 };
 std::vector<HandlerCost> handler_cost(int64_t comm_id);
 

@@ -153,12 +153,19 @@ inline comm::CallEnd call_end(const comm::DeviceComm& dc, const CallEpoch& call,
   return end;
 }
 
-// Adds the handler's wall time, from its construction to the return, to the entry's host cost.
+// Adds the handler's wall time, from its construction to the return, to the entry's host cost, and
+// each stretch between laps to its phase (comm::HostPhase): where a handler's time goes.
 struct HostTimer {
+  using Clock = std::chrono::steady_clock;
   comm::DeviceComm* dc;
-  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  Clock::time_point start = Clock::now(), last = start;
+  void lap(comm::HostPhase phase) {
+    Clock::time_point const now = Clock::now();
+    dc->phase_ns[phase] += uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count());
+    last = now;
+  }
   ~HostTimer() {
-    auto const ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+    auto const ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start);
     dc->handler_ns += uint64_t(ns.count());
     ++dc->handler_calls;
   }

@@ -210,20 +210,25 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
                                        std::to_string(derived->plan.shape.part_cols()) + "], got " + dims_string(yd));
   }
 
+  timer.lap(comm::kPhaseChecks);
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
+  timer.lap(comm::kPhaseFork);
   // Consumer first: its small high-priority grid must be resident before the GEMM fills the SMs. The
   // GEMM runs on XLA's stream itself (no fork to join).
   ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, dc->consumer));
   ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
+  timer.lap(comm::kPhaseLaunch);
   // The GEMM window, for ENTWINE_PROFILE=1 (comm::last_call_ms).
   if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
+  timer.lap(comm::kPhaseJoin);
   // The next call's epoch, once this whole call is done (y poisoned if the call failed anywhere).
   ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(handler::call_end(*dc, epoch_args, y->untyped_data(),
                                                                        int64_t(y->size_bytes())),
                                                     xla_stream));
+  timer.lap(comm::kPhaseEnd);
   return ffi::Error::Success();
 }
 

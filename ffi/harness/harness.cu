@@ -19,6 +19,7 @@
 //                                     the dequantised inputs: W in {1,2,4,8}, bf16/fp16 outputs,
 //                                     per-shard and shared scales, both pushes, split tail, graphs,
 //                                     a failed call's three outputs poisoned
+//   entwine_harness api               the host cost of each CUDA call a handler makes
 //   entwine_harness fp8 bench         the FP8 producer and ag_gemm's FP8 GEMM vs cuBLASLt's FP8 GEMM
 //                                     on the design suite; an FP8 shard's push time vs a bf16 one
 #include <cuda_bf16.h>
@@ -759,9 +760,9 @@ struct CublasLt {
     check(pref_set(pref, 1 /* CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES */, &max_workspace, sizeof max_workspace));
     HeuristicResult results[16];
     int count = 0;
-    check(heuristic(handle, desc, a, b, d, d, pref, 16, results, &count));
+    check(heuristic(handle, desc, a, b, d, d, pref, 16, results, &count), "cublasLtMatmulAlgoGetHeuristic");
     check(pref_destroy(pref));
-    if (count == 0) check(-1);
+    if (count == 0) check(-1, "no algorithm");
     // The descriptors live as long as the launchers that use them.
     Destroy const destroy_desc = desc_destroy, destroy_layout = layout_destroy;
     std::shared_ptr<void> const descriptors(desc, [=](void* p) {
@@ -779,15 +780,16 @@ struct CublasLt {
       if (results[i].state != 0) continue;
       Algo const algo = results[i].algo;
       launchers.push_back([=]() {
-        check(run(lt, descriptors.get(), &alpha, w, a, x, b, &beta, y, d, y, d, &algo, ws, kWorkspaceBytes, stream));
+        check(run(lt, descriptors.get(), &alpha, w, a, x, b, &beta, y, d, y, d, &algo, ws, kWorkspaceBytes, stream),
+              "cublasLtMatmul");
       });
     }
     return launchers;
   }
 
-  static void check(int status) {
+  static void check(int status, const char* what = "") {
     if (status != 0) {
-      std::fprintf(stderr, "cuBLASLt call failed: status %d\n", status);
+      std::fprintf(stderr, "cuBLASLt call failed: %s: status %d (CUBLASLT_LOG_LEVEL=5 says why)\n", what, status);
       std::exit(2);
     }
   }
@@ -1958,10 +1960,78 @@ int fp8_bench_main() {
   return 0;
 }
 
+// The host cost of each CUDA runtime call a handler makes, on this machine: the floor under a
+// handler's time (comm::HostPhase). Each call is timed alone after the stream drained (as a call
+// at a time sees it: `idle`) and back to back (`busy`, 64 in a row, the GPU still working off the
+// queue), median of 200 samples, microseconds.
+struct ApiParams {
+  unsigned char bytes[1024];  // about a prepared GEMM's parameters
+};
+__global__ void api_empty() {}
+__global__ void api_big(ApiParams const p) {
+  if (p.bytes[threadIdx.x] == 255 && threadIdx.x == 1000) asm volatile("trap;");
+}
+
+int api_main() {
+  cudaStream_t a, b;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+  CHECK_CUDA(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+  cudaEvent_t e;
+  CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  void *src, *dst;
+  CHECK_CUDA(cudaMalloc(&src, 1 << 20));
+  CHECK_CUDA(cudaMalloc(&dst, 1 << 20));
+  ApiParams params{};
+  using Clock = std::chrono::steady_clock;
+  struct Op {
+    const char* name;
+    std::function<void()> run;
+  };
+  std::vector<Op> const ops{
+      {"launch, empty kernel", [&] { api_empty<<<1, 32, 0, a>>>(); }},
+      {"launch, 1 KB parameters", [&] { api_big<<<1, 32, 0, a>>>(params); }},
+      {"launch, 132 CTAs 1 KB", [&] { api_big<<<132, 384, 0, a>>>(params); }},
+      {"cudaEventRecord", [&] { CHECK_CUDA(cudaEventRecord(e, a)); }},
+      {"cudaStreamWaitEvent", [&] { CHECK_CUDA(cudaStreamWaitEvent(b, e, 0)); }},
+      {"cudaMemcpyAsync 64 KB", [&] { CHECK_CUDA(cudaMemcpyAsync(dst, src, 1 << 16, cudaMemcpyDeviceToDevice, a)); }},
+      {"cudaStreamIsCapturing", [&] {
+         cudaStreamCaptureStatus st;
+         CHECK_CUDA(cudaStreamIsCapturing(a, &st));
+       }},
+      {"cudaGetDevice", [&] {
+         int d;
+         CHECK_CUDA(cudaGetDevice(&d));
+       }},
+  };
+  std::printf("# host microseconds per call (median of 200): idle = after the streams drained; busy = 64 in a row\n");
+  std::printf("%-26s %8s %8s\n", "call", "idle_us", "busy_us");
+  for (Op const& op : ops) {
+    std::vector<double> idle, busy;
+    for (int i = 0; i < 200; ++i) {
+      CHECK_CUDA(cudaDeviceSynchronize());
+      auto t0 = Clock::now();
+      op.run();
+      idle.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    for (int i = 0; i < 200; ++i) {
+      if (i % 64 == 0) CHECK_CUDA(cudaDeviceSynchronize());
+      auto t0 = Clock::now();
+      op.run();
+      busy.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    std::nth_element(idle.begin(), idle.begin() + 100, idle.end());
+    std::nth_element(busy.begin(), busy.begin() + 100, busy.end());
+    std::printf("%-26s %8.2f %8.2f\n", op.name, idle[100], busy[100]);
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string const mode = argc > 1 ? argv[1] : "test";
   if (mode == "test") return test_main();
+  if (mode == "api") return api_main();
   if (mode == "sanitize") return sanitize_main(argc > 2 && std::string(argv[2]) == "sequential");
   if (mode == "ag" && argc > 2 && std::string(argv[2]) == "test") return ag_test_main();
   if (mode == "ag" && argc > 2 && std::string(argv[2]) == "bench") return ag_bench_main();
@@ -1983,7 +2053,7 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
-               "       entwine_harness ag test | ag sanitize | ag bench | ag push\n"
+               "       entwine_harness ag test | ag sanitize | ag bench | ag push | fp8 test | fp8 bench | api\n"
                "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n"
                "       entwine_harness energy M N K [seconds] [names] | energy suite [seconds] [shapes]\n");
   return 2;

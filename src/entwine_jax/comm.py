@@ -654,7 +654,18 @@ def handler_cost(mesh, axis_name) -> list[tuple[int, int, float]]:
     descriptors, launches). Under XLA command buffers a replayed call runs no handler, so
     executions can be fewer than calls."""
     ext, cid = _queried_comm("handler_cost", mesh, axis_name)
-    return [tuple(t) for t in ext.handler_cost(cid)]
+    return [tuple(t[:3]) for t in ext.handler_cost(cid)]
+
+
+HOST_PHASES = ("checks", "fork", "launch", "join", "end")
+
+
+def handler_phases(mesh, axis_name) -> list[tuple[int, int, dict[str, float]]]:
+    """[(local device, handler executions, {phase: mean host microseconds per execution})]: where
+    handler_cost's time goes. Phases, in a call's order: its checks and plan, the fork of its side
+    streams, the launches of its kernels and copies, the join back to XLA's stream, its last kernel."""
+    ext, cid = _queried_comm("handler_phases", mesh, axis_name)
+    return [(t[0], t[1], dict(zip(HOST_PHASES, t[3]))) for t in ext.handler_cost(cid)]
 
 
 # --- Availability: predicates that only answer --------------------------------------------------
