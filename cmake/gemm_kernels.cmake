@@ -3,7 +3,8 @@
 # each op's rows become its generated dispatch, <op>::prepare_gemm, launch_gemm and prepare_gemms (declared
 # in ffi/<op>/<op>.h; the schedule is entwine::<op>::GemmSchedule in ffi/<op>/gemm_schedule.cuh).
 # Adding a variant is adding a row; input and output are DTypes of ffi/comm/protocol.h, lower-case.
-# FP8 (e4m3) inputs run 128-wide blocks only (ffi/gemm/gemm.h, kFp8BlockN).
+# FP8 inputs (e4m3: both operands e4m3; e5m2: x e5m2, w_t e4m3) run 128-wide blocks only
+# (ffi/gemm/gemm.h, kFp8BlockN).
 set(ENTWINE_GEMM_TABLE
   "gemm_rs bf16 bf16 128"
   "gemm_rs bf16 bf16 256"
@@ -11,12 +12,16 @@ set(ENTWINE_GEMM_TABLE
   "gemm_rs fp16 fp16 256"
   "gemm_rs e4m3 bf16 128"
   "gemm_rs e4m3 fp16 128"
+  "gemm_rs e5m2 bf16 128"
+  "gemm_rs e5m2 fp16 128"
   "ag_gemm bf16 bf16 128"
   "ag_gemm bf16 bf16 256"
   "ag_gemm fp16 fp16 128"
   "ag_gemm fp16 fp16 256"
   "ag_gemm e4m3 bf16 128"
-  "ag_gemm e4m3 fp16 128")
+  "ag_gemm e4m3 fp16 128"
+  "ag_gemm e5m2 bf16 128"
+  "ag_gemm e5m2 fp16 128")
 
 # Sets ENTWINE_GEMM_SOURCES to the generated files (instances and dispatches).
 function(entwine_generate_gemm_kernels out_dir)

@@ -9,6 +9,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include "comm/protocol.h"
+
 namespace entwine {
 
 // An FFI target: what registrations() hands to jax.ffi.register_ffi_target; fp8_targets() lists
@@ -19,6 +21,13 @@ struct FfiTarget {
   bool fp8;
 };
 using FfiTargets = std::vector<FfiTarget>;
+
+// The kernels' type of an FP8 call's x, from its numpy dtype name (the FP8 plans' x_dtype).
+inline DType fp8_input_dtype(std::string const& name) {
+  if (name == "float8_e4m3fn") return DType::kE4M3;
+  if (name == "float8_e5m2") return DType::kE5M2;
+  throw nanobind::value_error(("x_dtype must be float8_e4m3fn or float8_e5m2, got " + name).c_str());
+}
 
 // The violated rule of a plan, or None.
 inline nanobind::object rule_or_none(const char* rule) {

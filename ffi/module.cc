@@ -64,7 +64,8 @@ NB_MODULE(_entwine, m) {
       if (t.fp8) names.push_back(t.name);
     }
     return names;
-  }, "Names of the registered FFI targets whose operands are FP8 (float8_e4m3fn with f32 scales).");
+  }, "Names of the registered FFI targets whose operands are FP8 (x float8_e4m3fn or float8_e5m2, w_t "
+     "float8_e4m3fn, f32 scales).");
 
   m.def("can_access_peer", [](int device, int peer) {
     int ok = 0;

@@ -4,6 +4,7 @@
 # the bad inputs, and the FP8 fused call as the FFI contract has it (traced, and its reasons without the
 # FP8 kernels).
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,13 +12,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from entwine_jax import AgGemmConfig, _extension, ag_gemm, callsite, fp8, gemm_rs
+from entwine_jax import AgGemmConfig, _extension, ag_gemm, callsite, comm, fp8, gemm_rs
 from entwine_jax.ag_gemm import fused as ag_fused
 from entwine_jax.ag_gemm import plan as ag_plan
 from entwine_jax.gemm_rs import fused as rs_fused
 from entwine_jax.gemm_rs import plan as rs_plan
 from entwine_jax.gemm_rs.config import GemmRsConfig
 
+from test_fused_cpu import FakeExt
 from test_gemm_rs import make_mesh, rel_err
 
 W = 4
@@ -308,6 +310,7 @@ X8, W8 = jnp.ones((8, 16), E4M3), jnp.ones((16, 8), E4M3)
     (X8, W8, dict(x_scale=1.0, w_scale=S), r"x_scale must be a float32 scalar array .*got float"),
     (X8.astype(E5M2), W8, dict(x_scale=S, w_scale=S), r"x is float8_e5m2, the FP8 forward takes float8_e4m3fn"),
     (X8, W8.astype(E5M2), dict(x_scale=S, w_scale=S), r"w is float8_e5m2"),
+    (X8.astype(E5M2), W8.astype(E5M2), dict(x_scale=S, w_scale=S), r"x is float8_e5m2, the FP8 forward takes"),
     (X8, W8.astype(jnp.bfloat16), dict(x_scale=S, w_scale=S),
      r"mixed FP8 and high-precision operands \(x float8_e4m3fn, w bfloat16\)"),
     (X8.astype(jnp.int8), W8, dict(x_scale=S, w_scale=S), r"x.dtype must be float8_e4m3fn .* got int8"),
@@ -369,8 +372,14 @@ def test_fp8_heuristics_take_128_wide_blocks():
 
 
 def test_fused_reasons_name_the_fp8_dtypes():
-    assert "float8_e4m3fn operands, got float8_e5m2" in callsite.kernel_dtype_reason(E5M2, E4M3, jnp.bfloat16)
+    # x in e4m3 (the forward) or e5m2 (the backward's gradient), the weight in e4m3 only.
+    assert callsite.kernel_dtype_reason(E5M2, E4M3, jnp.bfloat16) is None
+    for x, w in ((E5M2, E5M2), (E4M3, E5M2), (jnp.int8, E4M3)):
+        reason = callsite.kernel_dtype_reason(x, w, jnp.bfloat16)
+        assert reason == (f"the FP8 kernels take x in float8_e4m3fn or float8_e5m2 and w in float8_e4m3fn, got "
+                          f"{jnp.dtype(x).name} and {jnp.dtype(w).name}")
     assert "write bf16 or fp16" in callsite.kernel_dtype_reason(E4M3, E4M3, jnp.float32)
+    assert "write bf16 or fp16" in callsite.kernel_dtype_reason(E5M2, E4M3, jnp.float32)
     assert callsite.kernel_dtype_reason(E4M3, E4M3, jnp.float16) is None
     assert "bf16 or fp16 operands" in callsite.kernel_dtype_reason(E4M3, E4M3)  # a bf16 call with FP8 operands
 
@@ -427,3 +436,112 @@ def test_ag_gemm_fp8_call_as_the_ffi_contract_says(gather_k, return_gathered):
     shapes = [a.shape for a in jaxpr.out_avals]
     y = (100, 96) if gather_k else (200, 96)
     assert shapes == ([y, (2, 100, 40), (2,)] if return_gathered else [y, (2,)])
+
+
+# --- the fused FP8 program, lowered for CUDA off-GPU --------------------------------------------------
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The fused path as on CUDA GPUs, as far as lowering: the fake CPU devices pass for GPUs, the
+    communicators are a fake extension's (test_fused_cpu.FakeExt), the plans the built extension's."""
+    for reason in (rs_plan.fp8_reason(), ag_plan.fp8_reason()):
+        if reason is not None:
+            pytest.skip(f"the FP8 plans need the extension with its FP8 kernels: {reason}")
+    ext = FakeExt()
+    for name, value in (("_comms", {}), ("_setup_meshes", {}), ("_reason_cache", {}), ("_failed", {}),
+                        ("_atexit_registered", True)):
+        monkeypatch.setattr(comm, name, value)
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
+    monkeypatch.setattr(comm, "_check_devices", lambda *a: None)
+    monkeypatch.setattr(comm, "platform_reason", lambda axis_name: (None, comm.find_mesh(axis_name), ext))
+
+
+def _fp8_calls(text):
+    """(target, x's element type) of every FP8 custom call in a lowered module's text."""
+    calls = []
+    for line in text.splitlines():
+        if (m := re.search(r"custom_call @(entwine_\w+_fp8)\(.* : \(tensor<[\dx]*x(\w+)>", line)):
+            calls.append(m.groups())
+    return calls
+
+
+def _lowered_block_grads(grad_dtype):
+    """The lowered text (for CUDA) of the gradients of an ag_gemm -> gemm_rs block in FP8 on the fused
+    path (path "fused": the crossover would send these small shapes to XLA). Both backward calls have N
+    a multiple of 256, where a bf16 call's heuristic takes 256-wide blocks and FP8 takes 128 only."""
+    mesh = make_mesh((W,), ("tp",))
+
+    def block(x, w1, w2):
+        h = ag_gemm(x, w1, axis_name="tp", x_scale=fp8.current_scale(x), w_scale=S, grad_dtype=grad_dtype,
+                    config=AgGemmConfig(path="fused", block_n=128))
+        h = jnp.tanh(h.astype(jnp.float32))
+        return gemm_rs(h, w2, axis_name="tp", x_scale=fp8.current_scale(h), w_scale=S, grad_dtype=grad_dtype,
+                       config=GemmRsConfig(path="fused"))
+
+    specs = (P("tp", None), P(None, "tp"), P("tp", None))
+
+    def loss(x, w1, w2):
+        y = jax.shard_map(block, in_specs=specs, out_specs=P("tp", None))(x, w1, w2)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.sharding.NamedSharding(mesh, spec))
+            for shape, spec in zip(((256, 256), (256, 1024), (1024, 256)), specs)]
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_fp8_backward_lowers_to_the_fused_fp8_calls(fused_on_cpu, caplog):
+    # The default grad_dtype (e5m2, the hybrid recipe): the forward's two e4m3 calls and the backward's
+    # two e5m2 x e4m3 calls, gemm_rs's dx an ag_gemm and ag_gemm's dx a gemm_rs; no call on the XLA path.
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        text = _lowered_block_grads(grad_dtype=None)
+    assert sorted(_fp8_calls(text)) == [("entwine_ag_gemm_fp8", "f8E4M3FN"), ("entwine_ag_gemm_fp8", "f8E5M2"),
+                                        ("entwine_gemm_rs_fp8", "f8E4M3FN"), ("entwine_gemm_rs_fp8", "f8E5M2")]
+    assert not [r.getMessage() for r in caplog.records if "XLA reference path" in r.getMessage()]
+    # The backward ag_gemm returns its gathered e5m2 dy (for dw): [W, rows, cols] of x's type.
+    gathered = re.findall(r"custom_call @entwine_ag_gemm_fp8\(.*-> \(tensor<[^>]*>, tensor<([\dx]*)x(\w+)>", text)
+    assert sorted(gathered) == [("4x128x256", "f8E4M3FN"), ("4x128x256", "f8E5M2")]
+
+
+def test_bf16_backward_lowers_to_the_bf16_fused_calls(fused_on_cpu):
+    # grad_dtype bfloat16: the FP8 forward, the backward on the bf16 kernels.
+    text = _lowered_block_grads(grad_dtype=jnp.bfloat16)
+    assert sorted(_fp8_calls(text)) == [("entwine_ag_gemm_fp8", "f8E4M3FN"), ("entwine_gemm_rs_fp8", "f8E4M3FN")]
+    assert len(re.findall(r"custom_call @entwine_(gemm_rs|ag_gemm)\(", text)) == 2
+
+
+def test_e5m2_times_e5m2_is_refused_by_the_fused_path(fused_on_cpu):
+    # The kernels take an e5m2 x with an e4m3 weight only: an e5m2 weight is the XLA path, with the reason.
+    mesh = make_mesh((W,), ("tp",))
+    x, w = jax.ShapeDtypeStruct((256, 64), E5M2), jax.ShapeDtypeStruct((64, 128), E5M2)
+    with jax.set_mesh(mesh):
+        rs = rs_fused.unavailable_reason(x, w, axis_name="tp", axis_size=W, scatter_dimension=0,
+                                         config=GemmRsConfig(path="fused"), out_dtype="bfloat16")
+        ag = ag_fused.unavailable_reason(x, w, axis_name="tp", axis_size=W, gather_k=False,
+                                         config=AgGemmConfig(path="fused"), out_dtype="bfloat16")
+        e4m3_w = jax.ShapeDtypeStruct((64, 128), E4M3)
+        assert rs_fused.unavailable_reason(x, e4m3_w, axis_name="tp", axis_size=W, scatter_dimension=0,
+                                           config=GemmRsConfig(path="fused"), out_dtype="bfloat16") is None
+    want = ("the FP8 kernels take x in float8_e4m3fn or float8_e5m2 and w in float8_e4m3fn, got float8_e5m2 and "
+            "float8_e5m2")
+    assert rs == want and ag == want
+
+
+def test_fp8_plans_take_x_dtype():
+    # The FP8 plans of an e5m2 x are the e4m3 ones (one byte each); another x dtype is a ValueError.
+    for reason in (rs_plan.fp8_reason(), ag_plan.fp8_reason()):
+        if reason is not None:
+            pytest.skip(f"the FP8 plans need the extension with its FP8 kernels: {reason}")
+    config = GemmRsConfig()
+    e4m3 = rs_plan.gemm_rs_plan(256, 256, 200, 2, config, fp8=True)
+    e5m2 = rs_plan.gemm_rs_plan(256, 256, 200, 2, config, fp8=True, x_dtype="float8_e5m2")
+    assert e5m2 == e4m3 and e5m2.k_pad == 208
+    ag_e4m3 = ag_plan.ag_plan(128, 200, 256, 2, False, AgGemmConfig(block_n=128), 100, fp8=True)
+    ag_e5m2 = ag_plan.ag_plan(128, 200, 256, 2, False, AgGemmConfig(block_n=128), 100, fp8=True, x_dtype="float8_e5m2")
+    assert ag_e5m2 == ag_e4m3 and ag_e5m2.cols_pad == 208
+    ext = _extension.ext()
+    with pytest.raises(ValueError, match="x_dtype must be float8_e4m3fn or float8_e5m2, got bfloat16"):
+        ext.gemm_rs_fp8_plan(256, 256, 200, 2, False, 128, 0, 16, 512, 8, False, x_dtype="bfloat16")
+    with pytest.raises(ValueError, match="x_dtype must be float8_e4m3fn or float8_e5m2, got float8_e4m3fnuz"):
+        ext.ag_gemm_fp8_plan(128, 200, 256, 2, False, 128, 100, 8, 8, 0, x_dtype="float8_e4m3fnuz")

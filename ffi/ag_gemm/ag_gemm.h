@@ -35,10 +35,11 @@ struct AgGemmConfig {
 //   contraction layout (gather_k true): A = [rows, world * cols], shard s holding columns
 //     s*cols .. (s+1)*cols; y = sum_s shard_s @ w[s*cols:(s+1)*cols], [rows, n]. Every block needs
 //     every shard, so its K loop runs over the local shard first, then the peers' in arrival order.
-// FP8 (input kE4M3): w is transposed, w_t [n, world * cols] or [n, cols], and each shard carries a
-// dequantisation scale. shared_scale: every rank's x_scale is the same, so none travels; otherwise
-// each shard's scale is pushed with it and scales that shard's rows (rows layout only: a K slice
-// of its own scale would need the accumulator scaled per slice, which the mainloop does not do).
+// FP8 (input kE4M3 or kE5M2): w is transposed, w_t [n, world * cols] or [n, cols], and each shard
+// carries a dequantisation scale. shared_scale: every rank's x_scale is the same, so none travels;
+// otherwise each shard's scale is pushed with it and scales that shard's rows (rows layout only: a
+// K slice of its own scale would need the accumulator scaled per slice, which the mainloop does
+// not do).
 struct AgProblem {
   int32_t rows = 0, cols = 0, n = 0;
   int32_t world = 1, rank = 0;

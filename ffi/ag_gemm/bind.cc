@@ -62,14 +62,15 @@ void bind(nb::module_& m, FfiTargets& targets) {
         "N = n: " ENTWINE_AG_PLAN_RETURNS);
   m.def("ag_gemm_fp8_plan",
         [plan_dict](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
-                    int max_chunks, int push_sms, bool shared_scale) {
-          return plan_dict(AgProblem{rows, cols, n, world, 0, gather_k, DType::kE4M3, shared_scale},
+                    int max_chunks, int push_sms, bool shared_scale, std::string const& x_dtype) {
+          return plan_dict(AgProblem{rows, cols, n, world, 0, gather_k, fp8_input_dtype(x_dtype), shared_scale},
                            AgGemmConfig{block_n, gemm_sms, raster_rows, max_chunks, push_sms});
         },
         nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
         nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"), nb::arg("push_sms"),
-        nb::arg("shared_scale") = false,
-        "ag_gemm's plan of one FP8 call (entwine_ag_gemm_fp8) of an unpadded float8_e4m3fn shard [rows, cols], "
+        nb::arg("shared_scale") = false, nb::arg("x_dtype") = "float8_e4m3fn",
+        "ag_gemm's plan of one FP8 call (entwine_ag_gemm_fp8) of an unpadded shard [rows, cols] in x_dtype "
+        "(float8_e4m3fn or float8_e5m2), "
         "w_t [n, W * cols or cols] (cols padded to 16, block_n 128 only; inbox_bytes includes the scale slots; "
         "shared_scale: one x scale for every shard, which gather_k needs): " ENTWINE_AG_PLAN_RETURNS);
 #undef ENTWINE_AG_PLAN_RETURNS

@@ -135,11 +135,12 @@ struct GemmSchedule {
   template <class Kernel>
   static typename Kernel::Params make_params(Plan const& plan, Args const& args) {
     using Element = typename Kernel::Element;
-    using ElementIn = typename Kernel::ElementIn;
+    using ElementA = typename Kernel::ElementA;
+    using ElementB = typename Kernel::ElementB;
     AgProblem const& pr = plan.shape;
-    auto const* x = static_cast<ElementIn const*>(args.x);
-    auto const* gathered = static_cast<ElementIn const*>(args.gathered);
-    auto const* w = static_cast<ElementIn const*>(args.w);
+    auto const* x = static_cast<ElementA const*>(args.x);
+    auto const* gathered = static_cast<ElementA const*>(args.gathered);
+    auto const* w = static_cast<ElementB const*>(args.w);
     typename Kernel::Params p{};
     p.n = pr.n;
     p.k = pr.cols;

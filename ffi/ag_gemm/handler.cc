@@ -102,7 +102,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
   handler::HostTimer timer{dc};
   ffi::AnyBuffer const& x = ops.x;
-  bool const fp8 = ops.input == DType::kE4M3;
+  bool const fp8 = is_fp8(ops.input);
 
   AgProblem problem;
   problem.world = dc->world;
@@ -330,10 +330,11 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   });
 }
 
-// FP8: the shard x [rows, cols] and w_t [N, W * cols or cols] in float8_e4m3fn, one f32 scale each;
-// y bf16 or fp16 (its type picks the kernel). Each source's rows (rows layout) are scaled by that
-// source's x_scale, which travels with its shard, unless shared_scale says they are all equal.
-// Returns the gathered shards (float8_e4m3fn [W, rows, cols] or empty) and their scales (f32 [W] or
+// FP8: the shard x [rows, cols] in float8_e4m3fn or float8_e5m2 and w_t [N, W * cols or cols] in
+// float8_e4m3fn, one f32 scale each; y bf16 or fp16 (x's type and y's pick the kernel). Each
+// source's rows (rows layout) are scaled by that source's x_scale, which travels with its shard,
+// unless shared_scale says they are all equal.
+// Returns the gathered shards (x's type, [W, rows, cols], or empty) and their scales (f32 [W] or
 // empty).
 ffi::Error AgGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w_t,
                          ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> y,
@@ -341,9 +342,13 @@ ffi::Error AgGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer
                          int64_t comm_id, bool gather_k, int64_t signature, AgGemmConfig config, bool shared_scale) {
   return handler::guarded(kOp, [&] {
     Operands ops{DType::kE4M3, DType::kBF16, x, w_t};
-    if (ffi::Error e = handler::fp8_operand(kOp, "x", x); e.failure()) return e;
-    if (ffi::Error e = handler::fp8_operand(kOp, "w_t", w_t); e.failure()) return e;
-    if (ffi::Error e = handler::fp8_operand(kOp, "gathered", *gathered); e.failure()) return e;
+    if (ffi::Error e = handler::fp8_input(kOp, "x", x, &ops.input); e.failure()) return e;
+    if (ffi::Error e = handler::fp8_weight(kOp, "w_t", w_t); e.failure()) return e;
+    if (gathered->element_type() != x.element_type()) {
+      return ffi::Error::InvalidArgument("entwine ag_gemm: the gathered output must have x's dtype, got codes " +
+                                         std::to_string(int(gathered->element_type())) + " and " +
+                                         std::to_string(int(x.element_type())));
+    }
     if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops.x_scale); e.failure()) return e;
     if (ffi::Error e = handler::scale_operand(kOp, "w_scale", w_scale, &ops.w_scale); e.failure()) return e;
     if (ffi::Error e = handler::element_type(kOp, "y", *y, &ops.output); e.failure()) return e;
@@ -383,7 +388,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemmFp8, entwine::AgGemmFp8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Arg<ffi::AnyBuffer>()                     // x: the local shard, float8_e4m3fn
+                                  .Arg<ffi::AnyBuffer>()                     // x: the local shard, float8_e4m3fn or e5m2
                                   .Arg<ffi::AnyBuffer>()                     // w_t: float8_e4m3fn [N, K]
                                   .Arg<ffi::AnyBuffer>()                     // x_scale: f32
                                   .Arg<ffi::AnyBuffer>()                     // w_scale: f32

@@ -36,7 +36,7 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   if (c.max_chunks < 1 || c.max_chunks > 64) return fail("config.max_chunks must be in [1, 64]");
   if (c.push_sms < 0 || c.push_sms > 64) return fail("config.push_sms must be in [0, 64]");
   if (p.rows <= 0 || p.cols <= 0 || p.n <= 0) return fail("rows, cols and N must be positive");
-  bool const fp8 = p.input == DType::kE4M3;
+  bool const fp8 = is_fp8(p.input);
   if (fp8 && c.block_n != kFp8BlockN) {
     return fail("config.block_n must be 128 with FP8 operands (the promoted accumulator of a wider block does "
                 "not fit the registers)");

@@ -2,8 +2,8 @@
 // it advances the call's epoch, kept in device memory, so the next call's kernels read the next
 // epoch. A CUDA graph that replays a call replays this kernel too, which is what makes the calls
 // graph safe (docs/design.md, "Graph safety"). When this rank has failed, or a peer raised its
-// abort word, it first fills the call's outputs with NaN (all bits set: NaN in bf16, fp16, f32 and
-// e4m3), so that no output computed after a failure looks plausible, on any rank (docs/design.md,
+// abort word, it first fills the call's outputs with NaN (all bits set: NaN in bf16, fp16, f32,
+// e4m3 and e5m2), so that no output computed after a failure looks plausible, on any rank (docs/design.md,
 // "After a failure").
 #include "comm/comm.h"
 #include "comm/wait.cuh"

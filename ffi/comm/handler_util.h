@@ -77,11 +77,27 @@ inline ffi::Error element_type(const char* op, const char* name, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
-// An FP8 operand: float8_e4m3fn, the one FP8 type the kernels are built for.
-inline ffi::Error fp8_operand(const char* op, const char* name, ffi::AnyBuffer const& a) {
+// An FP8 call's x (A): float8_e4m3fn, or float8_e5m2 (a gradient, the hybrid recipe's backward);
+// its type picks the kernel, in *out (protocol.h: kE4M3, kE5M2).
+inline ffi::Error fp8_input(const char* op, const char* name, ffi::AnyBuffer const& a, DType* out) {
+  if (a.element_type() == ffi::DataType::F8E4M3FN) {
+    *out = DType::kE4M3;
+  } else if (a.element_type() == ffi::DataType::F8E5M2) {
+    *out = DType::kE5M2;
+  } else {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + name +
+                                       " must be float8_e4m3fn or float8_e5m2, got dtype code " +
+                                       std::to_string(int(a.element_type())));
+  }
+  return ffi::Error::Success();
+}
+
+// An FP8 call's w_t (B): float8_e4m3fn, the one weight type the kernels are built for.
+inline ffi::Error fp8_weight(const char* op, const char* name, ffi::AnyBuffer const& a) {
   if (a.element_type() == ffi::DataType::F8E4M3FN) return ffi::Error::Success();
-  std::string const got = a.element_type() == ffi::DataType::F8E5M2 ? "float8_e5m2 (only e4m3 kernels are built)"
-                                                                    : "dtype code " + std::to_string(int(a.element_type()));
+  std::string const got = a.element_type() == ffi::DataType::F8E5M2
+                              ? "float8_e5m2 (the kernels take e5m2 for x only: e5m2 x e4m3 or e4m3 x e4m3)"
+                              : "dtype code " + std::to_string(int(a.element_type()));
   return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must be float8_e4m3fn, got " + got);
 }
 

@@ -13,12 +13,15 @@ constexpr int kMaxWorld = 8;
 
 // The kernels' element types: the only list of them on the C++ side. Handlers map XLA's types here
 // (handler_util.h), kernels map these to CUDA types (gemm/gemm_kernel.cuh, gemm_rs/consumer.cu), the
-// kernel table names them (cmake/gemm_kernels.cmake). kE4M3 is an input type only (FP8 operands):
-// outputs, and so gemm_rs's partial slots, are 2 bytes wide (kElementBytes); ag_gemm's inbox holds
-// shards of the input type (element_bytes).
-enum class DType : int32_t { kBF16 = 0, kFP16 = 1, kE4M3 = 2 };
+// kernel table names them (cmake/gemm_kernels.cmake). The FP8 types are input types only: kE4M3
+// has both operands in e4m3; kE5M2 has A (x, or ag_gemm's gathered shards) in e5m2 and B (w_t) in
+// e4m3, the hybrid recipe's backward (an e5m2 gradient times an e4m3 weight). Outputs, and so
+// gemm_rs's partial slots, are 2 bytes wide (kElementBytes); ag_gemm's inbox holds shards of the
+// input type (element_bytes).
+enum class DType : int32_t { kBF16 = 0, kFP16 = 1, kE4M3 = 2, kE5M2 = 3 };
+constexpr bool is_fp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
 constexpr int kElementBytes = 2;
-constexpr int element_bytes(DType t) { return t == DType::kE4M3 ? 1 : 2; }
+constexpr int element_bytes(DType t) { return is_fp8(t) ? 1 : 2; }
 
 // Which wait ran past its deadline (DeviceError::site). Each op numbers its own waits from its
 // base (OpHooks::wait_site_base, a multiple of kWaitSitesPerOp) and formats its own records.

@@ -21,7 +21,8 @@ namespace entwine::gemm {
 
 using namespace cute;
 
-// The CUTLASS element type of each DType of the table (cmake/gemm_kernels.cmake).
+// The CUTLASS element type of each DType of the table (cmake/gemm_kernels.cmake): A's (x) for an
+// input type; kE5M2's B (w_t) is e4m3 (GemmKernel::ElementB).
 template <DType>
 struct ElementOf;
 template <>
@@ -35,6 +36,10 @@ struct ElementOf<DType::kFP16> {
 template <>
 struct ElementOf<DType::kE4M3> {
   using type = cutlass::float_e4m3_t;
+};
+template <>
+struct ElementOf<DType::kE5M2> {
+  using type = cutlass::float_e5m2_t;
 };
 
 // The GEMM of one (input, output, BLOCK_N, op schedule) row of the kernel table. What is the op's is
@@ -50,13 +55,16 @@ struct ElementOf<DType::kE4M3> {
 template <DType kInput, DType kOutput, int BLOCK_N_, class Schedule_>
 struct GemmKernel {
   // ---- core config ---------------------------------------------------------------------------
-  using ElementIn = typename ElementOf<kInput>::type;  // A and B: bf16, fp16 or FP8 (e4m3)
+  // A (x, the gathered shards): bf16, fp16, e4m3 or e5m2. B (w): A's type, except that kE5M2 pairs
+  // an e5m2 A with an e4m3 B (Hopper's FP8 wgmma takes either type for either operand).
+  using ElementA = typename ElementOf<kInput>::type;
+  using ElementB = cute::conditional_t<kInput == DType::kE5M2, cutlass::float_e4m3_t, ElementA>;
   using Element = typename ElementOf<kOutput>::type;   // the output: bf16 or fp16; fp32 accumulation
   using Schedule = Schedule_;                          // the op's block order, loads and releases
   // FP8: wgmma reads both operands K-major (B is w transposed, [N, K]), and the block's sum is
   // dequantised by the schedule's alpha in the epilogue.
-  static constexpr bool kFp8 = kInput == DType::kE4M3;
-  static_assert(!kFp8 || kOutput != DType::kE4M3, "FP8 is an input type only");
+  static constexpr bool kFp8 = is_fp8(kInput);
+  static_assert(!is_fp8(kOutput), "FP8 is an input type only");
   static_assert(kFp8 || kInput == kOutput, "16-bit inputs produce their own type");
   static constexpr int BLOCK_M = kBlockM;             // two math warpgroups of 64 rows each
   static constexpr int BLOCK_N = BLOCK_N_;            // 128 or 256 (FP8: 128, gemm.h)
@@ -85,11 +93,12 @@ struct GemmKernel {
   //      promotion loses accuracy. The fast-accumulation schedule would save those adds; we keep
   //      them, as cuBLASLt's FP8 default does: training shapes have K of 8k-32k.
   using LayoutB = cute::conditional_t<kFp8, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  static constexpr int kAlignment = 16 / int(sizeof(ElementIn));
+  static_assert(sizeof(ElementA) == sizeof(ElementB), "A and B share BLOCK_K and the alignment");
+  static constexpr int kAlignment = 16 / int(sizeof(ElementA));
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      ElementIn, cutlass::layout::RowMajor, kAlignment,
-      ElementIn, LayoutB, kAlignment,
+      ElementA, cutlass::layout::RowMajor, kAlignment,
+      ElementB, LayoutB, kAlignment,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(EpilogueStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
@@ -375,8 +384,8 @@ struct GemmKernel {
   // A's and B's TMA parameters: A [l][m, k] row-major; B [l][k, n] row-major, or for FP8 [l][n, k]
   // row-major; ldb is B's row pitch (16-bit: n; FP8: k, or more when B is a column slice of a wider
   // w_t); batch strides in elements.
-  static typename CollectiveMainloop::Params mainloop_params(int m, int n, int k, int l, ElementIn const* a,
-                                                             int64_t batch_a, ElementIn const* b, int64_t ldb,
+  static typename CollectiveMainloop::Params mainloop_params(int m, int n, int k, int l, ElementA const* a,
+                                                             int64_t batch_a, ElementB const* b, int64_t ldb,
                                                              int64_t batch_b) {
     StrideA stride_a{};
     get<0>(stride_a) = int64_t(k);

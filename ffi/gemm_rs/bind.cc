@@ -26,49 +26,60 @@ void bind(nb::module_& m, FfiTargets& targets) {
   targets.push_back({kFp8Target, reinterpret_cast<void*>(GemmRsFp8), true});
   comm::register_op(&kHooks);
 
-  // The plans of one call for x [m, k], w [k, n] (FP8: w_t [n, k]), unpadded, one per operand type.
-  auto plan = [](DType input) {
-    return [input](int64_t m, int64_t n, int64_t k, int world, bool scatter_cols, int block_n, int producer_sms,
-                   int consumer_grid, int consumer_block, int raster_rows, bool split_tail) {
-      GemmRsProblem problem{m, n, k, world, 0, scatter_cols, input};
-      GemmRsConfig config{block_n, producer_sms, consumer_grid, consumer_block, raster_rows, split_tail};
-      GemmRsPlan const p = gemm_rs_plan(problem, config);
-      nb::dict d;
-      d["error"] = rule_or_none(p.error);
-      d["config_error"] = p.config_error;
-      d["m"] = p.shape.m;
-      d["n"] = p.shape.n;
-      d["k"] = p.shape.k;
-      d["part_rows"] = p.shape.part_rows();
-      d["part_cols"] = p.shape.part_cols();
-      d["tiles_per_partition"] = p.tiles_per_partition;
-      d["m_blocks"] = p.order.m_blocks;
-      d["n_blocks"] = p.order.n_blocks;
-      d["raster_rows"] = p.order.raster_rows;
-      d["num_blocks"] = p.schedule.num_blocks;
-      d["grid"] = p.schedule.grid;
-      d["k_tiles"] = p.schedule.k_tiles;
-      d["split_first_block"] = p.schedule.split_first_block;
-      d["split"] = p.split;
-      d["slot_bytes"] = p.slot_bytes;
-      return d;
-    };
+  // The plan of one call for x [m, k], w [k, n] (FP8: w_t [n, k]) of operand type `input`, unpadded.
+  auto plan = [](DType input, int64_t m, int64_t n, int64_t k, int world, bool scatter_cols, int block_n,
+                 int producer_sms, int consumer_grid, int consumer_block, int raster_rows, bool split_tail) {
+    GemmRsProblem problem{m, n, k, world, 0, scatter_cols, input};
+    GemmRsConfig config{block_n, producer_sms, consumer_grid, consumer_block, raster_rows, split_tail};
+    GemmRsPlan const p = gemm_rs_plan(problem, config);
+    nb::dict d;
+    d["error"] = rule_or_none(p.error);
+    d["config_error"] = p.config_error;
+    d["m"] = p.shape.m;
+    d["n"] = p.shape.n;
+    d["k"] = p.shape.k;
+    d["part_rows"] = p.shape.part_rows();
+    d["part_cols"] = p.shape.part_cols();
+    d["tiles_per_partition"] = p.tiles_per_partition;
+    d["m_blocks"] = p.order.m_blocks;
+    d["n_blocks"] = p.order.n_blocks;
+    d["raster_rows"] = p.order.raster_rows;
+    d["num_blocks"] = p.schedule.num_blocks;
+    d["grid"] = p.schedule.grid;
+    d["k_tiles"] = p.schedule.k_tiles;
+    d["split_first_block"] = p.schedule.split_first_block;
+    d["split"] = p.split;
+    d["slot_bytes"] = p.slot_bytes;
+    return d;
   };
   // What both return (a string literal, so that the docstrings below are literals too).
 #define ENTWINE_GEMM_RS_PLAN_RETURNS                                                                       \
   "{error: None or the violated rule, config_error, m, n, k (the padded problem), part_rows, part_cols, " \
   "tiles_per_partition, m_blocks, n_blocks, raster_rows, num_blocks, grid, k_tiles, split_first_block, "  \
   "split, slot_bytes}."
-  m.def("gemm_rs_plan", plan(DType::kBF16), nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("world"),
+  m.def("gemm_rs_plan",
+        [plan](int64_t m, int64_t n, int64_t k, int world, bool scatter_cols, int block_n, int producer_sms,
+               int consumer_grid, int consumer_block, int raster_rows, bool split_tail) {
+          return plan(DType::kBF16, m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid,
+                      consumer_block, raster_rows, split_tail);
+        },
+        nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("world"),
         nb::arg("scatter_cols"), nb::arg("block_n"), nb::arg("producer_sms"), nb::arg("consumer_grid"),
         nb::arg("consumer_block"), nb::arg("raster_rows"), nb::arg("split_tail"),
         "gemm_rs's plan of one call (ffi/gemm_rs/gemm_rs.h) for x [m, k], w [k, n] in bf16 or fp16, "
         "unpadded: " ENTWINE_GEMM_RS_PLAN_RETURNS);
-  m.def("gemm_rs_fp8_plan", plan(DType::kE4M3), nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("world"),
+  m.def("gemm_rs_fp8_plan",
+        [plan](int64_t m, int64_t n, int64_t k, int world, bool scatter_cols, int block_n, int producer_sms,
+               int consumer_grid, int consumer_block, int raster_rows, bool split_tail, std::string const& x_dtype) {
+          return plan(fp8_input_dtype(x_dtype), m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid,
+                      consumer_block, raster_rows, split_tail);
+        },
+        nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("world"),
         nb::arg("scatter_cols"), nb::arg("block_n"), nb::arg("producer_sms"), nb::arg("consumer_grid"),
-        nb::arg("consumer_block"), nb::arg("raster_rows"), nb::arg("split_tail"),
-        "gemm_rs's plan of one FP8 call (entwine_gemm_rs_fp8) for x [m, k], w_t [n, k] in float8_e4m3fn, "
-        "unpadded (K padded to 16, block_n 128 only): " ENTWINE_GEMM_RS_PLAN_RETURNS);
+        nb::arg("consumer_block"), nb::arg("raster_rows"), nb::arg("split_tail"), nb::arg("x_dtype") = "float8_e4m3fn",
+        "gemm_rs's plan of one FP8 call (entwine_gemm_rs_fp8) for x [m, k] in x_dtype (float8_e4m3fn or "
+        "float8_e5m2), w_t [n, k] in float8_e4m3fn, unpadded (K padded to 16, block_n 128 only): "
+        ENTWINE_GEMM_RS_PLAN_RETURNS);
 #undef ENTWINE_GEMM_RS_PLAN_RETURNS
 }
 

@@ -86,11 +86,12 @@ struct GemmSchedule {
   template <class Kernel>
   static typename Kernel::Params make_params(Plan const& plan, Args const& args) {
     using Element = typename Kernel::Element;
-    using ElementIn = typename Kernel::ElementIn;
+    using ElementA = typename Kernel::ElementA;
+    using ElementB = typename Kernel::ElementB;
     ProblemShape const& shape = plan.shape;
     typename Kernel::Params p{};
-    p.mainloop = Kernel::mainloop_params(shape.m, shape.n, shape.k, 1, static_cast<ElementIn const*>(args.x), 0,
-                                         static_cast<ElementIn const*>(args.w), Kernel::kFp8 ? shape.k : shape.n, 0);
+    p.mainloop = Kernel::mainloop_params(shape.m, shape.n, shape.k, 1, static_cast<ElementA const*>(args.x), 0,
+                                         static_cast<ElementB const*>(args.w), Kernel::kFp8 ? shape.k : shape.n, 0);
     p.mainloop_local = p.mainloop;
     p.l = 1;
     p.m_local = shape.m;

@@ -253,16 +253,16 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   });
 }
 
-// FP8: x [M, K] and w_t [N, K] in float8_e4m3fn, one f32 scale each; y bf16 or fp16 (its type picks
-// the kernel and the partials' type): y = x_scale * w_scale * (x @ w_t^T), reduce-scattered.
+// FP8: x [M, K] in float8_e4m3fn or float8_e5m2 and w_t [N, K] in float8_e4m3fn, one f32 scale each;
+// y bf16 or fp16 (x's type and y's pick the kernel, y's the partials' type):
+// y = x_scale * w_scale * (x @ w_t^T), reduce-scattered.
 ffi::Error GemmRsFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w_t,
                          ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> y,
                          int64_t comm_id, int64_t scatter_dimension, int64_t signature, GemmRsConfig config) {
   return handler::guarded(kOp, [&] {
     Operands ops{};
-    ops.input = DType::kE4M3;
-    if (ffi::Error e = handler::fp8_operand(kOp, "x", x); e.failure()) return e;
-    if (ffi::Error e = handler::fp8_operand(kOp, "w_t", w_t); e.failure()) return e;
+    if (ffi::Error e = handler::fp8_input(kOp, "x", x, &ops.input); e.failure()) return e;
+    if (ffi::Error e = handler::fp8_weight(kOp, "w_t", w_t); e.failure()) return e;
     if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops.x_scale); e.failure()) return e;
     if (ffi::Error e = handler::scale_operand(kOp, "w_scale", w_scale, &ops.w_scale); e.failure()) return e;
     if (ffi::Error e = handler::element_type(kOp, "y", *y, &ops.output); e.failure()) return e;
@@ -298,7 +298,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRsFp8, entwine::GemmRsFp8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
-                                  .Arg<ffi::AnyBuffer>()                     // x: float8_e4m3fn [M, K]
+                                  .Arg<ffi::AnyBuffer>()                     // x: float8_e4m3fn or e5m2 [M, K]
                                   .Arg<ffi::AnyBuffer>()                     // w_t: float8_e4m3fn [N, K]
                                   .Arg<ffi::AnyBuffer>()                     // x_scale: f32
                                   .Arg<ffi::AnyBuffer>()                     // w_scale: f32

@@ -69,7 +69,7 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
   if (p.world < 1 || p.world > kMaxWorld) return fail("world size must be in [1, 8]");
   if (p.rank < 0 || p.rank >= p.world) return fail("rank must be in [0, world)");
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) return fail("M, N and K must be positive");
-  if (p.input == DType::kE4M3 && c.block_n != kFp8BlockN) {
+  if (is_fp8(p.input) && c.block_n != kFp8BlockN) {
     return fail("config.block_n must be 128 with FP8 operands (the promoted accumulator of a wider block "
                 "does not fit the registers)", true);
   }

@@ -15,8 +15,9 @@
 //   entwine_harness energy suite [seconds] [shapes]   the same on the design suite (its first
 //                                     `shapes` shapes): order and flag costs and the ratio to
 //                                     cuBLASLt's fastest algorithm, one line per shape
-//   entwine_harness fp8 test          FP8 operands (e4m3, f32 scales) of both ops against float64 of
-//                                     the dequantised inputs: W in {1,2,4,8}, bf16/fp16 outputs,
+//   entwine_harness fp8 test          FP8 operands (e4m3, or x in e5m2 with w_t in e4m3; f32 scales)
+//                                     of both ops against float64 of the dequantised inputs:
+//                                     W in {1,2,4,8}, bf16/fp16 outputs,
 //                                     per-shard and shared scales, both pushes, split tail, graphs,
 //                                     a failed call's three outputs poisoned
 //   entwine_harness api               the host cost of each CUDA call a handler makes
@@ -81,17 +82,26 @@ __global__ void fill_random(uint16_t* out, int64_t count, uint64_t seed, bool bf
   }
 }
 
-// FP8 operands: hash_uniform scaled to [-4, 4), rounded to float8_e4m3fn (one byte each).
-__global__ void fill_random_fp8(uint8_t* out, int64_t count, uint64_t seed) {
+// FP8 operands: hash_uniform scaled to [-4, 4), rounded to float8_e4m3fn, or to float8_e5m2 (a
+// gradient's format, x of the e5m2 kernels), one byte each.
+__global__ void fill_random_fp8(uint8_t* out, int64_t count, uint64_t seed, bool e5m2 = false) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
-    out[i] = __nv_fp8_e4m3(4.0f * hash_uniform(seed, i)).__x;
+    float const v = 4.0f * hash_uniform(seed, i);
+    out[i] = e5m2 ? __nv_fp8_e5m2(v).__x : __nv_fp8_e4m3(v).__x;
   }
 }
 
 // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, 0x7F/0xFF are NaN.
-double fp8_to_double(uint8_t bits) {
-  int const exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+// float8_e5m2 (e5m2): 1 sign, 5 exponent (bias 15), 2 mantissa bits; IEEE-like infinities and NaNs.
+double fp8_to_double(uint8_t bits, bool e5m2 = false) {
   double const sign = bits & 0x80 ? -1.0 : 1.0;
+  if (e5m2) {
+    int const exponent = (bits >> 2) & 0x1F, mantissa = bits & 0x3;
+    if (exponent == 0x1F) return mantissa == 0 ? sign * INFINITY : NAN;
+    if (exponent == 0) return sign * std::ldexp(mantissa / 4.0, -14);
+    return sign * std::ldexp(1.0 + mantissa / 4.0, exponent - 15);
+  }
+  int const exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
   if (exponent == 0xF && mantissa == 0x7) return NAN;
   if (exponent == 0) return sign * std::ldexp(mantissa / 8.0, -6);
   return sign * std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
@@ -119,13 +129,14 @@ struct Case {
   GemmRsConfig config;
   bool scatter_cols = false;
   bool fp8 = false;  // x [M, K] and w_t [N, K] in e4m3, with each rank's fp8_scales
+  bool x_e5m2 = false;  // FP8: x in e5m2 instead (the backward's gradient; w_t stays e4m3)
   ProblemShape shape(int rank) const {
     ProblemShape s{m, n, k, world, rank};
     s.scatter_cols = scatter_cols;
     return s;
   }
   DType output() const { return bf16 ? DType::kBF16 : DType::kFP16; }
-  DType input() const { return fp8 ? DType::kE4M3 : output(); }
+  DType input() const { return !fp8 ? output() : x_e5m2 ? DType::kE5M2 : DType::kE4M3; }
   // Rank r's plan: the cases are aligned, so it plans the case's own shape (run_case checks that).
   GemmRsPlan plan(int rank) const { return plan_of(shape(rank), config, input()); }
   static GemmRsPlan plan_of(ProblemShape const& s, GemmRsConfig const& config, DType input = DType::kBF16) {
@@ -236,7 +247,8 @@ struct World {
   void fill_inputs(uint64_t seed) {
     for (int r = 0; r < c.world; ++r) {
       if (c.fp8) {
-        fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].x), int64_t(c.m) * c.k, seed * 131 + 2 * r);
+        fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].x), int64_t(c.m) * c.k, seed * 131 + 2 * r,
+                                      c.x_e5m2);
         fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].w), int64_t(c.k) * c.n, seed * 131 + 2 * r + 1);
         std::array<float, 2> const scales = fp8_scales(r);
         CHECK_CUDA(cudaMemcpy(ranks[r].scales, scales.data(), sizeof scales, cudaMemcpyHostToDevice));
@@ -361,7 +373,7 @@ struct World {
     if (c.fp8) {
       std::vector<uint8_t> bytes(c.k);
       CHECK_CUDA(cudaMemcpy(bytes.data(), reinterpret_cast<uint8_t*>(ranks[r].x) + i * c.k, c.k, cudaMemcpyDeviceToHost));
-      for (int kk = 0; kk < c.k; ++kk) row[kk] = fp8_scales(r)[0] * fp8_to_double(bytes[kk]);
+      for (int kk = 0; kk < c.k; ++kk) row[kk] = fp8_scales(r)[0] * fp8_to_double(bytes[kk], c.x_e5m2);
       return row;
     }
     auto const bits = download(ranks[r].x + i * c.k, c.k);
@@ -452,7 +464,7 @@ void expect(bool ok, std::string const& what) {
 std::string describe(Case const& c) {
   char buf[256];
   std::snprintf(buf, sizeof buf, "W=%d M=%d N=%d K=%d %s%s scatter=%s block_n=%d producer_sms=%d x=%d b=%d r=%d",
-                c.world, c.m, c.n, c.k, c.fp8 ? "e4m3->" : "", c.bf16 ? "bf16" : "fp16", c.scatter_cols ? "cols" : "rows", int(c.config.block_n),
+                c.world, c.m, c.n, c.k, !c.fp8 ? "" : c.x_e5m2 ? "e5m2xe4m3->" : "e4m3->", c.bf16 ? "bf16" : "fp16", c.scatter_cols ? "cols" : "rows", int(c.config.block_n),
                 int(c.config.producer_sms), int(c.config.consumer_grid), int(c.config.consumer_block),
                 int(c.config.raster_rows));
   return buf;
@@ -1239,8 +1251,9 @@ struct AgCase {
   AgGemmConfig config;
   bool fp8 = false;           // shards and w_t [N, w_rows] in e4m3, with fp8_scales
   bool shared_scale = false;  // FP8: every rank's x scale is rank 0's, and none travels
+  bool x_e5m2 = false;        // FP8: the shards in e5m2 instead (the backward's gradient; w_t stays e4m3)
   DType output() const { return bf16 ? DType::kBF16 : DType::kFP16; }
-  DType input() const { return fp8 ? DType::kE4M3 : output(); }
+  DType input() const { return !fp8 ? output() : x_e5m2 ? DType::kE5M2 : DType::kE4M3; }
   AgProblem problem(int rank) const { return AgProblem{rows, cols, n, world, rank, gather_k, input(), shared_scale}; }
   float x_scale(int rank) const { return fp8_scales(shared_scale ? 0 : rank)[0]; }
   int64_t w_rows() const { return gather_k ? int64_t(world) * cols : cols; }
@@ -1251,7 +1264,7 @@ std::string describe(AgCase const& c) {
   char buf[256];
   std::snprintf(buf, sizeof buf,
                 "ag W=%d rows=%d cols=%d N=%d %s%s%s %s block_n=%d gemm_sms=%d r=%d chunks<=%d push_sms=%d", c.world,
-                c.rows, c.cols, c.n, c.fp8 ? "e4m3->" : "", c.bf16 ? "bf16" : "fp16",
+                c.rows, c.cols, c.n, !c.fp8 ? "" : c.x_e5m2 ? "e5m2xe4m3->" : "e4m3->", c.bf16 ? "bf16" : "fp16",
                 c.fp8 ? (c.shared_scale ? " shared scale" : " per-shard scales") : "",
                 c.gather_k ? "contraction" : "rows", int(c.config.block_n), int(c.config.gemm_sms),
                 int(c.config.raster_rows), int(c.config.max_chunks), int(c.config.push_sms));
@@ -1330,7 +1343,8 @@ struct AgWorld {
   void fill_inputs(uint64_t seed) {
     for (int r = 0; r < c.world; ++r) {
       if (c.fp8) {
-        fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].x), int64_t(c.rows) * c.cols, seed * 131 + 2 * r);
+        fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].x), int64_t(c.rows) * c.cols, seed * 131 + 2 * r,
+                                      c.x_e5m2);
         fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].w), c.w_rows() * c.n, seed * 131 + 2 * r + 1);
         float const scales[2] = {c.x_scale(r), fp8_scales(r)[1]};
         CHECK_CUDA(cudaMemcpy(ranks[r].scales, scales, sizeof scales, cudaMemcpyHostToDevice));
@@ -1440,7 +1454,7 @@ struct AgWorld {
     if (c.fp8) {
       std::vector<uint8_t> bytes(count);
       CHECK_CUDA(cudaMemcpy(bytes.data(), ranks[r].x, count, cudaMemcpyDeviceToHost));
-      for (size_t i = 0; i < count; ++i) x[i] = c.x_scale(r) * fp8_to_double(bytes[i]);
+      for (size_t i = 0; i < count; ++i) x[i] = c.x_scale(r) * fp8_to_double(bytes[i], c.x_e5m2);
       return x;
     }
     auto const bits = download(ranks[r].x, count);
@@ -1824,6 +1838,24 @@ int fp8_test_main() {
   run_ag_case(AgCase{768, 208, 384, 4, true, true, ag_config_for(4, 128, 4, 6, 8), true, true}, 2);
   run_graph<AgWorld>(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3, 4), true, false}, 4);
 
+  // x in e5m2, w_t in e4m3 (the hybrid recipe's backward: an e5m2 gradient times the weight), both ops:
+  // gemm_rs over rows and columns (K tail, persistent grid, split tail); ag_gemm's rows layout with
+  // per-shard scales and its contraction layout with a shared one, on the copy engines and the SM push.
+  for (int world : {2, 4}) {
+    for (bool bf16 : {true, false}) {
+      run_case(Case{world * 256, 512, 384, world, bf16, base, false, true, true}, 2);
+    }
+  }
+  run_case(Case{512, 4 * 384, 272, 4, false, GemmRsConfig{128, 0, 8, 256, 3}, true, true, true}, 2);
+  run_case(Case{2 * 1024, 1024, 4000, 2, true, GemmRsConfig{128, 7, 8, 512, 8, 1}, false, true, true}, 2);
+  for (bool gather_k : {false, true}) {
+    for (bool bf16 : {true, false}) {
+      run_ag_case(AgCase{256, 384, 512, 4, bf16, gather_k, ag_config_for(4, 128), true, gather_k, true}, 2);
+    }
+  }
+  run_ag_case(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3, 4), true, false, true}, 2);
+  run_ag_case(AgCase{768, 208, 384, 4, false, true, ag_config_for(4, 128, 4, 6, 8), true, true, true}, 2);
+
   // The plans' FP8 rules: K padded to 16 (not 8), 128-wide blocks only, gather_k with a shared scale.
   GemmRsPlan const padded = gemm_rs_plan(GemmRsProblem{256, 256, 200, 1, 0, false, DType::kE4M3}, base);
   expect(padded.error == nullptr && padded.shape.k == 208 && padded.schedule.k_tiles == 2,
@@ -1839,6 +1871,13 @@ int fp8_test_main() {
   AgPlan const pushed = ag_plan(AgProblem{128, 208, 256, 2, 0, false, DType::kE4M3, false}, AgGemmConfig{128, 100, 8, 8, 64});
   expect(pushed.error == nullptr && pushed.push_grid == 4 && pushed.sms_needed == pushed.grid + 4,
          "fp8 ag plan: the SM push's grid counts the 16-byte vectors of a 1-byte chunk (26624 bytes: 4 CTAs)");
+  GemmRsPlan const padded_e5m2 = gemm_rs_plan(GemmRsProblem{256, 256, 200, 1, 0, false, DType::kE5M2}, base);
+  expect(padded_e5m2.error == nullptr && padded_e5m2.shape.k == 208 && padded_e5m2.schedule.k_tiles == 2 &&
+             gemm_rs_plan(GemmRsProblem{256, 256, 64, 1, 0, false, DType::kE5M2}, GemmRsConfig{256}).config_error,
+         "fp8 gemm_rs plan, x in e5m2: the e4m3 rules (K 200 pads to 208, block_n 256 is a config error)");
+  AgPlan const ag_e5m2 = ag_plan(AgProblem{128, 200, 256, 2, 0, false, DType::kE5M2, false}, AgGemmConfig{128});
+  expect(ag_e5m2.error == nullptr && ag_e5m2.cols_pad == 208 && ag_e5m2.inbox_bytes == ag.inbox_bytes,
+         "fp8 ag plan, shards in e5m2: the e4m3 plan (1-byte shards, one scale slot per source)");
   run_fp8_poison();
   std::printf("harness fp8 test: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;

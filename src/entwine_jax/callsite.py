@@ -15,7 +15,10 @@ from entwine_jax.tuning import crossover
 # Every op takes these; the fused kernels take the first two, float32 runs the XLA reference.
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 KERNEL_DTYPES = DTYPES[:2]
-KERNEL_FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)  # what the FP8 kernels take (x and the weight)
+# What the FP8 kernels take: the weight in e4m3; x in e4m3 (the forward) or e5m2 (the backward's
+# gradient, the hybrid recipe).
+KERNEL_FP8_X_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+KERNEL_FP8_W_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def hashable_axis(axis_name):
@@ -46,14 +49,15 @@ def check_operands(op: str, x, w, w_rank: str, fp8: bool = False) -> None:
 
 def kernel_dtype_reason(x_dtype, w_dtype, out_dtype=None) -> Optional[str]:
     """Why the kernels cannot take these operand dtypes, or None: bf16 or fp16 operands of one dtype,
-    or (out_dtype given: an FP8 call) e4m3 operands with a bf16 or fp16 output."""
+    or (out_dtype given: an FP8 call) x in e4m3 or e5m2 and w in e4m3, with a bf16 or fp16 output."""
     x_dtype, w_dtype = jnp.dtype(x_dtype), jnp.dtype(w_dtype)
     if out_dtype is None:
         if x_dtype not in KERNEL_DTYPES or w_dtype != x_dtype:
             return f"fused kernels take bf16 or fp16 operands of one dtype, got {x_dtype} and {w_dtype}"
         return None
-    if (x_dtype, w_dtype) != (KERNEL_FP8_DTYPE, KERNEL_FP8_DTYPE):
-        return f"the FP8 kernels take float8_e4m3fn operands, got {x_dtype} and {w_dtype}"
+    if x_dtype not in KERNEL_FP8_X_DTYPES or w_dtype != KERNEL_FP8_W_DTYPE:
+        return (f"the FP8 kernels take x in float8_e4m3fn or float8_e5m2 and w in float8_e4m3fn, got {x_dtype} "
+                f"and {w_dtype}")
     if jnp.dtype(out_dtype) not in KERNEL_DTYPES:
         return f"the FP8 kernels write bf16 or fp16, got out_dtype {jnp.dtype(out_dtype)}"
     return None

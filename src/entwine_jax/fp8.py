@@ -1,8 +1,8 @@
 # FP8 calls of both ops: y = (x * x_scale) @ (w * w_scale) on float8_e4m3fn operands with per-tensor fp32
 # scales, accumulated in fp32, written in bf16 or fp16. The checks of an FP8 call, the quantisation helpers,
 # and the custom VJPs that keep the pairing in FP8: each op's backward is the other op on the cotangent
-# quantised to float8_e5m2 with its own scale (the hybrid recipe), or in bf16/fp16 when the caller asks.
-# docs/design.md, "FP8".
+# quantised to float8_e5m2 with its own scale (the hybrid recipe; the kernels run it fused, e5m2 x
+# e4m3), or in bf16/fp16 when the caller asks. docs/design.md, "FP8".
 """FP8 calls of ``entwine_jax.gemm_rs`` and ``entwine_jax.ag_gemm``.
 
 An FP8 call passes ``x_scale`` and ``w_scale`` (float32 scalars, shape ``()`` or ``(1,)``) and computes
@@ -26,8 +26,9 @@ axis while x is) is a shared scale (delayed scaling): the kernels use their own 
 Backward: the cotangent dy is quantised to ``grad_dtype`` float8_e5m2 (default) with ``grad_scale``
 (default: each rank's current scale of its own dy), then dx is the other op in FP8 (gemm_rs's dx an
 ag_gemm of e5m2 dy and the e4m3 weight, ag_gemm's dx a gemm_rs) and dw a dot of the gathered FP8
-operand. ``grad_dtype`` bfloat16 or float16 runs the backward in that dtype on the dequantised weight
-(the bf16 ops and their kernels).
+operand. Where the forward runs on the fused kernels, so does this backward: the FP8 kernels take an
+e5m2 x with an e4m3 weight (e5m2 x e4m3). ``grad_dtype`` bfloat16 or float16 runs the backward in
+that dtype on the dequantised weight (the bf16 ops and their kernels).
 """
 from __future__ import annotations
 
@@ -203,11 +204,11 @@ def _gemm_rs_fp8_fwd(x, w, x_scale, w_scale, grad_scale, plan, call):
 def _gemm_rs_fp8_bwd(plan, call, res, dy):
     x8, w8, xs, ws, grad_scale = res
     sd = plan.scatter_dimension
-    config = _ag_backward_config(plan.config, dy, w8.T, plan.axis_size)
     if not call.fp8_grads:
         # The backward in bf16/fp16 on the dequantised weight: the bf16 ag_gemm, whose gathered dy serves dw.
         dtype = jnp.dtype(call.grad_dtype)
         dy, w_t = dy.astype(dtype), dequantize(w8, ws, dtype).T
+        config = _ag_backward_config(plan.config, dy, w_t, plan.axis_size)
         ag_plan = ag_op.plan(dy, w_t, axis_name=plan.axis_name, gather_dimension=sd, config=config, return_gathered=True)
         dx, g = ag_op.forward(dy, w_t, ag_plan, gathered=True)
         dw = matmul_weight_grad(dequantize(x8, xs, dtype), g, dtype)
@@ -215,6 +216,8 @@ def _gemm_rs_fp8_bwd(plan, call, res, dy):
         # dx = all_gather(dy) @ w.T: an FP8 ag_gemm of e5m2 dy (each rank's block scaled by its own grad
         # scale) and the e4m3 weight; its gathered dy serves dw = x.T @ g.
         d8, gs = _quantized_cotangent(dy, grad_scale)
+        # The config of the e5m2 operand: the FP8 kernels' blocks are 128 wide only.
+        config = _ag_backward_config(plan.config, d8, w8.T, plan.axis_size)
         ag_plan = ag_op.plan(d8, w8.T, axis_name=plan.axis_name, gather_dimension=sd, config=config,
                              return_gathered=True, out_dtype=_backward_dtype(call),
                              shared_scale=shared_over(gs, d8, plan.axis_name))
@@ -272,11 +275,11 @@ def _ag_gemm_fp8_bwd(plan, call, res, cotangents):
     # The returned gathered operand is FP8, a constant to differentiation: its cotangent is dropped.
     dy = cotangents[0] if plan.return_gathered else cotangents
     gd = plan.gather_dimension
-    config = _rs_backward_config(plan, dy, w8.T)
     if not call.fp8_grads:
         # The backward in bf16/fp16 on the dequantised weight and gathered operand: the bf16 gemm_rs.
         dtype = jnp.dtype(call.grad_dtype)
         dy, w_t = dy.astype(dtype), dequantize(w8, ws, dtype).T
+        config = _rs_backward_config(plan, dy, w_t)
         rs_plan = rs_op.plan(dy, w_t, axis_name=plan.axis_name, scatter_dimension=gd, config=config)
         dx = rs_op.forward(dy, w_t, rs_plan)
         g = _dequantize_by_source(g8, g_scales, gd, dtype)
@@ -285,6 +288,8 @@ def _ag_gemm_fp8_bwd(plan, call, res, cotangents):
         # dx = reduce-scatter of dy @ w.T: an FP8 gemm_rs of e5m2 dy (each rank's partial scaled by its own
         # grad scale) and the e4m3 weight; dw = gathered x.T @ dy from the gathered FP8 operand.
         d8, gs = _quantized_cotangent(dy, grad_scale)
+        # The config of the e5m2 operand: the FP8 kernels' blocks are 128 wide only.
+        config = _rs_backward_config(plan, d8, w8.T)
         rs_plan = rs_op.plan(d8, w8.T, axis_name=plan.axis_name, scatter_dimension=gd, config=config,
                              out_dtype=_backward_dtype(call))
         dx = rs_op.forward_fp8(d8, w8.T, gs, ws, rs_plan)

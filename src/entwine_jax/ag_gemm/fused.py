@@ -72,10 +72,11 @@ def launch_sms(config, shard_bytes: int) -> tuple[int, int]:
     return config.gemm_sms or _extension.sm_count() - max(push_sms, 1), push_sms
 
 
-def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, itemsize: int, fp8: bool = False,
+def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, x_dtype, fp8: bool = False,
              shared_scale: bool = False) -> _plan.AgPlan:
-    return _plan.ag_plan(rows, cols, n, world, gather_k, config, *launch_sms(config, rows * cols * itemsize), fp8=fp8,
-                         shared_scale=shared_scale)
+    x_dtype = jnp.dtype(x_dtype)
+    return _plan.ag_plan(rows, cols, n, world, gather_k, config, *launch_sms(config, rows * cols * x_dtype.itemsize),
+                         fp8=fp8, shared_scale=shared_scale, x_dtype=x_dtype.name)
 
 
 def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, out_dtype, shared_scale):
@@ -94,8 +95,8 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, o
     if out_dtype is not None and (reason := _plan.fp8_reason()):
         return reason
     try:
-        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, jnp.dtype(x_local_aval.dtype).itemsize,
-                        fp8=out_dtype is not None, shared_scale=shared_scale)
+        plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, x_local_aval.dtype, fp8=out_dtype is not None,
+                        shared_scale=shared_scale)
     except _plan.PlanError as e:
         return f"the kernels cannot run this call: {e.rule}"
     if plan.sms_needed > _extension.sm_count():
@@ -109,8 +110,8 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, o
 def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config,
                        out_dtype=None, shared_scale: bool = False) -> Optional[str]:
     """None when the ag_gemm kernels can run this call (x [rows, cols], w [cols or W * cols, n]),
-    else a short reason (out_dtype given: the FP8 kernels on e4m3 operands, writing out_dtype, with
-    one x scale on every rank if shared_scale). Only answers (prepare acquires)."""
+    else a short reason (out_dtype given: the FP8 kernels on an e4m3 or e5m2 x and an e4m3 w, writing
+    out_dtype, with one x scale on every rank if shared_scale). Only answers (prepare acquires)."""
     try:
         mesh = comm.find_mesh(axis_name)
         key = ("ag", tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
@@ -147,7 +148,7 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out
     gemm_sms, push_sms = launch_sms(config, rows * cols * jnp.dtype(x_local_aval.dtype).itemsize)
     try:
         plan = _plan.ag_plan(rows, cols, n, axis_size, gather_k, config, gemm_sms, push_sms, fp8=fp8,
-                             shared_scale=shared_scale)
+                             shared_scale=shared_scale, x_dtype=jnp.dtype(x_local_aval.dtype).name)
     except _plan.NoExtension as e:
         raise Unavailable(str(e)) from None
     except _plan.PlanError as e:
@@ -178,8 +179,9 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
 
 
 def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, shared_scale: bool):
-    """call() of the FP8 kernels: e4m3 shard x [rows, cols] (scaled by this rank's x_scale) and w,
-    y in site.out_dtype; returns (y, gathered e4m3 [W, rows, cols] or None, the W sources' x_scale).
+    """call() of the FP8 kernels: shard x [rows, cols] in e4m3 or e5m2 (scaled by this rank's x_scale)
+    and w in e4m3, y in site.out_dtype; returns (y, gathered [W, rows, cols] in x's dtype or None, the
+    W sources' x_scale).
     Each shard's scale travels with it inside the kernels (no collective of its own); shared_scale
     says every rank's x_scale is equal, so the kernels may use their own. The weight goes in
     transposed ([N, K], K-major), as for gemm_rs's FP8 call."""

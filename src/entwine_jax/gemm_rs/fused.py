@@ -84,7 +84,8 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, 
         if out_dtype is not None and (reason := _plan.fp8_reason()):
             return reason
         try:
-            plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1, fp8=out_dtype is not None)
+            plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1, fp8=out_dtype is not None,
+                                      x_dtype=jnp.dtype(x_local_aval.dtype).name)
         except _plan.PlanError as e:
             return f"the kernels cannot run x {x_local_aval.shape} @ w {w_aval.shape} over {axis_size} ranks: {e.rule}"
     # Without the extension there is no plan, and this is where the reason says so.
@@ -99,7 +100,8 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, 
 def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension,
                        config, out_dtype=None) -> Optional[str]:
     """None when the fused kernels can run gemm_rs on x [M, K] (this rank's 2-D view), w [K, N],
-    else a short reason (out_dtype given: the FP8 kernels on e4m3 operands, writing out_dtype).
+    else a short reason (out_dtype given: the FP8 kernels on an e4m3 or e5m2 x and an e4m3 w, writing
+    out_dtype).
     Only answers: no communicator is created or grown here (prepare does that). Never raises for
     ordinary inputs; cached per call shape."""
     try:
@@ -138,7 +140,8 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, co
     (m, k), (_, n) = x_local_aval.shape, w_aval.shape
     fp8 = out_dtype is not None
     try:
-        plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1, fp8=fp8)
+        plan = _plan.gemm_rs_plan(m, n, k, axis_size, config, scatter_dimension == 1, fp8=fp8,
+                                  x_dtype=jnp.dtype(x_local_aval.dtype).name)
     except (_plan.PlanError, _plan.NoExtension) as e:
         raise Unavailable(f"the kernels cannot run this call: {e}") from None
     cid = comm.acquire_comm(mesh, axis_name, plan.slot_bytes, plan.tiles_per_partition)
@@ -161,10 +164,10 @@ def call(x2d, w, site: GemmRsCall) -> jax.Array:
 
 
 def call_fp8(x2d, w, x_scale, w_scale, site: GemmRsCall) -> jax.Array:
-    """call() of the FP8 kernels: x [M, K] and w [K, N] in e4m3, y = (x * x_scale) @ (w * w_scale)
-    reduce-scattered, in site.out_dtype. The kernels take the weight transposed ([N, K], K-major, as
-    Hopper's FP8 wgmma reads both operands); XLA fuses the transpose with the padding (one pass over
-    w's bytes, or none where the quantisation that made w writes it)."""
+    """call() of the FP8 kernels: x [M, K] in e4m3 or e5m2 and w [K, N] in e4m3, y = (x * x_scale) @
+    (w * w_scale) reduce-scattered, in site.out_dtype. The kernels take the weight transposed ([N, K],
+    K-major, as Hopper's FP8 wgmma reads both operands); XLA fuses the transpose with the padding (one
+    pass over w's bytes, or none where the quantisation that made w writes it)."""
     p = site.plan
     x_pad, w_pad = pad_operands(x2d, w, p)
     scales = [jnp.reshape(s.astype(jnp.float32), (1,)) for s in (x_scale, w_scale)]
