@@ -53,11 +53,12 @@ Suites:
   fp8      the FP8 calls (float8_e4m3fn operands, fp32 scales, bf16/fp16 out) on the FP8 kernels:
            gemm_rs both layouts with each rank's own scales, tails; ag_gemm both layouts with
            per-shard and shared x_scale, the gathered FP8 operand returned; repeated calls bitwise
-           equal; then an FP8 sequence-parallel MLP (FP8 forward, fp16 backward on the fp16 kernels)
-           with gradients; all against float64 of the dequantised operands. Fails where the
+           equal; an FP8 then an fp16 ag_gemm in one program; then an FP8 sequence-parallel MLP (FP8
+           forward; backward in fp16 on the fp16 kernels, and in e5m2 on the e5m2 x e4m3 kernels) with
+           gradients; all against float64 of the dequantised operands. Fails where the
            extension has no FP8 kernels (the XLA path cannot run several ranks on one GPU).
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
-           gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time; then the host
+           gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time, also by phase; then the host
            time per step of a lax.scan over an 8-layer MLP block (ag_gemm -> silu -> gemm_rs);
            reports them and checks the results.
   smallshapes  the fused ops against XLA's path on Llama-8B and -70B projections (q/k/v and
@@ -1233,12 +1234,16 @@ class Rank:
             raise AssertionError(f"{what}: the gathered FP8 operand differs from the shards")
         return self.check(ys[0], ref, what), None
 
-    def fp8_mlp_grads(self, t, d, f_local, seed):
+    def fp8_mlp_grads(self, t, d, f_local, seed, grad_dtype="float16"):
         """x [T/W, D] (fp16) -> ag_gemm FP8 -> silu -> gemm_rs FP8 -> [T/W, D], current scaling of every
-        operand, grad_dtype fp16 (the backward on the fp16 kernels); loss = sum(y c). Gradients against
-        float64 of the same recipe: the forward on the dequantised operands, the backward straight
-        through the quantisation. (fp16, not bf16: the recipe rounds to the half dtype five times on
-        the way to dx, which in bf16 alone reaches the 1e-2 bound.)"""
+        operand; loss = sum(y c). grad_dtype float16: the backward on the fp16 kernels; float8_e5m2 (the
+        hybrid recipe): each backward call's cotangent quantised to e5m2 with its rank's current scale,
+        on the e5m2 x e4m3 kernels. Gradients against float64 of the same recipe: the forward on the
+        dequantised operands, the backward straight through the quantisation, the cotangents quantised
+        where the recipe quantises them. (fp16, not bf16: the recipe rounds to the half dtype five times
+        on the way to dx, which in bf16 alone reaches the 1e-2 bound.) The e5m2 bound is 3e-2: a
+        cotangent the device rounds to fp16 on the other side of an e5m2 step than float64 does (about
+        one element in 2^8) moves that element by a whole step (up to 25%)."""
         import dataclasses
 
         import jax
@@ -1253,22 +1258,25 @@ class Rank:
         rng = np.random.default_rng(seed)
         tl = t // self.world
         half = jnp.float16
+        e5m2 = grad_dtype == "float8_e5m2"
+        gdt = jnp.float8_e5m2 if e5m2 else half
         xs = [rng.standard_normal((tl, d), np.float32).astype(half) for _ in range(self.world)]
         w1 = [(rng.standard_normal((d, f_local), np.float32) / np.sqrt(d)).astype(half) for _ in range(self.world)]
         w2 = [(rng.standard_normal((f_local, d), np.float32) / np.sqrt(f_local * self.world)).astype(half)
               for _ in range(self.world)]
         cs = [rng.standard_normal((tl, d), np.float32).astype(half) for _ in range(self.world)]
-        up = dataclasses.replace(entwine_jax.ag_heuristic_config(tl, f_local, d, self.world, half), path="fused")
+        up = dataclasses.replace(entwine_jax.ag_heuristic_config(tl, f_local, d, self.world, half), block_n=128,
+                                 path="fused")
         # FP8 operands take 128-wide blocks only (the plan's rule); the fp16 heuristic may pick 256.
         down = dataclasses.replace(entwine_jax.heuristic_config(t, d, f_local, self.world, half), block_n=128,
                                    path="fused")
 
         def loss(x, w1_, w2_, c):
             h = entwine_jax.ag_gemm(x, w1_, axis_name="tp", config=up, x_scale=fp8.current_scale(x),
-                                    w_scale=fp8.current_scale(w1_), grad_dtype=half)
+                                    w_scale=fp8.current_scale(w1_), grad_dtype=gdt)
             a = jax.nn.silu(h.astype(jnp.float32)).astype(half)
             y = entwine_jax.gemm_rs(a, w2_, axis_name="tp", config=down, x_scale=fp8.current_scale(a),
-                                    w_scale=fp8.current_scale(w2_), grad_dtype=half)
+                                    w_scale=fp8.current_scale(w2_), grad_dtype=gdt)
             return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32)), h
 
         # h (the FP8 forward's output) comes back too: a wrong gradient then says which call it came from.
@@ -1281,43 +1289,103 @@ class Rank:
         calls = self.fused_calls(f, *args)
         # The loss is linear in y, so its gradient never needs y: the forward gemm_rs is dead code under
         # jax.grad. What runs: ag_gemm forward (FP8), gemm_rs's backward ag_gemm and ag_gemm's backward
-        # gemm_rs (fp16).
+        # gemm_rs (fp16, or FP8 on e5m2 cotangents).
         if calls.get("ag_gemm", 0) != 2 or calls.get("gemm_rs", 0) != 1:
-            raise AssertionError(f"FP8 MLP gradients: fused calls {calls}, expected 2 ag_gemm and 1 gemm_rs")
+            raise AssertionError(f"FP8 MLP gradients ({grad_dtype}): fused calls {calls}, expected 2 ag_gemm and "
+                                 f"1 gemm_rs")
         with jax.set_mesh(self.mesh):
             (dx, dw1, dw2), h_out = jax.tree.map(self.local, f(*args))
         comm.check_errors()
 
-        def deq(v):  # quantise-dequantise with v's current scale, as the op does
+        def deq(v, dtype=ml_dtypes.float8_e4m3fn):  # quantise-dequantise with v's current scale, as the op does
             v = v.astype(np.float64)
-            s = np.float32(np.abs(v).max() / 448)
-            return np.clip(v / s, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s
+            top = float(ml_dtypes.finfo(dtype).max)
+            s = np.float32(np.abs(v).max() / top)
+            return np.clip(v / s, -top, top).astype(dtype).astype(np.float64) * s
 
         # float64 of every rank's part (the inputs of all ranks come from the shared seed): each x shard
         # quantised with its own scale; the gradient passes straight through the quantisation; the
-        # backward's fp16 GEMMs use the dequantised weights.
+        # backward's GEMMs use the dequantised weights; e5m2: each rank's cotangent quantised with its scale.
         sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
         rounded = lambda v: v.astype(half).astype(np.float64)  # noqa: E731  (where the device writes fp16)
+        cot = (lambda v: deq(v, ml_dtypes.float8_e5m2)) if e5m2 else (lambda v: v)  # noqa: E731
         x_all = np.concatenate([deq(x) for x in xs])
-        c_all = np.concatenate([c.astype(np.float64) for c in cs])
+        c_all = np.concatenate([cot(c.astype(np.float64)) for c in cs])
         dx_ref = np.zeros_like(x_all)
         for r in range(self.world):
             h = rounded(x_all @ deq(w1[r]))
             a = rounded(h * sig(h))
-            dh = rounded(c_all @ rounded(deq(w2[r])).T) * (sig(h) * (1 + h * (1 - sig(h))))
-            dx_ref += dh @ rounded(deq(w1[r])).T
+            w2_back = deq(w2[r]) if e5m2 else rounded(deq(w2[r]))  # e5m2: the e4m3 weight as it is
+            w1_back = deq(w1[r]) if e5m2 else rounded(deq(w1[r]))
+            dh = rounded(c_all @ w2_back.T) * (sig(h) * (1 + h * (1 - sig(h))))
+            dh = cot(rounded(dh)) if e5m2 else dh
+            dx_ref += dh @ w1_back.T
             if r == self.rank:
                 h_ref, dw1_ref, dw2_ref = h, x_all.T @ dh, deq(a).T @ c_all
         rows = slice(self.rank * tl, (self.rank + 1) * tl)
         # Every error at once, from the forward's h to dx: which are wrong locates the fault.
+        bound = 3e-2 if e5m2 else 1e-2
         errors = {}
         for name, out, ref in (("h", h_out, h_ref), ("dw2", dw2, dw2_ref), ("dw1", dw1, dw1_ref),
                                ("dx", dx, dx_ref[rows])):
             out = np.asarray(out, np.float64)
             errors[name] = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+        if not all(e <= bound for e in errors.values()):
+            raise AssertionError(f"FP8 MLP T={t} D={d} F/W={f_local} grad_dtype={grad_dtype}: rel errors " +
+                                 ", ".join(f"{k} {v:.3g}" for k, v in errors.items()) + f" (bound {bound:g})")
+        self.log(f"FP8 MLP grad_dtype={grad_dtype}: rel errors " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+        return max(errors.values())
+
+    def fp8_then_half(self, rows=256, cols=512, n=384, seed=1350):
+        """An FP8 ag_gemm (per-shard scales) and then an fp16 ag_gemm returning its gathered operand, in one
+        program on one communicator (the FP8 MLP's forward and its gemm_rs's fp16 backward): both
+        against float64. Returns the worst relative error."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+
+        half = jnp.float16
+        xs, x_scales, x_deq = self.fp8_shards((rows, cols), seed, 8.0)
+        ws, w_scales, _ = self.fp8_shards((cols, n), seed + 1, 1.0)
+        rng = np.random.default_rng(seed + 2)
+        hs = [rng.standard_normal((rows, cols), np.float32).astype(half) for _ in range(self.world)]
+        vs = [(rng.standard_normal((cols, n), np.float32) / np.sqrt(cols)).astype(half) for _ in range(self.world)]
+        c8 = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, jnp.float8_e4m3fn),
+                                 path="fused")
+        c16 = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, half), path="fused")
+
+        def body(x, w, a, b, h, v):
+            y8 = entwine_jax.ag_gemm(x, w, axis_name="tp", config=c8, x_scale=a, w_scale=b)
+            y16, g16 = entwine_jax.ag_gemm(h, v, axis_name="tp", config=c16, return_gathered=True)
+            return y8, y16, g16
+
+        f = jax.jit(jax.shard_map(body, mesh=self.mesh,
+                                  in_specs=(P("tp", None), P(None, "tp"), P("tp"), P(), P("tp", None), P(None, "tp")),
+                                  out_specs=(P(None, "tp"), P(None, "tp"), P("tp", None))))
+        r = self.rank
+        args = (self.place(xs[r], 0, (self.world * rows, cols)), self.place(ws[r], 1, (cols, self.world * n)),
+                self.place(x_scales[r:r + 1], 0, (self.world,)), self.replicated(w_scales[0]),
+                self.place(hs[r], 0, (self.world * rows, cols)), self.place(vs[r], 1, (cols, self.world * n)))
+        calls = self.fused_calls(f, *args)
+        if calls.get("ag_gemm", 0) != 2:
+            raise AssertionError(f"FP8 then fp16 ag_gemm: fused calls {calls}, expected 2 ag_gemm")
+        with jax.set_mesh(self.mesh):
+            y8, y16, g16 = (self.local(o) for o in f(*args))
+        h_all = np.concatenate([h.astype(np.float64) for h in hs])
+        errors = {"fp8 y": np.concatenate(x_deq) @ (ws[r].astype(np.float64) * float(w_scales[0])),
+                  "fp16 y": h_all @ vs[r].astype(np.float64), "fp16 gathered": h_all}
+        outs = {"fp8 y": y8, "fp16 y": y16, "fp16 gathered": g16}
+        for name, ref in list(errors.items()):
+            out = np.asarray(outs[name], np.float64)
+            errors[name] = np.linalg.norm(out - ref) / np.linalg.norm(ref)
         if not all(e <= 1e-2 for e in errors.values()):
-            raise AssertionError(f"FP8 MLP T={t} D={d} F/W={f_local}: rel errors " +
-                                 ", ".join(f"{k} {v:.3g}" for k, v in errors.items()) + " (bound 1e-2)")
+            raise AssertionError("FP8 then fp16 ag_gemm on one communicator: rel errors " +
+                                 ", ".join(f"{k} {v:.3g}" for k, v in errors.items()))
         return max(errors.values())
 
     def fp8(self):
@@ -1350,7 +1418,20 @@ class Rank:
                     worst = max(worst, err)
                     cases += 1
                     self.log(f"{what}: ok")
-        worst = max(worst, self.fp8_mlp_grads(w_ * 256, 512, 384, seed=1300))
+        # Both backward recipes; the fp16 one first, the e5m2 one even if it fails (the errors say where).
+        failures = []
+        try:
+            worst = max(worst, self.fp8_then_half())
+            self.log("fp8: an FP8 ag_gemm, then an fp16 one with its gathered operand: ok")
+        except AssertionError as e:
+            failures.append(str(e))
+        for grad_dtype in ("float16", "float8_e5m2"):
+            try:
+                worst = max(worst, self.fp8_mlp_grads(w_ * 256, 512, 384, seed=1300, grad_dtype=grad_dtype))
+            except AssertionError as e:
+                failures.append(str(e))
+        if failures:
+            raise AssertionError("; ".join(failures))
         self.log("fp8: MLP FP8 forward, fp16 backward, all four calls fused: ok")
         return (f"fp8: {cases} cases + MLP gradients ok, worst rel error {worst:.2e}"
                 + (f"; {len(skipped)} per-shard contraction cases refused by the kernels' plan" if skipped else ""))

@@ -791,11 +791,17 @@ struct CublasLt {
     for (int i = 0; i < count; ++i) {
       if (results[i].state != 0) continue;
       Algo const algo = results[i].algo;
+      // The heuristic offers FP8 algorithms that cublasLtMatmul then refuses (NOT_SUPPORTED): tried
+      // once, such a candidate is left out.
+      if (run(lt, descriptors.get(), &alpha, w, a, x, b, &beta, y, d, y, d, &algo, ws, kWorkspaceBytes, stream) != 0) {
+        continue;
+      }
       launchers.push_back([=]() {
         check(run(lt, descriptors.get(), &alpha, w, a, x, b, &beta, y, d, y, d, &algo, ws, kWorkspaceBytes, stream),
               "cublasLtMatmul");
       });
     }
+    if (launchers.empty()) check(-1, "every algorithm refused");
     return launchers;
   }
 
