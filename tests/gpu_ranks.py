@@ -65,7 +65,9 @@ Suites:
            gate/up: ag_gemm; o and down: gemm_rs) at 16..2048 tokens per rank: XLA's GEMM alone
            plus the transfer at the link rate of tuning/crossover.py (no NCCL between processes of
            one GPU); prints a table, the fixed costs fitted to it, and where the rule of
-           tuning/crossover.py disagrees with the measurement.
+           tuning/crossover.py disagrees with the measurement. Meaningful with one GPU per rank only:
+           processes sharing a GPU take turns on it in time slices, and a fused call waits for its
+           peer's turn (2.3 ms per gemm_rs, 4.6 ms per ag_gemm on one H200, whatever the shape).
 
 NCCL refuses two ranks on one GPU, so each rank computes its reference on the host from the shared
 seeds. Every rank prints `ENTWINE_RANK <r> PASS|FAIL <detail>`; the launcher kills every rank of a
@@ -1388,6 +1390,77 @@ class Rank:
                                  ", ".join(f"{k} {v:.3g}" for k, v in errors.items()))
         return max(errors.values())
 
+    def fp8_half_backward(self, t=512, d=512, f_local=384, seed=1360):
+        """Each FP8 op's fp16 backward alone (jax.vjp with a given cotangent): gemm_rs's (an fp16 ag_gemm
+        returning the gathered dy, dw from it) and ag_gemm's (an fp16 gemm_rs, dw from the gathered FP8
+        x); against float64 of the dequantised operands. Returns {name: rel error}."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        import ml_dtypes
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import comm, fp8
+
+        w_, r, half = self.world, self.rank, jnp.float16
+        tl = t // w_
+        rng = np.random.default_rng(seed)
+        a_s = [rng.standard_normal((t, f_local), np.float32).astype(half) for _ in range(w_)]  # gemm_rs x
+        w2 = [(rng.standard_normal((f_local, d), np.float32) / np.sqrt(f_local * w_)).astype(half) for _ in range(w_)]
+        cs = [rng.standard_normal((tl, d), np.float32).astype(half) for _ in range(w_)]  # gemm_rs dy
+        xs = [rng.standard_normal((tl, d), np.float32).astype(half) for _ in range(w_)]  # ag_gemm x
+        w1 = [(rng.standard_normal((d, f_local), np.float32) / np.sqrt(d)).astype(half) for _ in range(w_)]
+        dhs = [rng.standard_normal((t, f_local), np.float32).astype(half) for _ in range(w_)]  # ag_gemm dy
+        up = dataclasses.replace(entwine_jax.ag_heuristic_config(tl, f_local, d, w_, half), block_n=128, path="fused")
+        down = dataclasses.replace(entwine_jax.heuristic_config(t, d, f_local, w_, half), block_n=128, path="fused")
+        cur = fp8.current_scale
+
+        def rs_bwd(a, w, c):
+            _, vjp = jax.vjp(lambda a_, w__: entwine_jax.gemm_rs(a_, w__, axis_name="tp", config=down,
+                                                                  x_scale=cur(a_), w_scale=cur(w__), grad_dtype=half),
+                             a, w)
+            return vjp(c)
+
+        def ag_bwd(x, w, dh):
+            _, vjp = jax.vjp(lambda x_, w__: entwine_jax.ag_gemm(x_, w__, axis_name="tp", config=up,
+                                                                  x_scale=cur(x_), w_scale=cur(w__), grad_dtype=half),
+                             x, w)
+            return vjp(dh)
+
+        f_rs = jax.jit(jax.shard_map(rs_bwd, mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None), P("tp", None)),
+                                     out_specs=(P(None, "tp"), P("tp", None))))
+        f_ag = jax.jit(jax.shard_map(ag_bwd, mesh=self.mesh, in_specs=(P("tp", None), P(None, "tp"), P(None, "tp")),
+                                     out_specs=(P("tp", None), P(None, "tp"))))
+        with jax.set_mesh(self.mesh):
+            da, dw2 = (self.local(o) for o in f_rs(self.place(a_s[r], 1, (t, w_ * f_local)),
+                                                   self.place(w2[r], 0, (w_ * f_local, d)),
+                                                   self.place(cs[r], 0, (t, d))))
+            dx, dw1 = (self.local(o) for o in f_ag(self.place(xs[r], 0, (t, d)),
+                                                   self.place(w1[r], 1, (d, w_ * f_local)),
+                                                   self.place(dhs[r], 1, (t, w_ * f_local))))
+        comm.check_errors()
+
+        def deq(v):
+            v = v.astype(np.float64)
+            sc = np.float32(np.abs(v).max() / 448)
+            return np.clip(v / sc, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sc
+
+        rounded = lambda v: v.astype(half).astype(np.float64)  # noqa: E731
+        c_all = np.concatenate([c.astype(np.float64) for c in cs])
+        x_all = np.concatenate([deq(x) for x in xs])
+        dh_r = dhs[r].astype(np.float64)
+        refs = {"gemm_rs bwd da": c_all @ rounded(deq(w2[r])).T,
+                "gemm_rs bwd dw": deq(a_s[r]).T @ c_all,
+                "ag_gemm bwd dx": sum(dhs[q].astype(np.float64) @ rounded(deq(w1[q])).T for q in range(w_))[
+                    r * tl:(r + 1) * tl],
+                "ag_gemm bwd dw": x_all.T @ dh_r}
+        outs = {"gemm_rs bwd da": da, "gemm_rs bwd dw": dw2, "ag_gemm bwd dx": dx, "ag_gemm bwd dw": dw1}
+        return {k: float(np.linalg.norm(np.asarray(outs[k], np.float64) - v) / np.linalg.norm(v))
+                for k, v in refs.items()}
+
     def fp8(self):
         import jax.numpy as jnp
 
@@ -1420,6 +1493,8 @@ class Rank:
                     self.log(f"{what}: ok")
         # Both backward recipes; the fp16 one first, the e5m2 one even if it fails (the errors say where).
         failures = []
+        self.log("fp8: each op's fp16 backward alone, rel errors: " + ", ".join(
+            f"{k} {v:.2e}" for k, v in self.fp8_half_backward().items()))
         try:
             worst = max(worst, self.fp8_then_half())
             self.log("fp8: an FP8 ag_gemm, then an fp16 one with its gathered operand: ok")
@@ -1736,12 +1811,12 @@ class Rank:
                     ka, kb = jax.random.split(jax.random.fold_in(key, len(rows)))
                     with jax.default_device(self.device):
                         if op == "gemm_rs":
-                            x = jax.random.normal(ka, (m, k), jnp.float32).astype(bf) / np.sqrt(w_ * k)
+                            x = (jax.random.normal(ka, (m, k), jnp.float32) / np.sqrt(w_ * k)).astype(bf)
                             gx = self.place(x, 1, (m, w_ * k))
                             a_full = x
                             moved = (w_ - 1) / w_ * m * n * 2
                         else:
-                            x = jax.random.normal(ka, (t, k), jnp.float32).astype(bf) / np.sqrt(k)
+                            x = (jax.random.normal(ka, (t, k), jnp.float32) / np.sqrt(k)).astype(bf)
                             gx = self.place(x, 0, (m, k))
                             a_full = jnp.concatenate([x] * w_)  # the gathered operand's shape
                             moved = (w_ - 1) * t * k * 2
@@ -1781,7 +1856,11 @@ class Rank:
                       f"{r[9]:>8.1f} {r[10]:>5} {r[11]:>6}", flush=True)
         fitted = {op: float(np.median(v)) for op, v in fits.items()}
         wrong = [f"{r[0]} {r[1]} T={r[2]}" for r in rows if r[10] != r[11]]
-        return (f"smallshapes: {len(rows)} shapes; fitted fixed_us (median of fused - max(GEMM, link)): "
+        # Processes sharing one GPU without MPS take turns on it (time slices of milliseconds): a fused
+        # call waits for its peer's turn, so its time is the slice, not the op's.
+        shared = (" (ranks share a GPU: the fused times are the driver's time slices between processes, not "
+                  "the ops' costs; only --gpus W measures the crossover)" if self.args.gpus < self.world else "")
+        return (f"smallshapes{shared}: {len(rows)} shapes; fitted fixed_us (median of fused - max(GEMM, link)): "
                 f"gemm_rs {fitted['gemm_rs']:.1f}, ag_gemm {fitted['ag_gemm']:.1f} (crossover.py has "
                 f"{dict(costs.fixed_us)}); the rule disagrees with the measurement on {len(wrong)}: "
                 f"{', '.join(wrong) or 'none'}")
