@@ -54,8 +54,8 @@ Suites:
            gemm_rs both layouts with each rank's own scales, tails; ag_gemm both layouts with
            per-shard and shared x_scale, the gathered FP8 operand returned; repeated calls bitwise
            equal; an FP8 then an fp16 ag_gemm in one program; then an FP8 sequence-parallel MLP (FP8
-           forward; backward in fp16 on the fp16 kernels, and in e5m2 on the e5m2 x e4m3 kernels) with
-           gradients; all against float64 of the dequantised operands. Fails where the
+           forward; backward in e5m2 on the e5m2 x e4m3 kernels, and with --gpus W in fp16 on XLA's
+           path) with gradients; all against float64 of the dequantised operands. Fails where the
            extension has no FP8 kernels (the XLA path cannot run several ranks on one GPU).
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
            gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time, also by phase; then the host
@@ -1238,8 +1238,8 @@ class Rank:
 
     def fp8_mlp_grads(self, t, d, f_local, seed, grad_dtype="float16"):
         """x [T/W, D] (fp16) -> ag_gemm FP8 -> silu -> gemm_rs FP8 -> [T/W, D], current scaling of every
-        operand; loss = sum(y c). grad_dtype float16: the backward on the fp16 kernels; float8_e5m2 (the
-        hybrid recipe): each backward call's cotangent quantised to e5m2 with its rank's current scale,
+        operand; loss = sum(y c). grad_dtype float16: the backward on XLA's path (fused, it was 2.6-3.8%
+        off on one H200); float8_e5m2 (the hybrid recipe): each backward call's cotangent quantised to e5m2 with its rank's current scale,
         on the e5m2 x e4m3 kernels. Gradients against float64 of the same recipe: the forward on the
         dequantised operands, the backward straight through the quantisation, the cotangents quantised
         where the recipe quantises them. (fp16, not bf16: the recipe rounds to the half dtype five times
@@ -1290,11 +1290,12 @@ class Rank:
                 self.place(w2[self.rank], 0, (self.world * f_local, d)), self.place(cs[self.rank], 0, (t, d)))
         calls = self.fused_calls(f, *args)
         # The loss is linear in y, so its gradient never needs y: the forward gemm_rs is dead code under
-        # jax.grad. What runs: ag_gemm forward (FP8), gemm_rs's backward ag_gemm and ag_gemm's backward
-        # gemm_rs (fp16, or FP8 on e5m2 cotangents).
-        if calls.get("ag_gemm", 0) != 2 or calls.get("gemm_rs", 0) != 1:
-            raise AssertionError(f"FP8 MLP gradients ({grad_dtype}): fused calls {calls}, expected 2 ag_gemm and "
-                                 f"1 gemm_rs")
+        # jax.grad. What runs fused: ag_gemm forward (FP8); with e5m2 cotangents also gemm_rs's backward
+        # ag_gemm and ag_gemm's backward gemm_rs (the fp16 backward takes XLA's path).
+        want = (2, 1) if e5m2 else (1, 0)
+        if (calls.get("ag_gemm", 0), calls.get("gemm_rs", 0)) != want:
+            raise AssertionError(f"FP8 MLP gradients ({grad_dtype}): fused calls {calls}, expected {want[0]} "
+                                 f"ag_gemm and {want[1]} gemm_rs")
         with jax.set_mesh(self.mesh):
             (dx, dw1, dw2), h_out = jax.tree.map(self.local, f(*args))
         comm.check_errors()
@@ -1390,77 +1391,6 @@ class Rank:
                                  ", ".join(f"{k} {v:.3g}" for k, v in errors.items()))
         return max(errors.values())
 
-    def fp8_half_backward(self, t=512, d=512, f_local=384, seed=1360):
-        """Each FP8 op's fp16 backward alone (jax.vjp with a given cotangent): gemm_rs's (an fp16 ag_gemm
-        returning the gathered dy, dw from it) and ag_gemm's (an fp16 gemm_rs, dw from the gathered FP8
-        x); against float64 of the dequantised operands. Returns {name: rel error}."""
-        import dataclasses
-
-        import jax
-        import jax.numpy as jnp
-        import ml_dtypes
-        import numpy as np
-        from jax.sharding import PartitionSpec as P
-
-        import entwine_jax
-        from entwine_jax import comm, fp8
-
-        w_, r, half = self.world, self.rank, jnp.float16
-        tl = t // w_
-        rng = np.random.default_rng(seed)
-        a_s = [rng.standard_normal((t, f_local), np.float32).astype(half) for _ in range(w_)]  # gemm_rs x
-        w2 = [(rng.standard_normal((f_local, d), np.float32) / np.sqrt(f_local * w_)).astype(half) for _ in range(w_)]
-        cs = [rng.standard_normal((tl, d), np.float32).astype(half) for _ in range(w_)]  # gemm_rs dy
-        xs = [rng.standard_normal((tl, d), np.float32).astype(half) for _ in range(w_)]  # ag_gemm x
-        w1 = [(rng.standard_normal((d, f_local), np.float32) / np.sqrt(d)).astype(half) for _ in range(w_)]
-        dhs = [rng.standard_normal((t, f_local), np.float32).astype(half) for _ in range(w_)]  # ag_gemm dy
-        up = dataclasses.replace(entwine_jax.ag_heuristic_config(tl, f_local, d, w_, half), block_n=128, path="fused")
-        down = dataclasses.replace(entwine_jax.heuristic_config(t, d, f_local, w_, half), block_n=128, path="fused")
-        cur = fp8.current_scale
-
-        def rs_bwd(a, w, c):
-            _, vjp = jax.vjp(lambda a_, w__: entwine_jax.gemm_rs(a_, w__, axis_name="tp", config=down,
-                                                                  x_scale=cur(a_), w_scale=cur(w__), grad_dtype=half),
-                             a, w)
-            return vjp(c)
-
-        def ag_bwd(x, w, dh):
-            _, vjp = jax.vjp(lambda x_, w__: entwine_jax.ag_gemm(x_, w__, axis_name="tp", config=up,
-                                                                  x_scale=cur(x_), w_scale=cur(w__), grad_dtype=half),
-                             x, w)
-            return vjp(dh)
-
-        f_rs = jax.jit(jax.shard_map(rs_bwd, mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None), P("tp", None)),
-                                     out_specs=(P(None, "tp"), P("tp", None))))
-        f_ag = jax.jit(jax.shard_map(ag_bwd, mesh=self.mesh, in_specs=(P("tp", None), P(None, "tp"), P(None, "tp")),
-                                     out_specs=(P("tp", None), P(None, "tp"))))
-        with jax.set_mesh(self.mesh):
-            da, dw2 = (self.local(o) for o in f_rs(self.place(a_s[r], 1, (t, w_ * f_local)),
-                                                   self.place(w2[r], 0, (w_ * f_local, d)),
-                                                   self.place(cs[r], 0, (t, d))))
-            dx, dw1 = (self.local(o) for o in f_ag(self.place(xs[r], 0, (t, d)),
-                                                   self.place(w1[r], 1, (d, w_ * f_local)),
-                                                   self.place(dhs[r], 1, (t, w_ * f_local))))
-        comm.check_errors()
-
-        def deq(v):
-            v = v.astype(np.float64)
-            sc = np.float32(np.abs(v).max() / 448)
-            return np.clip(v / sc, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sc
-
-        rounded = lambda v: v.astype(half).astype(np.float64)  # noqa: E731
-        c_all = np.concatenate([c.astype(np.float64) for c in cs])
-        x_all = np.concatenate([deq(x) for x in xs])
-        dh_r = dhs[r].astype(np.float64)
-        refs = {"gemm_rs bwd da": c_all @ rounded(deq(w2[r])).T,
-                "gemm_rs bwd dw": deq(a_s[r]).T @ c_all,
-                "ag_gemm bwd dx": sum(dhs[q].astype(np.float64) @ rounded(deq(w1[q])).T for q in range(w_))[
-                    r * tl:(r + 1) * tl],
-                "ag_gemm bwd dw": x_all.T @ dh_r}
-        outs = {"gemm_rs bwd da": da, "gemm_rs bwd dw": dw2, "ag_gemm bwd dx": dx, "ag_gemm bwd dw": dw1}
-        return {k: float(np.linalg.norm(np.asarray(outs[k], np.float64) - v) / np.linalg.norm(v))
-                for k, v in refs.items()}
-
     def fp8(self):
         import jax.numpy as jnp
 
@@ -1491,16 +1421,18 @@ class Rank:
                     worst = max(worst, err)
                     cases += 1
                     self.log(f"{what}: ok")
-        # Both backward recipes; the fp16 one first, the e5m2 one even if it fails (the errors say where).
+        # Both backward recipes. The fp16 one runs on XLA's path (fp8._HALF_BACKWARD_AG), which needs NCCL:
+        # one GPU per rank only.
         failures = []
-        self.log("fp8: each op's fp16 backward alone, rel errors: " + ", ".join(
-            f"{k} {v:.2e}" for k, v in self.fp8_half_backward().items()))
         try:
             worst = max(worst, self.fp8_then_half())
             self.log("fp8: an FP8 ag_gemm, then an fp16 one with its gathered operand: ok")
         except AssertionError as e:
             failures.append(str(e))
         for grad_dtype in ("float16", "float8_e5m2"):
+            if grad_dtype == "float16" and self.args.gpus < self.world:
+                self.log("fp8: the MLP's fp16 backward (XLA's path) not run: ranks share a GPU (no NCCL)")
+                continue
             try:
                 worst = max(worst, self.fp8_mlp_grads(w_ * 256, 512, 384, seed=1300, grad_dtype=grad_dtype))
             except AssertionError as e:

@@ -504,11 +504,13 @@ def test_fp8_backward_lowers_to_the_fused_fp8_calls(fused_on_cpu, caplog):
     assert sorted(gathered) == [("4x128x256", "f8E4M3FN"), ("4x128x256", "f8E5M2")]
 
 
-def test_bf16_backward_lowers_to_the_bf16_fused_calls(fused_on_cpu):
-    # grad_dtype bfloat16: the FP8 forward, the backward on the bf16 kernels.
+def test_bf16_backward_takes_xla_path(fused_on_cpu):
+    # grad_dtype bfloat16: the FP8 forward fused, the backward on XLA's path (its fused form was seen
+    # wrong on a GPU: fp8._HALF_BACKWARD_AG), even with the forward forced onto the kernels.
     text = _lowered_block_grads(grad_dtype=jnp.bfloat16)
     assert sorted(_fp8_calls(text)) == [("entwine_ag_gemm_fp8", "f8E4M3FN"), ("entwine_gemm_rs_fp8", "f8E4M3FN")]
-    assert len(re.findall(r"custom_call @entwine_(gemm_rs|ag_gemm)\(", text)) == 2
+    assert not re.findall(r"custom_call @entwine_(gemm_rs|ag_gemm)\(", text)
+    assert "all_gather" in text and "reduce_scatter" in text
 
 
 def test_e5m2_times_e5m2_is_refused_by_the_fused_path(fused_on_cpu):

@@ -28,7 +28,8 @@ Backward: the cotangent dy is quantised to ``grad_dtype`` float8_e5m2 (default) 
 ag_gemm of e5m2 dy and the e4m3 weight, ag_gemm's dx a gemm_rs) and dw a dot of the gathered FP8
 operand. Where the forward runs on the fused kernels, so does this backward: the FP8 kernels take an
 e5m2 x with an e4m3 weight (e5m2 x e4m3). ``grad_dtype`` bfloat16 or float16 runs the backward in
-that dtype on the dequantised weight (the bf16 ops and their kernels).
+that dtype on the dequantised weight, on XLA's path (its fused form was seen wrong on a GPU:
+docs/design.md, "FP8").
 """
 from __future__ import annotations
 
@@ -183,6 +184,14 @@ def _quantized_cotangent(dy, grad_scale):
     return quantize(dy, gs, E5M2), gs
 
 
+# The bf16/fp16 backward of an FP8 call runs on XLA's path. On one H200 (two processes) the fused one
+# gave an FP8 MLP's gradients 2.6-3.8% from float64 of the same recipe, which XLA's path matches to
+# 0.4%, while the e5m2 backward and the FP8 forward on the same kernels were right (docs/design.md,
+# "FP8"). Until that is explained, no fused call is taken where it was seen wrong.
+_HALF_BACKWARD_AG = AgGemmConfig(path="xla")
+_HALF_BACKWARD_RS = GemmRsConfig(path="xla")
+
+
 def _lead_dims(v) -> tuple:
     return tuple(range(v.ndim - 1))
 
@@ -208,7 +217,7 @@ def _gemm_rs_fp8_bwd(plan, call, res, dy):
         # The backward in bf16/fp16 on the dequantised weight: the bf16 ag_gemm, whose gathered dy serves dw.
         dtype = jnp.dtype(call.grad_dtype)
         dy, w_t = dy.astype(dtype), dequantize(w8, ws, dtype).T
-        config = _ag_backward_config(plan.config, dy, w_t, plan.axis_size)
+        config = _HALF_BACKWARD_AG
         ag_plan = ag_op.plan(dy, w_t, axis_name=plan.axis_name, gather_dimension=sd, config=config, return_gathered=True)
         dx, g = ag_op.forward(dy, w_t, ag_plan, gathered=True)
         dw = matmul_weight_grad(dequantize(x8, xs, dtype), g, dtype)
@@ -279,7 +288,7 @@ def _ag_gemm_fp8_bwd(plan, call, res, cotangents):
         # The backward in bf16/fp16 on the dequantised weight and gathered operand: the bf16 gemm_rs.
         dtype = jnp.dtype(call.grad_dtype)
         dy, w_t = dy.astype(dtype), dequantize(w8, ws, dtype).T
-        config = _rs_backward_config(plan, dy, w_t)
+        config = _HALF_BACKWARD_RS
         rs_plan = rs_op.plan(dy, w_t, axis_name=plan.axis_name, scatter_dimension=gd, config=config)
         dx = rs_op.forward(dy, w_t, rs_plan)
         g = _dequantize_by_source(g8, g_scales, gd, dtype)
