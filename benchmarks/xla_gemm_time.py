@@ -6,11 +6,15 @@ the kernels are longer than dispatch), median of 15 batches after warm-up.
 `entwine_harness energy suite SECONDS` times the producer and cuBLASLt (the power cap's steady state):
 the host keeps two batches of ~20 ms queued and times the window between two batch completions.
 Prints a table (with the mean SM clock of the window, from NVML, where it loads) and writes JSON lines.
-Usage: python benchmarks/xla_gemm_time.py [--steady SECONDS] [out.jsonl]
+--fp8: XLA's FP8 GEMM instead (e4m3 x [M, K] and w_t [N, K], each dequantised by an f32 scale, bf16
+out: the pattern XLA rewrites to cuBLASLt's FP8 GEMM, as Flax's FP8 dot does) on the suite and the
+ag_gemm bench shapes, per-call timing as by default; says whether the rewrite happened.
+Usage: python benchmarks/xla_gemm_time.py [--steady SECONDS | --fp8] [out.jsonl]
 """
 import collections
 import ctypes
 import json
+import re
 import sys
 import time
 
@@ -20,6 +24,46 @@ import numpy as np
 
 SUITE = [(4096, 8192, 1024), (8192, 8192, 1024), (16384, 8192, 1024), (8192, 8192, 3584),
          (16384, 8192, 3584), (8192, 16384, 2048), (16384, 16384, 2048), (16384, 16384, 6656)]
+# ag_gemm's GEMM in `entwine_harness fp8 bench` (W = 2): tokens x mlp/2 x embed.
+AG_SHAPES = [(8192, 7168, 4096), (16384, 7168, 4096), (8192, 14336, 8192)]
+
+
+def fp8_main(out):
+    e4m3 = jnp.float8_e4m3fn
+
+    def dot(x8, w8t, xs, ws):
+        x = x8.astype(jnp.bfloat16) * xs.astype(jnp.bfloat16)
+        w = w8t.astype(jnp.bfloat16) * ws.astype(jnp.bfloat16)
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(
+            jnp.bfloat16)
+
+    fn = jax.jit(dot)
+    # The fused ops' weight reaches the kernels K-major: quantised and transposed per step (one XLA
+    # fusion) instead of quantised alone; the difference is what the transposed copy costs.
+    from entwine_jax import fp8
+    quantize = jax.jit(lambda w, s: fp8.quantize(w, s))
+    quantize_t = jax.jit(lambda w, s: fp8.quantize(w, s).T)
+    print(f"{jax.devices()[0].device_kind}: XLA FP8 dot (e4m3 x e4m3, per-tensor scales, bf16 out); quantising the "
+          "bf16 weight [K, N] to e4m3 alone and transposed")
+    for m, n, k in SUITE + AG_SHAPES:
+        kx, kw = jax.random.split(jax.random.key(m + n + k))
+        x8 = jax.random.normal(kx, (m, k), jnp.float32).astype(e4m3)
+        w8t = jax.random.normal(kw, (n, k), jnp.float32).astype(e4m3)
+        xs, ws = jnp.float32(0.5), jnp.float32(0.25)
+        hlo = fn.lower(x8, w8t, xs, ws).compile().as_text()
+        # What XLA made of it: cuBLASLt's FP8 GEMM, or a GEMM of the converted operands.
+        targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
+        rewritten = "__cublas$lt$matmul$f8" in targets
+        kind = "cuBLASLt FP8" if rewritten else ("triton fusion" if "__triton_gemm" in hlo else ",".join(targets) or "?")
+        ms = per_call_ms(fn, x8, w8t, xs, ws)
+        w16 = jax.random.normal(kw, (k, n), jnp.bfloat16)
+        q_ms, qt_ms = per_call_ms(quantize, w16, ws), per_call_ms(quantize_t, w16, ws)
+        print(f"{m:6d} {n:6d} {k:5d}  {ms:8.4f} ms  {2 * m * n * k / ms / 1e9:6.0f} TF/s  "
+              f"{kind}  "
+              f"quantise w {q_ms * 1e3:6.1f} us, transposed {qt_ms * 1e3:6.1f} us")
+        if out:
+            out.write(json.dumps({"kind": "xla_fp8_gemm", "m": m, "n": n, "k": k, "ms": ms, "cublaslt_fp8": rewritten, "gemm": kind,
+                                  "quantize_ms": q_ms, "quantize_transpose_ms": qt_ms}) + "\n")
 
 
 def per_call_ms(fn, *args, batch=20, batches=15):
@@ -90,6 +134,8 @@ def main():
     if args[:1] == ["--steady"]:
         steady = float(args[1])
         args = args[2:]
+    if args[:1] == ["--fp8"]:
+        return fp8_main(open(args[1], "w") if args[1:] else None)
     out = open(args[0], "w") if args else None
     dot = jax.jit(lambda x, w: jnp.dot(x, w))
     inputs = {}

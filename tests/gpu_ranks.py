@@ -54,9 +54,12 @@ Suites:
            gemm_rs both layouts with each rank's own scales, tails; ag_gemm both layouts with
            per-shard and shared x_scale, the gathered FP8 operand returned; repeated calls bitwise
            equal; an FP8 then an fp16 ag_gemm in one program; then an FP8 sequence-parallel MLP (FP8
-           forward; backward in e5m2 on the e5m2 x e4m3 kernels, and with --gpus W in fp16 on XLA's
-           path) with gradients; all against float64 of the dequantised operands. Fails where the
+           forward; backward in e5m2 on the e5m2 x e4m3 kernels, and in fp16 on the fp16 kernels)
+           with gradients; all against float64 of the dequantised operands. Fails where the
            extension has no FP8 kernels (the XLA path cannot run several ranks on one GPU).
+  fp8half  the FP8 calls' fp16 backward piece by piece: the fp16 ops alone at the FP8 MLP's
+           backward shapes (both configs, both pushes), each FP8 op's fp16 backward alone against
+           the recipe (FP8-rounded operands) and against the unrounded operands, the FP8 MLP.
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
            gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time, also by phase; then the host
            time per step of a lax.scan over an 8-layer MLP block (ag_gemm -> silu -> gemm_rs);
@@ -1238,9 +1241,9 @@ class Rank:
 
     def fp8_mlp_grads(self, t, d, f_local, seed, grad_dtype="float16"):
         """x [T/W, D] (fp16) -> ag_gemm FP8 -> silu -> gemm_rs FP8 -> [T/W, D], current scaling of every
-        operand; loss = sum(y c). grad_dtype float16: the backward on XLA's path (fused, it was 2.6-3.8%
-        off on one H200); float8_e5m2 (the hybrid recipe): each backward call's cotangent quantised to e5m2 with its rank's current scale,
-        on the e5m2 x e4m3 kernels. Gradients against float64 of the same recipe: the forward on the
+        operand; loss = sum(y c). grad_dtype float16: the backward on the fp16 kernels, on the
+        dequantised FP8 operands; float8_e5m2 (the hybrid recipe): each backward call's cotangent
+        quantised to e5m2 with its rank's current scale, on the e5m2 x e4m3 kernels. Gradients against float64 of the same recipe: the forward on the
         dequantised operands, the backward straight through the quantisation, the cotangents quantised
         where the recipe quantises them. (fp16, not bf16: the recipe rounds to the half dtype five times
         on the way to dx, which in bf16 alone reaches the 1e-2 bound.) The e5m2 bound is 3e-2: a
@@ -1290,9 +1293,9 @@ class Rank:
                 self.place(w2[self.rank], 0, (self.world * f_local, d)), self.place(cs[self.rank], 0, (t, d)))
         calls = self.fused_calls(f, *args)
         # The loss is linear in y, so its gradient never needs y: the forward gemm_rs is dead code under
-        # jax.grad. What runs fused: ag_gemm forward (FP8); with e5m2 cotangents also gemm_rs's backward
-        # ag_gemm and ag_gemm's backward gemm_rs (the fp16 backward takes XLA's path).
-        want = (2, 1) if e5m2 else (1, 0)
+        # jax.grad. What runs fused: ag_gemm forward (FP8), gemm_rs's backward ag_gemm and ag_gemm's
+        # backward gemm_rs (in either recipe).
+        want = (2, 1)
         if (calls.get("ag_gemm", 0), calls.get("gemm_rs", 0)) != want:
             raise AssertionError(f"FP8 MLP gradients ({grad_dtype}): fused calls {calls}, expected {want[0]} "
                                  f"ag_gemm and {want[1]} gemm_rs")
@@ -1391,6 +1394,171 @@ class Rank:
                                  ", ".join(f"{k} {v:.3g}" for k, v in errors.items()))
         return max(errors.values())
 
+    def fp8_half_backward(self, t=512, d=512, f_local=384, seed=1360):
+        """Each FP8 op's fp16 backward alone (jax.vjp with a given cotangent), on the kernels: gemm_rs's (an fp16 ag_gemm returning the gathered
+        dy, dw from it) and ag_gemm's (an fp16 gemm_rs, dw from the gathered FP8 x); against float64
+        of the dequantised operands. Returns {name: rel error}."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        import ml_dtypes
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import comm, fp8
+
+        w_, r, half = self.world, self.rank, jnp.float16
+        tl = t // w_
+        rng = np.random.default_rng(seed)
+        a_s = [rng.standard_normal((t, f_local), np.float32).astype(half) for _ in range(w_)]  # gemm_rs x
+        w2 = [(rng.standard_normal((f_local, d), np.float32) / np.sqrt(f_local * w_)).astype(half) for _ in range(w_)]
+        cs = [rng.standard_normal((tl, d), np.float32).astype(half) for _ in range(w_)]  # gemm_rs dy
+        xs = [rng.standard_normal((tl, d), np.float32).astype(half) for _ in range(w_)]  # ag_gemm x
+        w1 = [(rng.standard_normal((d, f_local), np.float32) / np.sqrt(d)).astype(half) for _ in range(w_)]
+        dhs = [rng.standard_normal((t, f_local), np.float32).astype(half) for _ in range(w_)]  # ag_gemm dy
+        up = dataclasses.replace(entwine_jax.ag_heuristic_config(tl, f_local, d, w_, half), block_n=128, path="fused")
+        down = dataclasses.replace(entwine_jax.heuristic_config(t, d, f_local, w_, half), block_n=128, path="fused")
+        cur = fp8.current_scale
+
+        def rs_bwd(a, w, c):
+            _, vjp = jax.vjp(lambda a_, w__: entwine_jax.gemm_rs(a_, w__, axis_name="tp", config=down,
+                                                                  x_scale=cur(a_), w_scale=cur(w__), grad_dtype=half),
+                             a, w)
+            return vjp(c)
+
+        def ag_bwd(x, w, dh):
+            _, vjp = jax.vjp(lambda x_, w__: entwine_jax.ag_gemm(x_, w__, axis_name="tp", config=up,
+                                                                  x_scale=cur(x_), w_scale=cur(w__), grad_dtype=half),
+                             x, w)
+            return vjp(dh)
+
+        f_rs = jax.jit(jax.shard_map(rs_bwd, mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None), P("tp", None)),
+                                     out_specs=(P(None, "tp"), P("tp", None))))
+        f_ag = jax.jit(jax.shard_map(ag_bwd, mesh=self.mesh, in_specs=(P("tp", None), P(None, "tp"), P(None, "tp")),
+                                     out_specs=(P("tp", None), P(None, "tp"))))
+        with jax.set_mesh(self.mesh):
+            da, dw2 = (self.local(o) for o in f_rs(self.place(a_s[r], 1, (t, w_ * f_local)),
+                                                   self.place(w2[r], 0, (w_ * f_local, d)),
+                                                   self.place(cs[r], 0, (t, d))))
+            dx, dw1 = (self.local(o) for o in f_ag(self.place(xs[r], 0, (t, d)),
+                                                   self.place(w1[r], 1, (d, w_ * f_local)),
+                                                   self.place(dhs[r], 1, (t, w_ * f_local))))
+        comm.check_errors()
+
+        def deq(v):
+            v = v.astype(np.float64)
+            sc = np.float32(np.abs(v).max() / 448)
+            return np.clip(v / sc, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sc
+
+        rounded = lambda v: v.astype(half).astype(np.float64)  # noqa: E731
+        c_all = np.concatenate([c.astype(np.float64) for c in cs])
+        x_all = np.concatenate([deq(x) for x in xs])
+        dh_r = dhs[r].astype(np.float64)
+        refs = {"gemm_rs bwd da": c_all @ rounded(deq(w2[r])).T,
+                "gemm_rs bwd dw": deq(a_s[r]).T @ c_all,
+                "ag_gemm bwd dx": sum(dhs[q].astype(np.float64) @ rounded(deq(w1[q])).T for q in range(w_))[
+                    r * tl:(r + 1) * tl],
+                "ag_gemm bwd dw": x_all.T @ dh_r}
+        plain = lambda v: v.astype(np.float64)  # noqa: E731
+        x_plain = np.concatenate([plain(x) for x in xs])
+        refs.update({"gemm_rs bwd da unrounded": c_all @ plain(w2[r]).T, "gemm_rs bwd dw unrounded": plain(a_s[r]).T @ c_all,
+                     "ag_gemm bwd dx unrounded": sum(plain(dhs[q]) @ plain(w1[q]).T for q in range(w_))[
+                         r * tl:(r + 1) * tl],
+                     "ag_gemm bwd dw unrounded": x_plain.T @ dh_r})
+        outs = {"gemm_rs bwd da": da, "gemm_rs bwd dw": dw2, "ag_gemm bwd dx": dx, "ag_gemm bwd dw": dw1}
+        return {k: float(np.linalg.norm(np.asarray(outs[k.replace(" unrounded", "")], np.float64) - v) /
+                         np.linalg.norm(v)) for k, v in refs.items()}
+
+    def fp8half(self):
+        """The FP8 calls' fp16 backward piece by piece: the fp16 ops alone at the MLP's backward shapes
+        and configs, each FP8 op's fp16 backward alone (against the recipe, which rounds operands to
+        FP8, and against the unrounded operands: XLA folding the rounding away shows as 2.6% from the
+        recipe and agreement with the unrounded), then the FP8 MLP with it. Reports every error; fails
+        where one against the recipe exceeds 1e-2."""
+        import dataclasses
+
+        import jax.numpy as jnp
+
+        from entwine_jax.ag_gemm import op as ag_op
+        from entwine_jax.gemm_rs import op as rs_op
+
+        w_, half = self.world, jnp.float16
+        t, d, f_local = w_ * 256, 512, 384
+        tl = t // w_
+        errors = {}
+        # The configs the backward takes (the e5m2 rule applied to fp16 operands), and 128-wide blocks.
+        ag_default = ag_op.default_config(jnp.zeros((tl, d), half), jnp.zeros((d, f_local), half), w_)
+        rs_default, _ = rs_op.default_config(jnp.zeros((t, f_local), half), jnp.zeros((f_local, d), half), w_, 0)
+        self.log(f"fp8half: backward configs ag {ag_default}, rs {rs_default}")
+        for name, cfg in (("default", ag_default), ("block128", dataclasses.replace(ag_default, block_n=128))):
+            for push in ("sm", "ce"):
+                c = dataclasses.replace(cfg, path="fused", push=push)
+                e_y, e_g = self.half_ag_case(tl, d, f_local, c, seed=1370)
+                errors[f"fp16 ag_gemm {name} {push} y"] = e_y
+                errors[f"fp16 ag_gemm {name} {push} gathered"] = e_g
+        for name, cfg in (("default", rs_default), ("block128", dataclasses.replace(rs_default, block_n=128))):
+            errors[f"fp16 gemm_rs {name}"] = self.half_rs_case(t, d, f_local, dataclasses.replace(cfg, path="fused"),
+                                                               seed=1371)
+        errors.update(self.fp8_half_backward(t, d, f_local))
+        try:
+            errors["mlp worst"] = self.fp8_mlp_grads(t, d, f_local, seed=1300, grad_dtype="float16")
+        except AssertionError as e:
+            self.log(f"fp8half: MLP: {e}")
+            errors["mlp worst"] = float("inf")
+        for k, v in errors.items():
+            self.log(f"fp8half: {k}: {v:.3e}")
+        bad = {k: v for k, v in errors.items() if not v <= 1e-2 and "unrounded" not in k}
+        if bad:
+            raise AssertionError("fp8half: " + ", ".join(f"{k} {v:.2e}" for k, v in bad.items()))
+        return f"fp8half: {len(errors)} checks, worst {max(errors.values()):.2e}"
+
+    def half_ag_case(self, rows, cols, n, config, seed):
+        """fp16 ag_gemm rows layout with the gathered operand returned: (rel error of y, of gathered)."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+
+        w_, r, half = self.world, self.rank, jnp.float16
+        rng = np.random.default_rng(seed)
+        xs = [rng.standard_normal((rows, cols), np.float32).astype(half) for _ in range(w_)]
+        ws = [(rng.standard_normal((cols, n), np.float32) / np.sqrt(cols)).astype(half) for _ in range(w_)]
+        f = jax.jit(jax.shard_map(lambda x, w: entwine_jax.ag_gemm(x, w, axis_name="tp", config=config,
+                                                                  return_gathered=True),
+                                  mesh=self.mesh, in_specs=(P("tp", None), P(None, "tp")),
+                                  out_specs=(P(None, "tp"), P(None, "tp"))))
+        with jax.set_mesh(self.mesh):
+            y, g = (self.local(o) for o in f(self.place(xs[r], 0, (w_ * rows, cols)),
+                                             self.place(ws[r], 1, (cols, w_ * n))))
+        x_all = np.concatenate([x.astype(np.float64) for x in xs])
+        ref = x_all @ ws[r].astype(np.float64)
+        rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))  # noqa: E731
+        return rel(y, ref), rel(g, x_all)
+
+    def half_rs_case(self, m, n, k, config, seed):
+        """fp16 gemm_rs scattering rows: rel error of this rank's block."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+
+        w_, r, half = self.world, self.rank, jnp.float16
+        rng = np.random.default_rng(seed)
+        xs = [rng.standard_normal((m, k), np.float32).astype(half) for _ in range(w_)]
+        ws = [(rng.standard_normal((k, n), np.float32) / np.sqrt(k * w_)).astype(half) for _ in range(w_)]
+        f = jax.jit(jax.shard_map(lambda x, w: entwine_jax.gemm_rs(x, w, axis_name="tp", config=config),
+                                  mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
+        with jax.set_mesh(self.mesh):
+            y = self.local(f(self.place(xs[r], 1, (m, w_ * k)), self.place(ws[r], 0, (w_ * k, n))))
+        ref = sum(x.astype(np.float64) @ w.astype(np.float64) for x, w in zip(xs, ws))[r * (m // w_):(r + 1) * (m // w_)]
+        return float(np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref))
+
     def fp8(self):
         import jax.numpy as jnp
 
@@ -1421,8 +1589,7 @@ class Rank:
                     worst = max(worst, err)
                     cases += 1
                     self.log(f"{what}: ok")
-        # Both backward recipes. The fp16 one runs on XLA's path (fp8._HALF_BACKWARD_AG), which needs NCCL:
-        # one GPU per rank only.
+        # Both backward recipes, each on the kernels.
         failures = []
         try:
             worst = max(worst, self.fp8_then_half())
@@ -1430,16 +1597,13 @@ class Rank:
         except AssertionError as e:
             failures.append(str(e))
         for grad_dtype in ("float16", "float8_e5m2"):
-            if grad_dtype == "float16" and self.args.gpus < self.world:
-                self.log("fp8: the MLP's fp16 backward (XLA's path) not run: ranks share a GPU (no NCCL)")
-                continue
             try:
                 worst = max(worst, self.fp8_mlp_grads(w_ * 256, 512, 384, seed=1300, grad_dtype=grad_dtype))
             except AssertionError as e:
                 failures.append(str(e))
         if failures:
             raise AssertionError("; ".join(failures))
-        self.log("fp8: MLP FP8 forward, fp16 backward, all four calls fused: ok")
+        self.log("fp8: MLP FP8 forward, fp16 and e5m2 backward, every call fused: ok")
         return (f"fp8: {cases} cases + MLP gradients ok, worst rel error {worst:.2e}"
                 + (f"; {len(skipped)} per-shard contraction cases refused by the kernels' plan" if skipped else ""))
 

@@ -709,6 +709,9 @@ struct CublasLt {
   Matmul matmul = nullptr;
   Destroy desc_destroy = nullptr, layout_destroy = nullptr, pref_destroy = nullptr;
   void* workspace = nullptr;
+  // Own copies of an FP8 GEMM's two scales, 256 bytes apart (the heuristic assumes aligned pointers;
+  // the harness's scales sit 4 bytes apart), and a C matrix of its own (the FP8 GEMM out of place).
+  float* scales = nullptr;
 
   static CublasLt* load() {
     void* lib = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL);
@@ -729,6 +732,7 @@ struct CublasLt {
         !lt.matmul || !lt.desc_destroy || !lt.layout_destroy || !lt.pref_destroy || create(&lt.handle) != 0)
       return nullptr;
     CHECK_CUDA(cudaMalloc(&lt.workspace, kWorkspaceBytes));
+    CHECK_CUDA(cudaMalloc(&lt.scales, 512));
     return &lt;
   }
 
@@ -742,10 +746,15 @@ struct CublasLt {
   // or with fp8 scales set: e4m3 x[M, K] and w_t[N, K] (FP8's one layout, "TN": column-major
   // y^T = (w_t viewed K x N)^T x), dequantised by the scales and promoted as cuBLASLt does by default
   // (CUBLASLT_MATMUL_DESC_FAST_ACCUM off, the kernels' choice too); with the fastest of the
-  // heuristic's algorithms (timed in interleaved rounds); returns the launcher.
+  // heuristic's algorithms (timed in interleaved rounds); returns the launcher, or an empty one (with
+  // the reason printed) where cublasLtMatmul refuses every algorithm.
   std::function<void()> gemm(int m, int n, int k, void const* x, void const* w, void* y, cudaStream_t stream,
                              Fp8Scales const* fp8 = nullptr) const {
     std::vector<std::function<void()>> const all = candidates(m, n, k, x, w, y, stream, fp8);
+    if (all.empty()) {
+      if (!fp8) check(-1, "every algorithm refused");
+      return {};
+    }
     std::vector<float> const ms = interleaved_median_ms(all, stream, 3, 5, 3);
     return all[std::min_element(ms.begin(), ms.end()) - ms.begin()];
   }
@@ -755,11 +764,19 @@ struct CublasLt {
                                                 cudaStream_t stream, Fp8Scales const* fp8 = nullptr) const {
     void *desc, *a, *b, *d, *pref;
     check(desc_create(&desc, kCompute32F, kF32));
+    void* c = y;
+    std::shared_ptr<void> c_own;
     if (fp8) {
       int const trans = kOpT;
+      CHECK_CUDA(cudaMemcpy(scales, fp8->w, sizeof(float), cudaMemcpyDeviceToDevice));
+      CHECK_CUDA(cudaMemcpy(scales + 64, fp8->x, sizeof(float), cudaMemcpyDeviceToDevice));
+      float const* a_scale = scales;
+      float const* b_scale = scales + 64;
       check(desc_set(desc, kDescTransA, &trans, sizeof trans));
-      check(desc_set(desc, kDescAScale, &fp8->w, sizeof fp8->w));
-      check(desc_set(desc, kDescBScale, &fp8->x, sizeof fp8->x));
+      check(desc_set(desc, kDescAScale, &a_scale, sizeof a_scale));
+      check(desc_set(desc, kDescBScale, &b_scale, sizeof b_scale));
+      CHECK_CUDA(cudaMalloc(&c, size_t(m) * n * 2));
+      c_own.reset(c, [](void* p) { cudaFree(p); });
       check(layout_create(&a, kE4M3, k, n, k));
       check(layout_create(&b, kE4M3, k, m, k));
     } else {
@@ -788,20 +805,25 @@ struct CublasLt {
     void* const lt = handle;
     void* const ws = workspace;
     std::vector<std::function<void()>> launchers;
+    int last_status = 0;
     for (int i = 0; i < count; ++i) {
       if (results[i].state != 0) continue;
       Algo const algo = results[i].algo;
-      // The heuristic offers FP8 algorithms that cublasLtMatmul then refuses (NOT_SUPPORTED): tried
-      // once, such a candidate is left out.
-      if (run(lt, descriptors.get(), &alpha, w, a, x, b, &beta, y, d, y, d, &algo, ws, kWorkspaceBytes, stream) != 0) {
-        continue;
-      }
+      // The heuristic has offered FP8 algorithms that cublasLtMatmul then refused (NOT_SUPPORTED):
+      // tried once, such a candidate is left out.
+      last_status = run(lt, descriptors.get(), &alpha, w, a, x, b, &beta, c, d, y, d, &algo, ws, kWorkspaceBytes, stream);
+      if (last_status != 0) continue;
       launchers.push_back([=]() {
-        check(run(lt, descriptors.get(), &alpha, w, a, x, b, &beta, y, d, y, d, &algo, ws, kWorkspaceBytes, stream),
+        check(run(lt, descriptors.get(), &alpha, w, a, x, b, &beta, c, d, y, d, &algo, ws, kWorkspaceBytes, stream),
               "cublasLtMatmul");
+        (void)c_own;
       });
     }
-    if (launchers.empty()) check(-1, "every algorithm refused");
+    if (launchers.empty()) {
+      std::printf("(cuBLASLt %s GEMM %dx%dx%d: cublasLtMatmul refused all %d algorithms of the heuristic, last status %d;"
+                  " CUBLASLT_LOG_LEVEL=5 says why: no cuBLAS column)\n",
+                  fp8 ? "FP8" : "bf16", m, n, k, count, last_status);
+    }
     return launchers;
   }
 
@@ -1914,11 +1936,11 @@ int fp8_bench_main() {
                                                 producer_launcher(world, s, cfg, true, true, stream)};
     CublasLt::Fp8Scales const scales{world.ranks[0].scales, world.ranks[0].scales + 1};
     if (lt) {
-      launches.push_back(lt->gemm(c.m, c.n, c.k, world.ranks[0].x, world.ranks[0].w, world.ranks[0].partial[1], stream,
-                                  &scales));
+      auto run = lt->gemm(c.m, c.n, c.k, world.ranks[0].x, world.ranks[0].w, world.ranks[0].partial[1], stream, &scales);
+      if (run) launches.push_back(run);
     }
     std::vector<float> const ms = interleaved_median_ms(launches, stream);
-    float const cublas = lt ? ms[2] : NAN;
+    float const cublas = ms.size() > 2 ? ms[2] : NAN;
     std::printf("%6d %6d %5d %10.4f %10.4f %10.4f %8.0f %15.3f\n", c.m, c.n, c.k, ms[0], ms[1], cublas,
                 2.0 * c.m * c.n * c.k / (ms[1] * 1e-3) / 1e12, cublas / ms[1]);
   }
@@ -1961,10 +1983,11 @@ int fp8_bench_main() {
         fill_random_fp8<<<264, 256>>>(w_full, k * n, 79);
         CHECK_CUDA(cudaDeviceSynchronize());
         CublasLt::Fp8Scales const scales{r0.scales, r0.scales + 1};
-        launches.push_back(lt->gemm(int(m), n, int(k), a_full, w_full, ref_out, stream, &scales));
+        auto run = lt->gemm(int(m), n, int(k), a_full, w_full, ref_out, stream, &scales);
+        if (run) launches.push_back(run);
       }
       std::vector<float> const ms = interleaved_median_ms(launches, stream, 10, 30, 5);
-      float const cublas = lt ? ms[1] : NAN;
+      float const cublas = ms.size() > 1 ? ms[1] : NAN;
       std::printf("%-11s %6lld %6d %6lld %10.4f %10.4f %12.3f\n", gather_k ? "contraction" : "rows", (long long)m, n,
                   (long long)k, ms[0], cublas, cublas / ms[0]);
       if (wd.read_error().code != 0) std::printf("  device error recorded!\n");
