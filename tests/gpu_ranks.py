@@ -53,7 +53,8 @@ Suites:
   fp8      the FP8 calls (float8_e4m3fn operands, fp32 scales, bf16/fp16 out) on the FP8 kernels:
            gemm_rs both layouts with each rank's own scales, tails; ag_gemm both layouts with
            per-shard and shared x_scale, the gathered FP8 operand returned; repeated calls bitwise
-           equal; an FP8 then an fp16 ag_gemm in one program; then an FP8 sequence-parallel MLP (FP8
+           equal; an FP8 then an fp16 ag_gemm in one program; the grouped FP8 ag_gemm (q/k/v widths)
+           with its fp16 backward; then an FP8 sequence-parallel MLP (FP8
            forward; backward in e5m2 on the e5m2 x e4m3 kernels, and in fp16 on the fp16 kernels)
            with gradients; all against float64 of the dequantised operands. Fails where the
            extension has no FP8 kernels (the XLA path cannot run several ranks on one GPU).
@@ -1342,6 +1343,76 @@ class Rank:
         self.log(f"FP8 MLP grad_dtype={grad_dtype}: rel errors " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
         return max(errors.values())
 
+    def fp8_grouped_grads(self, rows=256, cols=512, widths=(512, 128, 128), seed=1380):
+        """The grouped FP8 ag_gemm (one gather of x for q/k/v-like weights of unequal widths, rows
+        layout, each rank's own x scale, one scale for the group's weights) with its fp16 backward:
+        ys and the gradients of sum_i sum(y_i c_i) against float64 of the recipe. One fused FP8
+        ag_gemm forward, one fused fp16 gemm_rs backward. Returns the worst rel error."""
+        import jax
+        import jax.numpy as jnp
+        import ml_dtypes
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import comm, fp8
+
+        w_, r, half = self.world, self.rank, jnp.float16
+        rng = np.random.default_rng(seed)
+        groups = len(widths)
+        xs = [rng.standard_normal((rows, cols), np.float32).astype(half) for _ in range(w_)]
+        ws = [[(rng.standard_normal((cols, n), np.float32) / np.sqrt(cols)).astype(half) for n in widths]
+              for _ in range(w_)]
+        cs = [[rng.standard_normal((w_ * rows, n), np.float32).astype(half) for n in widths] for _ in range(w_)]
+        config = entwine_jax.AgGemmConfig(block_n=128, path="fused")
+
+        def values_and_grads(x, *wc):
+            w, c = wc[:groups], wc[groups:]
+
+            def loss(x, *w):
+                ws_scale = fp8.current_scale(jnp.concatenate(w, axis=1))
+                ys = entwine_jax.ag_gemm(x, w, axis_name="tp", config=config, x_scale=fp8.current_scale(x),
+                                         w_scale=ws_scale, grad_dtype=half)
+                return sum(jnp.sum(y.astype(jnp.float32) * ci.astype(jnp.float32)) for y, ci in zip(ys, c)), ys
+            (_, ys), grads = jax.value_and_grad(loss, argnums=tuple(range(groups + 1)), has_aux=True)(x, *w)
+            return ys, grads
+
+        f = jax.jit(jax.shard_map(values_and_grads, mesh=self.mesh,
+                                  in_specs=(P("tp", None),) + (P(None, "tp"),) * (2 * groups),
+                                  out_specs=((P(None, "tp"),) * groups, (P("tp", None),) + (P(None, "tp"),) * groups)))
+        args = [self.place(xs[r], 0, (w_ * rows, cols))]
+        args += [self.place(w, 1, (cols, w_ * w.shape[1])) for w in ws[r]]
+        args += [self.place(c, 1, (w_ * rows, w_ * c.shape[1])) for c in cs[r]]
+        calls = self.fused_calls(f, *args)
+        if (calls.get("ag_gemm", 0), calls.get("gemm_rs", 0)) != (1, 1):
+            raise AssertionError(f"grouped FP8: fused calls {calls}, expected one ag_gemm and one gemm_rs")
+        with jax.set_mesh(self.mesh):
+            ys, grads = f(*args)
+        comm.check_errors()
+
+        def deq(v):  # quantise-dequantise with v's current scale, as the op does
+            v = v.astype(np.float64)
+            s = np.float32(np.abs(v).max() / 448)
+            return np.clip(v / s, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s
+
+        def deq_group(group):  # one scale for the group's weights
+            return np.split(deq(np.concatenate(group, axis=1)), np.cumsum(widths)[:-1], axis=1)
+
+        rounded = lambda v: v.astype(half).astype(np.float64)  # noqa: E731
+        g = np.concatenate([deq(x) for x in xs])
+        mine = deq_group(ws[r])
+        errors = {}
+        rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))  # noqa: E731
+        for i in range(groups):
+            errors[f"y{i}"] = rel(self.local(ys[i]), g @ mine[i])
+            errors[f"dw{i}"] = rel(self.local(grads[1 + i]), g.T @ cs[r][i].astype(np.float64))
+        dg = sum(cs[q][i].astype(np.float64) @ rounded(deq_group(ws[q])[i]).T for q in range(w_) for i in range(groups))
+        errors["dx"] = rel(self.local(grads[0]), dg[r * rows:(r + 1) * rows])
+        self.log("grouped FP8 ag_gemm, fp16 backward: rel errors " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+        if max(errors.values()) > 1e-2:
+            raise AssertionError("grouped FP8 ag_gemm: rel errors " + ", ".join(f"{k} {v:.3g}" for k, v in errors.items()))
+        return max(errors.values())
+
     def fp8_then_half(self, rows=256, cols=512, n=384, seed=1350):
         """An FP8 ag_gemm (per-shard scales) and then an fp16 ag_gemm returning its gathered operand, in one
         program on one communicator (the FP8 MLP's forward and its gemm_rs's fp16 backward): both
@@ -1594,6 +1665,10 @@ class Rank:
         try:
             worst = max(worst, self.fp8_then_half())
             self.log("fp8: an FP8 ag_gemm, then an fp16 one with its gathered operand: ok")
+        except AssertionError as e:
+            failures.append(str(e))
+        try:
+            worst = max(worst, self.fp8_grouped_grads())
         except AssertionError as e:
             failures.append(str(e))
         for grad_dtype in ("float16", "float8_e5m2"):

@@ -28,8 +28,7 @@ Backward: the cotangent dy is quantised to ``grad_dtype`` float8_e5m2 (default) 
 ag_gemm of e5m2 dy and the e4m3 weight, ag_gemm's dx a gemm_rs) and dw a dot of the gathered FP8
 operand. Where the forward runs on the fused kernels, so does this backward: the FP8 kernels take an
 e5m2 x with an e4m3 weight (e5m2 x e4m3). ``grad_dtype`` bfloat16 or float16 runs the backward in
-that dtype on the dequantised weight, on XLA's path (its fused form was seen wrong on a GPU:
-docs/design.md, "FP8").
+that dtype on the dequantised FP8 operands (the bf16/fp16 kernels where the forward is fused).
 """
 from __future__ import annotations
 
