@@ -79,6 +79,20 @@ def test_push_crossover_and_its_fixed_cost():
     assert "fixed cost of ~70 us" in crossover.fused_cannot_win("ag_gemm", *cost, push="ce")
 
 
+def test_automatic_chunks_are_at_least_the_minimum_size():
+    # Small shards travel in fewer, larger chunks (each chunk's release costs the push); 8 at most.
+    from entwine_jax import ag_heuristic_config
+    mib = crossover.COSTS.min_chunk_bytes
+    assert mib == 1 << 20
+    assert ag_heuristic_config(16, 4096, 4096, 2, jnp.bfloat16).max_chunks == 1
+    assert ag_heuristic_config(512, 4096, 1024, 2, jnp.bfloat16).max_chunks == 1  # 1 MiB
+    assert ag_heuristic_config(1024, 4096, 1024, 2, jnp.bfloat16).max_chunks == 2
+    assert ag_heuristic_config(1024, 4096, 1024, 2, jnp.float8_e4m3fn).max_chunks == 1  # half the bytes
+    assert ag_heuristic_config(8192, 4096, 4096, 2, jnp.bfloat16).max_chunks == 8
+    # An explicit config keeps its own.
+    assert AgGemmConfig().max_chunks == 8
+
+
 def llama_projections(hidden, mlp, kv, tokens, world):
     """(op, flops, moved bytes, push) of a Llama layer's projections at `tokens` per rank: q/k/v and
     gate/up gather the tokens (ag_gemm), o and down scatter them (gemm_rs); as gpu_ranks' smallshapes."""

@@ -70,13 +70,15 @@ class AgGemmConfig:
 
 def ag_heuristic_config(rows: int, n: int, cols: int, world: int, dtype, path: str = "auto") -> AgGemmConfig:
     """Config for an ag_gemm call whose shard is [rows, cols] per rank and w has N = n columns."""
-    del rows, cols, world  # no rule depends on them yet
+    del world  # no rule depends on it yet
     # As for gemm_rs's producer: 128x256 blocks where N allows them without padding; 128 for FP8
     # operands, the only width the FP8 kernels' plan takes.
     block_n = 256 if n % 256 == 0 and jnp.dtype(dtype).itemsize > 1 else 128
     # A persistent grid on every SM the push leaves (gemm_sms=0), whose epilogue overlaps the next
-    # block's mainloop; the push by shard size (push="auto": tuning.crossover).
-    return AgGemmConfig(block_n=block_n, gemm_sms=0, raster_rows=8, max_chunks=8, push="auto", path=path)
+    # block's mainloop; the push by shard size (push="auto") and chunks of at least a minimum size
+    # (tuning.crossover).
+    max_chunks = crossover.ag_max_chunks(rows * cols * jnp.dtype(dtype).itemsize)
+    return AgGemmConfig(block_n=block_n, gemm_sms=0, raster_rows=8, max_chunks=max_chunks, push="auto", path=path)
 
 
 def push_budget(config: AgGemmConfig) -> int:

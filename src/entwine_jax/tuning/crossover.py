@@ -33,9 +33,23 @@ class Costs:
     # CTAs of the SM push (the GEMM keeps the other SMs): 16 CTAs of 512 threads keep 8192 16-byte
     # stores in flight, the order of what saturated an NVLink direction with SM-issued loads.
     push_sms: int = 16
+    # The automatic config's chunks are at least this many bytes (up to 8 per shard): each chunk's
+    # release costs the push a grid-wide arrival, a fence and a flag. One H200, 16-CTA SM push
+    # (docs/performance.md, "ag_gemm push latency"): a 1.05 MB shard in 16.3 us as 4 chunks, 11.0 us
+    # as one; 8.4 MB in 31.5 us as 8 chunks, 20.4 us as one. Fewer chunks also delay the first peer
+    # rows the GEMM can start on; at a chunk of 1 MiB that delay is a few microseconds of NVLink, under
+    # the local shard's own GEMM. An estimate of that balance until two GPUs measure it.
+    min_chunk_bytes: int = 1 << 20
 
 
 COSTS = Costs()
+
+
+def ag_max_chunks(shard_bytes: int, costs: Optional[Costs] = None) -> int:
+    """The automatic config's max_chunks for a shard of `shard_bytes`: 8, or fewer so that no chunk is
+    below costs.min_chunk_bytes (at least 1)."""
+    costs = costs or COSTS
+    return max(1, min(8, shard_bytes // costs.min_chunk_bytes))
 
 
 def ag_push(shard_bytes: int, costs: Optional[Costs] = None) -> str:
