@@ -182,6 +182,10 @@ NB_MODULE(_entwine, m) {
      "[(device, handler executions, mean host microseconds per execution, [mean microseconds per phase: checks, "
      "fork, launch, join, end])] of the comm's handlers.");
 
+  m.def("call_sequence_us", &comm::call_sequence_us, nb::arg("device"), nb::arg("reps") = 200, NoGil(),
+        "Median host microseconds of gemm_rs's handler's CUDA calls alone (fork, two launches, join, end "
+        "kernel) from the calling thread: their floor in this process.");
+
   m.def("shutdown", &comm::shutdown, NoGil(),
         "Free every communicator (unmapping every heap).");
 }

@@ -1848,7 +1848,7 @@ class Rank:
         import jax
         import jax.numpy as jnp
 
-        from entwine_jax import comm
+        from entwine_jax import _extension, comm
 
         w_ = self.world
         m, n, k = w_ * 1024, 4096, 1024
@@ -1878,6 +1878,11 @@ class Rank:
                                  for p in comm.HOST_PHASES)
             parts.append(f"{name}: {execs} handler executions for {calls} calls, {per_exec:.1f} us each ({by_phase})")
         parts.append(self.scanned_block_cost())
+        # gemm_rs's CUDA calls alone (fork, two launches, join, end kernel) from this process's main
+        # thread, GPU idle: their floor here, against the launch phases above (handler on XLA's thread).
+        device = jax.local_devices()[0].local_hardware_id
+        floor = _extension.ext().call_sequence_us(device, 200)
+        parts.append(f"gemm_rs's CUDA calls alone from the main thread: {floor:.1f} us")
         return "hostcost: " + "; ".join(parts)
 
     def scanned_block_cost(self, layers=8, runs=50):

@@ -251,6 +251,12 @@ struct HandlerCost {
 };
 std::vector<HandlerCost> handler_cost(int64_t comm_id);
 
+// Median host microseconds of gemm_rs's handler's CUDA calls alone (fork to a high-priority stream,
+// a launch there and one on the first stream, join, the end kernel on a scratch epoch), over `reps`
+// runs on `device`, from the calling thread: the floor of those calls in this process, to set
+// against handler_cost's launch phases.
+double call_sequence_us(int device, int reps);
+
 // Names a call signature (CallEpoch::signature) for the error messages of this process: Python
 // names each call it traces (op, shapes, layout, config).
 void name_call(uint32_t signature, const std::string& description);
