@@ -18,6 +18,8 @@ def ag_gemm_reference_fp8(x, w, x_scale, w_scale, *, axis_name, gather_dimension
     Each source's block of the gathered x (rows, or a K slice in the contraction layout) is scaled by
     that source's x_scale, gathered with it; shared_scale: every rank's x_scale is equal, nothing to
     gather. The dot accumulates in fp32."""
+    # The weight quantised in the same program: the barrier keeps its FP8 rounding (as in gemm_rs's).
+    w = jax.lax.optimization_barrier(w)
     g = jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
     world = jax.lax.axis_size(axis_name)
     if shared_scale:

@@ -36,6 +36,9 @@ def gemm_rs_reference_fp8(x, w, x_scale, w_scale, *, axis_name, scatter_dimensio
     """psum_scatter((x * x_scale) @ (w * w_scale), tiled=True) of FP8 operands: the dot of the FP8
     values accumulated in fp32, scaled by this rank's x_scale * w_scale (each rank's partial carries
     its own scales), summed over the ranks in fp32; output in out_dtype."""
+    # Operands quantised in the same program: the barrier keeps XLA from folding the FP8 rounding away
+    # where it upcasts them for the dot (fp8.dequantize says why).
+    x, w = jax.lax.optimization_barrier((x, w))
     y = dot_last_first(x, w) * (x_scale * w_scale)
     if jax.lax.axis_size(axis_name) > 1:
         y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension, tiled=True)
