@@ -1,6 +1,7 @@
 // nanobind module entwine_jax._entwine: each op's FFI target and plan (bound by the op, one line
 // each), and the communicator API that entwine_jax.comm.acquire_comm drives at trace time (create,
 // grow, share chunks, connect, errors, shutdown). Failures raise RuntimeError with CUDA's message.
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -182,7 +183,12 @@ NB_MODULE(_entwine, m) {
      "[(device, handler executions, mean host microseconds per execution, [mean microseconds per phase: checks, "
      "fork, launch, join, end])] of the comm's handlers.");
 
-  m.def("call_sequence_us", &comm::call_sequence_us, nb::arg("device"), nb::arg("reps") = 200, NoGil(),
+  m.def("call_sequence_us", [](int device, int reps) {
+    double us = 0;
+    cudaError_t const err = comm::call_sequence_us(device, reps, &us);
+    if (err != cudaSuccess) throw std::runtime_error(std::string("call_sequence_us: ") + cudaGetErrorString(err));
+    return us;
+  }, nb::arg("device"), nb::arg("reps") = 200, NoGil(),
         "Median host microseconds of gemm_rs's handler's CUDA calls alone (fork, two launches, join, end "
         "kernel) from the calling thread: their floor in this process.");
 

@@ -99,6 +99,26 @@ HEAPGROW_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_g
 LONE_TRACE_TIMEOUT_MS = 3000
 
 
+def fp8_rounded(v, dtype=None):
+    """float64 of v quantised to FP8 (default float8_e4m3fn) with its current scale and dequantised,
+    as the ops do: scale = amax / the type's largest value, rounded to f32."""
+    import ml_dtypes
+    import numpy as np
+
+    dtype = dtype or ml_dtypes.float8_e4m3fn
+    v = np.asarray(v, np.float64)
+    top = float(ml_dtypes.finfo(dtype).max)
+    s = np.float32(np.abs(v).max() / top)
+    return np.clip(v / s, -top, top).astype(dtype).astype(np.float64) * s
+
+
+def rel_error(a, b) -> float:
+    """|a - b| / |b| in float64 (Frobenius norms)."""
+    import numpy as np
+
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
 # --- Launcher -----------------------------------------------------------------------------------------
 
 
@@ -292,7 +312,6 @@ class Rank:
         from jax.sharding import PartitionSpec as P
 
         import entwine_jax
-        from entwine_jax import comm
         from entwine_jax.gemm_rs import fused as rs_fused
 
         config = config or self.fused_config(m, n, k, dtype)
@@ -754,20 +773,20 @@ class Rank:
         return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(*spec)),
                                                         [jax.device_put(a, self.device)])
 
-    def ag_fn(self, rows, cols, n, dtype, gather_k, return_gathered=False, push="auto"):
+    def ag_fn(self, rows, cols, n, dtype, gather_k, return_gathered=False, push="auto", config=None):
         """jit(shard_map(entwine_jax.ag_gemm)) on x sharded over its rows or columns and w sharded
-        over N, the shard pushed as `push` says; refuses to run unless the fused path takes it."""
+        over N, with `config` (default: the heuristic's, the shard pushed as `push` says); refuses to
+        run unless the fused path takes it."""
         import dataclasses
 
         import jax
         from jax.sharding import PartitionSpec as P
 
         import entwine_jax
-        from entwine_jax import comm
         from entwine_jax.ag_gemm import fused as ag_fused
 
-        config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, dtype), path="fused",
-                                     push=push)
+        config = config or dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, self.world, dtype),
+                                               path="fused", push=push)
         k = self.world * cols if gather_k else cols
         with jax.set_mesh(self.mesh):
             reason = ag_fused.unavailable_reason(
@@ -1304,11 +1323,7 @@ class Rank:
             (dx, dw1, dw2), h_out = jax.tree.map(self.local, f(*args))
         comm.check_errors()
 
-        def deq(v, dtype=ml_dtypes.float8_e4m3fn):  # quantise-dequantise with v's current scale, as the op does
-            v = v.astype(np.float64)
-            top = float(ml_dtypes.finfo(dtype).max)
-            s = np.float32(np.abs(v).max() / top)
-            return np.clip(v / s, -top, top).astype(dtype).astype(np.float64) * s
+        deq = fp8_rounded
 
         # float64 of every rank's part (the inputs of all ranks come from the shared seed): each x shard
         # quantised with its own scale; the gradient passes straight through the quantisation; the
@@ -1350,7 +1365,6 @@ class Rank:
         ag_gemm forward, one fused fp16 gemm_rs backward. Returns the worst rel error."""
         import jax
         import jax.numpy as jnp
-        import ml_dtypes
         import numpy as np
         from jax.sharding import PartitionSpec as P
 
@@ -1390,10 +1404,7 @@ class Rank:
             ys, grads = f(*args)
         comm.check_errors()
 
-        def deq(v):  # quantise-dequantise with v's current scale, as the op does
-            v = v.astype(np.float64)
-            s = np.float32(np.abs(v).max() / 448)
-            return np.clip(v / s, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s
+        deq = fp8_rounded
 
         def deq_group(group):  # one scale for the group's weights
             return np.split(deq(np.concatenate(group, axis=1)), np.cumsum(widths)[:-1], axis=1)
@@ -1402,12 +1413,11 @@ class Rank:
         g = np.concatenate([deq(x) for x in xs])
         mine = deq_group(ws[r])
         errors = {}
-        rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))  # noqa: E731
         for i in range(groups):
-            errors[f"y{i}"] = rel(self.local(ys[i]), g @ mine[i])
-            errors[f"dw{i}"] = rel(self.local(grads[1 + i]), g.T @ cs[r][i].astype(np.float64))
+            errors[f"y{i}"] = rel_error(self.local(ys[i]), g @ mine[i])
+            errors[f"dw{i}"] = rel_error(self.local(grads[1 + i]), g.T @ cs[r][i].astype(np.float64))
         dg = sum(cs[q][i].astype(np.float64) @ rounded(deq_group(ws[q])[i]).T for q in range(w_) for i in range(groups))
-        errors["dx"] = rel(self.local(grads[0]), dg[r * rows:(r + 1) * rows])
+        errors["dx"] = rel_error(self.local(grads[0]), dg[r * rows:(r + 1) * rows])
         self.log("grouped FP8 ag_gemm, fp16 backward: rel errors " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
         if max(errors.values()) > 1e-2:
             raise AssertionError("grouped FP8 ag_gemm: rel errors " + ", ".join(f"{k} {v:.3g}" for k, v in errors.items()))
@@ -1473,7 +1483,6 @@ class Rank:
 
         import jax
         import jax.numpy as jnp
-        import ml_dtypes
         import numpy as np
         from jax.sharding import PartitionSpec as P
 
@@ -1518,10 +1527,7 @@ class Rank:
                                                    self.place(dhs[r], 1, (t, w_ * f_local))))
         comm.check_errors()
 
-        def deq(v):
-            v = v.astype(np.float64)
-            sc = np.float32(np.abs(v).max() / 448)
-            return np.clip(v / sc, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sc
+        deq = fp8_rounded
 
         rounded = lambda v: v.astype(half).astype(np.float64)  # noqa: E731
         c_all = np.concatenate([c.astype(np.float64) for c in cs])
@@ -1539,8 +1545,7 @@ class Rank:
                          r * tl:(r + 1) * tl],
                      "ag_gemm bwd dw unrounded": x_plain.T @ dh_r})
         outs = {"gemm_rs bwd da": da, "gemm_rs bwd dw": dw2, "ag_gemm bwd dx": dx, "ag_gemm bwd dw": dw1}
-        return {k: float(np.linalg.norm(np.asarray(outs[k.replace(" unrounded", "")], np.float64) - v) /
-                         np.linalg.norm(v)) for k, v in refs.items()}
+        return {k: rel_error(outs[k.replace(" unrounded", "")], v) for k, v in refs.items()}
 
     def fp8half(self):
         """The FP8 calls' fp16 backward piece by piece: the fp16 ops alone at the MLP's backward shapes
@@ -1587,48 +1592,22 @@ class Rank:
 
     def half_ag_case(self, rows, cols, n, config, seed):
         """fp16 ag_gemm rows layout with the gathered operand returned: (rel error of y, of gathered)."""
-        import jax
         import jax.numpy as jnp
-        import numpy as np
-        from jax.sharding import PartitionSpec as P
 
-        import entwine_jax
-
-        w_, r, half = self.world, self.rank, jnp.float16
-        rng = np.random.default_rng(seed)
-        xs = [rng.standard_normal((rows, cols), np.float32).astype(half) for _ in range(w_)]
-        ws = [(rng.standard_normal((cols, n), np.float32) / np.sqrt(cols)).astype(half) for _ in range(w_)]
-        f = jax.jit(jax.shard_map(lambda x, w: entwine_jax.ag_gemm(x, w, axis_name="tp", config=config,
-                                                                  return_gathered=True),
-                                  mesh=self.mesh, in_specs=(P("tp", None), P(None, "tp")),
-                                  out_specs=(P(None, "tp"), P(None, "tp"))))
-        with jax.set_mesh(self.mesh):
-            y, g = (self.local(o) for o in f(self.place(xs[r], 0, (w_ * rows, cols)),
-                                             self.place(ws[r], 1, (cols, w_ * n))))
-        x_all = np.concatenate([x.astype(np.float64) for x in xs])
-        ref = x_all @ ws[r].astype(np.float64)
-        rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))  # noqa: E731
-        return rel(y, ref), rel(g, x_all)
+        xs, ws = self.ag_inputs(rows, cols, n, jnp.float16, seed, False)
+        call, _ = self.ag_fn(rows, cols, n, jnp.float16, False, return_gathered=True, config=config)
+        y, g = (self.local(o) for o in call(*self.ag_globals(xs, ws, False)))
+        ref, g_ref = self.ag_reference(xs, ws, False)
+        return rel_error(y, ref), rel_error(g, g_ref)
 
     def half_rs_case(self, m, n, k, config, seed):
         """fp16 gemm_rs scattering rows: rel error of this rank's block."""
-        import jax
         import jax.numpy as jnp
-        import numpy as np
-        from jax.sharding import PartitionSpec as P
 
-        import entwine_jax
-
-        w_, r, half = self.world, self.rank, jnp.float16
-        rng = np.random.default_rng(seed)
-        xs = [rng.standard_normal((m, k), np.float32).astype(half) for _ in range(w_)]
-        ws = [(rng.standard_normal((k, n), np.float32) / np.sqrt(k * w_)).astype(half) for _ in range(w_)]
-        f = jax.jit(jax.shard_map(lambda x, w: entwine_jax.gemm_rs(x, w, axis_name="tp", config=config),
-                                  mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
-        with jax.set_mesh(self.mesh):
-            y = self.local(f(self.place(xs[r], 1, (m, w_ * k)), self.place(ws[r], 0, (w_ * k, n))))
-        ref = sum(x.astype(np.float64) @ w.astype(np.float64) for x, w in zip(xs, ws))[r * (m // w_):(r + 1) * (m // w_)]
-        return float(np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref))
+        xs, ws = self.host_inputs(m, n, k, jnp.float16, seed)
+        y = self.local(self.gemm_fn(m, n, k, jnp.float16, config=config)(*self.global_arrays(xs, ws)))
+        ref = self.reference(xs, ws)
+        return rel_error(y, ref)
 
     def fp8(self):
         import jax.numpy as jnp

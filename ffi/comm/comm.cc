@@ -6,8 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <vector>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -605,43 +603,6 @@ std::vector<HandlerCost> handler_cost(int64_t comm_id) {
     costs.push_back(cost);
   }
   return costs;
-}
-
-double call_sequence_us(int device, int reps) {
-  check(cudaSetDevice(device), "cudaSetDevice");
-  int least = 0, greatest = 0;
-  check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-  cudaStream_t a = nullptr, hi = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-  uint64_t* epoch = nullptr;
-  check(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), "cudaStreamCreate");
-  check(cudaStreamCreateWithPriority(&hi, cudaStreamNonBlocking, greatest), "cudaStreamCreateWithPriority");
-  check(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), "cudaEventCreate");
-  check(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), "cudaEventCreate");
-  check(cudaMalloc(&epoch, sizeof(uint64_t)), "cudaMalloc");
-  CallEnd end;
-  end.epoch = epoch;
-  std::vector<double> us;
-  for (int i = 0; i < reps; ++i) {
-    if (i % 16 == 0) check(cudaStreamSynchronize(a), "cudaStreamSynchronize");
-    auto const t0 = std::chrono::steady_clock::now();
-    check(cudaEventRecord(fork, a), "cudaEventRecord");
-    check(cudaStreamWaitEvent(hi, fork, 0), "cudaStreamWaitEvent");
-    check(launch_end_call(end, hi), "launch");
-    check(launch_end_call(end, a), "launch");
-    check(cudaEventRecord(join, hi), "cudaEventRecord");
-    check(cudaStreamWaitEvent(a, join, 0), "cudaStreamWaitEvent");
-    check(launch_end_call(end, a), "launch");
-    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-  }
-  check(cudaStreamSynchronize(a), "cudaStreamSynchronize");
-  cudaFree(epoch);
-  cudaEventDestroy(fork);
-  cudaEventDestroy(join);
-  cudaStreamDestroy(hi);
-  cudaStreamDestroy(a);
-  std::nth_element(us.begin(), us.begin() + us.size() / 2, us.end());
-  return us.empty() ? 0.0 : us[us.size() / 2];
 }
 
 DeviceComm* find(int64_t comm_id, int device) noexcept {

@@ -217,6 +217,12 @@ struct CallEnd {
 cudaError_t launch_end_call(const CallEnd& end, cudaStream_t stream);
 cudaError_t prepare_epoch_kernel();
 
+// Median host microseconds, in *median_us, of gemm_rs's handler's CUDA calls alone (fork to a
+// high-priority stream, a launch there and one on the first stream, join, the end kernel; every
+// kernel the end kernel, on a scratch epoch), over `reps` runs on `device`, from the calling thread:
+// the floor of those calls in this process, to set against handler_cost's launch phases.
+cudaError_t call_sequence_us(int device, int reps, double* median_us);
+
 // The epoch word of each local device, after synchronising it (tests and diagnostics only).
 std::vector<std::pair<int, uint64_t>> device_epochs(int64_t comm_id);
 
@@ -251,11 +257,6 @@ struct HandlerCost {
 };
 std::vector<HandlerCost> handler_cost(int64_t comm_id);
 
-// Median host microseconds of gemm_rs's handler's CUDA calls alone (fork to a high-priority stream,
-// a launch there and one on the first stream, join, the end kernel on a scratch epoch), over `reps`
-// runs on `device`, from the calling thread: the floor of those calls in this process, to set
-// against handler_cost's launch phases.
-double call_sequence_us(int device, int reps);
 
 // Names a call signature (CallEpoch::signature) for the error messages of this process: Python
 // names each call it traces (op, shapes, layout, config).

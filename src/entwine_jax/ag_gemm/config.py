@@ -75,9 +75,10 @@ def ag_heuristic_config(rows: int, n: int, cols: int, world: int, dtype, path: s
     # operands, the only width the FP8 kernels' plan takes.
     block_n = 256 if n % 256 == 0 and jnp.dtype(dtype).itemsize > 1 else 128
     # A persistent grid on every SM the push leaves (gemm_sms=0), whose epilogue overlaps the next
-    # block's mainloop; the push by shard size (push="auto") and chunks of at least a minimum size
-    # (tuning.crossover).
-    max_chunks = crossover.ag_max_chunks(rows * cols * jnp.dtype(dtype).itemsize)
+    # block's mainloop; the push by shard size (push="auto"); up to the default 8 chunks, none below
+    # tuning.crossover's min_chunk_bytes.
+    chunks = rows * cols * jnp.dtype(dtype).itemsize // crossover.COSTS.min_chunk_bytes
+    max_chunks = max(1, min(AgGemmConfig.max_chunks, chunks))
     return AgGemmConfig(block_n=block_n, gemm_sms=0, raster_rows=8, max_chunks=max_chunks, push="auto", path=path)
 
 

@@ -45,13 +45,6 @@ class Costs:
 COSTS = Costs()
 
 
-def ag_max_chunks(shard_bytes: int, costs: Optional[Costs] = None) -> int:
-    """The automatic config's max_chunks for a shard of `shard_bytes`: 8, or fewer so that no chunk is
-    below costs.min_chunk_bytes (at least 1)."""
-    costs = costs or COSTS
-    return max(1, min(8, shard_bytes // costs.min_chunk_bytes))
-
-
 def ag_push(shard_bytes: int, costs: Optional[Costs] = None) -> str:
     """How ag_gemm pushes a (padded) shard of `shard_bytes` by default: "sm" or "ce"."""
     costs = costs or COSTS
