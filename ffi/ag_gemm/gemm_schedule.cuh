@@ -114,6 +114,11 @@ struct GemmSchedule {
   template <class Kernel>
   static __device__ void release(typename Kernel::Params const&, BlockCoord const&, uint64_t, int64_t) {}
 
+  // The call's end is its own kernel (the copy-engine path's release kernels read the epoch on
+  // their own streams): nothing to fold.
+  template <class Kernel>
+  static __device__ void finish(typename Kernel::Params const&, int) {}
+
   // FP8: block c's factor, its source's x scale times w's. A peer's scale was pushed before its
   // shard's first chunk, so the release of the chunk this block's rows came from published it too;
   // this thread is ordered after the TMA warp's acquire of that flag (the mbarrier of the loads it

@@ -313,9 +313,9 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     // The record the consumers poll lives in device memory: polling a host-mapped word crosses PCIe.
     check(cudaMalloc(reinterpret_cast<void**>(&dc->error_local), sizeof(DeviceError)), "cudaMalloc(error record)");
     check(cudaMemset(dc->error_local, 0, sizeof(DeviceError)), "cudaMemset(error record)");
-    uint64_t const first_epoch = 1;
-    check(cudaMalloc(reinterpret_cast<void**>(&dc->epoch), sizeof(uint64_t)), "cudaMalloc(epoch)");
-    check(cudaMemcpy(dc->epoch, &first_epoch, sizeof(uint64_t), cudaMemcpyHostToDevice), "cudaMemcpy(epoch)");
+    uint64_t const first_epoch[3] = {1, 0, 0};  // the epoch, the folded end's two arrival counters
+    check(cudaMalloc(reinterpret_cast<void**>(&dc->epoch), sizeof(first_epoch)), "cudaMalloc(epoch)");
+    check(cudaMemcpy(dc->epoch, first_epoch, sizeof(first_epoch), cudaMemcpyHostToDevice), "cudaMemcpy(epoch)");
     for (int i = 0; i < op_count; ++i) {
       size_t const bytes = registered_ops[i]->workspace_bytes;
       if (bytes == 0) continue;

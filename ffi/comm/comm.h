@@ -131,9 +131,10 @@ struct DeviceComm {
   cudaStream_t transfer[kMaxWorld] = {};  // highest priority: the release kernels go first
   int sm_count = 0;
   cudaEvent_t transfer_done[kMaxWorld] = {};
-  // The call's epoch: a device word, 1 before the first call, advanced by the call's last kernel on
-  // XLA's stream (launch_end_call). Never reset, so flags of any earlier call
-  // are below it, in every chunk however old.
+  // The call's epoch: a device word, 1 before the first call, advanced at the end of every call
+  // (launch_end_call, or the last CTA of a call that folds its end: comm/call_end.cuh). Never
+  // reset, so flags of any earlier call are below it, in every chunk however old. epoch[1] and
+  // epoch[2] count the arrivals at a folded end (all kernels; gemm_rs's consumer CTAs), 0 between calls.
   uint64_t* epoch = nullptr;
   // Host cost of the handlers on this entry: executions, their summed wall time, and that time by
   // phase (handler_util.h, HostTimer).
@@ -213,6 +214,10 @@ struct CallEnd {
   static constexpr int kOutputs = 3;  // ag_gemm FP8: y, the gathered shards and their scales
   void* out[kOutputs] = {};       // the call's outputs, poisoned on failure
   int64_t bytes[kOutputs] = {};
+  // Folded into the call's kernels (comm/call_end.cuh): the arrival counter (DeviceComm::epoch[1])
+  // and how many arrivals end the call, the last one advancing the epoch; nullptr: the end kernel.
+  uint64_t* done = nullptr;
+  uint64_t expected = 0;
 };
 cudaError_t launch_end_call(const CallEnd& end, cudaStream_t stream);
 cudaError_t prepare_epoch_kernel();

@@ -9,45 +9,21 @@
 #include <chrono>
 #include <vector>
 
+#include "comm/call_end.cuh"
 #include "comm/comm.h"
-#include "comm/wait.cuh"
 
 namespace entwine::comm {
 namespace {
 
 constexpr int kEndThreads = 256;
 
-__device__ void poison(void* out, int64_t bytes) {
-  if (out == nullptr) return;
-  // XLA's buffers are at least 16-byte aligned: vector stores for the body, bytes for the tail.
-  uint4 const ones = make_uint4(~0u, ~0u, ~0u, ~0u);
-  uint4* const body = static_cast<uint4*>(out);
-  for (int64_t i = threadIdx.x; i < bytes / 16; i += kEndThreads) body[i] = ones;
-  unsigned char* const tail = static_cast<unsigned char*>(out);
-  for (int64_t i = bytes / 16 * 16 + threadIdx.x; i < bytes; i += kEndThreads) tail[i] = 0xFF;
-}
-
 __global__ void __launch_bounds__(kEndThreads) end_call(CallEnd end) {
   __shared__ int failed;
-  if (threadIdx.x == 0) {
-    uint64_t const aborted_by = end.aborted != nullptr ? ptx::load_relaxed_sys(end.aborted) : 0;
-    bool const own = end.error != nullptr && *reinterpret_cast<volatile uint32_t*>(&end.error->code) != 0;
-    if (aborted_by != 0 && !own) {
-      // A peer failed first: record it here too, so this rank's host raises on its next call.
-      wait::record_error(CallEpoch{}, end.error, end.mirror, kErrorAborted, end.rank, int(aborted_by) - 1, -1, 0,
-                         0, -1);
-    }
-    failed = own || aborted_by != 0;
-  }
+  if (threadIdx.x == 0) failed = end_failed(end);
   __syncthreads();
-  if (failed) {
-    for (int o = 0; o < CallEnd::kOutputs; ++o) poison(end.out[o], end.bytes[o]);
-  }
+  if (failed) poison_outputs(end, int(threadIdx.x), kEndThreads);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    *end.epoch += 1;
-  }
+  if (threadIdx.x == 0) advance_epoch(end);
 }
 
 }  // namespace

@@ -50,6 +50,7 @@ struct ElementOf<DType::kE5M2> {
 //   start<Kernel>(params)            first thing of every CTA (ag_gemm: announce the call)
 //   load<Kernel>(params, ...)        the TMA warp's loop over its units (ag_gemm: waits on chunks)
 //   release<Kernel>(params, c, e, parity)  after the store warp's copies of block c completed
+//   finish<Kernel>(params, lane)     the store warp's last act, every lane (gemm_rs: the folded end)
 //   alpha<Kernel>(params, c)         FP8: the factor that dequantises block c's fp32 sum
 //   make_params<Kernel>(plan, args)  the kernel parameters of a plan (host)
 template <DType kInput, DType kOutput, int BLOCK_N_, class Schedule_>
@@ -372,6 +373,8 @@ struct GemmKernel {
         Schedule::template release<GemmKernel>(params, c, epoch, parity);
       }
     }
+    __syncwarp();
+    Schedule::template finish<GemmKernel>(params, lane);
   }
 
   // Named barriers between the math warps and the store warp; ids below 8 are left to CUTLASS.

@@ -28,6 +28,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "comm/call_end.cuh"
 #include "comm/ptx.cuh"
 #include "comm/wait.cuh"
 #include "gemm_rs/gemm_rs.h"
@@ -188,18 +189,33 @@ __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__
       if (i >= 2) ptx::named_barrier_sync(kStepFree + s, threads);
       if (threadIdx.x == 0) ptx::store_shared_word(&leave[s], !ok);
       ptx::named_barrier_arrive(kStepReady + s, threads);
-      if (!ok) return;
+      if (!ok) break;
     }
-    return;
+  } else {
+    for (int i = 0; i < my_steps; ++i) {
+      int const s = i & 1;
+      ptx::named_barrier_sync(kStepReady + s, threads);
+      if (ptx::load_shared_word(&leave[s])) break;
+      if (i + 2 < my_steps) ptx::named_barrier_arrive(kStepFree + s, threads);
+      reduce_step<kDType, W>(p, slot, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x) - kWaiterThreads,
+                              data_threads);
+    }
   }
-  for (int i = 0; i < my_steps; ++i) {
-    int const s = i & 1;
-    ptx::named_barrier_sync(kStepReady + s, threads);
-    if (ptx::load_shared_word(&leave[s])) return;
-    if (i + 2 < my_steps) ptx::named_barrier_arrive(kStepFree + s, threads);
-    reduce_step<kDType, W>(p, slot, int(blockIdx.x) + i * int(gridDim.x), int(threadIdx.x) - kWaiterThreads,
-                            data_threads);
+  if (p.args.end.done == nullptr) return;
+  // The folded end: every thread's writes of y fenced; the consumer's last CTA checks for a failure
+  // and poisons y; then this CTA's arrival at the call's end.
+  __shared__ int last, failed;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = comm::arrive(p.args.consumers_done, gridDim.x);
+    failed = last && comm::end_failed(p.args.end);
   }
+  __syncthreads();
+  if (failed) comm::poison_outputs(p.args.end, int(threadIdx.x), threads);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && comm::arrive(p.args.end.done, p.args.end.expected)) comm::advance_epoch(p.args.end);
 }
 
 template <DType kDType, int W>

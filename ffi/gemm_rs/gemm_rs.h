@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include "comm/comm.h"
 #include "comm/config.h"
 #include "comm/protocol.h"
 #include "gemm/gemm.h"
@@ -92,6 +93,7 @@ struct ProducerArgs {
   // in these args because the kernel's parameters read them from here (gemm_rs/gemm_schedule.cuh).
   bool interleave = true;         // false: plain row-major tile order
   bool publish = true;            // false: no flags
+  comm::CallEnd end;              // the folded end, as in ConsumerArgs: no outputs (end.done nullptr: none)
 };
 
 struct ConsumerArgs {
@@ -102,6 +104,11 @@ struct ConsumerArgs {
   DeviceError* error_mirror;  // host-mapped copy written once on failure (nullptr: none)
   CallEpoch call;
   uint64_t timeout_ns;
+  // With end.done set, the call's end (comm/call_end.cuh) is folded into the kernels (no end
+  // kernel): the consumer's last CTA (consumers_done counts them) checks for a failure and poisons y,
+  // then the last arrival of the consumer's CTAs and the producer's store warps advances the epoch.
+  comm::CallEnd end;
+  uint64_t* consumers_done = nullptr;
 };
 
 // The waits of gemm_rs (DeviceError::site): its consumer waits for a 128x128 tile of a peer's partial.

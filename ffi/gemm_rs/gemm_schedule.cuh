@@ -4,6 +4,7 @@
 // (docs/design.md, "Memory ordering").
 #pragma once
 
+#include "comm/call_end.cuh"
 #include "comm/flag.cuh"
 #include "comm/wait.cuh"
 #include "gemm/gemm_kernel.cuh"
@@ -25,6 +26,7 @@ struct GemmSchedule {
     bool interleave, publish;    // harness switches (ProducerArgs)
     const float* x_scale;        // FP8: one dequantisation scale per operand (ProducerArgs)
     const float* w_scale;
+    comm::CallEnd end;           // the folded end (ProducerArgs; end.done nullptr: none)
   };
 
   // Logical block p -> (owner partition, tile row inside it, block column). Interleaved: block p
@@ -76,6 +78,15 @@ struct GemmSchedule {
     for (int t = 0; t < kTilesPerBlock; ++t) flag::store(owner_flags + tile0 + t, params.call, epoch);
   }
 
+  // The store warp's last act: this CTA's arrival at the folded end (comm/call_end.cuh), after its
+  // last release, the CTA's last read of the epoch (start's announce came before the CTA's first
+  // barrier). The producer writes none of the call's outputs (the consumer poisons y).
+  template <class Kernel>
+  static __device__ void finish(typename Kernel::Params const& params, int lane) {
+    comm::CallEnd const& end = params.op.end;
+    if (lane == 0 && end.done != nullptr && comm::arrive(end.done, end.expected)) comm::advance_epoch(end);
+  }
+
   // FP8: every block of the call has the same factor, x's scale times w's (device scalars, written
   // before the call: stream order).
   template <class Kernel>
@@ -118,6 +129,7 @@ struct GemmSchedule {
     p.op.publish = args.publish;
     p.op.x_scale = args.x_scale;
     p.op.w_scale = args.w_scale;
+    p.op.end = args.end;
     return p;
   }
 };

@@ -194,10 +194,17 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   }
   for (uint64_t* f : producer_args.flags) key.add(f);
   handler::add_call(key, epoch_args);
+  // The call's end folded into its kernels (no end kernel's launch): the consumer's CTAs and the
+  // producer's store warps arrive at it, and the last advances the epoch; the consumer's last CTA
+  // poisons y after a failure (ConsumerArgs). The producer's part is in its prepared parameters: it
+  // holds no output's address, only the epoch's words (in the key).
+  producer_args.end = handler::call_end(*dc, epoch_args, nullptr, 0);
+  producer_args.end.done = dc->epoch + 1;
   Derived const* derived = memo.find(key);
   if (derived == nullptr) {
     Derived fresh{gemm_rs_plan(problem, cfg), {}};
     if (ffi::Error e = check_plan(fresh.plan, problem, cfg, *dc); e.failure()) return e;
+    producer_args.end.expected = fresh.plan.config.consumer_grid + fresh.plan.schedule.grid;
     ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::prepare_gemm(ops.input, ops.output, fresh.plan, producer_args, &fresh.gemm));
     Derived* entry = memo.insert(key);
     *entry = fresh;
@@ -210,6 +217,10 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
                                        std::to_string(derived->plan.shape.part_cols()) + "], got " + dims_string(yd));
   }
 
+  consumer_args.end = handler::call_end(*dc, epoch_args, y->untyped_data(), int64_t(y->size_bytes()));
+  consumer_args.end.done = producer_args.end.done;
+  consumer_args.end.expected = derived->plan.config.consumer_grid + derived->plan.schedule.grid;
+  consumer_args.consumers_done = dc->epoch + 2;
   timer.lap(comm::kPhaseChecks);
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
@@ -224,11 +235,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
   ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
   timer.lap(comm::kPhaseJoin);
-  // The next call's epoch, once this whole call is done (y poisoned if the call failed anywhere).
-  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(handler::call_end(*dc, epoch_args, y->untyped_data(),
-                                                                       int64_t(y->size_bytes())),
-                                                    xla_stream));
-  timer.lap(comm::kPhaseEnd);
+  timer.lap(comm::kPhaseEnd);  // folded into the kernels: no launch
   return ffi::Error::Success();
 }
 
