@@ -1839,29 +1839,44 @@ class Rank:
             sites.append((f"ag_gemm {'contraction' if gather_k else 'rows'}", call,
                           self.ag_globals(xs, ws, gather_k), self.ag_reference(xs, ws, gather_k)[0]))
         parts = []
-        for name, call, (gx, gw), ref in sites:
-            self.check(self.local(call(gx, gw)), ref, f"hostcost {name} warm-up")
-            (_, calls0, mean0), = comm.handler_cost(self.mesh, "tp")
-            (_, _, phases0), = comm.handler_phases(self.mesh, "tp")
-            # One call at a time, each waited for: with work queued, a launch can block until the
-            # GPU frees a slot of its queue, and the handler's time would measure the GPU instead.
-            for _ in range(calls):
-                y = jax.block_until_ready(call(gx, gw))
-            comm.check_errors()
-            self.check(self.local(y), ref, f"hostcost {name}")
-            (_, calls1, mean1), = comm.handler_cost(self.mesh, "tp")
-            (_, _, phases1), = comm.handler_phases(self.mesh, "tp")
-            execs = calls1 - calls0
-            per_exec = (calls1 * mean1 - calls0 * mean0) / max(execs, 1)
-            by_phase = ", ".join(f"{p} {(calls1 * phases1[p] - calls0 * phases0[p]) / max(execs, 1):.1f}"
-                                 for p in comm.HOST_PHASES)
-            parts.append(f"{name}: {execs} handler executions for {calls} calls, {per_exec:.1f} us each ({by_phase})")
+        # Twice per site: the ranks calling together, then every rank but 0 starting each call 2 ms
+        # late, so that rank 0's handler runs while no other process has a kernel on the GPU (as with
+        # a GPU per process); ranks sharing a GPU slow each other's launches.
+        for lag in (0.0, 0.002):
+            for name, call, (gx, gw), ref in sites:
+                self.check(self.local(call(gx, gw)), ref, f"hostcost {name} warm-up")
+                (_, calls0, mean0), = comm.handler_cost(self.mesh, "tp")
+                (_, _, phases0), = comm.handler_phases(self.mesh, "tp")
+                # One call at a time, each waited for: with work queued, a launch can block until the
+                # GPU frees a slot of its queue, and the handler's time would measure the GPU instead.
+                for _ in range(calls):
+                    if lag and self.rank != 0:
+                        time.sleep(lag)
+                    y = jax.block_until_ready(call(gx, gw))
+                comm.check_errors()
+                self.check(self.local(y), ref, f"hostcost {name}")
+                (_, calls1, mean1), = comm.handler_cost(self.mesh, "tp")
+                (_, _, phases1), = comm.handler_phases(self.mesh, "tp")
+                execs = calls1 - calls0
+                per_exec = (calls1 * mean1 - calls0 * mean0) / max(execs, 1)
+                by_phase = ", ".join(f"{p} {(calls1 * phases1[p] - calls0 * phases0[p]) / max(execs, 1):.1f}"
+                                     for p in comm.HOST_PHASES)
+                parts.append(f"{name}{' (ranks > 0 late)' if lag else ''}: {execs} handler executions for "
+                             f"{calls} calls, {per_exec:.1f} us each ({by_phase})")
         parts.append(self.scanned_block_cost())
-        # gemm_rs's CUDA calls alone (fork, two launches, join, end kernel) from this process's main
-        # thread, GPU idle: their floor here, against the launch phases above (handler on XLA's thread).
+        # gemm_rs's CUDA calls alone (two launches, the second a programmatic dependent) from this
+        # process's main thread: their floor here, against the launch phases above (handler on XLA's
+        # thread); with the GPU idle, then while an XLA program runs (dispatched, not yet waited for).
         device = jax.local_devices()[0].local_hardware_id
         floor = _extension.ext().call_sequence_us(device, 200)
-        parts.append(f"gemm_rs's CUDA calls alone from the main thread: {floor:.1f} us")
+        a = jnp.ones((8192, 8192), jnp.bfloat16)
+        busy = jax.jit(lambda a: jax.lax.fori_loop(0, 200, lambda i, b: (b @ a) * 1e-4, a))
+        jax.block_until_ready(busy(a))
+        pending = busy(a)
+        during = _extension.ext().call_sequence_us(device, 200)
+        jax.block_until_ready(pending)
+        parts.append(f"gemm_rs's CUDA calls alone from the main thread: {floor:.1f} us (GPU idle), "
+                     f"{during:.1f} us (an XLA program running)")
         return "hostcost: " + "; ".join(parts)
 
     def scanned_block_cost(self, layers=8, runs=50):

@@ -222,9 +222,9 @@ struct CallEnd {
 cudaError_t launch_end_call(const CallEnd& end, cudaStream_t stream);
 cudaError_t prepare_epoch_kernel();
 
-// Median host microseconds, in *median_us, of gemm_rs's handler's CUDA calls alone (fork to a
-// high-priority stream, a launch there and one on the first stream, join, the end kernel; every
-// kernel the end kernel, on a scratch epoch), over `reps` runs on `device`, from the calling thread:
+// Median host microseconds, in *median_us, of gemm_rs's handler's CUDA calls alone (two launches on
+// one stream, the second as the first's programmatic dependent; both the end kernel, on a scratch
+// epoch), over `reps` runs on `device`, from the calling thread:
 // the floor of those calls in this process, to set against handler_cost's launch phases.
 cudaError_t call_sequence_us(int device, int reps, double* median_us);
 

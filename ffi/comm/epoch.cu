@@ -41,33 +41,30 @@ cudaError_t call_sequence_us(int device, int reps, double* median_us) {
     if (err == cudaSuccess) err = e;
     return err == cudaSuccess;
   };
-  int least = 0, greatest = 0;
-  keep(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  cudaStream_t a = nullptr, hi = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
+  cudaStream_t stream = nullptr;
   CallEnd end;
-  keep(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
-  keep(cudaStreamCreateWithPriority(&hi, cudaStreamNonBlocking, greatest));  // as the consumer's
-  keep(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-  keep(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  keep(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   keep(cudaMalloc(reinterpret_cast<void**>(&end.epoch), sizeof(uint64_t)));
+  // The second launch as the first's programmatic dependent, as gemm_rs launches its GEMM.
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t dependent{};
+  dependent.gridDim = dim3(1);
+  dependent.blockDim = dim3(kEndThreads);
+  dependent.stream = stream;
+  dependent.attrs = &attr;
+  dependent.numAttrs = 1;
   std::vector<double> us;
   for (int i = 0; i < reps && err == cudaSuccess; ++i) {
-    if (i % 16 == 0) keep(cudaStreamSynchronize(a));
+    if (i % 16 == 0) keep(cudaStreamSynchronize(stream));
     auto const t0 = std::chrono::steady_clock::now();
-    keep(cudaEventRecord(fork, a)) && keep(cudaStreamWaitEvent(hi, fork, 0)) && keep(launch_end_call(end, hi)) &&
-        keep(launch_end_call(end, a)) && keep(cudaEventRecord(join, hi)) && keep(cudaStreamWaitEvent(a, join, 0)) &&
-        keep(launch_end_call(end, a));
+    keep(launch_end_call(end, stream)) && keep(cudaLaunchKernelEx(&dependent, end_call, end));
     us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   }
-  if (a) keep(cudaStreamSynchronize(a));
+  if (stream) keep(cudaStreamSynchronize(stream));
   if (end.epoch) cudaFree(end.epoch);
-  for (cudaEvent_t e : {fork, join}) {
-    if (e) cudaEventDestroy(e);
-  }
-  for (cudaStream_t s : {hi, a}) {
-    if (s) cudaStreamDestroy(s);
-  }
+  if (stream) cudaStreamDestroy(stream);
   if (!us.empty()) {
     std::nth_element(us.begin(), us.begin() + us.size() / 2, us.end());
     *median_us = us[us.size() / 2];

@@ -73,4 +73,11 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Programmatic dependent launch (both are no-ops in a kernel not launched as a primary or as a
+// dependent): let the kernel launched after this one on its stream as a programmatic dependent
+// start once every CTA of this grid got here or exited; and, in the dependent, wait until its
+// primary has completed and its writes are visible.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_primary() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 }  // namespace entwine::ptx

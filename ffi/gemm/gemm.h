@@ -72,8 +72,9 @@ constexpr size_t kSplitWorkspaceBytes = kSplitCountersBytes + kSplitSlots * kSpl
 struct PreparedGemm {
   static constexpr size_t kParamsBytes = 2048;  // above every instantiation's Params (static_assert)
   alignas(128) unsigned char params[kParamsBytes];
-  cudaError_t (*launch)(void const* params, cudaStream_t stream) = nullptr;
-  cudaError_t enqueue(cudaStream_t stream) const { return launch(params, stream); }
+  cudaError_t (*launch)(void const* params, cudaStream_t stream, bool dependent) = nullptr;
+  // dependent: as the programmatic dependent of the stream's previous kernel (gemm_kernel.cuh).
+  cudaError_t enqueue(cudaStream_t stream, bool dependent = false) const { return launch(params, stream, dependent); }
 };
 
 }  // namespace entwine

@@ -375,6 +375,9 @@ struct GemmKernel {
     }
     __syncwarp();
     Schedule::template finish<GemmKernel>(params, lane);
+    // Launched as the programmatic dependent of another kernel (gemm_rs: its consumer), the grid
+    // completes only after that kernel did: the stream's next work may read both kernels' outputs.
+    if (lane == 0) ptx::wait_primary();
   }
 
   // Named barriers between the math warps and the store warp; ids below 8 are left to CUTLASS.
@@ -416,12 +419,23 @@ cudaError_t prepare() {
   return cudaFuncSetAttribute(gemm_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
 }
 
-// Enqueues a launch whose parameters prepare() built.
+// Enqueues a launch whose parameters prepare() built; `dependent`: as the programmatic dependent of
+// the stream's previous kernel, which may still run (it must let its dependents launch, and the
+// store warp waits for its end: store_and_release).
 template <class Kernel>
-cudaError_t launch_prepared(void const* prepared, cudaStream_t stream) {
+cudaError_t launch_prepared(void const* prepared, cudaStream_t stream, bool dependent) {
   auto const& params = *static_cast<typename Kernel::Params const*>(prepared);
-  gemm_kernel<Kernel><<<params.schedule.grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(params.schedule.grid);
+  config.blockDim = dim3(Kernel::kThreads);
+  config.dynamicSmemBytes = Kernel::kSmemBytes;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&config, gemm_kernel<Kernel>, params);
 }
 
 // Prepares the launch of a plan: the parameters are the schedule's reading of the plan and the

@@ -1,6 +1,7 @@
 // The consumer: reduces this rank's partition of the W partial outputs, one producer block
-// (128 x block_n) at a time, each as soon as its W producers have released it. Runs on a
-// high-priority stream next to the producer GEMM, with a small grid (the communication budget x).
+// (128 x block_n) at a time, each as soon as its W producers have released it. Runs beside the
+// producer GEMM, launched just before it on XLA's stream with the GEMM as its programmatic
+// dependent, with a small grid (the communication budget x).
 //
 //   producer on rank s (any s)                      consumer on rank r (grid x, block b + 32)
 //   ─────────────────────────                       ───────────────────────────────────
@@ -172,6 +173,9 @@ template <DType kDType, int W>
 __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__grid_constant__ const Params p) {
   using Element = typename Pack<kDType>::Element;
   __shared__ uint32_t leave[2];
+  // The GEMM, launched after this grid as its programmatic dependent, may start once every CTA of
+  // this grid is resident (and keeps its grid from completing before this one: gemm_kernel.cuh).
+  ptx::launch_dependents();
   int const steps = p.tiles / p.tiles_per_block;
   int const my_steps = int(blockIdx.x) < steps ? (steps - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 0;
   int const threads = int(blockDim.x);                 // waiter warp + data threads

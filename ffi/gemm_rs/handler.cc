@@ -1,6 +1,6 @@
 // XLA FFI handlers `entwine_gemm_rs` (bf16/fp16) and `entwine_gemm_rs_fp8` (FP8 operands with their
-// scales): each checks its operands' types, then one body validates and plans the call, runs the
-// producer (GEMM) on XLA's stream beside the consumer (reduction) on its own stream, joins it back;
+// scales): each checks its operands' types, then one body validates and plans the call and launches
+// the consumer (reduction) and the producer (GEMM) beside it, both on XLA's stream;
 // and gemm_rs::kHooks. No kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (any of them can
 // deadlock against a consumer spinning on another device of this process).
 #include <cstdint>
@@ -100,13 +100,14 @@ ffi::Error check_plan(GemmRsPlan const& plan, GemmRsProblem const& problem, Gemm
 // A's partial slot V[e % 2] (e and its parity are read on the device: CallEpoch); the consumers of
 // every rank B read A's V[e % 2] during their call e.
 // A's producer of call e+2 writes V[e % 2] again, and cannot start before every B finished reading it:
-//   A's producer(e+2) runs on A's XLA stream after it waited for A's consumer(e+1);
+//   A's producer(e+2) runs on A's XLA stream after call e+1 completed there, A's consumer(e+1)
+//   included (the GEMM of a call completes after its consumer);
 //   A's consumer(e+1) finished, so it saw a flag of call e+1 from every B (every tile of A's
 //   partition has a contribution from every rank, and the consumer only exits early on a failed
 //   wait (deadline, mismatch or a peer's abort), which poisons the communicator: later calls are
 //   rejected below);
-//   B published in call e+1, so B's producer(e+1) had started, which was after B's XLA stream
-//   waited for B's consumer(e): B's reads of V[e % 2] on every rank had completed.
+//   B published in call e+1, so B's producer(e+1) had started, which was after B's call e
+//   completed, B's consumer(e) included: B's reads of V[e % 2] on every rank had completed.
 // Call e+1 (the other slot) may overlap a slow peer's call e freely. The same chain orders the two
 // writers of one flag word of parity e % 2 (calls e and e+2), which is why the flags are
 // double-buffered too (comm.h). Requires every rank to make the same sequence of calls on the
@@ -222,19 +223,31 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   consumer_args.end.expected = derived->plan.config.consumer_grid + derived->plan.schedule.grid;
   consumer_args.consumers_done = dc->epoch + 2;
   timer.lap(comm::kPhaseChecks);
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
-  timer.lap(comm::kPhaseFork);
-  // Consumer first: its small high-priority grid must be resident before the GEMM fills the SMs. The
-  // GEMM runs on XLA's stream itself (no fork to join).
-  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, dc->consumer));
-  ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
-  timer.lap(comm::kPhaseLaunch);
-  // The GEMM window, for ENTWINE_PROFILE=1 (comm::last_call_ms).
-  if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
-  timer.lap(comm::kPhaseJoin);
+  if (!comm::profiling()) {
+    // The consumer, then the GEMM as its programmatic dependent, both on XLA's stream: the GEMM's
+    // CTAs start once the consumer's small grid is resident, run beside it, and the GEMM's grid
+    // completes only after the consumer's (gemm_kernel.cuh), so XLA's next work sees y. Two launches,
+    // no fork or join: the handler's host time is on every call's path.
+    timer.lap(comm::kPhaseFork);
+    ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, xla_stream));
+    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
+    timer.lap(comm::kPhaseLaunch);
+    timer.lap(comm::kPhaseJoin);
+  } else {
+    // ENTWINE_PROFILE=1: the consumer on its own stream, forked from XLA's and joined back, so that
+    // events time the GEMM window apart from the consumer's tail (comm::last_call_ms). Consumer
+    // first: its small high-priority grid must be resident before the GEMM fills the SMs.
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
+    timer.lap(comm::kPhaseFork);
+    ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, dc->consumer));
+    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
+    timer.lap(comm::kPhaseLaunch);
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
+    timer.lap(comm::kPhaseJoin);
+  }
   timer.lap(comm::kPhaseEnd);  // folded into the kernels: no launch
   return ffi::Error::Success();
 }
