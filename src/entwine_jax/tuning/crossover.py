@@ -22,8 +22,9 @@ class Costs:
     # Fixed device cost of a fused call beyond XLA's, in microseconds. ag_gemm on the copy engines: 8
     # chunk pushes and releases took 65 us to enqueue whatever their size below ~30 MB (one H200,
     # docs/performance.md, "ag_gemm"). ag_gemm with the SM push: one launch beside the GEMM, estimated
-    # like gemm_rs's consumer launch. gemm_rs: the consumer's launch on its own stream and the
-    # fork/join events; not measured apart yet, set from its handler's launches.
+    # like gemm_rs's consumer launch. gemm_rs: the consumer's launch ahead of the GEMM's (its
+    # programmatic dependent) and the flag round trips; not measured apart yet, set from its
+    # handler's launches.
     fixed_us: tuple = (("gemm_rs", 15.0), ("ag_gemm", 70.0), ("ag_gemm sm push", 20.0))
     # Shards up to this many bytes are pushed by the SM copy kernel: below it the copy engines' cost
     # is their enqueueing (flat ~65 us up to ~30 MB on one H200), above it the SMs the copy kernel
