@@ -1,8 +1,8 @@
 // XLA FFI handlers `entwine_ag_gemm` (bf16/fp16) and `entwine_ag_gemm_fp8` (FP8 shards with their
 // scales): each checks its operands' types, then one body validates and plans one rank's call, runs
-// the GEMM (consuming the gathered operand as it arrives) on XLA's stream and forks the transfer
-// streams beside it (the shard, and an FP8 shard's scale, pushed to every peer by copy engines or by
-// one SM copy kernel, one flag per chunk), joins them back; and ag_gemm::kHooks. No kernel syntax; no allocation, free, synchronisation, IPC or
+// the GEMM (consuming the gathered operand as it arrives) on XLA's stream beside the pushes of the
+// shard (and an FP8 shard's scale) to every peer, one flag per chunk: one SM copy kernel on XLA's
+// stream ahead of the GEMM, or copy engines on transfer streams forked from it and joined back; and ag_gemm::kHooks. No kernel syntax; no allocation, free, synchronisation, IPC or
 // peer-access call (see gemm_rs).
 #include <cstdint>
 #include <string>
@@ -206,15 +206,21 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
 
   timer.lap(comm::kPhaseChecks);
-  ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
+  bool const sm_push = plan.push_grid > 0 && world > 1;
+  // The SM push and the GEMM both on XLA's stream, the GEMM as the push's programmatic dependent: its
+  // CTAs start once the push's are resident, and its grid completes only after the push's
+  // (gemm_kernel.cuh). No fork or join. ENTWINE_PROFILE=1 forks the push instead, so that events
+  // time the GEMM window alone (comm::last_call_ms).
+  bool const chained = sm_push && !comm::profiling();
+  if (!chained) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
   timer.lap(comm::kPhaseFork);
-  // The GEMM first, on XLA's stream (no fork to join): its local shard needs nothing from a peer, so
-  // it starts while the host still enqueues the pushes.
-  ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
+  // Forked pushes: the GEMM first, on XLA's stream (no fork to join): its local shard needs nothing
+  // from a peer, so it starts while the host still enqueues the pushes.
+  if (!chained) ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
   uint64_t* const own_ready = reinterpret_cast<uint64_t*>(own + dc->layout.ready_offset());
-  // The joins of the transfer streams used: transfer[1] alone for the SM push.
-  int const transfer_streams = plan.push_grid > 0 && world > 1 ? 1 : int(world) - 1;
-  if (plan.push_grid > 0 && world > 1) {
+  // The joins of the transfer streams used: transfer[1] alone for a forked SM push.
+  int const transfer_streams = chained ? 0 : sm_push ? 1 : int(world) - 1;
+  if (sm_push) {
     // SM push: one kernel on one transfer stream waits for every receiver, pushes every chunk to
     // every peer and releases each (launch_push).
     PushArgs push{};
@@ -238,9 +244,14 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
     push.error_mirror = dc->error_device;
     push.call = epoch_args;
     push.timeout_ns = timeout_ns;
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->transfer[1], dc->start, 0));
-    ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, dc->transfer[1]));
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->transfer_done[1], dc->transfer[1]));
+    if (chained) {
+      ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, xla_stream));
+      ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
+    } else {
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->transfer[1], dc->start, 0));
+      ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, dc->transfer[1]));
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->transfer_done[1], dc->transfer[1]));
+    }
   }
   // Copy-engine pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
   // released by its flag in the receiver's memory (launch_release, after the copy). Rank r thus

@@ -50,6 +50,9 @@ constexpr int kPushUnroll = 4;
 // never came is written (its GEMM reports the deadline, or already did).
 __global__ void __launch_bounds__(kPushThreads) push_shard(PushArgs a) {
   __shared__ int peer_ok[kMaxWorld];
+  // The GEMM, launched after this grid as its programmatic dependent, may start once every CTA of
+  // this grid got here: before the waits below, which need the receivers' GEMMs to announce.
+  ptx::launch_dependents();
   uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
   int const peers = a.world - 1, grid = int(gridDim.x);
   int const groups = peers < grid ? peers : grid, group = int(blockIdx.x) % groups;
