@@ -221,8 +221,8 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   // The joins of the transfer streams used: transfer[1] alone for a forked SM push.
   int const transfer_streams = chained ? 0 : sm_push ? 1 : int(world) - 1;
   if (sm_push) {
-    // SM push: one kernel on one transfer stream waits for every receiver, pushes every chunk to
-    // every peer and releases each (launch_push).
+    // SM push: one kernel (on XLA's stream ahead of the GEMM, or forked onto transfer stream 1)
+    // waits for every receiver, pushes every chunk to every peer and releases each (launch_push).
     PushArgs push{};
     push.shard = shard;
     for (int q = 0; q < world; ++q) {
