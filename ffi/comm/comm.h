@@ -262,7 +262,6 @@ struct HandlerCost {
 };
 std::vector<HandlerCost> handler_cost(int64_t comm_id);
 
-
 // Names a call signature (CallEpoch::signature) for the error messages of this process: Python
 // names each call it traces (op, shapes, layout, config).
 void name_call(uint32_t signature, const std::string& description);

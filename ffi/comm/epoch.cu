@@ -11,6 +11,7 @@
 
 #include "comm/call_end.cuh"
 #include "comm/comm.h"
+#include "comm/ptx.cuh"
 
 namespace entwine::comm {
 namespace {
@@ -46,9 +47,7 @@ cudaError_t call_sequence_us(int device, int reps, double* median_us) {
   keep(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   keep(cudaMalloc(reinterpret_cast<void**>(&end.epoch), sizeof(uint64_t)));
   // The second launch as the first's programmatic dependent, as gemm_rs launches its GEMM.
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr = ptx::programmatic_dependent();
   cudaLaunchConfig_t dependent{};
   dependent.gridDim = dim3(1);
   dependent.blockDim = dim3(kEndThreads);

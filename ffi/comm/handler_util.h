@@ -150,7 +150,8 @@ inline CallEpoch call_epoch(const comm::DeviceComm& dc, bool trap, int64_t signa
   return call;
 }
 
-// The call's last kernel's arguments: the epoch, the failure records, the outputs to poison.
+// The call's end's arguments (its end kernel's, or the kernels' that fold it: comm/call_end.cuh): the
+// epoch, the failure records, the outputs to poison.
 inline comm::CallEnd call_end(const comm::DeviceComm& dc, const CallEpoch& call, void* out0, int64_t bytes0,
                               void* out1 = nullptr, int64_t bytes1 = 0, void* out2 = nullptr,
                               int64_t bytes2 = 0) {

@@ -1,10 +1,13 @@
 // Memory-model primitives of the tile protocol: system-scope release/acquire on 64-bit epoch flags,
 // the global nanosecond timer for deadlines, 16-byte loads that bypass L1 (peer data changes
 // between calls; L1 is not coherent with NVLink writes), what the producer's release needs beyond
-// cute's bulk-copy primitives (write completion, the global proxy fence), and named barriers.
+// cute's bulk-copy primitives (write completion, the global proxy fence), named barriers, and
+// programmatic dependent launch.
 #pragma once
 
 #include <cstdint>
+
+#include <cuda_runtime.h>
 
 namespace entwine::ptx {
 
@@ -79,5 +82,14 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // primary has completed and its writes are visible.
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void wait_primary() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// The host's half: the launch attribute that makes a launch the programmatic dependent of the
+// stream's previous kernel.
+inline cudaLaunchAttribute programmatic_dependent() {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return attr;
+}
 
 }  // namespace entwine::ptx

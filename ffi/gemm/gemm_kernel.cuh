@@ -425,9 +425,7 @@ cudaError_t prepare() {
 template <class Kernel>
 cudaError_t launch_prepared(void const* prepared, cudaStream_t stream, bool dependent) {
   auto const& params = *static_cast<typename Kernel::Params const*>(prepared);
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr = ptx::programmatic_dependent();
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(params.schedule.grid);
   config.blockDim = dim3(Kernel::kThreads);

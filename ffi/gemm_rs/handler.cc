@@ -197,15 +197,19 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   handler::add_call(key, epoch_args);
   // The call's end folded into its kernels (no end kernel's launch): the consumer's CTAs and the
   // producer's store warps arrive at it, and the last advances the epoch; the consumer's last CTA
-  // poisons y after a failure (ConsumerArgs). The producer's part is in its prepared parameters: it
-  // holds no output's address, only the epoch's words (in the key).
-  producer_args.end = handler::call_end(*dc, epoch_args, nullptr, 0);
-  producer_args.end.done = dc->epoch + 1;
+  // poisons y after a failure (ConsumerArgs). `end` holds no output: the producer's copy is in its
+  // prepared parameters, derived from the epoch's words (in the key); the consumer adds y.
+  auto const folded_end = [&](GemmRsPlan const& plan) {
+    comm::CallEnd end = handler::call_end(*dc, epoch_args, nullptr, 0);
+    end.done = dc->epoch + 1;
+    end.expected = uint64_t(plan.config.consumer_grid) + uint64_t(plan.schedule.grid);
+    return end;
+  };
   Derived const* derived = memo.find(key);
   if (derived == nullptr) {
     Derived fresh{gemm_rs_plan(problem, cfg), {}};
     if (ffi::Error e = check_plan(fresh.plan, problem, cfg, *dc); e.failure()) return e;
-    producer_args.end.expected = fresh.plan.config.consumer_grid + fresh.plan.schedule.grid;
+    producer_args.end = folded_end(fresh.plan);
     ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::prepare_gemm(ops.input, ops.output, fresh.plan, producer_args, &fresh.gemm));
     Derived* entry = memo.insert(key);
     *entry = fresh;
@@ -218,36 +222,34 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
                                        std::to_string(derived->plan.shape.part_cols()) + "], got " + dims_string(yd));
   }
 
-  consumer_args.end = handler::call_end(*dc, epoch_args, y->untyped_data(), int64_t(y->size_bytes()));
-  consumer_args.end.done = producer_args.end.done;
-  consumer_args.end.expected = derived->plan.config.consumer_grid + derived->plan.schedule.grid;
+  consumer_args.end = folded_end(derived->plan);
+  consumer_args.end.out[0] = y->untyped_data();
+  consumer_args.end.bytes[0] = int64_t(y->size_bytes());
   consumer_args.consumers_done = dc->epoch + 2;
   timer.lap(comm::kPhaseChecks);
-  if (!comm::profiling()) {
-    // The consumer, then the GEMM as its programmatic dependent, both on XLA's stream: the GEMM's
-    // CTAs start once the consumer's small grid is resident, run beside it, and the GEMM's grid
-    // completes only after the consumer's (gemm_kernel.cuh), so XLA's next work sees y. Two launches,
-    // no fork or join: the handler's host time is on every call's path.
-    timer.lap(comm::kPhaseFork);
-    ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, xla_stream));
-    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
-    timer.lap(comm::kPhaseLaunch);
-    timer.lap(comm::kPhaseJoin);
-  } else {
-    // ENTWINE_PROFILE=1: the consumer on its own stream, forked from XLA's and joined back, so that
-    // events time the GEMM window apart from the consumer's tail (comm::last_call_ms). Consumer
-    // first: its small high-priority grid must be resident before the GEMM fills the SMs.
+  // The consumer, then the GEMM as its programmatic dependent, both on XLA's stream: the GEMM's CTAs
+  // start once the consumer's small grid is resident, run beside it, and the GEMM's grid completes
+  // only after the consumer's (gemm_kernel.cuh), so XLA's next work sees y. Two launches, no fork or
+  // join: the handler's host time is on every call's path. ENTWINE_PROFILE=1 forks the consumer onto
+  // its own (high-priority) stream instead and joins it back, so that events time the GEMM window
+  // apart from the consumer's tail (comm::last_call_ms).
+  bool const forked = comm::profiling();
+  cudaStream_t consumer_stream = xla_stream;
+  if (forked) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
-    timer.lap(comm::kPhaseFork);
-    ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, dc->consumer));
-    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
-    timer.lap(comm::kPhaseLaunch);
+    consumer_stream = dc->consumer;
+  }
+  timer.lap(comm::kPhaseFork);
+  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, consumer_stream));
+  ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/!forked));
+  timer.lap(comm::kPhaseLaunch);
+  if (forked) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
     ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
-    timer.lap(comm::kPhaseJoin);
   }
+  timer.lap(comm::kPhaseJoin);
   timer.lap(comm::kPhaseEnd);  // folded into the kernels: no launch
   return ffi::Error::Success();
 }
