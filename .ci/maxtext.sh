@@ -43,7 +43,7 @@ echo "=== tests/test_maxtext.py"
 T1=$SECONDS
 # JAX_PLATFORMS=cpu: the [tpu] extra brings libtpu, which would otherwise probe for a TPU first.
 # The conftest forces 8 CPU host devices.
-(cd "$REPO" && JAX_PLATFORMS=cpu PYTHONPATH="$REPO/src" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+(cd "$REPO" && JAX_PLATFORMS=cpu PYTHONPATH="$REPO" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
   -W ignore::DeprecationWarning tests/test_maxtext.py)
 echo "=== test: $((SECONDS - T1)) s"
 echo "=== total: $((SECONDS - T0)) s"

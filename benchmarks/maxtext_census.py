@@ -5,7 +5,7 @@
 
 Run (a MaxText venv as .ci/maxtext.sh builds it; docs/maxtext.md, "Collective census")::
 
-    JAX_PLATFORMS=cpu PYTHONPATH=src venv-maxtext/bin/python benchmarks/maxtext_census.py --config 70b --layers 2
+    JAX_PLATFORMS=cpu PYTHONPATH=. venv-maxtext/bin/python benchmarks/maxtext_census.py --config 70b --layers 2
 
 Configs: ``tiny4`` / ``tiny8``: MaxText's tiny llama2 decoder of tests/test_maxtext.py with GQA (16
 query heads, 8 KV heads of 32) at tensor 4 x fsdp 2 / tensor 8; ``70b``: a Llama-3-70B-like decoder

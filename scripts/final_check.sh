@@ -9,7 +9,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site "$1" || exit 1
-cp -r "$REPO"/src/entwine_jax/. /tmp/site/entwine_jax/
+cp -r "$REPO"/entwine_jax/. /tmp/site/entwine_jax/
 export PYTHONPATH=/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 H=/tmp/site/entwine_jax/bin/entwine_harness

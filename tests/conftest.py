@@ -35,7 +35,7 @@ def pytest_configure(config):
                                        "ENTWINE_REQUIRE_GPUS >= 2)")
     if os.environ.get("ENTWINE_CI") == "1":
         where = pathlib.Path(entwine_jax.__file__).resolve()
-        if where.parent == REPO / "src" / "entwine_jax":
+        if where.parent == REPO / "entwine_jax":
             raise pytest.UsageError(f"ENTWINE_CI=1: entwine_jax was imported from the source tree ({where}), not the "
                                     "installed package; run `pytest tests` without PYTHONPATH")
         built, reason = entwine_jax.extension_status()

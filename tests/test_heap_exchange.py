@@ -27,7 +27,7 @@ def _free_port() -> int:
 
 def test_two_processes_share_their_chunks_and_retry_after_a_late_peer():
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.path.join(ROOT, "src"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(port)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
