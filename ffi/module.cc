@@ -192,6 +192,12 @@ NB_MODULE(_entwine, m) {
         "Median host microseconds of gemm_rs's handler's CUDA calls alone (fork, two launches, join, end "
         "kernel) from the calling thread: their floor in this process.");
 
+  nb::class_<comm::SmHold>(m, "SmHold",
+                           "Tests only: CTAs holding one SM each on a stream of their own, spinning until "
+                           "release() or bound_ms (another stream's kernel waiting for another GPU)")
+      .def(nb::init<int, int, uint64_t>(), nb::arg("device"), nb::arg("ctas"), nb::arg("bound_ms"))
+      .def_prop_ro("started", &comm::SmHold::started)
+      .def("release", &comm::SmHold::release, NoGil());
   m.def("shutdown", &comm::shutdown, NoGil(),
         "Free every communicator (unmapping every heap).");
 }

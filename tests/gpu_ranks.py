@@ -5,6 +5,13 @@ each.
     python tests/gpu_ranks.py --world 2 --suite quick            # 2 ranks on GPU 0
     python tests/gpu_ranks.py --world 4 --suite all              # all but hostcost and smallshapes
     python tests/gpu_ranks.py --world 2 --gpus 2 --suite quick   # one process per GPU
+    python tests/gpu_ranks.py --world 4 --mps --suite quick      # 4 ranks at once on GPU 0 (CUDA MPS)
+
+Without --mps, processes sharing a GPU take turns on it in time slices, which hides every problem of
+kernels that need SMs at the same time. --mps starts a private MPS server (its own pipe and log
+folders), runs the suites' ranks as its clients, so their kernels share the SMs at once as kernels of
+other streams do on a real node, and stops it at the end; --mps-percent N also caps each client at N %
+of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE).
 
 Suites:
   quick    suite-like and tail shapes, bf16 and fp16, growing (the heap regrows across processes),
@@ -65,6 +72,11 @@ Suites:
            gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time, also by phase; then the host
            time per step of a lax.scan over an 8-layer MLP block (ag_gemm -> silu -> gemm_rs);
            reports them and checks the results.
+  forward  forward progress: gemm_rs and ag_gemm with explicit configs a user writes (the dataclass
+           defaults, the largest grids, both pushes), every result checked; then, on rank 0's GPU, a
+           kernel of another stream that holds SMs until released (tests' SmHold): with
+           ENTWINE_SM_RESERVE set to its SMs, fused calls run beside it and finish before it is
+           released; holding every SM, a call finishes once it is released (after 2 s).
   smallshapes  the fused ops against XLA's path on Llama-8B and -70B projections (q/k/v and
            gate/up: ag_gemm; o and down: gemm_rs) at 16..2048 tokens per rank: XLA's GEMM alone
            plus the transfer at the link rate of tuning/crossover.py (no NCCL between processes of
@@ -81,11 +93,14 @@ suite after --timeout seconds and prints a one-line summary last. Exit status 0 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -97,6 +112,8 @@ CMDBUF_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CO
 # heapgrow_cmdbuf: graphs of fusions and the fused custom calls.
 HEAPGROW_XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 LONE_TRACE_TIMEOUT_MS = 3000
+# forward: SMs that a kernel of another stream holds on rank 0's GPU while fused calls run beside it.
+FORWARD_HELD_SMS = 40
 
 
 def fp8_rounded(v, dtype=None):
@@ -137,17 +154,43 @@ def launch(args) -> int:
               else args.suite.split(","))
     # heapgrow runs with and without command buffers: XLA reads its flags once per process.
     suites = [s for suite in suites for s in (["heapgrow", "heapgrow_cmdbuf"] if suite == "heapgrow" else [suite])]
-    lines = [launch_suite(args, suite) for suite in suites]
+    with mps_server(args) as mps_env:
+        lines = [launch_suite(args, suite, mps_env) for suite in suites]
     ok = all(line.startswith("PASS") for line in lines)
-    print(f"gpu_ranks: world={args.world} gpus={args.gpus}: {'PASS' if ok else 'FAIL'}: " + " | ".join(
+    mode = f"mps{'' if args.mps_percent is None else f' {args.mps_percent}%'}" if args.mps else "time-sliced"
+    print(f"gpu_ranks: world={args.world} gpus={args.gpus} {mode}: {'PASS' if ok else 'FAIL'}: " + " | ".join(
         f"{suite} {line}" for suite, line in zip(suites, lines)), flush=True)
     return 0 if ok else 1
 
 
-def launch_suite(args, suite) -> str:
+@contextlib.contextmanager
+def mps_server(args):
+    """With --mps: a private CUDA MPS control daemon for the suites' ranks (its own pipe and log
+    folders, so it neither joins nor disturbs another one), stopped on the way out; yields the
+    clients' environment. Without --mps: nothing, and an empty environment."""
+    if not args.mps:
+        yield {}
+        return
+    root = tempfile.mkdtemp(prefix="entwine-mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
+    for folder in env.values():
+        os.makedirs(folder)
+    server_env = dict(os.environ, **env)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], env=server_env, check=True, timeout=60)
+    clients = dict(env)
+    if args.mps_percent is not None:
+        clients["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.mps_percent)
+    try:
+        yield clients
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=server_env, text=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def launch_suite(args, suite, mps_env=None) -> str:
     """Runs one suite on W fresh processes; returns 'PASS (...)' or 'FAIL (...)'."""
     port = _free_port()
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **(mps_env or {}))
     if suite in ("missing", "agmissing", "cmdbufmissing"):
         env["ENTWINE_TIMEOUT_MS"] = str(MISSING_TIMEOUT_MS)
     if suite in ("skipcall", "disagree"):  # a mismatch fails at once; the deadline covers a first compile
@@ -157,6 +200,8 @@ def launch_suite(args, suite) -> str:
         env["XLA_FLAGS"] = CMDBUF_XLA_FLAGS
     if suite == "heapgrow_cmdbuf":
         env["XLA_FLAGS"] = HEAPGROW_XLA_FLAGS
+    if suite == "forward":  # read once per process: the SMs that rank 0's held kernel takes
+        env["ENTWINE_SM_RESERVE"] = str(FORWARD_HELD_SMS)
     procs, results, lock = [], {}, threading.Lock()
 
     def pump(rank, proc):
@@ -2035,6 +2080,90 @@ class Rank:
                 f"{dict(costs.fixed_us)}); the rule disagrees with the measurement on {len(wrong)}: "
                 f"{', '.join(wrong) or 'none'}")
 
+    def forward(self):
+        """Explicit configs, then fused calls beside a kernel of another stream that holds SMs."""
+        import jax.numpy as jnp
+        import numpy as np
+
+        from entwine_jax import AgGemmConfig, GemmRsConfig, _extension
+
+        w_ = self.world
+        sms = _extension.sm_count()
+        done = []
+        m, n, k = 2048 * w_, 4096, 256
+        # The dataclass defaults (producer_sms = 0) and the largest grids a user may write: the GEMM
+        # never waits, so its grid may exceed what fits beside the consumer.
+        rs_configs = [GemmRsConfig(path="fused"), GemmRsConfig(producer_sms=sms, consumer_grid=16, path="fused"),
+                      GemmRsConfig(producer_sms=sms, consumer_grid=64, block_n=256, path="fused")]
+        for i, config in enumerate(rs_configs):
+            xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=4100 + i)
+            ref = self.reference(xs, ws)
+            f = self.gemm_fn(m, n, k, jnp.bfloat16, config=config)
+            y = self.local(f(*self.global_arrays(xs, ws)))
+            self.check(y, ref[self.rank * (m // w_):(self.rank + 1) * (m // w_)], f"gemm_rs {config}")
+            done.append("rs")
+        # ag_gemm: the dataclass defaults and each push at the largest GEMM grid it allows.
+        ag_configs = [AgGemmConfig(path="fused"), AgGemmConfig(gemm_sms=sms - 1, push="ce", path="fused"),
+                      AgGemmConfig(gemm_sms=sms - 16, push="sm", push_sms=16, path="fused")]
+        for i, config in enumerate(ag_configs):
+            for gather_k in (False, True):
+                self.ag_config_case(1024, 512, 1024, jnp.bfloat16, gather_k, 4200 + 2 * i + gather_k, config)
+                done.append("ag")
+        # A kernel of another stream holding FORWARD_HELD_SMS SMs of rank 0's GPU, released only after
+        # the calls beside it returned: they must fit (the reserve leaves it its SMs).
+        held = self.hold_sms(FORWARD_HELD_SMS, bound_ms=120000)
+        t0 = time.monotonic()
+        xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=4300)
+        f = self.gemm_fn(m, n, k, jnp.bfloat16, config=GemmRsConfig(path="fused"))
+        y = self.local(f(*self.global_arrays(xs, ws)))
+        self.check(y, self.reference(xs, ws)[self.rank * (m // w_):(self.rank + 1) * (m // w_)], "gemm_rs beside")
+        self.ag_config_case(1024, 512, 1024, jnp.bfloat16, False, 4301, AgGemmConfig(path="fused"))
+        self.ag_config_case(1024, 512, 1024, jnp.bfloat16, True, 4302, AgGemmConfig(push="sm", path="fused"))
+        beside = time.monotonic() - t0
+        if held is not None:
+            if held.started != FORWARD_HELD_SMS:
+                raise AssertionError(f"the held kernel has {held.started} of {FORWARD_HELD_SMS} CTAs running")
+            held.release()
+        self.barrier("forward beside")
+        # Every SM held: a call can only finish once the held kernel ends (released after 2 s).
+        held = self.hold_sms(sms, bound_ms=120000)
+        if held is not None:
+            threading.Timer(2.0, held.release).start()
+        t0 = time.monotonic()
+        y = self.local(f(*self.global_arrays(xs, ws)))
+        self.check(y, self.reference(xs, ws)[self.rank * (m // w_):(self.rank + 1) * (m // w_)], "gemm_rs after release")
+        after = time.monotonic() - t0
+        return (f"{len(done)} explicit-config calls correct; beside {FORWARD_HELD_SMS} held SMs: 3 calls in "
+                f"{beside:.1f} s; all SMs held: finished {after:.1f} s after the call (released at 2 s)")
+
+    def hold_sms(self, ctas, bound_ms):
+        """On rank 0: a kernel of another stream holding `ctas` SMs of this GPU (tests' SmHold), once
+        they all run; None elsewhere."""
+        if self.rank != 0:
+            return None
+        from entwine_jax import _extension
+
+        held = _extension.ext().SmHold(int(self.device.local_hardware_id), int(ctas), int(bound_ms))
+        deadline = time.monotonic() + 30
+        while held.started < min(ctas, _extension.sm_count()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return held
+
+    def barrier(self, name):
+        from entwine_jax import _distributed
+
+        _distributed.barrier(f"entwine_test/{name}", range(self.world), self.rank, 120_000)
+
+    def ag_config_case(self, rows, cols, n, dtype, gather_k, seed, config):
+        """One ag_gemm call with `config` (path="fused") against the host reference."""
+        import numpy as np
+
+        xs, ws = self.ag_inputs(rows, cols, n, dtype, seed, gather_k)
+        call, _ = self.ag_fn(rows, cols, n, dtype, gather_k, config=config)
+        y = self.local(call(*self.ag_globals(xs, ws, gather_k)))
+        ref, _ = self.ag_reference(xs, ws, gather_k)
+        self.check(y, ref, f"ag_gemm {'contraction' if gather_k else 'rows'} {config}")
+
     def agmissing(self):
         import jax.numpy as jnp
 
@@ -2201,11 +2330,17 @@ def main() -> int:
                         help="quick, ag, stress, mixed, missing, agmissing, cmdbuf, cmdbufmissing, skipcall, disagree, "
                              "heapgrow, fp8, hostcost, smallshapes, all, or a comma-separated list")
     parser.add_argument("--timeout", type=float, default=900, help="wall-clock limit per suite in seconds; stragglers are killed")
+    parser.add_argument("--mps", action="store_true",
+                        help="run the ranks as clients of a private CUDA MPS server (concurrent, not time-sliced)")
+    parser.add_argument("--mps-percent", type=int, default=None,
+                        help="with --mps: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of every rank (1..100)")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not 1 <= args.world <= 8:
         parser.error(f"--world must be in [1, 8], got {args.world}")
+    if args.mps_percent is not None and not (args.mps and 1 <= args.mps_percent <= 100):
+        parser.error("--mps-percent needs --mps and a value in [1, 100]")
     return launch(args) if args.rank is None else rank_main(args)
 
 

@@ -5,6 +5,7 @@
 import dataclasses
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -209,6 +210,34 @@ def _ranks(*args, timeout=900):
 @pytest.mark.parametrize("world", [2, 4])
 def test_processes_sharing_one_gpu(world):
     _ranks("--world", str(world), "--gpus", "1", "--suite", "quick")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_forward_progress_time_sliced(world):
+    # Explicit configs (the dataclass defaults, the largest grids, both pushes) and fused calls
+    # beside a kernel of another stream that holds SMs until it is released.
+    _ranks("--world", str(world), "--gpus", "1", "--suite", "forward")
+
+
+def _needs_mps():
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        pytest.skip("nvidia-cuda-mps-control not found: the concurrent (MPS) mode cannot start")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ranks_at_once_under_mps(world):
+    # The ranks' kernels share the SMs at once (a private MPS server), as kernels of other streams
+    # do on a real node: every call must still finish, correctly.
+    _needs_mps()
+    _ranks("--world", str(world), "--gpus", "1", "--mps", "--suite", "quick,ag,forward")
+
+
+@pytest.mark.gpu
+def test_ranks_under_mps_with_a_thread_percentage():
+    _needs_mps()
+    _ranks("--world", "2", "--gpus", "1", "--mps", "--mps-percent", "50", "--suite", "quick,ag")
 
 
 @pytest.mark.gpu

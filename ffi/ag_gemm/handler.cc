@@ -87,13 +87,30 @@ ffi::Error check_plan(AgPlan const& plan, AgProblem const& problem, AgGemmConfig
   return ffi::Error::Success();
 }
 
+// The config the kernels run (docs/design.md, "Forward progress"). The GEMM's CTAs wait, holding
+// their SMs, for chunks that peers' pushes release; a push waits for its receivers to start the
+// call. So the GEMM leaves SMs: the push's CTAs (or one for the copy engines' release kernels), the
+// reserve (comm::sm_reserve), and, where processes share this GPU, enough that all but one of them
+// waiting at once (GEMM and push) still leave the last one an SM to start its call on.
+AgGemmConfig run_config(AgGemmConfig cfg, comm::DeviceComm const& dc) {
+  int64_t const push = cfg.push_sms > 0 ? cfg.push_sms : 1;
+  int64_t const free = int64_t(dc.sm_count) - comm::sm_reserve();
+  int64_t limit = free - push;
+  if (dc.gpu_sharers > 1) {
+    int64_t const share = (free - 1) / (dc.gpu_sharers - 1) - push;
+    if (share < limit) limit = share;
+  }
+  if (cfg.gemm_sms > limit) cfg.gemm_sms = limit > 1 ? limit : 1;
+  return cfg;
+}
+
 // The inbox argument (docs/design.md, "The double-buffer argument"). In call e, rank q pushes its
 // shard into rank r's inbox and r's GEMM (and r's copy of the gathered operand) reads it. The
 // inbox is single: a copy engine's destination is fixed when a CUDA graph records it, so it cannot
 // follow a parity chosen on the device. Instead q's transfer stream to r opens with a wait and
-// copies nothing before r has announced call e (ready_q[r] >= e); r's GEMM announces as it starts,
-// after r's start event of e, recorded on r's XLA stream once r's call e-1, every read of the
-// inbox included, was joined. The flags stay double-buffered (their chain is gemm_rs's:
+// copies nothing before r has announced call e (ready_q[r] >= e); r announces as soon as its call
+// starts (its push kernel or transfer streams' first kernel, and its GEMM), after r's call e-1,
+// every read of the inbox included, completed on r's XLA stream. The flags stay double-buffered (their chain is gemm_rs's:
 // every call of either op takes a flag from every peer), so calls of both ops may alternate.
 ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& ops, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id, bool gather_k, int64_t signature,
@@ -195,8 +212,9 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   handler::add_call(key, args.call);
   Derived const* derived = memo.find(key);
   if (derived == nullptr) {
-    Derived fresh{ag_plan(problem, config), {}};
-    if (ffi::Error e = check_plan(fresh.plan, problem, config, *dc); e.failure()) return e;
+    AgGemmConfig const run = run_config(config, *dc);
+    Derived fresh{ag_plan(problem, run), {}};
+    if (ffi::Error e = check_plan(fresh.plan, problem, run, *dc); e.failure()) return e;
     ENTWINE_RETURN_IF_CUDA(kOp, ag_gemm::prepare_gemm(ops.input, ops.output, fresh.plan, args, &fresh.gemm));
     Derived* entry = memo.insert(key);
     *entry = fresh;

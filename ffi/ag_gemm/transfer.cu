@@ -1,11 +1,10 @@
 // The kernels of ag_gemm's transfers; each reads the call's epoch from the device, so a CUDA graph
 // can replay it (docs/design.md, "Graph safety").
 // Copy engines (config.push_sms = 0), two one-warp kernels per transfer stream:
-//  - The receiver wait opens a transfer stream: bounded, until the receiver's GEMM has announced
-//    the call (so the receiver has finished reading its inbox in every earlier call). The announce
-//    is the GEMM's, not a kernel of this stream: a spinning kernel and the copy queued behind it can
-//    hold up other streams' work that shares their hardware queue, and the announcement must never
-//    wait behind a wait for another rank's announcement.
+//  - The receiver wait opens a transfer stream: it announces this rank's call, then waits, bounded,
+//    until the receiver has announced it (so the receiver has finished reading its inbox in every
+//    earlier call). Every kernel that starts a call announces it before it waits (the GEMM too), so
+//    an announcement never waits behind another rank's.
 //  - The release follows each chunk's copy (so runs after the copy engine completed its writes): one
 //    system fence, then the epoch into the receiver's flag (docs/design.md, "Memory ordering"). A
 //    stream memory operation (cuStreamWriteValue64) in its place let the receiving GEMM observe the
@@ -20,6 +19,10 @@ namespace entwine {
 namespace {
 
 __global__ void __launch_bounds__(32) wait_receiver(TransferArgs a) {
+  // Announce this rank's call before waiting for the receiver's: a rank's announcement never waits
+  // behind its GEMM's start, which needs SMs that waiting kernels may hold.
+  if (threadIdx.x == 0) wait::announce(a.call);
+  __syncwarp();
   uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
   wait::wait_flag_warp(a.ready, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, a.peer, 0,
                        kWaitInboxReady);
@@ -51,7 +54,9 @@ constexpr int kPushUnroll = 4;
 __global__ void __launch_bounds__(kPushThreads) push_shard(PushArgs a) {
   __shared__ int peer_ok[kMaxWorld];
   // The GEMM, launched after this grid as its programmatic dependent, may start once every CTA of
-  // this grid got here: before the waits below, which need the receivers' GEMMs to announce.
+  // this grid got here. This rank's announcement comes first: the receivers' pushes wait for it,
+  // and it must not wait behind the GEMM's start, which needs SMs that waiting kernels may hold.
+  if (blockIdx.x == 0 && threadIdx.x == 0) wait::announce(a.call);
   ptx::launch_dependents();
   uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
   int const peers = a.world - 1, grid = int(gridDim.x);

@@ -332,6 +332,13 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     dc->heap = vmm::reserve(dc->layout.reserved(), kChunkBytes);
     dc->accessors = {device};
     map_own(*dc, capacity);
+    // The GPU's identity in the heap, for peers to tell whether they share this GPU (connect).
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    check(cudaMemcpyAsync(static_cast<char*>(dc->heap) + dc->layout.gpu_uuid_offset(), prop.uuid.bytes, 16,
+                          cudaMemcpyHostToDevice, dc->setup),
+          "cudaMemcpyAsync(gpu uuid)");
+    check(cudaStreamSynchronize(dc->setup), "cudaStreamSynchronize(gpu uuid)");
     comm.by_device[device] = std::move(dc);
   }
   std::lock_guard<std::mutex> lock(registry_mutex);
@@ -457,6 +464,18 @@ void connect(int64_t comm_id, int device, const std::vector<int>& peers) {
                              " is not its own device in the peer list");
   }
   std::copy(table, table + kMaxWorld, dc.peer_heap);
+  // Which peers' heaps live on this very GPU (processes sharing it): read their identities on the
+  // setup stream, which waits for no call.
+  unsigned char uuids[kMaxWorld][16] = {};
+  for (int s = 0; s < dc.world; ++s) {
+    check(cudaMemcpyAsync(uuids[s], static_cast<char*>(table[s]) + dc.layout.gpu_uuid_offset(), 16,
+                          cudaMemcpyDeviceToHost, dc.setup),
+          "cudaMemcpyAsync(peer gpu uuid)");
+  }
+  check(cudaStreamSynchronize(dc.setup), "cudaStreamSynchronize(peer gpu uuids)");
+  int sharers = 0;
+  for (int s = 0; s < dc.world; ++s) sharers += std::memcmp(uuids[s], uuids[dc.rank], 16) == 0 ? 1 : 0;
+  dc.gpu_sharers = sharers;
   dc.capacity = dc.mapped;
   dc.connected = true;
 }
@@ -568,6 +587,16 @@ uint64_t timeout_ms() noexcept {
     return (env && end != env && value > 0) ? uint64_t(value) : uint64_t(60000);
   }();
   return ms;
+}
+
+int sm_reserve() noexcept {
+  static const int sms = [] {
+    const char* env = std::getenv("ENTWINE_SM_RESERVE");
+    char* end = nullptr;
+    long value = env ? std::strtol(env, &end, 10) : 0;
+    return (env && end != env && value > 0 && value < 1024) ? int(value) : 0;
+  }();
+  return sms;
 }
 
 bool profiling() noexcept {

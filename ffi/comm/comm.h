@@ -77,6 +77,9 @@ struct HeapLayout {
   // One chunk: kMaxWorld ready words (one per sender), then the abort word.
   size_t ready_offset() const { return 2 * region_bytes; }
   size_t abort_offset() const { return ready_offset() + kMaxWorld * sizeof(uint64_t); }
+  // The last 16 bytes of the ready chunk: the UUID of the GPU the heap lives on, written once at
+  // creation, read by peers at connect (DeviceComm::gpu_sharers).
+  size_t gpu_uuid_offset() const { return ready_offset() + kChunkBytes - 16; }
   size_t slot_offset() const { return ready_offset() + kChunkBytes; }
   size_t inbox_offset() const { return slot_offset() + 2 * region_bytes; }
   size_t reserved() const { return inbox_offset() + region_bytes; }
@@ -130,6 +133,10 @@ struct DeviceComm {
   // every link carries a transfer from the start of a call; each joins back through its event.
   cudaStream_t transfer[kMaxWorld] = {};  // highest priority: the release kernels go first
   int sm_count = 0;
+  // Ranks of the group on this physical GPU, this one included: above 1 only where processes share
+  // a GPU (MPS, or time slicing). Their waiting kernels together must leave it an SM (the handlers
+  // clamp their grids: docs/design.md, "Forward progress").
+  int gpu_sharers = 1;
   cudaEvent_t transfer_done[kMaxWorld] = {};
   // The call's epoch: a device word, 1 before the first call, advanced at the end of every call
   // (launch_end_call, or the last CTA of a call that folds its end: comm/call_end.cuh). Never
@@ -241,6 +248,27 @@ DeviceComm* find(int64_t comm_id, int device) noexcept;
 // between ranks reaching a call, e.g. compile-time differences on a first call), read once per
 // process (docs/design.md, "Bounded waits").
 uint64_t timeout_ms() noexcept;
+
+// ENTWINE_SM_RESERVE (default 0, read once): SMs that a fused call's waiting kernels leave to the
+// kernels of other streams and processes, e.g. NCCL collectives of another mesh axis that XLA runs
+// beside our calls (docs/design.md, "Forward progress").
+int sm_reserve() noexcept;
+
+// Tests only (hold.cu): `ctas` CTAs of one SM each spinning on a stream of their own, standing for
+// another stream's kernel that waits for something outside this GPU, until release() or bound_ms.
+class SmHold {
+ public:
+  SmHold(int device, int ctas, uint64_t bound_ms);
+  ~SmHold();
+  SmHold(const SmHold&) = delete;
+  SmHold& operator=(const SmHold&) = delete;
+  int started() const;  // CTAs that have started so far
+  void release();       // lets them end and waits for them
+ private:
+  int device_, ctas_;
+  uint32_t* words_ = nullptr;  // host-mapped: [0] release, [1] started CTAs
+  cudaStream_t stream_ = nullptr;
+};
 
 // ENTWINE_PROFILE=1 (read once, before the first communicator): the per-call events record time.
 bool profiling() noexcept;

@@ -177,6 +177,10 @@ struct GemmKernel {
     int const warp_group = cutlass::canonical_warp_group_idx();
     int const lane_predicate = cute::elect_one_sync();
 
+    // A kernel launched after this grid as its programmatic dependent (gemm_rs: its consumer) may
+    // start once every CTA of this grid is resident: whatever it then waits for is computed by CTAs
+    // that already hold their SMs and never wait for it (docs/design.md, "Forward progress").
+    ptx::launch_dependents();
     Schedule::template start<GemmKernel>(params);
 
     if (warp_idx == 0 && lane_predicate) {
@@ -375,8 +379,9 @@ struct GemmKernel {
     }
     __syncwarp();
     Schedule::template finish<GemmKernel>(params, lane);
-    // Launched as the programmatic dependent of another kernel (gemm_rs: its consumer), the grid
-    // completes only after that kernel did: the stream's next work may read both kernels' outputs.
+    // Launched as the programmatic dependent of another kernel (ag_gemm: its SM push, which never
+    // waits), the grid completes only after that kernel did: the stream's next work may read both
+    // kernels' outputs. A no-op in a grid launched plainly (gemm_rs).
     if (lane == 0) ptx::wait_primary();
   }
 
@@ -420,8 +425,8 @@ cudaError_t prepare() {
 }
 
 // Enqueues a launch whose parameters prepare() built; `dependent`: as the programmatic dependent of
-// the stream's previous kernel, which may still run (it must let its dependents launch, and the
-// store warp waits for its end: store_and_release).
+// the stream's previous kernel, which may still run (it must let its dependents launch and never
+// wait for this grid; the store warp waits for its end: store_and_release).
 template <class Kernel>
 cudaError_t launch_prepared(void const* prepared, cudaStream_t stream, bool dependent) {
   auto const& params = *static_cast<typename Kernel::Params const*>(prepared);

@@ -1,7 +1,7 @@
 // The consumer: reduces this rank's partition of the W partial outputs, one producer block
 // (128 x block_n) at a time, each as soon as its W producers have released it. Runs beside the
-// producer GEMM, launched just before it on XLA's stream with the GEMM as its programmatic
-// dependent, with a small grid (the communication budget x).
+// producer GEMM as its programmatic dependent on XLA's stream, with a small grid (the
+// communication budget x): its CTAs start only once every CTA of the GEMM is resident.
 //
 //   producer on rank s (any s)                      consumer on rank r (grid x, block b + 32)
 //   ─────────────────────────                       ───────────────────────────────────
@@ -24,8 +24,12 @@
 //    flag are reused only after the data threads have passed them (see consumer_kernel).
 //  - 544 threads per CTA cap ptxas at 96 registers: 16 loads in flight (64 registers) leave little
 //    room, so each round addresses its unrolled chunks from one base offset (no spills).
-//  - The grid must stay well below the SM count: consumer CTAs spin while producers still need
-//    SMs to make progress.
+//  - Forward progress (docs/design.md, "Forward progress"): a consumer CTA spins while holding its
+//    SM, so it may only wait for work that needs no SM it holds. The local GEMM: the consumer is
+//    its programmatic dependent, launched once every GEMM CTA is resident, and the GEMM never
+//    waits for the consumer. Peers' GEMMs: they never wait either, so they progress on any SM that
+//    no waiting consumer holds; ranks sharing one GPU (MPS) keep their consumers' grids together
+//    below its SM count (the handler clamps the grid).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -173,9 +177,6 @@ template <DType kDType, int W>
 __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__grid_constant__ const Params p) {
   using Element = typename Pack<kDType>::Element;
   __shared__ uint32_t leave[2];
-  // The GEMM, launched after this grid as its programmatic dependent, may start once every CTA of
-  // this grid is resident (and keeps its grid from completing before this one: gemm_kernel.cuh).
-  ptx::launch_dependents();
   int const steps = p.tiles / p.tiles_per_block;
   int const my_steps = int(blockIdx.x) < steps ? (steps - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 0;
   int const threads = int(blockDim.x);                 // waiter warp + data threads
@@ -205,6 +206,9 @@ __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__
                               data_threads);
     }
   }
+  // This grid completes after the GEMM's, whose CTAs are all resident by now and never wait for
+  // this one: XLA's next work sees both kernels' writes (a no-op when launched plainly).
+  ptx::wait_primary();
   if (p.args.end.done == nullptr) return;
   // The folded end: every thread's writes of y fenced; the consumer's last CTA checks for a failure
   // and poisons y; then this CTA's arrival at the call's end.
@@ -222,14 +226,22 @@ __global__ void __launch_bounds__(kMaxBlock + kWaiterThreads) consumer_kernel(__
   if (threadIdx.x == 0 && comm::arrive(p.args.end.done, p.args.end.expected)) comm::advance_epoch(p.args.end);
 }
 
+// `dependent`: as the programmatic dependent of the stream's previous kernel (the GEMM).
 template <DType kDType, int W>
-void launch_world(Params const& p, int grid, int block, cudaStream_t stream) {
-  consumer_kernel<kDType, W><<<grid, block + kWaiterThreads, 0, stream>>>(p);
+cudaError_t launch_world(Params const& p, int grid, int block, cudaStream_t stream, bool dependent) {
+  cudaLaunchAttribute attr = ptx::programmatic_dependent();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block + kWaiterThreads);
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&config, consumer_kernel<kDType, W>, p);
 }
 
 // Runs the plan's consumer: its block order, its grid and block from the config.
 template <DType kDType>
-cudaError_t launch_typed(GemmRsPlan const& plan, ConsumerArgs const& args, cudaStream_t stream) {
+cudaError_t launch_typed(GemmRsPlan const& plan, ConsumerArgs const& args, cudaStream_t stream, bool dependent) {
   ProblemShape const& shape = plan.shape;
   Params p{args,
            shape.n,
@@ -243,17 +255,16 @@ cudaError_t launch_typed(GemmRsPlan const& plan, ConsumerArgs const& args, cudaS
            int(plan.config.block_n) / kTileN};
   int const grid = int(plan.config.consumer_grid), block = int(plan.config.consumer_block);
   switch (shape.world) {
-    case 1: launch_world<kDType, 1>(p, grid, block, stream); break;
-    case 2: launch_world<kDType, 2>(p, grid, block, stream); break;
-    case 3: launch_world<kDType, 3>(p, grid, block, stream); break;
-    case 4: launch_world<kDType, 4>(p, grid, block, stream); break;
-    case 5: launch_world<kDType, 5>(p, grid, block, stream); break;
-    case 6: launch_world<kDType, 6>(p, grid, block, stream); break;
-    case 7: launch_world<kDType, 7>(p, grid, block, stream); break;
-    case 8: launch_world<kDType, 8>(p, grid, block, stream); break;
+    case 1: return launch_world<kDType, 1>(p, grid, block, stream, dependent);
+    case 2: return launch_world<kDType, 2>(p, grid, block, stream, dependent);
+    case 3: return launch_world<kDType, 3>(p, grid, block, stream, dependent);
+    case 4: return launch_world<kDType, 4>(p, grid, block, stream, dependent);
+    case 5: return launch_world<kDType, 5>(p, grid, block, stream, dependent);
+    case 6: return launch_world<kDType, 6>(p, grid, block, stream, dependent);
+    case 7: return launch_world<kDType, 7>(p, grid, block, stream, dependent);
+    case 8: return launch_world<kDType, 8>(p, grid, block, stream, dependent);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 template <DType kDType>
@@ -279,10 +290,11 @@ cudaError_t prepare_typed() {
 
 namespace entwine {
 
-cudaError_t launch_consumer(DType dtype, GemmRsPlan const& plan, ConsumerArgs const& args, cudaStream_t stream) {
+cudaError_t launch_consumer(DType dtype, GemmRsPlan const& plan, ConsumerArgs const& args, cudaStream_t stream,
+                            bool dependent) {
   switch (dtype) {
-    case DType::kBF16: return consumer::launch_typed<DType::kBF16>(plan, args, stream);
-    case DType::kFP16: return consumer::launch_typed<DType::kFP16>(plan, args, stream);
+    case DType::kBF16: return consumer::launch_typed<DType::kBF16>(plan, args, stream, dependent);
+    case DType::kFP16: return consumer::launch_typed<DType::kFP16>(plan, args, stream, dependent);
   }
   return cudaErrorInvalidValue;
 }

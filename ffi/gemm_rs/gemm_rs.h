@@ -25,7 +25,7 @@ static_assert(kTileM == kBlockM, "a GEMM block covers whole reduction tiles");
 // listed here only, as X(type, name, default) (comm/config.h). Rules: check_config() (gemm_rs/plan.cc).
 #define ENTWINE_GEMM_RS_CONFIG_FIELDS(X)                                                                  \
   X(int64_t, block_n, 128)        /* GEMM block: 128 x block_n x 64, block_n in {128, 256} */              \
-  X(int64_t, producer_sms, 0)     /* 0: one CTA per GEMM block (shared SM pool); > 0: persistent grid */   \
+  X(int64_t, producer_sms, 0)     /* persistent GEMM grid; 0: the SMs the consumer and the reserve leave */ \
   X(int64_t, consumer_grid, 16)   /* the communication budget x: consumer CTAs */                          \
   X(int64_t, consumer_block, 512) /* consumer threads per CTA, in {128, 256, 512} */                       \
   X(int64_t, raster_rows, 8)      /* blocks of a partition run in groups of this many tile rows */         \
@@ -115,9 +115,11 @@ struct ConsumerArgs {
 constexpr int32_t kGemmRsWaitSiteBase = 1 * kWaitSitesPerOp;
 constexpr int32_t kWaitReduceTile = kGemmRsWaitSiteBase + 0;
 
-// Launch the tile-reduction consumer of a plan without error (grid config.consumer_grid, block
-// config.consumer_block).
-cudaError_t launch_consumer(DType dtype, const GemmRsPlan& plan, const ConsumerArgs& args, cudaStream_t stream);
+// Launch the tile-reduction consumer of a plan (grid config.consumer_grid, block
+// config.consumer_block); `dependent`: as the programmatic dependent of the GEMM just enqueued on
+// `stream`.
+cudaError_t launch_consumer(DType dtype, const GemmRsPlan& plan, const ConsumerArgs& args, cudaStream_t stream,
+                            bool dependent);
 
 namespace comm {
 struct OpHooks;

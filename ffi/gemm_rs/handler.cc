@@ -96,12 +96,30 @@ ffi::Error check_plan(GemmRsPlan const& plan, GemmRsProblem const& problem, Gemm
   return ffi::Error::Success();
 }
 
+// The config the kernels run (docs/design.md, "Forward progress"). producer_sms = 0 takes the SMs
+// that the consumer and the reserve (comm::sm_reserve) leave. Where processes share this GPU, the
+// consumers of all but one of them, all spinning at once, must leave an SM for the last one's
+// GEMM, which none of them can start: the consumer grid is clamped to that share. The GEMM itself
+// never waits, so any producer_sms is safe.
+GemmRsConfig run_config(GemmRsConfig cfg, comm::DeviceComm const& dc) {
+  int64_t const free = int64_t(dc.sm_count) - comm::sm_reserve();
+  if (dc.gpu_sharers > 1) {
+    int64_t const share = (free - 1) / (dc.gpu_sharers - 1);
+    if (cfg.consumer_grid > share) cfg.consumer_grid = share > 1 ? share : 1;
+  }
+  if (cfg.producer_sms == 0) {
+    int64_t const left = free - cfg.consumer_grid;
+    cfg.producer_sms = left > 1 ? left : 1;
+  }
+  return cfg;
+}
+
 // Double-buffer argument (docs/design.md, "The double-buffer argument"). Call e of rank A writes
 // A's partial slot V[e % 2] (e and its parity are read on the device: CallEpoch); the consumers of
 // every rank B read A's V[e % 2] during their call e.
 // A's producer of call e+2 writes V[e % 2] again, and cannot start before every B finished reading it:
 //   A's producer(e+2) runs on A's XLA stream after call e+1 completed there, A's consumer(e+1)
-//   included (the GEMM of a call completes after its consumer);
+//   included (the consumer of a call completes after its GEMM, and next on the stream);
 //   A's consumer(e+1) finished, so it saw a flag of call e+1 from every B (every tile of A's
 //   partition has a contribution from every rank, and the consumer only exits early on a failed
 //   wait (deadline, mismatch or a peer's abort), which poisons the communicator: later calls are
@@ -207,7 +225,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   };
   Derived const* derived = memo.find(key);
   if (derived == nullptr) {
-    Derived fresh{gemm_rs_plan(problem, cfg), {}};
+    Derived fresh{gemm_rs_plan(problem, run_config(cfg, *dc)), {}};
     if (ffi::Error e = check_plan(fresh.plan, problem, cfg, *dc); e.failure()) return e;
     producer_args.end = folded_end(fresh.plan);
     ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::prepare_gemm(ops.input, ops.output, fresh.plan, producer_args, &fresh.gemm));
@@ -227,12 +245,12 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   consumer_args.end.bytes[0] = int64_t(y->size_bytes());
   consumer_args.consumers_done = dc->epoch + 2;
   timer.lap(comm::kPhaseChecks);
-  // The consumer, then the GEMM as its programmatic dependent, both on XLA's stream: the GEMM's CTAs
-  // start once the consumer's small grid is resident, run beside it, and the GEMM's grid completes
-  // only after the consumer's (gemm_kernel.cuh), so XLA's next work sees y. Two launches, no fork or
-  // join: the handler's host time is on every call's path. ENTWINE_PROFILE=1 forks the consumer onto
-  // its own (high-priority) stream instead and joins it back, so that events time the GEMM window
-  // apart from the consumer's tail (comm::last_call_ms).
+  // The GEMM, then the consumer as its programmatic dependent, both on XLA's stream: the consumer's
+  // CTAs start once every GEMM CTA is resident (so every tile it waits for is being computed on an
+  // SM it does not hold), and its grid completes only after the GEMM's, so XLA's next work sees y.
+  // Two launches, no fork or join: the handler's host time is on every call's path.
+  // ENTWINE_PROFILE=1 forks the consumer onto its own (high-priority) stream instead and joins it
+  // back, so that events time the GEMM window apart from the consumer's tail (comm::last_call_ms).
   bool const forked = comm::profiling();
   cudaStream_t consumer_stream = xla_stream;
   if (forked) {
@@ -241,8 +259,9 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
     consumer_stream = dc->consumer;
   }
   timer.lap(comm::kPhaseFork);
-  ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, consumer_stream));
-  ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/!forked));
+  if (forked) ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, consumer_stream, false));
+  ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
+  if (!forked) ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, xla_stream, true));
   timer.lap(comm::kPhaseLaunch);
   if (forked) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));

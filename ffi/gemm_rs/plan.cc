@@ -39,8 +39,10 @@ WorkSchedule producer_schedule(const ProblemShape& s, const GemmRsConfig& c, DTy
   TileOrder const order = tile_order(s, c);
   WorkSchedule p{};
   p.num_blocks = s.world * order.m_blocks * order.n_blocks;
-  // producer_sms == 0: one CTA per block (the hardware hands freed SMs to either kernel);
-  // otherwise a persistent grid that leaves the rest of the SMs to the consumer.
+  // A persistent grid (the handler resolves producer_sms = 0 to the SMs the consumer leaves; a plan
+  // asked without a GPU keeps one CTA per block). The consumer starts once every CTA of it is
+  // resident (docs/design.md, "Forward progress"), so a grid of one CTA per block would keep the
+  // consumer waiting until the GEMM's last wave.
   p.grid = c.producer_sms > 0 && c.producer_sms < p.num_blocks ? int32_t(c.producer_sms) : p.num_blocks;
   p.k_tiles = (s.k + block_k(input) - 1) / block_k(input);
   // Split tail: whole waves run as before, except the last full one, which joins the partial last

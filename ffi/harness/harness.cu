@@ -318,7 +318,7 @@ struct World {
 
   void launch_consumers() {
     for (int r = 0; r < c.world; ++r) {
-      CHECK_CUDA(launch_consumer(c.output(), c.plan(r), consumer_args(r), ranks[r].consumer_stream));
+      CHECK_CUDA(launch_consumer(c.output(), c.plan(r), consumer_args(r), ranks[r].consumer_stream, false));
     }
     if (sequential) CHECK_CUDA(cudaDeviceSynchronize());
   }
@@ -1124,7 +1124,7 @@ void bench_fused_one_rank(FILE* out, int sms) {
           CHECK_CUDA(cudaStreamWaitEvent(r.producer_stream, fork, 0));
           CHECK_CUDA(cudaStreamWaitEvent(r.consumer_stream, fork, 0));
           if (with_consumer) {
-            CHECK_CUDA(launch_consumer(DType::kBF16, plan, world.consumer_args(0), r.consumer_stream));
+            CHECK_CUDA(launch_consumer(DType::kBF16, plan, world.consumer_args(0), r.consumer_stream, false));
           }
           CHECK_CUDA(gemm_rs::launch_gemm(DType::kBF16, DType::kBF16, plan, world.producer_args(0), r.producer_stream));
           CHECK_CUDA(cudaEventRecord(producer_done, r.producer_stream));
@@ -1251,7 +1251,7 @@ int bench_main(char const* jsonl, char const* section) {
           world.set_epoch(1);
           ConsumerArgs a = world.consumer_args(0);
           a.timeout_ns = 1'000'000'000ull;
-          float ms = median_ms([&] { CHECK_CUDA(launch_consumer(DType::kBF16, plan, a, stream)); }, stream);
+          float ms = median_ms([&] { CHECK_CUDA(launch_consumer(DType::kBF16, plan, a, stream, false)); }, stream);
           double gbs = bytes / (ms * 1e-3) / 1e9;
           std::printf(" n%d/b%d/x%d %.0f", block_n, b, x, gbs);
           if (out) std::fprintf(out, "{\"kind\":\"consumer\",\"block_n\":%d,\"world\":%d,\"grid\":%d,\"block\":%d,\"ms\":%.5f,\"gbs\":%.1f,\"copy_frac\":%.3f}\n", block_n, world_size, x, b, ms, gbs, gbs / copy_gbs);
