@@ -1,7 +1,8 @@
 # entwine_jax: fused, overlapped GEMM + ReduceScatter (gemm_rs) and AllGather + GEMM (ag_gemm) for
 # tensor-parallel JAX on Hopper GPUs; each is the other's backward. Both run the fused CUDA kernels
 # where they can run and the XLA reference everywhere else. Importing the package loads the ops and
-# their configs only: no tuner loop, benchmark or command line.
+# their configs only: no tuner loop, benchmark or command line; entwine_jax.census and entwine_jax.layers
+# load on first use (flax is slow to import).
 from entwine_jax._extension import status as extension_status
 from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config
 from entwine_jax.gemm_rs.config import GemmRsConfig, heuristic_config, set_default_config, using_config
@@ -45,3 +46,12 @@ def tune(mesh, axis_name, shapes, **kwargs) -> dict:
 
 __all__ = ["gemm_rs", "ag_gemm", "GemmRsConfig", "AgGemmConfig", "ag_heuristic_config", "set_default_config",
            "using_config", "heuristic_config", "extension_status", "setup", "check_errors", "reserve", "tune", "__version__"]
+
+
+def __getattr__(name):
+    # census and layers on first use (entwine_jax.census after a plain `import entwine_jax`): flax, which
+    # layers needs, is slow to import and most programs need neither.
+    if name in ("census", "layers"):
+        import importlib
+        return importlib.import_module(f"entwine_jax.{name}")
+    raise AttributeError(f"module 'entwine_jax' has no attribute {name!r}")

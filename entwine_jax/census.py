@@ -22,11 +22,17 @@ collective-permute, collective-broadcast (an async ``-start`` / ``-done`` pair, 
 ``async-start`` wrapping one, counts once), and the fused ops' custom calls (``entwine_gemm_rs``:
 a reduce-scatter, ``entwine_ag_gemm``: an all-gather).
 
-**Owner**: ``"gemm_rs"`` / ``"ag_gemm"`` for the fused ops' custom calls (GPU compiles; ``custom_call``
-True) and for the collectives under the ops' name scopes (``entwine_gemm_rs`` / ``entwine_ag_gemm``
-in the instruction's ``op_name``: the XLA reference the ops run elsewhere, which moves the same
-bytes; the innermost scope wins, so gemm_rs's backward, an ag_gemm, is ``"ag_gemm"``, as its custom
-call would be); ``"xla"`` for every other collective.
+**What the ops move on a GPU**: ``"gemm_rs"`` / ``"ag_gemm"`` own their custom calls (GPU compiles;
+``custom_call`` True) and the collectives of their XLA reference (what they lower to on CPU, or where
+the kernels cannot run), which each op wraps in a name scope saying which op it stands for and the
+dtype the op's kernels move (``entwine_jax.opspec.moves``). The census counts that dtype, so a
+program's numbers are the same whichever path it compiles to: gemm_rs's fp32 reference
+reduce-scatter counts in the output dtype (bf16: what the kernels and a bf16 ``psum_scatter`` move),
+an FP8 gather one byte per element; the table notes where the compiled program holds another dtype.
+An op's backward is the other op (gemm_rs's dx is an ag_gemm) and is labelled so, in bf16 and FP8
+alike. ``"xla"`` owns every other collective, also those XLA makes of the ops' results: the
+data-parallel gradient all-reduce that AD makes of the ops' operands replicated over ``dp``
+(``psum_invariant``), combined by XLA, is XLA's ("gradient sync"), not an op's.
 
 **Bytes per device, per execution** (W: the size of the collective's device groups; ring accounting,
 the data each device sends, which is also what it receives):
@@ -59,11 +65,12 @@ scanned decoder's forward and backward layer loops give the per-layer numbers. A
 branches are each counted as if taken (an upper bound).
 
 **CPU compiles**: XLA's CPU compiler runs collectives in float32 where the program asks for bfloat16
-or float16. When this module compiles for CPU it turns off the pass that does so for data movement
-(``float-normalization-bf16``: all-gather, collective-permute, all-to-all keep the program's
-dtype); reductions are still promoted (the CPU runtime reduces no bf16), and for them the census
-counts the dtype before the promotion (their reducer is named ``*_promoted`` and their input is a
-convert of it). A ``Compiled`` object or text compiled elsewhere is read as it is. Also unlike GPU
+or float16, and in float16 where it asks for FP8. When this module compiles for CPU it turns off the
+passes that do so for data movement (``float-normalization-bf16``, ``float-normalization-f8e4m3fn``
+and the other FP8 types: all-gather, collective-permute, all-to-all keep the program's dtype);
+reductions are still promoted (the CPU runtime reduces no bf16), and for them the census counts
+the dtype before the promotion (their reducer is named ``*_promoted`` and their input is a convert
+of it). A ``Compiled`` object or text compiled elsewhere is read as it is. Also unlike GPU
 compiles, CPU compiles keep an all-reduce followed by a dynamic-slice where a GPU compile forms a
 reduce-scatter (half the bytes); the census reports what the program holds.
 """
@@ -78,23 +85,25 @@ from typing import Optional
 import jax
 import numpy as np
 
-__all__ = ["collectives", "Census", "Collective", "Loop", "KINDS", "OWNERS"]
+from entwine_jax import opspec
+from entwine_jax.pairing import SPECS
+
+__all__ = ["collectives", "compare", "Census", "Collective", "Loop", "KINDS", "OWNERS"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
          "collective-broadcast")
-# Custom-call target -> (owner, the collective it performs).
-FUSED_TARGETS = {"entwine_gemm_rs": ("gemm_rs", "reduce-scatter"), "entwine_ag_gemm": ("ag_gemm", "all-gather"),
-                 "entwine_gemm_rs_fp8": ("gemm_rs", "reduce-scatter"), "entwine_ag_gemm_fp8": ("ag_gemm", "all-gather")}
-# Name scope (entwine_jax.pairing traces each op under one) -> owner.
-SCOPES = {"entwine_gemm_rs": "gemm_rs", "entwine_ag_gemm": "ag_gemm"}
-OWNERS = ("gemm_rs", "ag_gemm", "xla")
+# Custom-call target -> the op's spec (entwine_jax.opspec: the op says what a call moves).
+FUSED_TARGETS = {target: spec for spec in SPECS for target in spec.targets}
+OWNERS = tuple(spec.name for spec in SPECS) + ("xla",)
 # Bits per element of HLO's primitive types (token and opaque types move nothing).
 _BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32,
          "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128, "tf32": 32,
          "f4e2m1fn": 4, "f8e8m0fnu": 8, "f8e4m3fn": 8, "f8e5m2": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8,
          "f8e4m3b11fnuz": 8, "f8e4m3": 8, "f8e3m4": 8}
 # Passes turned off when this module compiles for CPU (see the module docstring, "CPU compiles").
-_CPU_OPTIONS = {"xla_disable_hlo_passes": "float-normalization-bf16"}
+_CPU_OPTIONS = {"xla_disable_hlo_passes": ",".join(
+    f"float-normalization-{t}" for t in ("bf16", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e3m4", "f8e4m3fnuz", "f8e5m2fnuz",
+                                         "f8e4m3b11fnuz"))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,6 +140,7 @@ class Collective:
     loops: tuple
     name: str
     op_name: str
+    program_shape: str = ""  # what the compiled program holds, where it differs from `shape` (an op's reference)
 
     @property
     def group(self) -> str:
@@ -262,6 +272,11 @@ class Census:
         lines.append("by axes: " + _fmt_totals(self.totals("axes")))
         if self.unknown:
             lines.append(f"not in the totals: {len(self.unknown)} collective(s) in loops of unknown trip count")
+        stand_ins = sorted({(c.shape, c.program_shape) for c in self.collectives if c.program_shape})
+        if stand_ins:
+            held = ", ".join(f"{p} for {s}" for s, p in stand_ins)
+            lines.append(f"note: the ops' collectives are counted as their kernels move them; this compile holds "
+                         f"their XLA reference: {held}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -314,6 +329,30 @@ def _names(what: str, value, allowed) -> Optional[tuple]:
 def _scopes(op_name: str) -> list:
     """The path components of an op_name; "transpose(jvp(entwine_gemm_rs))"-style wrappers kept."""
     return op_name.split("/")
+
+
+def more_than(program: Census, twin: Census) -> dict:
+    """{axes: bytes per device per run} over which `program` moves more than `twin` (e.g. a program
+    routed through the ops against the same model in plain JAX); {} when it moves no more anywhere."""
+    mine, theirs = program.totals("axes"), twin.totals("axes")
+    return {axes: b - theirs.get(axes, (0, 0))[1] for axes, (_, b) in mine.items() if b > theirs.get(axes, (0, 0))[1]}
+
+
+def compare(program: Census, twin: Census, names: tuple = ("program", "twin")) -> str:
+    """The bytes per device per run of `program` and its `twin`, per axes, side by side, with a line
+    for every axes over which the program moves more than the twin (names: how to call the two)."""
+    a, b = program.totals("axes"), twin.totals("axes")
+    width = max([len(k) for k in (*a, *b)] + [len("all")])
+    lines = [f"{'axes':<{width}} {names[0]:>14} {names[1]:>14}"]
+    for axes in sorted(set(a) | set(b)):
+        lines.append(f"{axes:<{width}} {fmt_bytes(a.get(axes, (0, 0))[1]):>14} {fmt_bytes(b.get(axes, (0, 0))[1]):>14}")
+    lines.append(f"{'all':<{width}} {fmt_bytes(program.bytes):>14} {fmt_bytes(twin.bytes):>14}")
+    extra = more_than(program, twin)
+    lines += [f"{names[0]} moves {fmt_bytes(n)} more than {names[1]} over {axes} (per device, per run)"
+              for axes, n in extra.items()]
+    if not extra:
+        lines.append(f"{names[0]} moves no more than {names[1]} over any axes")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -645,13 +684,13 @@ def _kind(instr: _Instr) -> Optional[str]:
     return _ASYNC_KINDS.get(instr.opcode)
 
 
-def _owner(op_name: str) -> str:
-    owner = "xla"
-    for part in _scopes(op_name):
-        for scope, who in SCOPES.items():
-            if scope in part:
-                owner = who  # innermost wins
-    return owner
+def _owner(op_name: str) -> tuple:
+    """(owner, the HLO element type its kernels move or None) of a collective, from the op's
+    opspec.moves scope in its op_name (the innermost wins); ("xla", None) without one."""
+    found = opspec.moved_by(op_name)
+    if found is None or found[0] not in OWNERS:
+        return "xla", None
+    return found
 
 
 def _data_arrays(instr: _Instr, kind: str, shapes: dict, users: dict, comps: dict) -> list:
@@ -704,32 +743,20 @@ def _bytes(kind: str, data: int, w: int) -> int:
 
 
 def _custom_call(instr: _Instr, shapes: dict, axes: _Axes) -> Optional[tuple]:
-    """(owner, kind, axes, W, arrays, bytes) of a fused op's custom call, or None."""
+    """(owner, kind, axes, W, arrays, bytes) of a fused op's custom call, or None; the op's spec
+    says what one call moves (entwine_jax.opspec)."""
     target = _attr(instr.attrs, "custom_call_target")
     if target not in FUSED_TARGETS:
         return None
-    owner, kind = FUSED_TARGETS[target]
+    spec = FUSED_TARGETS[target]
     ins = [_arrays(shapes.get(n, "")) for n in instr.operands]
     outs = _arrays(instr.shape)
     if len(ins) < 2 or not ins[0] or not ins[1] or not outs:
-        return owner, kind, None, 0, outs, 0
-    (_, x), (_, w) = ins[0][0], ins[1][0]
-    if target.endswith("_fp8"):
-        w = w[::-1]  # the FP8 targets take the weight transposed, [N, K]
-    (_, y) = outs[0]
-    if owner == "gemm_rs":
-        # Rows: x [W * M', K] -> y [M', N]; columns: w [K, W * N'] -> y [M, N'] (fused.call_gemm_rs).
-        columns = re.search(r"\bscatter_dimension\s*=\s*1\b", instr.attrs) is not None
-        world = w[1] // y[1] if columns else x[0] // y[0]
-        data, arrays = _nbytes(outs[:1]), outs[:1]
-    else:
-        # gather_k: w [W * cols, N] -> y [rows, N]; rows: y [W * rows, N] (fused.call_ag_gemm).
-        gather_k = re.search(r"\bgather_k\s*=\s*true\b", instr.attrs) is not None
-        world = w[0] // x[1] if gather_k else y[0] // x[0]
-        data, arrays = _nbytes(ins[0][:1]), ins[0][:1]
+        return spec.name, spec.kind, None, 0, outs, 0
+    world, arrays = spec.moved(target, ins, outs, instr.attrs)
     named = [n for n, s in zip(axes.names, axes.sizes) if s == world]
     found = (named[0],) if len(named) == 1 else None
-    return owner, kind, found, world, arrays, (world - 1) * data
+    return spec.name, spec.kind, found, world, arrays, (world - 1) * _nbytes(arrays)
 
 
 def _census(text: str, mesh, notes: tuple) -> Census:
@@ -758,10 +785,16 @@ def _census(text: str, mesh, notes: tuple) -> Census:
             kind = _kind(instr)
             if kind is not None:
                 arrays = _data_arrays(instr, kind, shapes, users, comps)
+                owner, moved = _owner(op_name)
+                program = ""
+                if moved is not None and any(ty != moved for ty, _ in arrays):
+                    # An op's reference: counted in the dtype its kernels move (module docstring).
+                    program, arrays = _fmt_shape(arrays), [(moved, dims) for _, dims in arrays]
                 group_axes, w = _axes_of(instr, axes)
-                found.append(Collective(kind=kind, owner=_owner(op_name), custom_call=False, axes=group_axes,
+                found.append(Collective(kind=kind, owner=owner, custom_call=False, axes=group_axes,
                                         group_size=w, shape=_fmt_shape(arrays), bytes=_bytes(kind, _nbytes(arrays), w),
-                                        count=count, loops=stack, name=instr.name, op_name=op_name))
+                                        count=count, loops=stack, name=instr.name, op_name=op_name,
+                                        program_shape=program))
             elif instr.opcode == "custom-call":
                 fused = _custom_call(instr, shapes, axes)
                 if fused is not None:

@@ -18,6 +18,10 @@ from entwine_jax.gemm_rs.config import GemmRsConfig
 from entwine_jax.gemm_rs.reference import gemm_rs_reference_bwd
 
 
+# The ops as shared code sees them (entwine_jax.opspec; the census reads them here): one line per op.
+SPECS = (rs_op.SPEC, ag_op.SPEC)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _gemm_rs(x, w, plan):
     return rs_op.forward(x, w, plan)

@@ -1,6 +1,10 @@
 # entwine_jax.census on 8 fake CPU devices: hand-computed bytes for each collective kind, a
 # collective the partitioner inserts, a scanned loop's trip count, gemm_rs / ag_gemm (forward and
-# backward) attributed to the ops, abstract-shape inputs, and the errors.
+# backward) attributed to the ops, abstract-shape inputs, the errors, and a plain, a routed bf16 and a
+# routed FP8 program checked against an independent count from their compiled HLO.
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -184,7 +188,7 @@ ENTRY %main (x: bf16[256,32], w: bf16[32,16], a: bf16[64,32], b: bf16[32,48]) ->
 
 def test_fp8_custom_calls_are_read_from_text():
     """The FP8 targets (weights transposed, [N, K]): gemm_rs over columns, y [64, 16] of N = 64 over W = 4
-    (the bf16 output's bytes); ag_gemm gathering K slices of an e4m3 x [64, 32] (one byte each)."""
+    (the bf16 output's bytes); ag_gemm gathering K slices of an e4m3 x [64, 32] (one byte each) with its scale."""
     text = """HloModule jit_step, num_partitions=8
 ENTRY %main (x: f8e4m3fn[64,32], w: f8e4m3fn[64,32], a: f8e4m3fn[64,32], b: f8e4m3fn[48,128], s: f32[1]) -> bf16[64,16] {
   %x = f8e4m3fn[64,32]{1,0} parameter(0)
@@ -200,7 +204,8 @@ ENTRY %main (x: f8e4m3fn[64,32], w: f8e4m3fn[64,32], a: f8e4m3fn[64,32], b: f8e4
     c = census.collectives(text, mesh=jax.sharding.AbstractMesh((2, 4), ("dp", "tp")))
     rs, ag = _one(c.select(owner="gemm_rs")), _one(c.select(owner="ag_gemm"))
     assert (rs.kind, rs.group_size, rs.axes, rs.bytes) == ("reduce-scatter", 4, ("tp",), 3 * 64 * 16 * 2)
-    assert (ag.kind, ag.group_size, ag.axes, ag.bytes) == ("all-gather", 4, ("tp",), 3 * 64 * 32 * 1)
+    # Each rank's x_scale travels with its shard (shared_scale false): 4 more bytes per peer.
+    assert (ag.kind, ag.group_size, ag.axes, ag.bytes) == ("all-gather", 4, ("tp",), 3 * 64 * 32 * 1 + 3 * 4)
 
 
 def test_iota_and_explicit_groups():
@@ -239,3 +244,135 @@ def test_bad_inputs(mesh):
         c.per_iteration("body")
     with pytest.raises(ValueError, match=r"by must be one of \('owner', 'kind', 'axes', 'name'\), got 'mesh'"):
         c.totals("mesh")
+
+
+def test_fp8_all_gather_counts_one_byte(mesh):
+    """A plain all_gather of e4m3: the CPU compiler would widen it to f16; the census compiles it as
+    it is and counts one byte per element."""
+    f = jax.jit(jax.shard_map(lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True), mesh=mesh,
+                              in_specs=P("dp", "tp"), out_specs=P("dp", None), check_vma=False))
+    col = _one(census.collectives(f, _spec(mesh, (16, 32), P("dp", "tp"), jnp.float8_e4m3fn)))
+    assert (col.shape, col.bytes, col.program_shape) == ("f8e4m3fn[8,8]", 3 * 64, "")
+
+
+# --- Three programs against an independent count from their compiled HLO --------------------------------
+# One MLP block, data-parallel over dp (weights replicated there: a gradient all-reduce) and tensor
+# parallel over tp, differentiated: in plain JAX (all_gather / psum_scatter), routed through the ops in
+# bf16, and routed in FP8 (e4m3 forward, e5m2 backward, bf16 outputs).
+
+def _block(kind: str):
+    from entwine_jax import fp8
+
+    def loss(x, w1, w2):
+        if kind == "plain":
+            h = jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ w1
+            y = jax.lax.psum_scatter(jnp.tanh(h) @ w2, "tp", scatter_dimension=0, tiled=True)
+        elif kind == "bf16":
+            h = entwine_jax.ag_gemm(x, w1, axis_name="tp")
+            y = entwine_jax.gemm_rs(jnp.tanh(h), w2, axis_name="tp")
+        else:
+            h = entwine_jax.ag_gemm(x, w1, axis_name="tp", x_scale=fp8.current_scale(x), w_scale=fp8.current_scale(w1))
+            t = jnp.tanh(h)
+            y = entwine_jax.gemm_rs(t, w2, axis_name="tp", x_scale=fp8.current_scale(t), w_scale=fp8.current_scale(w2))
+        return jax.lax.psum(jnp.sum(jnp.square(y.astype(jnp.float32))), ("dp", "tp"))
+    return loss
+
+
+@pytest.fixture(scope="module")
+def blocks(mesh):
+    """{kind: (census, compiled HLO text of a plain compile)} of the block's gradient step."""
+    x = _spec(mesh, (64, 128), P(("dp", "tp"), None), jnp.bfloat16)
+    w1 = _spec(mesh, (128, 256), P(None, "tp"), jnp.bfloat16)
+    w2 = _spec(mesh, (256, 128), P("tp", None), jnp.bfloat16)
+    out = {}
+    for kind in ("plain", "bf16", "fp8"):
+        island = jax.shard_map(_block(kind), mesh=mesh, in_specs=(x.sharding.spec, w1.sharding.spec,
+                                                                   w2.sharding.spec), out_specs=P())
+        step = jax.jit(jax.grad(island, argnums=(0, 1, 2)))
+        out[kind] = (census.collectives(step, x, w1, w2), step.lower(x, w1, w2).compile().as_text())
+    return out
+
+
+def _independent(text: str, itemsize) -> dict:
+    """{(kind, axis): bytes per device} from compiled HLO text, read with its own parse: the elements
+    of each collective's result (tuple parts added), the axes of its mesh-printed groups, and the
+    bytes per element that itemsize(kind, axis, elements) says the program moves on a GPU."""
+    sizes = {"dp": 2, "tp": 4}
+    out: dict = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (.*?) (all-gather|reduce-scatter|all-reduce)(?:-start)?\(", line)
+        if m is None:
+            continue
+        kind = m.group(2)
+        elements = sum(math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\[([\d,]*)\]",
+                                                                                             m.group(1)))
+        axes = re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line).group(1).replace("'", "").split(",")
+        (axis,) = [a.strip() for a in axes]
+        w = sizes[axis]
+        data = elements * itemsize(kind, axis, elements)  # the result's bytes
+        # Ring accounting (the census module docstring): from the result's bytes.
+        moved = {"all-gather": (w - 1) * data // w, "reduce-scatter": (w - 1) * data,
+                 "all-reduce": 2 * (w - 1) * data // w}[kind]
+        out[(kind, axis)] = out.get((kind, axis), 0) + moved
+    return out
+
+
+def _by_kind_axis(c: census.Census) -> dict:
+    out: dict = {}
+    for col in c:
+        out[(col.kind, col.group)] = out.get((col.kind, col.group), 0) + col.total_bytes
+    return out
+
+
+def test_three_programs_against_the_hlo(blocks):
+    # Plain JAX and routed bf16: every collective moves bf16 (2 bytes an element), whatever the CPU
+    # compile reduces in (an op's reference reduce-scatter is fp32: the kernels move bf16).
+    bf16 = lambda kind, axis, n: 2  # noqa: E731
+    # FP8: the gathers over tp move FP8 (1 byte; e4m3 forward, e5m2 backward) and each shard's fp32
+    # scale (a 1-element gather's 4 bytes); the reduce-scatters the bf16 outputs; the gradient
+    # all-reduce bf16.
+    fp8 = lambda kind, axis, n: (4 if n <= 4 else 1) if (kind, axis) == ("all-gather", "tp") else 2  # noqa: E731
+    for kind, itemsize in (("plain", bf16), ("bf16", bf16), ("fp8", fp8)):
+        c, text = blocks[kind]
+        assert _by_kind_axis(c) == _independent(text, itemsize), (kind, c.table())
+        assert not c.unknown
+
+
+def test_routed_moves_what_plain_jax_moves(blocks):
+    plain, routed, fp8 = (blocks[k][0] for k in ("plain", "bf16", "fp8"))
+    assert routed.totals("axes") == plain.totals("axes")
+    assert census.more_than(routed, plain) == {}
+    assert "moves no more than plain over any axes" in census.compare(routed, plain, ("routed", "plain"))
+    # FP8 gathers half the bytes over tp (plus 4 bytes of scale per peer and gather).
+    assert fp8.totals("axes")["tp"][1] < plain.totals("axes")["tp"][1]
+    # A program that moves more says so: plain against the FP8 one.
+    extra = census.more_than(plain, fp8)
+    assert set(extra) == {"tp"} and extra["tp"] > 0
+    assert f"plain moves {census.fmt_bytes(extra['tp'])} more than fp8 over tp" in census.compare(
+        plain, fp8, ("plain", "fp8"))
+
+
+def test_labels_are_the_ops_in_bf16_and_fp8(blocks):
+    """Each op's collectives, forward and backward (each op's backward is the other op), labelled alike
+    in bf16 and FP8; the gradient all-reduce over dp (AD's psum of the ops' operands, combined by
+    XLA) is XLA's."""
+    labels = {k: {(col.owner, col.kind, col.group) for col in blocks[k][0]} for k in ("bf16", "fp8")}
+    assert labels["bf16"] == labels["fp8"] == {("ag_gemm", "all-gather", "tp"), ("gemm_rs", "reduce-scatter", "tp"),
+                                                ("xla", "all-reduce", "dp")}
+    for k in ("bf16", "fp8"):
+        c = blocks[k][0]
+        assert c.select(owner="ag_gemm", kind="all-gather").count == (2 if k == "bf16" else 4)  # + the scales
+        assert c.select(owner="gemm_rs").count == 2
+        # The reference's fp32 reduce-scatters are counted in bf16, and the table says so.
+        assert all(col.shape.startswith("bf16") and col.program_shape.startswith("f32") for col in
+                   c.select(owner="gemm_rs"))
+        assert "this compile holds their XLA reference" in c.table()
+    gathers = sorted(col.shape for col in blocks["fp8"][0].select(owner="ag_gemm"))
+    assert gathers == ["f32[1]", "f32[1]", "f8e4m3fn[8,128]", "f8e5m2[8,128]"]
+
+
+def test_census_is_an_attribute_of_the_package():
+    import importlib
+    pkg = importlib.import_module("entwine_jax")
+    assert pkg.census.collectives is census.collectives
+    assert pkg.layers.__name__ == "entwine_jax.layers"

@@ -4,18 +4,37 @@
 import dataclasses
 import functools
 import math
+import re
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from entwine_jax import _extension, callsite
+from entwine_jax import _extension, callsite, opspec
 from entwine_jax.ag_gemm import fused
 from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config, push_budget, push_of
 from entwine_jax.ag_gemm.reference import ag_gemm_reference, ag_gemm_reference_fp8
 
 OP = "ag_gemm"
 printed: set = set()  # call sites printed under ENTWINE_PRINT_CONFIG=1
+
+
+def _moved(target: str, ins: list, outs: list, attrs: str) -> tuple:
+    """(W, what one rank sends W - 1 times) of a custom call: its shard of x (padded), and in an FP8
+    call without a shared scale the shard's x_scale, which travels with it. gather_k: w [W * cols, N]
+    -> y [rows, N]; rows: y [W * rows, N] (fused.call); the FP8 target takes w transposed, [N, K]."""
+    (_, x), (_, w), (_, y) = ins[0][0], ins[1][0], outs[0]
+    w = w[::-1] if target.endswith("_fp8") else w
+    gather_k = re.search(r"\bgather_k\s*=\s*true\b", attrs) is not None
+    world = w[0] // x[1] if gather_k else y[0] // x[0]
+    shared = re.search(r"\bshared_scale\s*=\s*true\b", attrs) is not None
+    sent = ins[0][:1] + (ins[2][:1] if target.endswith("_fp8") and not shared and len(ins) > 2 else [])
+    return world, sent
+
+
+# The census' view of the op (entwine_jax.opspec).
+SPEC = opspec.CollectiveSpec(name=OP, kind="all-gather", targets=("entwine_ag_gemm", "entwine_ag_gemm_fp8"),
+                             moved=_moved)
 
 
 @dataclasses.dataclass(frozen=True)

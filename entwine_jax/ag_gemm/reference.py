@@ -3,13 +3,15 @@
 import jax
 import jax.numpy as jnp
 
+from entwine_jax import opspec
 from entwine_jax._dot import dot_by_source, dot_last_first, dot_type
 
 
 def ag_gemm_reference(x, w, *, axis_name, gather_dimension: int):
     """(all_gather(x) @ w with fp32 accumulation in x.dtype, the gathered x). gather_dimension must
     be normalised; gathering the last dim gathers the contraction dim (w holds all of K)."""
-    g = jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
+    with opspec.moves("ag_gemm", x.dtype):  # the census' label (entwine_jax.opspec)
+        g = jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
     return dot_last_first(g, w, dot_type(x.dtype)).astype(x.dtype), g
 
 
@@ -20,12 +22,16 @@ def ag_gemm_reference_fp8(x, w, x_scale, w_scale, *, axis_name, gather_dimension
     gather. The dot accumulates in fp32."""
     # The weight quantised in the same program: the barrier keeps its FP8 rounding (as in gemm_rs's).
     w = jax.lax.optimization_barrier(w)
-    g = jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
+    # One byte per element of the FP8 x, as the kernels move it (a CPU compile may widen it to f16).
+    with opspec.moves("ag_gemm", x.dtype):
+        g = jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
     world = jax.lax.axis_size(axis_name)
     if shared_scale:
         scales = jnp.broadcast_to(x_scale, (world,))
         y = dot_last_first(g, w) * x_scale
     else:
-        scales = jax.lax.all_gather(jnp.reshape(x_scale, (1,)), axis_name, tiled=True)
+        # The kernels send each shard's scale with it.
+        with opspec.moves("ag_gemm", jnp.float32):
+            scales = jax.lax.all_gather(jnp.reshape(x_scale, (1,)), axis_name, tiled=True)
         y = dot_by_source(g, w, (((g.ndim - 1,), (0,)), ((), ())), gather_dimension, scales)
     return (y * w_scale).astype(out_dtype), g, scales

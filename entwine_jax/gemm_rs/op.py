@@ -7,9 +7,11 @@ import functools
 import math
 from typing import Any, Optional
 
+import re
+
 import jax
 
-from entwine_jax import callsite
+from entwine_jax import callsite, opspec
 from entwine_jax.gemm_rs import fused
 from entwine_jax.gemm_rs import plan as kernel_plan
 from entwine_jax.gemm_rs.config import GemmRsConfig, get_default_config
@@ -18,6 +20,21 @@ from entwine_jax.tuning import table
 
 OP = "gemm_rs"
 printed: set = set()  # call sites printed under ENTWINE_PRINT_CONFIG=1
+
+
+def _moved(target: str, ins: list, outs: list, attrs: str) -> tuple:
+    """(W, what one rank sends W - 1 times) of a custom call: its output block (padded), whose peers'
+    partials it reduces. Rows: x [W * M', K] -> y [M', N]; columns: w [K, W * N'] -> y [M, N']
+    (fused.call); the FP8 target takes the weight transposed, [N, K]."""
+    (_, x), (_, w), (_, y) = ins[0][0], ins[1][0], outs[0]
+    w = w[::-1] if target.endswith("_fp8") else w
+    columns = re.search(r"\bscatter_dimension\s*=\s*1\b", attrs) is not None
+    return (w[1] // y[1] if columns else x[0] // y[0]), outs[:1]
+
+
+# The census' view of the op (entwine_jax.opspec).
+SPEC = opspec.CollectiveSpec(name=OP, kind="reduce-scatter", targets=("entwine_gemm_rs", "entwine_gemm_rs_fp8"),
+                             moved=_moved)
 
 
 @dataclasses.dataclass(frozen=True)

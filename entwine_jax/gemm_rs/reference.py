@@ -3,6 +3,7 @@
 # and the matching backward (all_gather, two dots accumulated in fp32); and the FP8 reference.
 import jax
 
+from entwine_jax import opspec
 from entwine_jax._dot import dot_last_first, dot_type
 
 
@@ -15,14 +16,18 @@ def gemm_rs_reference(x, w, *, axis_name, scatter_dimension: int = 0):
         # Nothing to reduce or scatter: XLA's GEMM alone, rounded once to x.dtype.
         return dot_last_first(x, w, dot_type(x.dtype)).astype(x.dtype)
     y = dot_last_first(x, w)
-    y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+    # The kernels send each partial in x.dtype (the census counts that, not this fp32 sum's bytes).
+    with opspec.moves("gemm_rs", x.dtype):
+        y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension, tiled=True)
     return y.astype(x.dtype)
 
 
 def gemm_rs_reference_bwd(x, w, dy, *, axis_name, scatter_dimension: int = 0):
     """Cotangents (dx, dw) of gemm_rs: the backward of a reduce-scatter is an all-gather."""
     # Gather in the cotangent's own dtype (half the bytes of fp32 for bf16/fp16).
-    g = jax.lax.all_gather(dy, axis_name, axis=scatter_dimension, tiled=True)
+    # Where the forward is fused this gather is an ag_gemm's (entwine_jax.pairing): labelled so.
+    with opspec.moves("ag_gemm", dy.dtype):
+        g = jax.lax.all_gather(dy, axis_name, axis=scatter_dimension, tiled=True)
     # dx = g @ w.T: contract N.
     dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())),
                              preferred_element_type=dot_type(x.dtype))
@@ -41,5 +46,7 @@ def gemm_rs_reference_fp8(x, w, x_scale, w_scale, *, axis_name, scatter_dimensio
     x, w = jax.lax.optimization_barrier((x, w))
     y = dot_last_first(x, w) * (x_scale * w_scale)
     if jax.lax.axis_size(axis_name) > 1:
-        y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+        # The kernels send each partial in out_dtype (the census counts that, not this fp32 sum's bytes).
+        with opspec.moves("gemm_rs", out_dtype):
+            y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=scatter_dimension, tiled=True)
     return y.astype(out_dtype)
