@@ -820,3 +820,130 @@ def _census(text: str, mesh, notes: tuple) -> Census:
     walk(entry, 1, (), 0)
     mesh_axes = tuple(zip(axes.names, axes.sizes))
     return Census(collectives=tuple(found), loops=tuple(loops.values()), mesh_axes=mesh_axes, notes=notes)
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line: python -m entwine_jax census MODULE:FUNCTION --mesh ... --arg ...
+# ----------------------------------------------------------------------------------------------
+
+_SHORT_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "e4m3": "float8_e4m3fn",
+                 "f8e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2", "f8e5m2": "float8_e5m2"}
+_ARG = re.compile(r"^(\w+)\[([\d,\s]*)\](?:@(.*))?$")
+
+CLI_EPILOG = """\
+An argument is DTYPE[dims] or DTYPE[dims]@SPEC: bf16[256,512]@dp+tp,_ is a bfloat16 [256, 512] array
+with its rows sharded over dp and tp together and its columns replicated (SPEC: one entry per dim,
+an axis name, axes joined by +, or _ for none). Nothing is allocated: the function is lowered on
+jax.ShapeDtypeStructs under jax.set_mesh(mesh) and compiled; on a machine without GPUs it compiles for
+as many fake CPU devices as the mesh has. The function may call jax.shard_map without a mesh (the
+mesh is set) and entwine_jax.gemm_rs / ag_gemm inside it.
+
+example (from the repository root):
+  python -m entwine_jax census examples/census_mlp.py:routed --grad --mesh dp=2,tp=4 \\
+      --arg 'bf16[256,512]@dp+tp,_' --arg 'bf16[512,1024]@_,tp' --arg 'bf16[1024,512]@tp,_' \\
+      --twin examples/census_mlp.py:plain"""
+
+
+def _load(target: str):
+    """MODULE:FUNCTION or path/to/file.py:FUNCTION -> the function."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name:
+        raise ValueError(f"census: the function must be MODULE:FUNCTION or FILE.py:FUNCTION, got {target!r}")
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+        if spec is None or not os.path.exists(where):
+            raise ValueError(f"census: no file {where!r} (from {target!r})")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        sys.path.insert(0, os.getcwd())  # a module of the directory the command runs in
+        module = importlib.import_module(where)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"census: {where} has no function {name!r}")
+    return fn
+
+
+def _parse_mesh(text: str) -> tuple:
+    """'dp=2,tp=4' -> (('dp', 'tp'), (2, 4))."""
+    names, sizes = [], []
+    for part in text.split(","):
+        name, eq, size = part.strip().partition("=")
+        if not eq or not name.isidentifier() or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"census: --mesh must be NAME=SIZE[,NAME=SIZE...] with sizes >= 1, e.g. dp=2,tp=4; "
+                             f"got {text!r}")
+        names.append(name)
+        sizes.append(int(size))
+    return tuple(names), tuple(sizes)
+
+
+def _parse_arg(text: str, mesh):
+    """'bf16[256,512]@dp+tp,_' -> a jax.ShapeDtypeStruct sharded over `mesh` (CLI_EPILOG)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    m = _ARG.match(text.replace(" ", ""))
+    if m is None:
+        raise ValueError(f"census: --arg must be DTYPE[dims] or DTYPE[dims]@SPEC, e.g. bf16[256,512]@dp,_; "
+                         f"got {text!r}")
+    try:
+        dtype = jnp.dtype(_SHORT_DTYPES.get(m.group(1), m.group(1)))
+    except TypeError:
+        raise ValueError(f"census: --arg {text!r}: unknown dtype {m.group(1)!r}") from None
+    shape = tuple(int(d) for d in m.group(2).split(",") if d)
+    entries = []
+    for entry in (m.group(3).split(",") if m.group(3) else []):
+        axes = tuple(a for a in entry.split("+") if a not in ("", "_", "None"))
+        bad = [a for a in axes if a not in mesh.axis_names]
+        if bad:
+            raise ValueError(f"census: --arg {text!r}: axis {bad[0]!r} is not one of the mesh's {mesh.axis_names}")
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    if len(entries) > len(shape):
+        raise ValueError(f"census: --arg {text!r}: {len(entries)} spec entries for a rank-{len(shape)} array")
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*entries)))
+
+
+def main(argv=None, prog: str = "python -m entwine_jax census") -> int:
+    """Print the census of a user's function (and, with --twin, how it compares with its twin)."""
+    import argparse
+    import os
+    parser = argparse.ArgumentParser(prog=prog, description="The collectives a function's compiled program runs, "
+                                     "and the bytes each device moves (entwine_jax.census).",
+                                     epilog=CLI_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("function", help="MODULE:FUNCTION or FILE.py:FUNCTION")
+    parser.add_argument("--mesh", required=True, help="axis names and sizes, e.g. dp=2,tp=4")
+    parser.add_argument("--arg", action="append", default=[], help="one positional argument (repeat, in order)")
+    parser.add_argument("--grad", action="store_true",
+                        help="census of jax.grad of the function with respect to every argument (a training step's "
+                             "collectives; the function returns a scalar)")
+    parser.add_argument("--twin", help="MODULE:FUNCTION of the same model another way (e.g. plain JAX): its table, "
+                                       "and the axes over which the function moves more")
+    args = parser.parse_args(argv)
+    try:
+        names, sizes = _parse_mesh(args.mesh)
+        # Fake CPU devices for the mesh, set before JAX starts its backends (no effect on GPU platforms).
+        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                       + f" --xla_force_host_platform_device_count={math.prod(sizes)}").strip()
+        if len(jax.devices()) < math.prod(sizes):
+            raise ValueError(f"census: the mesh {args.mesh} needs {math.prod(sizes)} devices, found "
+                             f"{len(jax.devices())} (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
+        mesh = jax.make_mesh(sizes, names)
+        shapes = [_parse_arg(a, mesh) for a in args.arg]
+        programs = [(args.function, _load(args.function))] + ([(args.twin, _load(args.twin))] if args.twin else [])
+        found = []
+        for target, fn in programs:
+            fn = jax.grad(fn, argnums=tuple(range(len(shapes)))) if args.grad else fn
+            c = collectives(fn, *shapes, mesh=mesh)
+            print(c.table(title=f"{target}{' (grad)' if args.grad else ''} on mesh {args.mesh}: bytes per device"))
+            print()
+            found.append(c)
+    except ValueError as e:
+        print(f"{prog}: {e}", file=__import__("sys").stderr)
+        return 2
+    if args.twin:
+        print(compare(found[0], found[1], (args.function.rpartition(":")[2], args.twin.rpartition(":")[2])))
+    return 0

@@ -264,8 +264,8 @@ OPS = ("ag_gemm", "gemm_rs")
 def check_census(c: census.Census, n_layers: int, *, fused: bool, axis: str = "tp") -> tuple[list, list]:
     """(report lines, problems) for the census of the compiled train step (entwine_jax.census).
 
-    Every collective over `axis` must be one of the fused ops' (the census' owner: the op's name
-    scope, entwine_ag_gemm / entwine_gemm_rs; the innermost scope wins, so an op's backward, a call
+    Every collective over `axis` must be one of the fused ops' (the census' owner: the op whose
+    custom call it is or whose XLA reference issued it, entwine_jax.opspec; an op's backward, a call
     of the other op, counts as the other op) or a gradient all-reduce (under the named scope
     reduce_gradients; XLA's all-reduce combiner keeps its metadata). A collective whose device
     groups match no mesh axis counts as one over `axis`.

@@ -3,6 +3,7 @@
 # backward) attributed to the ops, abstract-shape inputs, the errors, and a plain, a routed bf16 and a
 # routed FP8 program checked against an independent count from their compiled HLO.
 import math
+import pathlib
 import re
 
 import jax
@@ -376,3 +377,38 @@ def test_census_is_an_attribute_of_the_package():
     pkg = importlib.import_module("entwine_jax")
     assert pkg.census.collectives is census.collectives
     assert pkg.layers.__name__ == "entwine_jax.layers"
+
+
+# --- The command line: python -m entwine_jax census --------------------------------------------------------
+
+EXAMPLE = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "census_mlp.py")
+BLOCK_ARGS = ["--mesh", "dp=2,tp=4", "--arg", "bf16[64,128]@dp+tp,_", "--arg", "bf16[128,256]@_,tp",
+              "--arg", "bf16[256,128]@tp,_"]
+
+
+def test_command_line_prints_the_table_and_the_comparison(mesh, capsys, blocks):
+    from entwine_jax import __main__ as cli
+    assert cli.main(["census", f"{EXAMPLE}:routed_fp8", "--grad", *BLOCK_ARGS, "--twin", f"{EXAMPLE}:plain"]) == 0
+    out = capsys.readouterr().out
+    assert "census_mlp.py:routed_fp8 (grad) on mesh dp=2,tp=4: bytes per device" in out
+    assert "f8e4m3fn[8,128]" in out and "xla      all-reduce" in out
+    # The same numbers as the test's own programs (the same shapes), and the comparison lines.
+    assert f"all 7 {census.fmt_bytes(blocks['fp8'][0].bytes)}" in out
+    assert "routed_fp8 moves no more than plain over any axes" in out
+    assert cli.main(["census", f"{EXAMPLE}:plain", "--grad", *BLOCK_ARGS, "--twin", f"{EXAMPLE}:routed_fp8"]) == 0
+    assert "plain moves" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["x.py"], "the function must be MODULE:FUNCTION"),
+    ([f"{EXAMPLE}:nope"], "has no function 'nope'"),
+    ([f"{EXAMPLE}:plain", "--mesh", "dp:2"], "--mesh must be NAME=SIZE"),
+    ([f"{EXAMPLE}:plain", "--arg", "bf16(4,4)"], "--arg must be DTYPE\\[dims\\]"),
+    ([f"{EXAMPLE}:plain", "--arg", "bf16[4,4]@pp,_"], "axis 'pp' is not one of the mesh's"),
+    ([f"{EXAMPLE}:plain", "--arg", "b17[4,4]"], "unknown dtype 'b17'"),
+])
+def test_command_line_errors(mesh, capsys, argv, message):
+    from entwine_jax import __main__ as cli
+    argv = argv if "--mesh" in argv else argv + ["--mesh", "dp=2,tp=4"]
+    assert cli.main(["census", *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -41,7 +41,7 @@ def run_module(*args, **kwargs):
 def test_help_goes_to_stdout_with_exit_0(flag, capsys):
     assert cli.main([flag]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("usage: python -m entwine_jax tune") and "benchmarks/bench.py" in out and err == ""
+    assert out.startswith("usage: python -m entwine_jax {tune,census}") and "benchmarks/bench.py" in out and err == ""
 
 
 def test_subcommand_help_goes_to_stdout_with_exit_0(capsys):
@@ -63,8 +63,8 @@ def test_bench_program_help_and_bad_arguments():
 def test_unknown_and_missing_command(capsys):
     assert cli.main(["bnech"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and "python -m entwine_jax: unknown command 'bnech' (expected tune)" in err
-    assert "usage: python -m entwine_jax tune" in err
+    assert out == "" and "python -m entwine_jax: unknown command 'bnech' (expected tune or census)" in err
+    assert "usage: python -m entwine_jax {tune,census}" in err
     assert cli.main(["bench"]) == 2  # the benchmarks are a program of the repository, not a command
     assert cli.main([]) == 2
     assert "no command given" in capsys.readouterr().err
