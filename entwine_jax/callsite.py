@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _log
+from entwine_jax import _extension, _log, comm
 from entwine_jax.comm import Unavailable
 from entwine_jax.tuning import crossover
 
@@ -83,14 +83,35 @@ def dimension(op: str, name: str, value, shape: tuple, what: str) -> int:
     return int(value) % nd
 
 
+def platform_reason(axis_name) -> Optional[str]:
+    """Why no call on this axis can reach the kernels, whatever its shape or config: not on a CUDA GPU
+    (the mesh's platform, else the default backend's), or no compiled kernels; None on CUDA with
+    the extension. Said before any rule of the GPU cost model, which is about GPUs only."""
+    try:
+        mesh = comm.find_mesh(axis_name)
+    except Exception:  # no mesh to ask: the default backend says where the program runs
+        mesh = None
+    # A mesh's CUDA devices say "gpu"; the default backend says "cuda" (and "gpu" for ROCm).
+    platform = mesh.devices.flat[0].platform if mesh is not None else _log.default_platform()
+    if platform != ("gpu" if mesh is not None else "cuda"):
+        return f"not on a CUDA GPU (platform {platform!r}): the XLA reference runs, whatever the config's path"
+    if _extension.module()[0] is None:
+        return ("no compiled kernels (entwine_jax._entwine is not built: a pure-Python install or "
+                "ENTWINE_BUILD_CUDA=OFF): the XLA reference runs")
+    return None
+
+
 def early_reason(op: str, config, size: int, dtype, nothing: str, flops: float, moved_bytes: float,
-                 push: Optional[str] = None) -> Optional[str]:
+                 push: Optional[str] = None, axis_name=None) -> Optional[str]:
     """The reasons every op takes the XLA path before its kernels are asked: the user asked for it,
-    an axis of size 1 (`nothing`: what there is nothing of), float32 operands, and (path "auto") a
-    call too small for the overlap to pay for the fused op's fixed cost (flops: the call's GEMM,
-    moved_bytes: what its collective brings into each GPU, push: ag_gemm's; tuning/crossover.py)."""
+    not on a CUDA GPU or no compiled kernels (platform_reason, for `axis_name`), an axis of size 1
+    (`nothing`: what there is nothing of), float32 operands, and (path "auto") a call too small for
+    the overlap to pay for the fused op's fixed cost (flops: the call's GEMM, moved_bytes: what its
+    collective brings into each GPU, push: ag_gemm's; tuning/crossover.py)."""
     if config.path == "xla":
         return "config.path='xla'"
+    if reason := platform_reason(axis_name):
+        return reason
     if size == 1 and config.path == "auto":
         return (f"axis size 1: nothing to {nothing}, XLA's GEMM alone is faster (path='fused' runs the kernels "
                 f"anyway)")

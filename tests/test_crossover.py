@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from entwine_jax import AgGemmConfig, GemmRsConfig, ag_gemm, gemm_rs
+from entwine_jax import AgGemmConfig, GemmRsConfig, ag_gemm, callsite, gemm_rs
 from entwine_jax.tuning import crossover
 from entwine_jax.tuning.timing import DESIGN_SUITE
 
@@ -48,8 +48,24 @@ def test_70b_layer_at_16k_tokens():
     assert reason.startswith("a small call: the overlap can hide at most") and "fixed cost of ~70 us" in reason
 
 
+def test_cpu_reason_comes_before_the_rule(capsys, monkeypatch):
+    # On CPU the reason is the platform, not the GPU cost model, and path='fused' gets the same one.
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+    for config, k in ((None, 96), (GemmRsConfig(path="fused"), 160)):  # two call sites, printed once each
+        x, w = jnp.zeros((16, k), jnp.bfloat16), jnp.zeros((k, 32), jnp.bfloat16)
+        f = jax.shard_map(lambda x, w: gemm_rs(x, w, axis_name="tp", config=config), mesh=mesh,
+                          in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
+        with jax.set_mesh(mesh):
+            jax.jit(f).lower(jax.device_put(x, P(None, "tp")), jax.device_put(w, P("tp", None)))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("entwine_jax.gemm_rs")]
+    assert len(lines) == 2 and all("not on a CUDA GPU (platform 'cpu')" in line for line in lines), lines
+    assert not any("a small call" in line for line in lines)
+
+
 def test_auto_reports_the_rule_and_fused_is_not_subject_to_it(capsys, monkeypatch):
-    # On CPU the fused path cannot run anyway; the rule is asked first and names itself.
+    # Past the platform (taken as CUDA here): the rule is asked first and names itself.
+    monkeypatch.setattr(callsite, "platform_reason", lambda axis_name: None)
     monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
     mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
     for config, k in ((None, 64), (GemmRsConfig(path="fused"), 128)):  # two call sites, printed once each

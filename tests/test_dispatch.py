@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from entwine_jax import GemmRsConfig, _extension, gemm_rs, heuristic_config, set_default_config
+from entwine_jax import GemmRsConfig, _extension, callsite, gemm_rs, heuristic_config, set_default_config
 from entwine_jax.gemm_rs import op as gemm_rs_op
 from entwine_jax.gemm_rs.reference import gemm_rs_reference
 
@@ -73,6 +73,8 @@ class FakeFused(types.SimpleNamespace):
 def fake(monkeypatch):
     f = FakeFused()
     monkeypatch.setattr(gemm_rs_op, "fused", f)
+    # The fake stands for the GPU side: past the platform check, its unavailable_reason decides.
+    monkeypatch.setattr(callsite, "platform_reason", lambda axis_name: None)
     return f
 
 
@@ -198,6 +200,7 @@ def test_fused_module_errors_fall_back(monkeypatch, capsys):
     broken = FakeFused()
     broken.unavailable_reason = lambda *a, **k: 1 / 0
     monkeypatch.setattr(gemm_rs_op, "fused", broken)
+    monkeypatch.setattr(callsite, "platform_reason", lambda axis_name: None)  # as the fake fixture does
     y, exact = run(x_shape=(16, 64))
     assert np.abs(y - exact).max() <= 1e-2 * np.abs(exact).max()
     assert "unavailable_reason raised ZeroDivisionError" in capsys.readouterr().err

@@ -132,7 +132,8 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, con
     call's output dtype, shared_scale: its x_scale the same on every rank) takes the XLA path on
     this mesh, or None; asks only, no communicator is made (for programs that report on calls)."""
     push = push_of(config, math.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
-    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size), push=push)
+    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size), push=push,
+                                   axis_name=axis_name)
     if reason is not None:
         return reason
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, gather_dimension, config, out_dtype,

@@ -111,7 +111,7 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, scatter_dimension: int, co
     call's output dtype) takes the XLA path on this mesh, or None; asks only, no communicator is
     made (for programs that report on calls, e.g. the benchmarks)."""
     reason = callsite.early_reason(OP, config, axis_size, x.dtype, "reduce or scatter",
-                                   *_cost(x, w, axis_size, out_dtype or x.dtype))
+                                   *_cost(x, w, axis_size, out_dtype or x.dtype), axis_name=axis_name)
     if reason is not None:
         return reason
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, scatter_dimension, config, out_dtype)
