@@ -1,9 +1,15 @@
 # What every op's config shares: the paths a call can take, the GEMM block widths the kernels are
-# built for, the check of an integer field, and how a field becomes an FFI attribute.
+# built for, the check of an integer field and of a heuristic's arguments, and how a field becomes an
+# FFI attribute.
+import jax.numpy as jnp
 import numpy as np
 
 PATHS = ("auto", "fused", "xla")
 BLOCK_N = (128, 256)
+# The operand dtypes a call can have (float32 runs the XLA reference; the FP8 ones: an FP8 call's
+# e4m3 forward and its e5m2 backward): what a heuristic can be asked about.
+HEURISTIC_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn,
+                                                jnp.float8_e5m2))
 
 
 def check_int(name: str, value, lo: int, where: str) -> None:
@@ -11,6 +17,20 @@ def check_int(name: str, value, lo: int, where: str) -> None:
     # bool is an int subclass; True as a grid size is always a mistake.
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
         raise ValueError(f"{where}: {name} must be an int >= {lo}, got {value!r}")
+
+
+def check_shape_args(where: str, sizes: dict, world, dtype) -> None:
+    """ValueError unless every size in `sizes` ({name: value}) is an int >= 1, world an int >= 1 and
+    dtype one of HEURISTIC_DTYPES; the message names the argument, what it must be and what it was."""
+    for name, value in sizes.items():
+        check_int(name, value, 1, where)
+    check_int("world", world, 1, where)
+    try:
+        ok = jnp.dtype(dtype) in HEURISTIC_DTYPES
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{where}: dtype must be one of {[d.name for d in HEURISTIC_DTYPES]}, got {dtype!r}")
 
 
 def ffi_attribute(value):

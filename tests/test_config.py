@@ -105,3 +105,31 @@ def test_producer_beside_the_consumer():
     base = GemmRsConfig(block_n=256, producer_sms=100, consumer_grid=32)
     assert with_overrides(base, {"consumer_grid": 8}) == GemmRsConfig(block_n=256, producer_sms=124, consumer_grid=8)
     assert with_overrides(base, {"consumer_grid": 8, "producer_sms": 0}).producer_sms == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    ((8192, 8192, 1024, 0, jnp.bfloat16), r"heuristic_config: world must be an int >= 1, got 0"),
+    ((-1, 8192, 1024, 2, jnp.bfloat16), r"heuristic_config: m must be an int >= 1, got -1"),
+    ((64, 0, 1024, 2, jnp.bfloat16), r"heuristic_config: n must be an int >= 1, got 0"),
+    ((64, 64, 2.5, 2, jnp.bfloat16), r"heuristic_config: k must be an int >= 1, got 2.5"),
+    ((64, 64, 64, 2, jnp.int32), r"heuristic_config: dtype must be one of \['bfloat16', 'float16', 'float32', "
+                                 r"'float8_e4m3fn', 'float8_e5m2'\], got <class 'jax.numpy.int32'>"),
+    ((64, 64, 64, 2, "nope"), r"heuristic_config: dtype must be one of .*got 'nope'"),
+])
+def test_heuristic_checks_its_arguments(args, message):
+    with pytest.raises(ValueError, match=message):
+        heuristic_config(*args)
+
+
+def test_ag_heuristic_checks_its_arguments():
+    from entwine_jax import ag_heuristic_config
+    with pytest.raises(ValueError, match=r"ag_heuristic_config: world must be an int >= 1, got 0"):
+        ag_heuristic_config(64, 64, 64, 0, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"ag_heuristic_config: rows must be an int >= 1, got -4"):
+        ag_heuristic_config(-4, 64, 64, 2, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"ag_heuristic_config: dtype must be one of .*got dtype\('int32'\)"):
+        ag_heuristic_config(64, 64, 64, 2, jnp.dtype("int32"))
+    with pytest.raises(ValueError, match=r"ag_heuristic_config: path must be one of \('auto', 'fused', 'xla'\), "
+                                         r"got 'gpu'"):
+        ag_heuristic_config(64, 64, 64, 2, jnp.bfloat16, path="gpu")
+    assert ag_heuristic_config(64, 64, 64, 2, jnp.float8_e4m3fn).block_n == 128

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entwine_jax import _extension
-from entwine_jax._config import BLOCK_N, PATHS, check_int
+from entwine_jax._config import BLOCK_N, PATHS, check_int, check_shape_args
 from entwine_jax.tuning import crossover
 
 PUSHES = ("auto", "sm", "ce")
@@ -69,8 +69,12 @@ class AgGemmConfig:
 
 
 def ag_heuristic_config(rows: int, n: int, cols: int, world: int, dtype, path: str = "auto") -> AgGemmConfig:
-    """Config for an ag_gemm call whose shard is [rows, cols] per rank and w has N = n columns."""
-    del world  # no rule depends on it yet
+    """Config for an ag_gemm call whose shard is [rows, cols] per rank and w has N = n columns.
+    ValueError for sizes or world below 1, a dtype no call has, or an unknown path."""
+    check_shape_args("ag_heuristic_config", {"rows": rows, "n": n, "cols": cols}, world, dtype)
+    if path not in PATHS:
+        raise ValueError(f"ag_heuristic_config: path must be one of {PATHS}, got {path!r}")
+    # No rule depends on world yet.
     # As for gemm_rs's producer: 128x256 blocks where N allows them without padding; 128 for FP8
     # operands, the only width the FP8 kernels' plan takes.
     block_n = 256 if n % 256 == 0 and jnp.dtype(dtype).itemsize > 1 else 128

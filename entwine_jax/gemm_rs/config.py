@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entwine_jax import _extension
-from entwine_jax._config import BLOCK_N, PATHS, check_int, ffi_attribute
+from entwine_jax._config import BLOCK_N, PATHS, check_int, check_shape_args, ffi_attribute
 from entwine_jax.gemm_rs import plan
 
 _CONSUMER_BLOCK = (128, 256, 512)
@@ -117,8 +117,9 @@ def heuristic_config(m: int, n: int, k: int, world: int, dtype, *, scatter_cols:
     rows, or over N with scatter_cols).
 
     Every rule says why; the tuned table (per GPU and shape) overrides these. Measurements:
-    docs/performance.md.
+    docs/performance.md. ValueError for sizes or world below 1, or a dtype no call has.
     """
+    check_shape_args("heuristic_config", {"m": m, "n": n, "k": k}, world, dtype)
     # 128x256 blocks measured 5-15% faster than 128x128 for the producer alone on H200;
     # 128 only where N is not a multiple of 256, so no padding is needed. FP8 operands: 128, the only
     # width the FP8 kernels' plan takes (the promoted fp32 accumulator of a wider block does not fit).
