@@ -130,6 +130,9 @@ def steady_ms(fn, x, w, seconds, clock, ramp=0.3):
 
 def main():
     args = sys.argv[1:]
+    if {"-h", "--help"} & set(args):
+        print(__doc__.strip())
+        return
     steady = None
     if args[:1] == ["--steady"]:
         steady = float(args[1])

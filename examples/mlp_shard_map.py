@@ -9,6 +9,7 @@ compared with the unsharded math; exits 1 on mismatch.
 
 Runs anywhere: on CPU it forces 8 host devices (dp=2 x tp=4); on GPUs it uses them all.
 """
+import argparse
 import os
 import sys
 
@@ -46,7 +47,9 @@ def rel_err(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    # No options: --help prints what the example does, without running it.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     n = len(jax.devices())
     dp = 2 if n >= 4 and n % 2 == 0 else 1
     tp = n // dp

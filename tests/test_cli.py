@@ -160,3 +160,20 @@ def test_fallback_level_follows_the_default_backend():
         cuda = False
     assert (_log.default_platform() == "cuda") == cuda
     assert _log.fallback_level("auto") == (logging.WARNING if cuda else logging.INFO)
+
+
+# --- Every program of the repository answers --help without running --------------------------------------
+
+PROGRAMS = sorted(p for d in ("examples", "benchmarks") for p in (PACKAGE.parent / d).glob("*.py")
+                  if 'if __name__ == "__main__"' in p.read_text())
+
+
+@pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_program_answers_help(program):
+    start = time.perf_counter()
+    out = run_program(str(program), "--help", timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip(), "no help printed"
+    # Help is printed, nothing is computed: no error lines, no table (a run takes far longer).
+    assert "max error" not in out.stdout and "TF/s" not in out.stdout
+    assert time.perf_counter() - start < 60
