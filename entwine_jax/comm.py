@@ -9,9 +9,10 @@ that ``entwine_jax.reserve`` grows each communicator once. Diagnostics (``check_
 ``device_epochs``, ``handler_cost``, ``last_call_ms``, ``heap_usage``) read the communicators without
 changing them.
 
-Setup is transactional: a creation or growth whose exchange with the other processes fails (a peer
-that never comes within ENTWINE_SETUP_TIMEOUT_MS, a CUDA error) is undone, the communicator stays as
-it was, and a later call site tries again.
+Setup is transactional and agreed across processes: a creation or growth that fails on any process
+of the communicator (a peer that never comes within ENTWINE_SETUP_TIMEOUT_MS, a CUDA error) is undone
+on every one of them (_agree), the communicator stays as it was, and a later call site tries again.
+Only the job's own processes (same uid, the exchange's token) are sent the heap's file descriptors.
 
 Mesh discovery: inside ``jit`` jax exposes only the abstract mesh, so the device assignment comes
 from the enclosing ``jax.set_mesh(mesh)`` or, failing that, from ``entwine_jax.setup(mesh, axis)``.
@@ -24,10 +25,13 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket
+import struct
 import sys
 import threading
 import time
@@ -50,6 +54,9 @@ _DEFAULT_SETUP_TIMEOUT_MS = 300_000
 _SLOW_PEER_MS = 10_000
 # File descriptors per socket message (the kernel takes at most 253).
 _FDS_PER_MESSAGE = 64
+# A partner says who it is as soon as it connects; a connection silent for this long is not a partner,
+# and it would hold up the partners queued behind it.
+_HELLO_TIMEOUT_S = 5.0
 
 
 class Unavailable(Exception):
@@ -268,10 +275,45 @@ def _close_received(received: dict) -> None:
             os.close(fd)
 
 
-def _connect_to_peer(name_key: str, deadline: float) -> socket.socket:
-    """A connection to the socket a peer process published under name_key. A name can be stale (an
-    earlier attempt of the peer that gave up): it is read again until the peer's live socket answers
-    or the deadline passes."""
+def _peer_credentials(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket, as the kernel saw it connect."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
+def _admit(conn: socket.socket, token: str, partners: list, served: set, deadline: float) -> Optional[int]:
+    """The partner process at the other end of a connection to this process's exchange socket, or
+    None after refusing it: only a process of this user (SO_PEERCRED) that presents this exchange's
+    token, which only the job's key-value store holds, is sent file descriptors of the heap
+    (docs/design.md, "Who may join"). A refusal is logged, and the exchange goes on waiting."""
+    pid, uid = _peer_credentials(conn)
+    reason = None
+    if uid != os.getuid():
+        reason = f"it runs as uid {uid}, not {os.getuid()}"
+    else:
+        try:
+            conn.settimeout(max(min(deadline - time.monotonic(), _HELLO_TIMEOUT_S), 0.001))
+            hello = json.loads(conn.recv(4096) or b"null")
+            process, given = int(hello["process"]), str(hello["token"])
+        except (OSError, ValueError, TypeError, KeyError):
+            hello = None
+            reason = "it did not say which process of the job it is"
+        if hello is not None:
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                reason = "it did not present the exchange's token"
+            elif process not in partners or process in served:
+                reason = f"process {process} is not a partner still to be served ({partners}, served {sorted(served)})"
+    if reason is None:
+        return process
+    logging.getLogger("entwine_jax").warning(
+        "entwine_jax: refused a connection to the heap exchange from pid %d: %s", pid, reason)
+    return None
+
+
+def _connect_to_peer(name_key: str, me: int, deadline: float) -> socket.socket:
+    """A connection, introduced as process `me`, to the socket a peer process published under
+    name_key. A name can be stale (an earlier attempt of the peer that gave up): it is read again
+    until the peer's live socket answers or the deadline passes."""
     said = False
     while True:
         left_ms = int((deadline - time.monotonic()) * 1000)
@@ -279,7 +321,7 @@ def _connect_to_peer(name_key: str, deadline: float) -> socket.socket:
             raise TimeoutError(f"no live socket under {name_key} before the deadline")
         try:
             # First a short wait, so that a long one is said while it lasts (a lone trace waits).
-            name = _distributed.kv_get(name_key, left_ms if said else min(left_ms, _SLOW_PEER_MS)).decode()
+            record = json.loads(_distributed.kv_get(name_key, left_ms if said else min(left_ms, _SLOW_PEER_MS)))
         except TimeoutError:
             if said or left_ms <= _SLOW_PEER_MS:
                 raise
@@ -292,45 +334,62 @@ def _connect_to_peer(name_key: str, deadline: float) -> socket.socket:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.settimeout(max(deadline - time.monotonic(), 0.001))
-            conn.connect(_abstract_name(name))
-            return conn
+            conn.connect(_abstract_name(record["name"]))
         except (ConnectionRefusedError, FileNotFoundError):
             conn.close()
             time.sleep(0.05)
+            continue
+        except BaseException:
+            conn.close()
+            raise
+        try:
+            # A stale name taken over by another user's process: not the partner.
+            _, uid = _peer_credentials(conn)
+            if uid != os.getuid():
+                raise PermissionError(f"the socket published under {name_key} belongs to uid {uid}, not {os.getuid()}")
+            conn.send(json.dumps({"process": me, "token": record["token"]}).encode())
+            return conn
         except BaseException:
             conn.close()
             raise
 
 
-def _share_chunks(ext, comm: _Comm, capacity: tuple[int, int, int], deadline: float) -> None:
+def _share_chunks(ext, comm: _Comm, capacity: tuple[int, int, int], attempt: int, deadline: float) -> None:
     """Maps into this process the heap chunks of every rank of the other processes of our groups,
     and hands them ours: CUDA's POSIX file descriptors, which are per process, cross over a Unix socket
     (SCM_RIGHTS) whose name is published in the key-value store. The order cannot deadlock: every
     process listens before it publishes, connects to all its partners (the kernel queues a connection
     until it is accepted), serves every partner that connects, and only then reads what it was sent.
-    The socket only lives during this exchange."""
+    The socket only lives during this exchange, and serves only the partners (_admit): the token it
+    publishes beside its name is fresh each exchange."""
     me = jax.process_index()
     partners = comm.partners
     name = f"entwine-{comm.id & 0xFFFFFFFFFFFFFFFF:016x}-{comm.generation}-{me}-{os.getpid()}-{time.monotonic_ns()}"
-    my_key = _key(comm, capacity, f"socket/{me}")
+    my_key = _key(comm, capacity, f"{attempt}/socket/{me}")
+    token = secrets.token_hex(32)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     clients: dict[int, socket.socket] = {}
     exported: list = []
     received: dict[int, list] = {}
     try:
         server.bind(_abstract_name(name))
-        server.listen(len(partners))
+        server.listen(len(partners) + 4)  # room beside the partners for connections it refuses
         for device, _, _ in comm.local:
             exported.append((int(device.id), [tuple(c) for c in ext.comm_export(comm.id, device.local_hardware_id)]))
-        _distributed.kv_set(my_key, name.encode(), overwrite=True)
+        _distributed.kv_set(my_key, json.dumps({"name": name, "token": token}).encode(), overwrite=True)
         for p in partners:
-            clients[p] = _connect_to_peer(_key(comm, capacity, f"socket/{p}"), deadline)
-        for _ in partners:
+            clients[p] = _connect_to_peer(_key(comm, capacity, f"{attempt}/socket/{p}"), me, deadline)
+        served: set[int] = set()
+        while len(served) < len(partners):
             server.settimeout(max(deadline - time.monotonic(), 0.001))
             conn, _ = server.accept()
             with conn:
+                process = _admit(conn, token, partners, served, deadline)
+                if process is None:
+                    continue
                 conn.settimeout(max(deadline - time.monotonic(), 0.001))
                 _send_chunks(conn, exported)
+                served.add(process)
         for p, conn in clients.items():
             for device_id, chunks in _receive_chunks(conn, deadline).items():
                 received.setdefault(device_id, []).extend(chunks)
@@ -355,14 +414,14 @@ def _share_chunks(ext, comm: _Comm, capacity: tuple[int, int, int], deadline: fl
         _close_received(received)
 
 
-def _exchange(ext, comm: _Comm, capacity: tuple[int, int, int]) -> None:
+def _exchange(ext, comm: _Comm, capacity: tuple[int, int, int], attempt: int) -> None:
     """Makes `capacity` usable by calls on every local rank: the other processes' chunks mapped here
     (their heaps have grown as ours), then the peer tables filled. Raises on a peer that never
     comes within ENTWINE_SETUP_TIMEOUT_MS."""
     deadline = time.monotonic() + setup_timeout_ms() / 1000
     if comm.partners:
         try:
-            _share_chunks(ext, comm, capacity, deadline)
+            _share_chunks(ext, comm, capacity, attempt, deadline)
         except (TimeoutError, socket.timeout) as e:
             raise TimeoutError(
                 f"processes {comm.partners} did not join the growth of the heap to {capacity} within "
@@ -490,14 +549,15 @@ def _create(ext, groups: np.ndarray, cid: int, capacity: tuple[int, int, int]) -
     local = [(d, r, row) for row in groups for r, d in enumerate(row) if d.process_index == me]
     processes = sorted({int(d.process_index) for d in groups.ravel()})
     comm = _Comm(cid, local, processes, heap_max_bytes())
-    ext.comm_create(cid, groups.shape[1], [(int(d.local_hardware_id), r) for d, r, _ in local], *capacity,
-                    comm.heap_max)
-    _register_atexit()
+    attempt = _attempt(comm, capacity)
     try:
-        _exchange(ext, comm, capacity)
+        ext.comm_create(cid, groups.shape[1], [(int(d.local_hardware_id), r) for d, r, _ in local], *capacity,
+                        comm.heap_max)
     except BaseException as e:
-        _undo(cid, lambda: ext.comm_destroy(cid), e)
+        _agree(comm, capacity, attempt, e)  # raises: the partners hear of it now, not at their deadline
         raise
+    _register_atexit()
+    _setup_step(comm, capacity, attempt, lambda: _exchange(ext, comm, capacity, attempt), lambda: ext.comm_destroy(cid))
     comm.slot_bytes, comm.max_tiles, comm.inbox_bytes = capacity
     comm.generation += 1
     _comms[cid] = comm
@@ -506,14 +566,88 @@ def _create(ext, groups: np.ndarray, cid: int, capacity: tuple[int, int, int]) -
 def _grow(ext, comm: _Comm, capacity: tuple[int, int, int]) -> None:
     # Calls compiled earlier may run meanwhile: growing only maps memory behind what they use, and
     # they keep the old capacity until the exchange made the new one usable on every rank here.
-    ext.comm_grow(comm.id, *capacity)
-    try:
-        _exchange(ext, comm, capacity)
-    except BaseException as e:
-        _undo(comm.id, lambda: ext.comm_shrink(comm.id, *comm.capacity), e)
-        raise
+    attempt = _attempt(comm, capacity)
+
+    def grow_and_exchange():
+        ext.comm_grow(comm.id, *capacity)
+        _exchange(ext, comm, capacity, attempt)
+
+    _setup_step(comm, capacity, attempt, grow_and_exchange, lambda: ext.comm_shrink(comm.id, *comm.capacity))
     comm.slot_bytes, comm.max_tiles, comm.inbox_bytes = capacity
     comm.generation += 1
+
+
+class SetupUndone(RuntimeError):
+    """A creation or growth that every process of the communicator undid: the message names the
+    process that failed (or never reported) and why."""
+
+
+def _setup_step(comm: _Comm, capacity: tuple[int, int, int], attempt: int, step, undo) -> None:
+    """Runs a setup step, then commits it only where every process of the communicator did its part
+    (_agree); else undoes it here, as every process does, and raises SetupUndone with the reason."""
+    try:
+        step()
+        failure = None
+    except BaseException as e:
+        failure = e
+    try:
+        _agree(comm, capacity, attempt, failure)
+    except BaseException as e:
+        _undo(comm.id, undo, e)
+        if failure is not None and e is not failure:
+            raise e from failure
+        raise
+
+
+_DECIDED = b"commit"
+
+
+def _attempt(comm: _Comm, capacity: tuple[int, int, int]) -> int:
+    """The number of this process's attempt at the setup taking `comm` to `capacity`: the first one
+    not decided yet. Processes that try while an attempt is open join it; after a lone attempt that
+    was undone (a trace on one process), the next attempt of all of them has a fresh number."""
+    if len(comm.processes) < 2:
+        return 0
+    attempt = 0
+    while _distributed.kv_try_get(_key(comm, capacity, f"{attempt}/decision")) is not None:
+        attempt += 1
+    return attempt
+
+
+def _agree(comm: _Comm, capacity: tuple[int, int, int], attempt: int, failure: Optional[BaseException]) -> None:
+    """Setup agreed across processes (docs/design.md, "Setup agreed across processes"): returns when
+    every process of the communicator did its part of this attempt, else raises SetupUndone, the same
+    on every process, naming the first process that failed or never reported. Each process posts its
+    vote; the first to know the outcome (all voted ok, or one failed, or one did not vote within
+    ENTWINE_SETUP_TIMEOUT_MS) writes the decision once (the key-value store keeps the first write);
+    every process then reads that one decision, so no process commits what another undoes."""
+    if len(comm.processes) < 2:
+        if failure is not None:
+            raise failure
+        return
+    me = jax.process_index()
+    vote = "ok" if failure is None else f"{type(failure).__name__}: {failure}"
+    _distributed.kv_set(_key(comm, capacity, f"{attempt}/vote/{me}"), vote.encode(), overwrite=True)
+    verdict = None if failure is None else f"process {me} failed its part ({vote})"
+    deadline = time.monotonic() + setup_timeout_ms() / 1000
+    for p in comm.processes:
+        if verdict is not None:
+            break
+        if p == me:
+            continue
+        try:
+            theirs = _distributed.kv_get(_key(comm, capacity, f"{attempt}/vote/{p}"),
+                                         max(int((deadline - time.monotonic()) * 1000), 1)).decode()
+        except TimeoutError:
+            verdict = f"process {p} did not report its part within ENTWINE_SETUP_TIMEOUT_MS={setup_timeout_ms()}"
+            break
+        if theirs != "ok":
+            verdict = f"process {p} failed its part ({theirs})"
+    decision_key = _key(comm, capacity, f"{attempt}/decision")
+    _distributed.kv_set_once(decision_key, _DECIDED if verdict is None else verdict.encode())
+    decision = _distributed.kv_get(decision_key, 60_000)
+    if decision != _DECIDED:
+        raise SetupUndone(f"every process undid the setup: {decision.decode()}")
 
 
 def _undo(cid: int, undo, cause: BaseException) -> None:
@@ -595,7 +729,7 @@ def call_site() -> str:
     """`file:line (function)` of the innermost frame of the user's code (not jax's, NumPy's, this
     package's or the standard library's) tracing the current call: it names the call in its
     signature, so that two calls of the same shape from different lines differ."""
-    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    own = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the package (entwine_jax/), not what holds it
     stdlib = os.path.dirname(os.__file__) + os.sep
     frame = sys._getframe(1)
     while frame is not None:
@@ -686,28 +820,43 @@ def platform_reason(axis_name) -> tuple[Optional[str], Any, Any]:
     return reason, mesh, ext
 
 
-def command_buffer_hazard(xla_flags: Optional[str] = None) -> Optional[str]:
-    """Why XLA's flags (XLA_FLAGS, or `xla_flags`) make the fused path unsafe, or None.
+def command_buffer_hazard(xla_flags: Optional[str] = None, compiler_options: Optional[dict] = None) -> Optional[str]:
+    """Why XLA's flags (XLA_FLAGS, or `xla_flags`), with `compiler_options` (a jax.jit's, which XLA
+    applies over XLA_FLAGS) if given, make the fused path unsafe, or None.
 
     Every fused call on a communicator shares its device epoch and side streams, so two of them must
     never run at once. XLA's CONCURRENT command-buffer scheduling orders a graph's nodes only by the
     buffers they share: independent fused calls recorded in one graph may then overlap, and their
     kernels trap. Until the calls carry an order of their own, the fused path is refused there (the
-    XLA reference runs, with this reason), unless custom calls are kept out of command buffers."""
+    XLA reference runs, with this reason), unless custom calls are kept out of command buffers.
+
+    What is seen (at trace time, where the path is chosen): XLA_FLAGS, and the ``compiler_options`` of
+    ``jax.jit(f, compiler_options=...)`` (jit_hazard). Not seen: options given to
+    ``jax.jit(f).lower(...).compile(compiler_options=...)``, which come after the trace, and enum values
+    given as numbers; there, keep CUSTOM_CALL out of ``xla_gpu_enable_command_buffer`` yourself."""
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
     values = {}
     for item in flags.split():
         name, _, value = item.lstrip("-").partition("=")
         values[name] = value
+    values.update({str(k): str(v) for k, v in (compiler_options or {}).items()})
     if values.get("xla_gpu_command_buffer_scheduling_mode", "").upper() != "CONCURRENT":
         return None
     enabled = values.get("xla_gpu_enable_command_buffer")
     # Not given: XLA's default set, which records custom calls.
-    if enabled is not None and "CUSTOM_CALL" not in enabled.upper().split(","):
+    if enabled is not None and "CUSTOM_CALL" not in enabled.upper().replace(" ", "").split(","):
         return None
-    return ("XLA_FLAGS sets --xla_gpu_command_buffer_scheduling_mode=CONCURRENT with custom calls in command "
+    where = "XLA_FLAGS sets" if not compiler_options else "the compiler_options of jax.jit (over XLA_FLAGS) set"
+    return (f"{where} --xla_gpu_command_buffer_scheduling_mode=CONCURRENT with custom calls in command "
             "buffers: XLA may then run two fused calls of one communicator at once, which is not safe; use the "
             "default scheduling mode (LHS), or leave CUSTOM_CALL out of --xla_gpu_enable_command_buffer")
+
+
+def jit_hazard() -> Optional[str]:
+    """command_buffer_hazard() with the compiler_options of the jax.jit being traced, when it has any
+    (they differ per jit, so this is asked at every trace, never cached)."""
+    options = _distributed.jit_compiler_options()
+    return command_buffer_hazard(compiler_options=options) if options else None
 
 
 def mesh_reason(ext, mesh, axis_name, axis_size) -> Optional[str]:
@@ -738,19 +887,22 @@ def heap_reason(ext, mesh, axis_name, world: int, slot_bytes: int, max_tiles: in
 
 
 def cached_reason(key, mesh, compute) -> Optional[str]:
-    """compute()'s answer for a call site's `key`, computed once where it is settled."""
+    """compute()'s answer for a call site's `key`, computed once where it is settled; where it is
+    None, the compiler options of the jax.jit being traced may still refuse the call (jit_hazard)."""
     with _lock:
         if key in _reason_cache:
-            return _reason_cache[key]
-        try:
-            reason = compute()
-        except Exception as e:
-            reason = f"{type(e).__name__}: {e}"
-        # Only settled answers are cached: the mesh or setup() may still come. A settled answer
-        # stays true: communicators only grow, and only within the heap cap.
-        if reason is None or mesh is not None:
-            _reason_cache[key] = reason
-        return reason
+            reason = _reason_cache[key]
+        else:
+            try:
+                reason = compute()
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}"
+            # Only settled answers are cached: the mesh or setup() may still come. A settled answer
+            # stays true: communicators only grow, and only within the heap cap.
+            if reason is None or mesh is not None:
+                _reason_cache[key] = reason
+    # The enclosing jax.jit's compiler options differ from one trace to the next: asked each time.
+    return reason or jit_hazard()
 
 
 def world_reason(axis_size) -> Optional[str]:

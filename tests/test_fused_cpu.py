@@ -644,6 +644,48 @@ def test_concurrent_command_buffers_refuse_the_fused_path(flags, refused, monkey
     assert comm.command_buffer_hazard() == reason
 
 
+def test_compiler_options_override_xla_flags_in_the_hazard():
+    concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert "compiler_options of jax.jit" in comm.command_buffer_hazard("", concurrent)
+    assert comm.command_buffer_hazard("", dict(concurrent, xla_gpu_enable_command_buffer="FUSION")) is None
+    assert comm.command_buffer_hazard("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
+                                      {"xla_gpu_command_buffer_scheduling_mode": "LHS"}) is None
+    assert comm.command_buffer_hazard("--xla_gpu_enable_command_buffer=FUSION", concurrent) is None
+
+
+def test_concurrent_command_buffers_in_jit_compiler_options_refuse_the_fused_path(monkeypatch):
+    # jax.jit(f, compiler_options=...) is seen while f is traced, and not cached with the call site's
+    # answer: the same call traced without options is not refused. Options given to
+    # .lower(...).compile(compiler_options=...) come after the trace and are not seen (documented).
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    # Calls the kernels can run (without the built extension here there is no plan to say so).
+    monkeypatch.setattr(rs_fused, "_unavailable", lambda *a: None)
+    monkeypatch.setattr(ag_fused, "_unavailable", lambda *a: None)
+    _gpu_mesh()
+    x, w = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    kw = dict(axis_name="tp", axis_size=2)
+    reasons = []
+
+    def f():
+        # A new function each time: jax reuses a function's trace whatever the compiler options.
+        def traced(v):
+            reasons.append([rs_fused.unavailable_reason(x, w, scatter_dimension=0, config=CFG, **kw),
+                            ag_fused.unavailable_reason(x, w, gather_k=False, config=AgGemmConfig(gemm_sms=100),
+                                                        **kw)])
+            return v
+        return traced
+
+    v = jnp.zeros(4)
+    jax.jit(f()).trace(v)
+    jax.jit(f(), compiler_options={"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}).trace(v)
+    jax.jit(f(), compiler_options={"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+                                   "xla_gpu_enable_command_buffer": "FUSION"}).trace(v)
+    plain, concurrent, without_custom_calls = reasons
+    assert plain == without_custom_calls == [None, None]
+    for reason in concurrent:
+        assert "compiler_options of jax.jit" in reason and "scheduling_mode=CONCURRENT" in reason
+
+
 def test_concurrent_command_buffers_are_a_reason_of_both_ops(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT")
     ext = FakeExt()

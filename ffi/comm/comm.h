@@ -178,8 +178,8 @@ void destroy(int64_t comm_id);
 // Maps zeroed memory behind each region of every local heap up to `capacity` (larger in some
 // dimension, within the heap cap); calls keep the old capacity until connect(). All or nothing.
 void grow(int64_t comm_id, const Capacity& capacity);
-// Undoes grow() and imports down to `capacity` (>= what calls may use): a growth whose exchange
-// with the other processes failed.
+// Undoes grow(), imports and connect() down to `capacity` (the capacity comm.py committed last,
+// >= what calls may use): a growth that failed here or on another process.
 void shrink(int64_t comm_id, const Capacity& capacity);
 
 // Every own chunk of `device`'s heap with a new file descriptor each, for ranks in other processes
