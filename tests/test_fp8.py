@@ -438,6 +438,46 @@ def test_ag_gemm_fp8_call_as_the_ffi_contract_says(gather_k, return_gathered):
     assert shapes == ([y, (2, 100, 40), (2,)] if return_gathered else [y, (2,)])
 
 
+def test_fp8_signatures_name_the_call_site(monkeypatch):
+    # As for bf16 calls: two FP8 calls of one shape from two lines get two signatures (a swap of them
+    # between ranks fails naming both instead of summing silently), the same line traced again the same.
+    named = {}
+    ext = FakeExt()
+    ext.name_call = lambda signature, description: named.__setitem__(signature, description)
+    monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
+    comm.call_signature.cache_clear()
+    plan = rs_plan.GemmRsPlan(world=2, m=200, k=40, n=96, scatter_cols=False, mp=100, mp_pad=128, k_pad=48,
+                              n_pad=128, tiles_per_partition=1, m_blocks=1, n_blocks=1, raster_rows=1, num_blocks=2,
+                              grid=2, k_tiles=1, split_first_block=2, split=False, slot_bytes=0)
+    rs_site = rs_fused.GemmRsCall(plan=plan, comm_id=3, config=GemmRsConfig(), target="entwine_gemm_rs_fp8",
+                                  out_dtype="float16")
+    p = ag_fused.AgPadding(world=2, rows=100, cols=40, n=96, rows_pad=128, cols_pad=48, n_pad=128, gather_k=False)
+    ag_site = ag_fused.AgGemmCall(padding=p, gemm_sms=131, push_sms=0, comm_id=1, config=AgGemmConfig(),
+                                  target="entwine_ag_gemm_fp8", out_dtype="bfloat16")
+
+    def rs_a(x, w):
+        return rs_fused.call_fp8(x, w, S, S, rs_site)
+
+    def rs_b(x, w):
+        return rs_fused.call_fp8(x, w, S, S, rs_site)
+
+    def ag_a(x, w):
+        return ag_fused.call_fp8(x, w, S, S, ag_site, False, True)
+
+    def ag_b(x, w):
+        return ag_fused.call_fp8(x, w, S, S, ag_site, False, True)
+
+    def signature(body, x_shape):
+        eqn, = _custom_calls(jax.make_jaxpr(body)(jnp.ones(x_shape, E4M3), jnp.ones((40, 96), E4M3)).jaxpr)
+        return int(dict(eqn.params["attributes"])["signature"])
+
+    for a, b, x_shape in ((rs_a, rs_b, (200, 40)), (ag_a, ag_b, (100, 40))):
+        first, second, again = signature(a, x_shape), signature(b, x_shape), signature(a, x_shape)
+        assert first != second and first == again
+        assert "test_fp8.py" in named[first] and f"({a.__name__})" in named[first]
+        assert f"({b.__name__})" in named[second]
+
+
 # --- the fused FP8 program, lowered for CUDA off-GPU --------------------------------------------------
 
 

@@ -195,7 +195,8 @@ def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, 
     layout = "contraction" if p.gather_k else "rows"
     signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w_t {list(w_t.shape)} gathering "
                                     f"{layout}, gathered {list(gathered_shape)}, out {site.out_dtype}, shared scale "
-                                    f"{bool(shared_scale)}, config {comm.attributes_text(attributes)}")
+                                    f"{bool(shared_scale)}, config {comm.attributes_text(attributes)}, "
+                                    f"from {comm.call_site()}")
     y, gathered, gathered_scales = _ffi.fused_call(
         site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), site.out_dtype),
                       jax.ShapeDtypeStruct(gathered_shape, x2d.dtype), jax.ShapeDtypeStruct((p.world,), jnp.float32)],

@@ -175,7 +175,7 @@ def call_fp8(x2d, w, x_scale, w_scale, site: GemmRsCall) -> jax.Array:
     layout = "columns" if site.scatter_dimension else "rows"
     signature = comm.call_signature(f"gemm_rs {x2d.dtype} x {list(x_pad.shape)} w_t {list(w_t.shape)} scattering "
                                     f"{layout}, out {site.out_dtype}, config "
-                                    f"{comm.attributes_text(site.config.kernel_attributes())}")
+                                    f"{comm.attributes_text(site.config.kernel_attributes())}, from {comm.call_site()}")
     y, = _ffi.fused_call(site.target, [jax.ShapeDtypeStruct((p.mp_pad, p.n_pad), site.out_dtype)], x_pad,
                              w_t, *scales, comm_id=np.int64(site.comm_id),
                              scatter_dimension=np.int64(site.scatter_dimension), signature=np.int64(signature),
