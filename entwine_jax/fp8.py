@@ -17,6 +17,9 @@ the result in ``out_dtype`` (bfloat16 or float16). The operands are either
   the operands' dtypes.
 
 Scales are dequantisation factors (Flax's convention): ``current_scale(v)`` gives ``amax(|v|) / 448``.
+A scale in the reciprocal convention (``448 / amax``) loses the operand (its quantised values all below
+1): caught at trace time where values are concrete, and in traced programs under
+``ENTWINE_CHECK_FP8_SCALES=1`` (``check_scales``: a ``jax.debug.callback`` raising when the program runs).
 Inside ``shard_map`` each rank may hold its own ``x_scale`` (current scaling of its shard): gemm_rs
 scales each rank's partial product by that rank's scales before the sum; ag_gemm scales each gathered
 block (rows, or a K slice in the contraction layout) by its source's scale, which travels with the
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Optional
 
 import jax
@@ -162,6 +166,49 @@ def check(op: str, x, weights: tuple, x_scale, w_scale, out_dtype, grad_dtype, g
     return xs, ws, gs, call
 
 
+def _scale_problem(op: str, name: str, largest) -> Optional[str]:
+    """The message for an operand whose quantised values all lie below 1, less than 1/448 of e4m3's
+    range (most of them subnormal or zero: the output is lost, nearly zero for small operands), or
+    None. largest: max |v / scale| of the operand. A scale in the reciprocal convention gives
+    amax^2 / 448 there, below 1 for any amax under 21; a right one gives 448 (or a little less
+    with a delayed scale)."""
+    if not largest < 1.0:
+        return None
+    return (f"{op}: {name} quantises to FP8 values that all lie below 1 (largest |{name} / scale| is "
+            f"{float(largest):.3g}; amax / scale = 448 is expected), most of them subnormal or zero: the output "
+            f"is lost. "
+            f"Scales here are dequantisation factors, amax / 448 (fp8.current_scale); a scale in the reciprocal "
+            f"convention, 448 / amax, as some libraries pass it, does this: pass 1 / scale")
+
+
+def check_scales(op: str, operands: tuple) -> None:
+    """Catch FP8 scales that zero the output (module docstring: scales are amax / 448). operands:
+    ((name, high-precision operand, its scale), ...); operands already in FP8 carry no evidence and
+    are skipped. Concrete values are checked now (ValueError); traced ones only under
+    ENTWINE_CHECK_FP8_SCALES=1, by a jax.debug.callback that raises when the program runs (one more
+    max-reduction per operand, so off by default)."""
+    debug = os.environ.get("ENTWINE_CHECK_FP8_SCALES", "") not in ("", "0")
+    for name, v, scale in operands:
+        if jnp.dtype(v.dtype) == E4M3:
+            continue
+        concrete = not isinstance(v, jax.core.Tracer) and not isinstance(scale, jax.core.Tracer)
+        if not (concrete or debug):
+            continue
+        largest = jnp.max(jnp.abs(v.astype(jnp.float32))) / jnp.reshape(scale, ()).astype(jnp.float32)
+        # An all-zero operand quantises to zeros with any scale: nothing to report.
+        largest = jnp.where(jnp.max(jnp.abs(v)) > 0, largest, jnp.float32(jnp.inf))
+        if concrete:
+            if problem := _scale_problem(op, name, float(largest)):
+                raise ValueError(problem)
+            continue
+
+        def raise_if_zeroed(value, name=name):
+            if problem := _scale_problem(op, name, float(value)):
+                raise ValueError(problem)
+
+        jax.debug.callback(raise_if_zeroed, largest)
+
+
 def shared_over(scale, x, axis_name) -> bool:
     """Whether shard_map's types show `scale` to be the same on every rank of axis_name: it does not
     vary over the axis while x does. Without type checks (check_vma=False) nothing varies, nothing is
@@ -247,6 +294,7 @@ def _ag_backward_config(config: GemmRsConfig, dy, w_t, size: int) -> Optional[Ag
 def gemm_rs(x, w, *, axis_name, scatter_dimension, config, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
     """entwine_jax.gemm_rs's FP8 call (see the module docstring)."""
     xs, ws, gs, call = check("gemm_rs", x, (w,), x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
+    check_scales("gemm_rs", (("x", x, xs), ("w", w, ws)))
     x8_aval = jax.ShapeDtypeStruct(tuple(x.shape), E4M3)
     w8_aval = jax.ShapeDtypeStruct(tuple(w.shape), E4M3)
     plan = rs_op.plan(x8_aval, w8_aval, axis_name=axis_name, scatter_dimension=scatter_dimension, config=config,
@@ -330,6 +378,8 @@ def ag_gemm(x, w, *, axis_name, gather_dimension, config, return_gathered, x_sca
     weights = tuple(w) if grouped else (w,)
     xs, ws, gs, call = check("ag_gemm", x, weights, x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
     widths = ag_op.check_group(x, weights, fp8=True) if grouped else None
+    check_scales("ag_gemm", (("x", x, xs),) + tuple((f"w[{i}]" if grouped else "w", w_i, ws)
+                                                     for i, w_i in enumerate(weights)))
     # One GEMM over the group's concatenated columns, split after (as for the bf16 group).
     w_all = jnp.concatenate(weights, axis=1) if grouped else w
     x8_aval = jax.ShapeDtypeStruct(tuple(x.shape), E4M3)

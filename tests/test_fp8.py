@@ -600,3 +600,41 @@ def test_fp8_plans_take_x_dtype():
         ext.gemm_rs_fp8_plan(256, 256, 200, 2, False, 128, 0, 16, 512, 8, False, x_dtype="bfloat16")
     with pytest.raises(ValueError, match="x_dtype must be float8_e4m3fn or float8_e5m2, got float8_e4m3fnuz"):
         ext.ag_gemm_fp8_plan(128, 200, 256, 2, False, 128, 100, 8, 8, 0, x_dtype="float8_e4m3fnuz")
+
+
+# --- Scales that zero the output (the reciprocal convention, 448 / amax) ---------------------------------
+
+def _rs_island(mesh, scale):
+    # Each rank's scales of its own shards, by `scale` (current scaling, or its reciprocal).
+    def f(x, w):
+        return gemm_rs(x, w, axis_name="tp", x_scale=scale(x), w_scale=scale(w))
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None),
+                                 check_vma=False))
+
+
+def test_reciprocal_scales_are_caught_when_concrete():
+    # The ops run inside shard_map, where values are traced; concrete values reach the check directly.
+    x = jnp.full((8, 16), 0.5, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"gemm_rs: x quantises to FP8 values that all lie below 1 \(largest "
+                                         r"\|x / scale\| is 0.000558.*reciprocal convention, 448 / amax"):
+        fp8.check_scales("gemm_rs", (("x", x, jnp.float32(448 / 0.5)),))
+    fp8.check_scales("gemm_rs", (("x", x, fp8.current_scale(x)),))  # amax / 448: fine
+    fp8.check_scales("gemm_rs", (("x", jnp.zeros((4,), jnp.float32), jnp.float32(448.0)),))  # zeros: any scale
+    fp8.check_scales("gemm_rs", (("x", fp8.quantize(x, 448.0), jnp.float32(448.0)),))  # already FP8: no evidence
+
+
+def test_reciprocal_scales_are_caught_under_the_debug_flag(monkeypatch):
+    mesh = make_mesh((4,), ("tp",))
+    # Small operands (activations and weights of ~0.05): the reciprocal convention zeroes them.
+    x = (0.05 * jax.random.normal(jax.random.key(0), (16, 64), jnp.float32)).astype(jnp.bfloat16)
+    w = (0.05 * jax.random.normal(jax.random.key(1), (64, 32), jnp.float32)).astype(jnp.bfloat16)
+    x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(None, "tp")))
+    w = jax.device_put(w, jax.sharding.NamedSharding(mesh, P("tp", None)))
+    recip = lambda v: 448.0 / jnp.max(jnp.abs(v)).astype(jnp.float32)  # noqa: E731
+    # Off by default: the output is silently (nearly) zero.
+    good = _rs_island(mesh, fp8.current_scale)(x, w)
+    assert float(jnp.max(jnp.abs(_rs_island(mesh, recip)(x, w)))) < 1e-2 * float(jnp.max(jnp.abs(good)))
+    monkeypatch.setenv("ENTWINE_CHECK_FP8_SCALES", "1")
+    with pytest.raises(Exception, match=r"reciprocal convention, 448 / amax"):
+        jax.block_until_ready(_rs_island(mesh, recip)(x, w))
+    jax.block_until_ready(_rs_island(mesh, fp8.current_scale)(x, w))
