@@ -130,10 +130,21 @@ class _State:
     gemm_rs_config: Optional[GemmRsConfig] = None
     ag_gemm_config: Any = None
     column_parallel: bool = True
+    # What the traces did, by where they ran: True, MaxText's train step; False, any other trace
+    # (the model's initialisation, qwix's dummy forward, an evaluation step, a call by hand).
+    reports: dict = dataclasses.field(default_factory=lambda: {True: _Report(), False: _Report()})
+    setup_done: set = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class _Report:
     routed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     grouped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     kept: dict = dataclasses.field(default_factory=dict)
-    setup_done: set = dataclasses.field(default_factory=set)
+    traced: bool = False  # a train step was traced (True's report only)
+
+    def as_dict(self) -> dict:
+        return {"routed": dict(self.routed), "grouped": dict(self.grouped), "kept": dict(self.kept)}
 
 
 _state = _State()
@@ -141,6 +152,13 @@ _state = _State()
 # variable rather than an attribute on the module, so that the model's graph (and with it nnx.split,
 # checkpoints and parameter paths) is the same with and without the integration.
 _sites: contextvars.ContextVar[dict] = contextvars.ContextVar("entwine_maxtext_sites", default={})
+# True while MaxText's train step is traced (set by the function get_functional_train_with_signature
+# returns): stats() reports that program, not the initialisation's traces of the same layers.
+_in_train_step: contextvars.ContextVar[bool] = contextvars.ContextVar("entwine_maxtext_train_step", default=False)
+
+
+def _report() -> _Report:
+    return _state.reports[_in_train_step.get()]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,7 +186,7 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Any
                          f"got {type(ag_gemm_config).__name__}")
     if column_parallel not in (True, False):
         raise ValueError(f"entwine_jax.maxtext.enable: column_parallel must be a bool, got {column_parallel!r}")
-    linears, attentions, moe = _maxtext_modules()
+    linears, attentions, moe, maxtext_utils = _maxtext_modules()
     _state.gemm_rs_config, _state.ag_gemm_config, _state.column_parallel = (
         gemm_rs_config, ag_gemm_config, column_parallel)
     if _state.originals:
@@ -178,6 +196,7 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Any
         (linears.MlpBlock, "__call__"): _mlp_block_call,
         (attentions.Attention, "__call__"): _attention_call,
         (moe.RoutedMoE, "__call__"): _moe_call,
+        (maxtext_utils, "get_functional_train_with_signature"): _train_signature,
     }
     for (cls, attr), wrapper in patches.items():
         original = cls.__dict__[attr]
@@ -212,43 +231,52 @@ def enabled(**kwargs):
 
 
 def stats() -> dict:
-    """What the traces since the last reset_stats() did: ``{"routed": {site: traced calls},
-    "grouped": {group: traced calls}, "kept": {site: reason}}``, sites such as ``"mlp/wo"``,
-    ``"attention/out"``, groups ``"attention/qkv"`` and ``"mlp/wi"`` (projections of one input served
-    by one ag_gemm). A site is counted each time a routed call is traced (a scanned layer stack
-    traces its body once; remat and the backward pass may trace it again)."""
-    return {"routed": dict(_state.routed), "grouped": dict(_state.grouped), "kept": dict(_state.kept)}
+    """What MaxText's train step runs, from its traces since the last reset_stats():
+    ``{"routed": {site: traced calls}, "grouped": {group: traced calls}, "kept": {site: reason},
+    "outside_train_step": {the same three keys}}``, sites such as ``"mlp/wo"``, ``"attention/out"``,
+    groups ``"attention/qkv"`` and ``"mlp/wi"`` (projections of one input served by one ag_gemm).
+
+    The top-level keys describe the traces of MaxText's train step (the function
+    ``maxtext_utils.get_functional_train_with_signature`` returns, which MaxText's train loop and
+    ``train_compile`` jit), once one has been traced; until then (a model called by hand) they
+    describe every trace. ``outside_train_step`` holds the other traces: the model's initialisation
+    (under ``quantization=fp8_gpu`` qwix's dummy forward, whose calls stay MaxText's), an evaluation
+    step. A site is counted each time a routed call is traced (a scanned layer stack traces its body
+    once; remat and the backward pass may trace it again)."""
+    train, other = _state.reports[True], _state.reports[False]
+    main = train if train.traced else other
+    return {**main.as_dict(), "outside_train_step": other.as_dict() if train.traced else _Report().as_dict()}
 
 
 def reset_stats() -> None:
-    _state.routed.clear()
-    _state.grouped.clear()
-    _state.kept.clear()
+    _state.reports = {True: _Report(), False: _Report()}
 
 
 def _patched(original, wrapper):
-    """A plain function (so that it binds as a method) calling wrapper(original, self, ...)."""
-    def patched(self, *args, **kwargs):
-        return wrapper(original, self, *args, **kwargs)
+    """A plain function (so that it binds as a method) calling wrapper(original, *args, ...)."""
+    def patched(*args, **kwargs):
+        return wrapper(original, *args, **kwargs)
     return functools.wraps(original)(patched)
 
 
 def _maxtext_modules():
     try:
         from maxtext.layers import attentions, linears, moe
+        from maxtext.utils import maxtext_utils
     except ImportError as e:
         raise ImportError(f"entwine_jax.maxtext needs MaxText (pip install 'maxtext[tpu]==0.2.5'): {e}") from e
     for cls, attr in ((linears.DenseGeneral, "__call__"), (linears.MlpBlock, "__call__"),
-                      (attentions.Attention, "__call__"), (moe.RoutedMoE, "__call__")):
-        if attr not in cls.__dict__:
-            raise RuntimeError(f"entwine_jax.maxtext: {cls.__module__}.{cls.__name__} has no {attr} of its own in "
-                               f"MaxText {_maxtext_version()}; this integration was written for MaxText "
-                               f"{', '.join(TESTED_MAXTEXT_VERSIONS)}")
+                      (attentions.Attention, "__call__"), (moe.RoutedMoE, "__call__"),
+                      (maxtext_utils, "get_functional_train_with_signature")):
+        if attr not in vars(cls):
+            raise RuntimeError(f"entwine_jax.maxtext: {getattr(cls, '__module__', None) or ''}.{cls.__name__} has no "
+                               f"{attr} of its own in MaxText {_maxtext_version()}; this integration was written for "
+                               f"MaxText {', '.join(TESTED_MAXTEXT_VERSIONS)}")
     if _maxtext_version() not in TESTED_MAXTEXT_VERSIONS:
         _log.log_once(("maxtext-version", _maxtext_version()), logging.WARNING,
                       "entwine_jax.maxtext: MaxText %s is not one of the tested versions %s; compare losses with "
                       "and without enable()", _maxtext_version(), TESTED_MAXTEXT_VERSIONS)
-    return linears, attentions, moe
+    return linears, attentions, moe, maxtext_utils
 
 
 def _maxtext_version() -> str:
@@ -334,6 +362,22 @@ def _attention_call(original, self, inputs_q, inputs_kv, *args, **kwargs):
         return original(self, inputs_q, inputs_kv, *args, **kwargs)
 
 
+def _train_signature(original, train_step, *args, **kwargs):
+    """maxtext_utils.get_functional_train_with_signature, its train step marked: the calls traced in
+    it are what stats() reports (the same name, so that jit still calls the program train_step)."""
+    functional_train, *rest = original(train_step, *args, **kwargs)
+
+    def marked(*step_args, **step_kwargs):
+        token = _in_train_step.set(True)
+        _state.reports[True].traced = True
+        try:
+            return functional_train(*step_args, **step_kwargs)
+        finally:
+            _in_train_step.reset(token)
+    marked.__name__ = getattr(functional_train, "__name__", "train_step")
+    return (marked, *rest)
+
+
 def _moe_call(original, self, *args, **kwargs):
     # The experts' GEMMs are not DenseGenerals: say that they stay MaxText's instead of passing over
     # them in silence (an all-to-all GEMM would serve them).
@@ -350,17 +394,17 @@ def _dense_general_call(original, self, inputs, _initializing: bool = False, out
     group = site.group
     if group is not None and id(self) in group.results:
         # An earlier member's call computed this projection with the whole group.
-        _state.routed[site.name] += 1
+        _report().routed[site.name] += 1
         return group.results.pop(id(self))
     plan = _plan(self, site, inputs, out_sharding, slice_bounds)
     if isinstance(plan, str):
         _keep(site.name, plan)
         return original(self, inputs, _initializing, out_sharding, slice_bounds)
-    _state.routed[site.name] += 1
+    _report().routed[site.name] += 1
     if group is not None and self is group.members[0]:
         outputs = _grouped_island(group, plan, inputs, out_sharding)
         if outputs is not None:
-            _state.grouped[group.name] += 1
+            _report().grouped[group.name] += 1
             group.results.update((id(m), y) for m, y in zip(group.members[1:], outputs[1:]))
             return outputs[0]
     return _island(self, site, plan, inputs)
@@ -375,9 +419,13 @@ def _announce() -> None:
 
 
 def _keep(name: str, reason: str) -> None:
-    _state.kept[name] = reason
-    _log.log_once(("maxtext-keep", name, reason), logging.INFO,
-                  "entwine_jax.maxtext: %s keeps MaxText's DenseGeneral: %s", name, reason)
+    in_step = _in_train_step.get()
+    _report().kept[name] = reason
+    # Outside the train step (initialisation, evaluation) a kept call says nothing about the step:
+    # DEBUG, so that the INFO lines are the train step's (qwix's first call is always MaxText's).
+    _log.log_once(("maxtext-keep", name, reason, in_step), logging.INFO if in_step else logging.DEBUG,
+                  "entwine_jax.maxtext: %s keeps MaxText's DenseGeneral%s: %s", name,
+                  "" if in_step else " outside the train step", reason)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -632,11 +680,25 @@ def _without_qwix(fn):
     return interception.disable_interceptions(fn)
 
 
+def _compute_kernel(dense, site: _Site):
+    """The kernel in the compute dtype, still in its parameter layout (its FSDP shards), as
+    DenseGeneral casts it: the island's in_specs then gather compute-dtype bytes. Without the
+    constraint the partitioner moves the cast behind the gather that in_specs asks for, and the FSDP
+    all-gather moves the float32 parameter (twice stock's bf16 bytes)."""
+    kernel = jnp.asarray(_kernel_value(dense), dense.dtype)
+    if _explicit(site):
+        return kernel  # explicit sharding: the cast keeps the parameter's sharding by construction
+    from maxtext.utils.sharding import logical_to_mesh_axes
+    import flax.linen as nn
+    rules = None if nn.get_logical_axis_rules() else site.config.logical_axis_rules
+    spec = logical_to_mesh_axes(tuple(dense.kernel_axes), site.mesh, rules=rules)
+    return jax.lax.with_sharding_constraint(kernel, NamedSharding(site.mesh, spec))
+
+
 def _island(dense, site: _Site, plan: _Plan, inputs):
     mesh = site.mesh
     x = jnp.asarray(inputs, dense.dtype)
-    # Cast before the island, as DenseGeneral does, so that the FSDP all-gather moves compute-dtype bytes.
-    kernel = jnp.asarray(_kernel_value(dense), dense.dtype)
+    kernel = _compute_kernel(dense, site)
     # fp8_gpu: the layer's Flax FP8 state goes in replicated; its gradient is its next value, as for
     # MaxText's own Fp8DirectDotGeneralOp (the train step overwrites the state with it).
     fp8 = _fp8_state(dense, site)
@@ -687,7 +749,7 @@ def _grouped_island(group: _Group, plan: _Plan, inputs, out_sharding):
     first = sites[id(group.members[0])]
     mesh = first.mesh
     x = jnp.asarray(inputs, group.members[0].dtype)
-    kernels = [jnp.asarray(_kernel_value(m), m.dtype) for m in group.members]
+    kernels = [_compute_kernel(m, sites[id(m)]) for m in group.members]
     if _explicit(first):
         x = jax.sharding.reshard(x, NamedSharding(mesh, plan.x_spec))
         kernels = [jax.sharding.reshard(k, NamedSharding(mesh, p.kernel_spec)) for k, p in zip(kernels, plans)]
