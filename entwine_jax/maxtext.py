@@ -83,6 +83,7 @@ TESTED_MAXTEXT_VERSIONS = ("0.2.5",)
 ROW, COLUMN = "gemm_rs", "ag_gemm"
 _WHERE = "entwine_jax.maxtext"
 _TRAIN = "train"
+_QWIX_FIRST_CALL = "quantization=fp8_gpu: qwix creates the FP8 state"
 # The decoder layer's activation names around the MLP and attention blocks (LlamaDecoderLayer and
 # the other MaxText decoders): the input of wi / query / key / value's callers and the layout the
 # decoder constrains wo's and out's outputs to.
@@ -98,7 +99,16 @@ _KERNEL_AXES = {
     "value": ("embed_attn", "kv_heads", "kv_head_dim"),
     "wi_fused": ("embed", "num_activations", "mlp"),
     "qkv_proj": ("embed_attn", "heads", "kv"),
+    # MLA (attention_mla.py): the low-rank query and key/value down- (wq_a, wkv_a) and up-projections
+    # (wq_b, wkv_b).
+    "wq_a": ("embed_attn", "q_lora_up_proj"),
+    "wq_b": ("q_lora", "q_heads", "kv"),
+    "wkv_a": ("embed_attn", "kv_lora_up_proj"),
+    "wkv_b": ("kv_lora", "kv_heads", "kv_head_dim"),
 }
+# MLA's low-rank activations (attention_mla.py: KV_BATCH, LENGTH, Q_LORA_UP_PROJ / KV_LORA_UP_PROJ).
+_MLA_LOW_RANK = {"q": ("activation_kv_batch", "activation_length", "q_lora_up_proj"),
+                 "kv": ("activation_kv_batch", "activation_length", "kv_lora_up_proj")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +208,11 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Any
         (moe.RoutedMoE, "__call__"): _moe_call,
         (maxtext_utils, "get_functional_train_with_signature"): _train_signature,
     }
+    # Attention subclasses with a __call__ of their own bypass _attention_call: MLA's projections are
+    # marked by _mla_call; any other is reported as kept (_own_attention_call).
+    for cls in _attention_subclasses(attentions.Attention):
+        if "__call__" in vars(cls):
+            patches[(cls, "__call__")] = _mla_call if cls.__name__ == "MLA" else _own_attention_call
     for (cls, attr), wrapper in patches.items():
         original = cls.__dict__[attr]
         _state.originals[(cls, attr)] = original
@@ -277,6 +292,24 @@ def _maxtext_modules():
                       "entwine_jax.maxtext: MaxText %s is not one of the tested versions %s; compare losses with "
                       "and without enable()", _maxtext_version(), TESTED_MAXTEXT_VERSIONS)
     return linears, attentions, moe, maxtext_utils
+
+
+def _attention_subclasses(base) -> list:
+    """Every subclass of MaxText's Attention imported so far, MLA's and CompressedAttention's modules
+    imported first (DeepSeek 2/3, Kimi K2 and DeepSeek-V4 use them)."""
+    import importlib
+    for name in ("maxtext.layers.attention_mla", "maxtext.layers.attention_compressed"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another MaxText version: whatever subclasses exist are still found
+            pass
+    found, todo = [], list(base.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls not in found:
+            found.append(cls)
+            todo += cls.__subclasses__()
+    return found
 
 
 def _maxtext_version() -> str:
@@ -378,6 +411,45 @@ def _train_signature(original, train_step, *args, **kwargs):
     return (marked, *rest)
 
 
+def _mla_call(original, self, inputs_q, inputs_kv, *args, **kwargs):
+    """MLA (attention_type=mla): `out` and, without a query LoRA, `query` as Attention's; the LoRA
+    down-projections (wq_a, wkv_a: embed -> a rank replicated over T) and up-projections (wq_b, wkv_b:
+    a replicated rank -> heads over T) through the same plan, which routes them where the mesh gives
+    them a tensor-parallel layout and otherwise keeps them with its reason (with MaxText's rules: no
+    sharded output features, and an input with nothing to gather)."""
+    _announce()
+    mode = kwargs.get("model_mode", _TRAIN)
+    if mode != _TRAIN:
+        _keep("attention/out", f"model_mode={mode!r} (inference) is left to MaxText")
+        return original(self, inputs_q, inputs_kv, *args, **kwargs)
+    site = functools.partial(_Site, mesh=self.mesh, config=self.config)
+    x_names = tuple(self.input_axis_names)
+    candidates = [("out", ROW, tuple(self.out_axis_names), _DECODER_ACTIVATION),
+                  ("query", COLUMN, x_names, tuple(self.query_axis_names)),
+                  ("wq_a", COLUMN, x_names, _MLA_LOW_RANK["q"]),
+                  ("wq_b", COLUMN, _MLA_LOW_RANK["q"], tuple(self.query_axis_names)),
+                  ("wkv_a", COLUMN, x_names, _MLA_LOW_RANK["kv"]),
+                  ("wkv_b", COLUMN, _MLA_LOW_RANK["kv"], tuple(self.key_axis_names))]
+    sites = {}
+    for proj, kind, x, out in candidates:
+        module = getattr(self, proj, None)
+        if module is not None:
+            sites[id(module)] = site(name=f"attention/mla/{proj}" if proj != "out" else "attention/out", kind=kind,
+                                     kernel_axes=_KERNEL_AXES[proj], x_names=x, out_names=out)
+    with _marked(sites):
+        return original(self, inputs_q, inputs_kv, *args, **kwargs)
+
+
+def _own_attention_call(original, self, *args, **kwargs):
+    # An Attention subclass with its own __call__ (CompressedAttention: DeepSeek-V4's low-rank and
+    # grouped output projections; Gemma4's, Qwen3-custom's): its projections stay MaxText's, said once.
+    _announce()
+    name = type(self).__name__
+    _keep(f"attention/{name}", f"{name} overrides Attention.__call__ with projections of its own layout; its "
+          "projections are left to MaxText")
+    return original(self, *args, **kwargs)
+
+
 def _moe_call(original, self, *args, **kwargs):
     # The experts' GEMMs are not DenseGenerals: say that they stay MaxText's instead of passing over
     # them in silence (an all-to-all GEMM would serve them).
@@ -421,9 +493,10 @@ def _announce() -> None:
 def _keep(name: str, reason: str) -> None:
     in_step = _in_train_step.get()
     _report().kept[name] = reason
-    # Outside the train step (initialisation, evaluation) a kept call says nothing about the step:
-    # DEBUG, so that the INFO lines are the train step's (qwix's first call is always MaxText's).
-    _log.log_once(("maxtext-keep", name, reason, in_step), logging.INFO if in_step else logging.DEBUG,
+    # qwix's first call of each projection (the model's initialisation) is always MaxText's and says
+    # nothing about the train step: DEBUG, so that the INFO lines do not contradict what the step runs.
+    level = logging.DEBUG if reason.startswith(_QWIX_FIRST_CALL) else logging.INFO
+    _log.log_once(("maxtext-keep", name, reason, in_step), level,
                   "entwine_jax.maxtext: %s keeps MaxText's DenseGeneral%s: %s", name,
                   "" if in_step else " outside the train step", reason)
 
@@ -478,7 +551,7 @@ def _module_reason(dense, site: _Site, inputs, slice_bounds) -> Optional[str]:
     if dense.quant is not None and _fp8_state(dense, site) is None:
         return f"quantised DenseGeneral (quant={type(dense.quant).__name__})"
     if _qwix_fp8(site) and _fp8_state(dense, site) is None:
-        return "quantization=fp8_gpu: qwix creates the FP8 state in MaxText's own first call"
+        return _QWIX_FIRST_CALL + " in MaxText's own first call"
     if getattr(site.config, "use_qwix_quantization", False) and getattr(site.config, "quantization", "") and not (
             _qwix_fp8(site)):
         return f"qwix quantization {site.config.quantization!r}"

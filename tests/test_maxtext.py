@@ -244,3 +244,34 @@ def test_shape_reasons_name_the_axis_that_does_not_divide(monkeypatch):
     monkeypatch.setattr(entwine_maxtext, "_mesh_dims", lambda names, site: [("fsdp",), (), ("tensor",), ()])
     reason = entwine_maxtext._column_plan(site, [("fsdp",), (), ("tensor",)], (256, 8, 32), (3, 128, 64))
     assert reason == "shapes do not divide: batch 3 over ('fsdp',) (size 2)"
+
+
+def test_mla_projections_are_routed_or_reported(train_main):
+    """attention_type=mla (DeepSeek 2/3) overrides Attention.__call__: its out projection (and its
+    query without a LoRA) are routed as Attention's; its low-rank down- and up-projections have no
+    tensor-parallel layout under MaxText's rules, so each is kept with its reason. Nothing passes in
+    silence."""
+    program = _census_program()
+    base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
+    argv = ["census", str(base), *program.COMMON, *TINY[4:13], "ici_tensor_parallelism=4", "ici_fsdp_parallelism=2",
+            "decoder_block=deepseek", "attention_type=mla", "first_num_dense_layers=2", "q_lora_rank=0",
+            "kv_lora_rank=64", "qk_nope_head_dim=32", "qk_rope_head_dim=16", "v_head_dim=32", "num_experts=4",
+            "num_experts_per_tok=2", "base_moe_mlp_dim=256"]
+    with entwine_maxtext.enabled():
+        entwine_maxtext.reset_stats()
+        program.lower_train_step(argv)
+        stats = entwine_maxtext.stats()
+    assert set(stats["routed"]) >= ROW_SITES | {"attention/mla/query"}, stats
+    assert stats["kept"]["attention/mla/wkv_a"].startswith("no tensor parallelism: the output features"), stats
+    assert stats["kept"]["attention/mla/wkv_b"].endswith("is replicated over 'tensor': nothing to all-gather"), stats
+
+
+def test_attention_overriding_call_is_reported_as_kept(caplog):
+    entwine_maxtext.reset_stats()
+    attention = type("CompressedAttention", (), {})()
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        assert entwine_maxtext._own_attention_call(lambda self, x: x + 1, attention, 1) == 2
+    assert entwine_maxtext.stats()["kept"] == {
+        "attention/CompressedAttention": "CompressedAttention overrides Attention.__call__ with projections of its "
+                                         "own layout; its projections are left to MaxText"}
+    assert "attention/CompressedAttention keeps MaxText's" in caplog.text
