@@ -1,5 +1,5 @@
 # MaxText integration: entwine_jax.maxtext.enable() routes MaxText's tensor-parallel projections
-# (MLP wo / wi_*, attention out / query / key / value) through gemm_rs and ag_gemm by patching three
+# (MLP wo / wi_*, attention out / query / key / value, MLA's) through gemm_rs and ag_gemm by patching
 # MaxText methods at runtime; disable() puts them back. Parameters, their paths and MaxText's
 # checkpoint_name tags are untouched. Written against MaxText 0.2.5 (docs/maxtext.md).
 """Route MaxText's row-parallel projections through ``entwine_jax.gemm_rs`` (and its column-parallel
