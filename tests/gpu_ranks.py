@@ -2100,7 +2100,8 @@ class Rank:
             ref = self.reference(xs, ws)
             f = self.gemm_fn(m, n, k, jnp.bfloat16, config=config)
             y = self.local(f(*self.global_arrays(xs, ws)))
-            self.check(y, ref[self.rank * (m // w_):(self.rank + 1) * (m // w_)], f"gemm_rs {config}")
+            self.check(y, ref, f"gemm_rs {config}")
+            self.log(f"forward: gemm_rs {config}: ok")
             done.append("rs")
         # ag_gemm: the dataclass defaults and each push at the largest GEMM grid it allows.
         ag_configs = [AgGemmConfig(path="fused"), AgGemmConfig(gemm_sms=sms - 1, push="ce", path="fused"),
@@ -2108,30 +2109,48 @@ class Rank:
         for i, config in enumerate(ag_configs):
             for gather_k in (False, True):
                 self.ag_config_case(1024, 512, 1024, jnp.bfloat16, gather_k, 4200 + 2 * i + gather_k, config)
+                self.log(f"forward: ag_gemm {'contraction' if gather_k else 'rows'} {config}: ok")
                 done.append("ag")
         # A kernel of another stream holding FORWARD_HELD_SMS SMs of rank 0's GPU, released only after
-        # the calls beside it returned: they must fit (the reserve leaves it its SMs).
-        held = self.hold_sms(FORWARD_HELD_SMS, bound_ms=120000)
-        t0 = time.monotonic()
+        # the calls beside it returned: they must fit (the reserve leaves it its SMs). Everything is
+        # compiled and placed first: compiling or allocating may synchronise the whole device, which
+        # would wait for the held kernel whatever our kernels do.
         xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=4300)
+        ref = self.reference(xs, ws)
+        gx, gw = self.global_arrays(xs, ws)
         f = self.gemm_fn(m, n, k, jnp.bfloat16, config=GemmRsConfig(path="fused"))
-        y = self.local(f(*self.global_arrays(xs, ws)))
-        self.check(y, self.reference(xs, ws)[self.rank * (m // w_):(self.rank + 1) * (m // w_)], "gemm_rs beside")
-        self.ag_config_case(1024, 512, 1024, jnp.bfloat16, False, 4301, AgGemmConfig(path="fused"))
-        self.ag_config_case(1024, 512, 1024, jnp.bfloat16, True, 4302, AgGemmConfig(push="sm", path="fused"))
+        self.check(self.local(f(gx, gw)), ref, "gemm_rs before holding")
+        ag_runs = []
+        for gather_k, config in ((False, AgGemmConfig(path="fused")), (True, AgGemmConfig(push="sm", path="fused"))):
+            axs, aws = self.ag_inputs(1024, 512, 1024, jnp.bfloat16, 4301 + gather_k, gather_k)
+            call, _ = self.ag_fn(1024, 512, 1024, jnp.bfloat16, gather_k, config=config)
+            args = self.ag_globals(axs, aws, gather_k)
+            aref, _ = self.ag_reference(axs, aws, gather_k)
+            self.check(self.local(call(*args)), aref, "ag_gemm before holding")
+            ag_runs.append((call, args, aref))
+        self.barrier("forward_compiled")
+        held = self.hold_sms(FORWARD_HELD_SMS, bound_ms=60000)
+        self.log(f"forward: {held.started if held else '-'} held CTAs running")
+        t0 = time.monotonic()
+        self.check(self.local(f(gx, gw)), ref, "gemm_rs beside")
+        for call, args, aref in ag_runs:
+            self.check(self.local(call(*args)), aref, "ag_gemm beside")
         beside = time.monotonic() - t0
+        self.log(f"forward: gemm_rs and ag_gemm beside the held SMs: ok ({beside:.1f} s)")
         if held is not None:
             if held.started != FORWARD_HELD_SMS:
                 raise AssertionError(f"the held kernel has {held.started} of {FORWARD_HELD_SMS} CTAs running")
+            if beside > 30:
+                raise AssertionError(f"the calls beside the held SMs took {beside:.1f} s: they waited for its bound")
             held.release()
-        self.barrier("forward beside")
+        self.barrier("forward_beside")
         # Every SM held: a call can only finish once the held kernel ends (released after 2 s).
-        held = self.hold_sms(sms, bound_ms=120000)
+        held = self.hold_sms(sms, bound_ms=60000)
+        self.log(f"forward: {held.started if held else '-'} held CTAs running (all SMs)")
         if held is not None:
             threading.Timer(2.0, held.release).start()
         t0 = time.monotonic()
-        y = self.local(f(*self.global_arrays(xs, ws)))
-        self.check(y, self.reference(xs, ws)[self.rank * (m // w_):(self.rank + 1) * (m // w_)], "gemm_rs after release")
+        self.check(self.local(f(gx, gw)), ref, "gemm_rs after release")
         after = time.monotonic() - t0
         return (f"{len(done)} explicit-config calls correct; beside {FORWARD_HELD_SMS} held SMs: 3 calls in "
                 f"{beside:.1f} s; all SMs held: finished {after:.1f} s after the call (released at 2 s)")
