@@ -118,6 +118,8 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
                      AgGemmConfig const& config) {
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
+  handler::ExclusiveDispatch const exclusive(*dc);
+  if (ffi::Error e = exclusive.check(kOp); e.failure()) return e;
   handler::HostTimer timer{dc};
   ffi::AnyBuffer const& x = ops.x;
   bool const fp8 = is_fp8(ops.input);

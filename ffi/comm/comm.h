@@ -126,6 +126,10 @@ struct DeviceComm {
   void* peer_reserved[kMaxWorld] = {};
   std::vector<Chunk> peer_chunks[kMaxWorld];
   std::atomic<bool> connected{false};   // peer table filled (read by calls)
+  // A handler is enqueueing a call on this entry (handler::ExclusiveDispatch): calls of one
+  // communicator take epochs in the order they are enqueued, which two threads would make differ
+  // between ranks.
+  std::atomic<bool> dispatching{false};
   cudaStream_t setup = nullptr;         // zeroes new chunks without waiting for XLA's or our calls
   cudaStream_t consumer = nullptr;      // highest priority, non-blocking (the GEMMs run on XLA's stream)
   cudaEvent_t start = nullptr, producer_done = nullptr, consumer_done = nullptr;

@@ -64,6 +64,31 @@ inline ffi::Error usable_comm(const char* op, int64_t comm_id, int32_t device, c
   return ffi::Error::Success();
 }
 
+// Holds a communicator entry for one handler's execution. Two handlers enqueueing calls on one
+// entry at once (two host threads running programs with fused calls of one mesh axis, or XLA
+// running commands concurrently) would give the calls epochs in an order no other rank shares: the
+// second is refused with an error instead of mixing silently.
+class ExclusiveDispatch {
+ public:
+  explicit ExclusiveDispatch(comm::DeviceComm& dc) : dc_(dc), owned_(!dc.dispatching.exchange(true)) {}
+  ~ExclusiveDispatch() {
+    if (owned_) dc_.dispatching.store(false);
+  }
+  ExclusiveDispatch(const ExclusiveDispatch&) = delete;
+  ExclusiveDispatch& operator=(const ExclusiveDispatch&) = delete;
+  ffi::Error check(const char* op) const {
+    if (owned_) return ffi::Error::Success();
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) + ": another fused call of this communicator is being enqueued at the same "
+                                        "time (two threads, or concurrent XLA commands); calls of one mesh axis "
+                                        "must be issued one at a time, in the same order on every rank");
+  }
+
+ private:
+  comm::DeviceComm& dc_;
+  bool owned_;
+};
+
 // A 16-bit operand's or output's element type (bf16 or fp16), in *out.
 inline ffi::Error element_type(const char* op, const char* name, ffi::AnyBuffer const& a, DType* out) {
   if (a.element_type() == ffi::DataType::BF16) {
@@ -115,13 +140,21 @@ inline ffi::Error scale_operand(const char* op, const char* name, ffi::AnyBuffer
 // registry lock can throw).
 template <class Body>
 ffi::Error guarded(const char* op, Body const& body) {
-  try {
-    return body();
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string(op) + ": " + e.what());
-  } catch (...) {
-    return ffi::Error::Internal(std::string(op) + ": unknown C++ exception");
-  }
+  // The runtime's last-error word is per thread and outlives a call: a stale one (another
+  // library's, or a failed call's) would make this call's first launch check fail after kernels
+  // were enqueued, so it is cleared before the call and after a failed one.
+  cudaGetLastError();
+  ffi::Error result = [&]() -> ffi::Error {
+    try {
+      return body();
+    } catch (const std::exception& e) {
+      return ffi::Error::Internal(std::string(op) + ": " + e.what());
+    } catch (...) {
+      return ffi::Error::Internal(std::string(op) + ": unknown C++ exception");
+    }
+  }();
+  if (result.failure()) cudaGetLastError();
+  return result;
 }
 
 // Whether XLA's stream is being captured into a CUDA graph (an XLA command buffer, or a user's own

@@ -135,6 +135,8 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   // --- Validation: everything below is cheap host work on the call's metadata. --------------------
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
+  handler::ExclusiveDispatch const exclusive(*dc);
+  if (ffi::Error e = exclusive.check(kOp); e.failure()) return e;
   handler::HostTimer timer{dc};
   auto yd = y->dimensions();
   if (scatter_dimension != 0 && scatter_dimension != 1) {
