@@ -20,10 +20,11 @@ def check_int(name: str, value, lo: int, where: str) -> None:
 
 
 def check_shape_args(where: str, sizes: dict, world, dtype) -> None:
-    """ValueError unless every size in `sizes` ({name: value}) is an int >= 1, world an int >= 1 and
-    dtype one of HEURISTIC_DTYPES; the message names the argument, what it must be and what it was."""
+    """ValueError unless every size in `sizes` ({name: value}) is an int >= 0 (an empty dimension is
+    a shape a call may have: its output is empty), world an int >= 1 and dtype one of
+    HEURISTIC_DTYPES; the message names the argument, what it must be and what it was."""
     for name, value in sizes.items():
-        check_int(name, value, 1, where)
+        check_int(name, value, 0, where)
     check_int("world", world, 1, where)
     try:
         ok = jnp.dtype(dtype) in HEURISTIC_DTYPES

@@ -12,6 +12,7 @@ import textwrap
 import jax
 import pytest
 
+import entwine_jax
 from entwine_jax import _distributed, census
 from entwine_jax.tuning import timing
 
@@ -356,8 +357,8 @@ def test_two_processes_on_cpu_end_to_end(tmp_path):
     # The real launcher: 2 processes (jax.distributed on localhost, CPU), the timings' max through
     # the key-value store, rank 0's table and JSON.
     out = tmp_path / "out.json"
-    env = dict(os.environ,
-               JAX_PLATFORMS="cpu")
+    # The ranks import the entwine_jax this test imported (installed, or the source tree).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(entwine_jax.__file__).parents[1]))
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     proc = subprocess.run([sys.executable, str(BENCH), "--op", "ag_gemm", "--processes", "2",
                            "--fused-only", *FAST, "--json", str(out)], env=env, capture_output=True, text=True,

@@ -109,9 +109,9 @@ def test_producer_beside_the_consumer():
 
 @pytest.mark.parametrize("args, message", [
     ((8192, 8192, 1024, 0, jnp.bfloat16), r"heuristic_config: world must be an int >= 1, got 0"),
-    ((-1, 8192, 1024, 2, jnp.bfloat16), r"heuristic_config: m must be an int >= 1, got -1"),
-    ((64, 0, 1024, 2, jnp.bfloat16), r"heuristic_config: n must be an int >= 1, got 0"),
-    ((64, 64, 2.5, 2, jnp.bfloat16), r"heuristic_config: k must be an int >= 1, got 2.5"),
+    ((-1, 8192, 1024, 2, jnp.bfloat16), r"heuristic_config: m must be an int >= 0, got -1"),
+    ((64, -5, 1024, 2, jnp.bfloat16), r"heuristic_config: n must be an int >= 0, got -5"),
+    ((64, 64, 2.5, 2, jnp.bfloat16), r"heuristic_config: k must be an int >= 0, got 2.5"),
     ((64, 64, 64, 2, jnp.int32), r"heuristic_config: dtype must be one of \['bfloat16', 'float16', 'float32', "
                                  r"'float8_e4m3fn', 'float8_e5m2'\], got <class 'jax.numpy.int32'>"),
     ((64, 64, 64, 2, "nope"), r"heuristic_config: dtype must be one of .*got 'nope'"),
@@ -125,7 +125,7 @@ def test_ag_heuristic_checks_its_arguments():
     from entwine_jax import ag_heuristic_config
     with pytest.raises(ValueError, match=r"ag_heuristic_config: world must be an int >= 1, got 0"):
         ag_heuristic_config(64, 64, 64, 0, jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"ag_heuristic_config: rows must be an int >= 1, got -4"):
+    with pytest.raises(ValueError, match=r"ag_heuristic_config: rows must be an int >= 0, got -4"):
         ag_heuristic_config(-4, 64, 64, 2, jnp.bfloat16)
     with pytest.raises(ValueError, match=r"ag_heuristic_config: dtype must be one of .*got dtype\('int32'\)"):
         ag_heuristic_config(64, 64, 64, 2, jnp.dtype("int32"))
