@@ -23,7 +23,8 @@ class GemmRsConfig:
     """Configuration of one gemm_rs call.
 
     block_n:        producer GEMM block 128 x block_n x 64; 128 or 256.
-    producer_sms:   0: one CTA per GEMM block (shared SM pool); > 0: persistent grid of that size.
+    producer_sms:   the persistent GEMM grid; 0: the SMs the consumer and ENTWINE_SM_RESERVE leave
+                    (resolved by the handler on the GPU). Any value is safe: the GEMM never waits.
     consumer_grid:  the communication budget x: CTAs of the reduction kernel.
     consumer_block: threads per consumer CTA; 128, 256 or 512.
     raster_rows:    the producer visits each partition in groups of this many 128-row tile rows,
