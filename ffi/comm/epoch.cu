@@ -46,7 +46,7 @@ cudaError_t call_sequence_us(int device, int reps, double* median_us) {
   CallEnd end;
   keep(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   keep(cudaMalloc(reinterpret_cast<void**>(&end.epoch), sizeof(uint64_t)));
-  // The second launch as the first's programmatic dependent, as gemm_rs launches its GEMM.
+  // The second launch as the first's programmatic dependent, as gemm_rs launches its consumer.
   cudaLaunchAttribute attr = ptx::programmatic_dependent();
   cudaLaunchConfig_t dependent{};
   dependent.gridDim = dim3(1);
