@@ -495,6 +495,7 @@ def fused_on_cpu(monkeypatch):
     monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
     monkeypatch.setattr(comm, "_check_devices", lambda *a: None)
     monkeypatch.setattr(comm, "platform_reason", lambda axis_name: (None, comm.find_mesh(axis_name), ext))
+    monkeypatch.setattr(callsite, "platform_reason", lambda axis_name: None)  # the CPU devices pass for GPUs
 
 
 def _fp8_calls(text):
