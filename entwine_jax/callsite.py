@@ -101,13 +101,13 @@ def platform_reason(axis_name) -> Optional[str]:
     return None
 
 
-def early_reason(op: str, config, size: int, dtype, nothing: str, flops: float, moved_bytes: float,
-                 push: Optional[str] = None, axis_name=None) -> Optional[str]:
+def early_reason(config, size: int, dtype, nothing: str, flops: float, moved_bytes: float, fixed_us: float,
+                 axis_name=None) -> Optional[str]:
     """The reasons every op takes the XLA path before its kernels are asked: the user asked for it,
     not on a CUDA GPU or no compiled kernels (platform_reason, for `axis_name`), an axis of size 1
     (`nothing`: what there is nothing of), float32 operands, and (path "auto") a call too small for
     the overlap to pay for the fused op's fixed cost (flops: the call's GEMM, moved_bytes: what its
-    collective brings into each GPU, push: ag_gemm's; tuning/crossover.py)."""
+    collective brings into each GPU, fixed_us: the op's fixed cost for this call; tuning/crossover.py)."""
     if config.path == "xla":
         return "config.path='xla'"
     if reason := platform_reason(axis_name):
@@ -118,7 +118,7 @@ def early_reason(op: str, config, size: int, dtype, nothing: str, flops: float, 
     if jnp.dtype(dtype) == jnp.float32:
         return "float32 inputs (the fused kernels take bfloat16/float16)"
     if config.path == "auto":
-        return crossover.fused_cannot_win(op, flops, moved_bytes, push=push)
+        return crossover.fused_cannot_win(fixed_us, flops, moved_bytes)
     return None
 
 

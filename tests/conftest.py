@@ -77,5 +77,4 @@ def _no_small_call_rule(monkeypatch):
     """Tests of the dispatch use tiny shapes that path="auto" would leave to XLA as too small to win
     (entwine_jax.tuning.crossover); the rule's own tests set its real costs back."""
     from entwine_jax.tuning import crossover
-    monkeypatch.setattr(crossover, "COSTS",
-                        crossover.Costs(fixed_us=(("gemm_rs", 0.0), ("ag_gemm", 0.0), ("ag_gemm sm push", 0.0))))
+    monkeypatch.setattr(crossover, "COSTS", crossover.Costs(fixed_scale=0.0))

@@ -2010,6 +2010,8 @@ class Rank:
         import entwine_jax
         from entwine_jax import _distributed, comm
         from entwine_jax.ag_gemm import config as ag_config
+        from entwine_jax.ag_gemm import op as ag_op
+        from entwine_jax.gemm_rs import op as rs_op
         from entwine_jax.tuning import crossover, timing
 
         w_, bf = self.world, jnp.bfloat16
@@ -2055,7 +2057,8 @@ class Rank:
                     flops = 2.0 * m * n * k
                     push = ag_config.push_of(entwine_jax.ag_heuristic_config(t, n, k, w_, bf), t * k * 2) \
                         if op == "ag_gemm" else None
-                    rule = "xla" if crossover.fused_cannot_win(op, flops, moved, push=push) else "fused"
+                    fixed = rs_op.fixed_us() if op == "gemm_rs" else ag_op.fixed_us(push)
+                    rule = "xla" if crossover.fused_cannot_win(fixed, flops, moved) else "fused"
                     winner = "fused" if fused_ms < xla_ms else "xla"
                     # The fixed cost the rule assumes: what the fused op takes beyond the longer of its
                     # GEMM and its transfer (the overlap's bound).
@@ -2076,8 +2079,9 @@ class Rank:
         shared = (" (ranks share a GPU: the fused times are the driver's time slices between processes, not "
                   "the ops' costs; only --gpus W measures the crossover)" if self.args.gpus < self.world else "")
         return (f"smallshapes{shared}: {len(rows)} shapes; fitted fixed_us (median of fused - max(GEMM, link)): "
-                f"gemm_rs {fitted['gemm_rs']:.1f}, ag_gemm {fitted['ag_gemm']:.1f} (crossover.py has "
-                f"{dict(costs.fixed_us)}); the rule disagrees with the measurement on {len(wrong)}: "
+                f"gemm_rs {fitted['gemm_rs']:.1f}, ag_gemm {fitted['ag_gemm']:.1f} (the ops declare gemm_rs "
+                f"{rs_op.fixed_us():.0f}, ag_gemm {ag_op.fixed_us('ce'):.0f} / {ag_op.fixed_us('sm'):.0f} with the copy "
+                f"engines / the SM push); the rule disagrees with the measurement on {len(wrong)}: "
                 f"{', '.join(wrong) or 'none'}")
 
     def forward(self):

@@ -9,6 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from entwine_jax import AgGemmConfig, GemmRsConfig, ag_gemm, callsite, gemm_rs
+from entwine_jax.ag_gemm import op as ag_op
+from entwine_jax.gemm_rs import op as rs_op
 from entwine_jax.tuning import crossover
 from entwine_jax.tuning.timing import DESIGN_SUITE
 
@@ -16,6 +18,10 @@ from entwine_jax.tuning.timing import DESIGN_SUITE
 @pytest.fixture(autouse=True)
 def _real_costs(monkeypatch):
     monkeypatch.setattr(crossover, "COSTS", crossover.Costs())
+
+
+def fixed_of(op, push):
+    return rs_op.fixed_us() if op == "gemm_rs" else ag_op.fixed_us(push)
 
 
 def gemm_rs_cost(m, n, k, world):
@@ -29,22 +35,22 @@ def ag_gemm_cost(rows, cols, n, world):
 @pytest.mark.parametrize("m,n,k", DESIGN_SUITE)
 @pytest.mark.parametrize("world", [2, 8])
 def test_design_suite_takes_the_fused_path(m, n, k, world):
-    assert crossover.fused_cannot_win("gemm_rs", *gemm_rs_cost(m, n, k, world)) is None
+    assert crossover.fused_cannot_win(rs_op.fixed_us(), *gemm_rs_cost(m, n, k, world)) is None
 
 
 @pytest.mark.parametrize("tokens", [16, 64])
 def test_few_tokens_per_rank_take_xla(tokens):
     # Llama-3-70B's projections at tensor 8 with a handful of tokens per rank: microseconds of work.
-    assert crossover.fused_cannot_win("gemm_rs", *gemm_rs_cost(8 * tokens, 8192, 1024, 8)) is not None
-    assert crossover.fused_cannot_win("ag_gemm", *ag_gemm_cost(tokens, 8192, 1280, 8)) is not None
+    assert crossover.fused_cannot_win(rs_op.fixed_us(), *gemm_rs_cost(8 * tokens, 8192, 1024, 8)) is not None
+    assert crossover.fused_cannot_win(ag_op.fixed_us("ce"), *ag_gemm_cost(tokens, 8192, 1280, 8)) is not None
 
 
 def test_70b_layer_at_16k_tokens():
     # 2048 tokens per rank, tensor 8: the grouped q/k/v and gate/up calls are fused; key or value
     # alone ([8192, 128] per rank) would hide less than the pushes cost: the reason to group them.
-    assert crossover.fused_cannot_win("ag_gemm", *ag_gemm_cost(2048, 8192, 1024 + 128 + 128, 8)) is None
-    assert crossover.fused_cannot_win("ag_gemm", *ag_gemm_cost(2048, 8192, 2 * 3584, 8)) is None
-    reason = crossover.fused_cannot_win("ag_gemm", *ag_gemm_cost(2048, 8192, 128, 8))
+    assert crossover.fused_cannot_win(ag_op.fixed_us("ce"), *ag_gemm_cost(2048, 8192, 1024 + 128 + 128, 8)) is None
+    assert crossover.fused_cannot_win(ag_op.fixed_us("ce"), *ag_gemm_cost(2048, 8192, 2 * 3584, 8)) is None
+    reason = crossover.fused_cannot_win(ag_op.fixed_us("ce"), *ag_gemm_cost(2048, 8192, 128, 8))
     assert reason.startswith("a small call: the overlap can hide at most") and "fixed cost of ~70 us" in reason
 
 
@@ -91,8 +97,8 @@ def test_push_crossover_and_its_fixed_cost():
     limit = crossover.COSTS.sm_push_max_shard_bytes
     assert crossover.ag_push(limit) == "sm" and crossover.ag_push(limit + 1) == "ce"
     cost = ag_gemm_cost(1024, 4096, 1024, 2)
-    assert crossover.fused_cannot_win("ag_gemm", *cost, push="sm") is None
-    assert "fixed cost of ~70 us" in crossover.fused_cannot_win("ag_gemm", *cost, push="ce")
+    assert crossover.fused_cannot_win(ag_op.fixed_us("sm"), *cost) is None
+    assert "fixed cost of ~70 us" in crossover.fused_cannot_win(ag_op.fixed_us("ce"), *cost)
 
 
 def test_automatic_chunks_are_at_least_the_minimum_size():
@@ -126,6 +132,6 @@ def test_llama_projections_tiny_take_xla_large_take_fused(hidden, mlp, kv):
     # 2048 tokens per rank hide more than either push's fixed cost.
     for tokens in (16, 64):
         for op, flops, moved, push in llama_projections(hidden, mlp, kv, tokens, 2):
-            assert crossover.fused_cannot_win(op, flops, moved, push=push) is not None, (op, tokens)
+            assert crossover.fused_cannot_win(fixed_of(op, push), flops, moved) is not None, (op, tokens)
     for op, flops, moved, push in llama_projections(hidden, mlp, kv, 2048, 2):
-        assert crossover.fused_cannot_win(op, flops, moved, push=push) is None, (op, 2048)
+        assert crossover.fused_cannot_win(fixed_of(op, push), flops, moved) is None, (op, 2048)

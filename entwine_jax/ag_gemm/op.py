@@ -110,6 +110,14 @@ def _check_config(config: AgGemmConfig) -> None:
                          f"{sms - 1} on {where}, got {config.gemm_sms}")
 
 
+def fixed_us(push: str) -> float:
+    """The fused call's fixed device cost beyond XLA's, in microseconds, by push (the small-call
+    rule, tuning/crossover.py). Copy engines ("ce"): 8 chunk pushes and releases took 65 us to
+    enqueue whatever their size below ~30 MB (one H200, docs/performance.md, "ag_gemm"). SM push:
+    one launch beside the GEMM, estimated like gemm_rs's consumer launch."""
+    return 20.0 if push == "sm" else 70.0
+
+
 def _cost(x, w, size: int) -> tuple[float, float]:
     """(flops of this rank's GEMM on the gathered operand, bytes the gather brings in: the W - 1
     peers' shards). Either layout: the gathered operand holds W shards, the GEMM covers all of them."""
@@ -132,7 +140,7 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, con
     call's output dtype, shared_scale: its x_scale the same on every rank) takes the XLA path on
     this mesh, or None; asks only, no communicator is made (for programs that report on calls)."""
     push = push_of(config, math.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
-    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size), push=push,
+    reason = callsite.early_reason(config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size), fixed_us(push),
                                    axis_name=axis_name)
     if reason is not None:
         return reason

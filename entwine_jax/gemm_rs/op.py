@@ -89,6 +89,13 @@ def _check_config(config: GemmRsConfig) -> None:
         raise ValueError(f"gemm_rs: config {config} cannot run on the fused kernels: {rule}")
 
 
+def fixed_us() -> float:
+    """The fused call's fixed device cost beyond XLA's, in microseconds (the small-call rule,
+    tuning/crossover.py): the consumer's launch beside the GEMM and the flag round trips; not
+    measured apart yet, set from the handler's launches."""
+    return 15.0
+
+
 def _cost(x, w, size: int, out_dtype) -> tuple[float, float]:
     """(flops of this rank's GEMM, bytes its reduce-scatter brings in: the W - 1 peers' partials of
     this rank's slice of the [M, N] product, in the output dtype)."""
@@ -110,8 +117,8 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, scatter_dimension: int, co
     """Why a call on operands shaped like x and w (scatter_dimension normalised; out_dtype: an FP8
     call's output dtype) takes the XLA path on this mesh, or None; asks only, no communicator is
     made (for programs that report on calls, e.g. the benchmarks)."""
-    reason = callsite.early_reason(OP, config, axis_size, x.dtype, "reduce or scatter",
-                                   *_cost(x, w, axis_size, out_dtype or x.dtype), axis_name=axis_name)
+    reason = callsite.early_reason(config, axis_size, x.dtype, "reduce or scatter",
+                                   *_cost(x, w, axis_size, out_dtype or x.dtype), fixed_us(), axis_name=axis_name)
     if reason is not None:
         return reason
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, scatter_dimension, config, out_dtype)

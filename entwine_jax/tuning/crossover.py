@@ -19,13 +19,9 @@ class Costs:
     # NVLink rate of one GPU's incoming traffic (SM-issued loads reached 372 GB/s per direction on
     # 2 x H200; NCCL's reduce-scatter 180-237 GB/s).
     link_gbps: float = 370.0
-    # Fixed device cost of a fused call beyond XLA's, in microseconds. ag_gemm on the copy engines: 8
-    # chunk pushes and releases took 65 us to enqueue whatever their size below ~30 MB (one H200,
-    # docs/performance.md, "ag_gemm"). ag_gemm with the SM push: one launch beside the GEMM, estimated
-    # like gemm_rs's consumer launch. gemm_rs: the consumer's launch ahead of the GEMM's (its
-    # programmatic dependent) and the flag round trips; not measured apart yet, set from its
-    # handler's launches.
-    fixed_us: tuple = (("gemm_rs", 15.0), ("ag_gemm", 70.0), ("ag_gemm sm push", 20.0))
+    # Every op's fixed cost (its own, declared by the op: fixed_us in <op>/op.py) is multiplied by
+    # this; the tests of the dispatch set 0 to turn the small-call rule off.
+    fixed_scale: float = 1.0
     # Shards up to this many bytes are pushed by the SM copy kernel: below it the copy engines' cost
     # is their enqueueing (flat ~65 us up to ~30 MB on one H200), above it the SMs the copy kernel
     # takes from the GEMM cost more than the launches it saves. An estimate until --suite push has
@@ -52,12 +48,12 @@ def ag_push(shard_bytes: int, costs: Optional[Costs] = None) -> str:
     return "sm" if shard_bytes <= costs.sm_push_max_shard_bytes else "ce"
 
 
-def fused_cannot_win(op: str, flops: float, moved_bytes: float, costs: Optional[Costs] = None,
-                     push: Optional[str] = None) -> Optional[str]:
-    """Why path="auto" should leave a call of `op` with this GEMM (flops) and transfer (bytes into
-    each GPU) to XLA, or None when the fused op can win. push: ag_gemm's push ("sm" or "ce")."""
+def fused_cannot_win(fixed_us: float, flops: float, moved_bytes: float, costs: Optional[Costs] = None) -> Optional[str]:
+    """Why path="auto" should leave a call with this GEMM (flops) and transfer (bytes into each GPU)
+    to XLA, or None when the fused op can win; fixed_us: the op's fixed device cost beyond XLA's, as
+    the op declares it for this call."""
     costs = costs or COSTS
-    fixed = dict(costs.fixed_us)[op + (" sm push" if push == "sm" else "")]
+    fixed = fixed_us * costs.fixed_scale
     gemm_us = flops / (costs.gemm_tflops * 1e12) * 1e6
     transfer_us = moved_bytes / (costs.link_gbps * 1e9) * 1e6
     hidden = min(gemm_us, transfer_us)
