@@ -95,7 +95,7 @@ def test_push_crossover_and_its_fixed_cost():
     # One constant decides the push by shard size; the SM push's smaller fixed cost lets smaller calls
     # take the fused path than the copy engines' would.
     limit = crossover.COSTS.sm_push_max_shard_bytes
-    assert crossover.ag_push(limit) == "sm" and crossover.ag_push(limit + 1) == "ce"
+    assert crossover.push_engine(limit) == "sm" and crossover.push_engine(limit + 1) == "ce"
     cost = ag_gemm_cost(1024, 4096, 1024, 2)
     assert crossover.fused_cannot_win(ag_op.fixed_us("sm"), *cost) is None
     assert "fixed cost of ~70 us" in crossover.fused_cannot_win(ag_op.fixed_us("ce"), *cost)
@@ -120,9 +120,9 @@ def llama_projections(hidden, mlp, kv, tokens, world):
     gate/up gather the tokens (ag_gemm), o and down scatter them (gemm_rs); as gpu_ranks' smallshapes."""
     shard = lambda cols: tokens * cols * 2  # noqa: E731
     return [("ag_gemm", *ag_gemm_cost(tokens, hidden, (hidden + 2 * kv) // world, world),
-             crossover.ag_push(shard(hidden))),
+             crossover.push_engine(shard(hidden))),
             ("gemm_rs", *gemm_rs_cost(world * tokens, hidden, hidden // world, world), None),
-            ("ag_gemm", *ag_gemm_cost(tokens, hidden, 2 * mlp // world, world), crossover.ag_push(shard(hidden))),
+            ("ag_gemm", *ag_gemm_cost(tokens, hidden, 2 * mlp // world, world), crossover.push_engine(shard(hidden))),
             ("gemm_rs", *gemm_rs_cost(world * tokens, hidden, mlp // world, world), None)]
 
 

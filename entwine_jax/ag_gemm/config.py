@@ -96,7 +96,7 @@ def push_of(config: AgGemmConfig, shard_bytes: int) -> str:
     push up to tuning.crossover's shard size, if a user's gemm_sms leaves it room."""
     if config.push != "auto":
         return config.push
-    push = crossover.ag_push(shard_bytes)
+    push = crossover.push_engine(shard_bytes)
     if push == "sm" and config.gemm_sms and config.gemm_sms + push_budget(config) > _extension.sm_count():
         return "ce"
     return push

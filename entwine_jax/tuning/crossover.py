@@ -42,8 +42,9 @@ class Costs:
 COSTS = Costs()
 
 
-def ag_push(shard_bytes: int, costs: Optional[Costs] = None) -> str:
-    """How ag_gemm pushes a (padded) shard of `shard_bytes` by default: "sm" or "ce"."""
+def push_engine(shard_bytes: int, costs: Optional[Costs] = None) -> str:
+    """What pushes a (padded) shard of `shard_bytes` to the peers by default: a copy kernel on a
+    few SMs ("sm") or the copy engines ("ce")."""
     costs = costs or COSTS
     return "sm" if shard_bytes <= costs.sm_push_max_shard_bytes else "ce"
 
