@@ -368,11 +368,19 @@ def _mlp_block_call(original, self, inputs, *args, **kwargs):
         return original(self, inputs, *args, **kwargs)
 
 
-def _attention_call(original, self, inputs_q, inputs_kv, *args, **kwargs):
+def _attention_left_to_maxtext(kwargs) -> bool:
+    """Whether an attention call is MaxText's alone (inference: attention/out kept with the reason);
+    announces the integration either way."""
     _announce()
     mode = kwargs.get("model_mode", _TRAIN)
-    if mode != _TRAIN:
-        _keep("attention/out", f"model_mode={mode!r} (inference) is left to MaxText")
+    if mode == _TRAIN:
+        return False
+    _keep("attention/out", f"model_mode={mode!r} (inference) is left to MaxText")
+    return True
+
+
+def _attention_call(original, self, inputs_q, inputs_kv, *args, **kwargs):
+    if _attention_left_to_maxtext(kwargs):
         return original(self, inputs_q, inputs_kv, *args, **kwargs)
     site = functools.partial(_Site, mesh=self.mesh, config=self.config)
     sites = {}
@@ -422,10 +430,7 @@ def _mla_call(original, self, inputs_q, inputs_kv, *args, **kwargs):
     a replicated rank -> heads over T) through the same plan, which routes them where the mesh gives
     them a tensor-parallel layout and otherwise keeps them with its reason (with MaxText's rules: no
     sharded output features, and an input with nothing to gather)."""
-    _announce()
-    mode = kwargs.get("model_mode", _TRAIN)
-    if mode != _TRAIN:
-        _keep("attention/out", f"model_mode={mode!r} (inference) is left to MaxText")
+    if _attention_left_to_maxtext(kwargs):
         return original(self, inputs_q, inputs_kv, *args, **kwargs)
     site = functools.partial(_Site, mesh=self.mesh, config=self.config)
     x_names = tuple(self.input_axis_names)

@@ -29,6 +29,11 @@ class CollectiveSpec:
     moved: Callable
 
 
+def attribute_is(attrs: str, name: str, value: str) -> bool:
+    """Whether a custom call's attribute text sets `name` to `value` (as HLO prints it: true, 1)."""
+    return re.search(rf"\b{name}\s*=\s*{value}\b", attrs) is not None
+
+
 def moves(op: str, dtype):
     """The name scope around a collective of `op`'s XLA reference: on a GPU the op's kernels move this
     data in `dtype` (which may differ from what the reference or a CPU compile moves, e.g. gemm_rs's

@@ -4,7 +4,6 @@
 import dataclasses
 import functools
 import math
-import re
 from typing import Any, Optional
 
 import jax
@@ -25,9 +24,9 @@ def _moved(target: str, ins: list, outs: list, attrs: str) -> tuple:
     -> y [rows, N]; rows: y [W * rows, N] (fused.call); the FP8 target takes w transposed, [N, K]."""
     (_, x), (_, w), (_, y) = ins[0][0], ins[1][0], outs[0]
     w = w[::-1] if target.endswith("_fp8") else w
-    gather_k = re.search(r"\bgather_k\s*=\s*true\b", attrs) is not None
+    gather_k = opspec.attribute_is(attrs, "gather_k", "true")
     world = w[0] // x[1] if gather_k else y[0] // x[0]
-    shared = re.search(r"\bshared_scale\s*=\s*true\b", attrs) is not None
+    shared = opspec.attribute_is(attrs, "shared_scale", "true")
     sent = ins[0][:1] + (ins[2][:1] if target.endswith("_fp8") and not shared and len(ins) > 2 else [])
     return world, sent
 

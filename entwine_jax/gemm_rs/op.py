@@ -7,8 +7,6 @@ import functools
 import math
 from typing import Any, Optional
 
-import re
-
 import jax
 
 from entwine_jax import callsite, opspec
@@ -28,7 +26,7 @@ def _moved(target: str, ins: list, outs: list, attrs: str) -> tuple:
     (fused.call); the FP8 target takes the weight transposed, [N, K]."""
     (_, x), (_, w), (_, y) = ins[0][0], ins[1][0], outs[0]
     w = w[::-1] if target.endswith("_fp8") else w
-    columns = re.search(r"\bscatter_dimension\s*=\s*1\b", attrs) is not None
+    columns = opspec.attribute_is(attrs, "scatter_dimension", "1")
     return (w[1] // y[1] if columns else x[0] // y[0]), outs[:1]
 
 

@@ -111,8 +111,9 @@ AgGemmConfig run_config(AgGemmConfig cfg, comm::DeviceComm const& dc) {
 // follow a parity chosen on the device. Instead q's transfer stream to r opens with a wait and
 // copies nothing before r has announced call e (ready_q[r] >= e); r announces as soon as its call
 // starts (its push kernel or transfer streams' first kernel, and its GEMM), after r's call e-1,
-// every read of the inbox included, completed on r's XLA stream. The flags stay double-buffered (their chain is gemm_rs's:
-// every call of either op takes a flag from every peer), so calls of both ops may alternate.
+// every read of the inbox included, completed on r's XLA stream. The flags stay double-buffered
+// (their chain is gemm_rs's: every call of either op takes a flag from every peer), so calls of
+// both ops may alternate.
 ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& ops, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id, bool gather_k, int64_t signature,
                      AgGemmConfig const& config) {

@@ -227,8 +227,9 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   };
   Derived const* derived = memo.find(key);
   if (derived == nullptr) {
-    Derived fresh{gemm_rs_plan(problem, run_config(cfg, *dc)), {}};
-    if (ffi::Error e = check_plan(fresh.plan, problem, cfg, *dc); e.failure()) return e;
+    GemmRsConfig const run = run_config(cfg, *dc);
+    Derived fresh{gemm_rs_plan(problem, run), {}};
+    if (ffi::Error e = check_plan(fresh.plan, problem, run, *dc); e.failure()) return e;
     producer_args.end = folded_end(fresh.plan);
     ENTWINE_RETURN_IF_CUDA(kOp, gemm_rs::prepare_gemm(ops.input, ops.output, fresh.plan, producer_args, &fresh.gemm));
     Derived* entry = memo.insert(key);
