@@ -1,0 +1,246 @@
+// FP8 operands of both ops: `fp8 test` (against float64 of the dequantised inputs, the plans' FP8
+// rules, a failed call's poisoned outputs) and `fp8 bench` (against cuBLASLt's FP8 GEMM).
+#include "harness/ag_world.h"
+#include "harness/gemm_rs_world.h"
+
+namespace entwine::harness {
+
+// The last kernel of a failed FP8 ag_gemm call: all three outputs (y, the gathered e4m3 shards, the
+// f32 scales; odd sizes for the byte tail) filled with all bits set, NaN in each type, and the
+// epoch advanced.
+void run_fp8_poison() {
+  size_t const bytes[comm::CallEnd::kOutputs] = {2 * 300, 4 * 128 * 208 + 5, sizeof(float) * 4};
+  comm::CallEnd end;
+  DeviceError failed{};
+  failed.code = kErrorDeadline;
+  CHECK_CUDA(cudaMalloc(&end.epoch, sizeof(uint64_t)));
+  CHECK_CUDA(cudaMemset(end.epoch, 0, sizeof(uint64_t)));
+  CHECK_CUDA(cudaMalloc(&end.error, sizeof(DeviceError)));
+  CHECK_CUDA(cudaMemcpy(end.error, &failed, sizeof failed, cudaMemcpyHostToDevice));
+  for (int o = 0; o < comm::CallEnd::kOutputs; ++o) {
+    CHECK_CUDA(cudaMalloc(&end.out[o], bytes[o]));
+    CHECK_CUDA(cudaMemset(end.out[o], 0, bytes[o]));
+    end.bytes[o] = int64_t(bytes[o]);
+  }
+  CHECK_CUDA(comm::launch_end_call(end, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  uint64_t epoch = 0;
+  CHECK_CUDA(cudaMemcpy(&epoch, end.epoch, sizeof epoch, cudaMemcpyDeviceToHost));
+  bool all_set = true;
+  for (int o = 0; o < comm::CallEnd::kOutputs; ++o) {
+    std::vector<unsigned char> host(bytes[o]);
+    CHECK_CUDA(cudaMemcpy(host.data(), end.out[o], bytes[o], cudaMemcpyDeviceToHost));
+    for (unsigned char b : host) all_set = all_set && b == 0xFF;
+    cudaFree(end.out[o]);
+  }
+  cudaFree(end.epoch);
+  cudaFree(end.error);
+  expect(all_set && epoch == 1, "fp8 aftermath: a failed call's three outputs are all-ones (NaN), the epoch advances");
+}
+
+// FP8 cases of both ops, checked against float64 of the dequantised inputs (so only the output's
+// rounding and the accumulation order differ: the 16-bit tolerances apply), the plans' FP8 rules and
+// the poisoning of a failed call's three outputs.
+int fp8_test_main() {
+  CHECK_CUDA(gemm_rs::prepare_kernels());
+  CHECK_CUDA(ag_gemm::prepare_kernels());
+  CHECK_CUDA(comm::prepare_epoch_kernel());
+  GemmRsConfig const base{128, 0, 8, 512};
+  for (int world : {1, 2, 4, 8}) {
+    for (bool bf16 : {true, false}) run_case(Case{world * 256, 512, 384, world, bf16, base, false, true}, 3);  // 3 k-tiles
+  }
+  // K tail (K % 128 != 0), persistent grid, scatter over columns, a split tail (B 128, G 7, R 2,
+  // T 32), a long K (the promoted accumulator: 128 k-tiles).
+  run_case(Case{2 * 512, 1024, 208, 2, true, GemmRsConfig{128, 100, 8, 256}, false, true}, 3);
+  run_case(Case{512, 4 * 384, 272, 4, false, GemmRsConfig{128, 0, 8, 256, 3}, true, true}, 2);
+  run_case(Case{2 * 1024, 1024, 4000, 2, true, GemmRsConfig{128, 7, 8, 512, 8, 1}, false, true}, 2);
+  run_case(Case{2 * 256, 512, 16384, 2, true, base, false, true}, 1);
+  run_graph<World>(Case{2 * 512, 1024, 208, 2, true, GemmRsConfig{128, 0, 16, 512}, false, true}, 4);
+
+  // ag_gemm: rows layout with each shard's own scale (gather_k only with a shared one).
+  for (int world : {1, 2, 4, 8}) {
+    for (bool gather_k : {false, true}) {
+      for (bool bf16 : {true, false}) {
+        run_ag_case(AgCase{256, 384, 512, world, bf16, gather_k, ag_config_for(world, 128), true, gather_k}, 3);
+      }
+    }
+  }
+  run_ag_case(AgCase{256, 384, 512, 4, true, false, ag_config_for(4, 128), true, true}, 2);
+  run_ag_case(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3), true, false}, 2);
+  run_ag_case(AgCase{768, 208, 384, 4, false, true, ag_config_for(4, 128, 4, 6), true, true}, 2);
+  run_ag_case(AgCase{1024, 1024, 2048, 8, true, false, ag_config_for(8, 128, 8, 8), true, false}, 2);
+  run_graph<AgWorld>(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3), true, false}, 4);
+  // The SM push of 1-byte shards, each shard's scale in its slot (or none, shared): every world,
+  // both layouts, odd chunk counts, one CTA; under a graph.
+  for (int world : {2, 4, 8}) {
+    for (bool gather_k : {false, true}) {
+      run_ag_case(AgCase{256, 384, 512, world, true, gather_k, ag_config_for(world, 128, 8, 8, 4), true, gather_k}, 3);
+    }
+  }
+  run_ag_case(AgCase{768, 208, 384, 2, false, false, ag_config_for(2, 128, 2, 3, 1), true, false}, 2);
+  run_ag_case(AgCase{768, 208, 384, 4, true, true, ag_config_for(4, 128, 4, 6, 8), true, true}, 2);
+  run_graph<AgWorld>(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3, 4), true, false}, 4);
+
+  // x in e5m2, w_t in e4m3 (the hybrid recipe's backward: an e5m2 gradient times the weight), both ops:
+  // gemm_rs over rows and columns (K tail, persistent grid, split tail); ag_gemm's rows layout with
+  // per-shard scales and its contraction layout with a shared one, on the copy engines and the SM push.
+  for (int world : {2, 4}) {
+    for (bool bf16 : {true, false}) {
+      run_case(Case{world * 256, 512, 384, world, bf16, base, false, true, true}, 2);
+    }
+  }
+  run_case(Case{512, 4 * 384, 272, 4, false, GemmRsConfig{128, 0, 8, 256, 3}, true, true, true}, 2);
+  run_case(Case{2 * 1024, 1024, 4000, 2, true, GemmRsConfig{128, 7, 8, 512, 8, 1}, false, true, true}, 2);
+  for (bool gather_k : {false, true}) {
+    for (bool bf16 : {true, false}) {
+      run_ag_case(AgCase{256, 384, 512, 4, bf16, gather_k, ag_config_for(4, 128), true, gather_k, true}, 2);
+    }
+  }
+  run_ag_case(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3, 4), true, false, true}, 2);
+  run_ag_case(AgCase{768, 208, 384, 4, false, true, ag_config_for(4, 128, 4, 6, 8), true, true, true}, 2);
+
+  // The plans' FP8 rules: K padded to 16 (not 8), 128-wide blocks only, gather_k with a shared scale.
+  GemmRsPlan const padded = gemm_rs_plan(GemmRsProblem{256, 256, 200, 1, 0, false, DType::kE4M3}, base);
+  expect(padded.error == nullptr && padded.shape.k == 208 && padded.schedule.k_tiles == 2,
+         "fp8 gemm_rs plan: K 200 pads to 208, 2 k-tiles of 128");
+  expect(gemm_rs_plan(GemmRsProblem{256, 256, 64, 1, 0, false, DType::kE4M3}, GemmRsConfig{256}).config_error,
+         "fp8 gemm_rs plan: block_n 256 is a config error");
+  AgPlan const ag = ag_plan(AgProblem{128, 200, 256, 2, 0, false, DType::kE4M3, false}, AgGemmConfig{128});
+  expect(ag.error == nullptr && ag.cols_pad == 208 && ag.shard_bytes == 128 * 208 &&
+             ag.inbox_bytes == 2 * ag.shard_bytes + 2 * kScaleSlotBytes,
+         "fp8 ag plan: cols 200 pad to 208, 1-byte shards, one scale slot per source");
+  expect(ag_plan(AgProblem{128, 256, 256, 2, 0, true, DType::kE4M3, false}, AgGemmConfig{128}).error != nullptr,
+         "fp8 ag plan: gather_k with per-shard scales is refused");
+  AgPlan const pushed = ag_plan(AgProblem{128, 208, 256, 2, 0, false, DType::kE4M3, false}, AgGemmConfig{128, 100, 8, 8, 64});
+  expect(pushed.error == nullptr && pushed.push_grid == 4 && pushed.sms_needed == pushed.grid + 4,
+         "fp8 ag plan: the SM push's grid counts the 16-byte vectors of a 1-byte chunk (26624 bytes: 4 CTAs)");
+  GemmRsPlan const padded_e5m2 = gemm_rs_plan(GemmRsProblem{256, 256, 200, 1, 0, false, DType::kE5M2}, base);
+  expect(padded_e5m2.error == nullptr && padded_e5m2.shape.k == 208 && padded_e5m2.schedule.k_tiles == 2 &&
+             gemm_rs_plan(GemmRsProblem{256, 256, 64, 1, 0, false, DType::kE5M2}, GemmRsConfig{256}).config_error,
+         "fp8 gemm_rs plan, x in e5m2: the e4m3 rules (K 200 pads to 208, block_n 256 is a config error)");
+  AgPlan const ag_e5m2 = ag_plan(AgProblem{128, 200, 256, 2, 0, false, DType::kE5M2, false}, AgGemmConfig{128});
+  expect(ag_e5m2.error == nullptr && ag_e5m2.cols_pad == 208 && ag_e5m2.inbox_bytes == ag.inbox_bytes,
+         "fp8 ag plan, shards in e5m2: the e4m3 plan (1-byte shards, one scale slot per source)");
+  run_fp8_poison();
+  std::printf("harness fp8 test: %d failure(s)\n", failures);
+  return failures == 0 ? 0 : 1;
+}
+
+// The FP8 GEMMs against cuBLASLt's FP8 GEMM (same types, scales and accumulation), in interleaved
+// rounds: gemm_rs's producer on the design suite (W = 2 partitions), ag_gemm's GEMM alone (chunks
+// released, per-shard scales in the rows layout) on its bench shapes; then the push of an FP8 shard
+// against a bf16 one.
+int fp8_bench_main() {
+  CHECK_CUDA(gemm_rs::prepare_kernels());
+  CHECK_CUDA(ag_gemm::prepare_kernels());
+  CHECK_CUDA(comm::prepare_epoch_kernel());
+  CublasLt const* lt = CublasLt::load();
+  if (!lt) std::printf("(libcublasLt.so.13 not found: no cuBLAS column)\n");
+  int const sms = sm_count();
+  std::printf("# gemm_rs producer, e4m3 -> bf16, W = 2, median ms of interleaved rounds; goal cublas/shipped >= 0.95\n");
+  std::printf("%6s %6s %5s %10s %10s %10s %8s %15s\n", "M", "N", "K", "plain_ms", "shipped_ms", "cublas_ms", "TF/s",
+              "cublas/shipped");
+  for (auto const& sh : kDesignSuite) {
+    Case c{sh[0], sh[1], sh[2], 2, true, GemmRsConfig{}, false, true};
+    World world(c);
+    world.fill_inputs(3);
+    cudaStream_t const stream = world.ranks[0].producer_stream;
+    ProblemShape const s{c.m, c.n, c.k, 2, 0};
+    GemmRsConfig const cfg{128, sms, 16, 512, 8};
+    std::vector<std::function<void()>> launches{producer_launcher(world, s, cfg, false, false, stream),
+                                                producer_launcher(world, s, cfg, true, true, stream)};
+    CublasLt::Fp8Scales const scales{world.ranks[0].scales, world.ranks[0].scales + 1};
+    if (lt) {
+      auto run = lt->gemm(c.m, c.n, c.k, world.ranks[0].x, world.ranks[0].w, world.ranks[0].partial[1], stream, &scales);
+      if (run) launches.push_back(run);
+    }
+    std::vector<float> const ms = interleaved_median_ms(launches, stream);
+    float const cublas = ms.size() > 2 ? ms[2] : NAN;
+    std::printf("%6d %6d %5d %10.4f %10.4f %10.4f %8.0f %15.3f\n", c.m, c.n, c.k, ms[0], ms[1], cublas,
+                2.0 * c.m * c.n * c.k / (ms[1] * 1e-3) / 1e12, cublas / ms[1]);
+  }
+
+  std::printf("# ag_gemm GEMM alone (chunks released), e4m3 -> bf16, W = 2 (rows: per-shard scales)\n");
+  std::printf("%-11s %6s %6s %6s %10s %10s %12s\n", "layout", "M", "N", "K", "ms", "cublas_ms", "cublas/ours");
+  struct Shape {
+    int tokens, embed, mlp;
+  };
+  for (bool gather_k : {false, true}) {
+    for (Shape sh : {Shape{8192, 4096, 14336}, Shape{16384, 4096, 14336}, Shape{8192, 8192, 28672}}) {
+      int const world = 2, n = sh.mlp / world;
+      AgCase c{gather_k ? sh.tokens : sh.tokens / world, gather_k ? sh.embed / world : sh.embed, n, world, true, gather_k,
+               AgGemmConfig{128, sms - 1, 8, 8}, true, gather_k};
+      AgWorld wd(c);
+      wd.fill_inputs(5);
+      CHECK_CUDA(cudaMemset(wd.ranks[0].flags, 0xFF, 2 * wd.plan.flags * sizeof(uint64_t)));
+      // The peers' shards and scales in the inbox: e4m3 bytes, scales of 1.
+      fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(wd.ranks[0].inbox), wd.plan.scales_offset, 77);
+      std::vector<float> const ones(size_t(world) * kScaleSlotBytes / sizeof(float), 1.0f);
+      CHECK_CUDA(cudaMemcpy(wd.ranks[0].inbox + wd.plan.scales_offset, ones.data(), ones.size() * sizeof(float),
+                            cudaMemcpyHostToDevice));
+      auto& r0 = wd.ranks[0];
+      cudaStream_t const stream = r0.gemm;
+      AgGemmArgs a{r0.x, r0.inbox, r0.w, r0.y, r0.flags, wd.error, nullptr, wd.call_epoch(), wd.timeout_ns};
+      a.x_scale = r0.scales;
+      a.w_scale = r0.scales + 1;
+      AgPlan const plan = wd.plan;
+      std::vector<std::function<void()>> launches{
+          [&, a, plan]() { CHECK_CUDA(ag_gemm::launch_gemm(DType::kE4M3, DType::kBF16, plan, a, stream)); }};
+      int64_t const m = c.y_rows(), k = gather_k ? int64_t(world) * c.cols : c.cols;
+      uint8_t *a_full = nullptr, *w_full = nullptr;
+      uint16_t* ref_out = nullptr;
+      if (lt) {
+        // The same FLOPs as one [M, K] x [N, K]^T FP8 GEMM.
+        CHECK_CUDA(cudaMalloc(&a_full, size_t(m) * k));
+        CHECK_CUDA(cudaMalloc(&w_full, size_t(k) * n));
+        CHECK_CUDA(cudaMalloc(&ref_out, size_t(m) * n * 2));
+        fill_random_fp8<<<264, 256>>>(a_full, m * k, 78);
+        fill_random_fp8<<<264, 256>>>(w_full, k * n, 79);
+        CHECK_CUDA(cudaDeviceSynchronize());
+        CublasLt::Fp8Scales const scales{r0.scales, r0.scales + 1};
+        auto run = lt->gemm(int(m), n, int(k), a_full, w_full, ref_out, stream, &scales);
+        if (run) launches.push_back(run);
+      }
+      std::vector<float> const ms = interleaved_median_ms(launches, stream, 10, 30, 5);
+      float const cublas = ms.size() > 1 ? ms[1] : NAN;
+      std::printf("%-11s %6lld %6d %6lld %10.4f %10.4f %12.3f\n", gather_k ? "contraction" : "rows", (long long)m, n,
+                  (long long)k, ms[0], cublas, cublas / ms[0]);
+      if (wd.read_error().code != 0) std::printf("  device error recorded!\n");
+      cudaFree(a_full);
+      cudaFree(w_full);
+      cudaFree(ref_out);
+    }
+  }
+
+  // An FP8 shard has half a bf16 one's bytes: once the copies are bandwidth bound its push (copy
+  // engine + release kernels) should take about half the time.
+  std::printf("# push, rank 0 -> rank 1 on this GPU: bf16 vs e4m3 shard of rows x 4096\n");
+  for (int rows : {1024, 4096, 8192}) {
+    float push_ms[2];
+    for (bool fp8 : {false, true}) {
+      AgCase c{rows, 4096, 256, 2, true, false, AgGemmConfig{128, sms - 1, 8, 8}, fp8, false};
+      AgWorld wd(c);
+      int64_t const chunk_bytes = wd.plan.shard_bytes / wd.plan.chunks;
+      cudaStream_t const s = wd.ranks[0].transfer[1];
+      auto push = [&]() {
+        if (fp8) {
+          CHECK_CUDA(cudaMemcpyAsync(wd.ranks[1].inbox + wd.plan.scales_offset, wd.ranks[0].scales, sizeof(float),
+                                     cudaMemcpyDeviceToDevice, s));
+        }
+        for (int k = 0; k < wd.plan.chunks; ++k) {
+          CHECK_CUDA(cudaMemcpyAsync(wd.ranks[1].inbox + k * chunk_bytes,
+                                     reinterpret_cast<char*>(wd.ranks[0].x) + k * chunk_bytes, chunk_bytes,
+                                     cudaMemcpyDeviceToDevice, s));
+          CHECK_CUDA(launch_release(wd.ranks[1].flags + k, wd.call_epoch(), s));
+        }
+      };
+      push_ms[fp8] = median_ms(push, s, 5, 30);
+      std::printf("shard %5d x 4096 %-4s (%6.1f MB, %d chunks): %.4f ms, %.0f GB/s\n", rows, fp8 ? "e4m3" : "bf16",
+                  wd.plan.shard_bytes / 1e6, wd.plan.chunks, push_ms[fp8], wd.plan.shard_bytes / (push_ms[fp8] * 1e6));
+    }
+    std::printf("  e4m3/bf16 push time %.3f\n", push_ms[1] / push_ms[0]);
+  }
+  return 0;
+}
+
+}  // namespace entwine::harness

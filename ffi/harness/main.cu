@@ -1,0 +1,66 @@
+// One-GPU harness for the producer and consumer kernels: W virtual ranks on one GPU (every rank's
+// partials and flags in this GPU's memory, each rank's producer and consumer on its own streams),
+// checked against a float64 host reference, plus the kernel benchmarks.
+//   entwine_harness test              protocol + kernels, W in {1,2,4,8}, several epochs, deadline
+//   entwine_harness ag test           ag_gemm: both layouts, W in {1,2,4,8}, both pushes, several
+//                                     epochs, deadline, graphs
+//   entwine_harness ag bench          ag_gemm's GEMM alone (chunks released) vs cuBLASLt
+//   entwine_harness ag push           one push alone, copy engines vs SM push, shards of 0.25-67 MB
+//   entwine_harness sanitize [sequential]   two small cases (for compute-sanitizer)
+//   entwine_harness bench [out.jsonl] [fused|producer|consumer]   fused one-rank grid sweep,
+//                                     producer alone (order/flag costs), consumer bandwidth sweep
+//   entwine_harness producer M N K block_n producer_sms raster_rows [plain]   (three launches, for ncu)
+//   entwine_harness energy M N K [seconds] [names]   steady-state time, board power and energy per
+//                                     GEMM of the producer and of every cuBLASLt algorithm
+//   entwine_harness energy suite [seconds] [shapes]   the same on the design suite (its first
+//                                     `shapes` shapes): order and flag costs and the ratio to
+//                                     cuBLASLt's fastest algorithm, one line per shape
+//   entwine_harness fp8 test          FP8 operands (e4m3, or x in e5m2 with w_t in e4m3; f32 scales)
+//                                     of both ops against float64 of the dequantised inputs:
+//                                     W in {1,2,4,8}, bf16/fp16 outputs,
+//                                     per-shard and shared scales, both pushes, split tail, graphs,
+//                                     a failed call's three outputs poisoned
+//   entwine_harness api               the host cost of each CUDA call a handler makes
+//   entwine_harness fp8 bench         the FP8 producer and ag_gemm's FP8 GEMM vs cuBLASLt's FP8 GEMM
+//                                     on the design suite; an FP8 shard's push time vs a bf16 one
+// Each command's code is in the file of its concern; harness.h holds what they share.
+#include <cstdio>
+#include <cstdlib>
+#include <iterator>
+#include <string>
+
+#include "harness/harness.h"
+
+using namespace entwine::harness;
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  std::string const mode = argc > 1 ? argv[1] : "test";
+  if (mode == "test") return test_main();
+  if (mode == "api") return api_main();
+  if (mode == "sanitize") return sanitize_main(argc > 2 && std::string(argv[2]) == "sequential");
+  if (mode == "ag" && argc > 2 && std::string(argv[2]) == "test") return ag_test_main();
+  if (mode == "ag" && argc > 2 && std::string(argv[2]) == "bench") return ag_bench_main();
+  if (mode == "ag" && argc > 2 && std::string(argv[2]) == "push") return ag_push_main();
+  if (mode == "ag" && argc > 2 && std::string(argv[2]) == "sanitize") return ag_sanitize_main();
+  if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "test") return fp8_test_main();
+  if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "bench") return fp8_bench_main();
+  if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
+  if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
+  if (mode == "energy" && argc >= 3 && std::string(argv[2]) == "suite") {
+    int const count = argc > 4 ? std::atoi(argv[4]) : 0;
+    auto const end = count > 0 && count < int(std::size(kDesignSuite)) ? std::begin(kDesignSuite) + count
+                                                                        : std::end(kDesignSuite);
+    return energy_main(true, {std::begin(kDesignSuite), end}, argc > 3 ? std::atof(argv[3]) : 1.0, false);
+  }
+  if (mode == "energy" && argc >= 5) {
+    return energy_main(false, {{std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4])}},
+                       argc > 5 ? std::atof(argv[5]) : 1.0, argc > 6 && std::string(argv[6]) == "names");
+  }
+  std::fprintf(stderr,
+               "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
+               "       entwine_harness ag test | ag sanitize | ag bench | ag push | fp8 test | fp8 bench | api\n"
+               "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n"
+               "       entwine_harness energy M N K [seconds] [names] | energy suite [seconds] [shapes]\n");
+  return 2;
+}
