@@ -1,7 +1,7 @@
 # GPU tests of the fused gemm_rs path. (1) One process driving every local GPU (W = local GPU
 # count, W = 1 on a single H200): suite shapes and shapes with tails, bf16 and fp16, against the
 # fp32-accumulated psum_scatter reference, bitwise repeatable. (2) W processes per GPU or one per GPU,
-# through tests/gpu_ranks.py (the multi-process launcher; see its docstring).
+# through tests/gpu_ranks.py (the multi-process launcher; see its docstring): every suite of its table.
 import dataclasses
 import os
 import pathlib
@@ -20,6 +20,9 @@ from entwine_jax import comm
 from entwine_jax.gemm_rs import fused as rs_fused
 from entwine_jax import GemmRsConfig, heuristic_config
 from entwine_jax.gemm_rs.reference import gemm_rs_reference
+
+from gpu_harness import checking_suites
+from gpu_ranks import SUITES
 
 RANKS = pathlib.Path(__file__).with_name("gpu_ranks.py")
 
@@ -206,18 +209,53 @@ def _ranks(*args, timeout=900):
     return out.stdout
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
-def test_processes_sharing_one_gpu(world):
-    _ranks("--world", str(world), "--gpus", "1", "--suite", "quick")
+# Every checking suite of gpu_ranks' table runs at W = 2 time-sliced (a new suite joins by its row);
+# these also at W = 3 (a world that no power of two hides), and these under MPS.
+AT_W3 = ["quick", "cmdbuf", "skipcall", "disagree", "fp8", "fp8half", "forward"]
+UNDER_MPS = "quick,ag,forward"
+
+
+def test_suite_table():
+    # CPU: every row names a Rank class with the suite's method, the pytest lists name rows, and
+    # `--suite all` runs every checking suite (a second launch comes with its first).
+    for name, spec in SUITES.items():
+        assert callable(getattr(spec.ranks, name, None)), f"{spec.ranks.__name__} has no suite method {name}"
+        assert spec.part_of is None or spec.part_of in SUITES, name
+    assert set(AT_W3) | set(UNDER_MPS.split(",")) <= set(SUITES)
+    covered = {n for s in checking_suites(SUITES) for n in [s, *(m for m, x in SUITES.items() if x.part_of == s)]}
+    assert covered == {n for n, spec in SUITES.items() if spec.checking}
+
+
+def test_ranks_help_from_another_folder(tmp_path):
+    # scripts run `python3 -P tests/gpu_ranks.py` from /tmp: the suite modules load from its folder.
+    out = subprocess.run([sys.executable, "-P", str(RANKS), "--help"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert all(name in out.stdout for name in SUITES)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_forward_progress_time_sliced(world):
+@pytest.mark.parametrize("suite", checking_suites(SUITES))
+def test_suite_time_sliced(suite):
+    _ranks("--world", "2", "--gpus", "1", "--suite", suite)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("suite", AT_W3)
+def test_suite_three_ranks(suite):
+    _ranks("--world", "3", "--gpus", "1", "--suite", suite)
+
+
+@pytest.mark.gpu
+def test_four_processes_sharing_one_gpu():
+    _ranks("--world", "4", "--gpus", "1", "--suite", "quick")
+
+
+@pytest.mark.gpu
+def test_forward_progress_one_rank():
     # Explicit configs (the dataclass defaults, the largest grids, both pushes) and fused calls
     # beside a kernel of another stream that holds SMs until it is released.
-    _ranks("--world", str(world), "--gpus", "1", "--suite", "forward")
+    _ranks("--world", "1", "--gpus", "1", "--suite", "forward")
 
 
 def _needs_mps():
@@ -231,30 +269,13 @@ def test_ranks_at_once_under_mps(world):
     # The ranks' kernels share the SMs at once (a private MPS server), as kernels of other streams
     # do on a real node: every call must still finish, correctly.
     _needs_mps()
-    _ranks("--world", str(world), "--gpus", "1", "--mps", "--suite", "quick,ag,forward")
+    _ranks("--world", str(world), "--gpus", "1", "--mps", "--suite", UNDER_MPS)
 
 
 @pytest.mark.gpu
 def test_ranks_under_mps_with_a_thread_percentage():
     _needs_mps()
     _ranks("--world", "2", "--gpus", "1", "--mps", "--mps-percent", "50", "--suite", "quick,ag")
-
-
-@pytest.mark.gpu
-def test_command_buffers_enabled():
-    # XLA's command buffers on for custom calls and loops: both ops recorded and replayed, every
-    # result right; a rank that never arrives traps the replay at the deadline and is named.
-    _ranks("--world", "2", "--gpus", "1", "--suite", "cmdbuf,cmdbufmissing")
-
-
-@pytest.mark.gpu
-def test_stress_1000_calls():
-    _ranks("--world", "2", "--gpus", "1", "--suite", "stress")
-
-
-@pytest.mark.gpu
-def test_rank_that_never_calls_is_reported_not_hung():
-    _ranks("--world", "2", "--gpus", "1", "--suite", "missing")
 
 
 @pytest.mark.multigpu
