@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ from entwine_jax.gemm_rs.config import GemmRsConfig, with_overrides
 # Re-exported: scripts and tests take the protocol's pieces from here too.
 from entwine_jax.tuning.timing import DESIGN_SUITE, SHORT_NAMES, TOL, parse_dtype, parse_shapes, rel_err  # noqa: F401
 from entwine_jax.tuning.timing import rounds, time_interleaved
-from entwine_jax.tuning.table import select_config
+from entwine_jax.gemm_rs.table import select_config
 
 AXIS = "tp"
 # Budget sweep: same M, N, one communication-bound (small K) and one GEMM-bound (large K) shape.
@@ -214,7 +215,7 @@ class Bench:
             with jax.set_mesh(self.mesh):
                 reason = gemm_rs_op.why_not_fused(
                     jax.ShapeDtypeStruct((m, k), x.dtype), jax.ShapeDtypeStruct((k, n), w.dtype),
-                    axis_name=AXIS, axis_size=self.world, scatter_dimension=0, config=config)
+                    axis_name=AXIS, axis_size=self.world, dimension=0, config=config)
         except Exception as e:
             reason = f"the fused path's availability check raised ({type(e).__name__}: {e})"
         return compiled, "xla", reason or f"{_fused_target()} not in the lowered program"
@@ -482,19 +483,29 @@ def missing_extension(prog, allow_xla):
     return 2
 
 
+def prepare_timing(args, prog) -> tuple[str, Optional[int]]:
+    """What every op's run starts with: (JAX's platform, "cuda" on CUDA GPUs; the exit code when it
+    refuses to time the XLA path there, else None); fills in --iters and --warmup for the platform."""
+    platform = _log.default_platform()
+    on_gpu = platform == "cuda"
+    if on_gpu and (refused := missing_extension(prog, args.allow_xla)) is not None:
+        return platform, refused
+    if args.iters is None:
+        args.iters = GPU_ITERS if on_gpu else SMOKE_ITERS
+    if args.warmup is None:
+        args.warmup = GPU_WARMUP if on_gpu else SMOKE_WARMUP
+    return platform, None
+
+
 def main(argv=None, prog="python benchmarks/bench.py"):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, args = parse_args(argv, prog)
     if args.op != "gemm_rs":
         return main_ag_mlp(parser, args, argv, prog)
-    platform = _log.default_platform()
-    on_gpu = platform == "cuda"
-    if on_gpu and (refused := missing_extension(prog, args.allow_xla)) is not None:
+    platform, refused = prepare_timing(args, prog)
+    if refused is not None:
         return refused
-    if args.iters is None:
-        args.iters = GPU_ITERS if on_gpu else SMOKE_ITERS
-    if args.warmup is None:
-        args.warmup = GPU_WARMUP if on_gpu else SMOKE_WARMUP
+    on_gpu = platform == "cuda"
     if args.sweep_budget or args.profile:
         # Read by the extension when it creates the first communicator: timing events per call.
         os.environ.setdefault("ENTWINE_PROFILE", "1")
@@ -565,14 +576,10 @@ def main_ag_mlp(parser, args, argv, prog):
         if args.port is None:
             parser.error("--rank needs --port (both are set by --processes)")
         bench_run.init_rank(args.rank, args.port, args.processes, args.gpus)
-    platform = _log.default_platform()
-    on_gpu = platform == "cuda"
-    if on_gpu and (refused := missing_extension(prog, args.allow_xla)) is not None:
+    platform, refused = prepare_timing(args, prog)
+    if refused is not None:
         return refused
-    if args.iters is None:
-        args.iters = GPU_ITERS if on_gpu else SMOKE_ITERS
-    if args.warmup is None:
-        args.warmup = GPU_WARMUP if on_gpu else SMOKE_WARMUP
+    on_gpu = platform == "cuda"
     runner = bench_run.Runner(args.world, args.dtype, args.iters, args.warmup, args.batch, args.fused_only)
     world, op = runner.world, bench_ag if args.op == "ag_gemm" else bench_mlp
     if args.shapes:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import entwine_jax
 from entwine_jax import _extension, census
 from entwine_jax.ag_gemm import op as ag_gemm_op
-from runner import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, ratio
+from runner import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, path_note, print_geomeans, ratio
 from entwine_jax.ag_gemm.config import AgGemmConfig
 from entwine_jax.tuning.timing import TOL
 
@@ -26,6 +26,8 @@ MLP_DIMS = [(4096, 14336), (8192, 28672)]
 TOKENS = (8192, 16384)
 SMOKE_SHAPE = (256, 256, 64)
 LAYOUTS = ("rows", "contraction")
+# What a row skipped for ranks sharing a GPU needed (runner.path_note).
+SKIPPED_NEEDS = "XLA's all-gather needs"
 
 
 
@@ -90,7 +92,7 @@ class AgBench:
             with jax.set_mesh(r.mesh):
                 reason = ag_gemm_op.why_not_fused(
                     jax.ShapeDtypeStruct(local, x.dtype), jax.ShapeDtypeStruct((k, w.shape[1] // r.world), w.dtype),
-                    axis_name=AXIS, axis_size=r.world, gather_dimension=gd, config=config)
+                    axis_name=AXIS, axis_size=r.world, dimension=gd, config=config)
         except Exception as e:
             reason = f"the fused path's availability check raised ({type(e).__name__}: {e})"
         return compiled, "xla", reason or f"{_fused_target()} not in the lowered program"
@@ -162,12 +164,6 @@ class AgBench:
                 "configs": trials}
 
 
-def path_note(row) -> str:
-    if row["check"] == "SKIP":
-        return f"path=xla, not run: XLA's all-gather needs NCCL, which cannot run ranks sharing a GPU ({row['reason']})"
-    return "path=fused" if row["path"] == "fused" else f"path=xla ({row['reason']})"
-
-
 def print_table(rows, geomean) -> None:
     print(f"{'layout':<11} {'M':>6} {'N':>6} {'K':>5} | {'ag_ms':>8} {'gemm_ms':>8} {'xla_ag_gemm_ms':>14} "
           f"{'windowed_ms':>11} {'entwine_ms':>10} | {'speedup':>7} {'efficiency':>10} {'vs_windowed':>11} | "
@@ -177,13 +173,8 @@ def print_table(rows, geomean) -> None:
         print(f"{r['layout']:<11} {r['m']:>6} {r['n']:>6} {r['k']:>5} | {fmt(r['ag_ms'], 8)} {fmt(r['gemm_ms'], 8)} "
               f"{fmt(r['xla_ag_gemm_ms'], 14)} {fmt(r['windowed_ms'], 10)}{star} {fmt(r['entwine_ms'], 10)} | "
               f"{fmt(r['speedup'], 7)} {fmt(r['efficiency'], 10)} {fmt(r['vs_windowed'], 11)} | "
-              f"{r['check']:<4} {path_note(r)} {r['config']}")
-    ok = [r for r in rows if r["check"] == "OK"]
-    fallback = sum(r["path"] != "fused" for r in ok)
-    means = {key: geomean([r[key] for r in ok if r[key] is not None])
-             for key in ("speedup", "efficiency", "vs_windowed")}
-    print(f"geomean over {len(ok)} checked shapes: " + "  ".join(f"{k} {fmt(v, 0)}" for k, v in means.items())
-          + (f"  WARNING: {fallback} of them ran the XLA fallback, not entwine" if fallback else ""))
+              f"{r['check']:<4} {path_note(r, SKIPPED_NEEDS)} {r['config']}")
+    print_geomeans(rows, geomean, ("speedup", "efficiency", "vs_windowed"), "shapes")
     if any(r["windowed_loop"] is False for r in rows):
         print("* no windowed-einsum loop in the compiled program: XLA kept all-gather + dot for that column")
     if any(r["efficiency_of"] != "max(gemm, ag)" for r in rows):

@@ -32,10 +32,10 @@ import entwine_jax
 from entwine_jax import census
 from entwine_jax.ag_gemm import op as ag_gemm_op
 from entwine_jax.gemm_rs import op as gemm_rs_op
-from runner import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, ratio
+from runner import AXIS, WINDOWED_OPTIONS, fmt, ms_or_none, path_note, print_geomeans, ratio
 from entwine_jax.gemm_rs.config import get_default_config
 from entwine_jax.tuning.timing import TOL
-from entwine_jax.tuning.table import select_config
+from entwine_jax.gemm_rs.table import select_config
 
 # (embed, mlp) of Llama-class models (Llama 3 8B and 70B), and the tokens per tensor-parallel group.
 MLP_DIMS = [(4096, 14336), (8192, 28672)]
@@ -140,10 +140,10 @@ class MlpBench:
         with jax.set_mesh(r.mesh):
             up = ag_gemm_op.why_not_fused(jax.ShapeDtypeStruct(x_local, dtype),
                                           jax.ShapeDtypeStruct((d, 2 * f // w), dtype), axis_name=AXIS, axis_size=w,
-                                          gather_dimension=gd, config=up_config)
+                                          dimension=gd, config=up_config)
             down = gemm_rs_op.why_not_fused(jax.ShapeDtypeStruct((t, f // w), dtype),
                                             jax.ShapeDtypeStruct((f // w, d), dtype), axis_name=AXIS, axis_size=w,
-                                            scatter_dimension=sd, config=down_config)
+                                            dimension=sd, config=down_config)
         reasons = [f"{name}: {why}" for name, why in (("ag_gemm", up), ("gemm_rs", down)) if why]
         return "; ".join(reasons)
 
@@ -217,12 +217,6 @@ class MlpBench:
                 "reason": reason, "collectives": kinds}
 
 
-def path_note(row) -> str:
-    if row["check"] == "SKIP":
-        return f"path=xla, not run: its collectives need NCCL, which cannot run ranks sharing a GPU ({row['reason']})"
-    return "path=fused" if row["path"] == "fused" else f"path=xla ({row['reason']})"
-
-
 def print_table(rows, geomean) -> None:
     print(f"{'layout':<6} {'T':>6} {'D':>5} {'F':>6} | {'ours_ms':>8} {'xla_ms':>8} {'windowed_ms':>11} "
           f"{'bound_ms':>8} | {'speedup':>7} {'vs_windowed':>11} {'ours/bound':>10} {'xla/bound':>9} | check path")
@@ -231,12 +225,7 @@ def print_table(rows, geomean) -> None:
         print(f"{r['layout']:<6} {r['t']:>6} {r['d']:>5} {r['f']:>6} | {fmt(r['ours_ms'], 8)} {fmt(r['xla_ms'], 8)} "
               f"{fmt(r['windowed_ms'], 10)}{star} {fmt(r['bound_ms'], 8)} | {fmt(r['speedup'], 7)} "
               f"{fmt(r['vs_windowed'], 11)} {fmt(r['ours_over_bound'], 10)} {fmt(r['xla_over_bound'], 9)} | "
-              f"{r['check']:<4} {path_note(r)}")
-    ok = [r for r in rows if r["check"] == "OK"]
-    fallback = sum(r["path"] != "fused" for r in ok)
-    means = {key: geomean([r[key] for r in ok if r[key] is not None])
-             for key in ("speedup", "vs_windowed", "ours_over_bound")}
-    print(f"geomean over {len(ok)} checked rows: " + "  ".join(f"{k} {fmt(v, 0)}" for k, v in means.items())
-          + (f"  WARNING: {fallback} of them ran the XLA fallback, not entwine" if fallback else ""))
+              f"{r['check']:<4} {path_note(r, 'its collectives need')}")
+    print_geomeans(rows, geomean, ("speedup", "vs_windowed", "ours_over_bound"), "rows")
     if any(r["windowed_loop"] is False for r in rows):
         print("* no windowed-einsum loop in the compiled program: XLA kept plain all-gathers and reduce-scatters")

@@ -265,6 +265,24 @@ def fmt(value, width: int, digits: int = 3) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:{width}.{digits}f}"
 
 
+def path_note(row, skipped_needs: str) -> str:
+    """A row's path, with the reason where XLA's ran (a fallback must never read as entwine speed);
+    skipped_needs: what a row skipped for ranks sharing a GPU needed ("its collectives need")."""
+    if row["check"] == "SKIP":
+        return f"path=xla, not run: {skipped_needs} NCCL, which cannot run ranks sharing a GPU ({row['reason']})"
+    return "path=fused" if row["path"] == "fused" else f"path=xla ({row['reason']})"
+
+
+def print_geomeans(rows, geomean, keys, noun: str) -> None:
+    """The table's last line: the geomean of each column of `keys` over the checked rows, and a warning
+    when any of them ran the XLA fallback."""
+    ok = [r for r in rows if r["check"] == "OK"]
+    fallback = sum(r["path"] != "fused" for r in ok)
+    means = {key: geomean([r[key] for r in ok if r[key] is not None]) for key in keys}
+    print(f"geomean over {len(ok)} checked {noun}: " + "  ".join(f"{k} {fmt(v, 0)}" for k, v in means.items())
+          + (f"  WARNING: {fallback} of them ran the XLA fallback, not entwine" if fallback else ""))
+
+
 class QuietProgress:
     """The progress of ranks other than 0: nothing printed."""
 

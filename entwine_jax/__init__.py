@@ -5,8 +5,8 @@
 # load on first use (flax is slow to import).
 from entwine_jax._extension import status as extension_status
 from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config
+from entwine_jax.api import ag_gemm, gemm_rs
 from entwine_jax.gemm_rs.config import GemmRsConfig, heuristic_config, set_default_config, using_config
-from entwine_jax.pairing import ag_gemm, gemm_rs
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
-# The collective census (issue 36): every collective a compiled program runs, read from its HLO text
-# after SPMD partitioning, with its kind, mesh axes, bytes per device, loop trip counts and whether
-# gemm_rs / ag_gemm issued it. One parser for the train-step example, the tests and the benchmarks;
+# The collective census: every collective a compiled program runs, read from its HLO text after SPMD
+# partitioning, with its kind, mesh axes, bytes per device, loop trip counts and which op of
+# entwine_jax.registry issued it, if any. One parser for the train-step example, the tests and the benchmarks;
 # public JAX APIs and the standard library only (it must work on a machine without GPUs).
 """Every collective a compiled program runs, and how many bytes each device moves.
 
@@ -19,10 +19,11 @@ program meant for GPUs on fake CPU devices (``XLA_FLAGS=--xla_force_host_platfor
 
 **Kinds**: all-gather, reduce-scatter, all-reduce, all-to-all, ragged-all-to-all,
 collective-permute, collective-broadcast (an async ``-start`` / ``-done`` pair, or an
-``async-start`` wrapping one, counts once), and the fused ops' custom calls (``entwine_gemm_rs``:
-a reduce-scatter, ``entwine_ag_gemm``: an all-gather).
+``async-start`` wrapping one, counts once), and the fused ops' custom calls, each counted as the
+collective its op's spec names (``entwine_jax.opspec.OpSpec``; ``entwine_gemm_rs``: a reduce-scatter,
+``entwine_ag_gemm``: an all-gather).
 
-**What the ops move on a GPU**: ``"gemm_rs"`` / ``"ag_gemm"`` own their custom calls (GPU compiles;
+**What the ops move on a GPU**: the ops (``OWNERS``: each op's name, then ``"xla"``) own their custom calls (GPU compiles;
 ``custom_call`` True) and the collectives of their XLA reference (what they lower to on CPU, or where
 the kernels cannot run), which each op wraps in a name scope saying which op it stands for and the
 dtype the op's kernels move (``entwine_jax.opspec.moves``). The census counts that dtype, so a
@@ -48,6 +49,8 @@ collective-broadcast     the input bytes (what each receiving device receives)
 gemm_rs custom call      (W-1) x output bytes (its reduce-scatter; the output is padded)
 ag_gemm custom call      (W-1) x input bytes of x (its all-gather; padded)
 =======================  ==========================================================
+
+(An op's custom call: what its spec's ``moved`` says one rank sends, W - 1 times.)
 
 **Mesh axes**: from ``replica_groups=mesh['dp'=2,'tp'=4] {'tp'}`` where XLA prints the mesh with the
 program's axis names; otherwise the groups (explicit ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]`` or
@@ -86,15 +89,15 @@ import jax
 import numpy as np
 
 from entwine_jax import opspec
-from entwine_jax.pairing import SPECS
+from entwine_jax.registry import OPS
 
 __all__ = ["collectives", "compare", "Census", "Collective", "Loop", "KINDS", "OWNERS"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
          "collective-broadcast")
 # Custom-call target -> the op's spec (entwine_jax.opspec: the op says what a call moves).
-FUSED_TARGETS = {target: spec for spec in SPECS for target in spec.targets}
-OWNERS = tuple(spec.name for spec in SPECS) + ("xla",)
+FUSED_TARGETS = {target: spec for spec in OPS.values() for target in spec.targets}
+OWNERS = tuple(OPS) + ("xla",)
 # Bits per element of HLO's primitive types (token and opaque types move nothing).
 _BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32,
          "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128, "tf32": 32,

@@ -1,8 +1,9 @@
-# FP8 calls of both ops: y = (x * x_scale) @ (w * w_scale) on float8_e4m3fn operands with per-tensor fp32
-# scales, accumulated in fp32, written in bf16 or fp16. The checks of an FP8 call, the quantisation helpers,
-# and the custom VJPs that keep the pairing in FP8: each op's backward is the other op on the cotangent
-# quantised to float8_e5m2 with its own scale (the hybrid recipe; the kernels run it fused, e5m2 x
-# e4m3), or in bf16/fp16 when the caller asks. docs/design.md, "FP8".
+# FP8's helpers, for the FP8 calls of every op: y = (x * x_scale) @ (w * w_scale) on float8_e4m3fn operands
+# with per-tensor fp32 scales, accumulated in fp32, written in bf16 or fp16. The checks of an FP8 call, the
+# quantisation helpers and the cotangent's quantisation; the custom VJP that keeps the pairing in FP8
+# (each op's backward is its backward op on the cotangent quantised to float8_e5m2 with its own scale:
+# the hybrid recipe, e5m2 x e4m3 on the kernels; or in bf16/fp16 when the caller asks) is
+# entwine_jax.pairing's. docs/design.md, "FP8".
 """FP8 calls of ``entwine_jax.gemm_rs`` and ``entwine_jax.ag_gemm``.
 
 An FP8 call passes ``x_scale`` and ``w_scale`` (float32 scalars, shape ``()`` or ``(1,)``) and computes
@@ -36,20 +37,13 @@ that dtype on the dequantised FP8 operands (the bf16/fp16 kernels where the forw
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from entwine_jax import callsite
-from entwine_jax._dot import dot_by_source, matmul_weight_grad
-from entwine_jax.ag_gemm import op as ag_op
-from entwine_jax.ag_gemm.config import AgGemmConfig
-from entwine_jax.gemm_rs import op as rs_op
-from entwine_jax.gemm_rs.config import GemmRsConfig
 
 __all__ = ["E4M3", "E5M2", "quantize", "dequantize", "current_scale"]
 
@@ -97,6 +91,11 @@ class Fp8Call:
     @property
     def fp8_grads(self) -> bool:
         return jnp.dtype(self.grad_dtype) == E5M2
+
+    @property
+    def backward_dtype(self) -> jnp.dtype:
+        """The dtype the backward op writes dx in: the operand's when the kernels can write it."""
+        return jnp.dtype(self.x_dtype) if jnp.dtype(self.x_dtype) in OUT_DTYPES else jnp.dtype(self.out_dtype)
 
 
 def requested(x, w, *fp8_arguments) -> bool:
@@ -217,183 +216,20 @@ def shared_over(scale, x, axis_name) -> bool:
     return all(a in varying_x and a not in varying_s for a in callsite.axis_names(axis_name))
 
 
-def _cotangent(v, dtype: str):
+def cotangent(v, dtype: str):
     """A gradient for an operand passed as `dtype`: FP8 operands are constants (zero cotangent)."""
     return None if jnp.dtype(dtype) == E4M3 else v.astype(dtype)
 
 
-def _backward_dtype(call: Fp8Call) -> jnp.dtype:
-    """The dtype the backward op writes dx in: the operand's when the kernels can write it."""
-    return jnp.dtype(call.x_dtype) if jnp.dtype(call.x_dtype) in OUT_DTYPES else jnp.dtype(call.out_dtype)
-
-
-def _quantized_cotangent(dy, grad_scale):
+def quantized_cotangent(dy, grad_scale):
     """(dy in e5m2, its scale): grad_scale, or this rank's current scale of its own dy."""
     gs = current_scale(dy, E5M2) if grad_scale is None else grad_scale
     return quantize(dy, gs, E5M2), gs
 
 
-def _lead_dims(v) -> tuple:
-    return tuple(range(v.ndim - 1))
-
-
-# --- gemm_rs --------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _gemm_rs_fp8(x, w, x_scale, w_scale, grad_scale, plan, call):
-    return rs_op.forward_fp8(quantize(x, x_scale), quantize(w, w_scale), x_scale, w_scale, plan)
-
-
-def _gemm_rs_fp8_fwd(x, w, x_scale, w_scale, grad_scale, plan, call):
-    x8, w8 = quantize(x, x_scale), quantize(w, w_scale)
-    # The FP8 operands are the residuals: one byte per element of x kept for dw.
-    return rs_op.forward_fp8(x8, w8, x_scale, w_scale, plan), (x8, w8, x_scale, w_scale, grad_scale)
-
-
-def _gemm_rs_fp8_bwd(plan, call, res, dy):
-    x8, w8, xs, ws, grad_scale = res
-    sd = plan.scatter_dimension
-    if not call.fp8_grads:
-        # The backward in bf16/fp16 on the dequantised weight: the bf16 ag_gemm, whose gathered dy serves dw.
-        dtype = jnp.dtype(call.grad_dtype)
-        dy, w_t = dy.astype(dtype), dequantize(w8, ws, dtype).T
-        config = _ag_backward_config(plan.config, dy, w_t, plan.axis_size)
-        ag_plan = ag_op.plan(dy, w_t, axis_name=plan.axis_name, gather_dimension=sd, config=config, return_gathered=True)
-        dx, g = ag_op.forward(dy, w_t, ag_plan, gathered=True)
-        dw = matmul_weight_grad(dequantize(x8, xs, dtype), g, dtype)
-    else:
-        # dx = all_gather(dy) @ w.T: an FP8 ag_gemm of e5m2 dy (each rank's block scaled by its own grad
-        # scale) and the e4m3 weight; its gathered dy serves dw = x.T @ g.
-        d8, gs = _quantized_cotangent(dy, grad_scale)
-        # The config of the e5m2 operand: the FP8 kernels' blocks are 128 wide only.
-        config = _ag_backward_config(plan.config, d8, w8.T, plan.axis_size)
-        ag_plan = ag_op.plan(d8, w8.T, axis_name=plan.axis_name, gather_dimension=sd, config=config,
-                             return_gathered=True, out_dtype=_backward_dtype(call),
-                             shared_scale=shared_over(gs, d8, plan.axis_name))
-        dx, g8, g_scales = ag_op.forward_fp8(d8, w8.T, gs, ws, ag_plan, gathered=True)
-        # dw.T = g.T @ x: g's gathered dim carries the sources' scales (contracted in the rows layout).
-        lead = _lead_dims(x8)
-        dw = dot_by_source(g8, x8, ((lead, lead), ((), ())), sd, g_scales).T * xs
-    return _cotangent(dx, call.x_dtype), _cotangent(dw, call.w_dtype), None, None, None
-
-
-_gemm_rs_fp8.defvjp(_gemm_rs_fp8_fwd, _gemm_rs_fp8_bwd)
-
-
-def _ag_backward_config(config: GemmRsConfig, dy, w_t, size: int) -> Optional[AgGemmConfig]:
-    """The backward ag_gemm's config: XLA after an XLA forward; a forward forced onto the kernels keeps
-    its backward there (as in the bf16 pairing); else the backward's own choice."""
-    if config.path == "xla":
-        return AgGemmConfig(path="xla")
-    if config.path == "fused":
-        return dataclasses.replace(ag_op.default_config(dy, w_t, size), path="fused")
-    return None
-
-
-def gemm_rs(x, w, *, axis_name, scatter_dimension, config, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
-    """entwine_jax.gemm_rs's FP8 call (see the module docstring)."""
-    xs, ws, gs, call = check("gemm_rs", x, (w,), x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
-    check_scales("gemm_rs", (("x", x, xs), ("w", w, ws)))
-    x8_aval = jax.ShapeDtypeStruct(tuple(x.shape), E4M3)
-    w8_aval = jax.ShapeDtypeStruct(tuple(w.shape), E4M3)
-    plan = rs_op.plan(x8_aval, w8_aval, axis_name=axis_name, scatter_dimension=scatter_dimension, config=config,
-                      out_dtype=call.out_dtype)
-    names = callsite.varying_over(x, w, axis_name=plan.axis_name)
-    with jax.named_scope("entwine_gemm_rs"):  # the census finds the op's collectives by it
-        return _gemm_rs_fp8(callsite.make_varying(x, names), callsite.make_varying(w, names), xs, ws, gs, plan, call)
-
-
-# --- ag_gemm --------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ag_gemm_fp8(x, w, x_scale, w_scale, grad_scale, plan, call):
-    out = ag_op.forward_fp8(quantize(x, x_scale), quantize(w, w_scale), x_scale, w_scale, plan,
-                            gathered=plan.return_gathered)
-    return out[:2] if plan.return_gathered else out
-
-
-def _ag_gemm_fp8_fwd(x, w, x_scale, w_scale, grad_scale, plan, call):
-    w8 = quantize(w, w_scale)
-    y, g8, g_scales = ag_op.forward_fp8(quantize(x, x_scale), w8, x_scale, w_scale, plan, gathered=True)
-    # The gathered FP8 operand (and its sources' scales) is the residual for dw.
-    return ((y, g8) if plan.return_gathered else y), (g8, g_scales, w8, w_scale, grad_scale)
-
-
-def _ag_gemm_fp8_bwd(plan, call, res, cotangents):
-    g8, g_scales, w8, ws, grad_scale = res
-    # The returned gathered operand is FP8, a constant to differentiation: its cotangent is dropped.
-    dy = cotangents[0] if plan.return_gathered else cotangents
-    gd = plan.gather_dimension
-    if not call.fp8_grads:
-        # The backward in bf16/fp16 on the dequantised weight and gathered operand: the bf16 gemm_rs.
-        dtype = jnp.dtype(call.grad_dtype)
-        dy, w_t = dy.astype(dtype), dequantize(w8, ws, dtype).T
-        config = _rs_backward_config(plan, dy, w_t)
-        rs_plan = rs_op.plan(dy, w_t, axis_name=plan.axis_name, scatter_dimension=gd, config=config)
-        dx = rs_op.forward(dy, w_t, rs_plan)
-        g = _dequantize_by_source(g8, g_scales, gd, dtype)
-        dw = matmul_weight_grad(g, dy, dtype)
-    else:
-        # dx = reduce-scatter of dy @ w.T: an FP8 gemm_rs of e5m2 dy (each rank's partial scaled by its own
-        # grad scale) and the e4m3 weight; dw = gathered x.T @ dy from the gathered FP8 operand.
-        d8, gs = _quantized_cotangent(dy, grad_scale)
-        # The config of the e5m2 operand: the FP8 kernels' blocks are 128 wide only.
-        config = _rs_backward_config(plan, d8, w8.T)
-        rs_plan = rs_op.plan(d8, w8.T, axis_name=plan.axis_name, scatter_dimension=gd, config=config,
-                             out_dtype=_backward_dtype(call))
-        dx = rs_op.forward_fp8(d8, w8.T, gs, ws, rs_plan)
-        lead = _lead_dims(g8)
-        dw = dot_by_source(g8, d8, ((lead, lead), ((), ())), gd, g_scales) * gs
-    return _cotangent(dx, call.x_dtype), _cotangent(dw, call.w_dtype), None, None, None
-
-
-_ag_gemm_fp8.defvjp(_ag_gemm_fp8_fwd, _ag_gemm_fp8_bwd)
-
-
-def _rs_backward_config(plan, dy, w_t) -> Optional[GemmRsConfig]:
-    """The backward gemm_rs's config, by the rule of _ag_backward_config."""
-    if plan.config.path == "xla":
-        return GemmRsConfig(path="xla")
-    if plan.config.path == "fused":
-        config, _ = rs_op.default_config(dy, w_t, plan.axis_size, plan.gather_dimension)
-        return dataclasses.replace(config, path="fused")
-    return None
-
-
-def _dequantize_by_source(g8, scales, dim: int, dtype):
+def dequantize_by_source(g8, scales, dim: int, dtype):
     """The gathered FP8 operand in `dtype`, each source's block of `dim` times its scale."""
     shape = [1] * g8.ndim
     shape[dim] = g8.shape[dim]
     per = jnp.repeat(scales, g8.shape[dim] // scales.shape[0]).reshape(shape)
     return (jax.lax.optimization_barrier(g8).astype(jnp.float32) * per).astype(dtype)  # as in dequantize
-
-
-def ag_gemm(x, w, *, axis_name, gather_dimension, config, return_gathered, x_scale, w_scale, out_dtype, grad_dtype,
-            grad_scale):
-    """entwine_jax.ag_gemm's FP8 call, w one weight or a group (see the module docstring). With
-    return_gathered also returns the gathered FP8 x (e4m3, each source's block in its own scale)."""
-    grouped = isinstance(w, (tuple, list))
-    weights = tuple(w) if grouped else (w,)
-    xs, ws, gs, call = check("ag_gemm", x, weights, x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
-    widths = ag_op.check_group(x, weights, fp8=True) if grouped else None
-    check_scales("ag_gemm", (("x", x, xs),) + tuple((f"w[{i}]" if grouped else "w", w_i, ws)
-                                                     for i, w_i in enumerate(weights)))
-    # One GEMM over the group's concatenated columns, split after (as for the bf16 group).
-    w_all = jnp.concatenate(weights, axis=1) if grouped else w
-    x8_aval = jax.ShapeDtypeStruct(tuple(x.shape), E4M3)
-    w8_aval = jax.ShapeDtypeStruct(tuple(w_all.shape), E4M3)
-    axis_name = callsite.hashable_axis(axis_name)
-    plan = ag_op.plan(x8_aval, w8_aval, axis_name=axis_name, gather_dimension=gather_dimension, config=config,
-                      return_gathered=return_gathered, out_dtype=call.out_dtype,
-                      shared_scale=shared_over(xs, x, axis_name))
-    names = callsite.varying_over(x, w_all, axis_name=plan.axis_name)
-    with jax.named_scope("entwine_ag_gemm"):  # the census finds the op's collectives by it
-        out = _ag_gemm_fp8(callsite.make_varying(x, names), callsite.make_varying(w_all, names), xs, ws, gs, plan,
-                           call)
-        if not grouped:
-            return out
-        y, g = out if return_gathered else (out, None)
-        ys = tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
-    return (ys, g) if return_gathered else ys

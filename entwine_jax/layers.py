@@ -70,7 +70,6 @@ parameters come out sharded as the rules say), or under ``nnx.use_eager_sharding
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -83,15 +82,15 @@ try:
     import flax.linen as nn
     from flax import nnx
     from flax.core import meta as flax_meta
-    from flax.linen import fp8_ops as flax_fp8
 except ImportError as e:  # flax is an optional dependency of entwine_jax
     raise ImportError(f"entwine_jax.layers needs flax: pip install 'entwine_jax[layers]' ({e})") from e
 
-from entwine_jax import callsite
 from entwine_jax import fp8 as fp8_ops
 from entwine_jax.ag_gemm.config import AgGemmConfig
+from entwine_jax.api import ag_gemm, gemm_rs
 from entwine_jax.gemm_rs.config import GemmRsConfig
-from entwine_jax.pairing import ag_gemm, gemm_rs
+from entwine_jax.layers_fp8 import (FP8_META_NAMES, OVERWRITE_WITH_GRADIENT, Fp8Meta, check_fp8, fp8_call_arguments,
+                                    fp8_meta, overwrite_with_gradient)
 
 __all__ = ["DEFAULT_LOGICAL_AXIS_RULES", "partition_specs", "row_parallel_linear", "column_parallel_linear",
            "column_parallel_group", "FP8_META_NAMES", "fp8_meta", "Fp8Meta", "overwrite_with_gradient",
@@ -224,131 +223,6 @@ def _flat_init(init: Initializer, n_in: int) -> Initializer:
 
 
 # ----------------------------------------------------------------------------------------------
-# FP8: current scaling, and delayed scaling with Flax's state (flax.linen.fp8_ops)
-# ----------------------------------------------------------------------------------------------
-
-# The delayed-scaling state of one layer, named and shaped as Flax's Fp8DotGeneral keeps it (scales
-# (1,), amax histories (amax_history_length,), float32) in the collection OVERWRITE_WITH_GRADIENT:
-# the training step replaces each of them by its "gradient", which is its next value.
-FP8_META_NAMES = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history", "input_scale",
-                  "kernel_scale", "output_grad_scale")
-OVERWRITE_WITH_GRADIENT = flax_fp8.OVERWRITE_WITH_GRADIENT
-
-
-def fp8_meta(amax_history_length: int = 1024) -> dict:
-    """A fresh delayed-scaling state (Flax's initial values: scales 1, histories 0)."""
-    history = jnp.zeros((amax_history_length,), jnp.float32)
-    scale = jnp.ones((1,), jnp.float32)
-    return {name: history if name.endswith("history") else scale for name in FP8_META_NAMES}
-
-
-class Fp8Meta(nnx.Variable):
-    """An NNX variable of the delayed-scaling state (FP8_META_NAMES). Differentiate with respect to it
-    too (``nnx.DiffState(0, (nnx.Param, Fp8Meta))``) and overwrite it with its gradient
-    (overwrite_with_gradient), as Flax's OVERWRITE_WITH_GRADIENT collection is."""
-
-
-def overwrite_with_gradient(state, grads):
-    """Replaces every Fp8Meta value of the NNX `state` by its gradient in `grads` (same structure)."""
-    return jax.tree.map(lambda v, g: g if isinstance(v, Fp8Meta) else v, state, grads,
-                        is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
-def _check_fp8(where: str, fp8) -> None:
-    if fp8 is None or fp8 == "current":
-        return
-    if not isinstance(fp8, Mapping) or set(fp8) != set(FP8_META_NAMES):
-        raise ValueError(f"{where}: fp8 must be None, 'current' or a delayed-scaling state with the keys "
-                         f"{FP8_META_NAMES} (layers.fp8_meta()), got {fp8!r}")
-    for name in FP8_META_NAMES:
-        v = fp8[name]
-        if not (hasattr(v, "dtype") and jnp.dtype(v.dtype) == jnp.float32 and v.ndim == 1):
-            raise ValueError(f"{where}: fp8[{name!r}] must be a 1-D float32 array, got "
-                             f"{getattr(v, 'dtype', type(v).__name__)}{list(getattr(v, 'shape', ()))}")
-
-
-def _global_amax(v, axis_name):
-    # The largest |v| over every rank's shard, over axis_name and every other axis v varies over (a
-    # data-parallel axis): the delayed-scaling state stays the same on every device, so its
-    # "gradient" is not summed over the axes it is replicated on.
-    axes = tuple(sorted(set(callsite.axis_names(axis_name)) | callsite.varying_axes(v), key=str))
-    return jax.lax.pmax(jnp.max(jnp.abs(v)).astype(jnp.float32), axes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _delayed_scale(dtype, axis_name, v, scale, history):
-    """This step's scale of v (from the amax history, Flax's rule); its "gradient" with respect to
-    scale and history is their next value (the history rolled, v's global amax in front)."""
-    return _next_meta(dtype, axis_name, v, scale, history)[0]
-
-
-def _next_meta(dtype, axis_name, v, scale, history):
-    return flax_fp8.update_fp8_meta(_global_amax(v, axis_name), dtype, scale, history)
-
-
-def _delayed_scale_fwd(dtype, axis_name, v, scale, history):
-    new_scale, new_history = _next_meta(dtype, axis_name, v, scale, history)
-    return new_scale, (new_scale, new_history)
-
-
-def _delayed_scale_bwd(dtype, axis_name, res, _):
-    new_scale, new_history = res
-    return None, new_scale, new_history
-
-
-_delayed_scale.defvjp(_delayed_scale_fwd, _delayed_scale_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _output_grad_meta(axis_name, y, scale, history):
-    """y, unchanged; the "gradient" of the output-gradient scale and history is their next value,
-    from the global amax of y's cotangent (the scale the backward used came from the history alone)."""
-    return y
-
-
-def _output_grad_meta_fwd(axis_name, y, scale, history):
-    return y, (scale, history)
-
-
-def _output_grad_meta_bwd(axis_name, res, dy):
-    scale, history = res
-    new_scale, new_history = flax_fp8.update_fp8_meta(_global_amax(dy, axis_name), fp8_ops.E5M2, scale, history)
-    return dy, new_scale, new_history
-
-
-_output_grad_meta.defvjp(_output_grad_meta_fwd, _output_grad_meta_bwd)
-
-
-def _history_scale(scale, history, dtype):
-    """The scale update_fp8_meta gives from the history alone (what the backward quantises dy with)."""
-    largest = jnp.finfo(dtype).max.astype(jnp.float32)
-    return jnp.reshape(flax_fp8.compute_scale(jnp.max(history), scale, largest), ())
-
-
-def fp8_call_arguments(where: str, fp8, x, kernel, axis_name, dtype):
-    """(the FP8 keyword arguments of an op call on x and kernel inside shard_map, a function applied to
-    its output; `where` names the caller in errors) for `fp8`:
-    None (a bf16/fp16 call), "current" (each rank's current scales of its own x and kernel shard, e5m2
-    gradients at their current scale) or a delayed-scaling state (scales from the amax histories,
-    the same on every rank, updated through the gradient as Flax does)."""
-    if fp8 is None:
-        return {}, lambda y: y
-    out_dtype = dtype if dtype in fp8_ops.OUT_DTYPES else jnp.dtype(jnp.bfloat16)
-    if fp8 == "current":
-        return (dict(x_scale=fp8_ops.current_scale(x), w_scale=fp8_ops.current_scale(kernel), out_dtype=out_dtype),
-                lambda y: y.astype(dtype))
-    meta = {name: jnp.asarray(v) for name, v in fp8.items()}
-    e4m3 = fp8_ops.E4M3
-    kwargs = dict(x_scale=_delayed_scale(e4m3, axis_name, x, meta["input_scale"], meta["input_amax_history"]),
-                  w_scale=_delayed_scale(e4m3, axis_name, kernel, meta["kernel_scale"], meta["kernel_amax_history"]),
-                  grad_scale=jax.lax.stop_gradient(_history_scale(meta["output_grad_scale"],
-                                                                  meta["output_grad_amax_history"], fp8_ops.E5M2)),
-                  out_dtype=out_dtype)
-    return kwargs, lambda y: _output_grad_meta(axis_name, y, meta["output_grad_scale"],
-                                               meta["output_grad_amax_history"]).astype(dtype)
-
-
-# ----------------------------------------------------------------------------------------------
 # Functional cores (shared by the NNX and Linen modules; usable on their own)
 # ----------------------------------------------------------------------------------------------
 
@@ -367,7 +241,7 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
     names), whose gradient is its next value (see the module docstring).
     """
     _check_choice(where, "scatter", scatter, _SCATTER)
-    _check_fp8(where, fp8)
+    check_fp8(where, fp8)
     _check_dtype(where, "dtype", dtype)
     _check_config(where, config)
     axis_name = _check_axis_name(where, axis_name)
@@ -459,7 +333,7 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
 def _check_column(x, kernel, bias, *, axis_name, gather, dtype, config, fp8=None, where):
     """ValueError for a column-parallel call that cannot run; (axis_name, compute dtype) otherwise."""
     _check_choice(where, "gather", gather, _GATHER)
-    _check_fp8(where, fp8)
+    check_fp8(where, fp8)
     if fp8 is not None and gather is None:
         raise ValueError(f"{where}: fp8={fp8 if isinstance(fp8, str) else 'a delayed-scaling state'} runs the FP8 "
                          "ag_gemm, which needs a sharded input: set gather ('rows', 'sequence' or 'hidden')")
@@ -709,7 +583,22 @@ def _linen_param(module: nn.Module, name: str, init: Initializer, axes, shape, p
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, param_dtype)
 
 
-class RowParallelDense(nn.Module):
+class _LinenLinear(nn.Module):
+    """The fields both Linen layers take (as the NNX layers' keyword arguments)."""
+    features: Any
+    axis_name: Any = "tp"
+    use_bias: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = default_bias_init
+    kernel_axes: Optional[Sequence[Optional[str]]] = None
+    bias_axes: Optional[Sequence[Optional[str]]] = None
+    fp8: Optional[str] = None
+    amax_history_length: int = 1024
+
+
+class RowParallelDense(_LinenLinear):
     """Row-parallel linear over gemm_rs, Flax Linen (the NNX RowParallelLinear's twin).
 
     ``features``: output features. The last ``contract_dims`` dims of x are contracted (2 for an
@@ -719,19 +608,9 @@ class RowParallelDense(nn.Module):
     inside shard_map with the parameters placed by ``partition_specs(params, rules)``.
     """
     features: int
-    axis_name: Any = "tp"
     scatter: str = "rows"
     contract_dims: int = 1
-    use_bias: bool = False
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = default_bias_init
-    kernel_axes: Optional[Sequence[Optional[str]]] = None
-    bias_axes: Optional[Sequence[Optional[str]]] = None
     config: Optional[GemmRsConfig] = None
-    fp8: Optional[str] = None
-    amax_history_length: int = 1024
 
     @nn.compact
     def __call__(self, x):
@@ -776,7 +655,7 @@ def _linen_fp8(module: nn.Module, where: str):
             for name, value in initial.items()}
 
 
-class ColumnParallelDense(nn.Module):
+class ColumnParallelDense(_LinenLinear):
     """Column-parallel linear, Flax Linen (the NNX ColumnParallelLinear's twin).
 
     ``features``: global output features (int or tuple, e.g. ``(heads, head_dim)`` with
@@ -785,18 +664,8 @@ class ColumnParallelDense(nn.Module):
     dot for None) and ``config`` (an AgGemmConfig) as in ColumnParallelLinear.
     """
     features: Union[int, Sequence[int]]
-    axis_name: Any = "tp"
     gather: Optional[str] = None
-    use_bias: bool = False
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = default_kernel_init
-    bias_init: Initializer = default_bias_init
-    kernel_axes: Optional[Sequence[Optional[str]]] = None
-    bias_axes: Optional[Sequence[Optional[str]]] = None
     config: Optional[AgGemmConfig] = None
-    fp8: Optional[str] = None
-    amax_history_length: int = 1024
 
     @nn.compact
     def __call__(self, x):

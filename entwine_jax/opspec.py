@@ -1,7 +1,8 @@
-# What an op tells shared code about itself, so that shared code (the collective census) asks the op
-# instead of branching on its name: the collective its kernels perform, its custom-call targets, the
-# bytes a custom call moves, and the name scope its XLA reference wraps each collective in, which
-# says which op it stands for and in what dtype the op's kernels move that data on a GPU.
+# The op contract: what an op tells shared code about itself, so that shared code (the census, the
+# pairing of each op with its backward) asks the op instead of branching on its name. Each op's
+# op.py declares one OpSpec; entwine_jax/registry.py lists them. Also the name scope an op's XLA
+# reference wraps each collective in, which says which op it stands for and in what dtype the op's
+# kernels move that data on a GPU.
 import dataclasses
 import re
 from typing import Callable, Optional
@@ -16,17 +17,57 @@ _MARK = re.compile(_PREFIX + r"\.(\w+)\.(\w+)")
 
 
 @dataclasses.dataclass(frozen=True)
-class CollectiveSpec:
-    """One op, as the census sees it.
+class OpSpec:
+    """One op, as shared code sees it. Every callable but fixed_us has one signature for every op.
 
-    name: the op ("gemm_rs"); kind: the collective its kernels perform (an HLO opcode,
-    "reduce-scatter"); targets: its custom-call targets; moved: (operand arrays, result arrays,
-    backend_config text) -> (W, the arrays one rank sends W - 1 times) of one custom call, arrays as
-    [(HLO element type, dims)]."""
+    The census: name (the op, its name scope "entwine_<name>" and its moves() label), kind (the
+    collective its kernels perform, an HLO opcode: "reduce-scatter"), targets (its custom-call
+    targets), moved(target, operand arrays, result arrays, backend_config text) -> (W, the arrays one
+    rank sends W - 1 times) of one custom call, arrays as [(HLO element type, dims)].
+
+    The pairing (entwine_jax.pairing): backward, the op (by name) whose call on (dy, w.T) in the same
+    layout (the same dimension) is this op's dx; gathers, whether the op can return the operand it
+    gathered (then the op's plan takes return_gathered, and that operand serves dw);
+    reference_backward(x, w, dy, *, axis_name, dimension) -> (dx, dw), the op's own XLA
+    backward after an XLA forward (None: the backward op on its XLA path).
+
+    The call site: config_type (its config; config_type(path="xla") is the XLA path), and
+      plan(x, w, *, axis_name, dimension, config, return_gathered=False, out_dtype=None,
+           shared_scale=False) -> the op's Plan: checks the call (ValueErrors naming the argument),
+           chooses its config and path, reports it; out_dtype: an FP8 call writing that dtype,
+           shared_scale: its x_scale the same on every rank. A Plan has axis_name, axis_size,
+           dimension (normalised), config, reason (None: the kernels run it), return_gathered.
+      forward(x, w, plan, gathered=False) -> y, or (y, gathered x) with gathered;
+      forward_fp8(x8, w8, x_scale, w_scale, plan, gathered=False) -> y, or (y, gathered x8, the W
+           sources' x_scale) with gathered;
+      why_not_fused(x, w, *, axis_name, axis_size, dimension, config, out_dtype=None,
+           shared_scale=False) -> why the call takes the XLA path, or None (asks only);
+      default_config(x, w, axis_size, dimension) -> (config, where it came from);
+      fixed_us(...) -> the fused call's fixed cost beyond XLA's in microseconds (the small-call
+           rule, tuning/crossover.py), from what that cost depends on for the op (nothing for one,
+           the transfer engine for another); the op's why_not_fused passes it on.
+    What a fused call needs of the communicator's heap each op asks for itself (its fused.prepare,
+    through comm.acquire_comm)."""
     name: str
     kind: str
     targets: tuple
     moved: Callable
+    backward: str
+    gathers: bool
+    reference_backward: Optional[Callable]
+    config_type: type
+    plan: Callable
+    forward: Callable
+    forward_fp8: Callable
+    why_not_fused: Callable
+    default_config: Callable
+    fixed_us: Callable
+
+    @property
+    def scope(self) -> str:
+        """The name scope of every operation of a call (forward and backward): how the census tells
+        the op's collectives from XLA's own."""
+        return f"entwine_{self.name}"
 
 
 def attribute_is(attrs: str, name: str, value: str) -> bool:

@@ -117,8 +117,8 @@ def test_fused_branch_reshapes_nd(fake, x_shape, sd):
         gemm_rs_reference(x2d, w, axis_name=call.axis_name, scatter_dimension=call.scatter_dimension))
     mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
     call = FakeCall("tp", 4, GemmRsConfig(), gemm_rs_op.kernel_scatter_dim(jnp.zeros(x_shape), sd))
-    plan = gemm_rs_op.Plan(axis_name="tp", axis_size=4, scatter_dimension=sd, config=GemmRsConfig(), reason=None,
-                     fused_call=call)
+    plan = gemm_rs_op.Plan(axis_name="tp", axis_size=4, dimension=sd, config=GemmRsConfig(), reason=None,
+                           fused_call=call)
     x = jax.random.normal(jax.random.key(1), x_shape, jnp.float32).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (64, 8), jnp.float32).astype(jnp.bfloat16)
     x_spec = P(*([None] * (len(x_shape) - 1)), "tp")

@@ -11,12 +11,12 @@ import entwine_jax
 
 PACKAGE = pathlib.Path(entwine_jax.__file__).parent
 OPS = ("gemm_rs", "ag_gemm")
-# Shared layers: the communicator, the call-site pipeline, the FFI call, the census, the small-call
-# rule, timing. The public API (__init__.py), the pairing (the registry of the ops and their
-# backward), FP8's pairing, the tuned table of gemm_rs (tuning/table.py, tune.py), the layers and the
-# MaxText integration are about the ops by design.
+# Shared modules: the communicator, the call-site pipeline, the FFI call, the op contract, the pairing
+# of each op with its backward (bf16 and FP8), FP8's helpers, the census, the small-call rule, timing.
+# The registry (one line per op), the public API (__init__.py, api.py), gemm_rs's tuner (tuning/tune.py),
+# the layers and the MaxText integration are about the ops by design.
 SHARED = ("_config.py", "_distributed.py", "_dot.py", "_extension.py", "_ffi.py", "_log.py", "callsite.py",
-          "comm.py", "census.py", "opspec.py", "tuning/crossover.py", "tuning/timing.py")
+          "comm.py", "census.py", "fp8.py", "opspec.py", "pairing.py", "tuning/crossover.py", "tuning/timing.py")
 # A string literal up to this long is a key or a value, not prose.
 KEY_CHARS = 40
 

@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 import entwine_jax
 from entwine_jax import GemmRsConfig, _extension, gemm_rs, heuristic_config, set_default_config
 from entwine_jax.gemm_rs import op as gemm_rs_op
-from entwine_jax.tuning import table, timing
+from entwine_jax.gemm_rs import table
+from entwine_jax.tuning import timing
 from entwine_jax.tuning import tune as tuner
 
 H200 = ("NVIDIA H200", "hopper-132sm")

@@ -1,6 +1,7 @@
 # ag_gemm at a call site: argument checks, config choice (override or heuristic), the plan of the call
 # (fused kernels prepared once, or the reason the XLA reference runs), the report, and the forward
-# computation. Its custom VJP, whose dx is a gemm_rs in the same layout, is entwine_jax.pairing.
+# computation; SPEC declares them (the op contract, entwine_jax.opspec). Its backward (dx: a gemm_rs
+# in the same layout) is declared there and run by entwine_jax.pairing.
 import dataclasses
 import functools
 import math
@@ -31,17 +32,12 @@ def _moved(target: str, ins: list, outs: list, attrs: str) -> tuple:
     return world, sent
 
 
-# The census' view of the op (entwine_jax.opspec).
-SPEC = opspec.CollectiveSpec(name=OP, kind="all-gather", targets=("entwine_ag_gemm", "entwine_ag_gemm_fp8"),
-                             moved=_moved)
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything static about one call; hashable (a custom_vjp nondiff argument)."""
     axis_name: Any
     axis_size: int
-    gather_dimension: int  # normalised, 0 <= gather_dimension < x.ndim
+    dimension: int  # the gather dimension, normalised: 0 <= dimension < x.ndim
     config: AgGemmConfig
     return_gathered: bool
     reason: Optional[str]  # None: the fused path (on CUDA); else why the XLA reference runs
@@ -133,9 +129,9 @@ def _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
     return x2d, w_aval, kwargs
 
 
-def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, config: AgGemmConfig,
+def why_not_fused(x, w, *, axis_name, axis_size: int, dimension: int, config: AgGemmConfig,
                   out_dtype=None, shared_scale: bool = False) -> Optional[str]:
-    """Why a call on operands shaped like x and w (gather_dimension normalised; out_dtype: an FP8
+    """Why a call on operands shaped like x and w (dimension: the gather dimension, normalised; out_dtype: an FP8
     call's output dtype, shared_scale: its x_scale the same on every rank) takes the XLA path on
     this mesh, or None; asks only, no communicator is made (for programs that report on calls)."""
     push = push_of(config, math.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
@@ -143,8 +139,7 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, gather_dimension: int, con
                                    axis_name=axis_name)
     if reason is not None:
         return reason
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, gather_dimension, config, out_dtype,
-                                           shared_scale)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, dimension, config, out_dtype, shared_scale)
     return fused.unavailable_reason(x2d, w_aval, **kwargs)
 
 
@@ -152,34 +147,34 @@ def _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale) -> tupl
     """(fused.AgGemmCall, None) when the fused kernels run this call, else (None, the reason)."""
     # why_not_fused only answers; prepare makes the communicator once it said None.
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
-    return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, gather_dimension=gd,
+    return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, dimension=gd,
                                                       config=config, out_dtype=out_dtype, shared_scale=shared_scale),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
 
 
-def default_config(x, w, size: int) -> AgGemmConfig:
-    """The config of a call without an override: the heuristic."""
-    return ag_heuristic_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], size, x.dtype)
+def default_config(x, w, size: int, dimension: int) -> tuple[AgGemmConfig, str]:
+    """(config, source) of a call without an override: the heuristic, whatever the gather dimension."""
+    return ag_heuristic_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], size, x.dtype), "heuristic"
 
 
-def plan(x, w, *, axis_name, gather_dimension, config: Optional[AgGemmConfig], return_gathered: bool,
+def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_gathered: bool = False,
          out_dtype=None, shared_scale: bool = False) -> Plan:
     """Check a call, choose its config and its path, and report the choice once per call site.
-    out_dtype: an FP8 call (operands checked by entwine_jax.fp8) writing this dtype; shared_scale:
+    dimension: the gather dimension; out_dtype: an FP8 call (operands checked by entwine_jax.fp8) writing this dtype; shared_scale:
     its x_scale is the same on every rank."""
     axis_name = callsite.hashable_axis(axis_name)
     out_dtype = None if out_dtype is None else jnp.dtype(out_dtype).name
-    size, gd = _check_args(x, w, axis_name, gather_dimension, out_dtype is not None)
+    size, gd = _check_args(x, w, axis_name, dimension, out_dtype is not None)
     if config is not None and not isinstance(config, AgGemmConfig):
         raise ValueError(f"ag_gemm: config must be an AgGemmConfig or None, got {type(config).__name__}")
     if not isinstance(return_gathered, bool):
         raise ValueError(f"ag_gemm: return_gathered must be a bool, got {return_gathered!r}")
     source = "override"
     if config is None:
-        config, source = default_config(x, w, size), "heuristic"
+        config, source = default_config(x, w, size, gd)
     _check_config(config)
     fused_call, reason = _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
-    p = Plan(axis_name=axis_name, axis_size=size, gather_dimension=gd, config=config,
+    p = Plan(axis_name=axis_name, axis_size=size, dimension=gd, config=config,
              return_gathered=return_gathered, reason=reason, fused_call=fused_call, out_dtype=out_dtype,
              shared_scale=shared_scale)
     key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, gd, out_dtype, shared_scale)
@@ -190,7 +185,7 @@ def plan(x, w, *, axis_name, gather_dimension, config: Optional[AgGemmConfig], r
 
 
 def _reference(x, w, plan: Plan, gathered: bool):
-    y, g = ag_gemm_reference(x, w, axis_name=plan.axis_name, gather_dimension=plan.gather_dimension)
+    y, g = ag_gemm_reference(x, w, axis_name=plan.axis_name, gather_dimension=plan.dimension)
     return (y, g) if gathered else y
 
 
@@ -211,7 +206,7 @@ def _fused_forward(x, w, *scales, plan: Plan, gathered: bool):
 
 def _placed(x, w, y2d, g, plan: Plan, gathered: bool, names):
     """The kernels' y [W * rows, N] (or [rows, N]) and gathered [W, rows, cols] in x's layout."""
-    world, gd, lead = plan.axis_size, plan.gather_dimension, tuple(x.shape[:-1])
+    world, gd, lead = plan.axis_size, plan.dimension, tuple(x.shape[:-1])
     gather_k = gd == x.ndim - 1
     n = w.shape[1]
     if not gathered:
@@ -238,7 +233,7 @@ def _placed(x, w, y2d, g, plan: Plan, gathered: bool, names):
     return y.reshape(shape + (n,)), g.reshape(shape + (x.shape[-1],))
 
 
-def forward(x, w, plan: Plan, gathered: bool):
+def forward(x, w, plan: Plan, gathered: bool = False):
     """all_gather(x) @ w, and with `gathered` the gathered x too: the fused kernels where the plan
     says so (on CUDA), else the reference."""
     return callsite.dispatch(plan.reason, functools.partial(_reference, plan=plan, gathered=gathered),
@@ -247,16 +242,23 @@ def forward(x, w, plan: Plan, gathered: bool):
 
 def _reference_fp8(x, w, x_scale, w_scale, plan: Plan, gathered: bool):
     y, g, scales = ag_gemm_reference_fp8(x, w, x_scale, w_scale, axis_name=plan.axis_name,
-                                         gather_dimension=plan.gather_dimension, out_dtype=plan.out_dtype,
+                                         gather_dimension=plan.dimension, out_dtype=plan.out_dtype,
                                          shared_scale=plan.shared_scale)
     # Typed as the fused branch types its results (a shared scale's broadcast varies over nothing).
     names = callsite.varying_over(x, w, x_scale, w_scale)
     return callsite.typed_like(names, y, g, scales) if gathered else callsite.typed_like(names, y)
 
 
-def forward_fp8(x, w, x_scale, w_scale, plan: Plan, gathered: bool):
+def forward_fp8(x, w, x_scale, w_scale, plan: Plan, gathered: bool = False):
     """all_gather(x * x_scale) @ (w * w_scale) of FP8 operands in plan.out_dtype, and with `gathered`
     the gathered FP8 x and the W sources' x_scale: the FP8 kernels where the plan says so (on CUDA),
     else the reference."""
     return callsite.dispatch(plan.reason, functools.partial(_reference_fp8, plan=plan, gathered=gathered),
                              functools.partial(_fused_forward, plan=plan, gathered=gathered), x, w, x_scale, w_scale)
+
+
+# The op contract (entwine_jax.opspec), listed in entwine_jax/registry.py.
+SPEC = opspec.OpSpec(name=OP, kind="all-gather", targets=("entwine_ag_gemm", "entwine_ag_gemm_fp8"), moved=_moved,
+                     backward="gemm_rs", gathers=True, reference_backward=None, config_type=AgGemmConfig, plan=plan,
+                     forward=forward, forward_fp8=forward_fp8, why_not_fused=why_not_fused,
+                     default_config=default_config, fixed_us=fixed_us)

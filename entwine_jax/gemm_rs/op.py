@@ -1,20 +1,20 @@
 # gemm_rs at a call site: argument checks, config choice (override, tuned table, heuristic; a config
 # the kernels cannot run is a ValueError here), the plan of the call (fused kernels prepared once, or
-# the reason the XLA reference runs), the report, and the forward computation. Its custom VJP, whose
-# dx is an ag_gemm in the same layout, is entwine_jax.pairing.
+# the reason the XLA reference runs), the report, and the forward computation; SPEC declares them
+# (the op contract, entwine_jax.opspec). Its backward (dx: an ag_gemm in the same layout) is declared
+# there and run by entwine_jax.pairing.
 import dataclasses
 import functools
 import math
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import jax
 
 from entwine_jax import callsite, opspec
-from entwine_jax.gemm_rs import fused
+from entwine_jax.gemm_rs import fused, table
 from entwine_jax.gemm_rs import plan as kernel_plan
 from entwine_jax.gemm_rs.config import GemmRsConfig, get_default_config
-from entwine_jax.gemm_rs.reference import gemm_rs_reference, gemm_rs_reference_fp8
-from entwine_jax.tuning import table
+from entwine_jax.gemm_rs.reference import gemm_rs_reference, gemm_rs_reference_bwd, gemm_rs_reference_fp8
 
 OP = "gemm_rs"
 printed: set = set()  # call sites printed under ENTWINE_PRINT_CONFIG=1
@@ -30,21 +30,18 @@ def _moved(target: str, ins: list, outs: list, attrs: str) -> tuple:
     return (w[1] // y[1] if columns else x[0] // y[0]), outs[:1]
 
 
-# The census' view of the op (entwine_jax.opspec).
-SPEC = opspec.CollectiveSpec(name=OP, kind="reduce-scatter", targets=("entwine_gemm_rs", "entwine_gemm_rs_fp8"),
-                             moved=_moved)
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything static about one call; hashable, so it can be a custom_vjp nondiff argument."""
     axis_name: Any
     axis_size: int
-    scatter_dimension: int  # normalised, 0 <= scatter_dimension < x.ndim
+    dimension: int  # the scatter dimension, normalised: 0 <= dimension < x.ndim
     config: GemmRsConfig
     reason: Optional[str]  # None: the fused path (on CUDA); else why the XLA reference runs
     fused_call: Any = None  # with reason None: fused.GemmRsCall (the kernels' plan and the comm id)
     out_dtype: Optional[str] = None  # an FP8 call (entwine_jax.fp8): the output dtype's name
+    # A reduce-scatter returns no gathered operand; each rank's partial carries its own FP8 scales.
+    return_gathered: ClassVar[bool] = False
 
 
 def _check_args(x, w, axis_name, scatter_dimension, fp8: bool) -> tuple[int, int]:
@@ -110,16 +107,17 @@ def _fused_arguments(x, w, axis_name, size, sd, config, out_dtype) -> tuple:
     return x2d, w_aval, kwargs
 
 
-def why_not_fused(x, w, *, axis_name, axis_size: int, scatter_dimension: int, config: GemmRsConfig,
-                  out_dtype=None) -> Optional[str]:
-    """Why a call on operands shaped like x and w (scatter_dimension normalised; out_dtype: an FP8
-    call's output dtype) takes the XLA path on this mesh, or None; asks only, no communicator is
-    made (for programs that report on calls, e.g. the benchmarks)."""
+def why_not_fused(x, w, *, axis_name, axis_size: int, dimension: int, config: GemmRsConfig, out_dtype=None,
+                  shared_scale: bool = False) -> Optional[str]:
+    """Why a call on operands shaped like x and w (dimension: the scatter dimension, normalised;
+    out_dtype: an FP8 call's output dtype; shared_scale changes nothing here) takes the XLA path on
+    this mesh, or None; asks only, no communicator is made (for programs that report on calls, e.g.
+    the benchmarks)."""
     reason = callsite.early_reason(config, axis_size, x.dtype, "reduce or scatter",
                                    *_cost(x, w, axis_size, out_dtype or x.dtype), fixed_us(), axis_name=axis_name)
     if reason is not None:
         return reason
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, scatter_dimension, config, out_dtype)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, dimension, config, out_dtype)
     return fused.unavailable_reason(x2d, w_aval, **kwargs)
 
 
@@ -127,28 +125,33 @@ def _prepare(x, w, axis_name, size, sd, config, out_dtype) -> tuple[Any, Optiona
     """(fused.GemmRsCall, None) when the fused kernels run this call, else (None, the reason)."""
     # why_not_fused only answers; prepare makes the communicator once it said None.
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, sd, config, out_dtype)
-    return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, scatter_dimension=sd,
-                                                      config=config, out_dtype=out_dtype),
+    return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, dimension=sd, config=config,
+                                                      out_dtype=out_dtype),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
 
 
-def default_config(x, w, size: int, sd: int) -> tuple[GemmRsConfig, str]:
+def default_config(x, w, size: int, dimension: int) -> tuple[GemmRsConfig, str]:
     """(config, source) of a call without an override: set_default_config(), else the tuned table,
-    else the heuristic. sd: the normalised scatter dimension."""
+    else the heuristic. dimension: the normalised scatter dimension."""
     config = get_default_config()
     if config is not None:
         return config, table.SOURCE_OVERRIDE
     # Keyed by the rows of x as this rank sees them (before the scatter), N, K_local, W, dtype.
     return table.select_config(math.prod(x.shape[:-1]), w.shape[1], x.shape[-1], size, x.dtype,
-                               rows=kernel_scatter_dim(x, sd) == 0)
+                               rows=kernel_scatter_dim(x, dimension) == 0)
 
 
-def plan(x, w, *, axis_name, scatter_dimension, config: Optional[GemmRsConfig], out_dtype=None) -> Plan:
+def plan(x, w, *, axis_name, dimension, config: Optional[GemmRsConfig], return_gathered: bool = False,
+         out_dtype=None, shared_scale: bool = False) -> Plan:
     """Check a call, choose its config and its path, and report the choice once per call site.
-    out_dtype: an FP8 call (operands checked by entwine_jax.fp8) writing this dtype."""
+    dimension: the scatter dimension; out_dtype: an FP8 call (operands checked by entwine_jax.fp8)
+    writing this dtype. return_gathered must be False and shared_scale changes nothing: a
+    reduce-scatter gathers nothing, and each rank's partial carries its own scales."""
+    if return_gathered:
+        raise ValueError("gemm_rs: return_gathered must be False (a reduce-scatter gathers nothing)")
     axis_name = callsite.hashable_axis(axis_name)
     out_dtype = None if out_dtype is None else jax.numpy.dtype(out_dtype).name
-    size, sd = _check_args(x, w, axis_name, scatter_dimension, out_dtype is not None)
+    size, sd = _check_args(x, w, axis_name, dimension, out_dtype is not None)
     if config is not None and not isinstance(config, GemmRsConfig):
         raise ValueError(f"gemm_rs: config must be a GemmRsConfig or None, got {type(config).__name__}")
     source = table.SOURCE_OVERRIDE
@@ -156,7 +159,7 @@ def plan(x, w, *, axis_name, scatter_dimension, config: Optional[GemmRsConfig], 
         config, source = default_config(x, w, size, sd)
     _check_config(config)
     fused_call, reason = _prepare(x, w, axis_name, size, sd, config, out_dtype)
-    p = Plan(axis_name=axis_name, axis_size=size, scatter_dimension=sd, config=config, reason=reason,
+    p = Plan(axis_name=axis_name, axis_size=size, dimension=sd, config=config, reason=reason,
              fused_call=fused_call, out_dtype=out_dtype)
     key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, sd, out_dtype)
     site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={axis_name!r} (size {size}) "
@@ -185,7 +188,7 @@ def _fused_forward(x, w, *scales, plan: Plan):
     # other output dim is a scatter over its rows, once _rows_by_partition has made every rank's
     # slice a contiguous block of rows (for the leading dim it already is, since B % W == 0).
     # scales: an FP8 call's (x_scale, w_scale).
-    sd, world, lead = plan.scatter_dimension, plan.axis_size, tuple(x.shape[:-1])
+    sd, world, lead = plan.dimension, plan.axis_size, tuple(x.shape[:-1])
     columns = kernel_scatter_dim(x, sd)
     x2d = x.reshape(-1, x.shape[-1]) if columns else _rows_by_partition(x, sd, world)
     y = fused.call_fp8(x2d, w, *scales, plan.fused_call) if scales else fused.call(x2d, w, plan.fused_call)
@@ -195,17 +198,24 @@ def _fused_forward(x, w, *scales, plan: Plan):
     return y.reshape(lead[:sd] + (lead[sd] // world,) + lead[sd + 1:] + (w.shape[1],))
 
 
-def forward(x, w, plan: Plan):
-    """y = psum_scatter(x @ w): the fused kernels where the plan says so (on CUDA), else the reference."""
-    reference = functools.partial(gemm_rs_reference, axis_name=plan.axis_name,
-                                  scatter_dimension=plan.scatter_dimension)
+def forward(x, w, plan: Plan, gathered: bool = False):
+    """y = psum_scatter(x @ w): the fused kernels where the plan says so (on CUDA), else the reference.
+    gathered: False (nothing is gathered; the contract's argument)."""
+    reference = functools.partial(gemm_rs_reference, axis_name=plan.axis_name, scatter_dimension=plan.dimension)
     return callsite.dispatch(plan.reason, reference, functools.partial(_fused_forward, plan=plan), x, w)
 
 
-def forward_fp8(x, w, x_scale, w_scale, plan: Plan):
+def forward_fp8(x, w, x_scale, w_scale, plan: Plan, gathered: bool = False):
     """psum_scatter((x * x_scale) @ (w * w_scale)) of FP8 operands in plan.out_dtype: the FP8
-    kernels where the plan says so (on CUDA), else the reference."""
-    reference = functools.partial(gemm_rs_reference_fp8, axis_name=plan.axis_name,
-                                  scatter_dimension=plan.scatter_dimension, out_dtype=plan.out_dtype)
+    kernels where the plan says so (on CUDA), else the reference. gathered: False, as in forward."""
+    reference = functools.partial(gemm_rs_reference_fp8, axis_name=plan.axis_name, scatter_dimension=plan.dimension,
+                                  out_dtype=plan.out_dtype)
     return callsite.dispatch(plan.reason, reference, functools.partial(_fused_forward, plan=plan), x, w, x_scale,
                              w_scale)
+
+
+# The op contract (entwine_jax.opspec), listed in entwine_jax/registry.py.
+SPEC = opspec.OpSpec(name=OP, kind="reduce-scatter", targets=("entwine_gemm_rs", "entwine_gemm_rs_fp8"), moved=_moved,
+                     backward="ag_gemm", gathers=False, reference_backward=gemm_rs_reference_bwd,
+                     config_type=GemmRsConfig, plan=plan, forward=forward, forward_fp8=forward_fp8,
+                     why_not_fused=why_not_fused, default_config=default_config, fixed_us=fixed_us)

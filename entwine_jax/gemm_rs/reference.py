@@ -22,12 +22,13 @@ def gemm_rs_reference(x, w, *, axis_name, scatter_dimension: int = 0):
     return y.astype(x.dtype)
 
 
-def gemm_rs_reference_bwd(x, w, dy, *, axis_name, scatter_dimension: int = 0):
-    """Cotangents (dx, dw) of gemm_rs: the backward of a reduce-scatter is an all-gather."""
+def gemm_rs_reference_bwd(x, w, dy, *, axis_name, dimension: int = 0):
+    """Cotangents (dx, dw) of gemm_rs scattering `dimension`: the backward of a reduce-scatter is an
+    all-gather."""
     # Gather in the cotangent's own dtype (half the bytes of fp32 for bf16/fp16).
     # Where the forward is fused this gather is an ag_gemm's (entwine_jax.pairing): labelled so.
     with opspec.moves("ag_gemm", dy.dtype):
-        g = jax.lax.all_gather(dy, axis_name, axis=scatter_dimension, tiled=True)
+        g = jax.lax.all_gather(dy, axis_name, axis=dimension, tiled=True)
     # dx = g @ w.T: contract N.
     dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())),
                              preferred_element_type=dot_type(x.dtype))

@@ -1,2 +1,3 @@
-# Tuned configs: table.py is the lookup gemm_rs makes at trace time (and the cache format), tune.py
-# the timing loop that fills the cache (imported only when tune() runs), timing.py its timing helpers.
+# Tuning: tune.py the timing loop that fills gemm_rs's tuned-config cache (imported only when tune()
+# runs; the table it fills is entwine_jax/gemm_rs/table.py), timing.py its timing helpers,
+# crossover.py the small-call rule every op's call site asks.

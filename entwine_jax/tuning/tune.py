@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from entwine_jax import _distributed, _extension, _log, comm
+from entwine_jax.api import gemm_rs
 from entwine_jax.gemm_rs import fused
 from entwine_jax.gemm_rs import plan as kernel_plan
 from entwine_jax.gemm_rs.config import GemmRsConfig, heuristic_config, producer_sms_beside, with_overrides
-from entwine_jax.pairing import gemm_rs
+from entwine_jax.gemm_rs.table import DTYPE_NAMES, device_class, write_cache
 from entwine_jax.tuning import timing
-from entwine_jax.tuning.table import DTYPE_NAMES, device_class, write_cache
 
 # --- tune() -----------------------------------------------------------------------------------------
 

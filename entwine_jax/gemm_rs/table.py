@@ -1,6 +1,6 @@
 # The tuned-config table gemm_rs consults at trace time, between a user override and its heuristic:
 # the user cache written by tune(), then the shipped tuned_configs.json. Reading and writing only; the
-# timing loop that fills it is tuning/tune.py.
+# timing loop that fills it is entwine_jax/tuning/tune.py.
 """Tuned GemmRsConfigs: the lookup ``gemm_rs`` makes at trace time, and the cache ``tune()`` writes.
 
 Selection order of a gemm_rs call (docs/design.md, "The budget and configuration"):
@@ -8,7 +8,7 @@ Selection order of a gemm_rs call (docs/design.md, "The budget and configuration
 1. ``config=`` or ``set_default_config``          -> source "override"
 2. the user cache (``ENTWINE_TUNE_CACHE``, default ``~/.cache/entwine_jax/tuned.json``)
                                                   -> source "tuned (user cache)"
-3. the shipped ``entwine_jax/tuning/tuned_configs.json`` -> source "tuned (shipped)"
+3. the shipped ``entwine_jax/gemm_rs/tuned_configs.json`` -> source "tuned (shipped)"
 4. ``heuristic_config``                           -> source "heuristic"
 
 Entries are keyed by (device_kind, world, m, n, k_local, dtype): ``device_kind`` is
@@ -256,7 +256,7 @@ def write_cache(entries: Iterable[dict], path=None) -> pathlib.Path:
             merged[repr(_key(entry))] = entry
         doc = {"format": FORMAT,
                "about": "entwine_jax user cache of tuned GemmRsConfigs, written by entwine_jax.tune(); "
-                        "see entwine_jax/tuning/table.py for the key and the selection order",
+                        "see entwine_jax/gemm_rs/table.py for the key and the selection order",
                "entries": sorted(merged.values(), key=lambda e: tuple(str(v) for v in _key(e)))}
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
         try:

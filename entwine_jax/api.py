@@ -1,0 +1,111 @@
+# The two ops as users call them: entwine_jax.gemm_rs and entwine_jax.ag_gemm (bf16/fp16, fp32 on the
+# XLA path, FP8 with scales; ag_gemm also on a group of weights). Each checks what only its public form
+# takes and hands the call to entwine_jax.pairing, which runs the op with its backward.
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entwine_jax import callsite, fp8, pairing
+from entwine_jax.ag_gemm import op as ag_op
+from entwine_jax.ag_gemm.config import AgGemmConfig
+from entwine_jax.gemm_rs.config import GemmRsConfig
+
+
+def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[GemmRsConfig] = None,
+            x_scale=None, w_scale=None, out_dtype=None, grad_dtype=None, grad_scale=None):
+    """Fused GEMM + ReduceScatter, called inside jax.shard_map.
+
+    Computes jax.lax.psum_scatter(x @ w, axis_name, scatter_dimension=scatter_dimension, tiled=True)
+    with fp32 accumulation and the result in x.dtype.
+
+    x: [..., K_local] (contraction dim sharded over axis_name); w: [K_local, N].
+    scatter_dimension indexes the output [..., N]; negative values count from the end.
+    config: a GemmRsConfig; default: set_default_config(), else the tuned table (user cache, then
+    shipped; entwine_jax.tuning), else heuristic_config().
+
+    FP8 (entwine_jax.fp8): with x_scale and w_scale (float32 scalars) computes
+    psum_scatter((x * x_scale) @ (w * w_scale)) on float8_e4m3fn operands (or bf16/fp16/fp32 ones the
+    op quantises with those scales) in out_dtype (bfloat16 or float16); the backward quantises the
+    cotangent to grad_dtype (float8_e5m2 with grad_scale, default each rank's current scale; or
+    bfloat16/float16).
+    """
+    if fp8.requested(x, w, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
+        xs, ws, gs, call = fp8.check("gemm_rs", x, (w,), x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
+        fp8.check_scales("gemm_rs", (("x", x, xs), ("w", w, ws)))
+        return pairing.call_fp8("gemm_rs", x, w, xs, ws, gs, call, axis_name=axis_name, dimension=scatter_dimension,
+                                config=config)
+    return pairing.call("gemm_rs", x, w, axis_name=axis_name, dimension=scatter_dimension, config=config)
+
+
+def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGemmConfig] = None,
+            return_gathered: bool = False, x_scale=None, w_scale=None, out_dtype=None, grad_dtype=None,
+            grad_scale=None):
+    """Fused AllGather + GEMM, called inside jax.shard_map.
+
+    Computes jnp.matmul(jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True), w) with
+    fp32 accumulation and the result in x.dtype; with return_gathered=True also returns the
+    gathered x.
+
+    Rows layout (gather_dimension a leading or middle dim: sequence parallelism): x [..., M/W, ..., K],
+    w [K, N_local] -> [..., M, ..., N_local]. Contraction layout (gather_dimension = -1: activations
+    sharded over the hidden dim): x [..., K/W], w [K, N_local] -> [..., N_local].
+
+    Grouped: w a tuple (or list) of weights [K, N_i] (e.g. query, key and value, of any widths) ->
+    a tuple of outputs [..., N_i], from one gather of x: the weights are one GEMM over their
+    concatenated columns, and the backward is one gemm_rs on all the cotangents.
+    config: an AgGemmConfig; default: ag_heuristic_config().
+
+    FP8 (entwine_jax.fp8): with x_scale and w_scale (float32 scalars; a group shares one w_scale)
+    computes all_gather(x * x_scale) @ (w * w_scale) on float8_e4m3fn operands (or bf16/fp16/fp32
+    ones the op quantises) in out_dtype; each rank's x_scale scales its own block of the gathered x.
+    return_gathered returns the gathered FP8 x. Backward as for gemm_rs.
+    """
+    if fp8.requested(x, w, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
+        return _ag_gemm_fp8(x, w, axis_name=axis_name, gather_dimension=gather_dimension, config=config,
+                            return_gathered=return_gathered, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype,
+                            grad_dtype=grad_dtype, grad_scale=grad_scale)
+    if isinstance(w, (tuple, list)):
+        return _grouped_ag_gemm(x, tuple(w), axis_name=axis_name, gather_dimension=gather_dimension, config=config,
+                                return_gathered=return_gathered)
+    return pairing.call("ag_gemm", x, w, axis_name=axis_name, dimension=gather_dimension, config=config,
+                        return_gathered=return_gathered)
+
+
+def _grouped_ag_gemm(x, weights: tuple, *, axis_name, gather_dimension, config, return_gathered):
+    # One ag_gemm over the weights' concatenated columns, split after. Differentiating through the
+    # concatenation and the split gives the pairing for the group: one gemm_rs on the concatenated
+    # cotangents (dx of every weight summed inside the GEMM) and each dw a column block of gathered
+    # x.T @ dy. The price is one copy of the weights (and of the cotangents in the backward) per call.
+    widths = ag_op.check_group(x, weights)
+    with jax.named_scope("entwine_ag_gemm"):
+        out = pairing.call("ag_gemm", x, jnp.concatenate(weights, axis=1), axis_name=axis_name,
+                           dimension=gather_dimension, config=config, return_gathered=return_gathered)
+        y, g = out if return_gathered else (out, None)
+        ys = tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
+    return (ys, g) if return_gathered else ys
+
+
+def _ag_gemm_fp8(x, w, *, axis_name, gather_dimension, config, return_gathered, x_scale, w_scale, out_dtype,
+                 grad_dtype, grad_scale):
+    """ag_gemm's FP8 call, w one weight or a group (entwine_jax.fp8). With return_gathered also
+    returns the gathered FP8 x (e4m3, each source's block in its own scale)."""
+    grouped = isinstance(w, (tuple, list))
+    weights = tuple(w) if grouped else (w,)
+    xs, ws, gs, call = fp8.check("ag_gemm", x, weights, x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
+    widths = ag_op.check_group(x, weights, fp8=True) if grouped else None
+    fp8.check_scales("ag_gemm", (("x", x, xs),) + tuple((f"w[{i}]" if grouped else "w", w_i, ws)
+                                                         for i, w_i in enumerate(weights)))
+    # One GEMM over the group's concatenated columns, split after (as for the bf16 group).
+    w_all = jnp.concatenate(weights, axis=1) if grouped else w
+    axis_name = callsite.hashable_axis(axis_name)
+    out = pairing.call_fp8("ag_gemm", x, w_all, xs, ws, gs, call, axis_name=axis_name, dimension=gather_dimension,
+                           config=config, return_gathered=return_gathered,
+                           shared_scale=fp8.shared_over(xs, x, axis_name))
+    if not grouped:
+        return out
+    with jax.named_scope("entwine_ag_gemm"):
+        y, g = out if return_gathered else (out, None)
+        ys = tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
+    return (ys, g) if return_gathered else ys
