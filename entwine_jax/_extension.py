@@ -103,11 +103,11 @@ def max_world() -> int:
     return int(ext().MAX_WORLD)
 
 
-def heap_bytes(world: int, slot_bytes: int, max_tiles: int, inbox_bytes: int = 0) -> int:
-    """Bytes of one rank's heap with room for a partial slot of slot_bytes, max_tiles flags per
-    source and an inbox of inbox_bytes (two flag parities, the ready words, two partial slots, one
-    inbox: docs/design.md, "The communicator and symmetric heap")."""
-    return int(ext().heap_bytes(world, slot_bytes, max_tiles, inbox_bytes))
+def heap_bytes(world: int, flags_per_source: int, regions: dict[str, int]) -> int:
+    """Bytes of one rank's heap with room for flags_per_source flags per source rank and
+    {region name: bytes} of the ops' registered regions (two flag parities, the ready words, two
+    copies of a double-buffered region: docs/design.md, "The communicator and symmetric heap")."""
+    return int(ext().heap_bytes(world, flags_per_source, regions))
 
 
 def gpu_sm_count() -> Optional[int]:

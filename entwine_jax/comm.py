@@ -1,9 +1,10 @@
 """The communicators of the fused ops: one per mesh axis (group of W devices), shared by every op.
 
 Knows no op. An op asks, at trace time, ``unavailable(...)`` (a predicate that only answers) and then
-``acquire_comm(mesh, axis, need)`` once per call site: the one place that creates, grows and
-connects communicators, with room for what the call needs (``Capacity``: partial-slot bytes, flag
-words per source, inbox bytes). The communicator's id goes into the call's static plan; the FFI
+``acquire_comm(mesh, axis, flags_per_source, regions)`` once per call site: the one place that
+creates, grows and connects communicators, with room for what the call needs (``Capacity``: flag
+words per source rank, and bytes of each heap region the call uses, named as its op registered it
+in C++). The communicator's id goes into the call's static plan; the FFI
 handlers find it by that id. ``deferred_growth()`` collects the needs of many call sites instead, so
 that ``entwine_jax.reserve`` grows each communicator once. Diagnostics (``check_errors``,
 ``device_epochs``, ``handler_cost``, ``last_call_ms``, ``heap_usage``) read the communicators without
@@ -12,7 +13,8 @@ changing them.
 Setup is transactional and agreed across processes: a creation or growth that fails on any process
 of the communicator (a peer that never comes within ENTWINE_SETUP_TIMEOUT_MS, a CUDA error) is undone
 on every one of them (_agree), the communicator stays as it was, and a later call site tries again.
-Only the job's own processes (same uid, the exchange's token) are sent the heap's file descriptors.
+Only the job's own processes (same uid, the exchange's token) are sent the heap's file descriptors
+(heap_exchange.py).
 
 Mesh discovery: inside ``jit`` jax exposes only the abstract mesh, so the device assignment comes
 from the enclosing ``jax.set_mesh(mesh)`` or, failing that, from ``entwine_jax.setup(mesh, axis)``.
@@ -25,38 +27,26 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import hmac
-import json
-import logging
 import os
-import secrets
 import socket
-import struct
 import sys
 import threading
 import time
 import zlib
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import jax
 import numpy as np
 
-from entwine_jax import _distributed, _extension
+from entwine_jax import _distributed, _extension, heap_exchange
 
 _DEFAULT_HEAP_MAX_BYTES = 4 << 30
-# Heaps grow in steps of this many bytes per slot (and flag words per source) so that a sequence of
+# Heaps grow in steps of this many bytes per region (and flag words per source) so that a sequence of
 # growing shapes reallocates (and synchronises every rank) a few times, not once per shape.
-_SLOT_GRANULE = 2 << 20
-_TILES_GRANULE = 64
+_REGION_GRANULE = 2 << 20
+_FLAGS_GRANULE = 64
 # Cross-process setup (the exchange of heap chunks): generous, since a peer may still be compiling.
 _DEFAULT_SETUP_TIMEOUT_MS = 300_000
-# A partner slower than this to join a growth is reported (in the log) while the wait goes on.
-_SLOW_PEER_MS = 10_000
-# File descriptors per socket message (the kernel takes at most 253).
-_FDS_PER_MESSAGE = 64
-# A partner says who it is as soon as it connects; a connection silent for this long is not a partner,
-# and it would hold up the partners queued behind it.
-_HELLO_TIMEOUT_S = 5.0
 
 
 class Unavailable(Exception):
@@ -163,20 +153,52 @@ def mesh_for(axis_name):
 # --- Communicators: one lifecycle, acquire_comm ---------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """Room in a communicator's heap: flag words per source rank, and bytes of each payload region,
+    named as the ops register them in C++ (comm::RegionSpec, e.g. "gemm_rs.partial"); a region not
+    named has none. Canonical (regions by name, none of 0 bytes), so equal rooms compare equal."""
+
+    flags_per_source: int = 0
+    regions: tuple[tuple[str, int], ...] = ()  # (name, bytes)
+
+    @staticmethod
+    def of(flags_per_source: int, regions: Mapping[str, int]) -> Capacity:
+        return Capacity(int(flags_per_source), tuple(sorted((str(n), int(b)) for n, b in regions.items() if b)))
+
+    def bytes(self, region: str) -> int:
+        return dict(self.regions).get(region, 0)
+
+    def covers(self, other: Capacity) -> bool:
+        return other.flags_per_source <= self.flags_per_source and all(b <= self.bytes(n) for n, b in other.regions)
+
+    def union(self, other: Capacity) -> Capacity:
+        names = {n for n, _ in self.regions + other.regions}
+        return Capacity.of(max(self.flags_per_source, other.flags_per_source),
+                           {n: max(self.bytes(n), other.bytes(n)) for n in names})
+
+    def rounded(self) -> Capacity:
+        """Rounded up to the granules: the steps a heap grows in."""
+        return Capacity.of(_round_up(self.flags_per_source, _FLAGS_GRANULE),
+                           {n: _round_up(b, _REGION_GRANULE) for n, b in self.regions})
+
+    def args(self) -> tuple[int, dict[str, int]]:
+        """(flags_per_source, {region: bytes}): how the extension's comm_create, comm_grow,
+        comm_shrink and heap_bytes take a capacity."""
+        return self.flags_per_source, dict(self.regions)
+
+    def __str__(self) -> str:
+        return ",".join([f"flags={self.flags_per_source}"] + [f"{n}={b}" for n, b in self.regions])
+
+
 @dataclasses.dataclass
 class _Comm:
     id: int
     local: list  # (device, rank, its group's row of devices) for the devices of this process
     processes: list  # process indices of the mesh
     heap_max: int  # the heap cap when it was created: its reserved addresses, fixed
-    slot_bytes: int = 0
-    max_tiles: int = 0
-    inbox_bytes: int = 0
+    capacity: Capacity = Capacity()
     generation: int = 0  # successful growths: names the exchange of the next one
-
-    @property
-    def capacity(self) -> tuple[int, int, int]:
-        return self.slot_bytes, self.max_tiles, self.inbox_bytes
 
     @property
     def partners(self) -> list[int]:
@@ -195,233 +217,42 @@ _atexit_registered = False
 _deferred = threading.local()
 
 
-def _key(comm: _Comm, capacity: tuple[int, int, int], what: str) -> str:
+def _key(comm: _Comm, capacity: Capacity, what: str) -> str:
     """A key of the exchange that takes `comm` from its generation to `capacity`: processes meet only
     on the same growth, so a process that traced a call site alone never pairs with a different one."""
-    return (f"entwine/{comm.id & 0xFFFFFFFFFFFFFFFF:016x}/{comm.generation}/"
-            f"{'-'.join(str(v) for v in capacity)}/{what}")
+    return f"entwine/{comm.id & 0xFFFFFFFFFFFFFFFF:016x}/{comm.generation}/{capacity}/{what}"
 
 
-def _capacity_for(comm: Optional[_Comm], slot_bytes: int, max_tiles: int,
-                  inbox_bytes: int) -> Optional[tuple[int, int, int]]:
-    """The (partial slot bytes, flags per source, inbox bytes) a communicator must grow to for a
-    call needing that much, rounded up to the granules; None when it has room already."""
-    old = comm.capacity if comm else (0, 0, 0)
-    if comm is not None and slot_bytes <= old[0] and max_tiles <= old[1] and inbox_bytes <= old[2]:
+def _capacity_for(comm: Optional[_Comm], need: Capacity) -> Optional[Capacity]:
+    """The capacity a communicator must grow to for a call needing `need`, rounded up to the
+    granules; None when it has room already."""
+    if comm is not None and comm.capacity.covers(need):
         return None
-    return (_round_up(max(old[0], slot_bytes), _SLOT_GRANULE), _round_up(max(old[1], max_tiles), _TILES_GRANULE),
-            _round_up(max(old[2], inbox_bytes), _SLOT_GRANULE))
+    old = comm.capacity if comm is not None else Capacity()
+    return old.union(need).rounded()
 
 
-def _heap_cap_reason(ext, comm: Optional[_Comm], world: int, slot_bytes: int, max_tiles: int,
-                     inbox_bytes: int) -> Optional[str]:
+def _heap_cap_reason(ext, comm: Optional[_Comm], world: int, need: Capacity) -> Optional[str]:
     """Why a call's heap cannot be had (ENTWINE_HEAP_MAX_BYTES, and for an existing communicator also
     the cap it was created with, which sized its reserved addresses), or None."""
-    new = _capacity_for(comm, slot_bytes, max_tiles, inbox_bytes)
+    new = _capacity_for(comm, need)
     if new is None:
         return None
-    need = int(ext.heap_bytes(world, *new))
+    need_bytes = int(ext.heap_bytes(world, *new.args()))
     cap = min(heap_max_bytes(), comm.heap_max) if comm is not None else heap_max_bytes()
-    if need > cap:
-        return f"symmetric heap of {need} bytes per device would exceed ENTWINE_HEAP_MAX_BYTES={cap}"
+    if need_bytes > cap:
+        return f"symmetric heap of {need_bytes} bytes per device would exceed ENTWINE_HEAP_MAX_BYTES={cap}"
     return None
 
 
-def _abstract_name(name: str) -> str:
-    return "\0" + name  # Linux's abstract socket namespace: no file, gone with the socket
-
-
-def _send_chunks(conn: socket.socket, table: list) -> None:
-    """Sends [(device id, [(offset, bytes, fd)])] over a SOCK_SEQPACKET connection: messages of at
-    most _FDS_PER_MESSAGE descriptors (SCM_RIGHTS), each with a JSON header, then an empty end."""
-    for device_id, chunks in table:
-        for i in range(0, max(len(chunks), 1), _FDS_PER_MESSAGE):
-            part = chunks[i:i + _FDS_PER_MESSAGE]
-            header = json.dumps({"device": device_id, "chunks": [[o, b] for o, b, _ in part]}).encode()
-            socket.send_fds(conn, [header], [fd for _, _, fd in part])
-    conn.sendall(b"{}")
-
-
-def _receive_chunks(conn: socket.socket, deadline: float) -> dict[int, list]:
-    """{device id: [(offset, bytes, fd)]} as _send_chunks sent it; the caller closes the fds."""
-    received: dict[int, list] = {}
-    try:
-        while True:
-            conn.settimeout(max(deadline - time.monotonic(), 0.001))
-            data, fds, flags, _ = socket.recv_fds(conn, 1 << 16, _FDS_PER_MESSAGE)
-            chunks_fds = list(fds)
-            try:
-                if not data:
-                    raise RuntimeError("a peer closed the exchange of heap chunks early")
-                header = json.loads(data)
-                if flags & socket.MSG_CTRUNC or len(header.get("chunks", [])) != len(chunks_fds):
-                    raise RuntimeError("a peer's message of heap chunks arrived truncated")
-            except BaseException:
-                for fd in chunks_fds:
-                    os.close(fd)
-                raise
-            if not header:
-                return received
-            received.setdefault(int(header["device"]), []).extend(
-                (int(o), int(b), fd) for (o, b), fd in zip(header["chunks"], chunks_fds))
-    except BaseException:
-        _close_received(received)
-        raise
-
-
-def _close_received(received: dict) -> None:
-    for chunks in received.values():
-        for _, _, fd in chunks:
-            os.close(fd)
-
-
-def _peer_credentials(conn: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the process at the other end of a Unix socket, as the kernel saw it connect."""
-    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return pid, uid
-
-
-def _admit(conn: socket.socket, token: str, partners: list, served: set, deadline: float) -> Optional[int]:
-    """The partner process at the other end of a connection to this process's exchange socket, or
-    None after refusing it: only a process of this user (SO_PEERCRED) that presents this exchange's
-    token, which only the job's key-value store holds, is sent file descriptors of the heap
-    (docs/design.md, "Who may join"). A refusal is logged, and the exchange goes on waiting."""
-    pid, uid = _peer_credentials(conn)
-    reason = None
-    if uid != os.getuid():
-        reason = f"it runs as uid {uid}, not {os.getuid()}"
-    else:
-        try:
-            conn.settimeout(max(min(deadline - time.monotonic(), _HELLO_TIMEOUT_S), 0.001))
-            hello = json.loads(conn.recv(4096) or b"null")
-            process, given = int(hello["process"]), str(hello["token"])
-        except (OSError, ValueError, TypeError, KeyError):
-            hello = None
-            reason = "it did not say which process of the job it is"
-        if hello is not None:
-            if not hmac.compare_digest(given.encode(), token.encode()):
-                reason = "it did not present the exchange's token"
-            elif process not in partners or process in served:
-                reason = f"process {process} is not a partner still to be served ({partners}, served {sorted(served)})"
-    if reason is None:
-        return process
-    logging.getLogger("entwine_jax").warning(
-        "entwine_jax: refused a connection to the heap exchange from pid %d: %s", pid, reason)
-    return None
-
-
-def _connect_to_peer(name_key: str, me: int, deadline: float) -> socket.socket:
-    """A connection, introduced as process `me`, to the socket a peer process published under
-    name_key. A name can be stale (an earlier attempt of the peer that gave up): it is read again
-    until the peer's live socket answers or the deadline passes."""
-    said = False
-    while True:
-        left_ms = int((deadline - time.monotonic()) * 1000)
-        if left_ms <= 0:
-            raise TimeoutError(f"no live socket under {name_key} before the deadline")
-        try:
-            # First a short wait, so that a long one is said while it lasts (a lone trace waits).
-            record = json.loads(_distributed.kv_get(name_key, left_ms if said else min(left_ms, _SLOW_PEER_MS)))
-        except TimeoutError:
-            if said or left_ms <= _SLOW_PEER_MS:
-                raise
-            said = True
-            logging.getLogger("entwine_jax").warning(
-                "entwine_jax: waiting up to %.0f s more for another process to join the growth of a fused op's heap "
-                "(%s); every process must trace the same fused call sites", left_ms / 1000 - _SLOW_PEER_MS / 1000,
-                name_key)
-            continue
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            conn.settimeout(max(deadline - time.monotonic(), 0.001))
-            conn.connect(_abstract_name(record["name"]))
-        except (ConnectionRefusedError, FileNotFoundError):
-            conn.close()
-            time.sleep(0.05)
-            continue
-        except BaseException:
-            conn.close()
-            raise
-        try:
-            # A stale name taken over by another user's process: not the partner.
-            _, uid = _peer_credentials(conn)
-            if uid != os.getuid():
-                raise PermissionError(f"the socket published under {name_key} belongs to uid {uid}, not {os.getuid()}")
-            conn.send(json.dumps({"process": me, "token": record["token"]}).encode())
-            return conn
-        except BaseException:
-            conn.close()
-            raise
-
-
-def _share_chunks(ext, comm: _Comm, capacity: tuple[int, int, int], attempt: int, deadline: float) -> None:
-    """Maps into this process the heap chunks of every rank of the other processes of our groups,
-    and hands them ours: CUDA's POSIX file descriptors, which are per process, cross over a Unix socket
-    (SCM_RIGHTS) whose name is published in the key-value store. The order cannot deadlock: every
-    process listens before it publishes, connects to all its partners (the kernel queues a connection
-    until it is accepted), serves every partner that connects, and only then reads what it was sent.
-    The socket only lives during this exchange, and serves only the partners (_admit): the token it
-    publishes beside its name is fresh each exchange."""
-    me = jax.process_index()
-    partners = comm.partners
-    name = f"entwine-{comm.id & 0xFFFFFFFFFFFFFFFF:016x}-{comm.generation}-{me}-{os.getpid()}-{time.monotonic_ns()}"
-    my_key = _key(comm, capacity, f"{attempt}/socket/{me}")
-    token = secrets.token_hex(32)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    clients: dict[int, socket.socket] = {}
-    exported: list = []
-    received: dict[int, list] = {}
-    try:
-        server.bind(_abstract_name(name))
-        server.listen(len(partners) + 4)  # room beside the partners for connections it refuses
-        for device, _, _ in comm.local:
-            exported.append((int(device.id), [tuple(c) for c in ext.comm_export(comm.id, device.local_hardware_id)]))
-        _distributed.kv_set(my_key, json.dumps({"name": name, "token": token}).encode(), overwrite=True)
-        for p in partners:
-            clients[p] = _connect_to_peer(_key(comm, capacity, f"{attempt}/socket/{p}"), me, deadline)
-        served: set[int] = set()
-        while len(served) < len(partners):
-            server.settimeout(max(deadline - time.monotonic(), 0.001))
-            conn, _ = server.accept()
-            with conn:
-                process = _admit(conn, token, partners, served, deadline)
-                if process is None:
-                    continue
-                conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                _send_chunks(conn, exported)
-                served.add(process)
-        for p, conn in clients.items():
-            for device_id, chunks in _receive_chunks(conn, deadline).items():
-                received.setdefault(device_id, []).extend(chunks)
-        for device, _, row in comm.local:
-            for rank, peer in enumerate(row):
-                if peer.process_index != me:
-                    chunks = received.get(int(peer.id))
-                    if not chunks:
-                        raise RuntimeError(f"process {peer.process_index} sent no heap chunks of device {peer.id}")
-                    ext.comm_import(comm.id, device.local_hardware_id, rank, [(o, b, fd) for o, b, fd in chunks])
-    except BaseException:
-        with contextlib.suppress(Exception):
-            _distributed.kv_delete(my_key)  # a peer reading it meanwhile finds it stale and reads again
-        raise
-    finally:
-        server.close()
-        for conn in clients.values():
-            conn.close()
-        for _, chunks in exported:
-            for _, _, fd in chunks:
-                os.close(fd)
-        _close_received(received)
-
-
-def _exchange(ext, comm: _Comm, capacity: tuple[int, int, int], attempt: int) -> None:
+def _exchange(ext, comm: _Comm, capacity: Capacity, attempt: int) -> None:
     """Makes `capacity` usable by calls on every local rank: the other processes' chunks mapped here
     (their heaps have grown as ours), then the peer tables filled. Raises on a peer that never
     comes within ENTWINE_SETUP_TIMEOUT_MS."""
     deadline = time.monotonic() + setup_timeout_ms() / 1000
     if comm.partners:
         try:
-            _share_chunks(ext, comm, capacity, attempt, deadline)
+            heap_exchange.share_chunks(ext, comm, lambda p: _key(comm, capacity, f"{attempt}/socket/{p}"), deadline)
         except (TimeoutError, socket.timeout) as e:
             raise TimeoutError(
                 f"processes {comm.partners} did not join the growth of the heap to {capacity} within "
@@ -458,8 +289,8 @@ def _check_devices(ext, groups: np.ndarray) -> None:
 @contextlib.contextmanager
 def deferred_growth():
     """Within it, acquire_comm on this thread only records what each call site needs, per
-    communicator, and changes nothing; yields {comm id: (mesh, axis_name, slot_bytes, max_tiles,
-    inbox_bytes)}, the largest need of each. entwine_jax.reserve grows each to it afterwards."""
+    communicator, and changes nothing; yields {comm id: (mesh, axis_name, Capacity)}, the largest need
+    of each. entwine_jax.reserve grows each to it afterwards."""
     if getattr(_deferred, "needs", None) is not None:
         raise RuntimeError("deferred_growth() does not nest")
     _deferred.needs = {}
@@ -469,10 +300,11 @@ def deferred_growth():
         _deferred.needs = None
 
 
-def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int, inbox_bytes: int = 0) -> int:
-    """The communicator of `axis_name` of `mesh` (shared by gemm_rs and ag_gemm), with room for one
-    partial slot of slot_bytes (gemm_rs), max_tiles flag words per source rank, and an inbox of
-    inbox_bytes (ag_gemm); returns its id, which the call passes to its FFI handler.
+def acquire_comm(mesh, axis_name, flags_per_source: int, regions: Mapping[str, int]) -> int:
+    """The communicator of `axis_name` of `mesh` (shared by every op), with room for flags_per_source
+    flag words per source rank and `regions` ({region name: bytes}: the heap regions the call's op
+    registered, e.g. {"gemm_rs.partial": slot bytes}); returns its id, which the call passes to its
+    FFI handler.
 
     The one place that changes communicators: it creates one (heaps, streams, peer tables), or grows
     it (docs/design.md, "The communicator and symmetric heap"), or finds it big enough and does
@@ -491,16 +323,17 @@ def acquire_comm(mesh, axis_name, slot_bytes: int, max_tiles: int, inbox_bytes: 
         if cid in _failed:
             raise Unavailable(_failed[cid])
         comm = _comms.get(cid)
-        new = _capacity_for(comm, slot_bytes, max_tiles, inbox_bytes)
+        need = Capacity.of(flags_per_source, regions)
+        new = _capacity_for(comm, need)
         if new is None:
             return cid
-        cap_reason = _heap_cap_reason(ext, comm, world, slot_bytes, max_tiles, inbox_bytes)
+        cap_reason = _heap_cap_reason(ext, comm, world, need)
         if cap_reason:
             raise Unavailable(cap_reason)
         needs = getattr(_deferred, "needs", None)
         if needs is not None:
-            _, _, *have = needs.get(cid, (mesh, axis_name, 0, 0, 0))
-            needs[cid] = (mesh, axis_name, *(max(a, b) for a, b in zip(have, (slot_bytes, max_tiles, inbox_bytes))))
+            _, _, have = needs.get(cid, (mesh, axis_name, Capacity()))
+            needs[cid] = (mesh, axis_name, have.union(need))
             return cid
         try:
             if comm is None:
@@ -531,19 +364,19 @@ def reserve(fn, *args, **kwargs) -> dict:
         jax.eval_shape(fn, *args, **kwargs)
     ext, _ = _extension.registered()
     sized = {}
-    for cid, (mesh, axis_name, slot_bytes, max_tiles, inbox_bytes) in needs.items():
+    for cid, (mesh, axis_name, need) in needs.items():
         try:
-            acquire_comm(mesh, axis_name, slot_bytes, max_tiles, inbox_bytes)
+            acquire_comm(mesh, axis_name, need.flags_per_source, dict(need.regions))
         except Unavailable as e:
             raise RuntimeError(f"entwine_jax.reserve: the heap of axis {axis_name!r} cannot hold every call site "
                                f"of {getattr(fn, '__name__', fn)!r} at once: {e}") from None
         with _lock:
             comm = _comms[cid]
-            sized[axis_name] = int(ext.heap_bytes(len(comm.local[0][2]), *comm.capacity))
+            sized[axis_name] = int(ext.heap_bytes(len(comm.local[0][2]), *comm.capacity.args()))
     return sized
 
 
-def _create(ext, groups: np.ndarray, cid: int, capacity: tuple[int, int, int]) -> None:
+def _create(ext, groups: np.ndarray, cid: int, capacity: Capacity) -> None:
     _check_devices(ext, groups)
     me = jax.process_index()
     local = [(d, r, row) for row in groups for r, d in enumerate(row) if d.process_index == me]
@@ -551,29 +384,29 @@ def _create(ext, groups: np.ndarray, cid: int, capacity: tuple[int, int, int]) -
     comm = _Comm(cid, local, processes, heap_max_bytes())
     attempt = _attempt(comm, capacity)
     try:
-        ext.comm_create(cid, groups.shape[1], [(int(d.local_hardware_id), r) for d, r, _ in local], *capacity,
-                        comm.heap_max)
+        ext.comm_create(cid, groups.shape[1], [(int(d.local_hardware_id), r) for d, r, _ in local],
+                        *capacity.args(), comm.heap_max)
     except BaseException as e:
         _agree(comm, capacity, attempt, e)  # raises: the partners hear of it now, not at their deadline
         raise
     _register_atexit()
     _setup_step(comm, capacity, attempt, lambda: _exchange(ext, comm, capacity, attempt), lambda: ext.comm_destroy(cid))
-    comm.slot_bytes, comm.max_tiles, comm.inbox_bytes = capacity
+    comm.capacity = capacity
     comm.generation += 1
     _comms[cid] = comm
 
 
-def _grow(ext, comm: _Comm, capacity: tuple[int, int, int]) -> None:
+def _grow(ext, comm: _Comm, capacity: Capacity) -> None:
     # Calls compiled earlier may run meanwhile: growing only maps memory behind what they use, and
     # they keep the old capacity until the exchange made the new one usable on every rank here.
     attempt = _attempt(comm, capacity)
 
     def grow_and_exchange():
-        ext.comm_grow(comm.id, *capacity)
+        ext.comm_grow(comm.id, *capacity.args())
         _exchange(ext, comm, capacity, attempt)
 
-    _setup_step(comm, capacity, attempt, grow_and_exchange, lambda: ext.comm_shrink(comm.id, *comm.capacity))
-    comm.slot_bytes, comm.max_tiles, comm.inbox_bytes = capacity
+    _setup_step(comm, capacity, attempt, grow_and_exchange, lambda: ext.comm_shrink(comm.id, *comm.capacity.args()))
+    comm.capacity = capacity
     comm.generation += 1
 
 
@@ -582,7 +415,7 @@ class SetupUndone(RuntimeError):
     process that failed (or never reported) and why."""
 
 
-def _setup_step(comm: _Comm, capacity: tuple[int, int, int], attempt: int, step, undo) -> None:
+def _setup_step(comm: _Comm, capacity: Capacity, attempt: int, step, undo) -> None:
     """Runs a setup step, then commits it only where every process of the communicator did its part
     (_agree); else undoes it here, as every process does, and raises SetupUndone with the reason."""
     try:
@@ -602,7 +435,7 @@ def _setup_step(comm: _Comm, capacity: tuple[int, int, int], attempt: int, step,
 _DECIDED = b"commit"
 
 
-def _attempt(comm: _Comm, capacity: tuple[int, int, int]) -> int:
+def _attempt(comm: _Comm, capacity: Capacity) -> int:
     """The number of this process's attempt at the setup taking `comm` to `capacity`: the first one
     not decided yet. Processes that try while an attempt is open join it; after a lone attempt that
     was undone (a trace on one process), the next attempt of all of them has a fresh number."""
@@ -614,7 +447,7 @@ def _attempt(comm: _Comm, capacity: tuple[int, int, int]) -> int:
     return attempt
 
 
-def _agree(comm: _Comm, capacity: tuple[int, int, int], attempt: int, failure: Optional[BaseException]) -> None:
+def _agree(comm: _Comm, capacity: Capacity, attempt: int, failure: Optional[BaseException]) -> None:
     """Setup agreed across processes (docs/design.md, "Setup agreed across processes"): returns when
     every process of the communicator did its part of this attempt, else raises SetupUndone, the same
     on every process, naming the first process that failed or never reported. Each process posts its
@@ -761,7 +594,8 @@ def _queried_comm(what: str, mesh, axis_name):
 def last_call_ms(mesh, axis_name) -> list[tuple[int, float, float]]:
     """[(local device, producer_ms, consumer_ms)] of the last completed fused call on the mesh
     axis: milliseconds from the fork of XLA's stream to the end of the producer GEMM (the GEMM
-    window) and to the end of the consumer. Needs ENTWINE_PROFILE=1 before the first call (the
+    window) and to the join of the first side stream (a reduce-scatter's consumer, forked there
+    under profiling). Needs ENTWINE_PROFILE=1 before the first call (the
     extension then records timing events per call); block on the call's result first."""
     ext, cid = _queried_comm("last_call_ms", mesh, axis_name)
     return [tuple(t) for t in ext.last_call_ms(cid)]
@@ -877,13 +711,12 @@ def mesh_reason(ext, mesh, axis_name, axis_size) -> Optional[str]:
     return None
 
 
-def heap_reason(ext, mesh, axis_name, world: int, slot_bytes: int, max_tiles: int,
-                inbox_bytes: int = 0) -> Optional[str]:
+def heap_reason(ext, mesh, axis_name, world: int, flags_per_source: int, regions: Mapping[str, int]) -> Optional[str]:
     """Why the communicator cannot grow to what the call needs (the heap cap), asked only."""
     groups = device_groups(mesh, axis_name)
     with _lock:
-        return _heap_cap_reason(ext, _comms.get(comm_id(groups, axis_name)), world, slot_bytes, max_tiles,
-                                inbox_bytes)
+        return _heap_cap_reason(ext, _comms.get(comm_id(groups, axis_name)), world,
+                                Capacity.of(flags_per_source, regions))
 
 
 def cached_reason(key, mesh, compute) -> Optional[str]:

@@ -1,6 +1,7 @@
 // nanobind module entwine_jax._entwine: each op's FFI target and plan (bound by the op, one line
 // each), and the communicator API that entwine_jax.comm.acquire_comm drives at trace time (create,
 // grow, share chunks, connect, errors, shutdown). Failures raise RuntimeError with CUDA's message.
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -9,6 +10,7 @@
 
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -38,6 +40,13 @@ namespace comm = entwine::comm;
 
 // Calls that may wait on the GPU release the GIL: an XLA thread may need it meanwhile.
 using NoGil = nb::call_guard<nb::gil_scoped_release>;
+
+// A capacity as Python asks it: flags per source rank and {region name: bytes} (an unknown name
+// raises ValueError).
+using RegionBytes = std::map<std::string, size_t>;
+comm::Capacity capacity(int64_t flags_per_source, RegionBytes const& regions) {
+  return comm::capacity(flags_per_source, {regions.begin(), regions.end()});
+}
 
 // Every op's FFI targets, filled once at import by the ops' bind().
 entwine::FfiTargets& ffi_targets() {
@@ -94,36 +103,42 @@ NB_MODULE(_entwine, m) {
   }, nb::arg("device"), "(free, total) bytes of local device `device`, as CUDA sees them (all processes).");
 
   m.def("comm_create",
-        [](int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks,
-           size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes, size_t heap_max_bytes) {
-          comm::create(comm_id, world, local_ranks, {slot_bytes, inbox_bytes, max_tiles}, heap_max_bytes);
+        [](int64_t comm_id, int world, const std::vector<std::pair<int, int>>& local_ranks, int64_t flags_per_source,
+           RegionBytes const& regions, size_t heap_max_bytes) {
+          comm::Capacity const c = capacity(flags_per_source, regions);
+          nb::gil_scoped_release release;
+          comm::create(comm_id, world, local_ranks, c, heap_max_bytes);
         },
-        nb::arg("comm_id"), nb::arg("world"), nb::arg("local_ranks"), nb::arg("slot_bytes"),
-        nb::arg("max_tiles"), nb::arg("inbox_bytes"), nb::arg("heap_max_bytes"), NoGil(),
+        nb::arg("comm_id"), nb::arg("world"), nb::arg("local_ranks"), nb::arg("flags_per_source"),
+        nb::arg("regions"), nb::arg("heap_max_bytes"),
         "Create the local ranks [(device ordinal, rank)] of a communicator: heaps reserved for heap_max_bytes, "
-        "zeroed memory mapped for the capacity.");
+        "zeroed memory mapped for the capacity (flags per source rank, {region name: bytes}).");
   m.def("comm_destroy", &comm::destroy, nb::arg("comm_id"), NoGil(),
         "Remove a communicator no call has used (its creation failed to connect).");
 
   m.def("heap_bytes",
-        [](int world, size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {
-          return comm::mapped_bytes(world, {slot_bytes, inbox_bytes, max_tiles}).total();
+        [](int world, int64_t flags_per_source, RegionBytes const& regions) {
+          return comm::mapped_bytes(world, capacity(flags_per_source, regions)).total();
         },
-        nb::arg("world"), nb::arg("slot_bytes"), nb::arg("max_tiles"), nb::arg("inbox_bytes") = 0,
-        "Bytes of device memory one rank's heap maps for a partial slot of slot_bytes, max_tiles flags per "
-        "source and an inbox of inbox_bytes.");
+        nb::arg("world"), nb::arg("flags_per_source"), nb::arg("regions"),
+        "Bytes of device memory one rank's heap maps for flags_per_source flags per source rank and "
+        "{region name: bytes} (two copies of a double-buffered region).");
 
   m.def("comm_grow",
-        [](int64_t comm_id, size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {
-          comm::grow(comm_id, {slot_bytes, inbox_bytes, max_tiles});
+        [](int64_t comm_id, int64_t flags_per_source, RegionBytes const& regions) {
+          comm::Capacity const c = capacity(flags_per_source, regions);
+          nb::gil_scoped_release release;
+          comm::grow(comm_id, c);
         },
-        nb::arg("comm_id"), nb::arg("slot_bytes"), nb::arg("max_tiles"), nb::arg("inbox_bytes"), NoGil(),
+        nb::arg("comm_id"), nb::arg("flags_per_source"), nb::arg("regions"),
         "Map zeroed memory behind every local heap's regions up to the capacity (calls use it after comm_connect).");
   m.def("comm_shrink",
-        [](int64_t comm_id, size_t slot_bytes, int64_t max_tiles, size_t inbox_bytes) {
-          comm::shrink(comm_id, {slot_bytes, inbox_bytes, max_tiles});
+        [](int64_t comm_id, int64_t flags_per_source, RegionBytes const& regions) {
+          comm::Capacity const c = capacity(flags_per_source, regions);
+          nb::gil_scoped_release release;
+          comm::shrink(comm_id, c);
         },
-        nb::arg("comm_id"), nb::arg("slot_bytes"), nb::arg("max_tiles"), nb::arg("inbox_bytes"), NoGil(),
+        nb::arg("comm_id"), nb::arg("flags_per_source"), nb::arg("regions"),
         "Undo a comm_grow (and the imports) down to the capacity: a growth whose exchange failed.");
 
   m.def("comm_export", [](int64_t comm_id, int device) {

@@ -22,6 +22,8 @@ from entwine_jax.gemm_rs import fused as rs_fused
 from entwine_jax.gemm_rs import plan as rs_plan
 
 CFG = GemmRsConfig()
+# The heap regions the two ops register (ffi/<op>/handler.cc).
+PARTIAL, INBOX = "gemm_rs.partial", "ag_gemm.inbox"
 
 
 def needs_plan():
@@ -135,7 +137,7 @@ def test_heap_cap_is_a_reason(monkeypatch):
     monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
     monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(1 << 20))
     with pytest.raises(comm.Unavailable, match="ENTWINE_HEAP_MAX_BYTES=1048576"):
-        comm.acquire_comm(_mesh(), "tp", 8192 * 8192 * 2, 32 * 64)
+        comm.acquire_comm(_mesh(), "tp", 32 * 64, {PARTIAL: 8192 * 8192 * 2})
     assert not ext.calls and not comm._comms  # nothing created
     monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", "lots")
     with pytest.raises(ValueError, match="ENTWINE_HEAP_MAX_BYTES must be an integer"):
@@ -220,13 +222,15 @@ def test_pad_operands_skips_aligned_operands(plan):
 
 
 def test_heap_bytes_and_the_plan_capacity(plan):
-    # Device memory mapped: [flags parity 0][flags parity 1][ready words][slot 0][slot 1][inbox], each
-    # region in whole 2 MiB chunks, the ready words one chunk (comm::mapped_bytes).
+    # Device memory mapped: [flags parity 0][flags parity 1][ready words][partial 0][partial 1][inbox],
+    # each region in whole 2 MiB chunks, the ready words one chunk (comm::mapped_bytes).
     chunk = 2 << 20
-    assert _extension.heap_bytes(2, 1 << 20, 64) == 2 * chunk + chunk + 2 * chunk
-    assert _extension.heap_bytes(3, 100, 1) == 5 * chunk
-    assert _extension.heap_bytes(2, 5 << 20, 64, 3000) == 2 * chunk + chunk + 2 * 3 * chunk + chunk
-    assert _extension.heap_bytes(8, 64 << 20, 32768 + 1) == 2 * 2 * chunk + chunk + 2 * 32 * chunk
+    assert _extension.heap_bytes(2, 64, {PARTIAL: 1 << 20}) == 2 * chunk + chunk + 2 * chunk
+    assert _extension.heap_bytes(3, 1, {PARTIAL: 100}) == 5 * chunk
+    assert _extension.heap_bytes(2, 64, {PARTIAL: 5 << 20, INBOX: 3000}) == 2 * chunk + chunk + 2 * 3 * chunk + chunk
+    assert _extension.heap_bytes(8, 32768 + 1, {PARTIAL: 64 << 20}) == 2 * 2 * chunk + chunk + 2 * 32 * chunk
+    with pytest.raises(ValueError, match="no region named slot"):
+        _extension.heap_bytes(2, 1, {"slot": 1})
     # One slot holds the padded M x N product (2-byte elements); one flag per tile of a partition.
     p = rs_fused.padding(8192, 1024, 8192, 2, 128)
     assert p.slot_bytes == 8192 * 8192 * 2 and p.tiles_per_partition == 32 * 64
@@ -360,8 +364,9 @@ class FakeExt:
     def error_message(self, comm_id):
         return self.error
 
-    def heap_bytes(self, world, slot_bytes, max_tiles, inbox_bytes=0):
-        return 2 * slot_bytes + 2 * world * max_tiles * 8 + inbox_bytes  # a stand-in: only the cap check reads it
+    def heap_bytes(self, world, flags_per_source, regions):
+        # A stand-in (only the cap check reads it): the partial double-buffered, as in the extension.
+        return 2 * world * flags_per_source * 8 + sum(regions.values()) + regions.get(PARTIAL, 0)
 
 
 class FakeKV:
@@ -400,26 +405,27 @@ def test_create_grow_and_errors_one_process(monkeypatch):
     monkeypatch.setattr(comm, "_check_devices", lambda *a: None)
     monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
     slot, tiles = 256 * 128 * 2, 1
-    cid = comm.acquire_comm(mesh, "tp", slot, tiles)
+    cid = comm.acquire_comm(mesh, "tp", tiles, {PARTIAL: slot})
     entry = comm._comms[cid]
-    assert comm.acquire_comm(mesh, "tp", slot, tiles) == cid  # enough room: nothing to do
+    assert comm.acquire_comm(mesh, "tp", tiles, {PARTIAL: slot}) == cid  # enough room: nothing to do
     assert [c[0] for c in ext.calls] == ["comm_create"] + ["comm_connect"] * 8
     create = ext.calls[0]
     assert create[1:3] == (entry.id, 4)
     assert create[3] == [(d, d % 4) for d in range(8)]
-    assert create[4] % (2 << 20) == 0 and create[5] % 64 == 0 and create[7] == comm.heap_max_bytes()
+    # The capacity as the extension takes it: flags per source (a granule), {region: bytes} (chunks).
+    assert create[4] == 64 and create[5] == {PARTIAL: 2 << 20} and create[6] == comm.heap_max_bytes()
     # One process: every peer is a local ordinal (its heap used directly), the group of the device.
     assert ext.calls[5] == ("comm_connect", entry.id, 4, [4, 5, 6, 7])
     # A larger call grows the heap: map more, reconnect; no synchronisation, the id stays.
     ext.calls.clear()
-    assert comm.acquire_comm(mesh, "tp", 4 * 4096 * 4096 * 2, 32 * 32) == cid
+    assert comm.acquire_comm(mesh, "tp", 32 * 32, {PARTIAL: 4 * 4096 * 4096 * 2}) == cid
     assert [c[0] for c in ext.calls] == ["comm_grow"] + ["comm_connect"] * 8
-    assert entry.slot_bytes >= 4 * 4096 * 4096 * 2 and entry.generation == 2
+    assert entry.capacity.bytes(PARTIAL) >= 4 * 4096 * 4096 * 2 and entry.generation == 2
     # A failure during setup is a reason (Unavailable), not a crash of the trace; nothing changed.
     before = entry.capacity
     ext.comm_grow = lambda *a: (_ for _ in ()).throw(RuntimeError("cuMemCreate: out of memory"))
     with pytest.raises(comm.Unavailable, match=r"setup failed \(RuntimeError: cuMemCreate.*is unchanged"):
-        comm.acquire_comm(mesh, "tp", 8 * 4096 * 4096 * 2, 32 * 32)
+        comm.acquire_comm(mesh, "tp", 32 * 32, {PARTIAL: 8 * 4096 * 4096 * 2})
     assert entry.capacity == before and cid not in comm._failed
     # check_errors reports what a consumer recorded.
     comm.check_errors()
@@ -457,7 +463,7 @@ def test_predicates_only_answer_and_prepare_acquires_once(monkeypatch):
     ag_call = ag_fused.prepare(x, w, gather_k=False, config=ag_config, **kw)
     assert ag_call.comm_id == cid and hash(ag_call)
     assert [c[0] for c in ext.calls[3:]] == ["comm_grow"] + ["comm_connect"] * 2
-    assert comm._comms[cid].inbox_bytes >= 2 * 512 * 64 * 2
+    assert comm._comms[cid].capacity.bytes(INBOX) >= 2 * 512 * 64 * 2
     assert ag_fused.prepare(x, w, gather_k=False, config=ag_config, **kw) == ag_call and len(ext.calls) == 6
     # A call above the heap cap: the predicate says so, and nothing is grown.
     monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(8 << 20))
@@ -602,25 +608,25 @@ def test_a_failed_setup_is_undone_and_retried(monkeypatch):
 
     ext.comm_connect = refuse
     with pytest.raises(comm.Unavailable, match=r"setup failed \(TimeoutError: no heap from rank 3.*'tp' is unchanged"):
-        comm.acquire_comm(mesh, "tp", 1024, 1)
+        comm.acquire_comm(mesh, "tp", 1, {PARTIAL: 1024})
     assert [c[:2] for c in ext.calls] == [("comm_create", cid), ("comm_destroy", cid)]
     assert cid not in comm._comms and comm.mesh_reason(ext, mesh, "tp", 4) is None
     del ext.comm_connect
-    assert comm.acquire_comm(mesh, "tp", 1024, 1) == cid and comm._comms[cid].generation == 1
+    assert comm.acquire_comm(mesh, "tp", 1, {PARTIAL: 1024}) == cid and comm._comms[cid].generation == 1
     # A growth that fails is shrunk back to the capacity calls use; if that fails too, no later call
     # site may use the communicator (it says why), and the predicate says so as well.
     ext.calls.clear()
     ext.comm_connect = refuse
     have = comm._comms[cid].capacity
     with pytest.raises(comm.Unavailable, match="is unchanged"):
-        comm.acquire_comm(mesh, "tp", 64 << 20, 1)
-    assert [c[0] for c in ext.calls] == ["comm_grow", "comm_shrink"] and ext.calls[1][2:] == have
+        comm.acquire_comm(mesh, "tp", 1, {PARTIAL: 64 << 20})
+    assert [c[0] for c in ext.calls] == ["comm_grow", "comm_shrink"] and ext.calls[1][2:] == have.args()
     assert comm._comms[cid].capacity == have and comm._comms[cid].generation == 1
     ext.comm_shrink = lambda *a: (_ for _ in ()).throw(RuntimeError("cuMemUnmap: invalid value"))
     with pytest.raises(comm.Unavailable, match=r"could not be undone \(RuntimeError: cuMemUnmap"):
-        comm.acquire_comm(mesh, "tp", 64 << 20, 1)
+        comm.acquire_comm(mesh, "tp", 1, {PARTIAL: 64 << 20})
     with pytest.raises(comm.Unavailable, match="no longer uses it"):
-        comm.acquire_comm(mesh, "tp", 16, 1)
+        comm.acquire_comm(mesh, "tp", 1, {PARTIAL: 16})
     assert "no longer uses it" in comm.mesh_reason(ext, mesh, "tp", 4)
 
 
@@ -707,28 +713,28 @@ def test_reserve_grows_once_for_every_call_site(monkeypatch):
     ext = FakeExt()
     monkeypatch.setattr(_extension, "registered", lambda: (ext, None))
     mesh = _gpu_mesh()
-    sites = [(64 << 20, 512, 0), (8 << 20, 4096, 0), (0, 64, 32 << 20)]  # slot bytes, flags, inbox bytes
+    sites = [(512, {PARTIAL: 64 << 20}), (4096, {PARTIAL: 8 << 20}), (64, {INBOX: 32 << 20})]
 
     def step(scale):
-        for slot, tiles, inbox in sites:
-            comm.acquire_comm(mesh, "tp", slot, tiles, inbox)
+        for flags, regions in sites:
+            comm.acquire_comm(mesh, "tp", flags, regions)
         return scale * 2
 
     sized = entwine_jax.reserve(step, jax.ShapeDtypeStruct((), jnp.float32))
     cid = comm.comm_id(comm.device_groups(mesh, "tp"), "tp")
     assert [c[0] for c in ext.calls] == ["comm_create"] + ["comm_connect"] * 2
-    assert ext.calls[0][4:7] == (64 << 20, 4096, 32 << 20)
+    assert ext.calls[0][4:6] == (4096, {INBOX: 32 << 20, PARTIAL: 64 << 20})
     entry = comm._comms[cid]
-    assert sized == {"tp": ext.heap_bytes(2, *entry.capacity)}
+    assert sized == {"tp": ext.heap_bytes(2, *entry.capacity.args())}
     step(1.0)
     assert len(ext.calls) == 3
     # Sites that fit the cap one by one but not together: reserve says so, naming the function, and
     # grows nothing.
-    monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(ext.heap_bytes(2, 128 << 20, 4096, 32 << 20)))
+    monkeypatch.setenv("ENTWINE_HEAP_MAX_BYTES", str(ext.heap_bytes(2, 4096, {PARTIAL: 128 << 20, INBOX: 32 << 20})))
 
     def bigger():
-        comm.acquire_comm(mesh, "tp", 128 << 20, 512)
-        comm.acquire_comm(mesh, "tp", 0, 64, 64 << 20)
+        comm.acquire_comm(mesh, "tp", 512, {PARTIAL: 128 << 20})
+        comm.acquire_comm(mesh, "tp", 64, {INBOX: 64 << 20})
 
     with pytest.raises(RuntimeError, match=r"reserve: the heap of axis 'tp' cannot hold every call site of 'bigger'"):
         entwine_jax.reserve(bigger)

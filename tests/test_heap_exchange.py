@@ -1,4 +1,4 @@
-"""The exchange of heap chunks between processes (entwine_jax.comm._share_chunks), on CPU: two real
+"""The exchange of heap chunks between processes (entwine_jax.heap_exchange), on CPU: two real
 processes joined by jax.distributed, real Unix sockets and file descriptors, and a fake extension
 whose chunks are memfd files that name their owner. Covers the creation, a growth, a peer that
 comes too late (the attempt is undone, the retry works), the descriptors left open afterwards, a
@@ -19,6 +19,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Abstract Unix sockets and memfd files are Linux's, as the exchange is.
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+# The one heap region the fake extension's chunks stand for.
+REGION = "gemm_rs.partial"
 
 
 def _free_port() -> int:
@@ -103,14 +105,14 @@ def test_a_partner_failing_in_the_exchange_undoes_the_growth_on_every_process():
 
 
 def test_the_exchange_admits_only_the_jobs_partners(monkeypatch):
-    from entwine_jax import comm
+    from entwine_jax import heap_exchange
 
     def admit(hello, partners=(1, 2), served=()):
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with a, b:
             if hello is not None:
                 b.send(json.dumps(hello).encode())
-            return comm._admit(a, "s3cret", list(partners), set(served), time.monotonic() + 0.2)
+            return heap_exchange._admit(a, "s3cret", list(partners), set(served), time.monotonic() + 0.2)
 
     assert admit({"process": 2, "token": "s3cret"}) == 2
     assert admit({"process": 2, "token": "guess"}) is None
@@ -123,7 +125,7 @@ def test_the_exchange_admits_only_the_jobs_partners(monkeypatch):
 
 def test_many_chunks_cross_in_several_messages():
     # More descriptors than one message carries, over two devices, and a device with none.
-    from entwine_jax import comm
+    from entwine_jax import heap_exchange
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     table = []
@@ -135,8 +137,8 @@ def test_many_chunks_cross_in_several_messages():
             chunks.append((i << 21, 2 << 20, fd))
         table.append((device, chunks))
     with a, b:
-        comm._send_chunks(a, table)
-        received = comm._receive_chunks(b, time.monotonic() + 10)
+        heap_exchange._send_chunks(a, table)
+        received = heap_exchange._receive_chunks(b, time.monotonic() + 10)
     try:
         assert sorted(received) == [3, 5, 7] and received[5] == []
         for device, chunks in table:
@@ -144,7 +146,7 @@ def test_many_chunks_cross_in_several_messages():
             assert [(o, n) for o, n, _ in got] == [(o, n) for o, n, _ in chunks]
             assert [os.pread(fd, 16, 0).decode() for _, _, fd in got] == [f"d{device}-c{i}" for i in range(len(chunks))]
     finally:
-        comm._close_received(received)
+        heap_exchange._close_received(received)
         for _, chunks in table:
             for _, _, fd in chunks:
                 os.close(fd)
@@ -175,9 +177,9 @@ class _ChunkExt:
         self._record("comm_grow")
         self.chunks.append(2 << 20)
 
-    def comm_shrink(self, *args):
+    def comm_shrink(self, cid, flags_per_source, regions):
         self._record("comm_shrink")
-        self.chunks = [o for o in self.chunks if o < args[1]]
+        self.chunks = [o for o in self.chunks if o < regions[REGION]]
 
     def comm_export(self, cid, device):
         self._record("comm_export")
@@ -199,8 +201,8 @@ class _ChunkExt:
         self._record("comm_connect")
         self.connected = peers
 
-    def heap_bytes(self, world, slot, tiles, inbox=0):
-        return 2 * slot
+    def heap_bytes(self, world, flags_per_source, regions):
+        return 2 * regions.get(REGION, 0)
 
     def can_access_peer(self, a, b):
         return True
@@ -237,15 +239,15 @@ def _late_peer(rank: int, port: int) -> None:
     if rank == 0:
         os.environ["ENTWINE_SETUP_TIMEOUT_MS"] = "1000"
         try:
-            comm.acquire_comm(mesh, "tp", 1 << 20, 1)
+            comm.acquire_comm(mesh, "tp", 1, {REGION: 1 << 20})
         except comm.Unavailable as e:
             result["first_attempt"] = str(e)
         os.environ["ENTWINE_SETUP_TIMEOUT_MS"] = "60000"
         ext.imported.clear()
     else:
         time.sleep(3)  # arrives after process 0's first attempt gave up
-    comm.acquire_comm(mesh, "tp", 1 << 20, 1)
-    comm.acquire_comm(mesh, "tp", 3 << 20, 1)  # a growth: a second chunk
+    comm.acquire_comm(mesh, "tp", 1, {REGION: 1 << 20})
+    comm.acquire_comm(mesh, "tp", 1, {REGION: 3 << 20})  # a growth: a second chunk
     result.update(calls=ext.calls, imported=ext.imported, connect=ext.connected,
                   open_fds_before=open_before, open_fds_after=len(os.listdir("/proc/self/fd")))
     _leave(rank, comm, result)
@@ -255,7 +257,9 @@ def _intruded(rank: int, port: int) -> None:
     import logging
 
     comm, ext, mesh, _ = _join(rank, port)
-    comm._HELLO_TIMEOUT_S = 1.0  # the silent intruder holds process 0 up this long
+    from entwine_jax import heap_exchange
+
+    heap_exchange._HELLO_TIMEOUT_S = 1.0  # the silent intruder holds process 0 up this long
     refused = []
     handler = logging.Handler()
     handler.emit = lambda record: refused.append(record.getMessage())
@@ -263,8 +267,8 @@ def _intruded(rank: int, port: int) -> None:
     os.environ["ENTWINE_SETUP_TIMEOUT_MS"] = "60000"
     if rank == 1:
         time.sleep(4)  # process 0 listens meanwhile, and the intruder finds its socket
-    cid = comm.acquire_comm(mesh, "tp", 1 << 20, 1)
-    comm.acquire_comm(mesh, "tp", 3 << 20, 1)
+    cid = comm.acquire_comm(mesh, "tp", 1, {REGION: 1 << 20})
+    comm.acquire_comm(mesh, "tp", 1, {REGION: 3 << 20})
     _leave(rank, comm, dict(imported=ext.imported, generation=comm._comms[cid].generation,
                             refused=[m for m in refused if "refused" in m]))
 
@@ -272,8 +276,8 @@ def _intruded(rank: int, port: int) -> None:
 def _partner_fails(rank: int, port: int) -> None:
     comm, ext, mesh, _ = _join(rank, port)
     os.environ["ENTWINE_SETUP_TIMEOUT_MS"] = "60000"
-    cid = comm.acquire_comm(mesh, "tp", 1 << 20, 1)
-    result = dict(capacity_before=list(comm._comms[cid].capacity))
+    cid = comm.acquire_comm(mesh, "tp", 1, {REGION: 1 << 20})
+    result = dict(capacity_before=str(comm._comms[cid].capacity))
 
     def fail():
         raise RuntimeError("injected: cuMemMap of rank 0's chunk failed")
@@ -281,21 +285,21 @@ def _partner_fails(rank: int, port: int) -> None:
     if rank == 1:
         ext.on_import = [fail]  # after it served process 0 and received its chunks: the middle of the exchange
     try:
-        comm.acquire_comm(mesh, "tp", 3 << 20, 1)
+        comm.acquire_comm(mesh, "tp", 1, {REGION: 3 << 20})
     except comm.Unavailable as e:
         result["failed_growth"] = str(e)
-    result["capacity_after_undo"] = list(comm._comms[cid].capacity)
+    result["capacity_after_undo"] = str(comm._comms[cid].capacity)
     if rank == 0:
         os.environ["ENTWINE_SETUP_TIMEOUT_MS"] = "1500"
     else:
         ext.on_import = [lambda: time.sleep(4)]  # its part done only after process 0 stopped waiting
     try:
-        comm.acquire_comm(mesh, "tp", 3 << 20, 1)
+        comm.acquire_comm(mesh, "tp", 1, {REGION: 3 << 20})
     except comm.Unavailable as e:
         result["late_growth"] = str(e)
     os.environ["ENTWINE_SETUP_TIMEOUT_MS"] = "60000"
-    comm.acquire_comm(mesh, "tp", 3 << 20, 1)
-    result.update(calls=ext.calls, capacity=list(comm._comms[cid].capacity), generation=comm._comms[cid].generation)
+    comm.acquire_comm(mesh, "tp", 1, {REGION: 3 << 20})
+    result.update(calls=ext.calls, capacity=str(comm._comms[cid].capacity), generation=comm._comms[cid].generation)
     _leave(rank, comm, result)
 
 

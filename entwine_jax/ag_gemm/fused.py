@@ -104,7 +104,13 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, o
                 f"need {plan.sms_needed} SMs at once, the GPU has {_extension.sm_count()}")
     if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
         return reason
-    return comm.heap_reason(ext, mesh, axis_name, axis_size, 0, plan.chunks, plan.inbox_bytes)
+    return comm.heap_reason(ext, mesh, axis_name, axis_size, *_heap_need(plan))
+
+
+def _heap_need(plan) -> tuple[int, dict[str, int]]:
+    """What a call needs of the communicator's heap: a flag per chunk of a shard, and the W gathered
+    shards in the region that ffi/ag_gemm/handler.cc registers (the inbox)."""
+    return plan.chunks, {"ag_gemm.inbox": plan.inbox_bytes}
 
 
 def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config,
@@ -154,7 +160,7 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out
     except _plan.PlanError as e:
         raise Unavailable(f"the kernels cannot run this call: {e.rule}") from None
     p = ag_padding(plan, rows, cols, n, axis_size, gather_k)
-    cid = comm.acquire_comm(mesh, axis_name, 0, plan.chunks, inbox_bytes=plan.inbox_bytes)
+    cid = comm.acquire_comm(mesh, axis_name, *_heap_need(plan))
     return AgGemmCall(padding=p, gemm_sms=gemm_sms, push_sms=push_sms, comm_id=cid, config=config,
                       target=_plan.fp8_target() if fp8 else _plan.target(),
                       out_dtype=jnp.dtype(out_dtype).name if fp8 else None)

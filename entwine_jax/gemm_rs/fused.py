@@ -94,7 +94,13 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, 
         return reason
     if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
         return reason
-    return comm.heap_reason(ext, mesh, axis_name, axis_size, plan.slot_bytes, plan.tiles_per_partition)
+    return comm.heap_reason(ext, mesh, axis_name, axis_size, *_heap_need(plan))
+
+
+def _heap_need(plan) -> tuple[int, dict[str, int]]:
+    """What a call needs of the communicator's heap: a flag per tile of a partition, and its partial
+    output in the region that ffi/gemm_rs/handler.cc registers (double-buffered)."""
+    return plan.tiles_per_partition, {"gemm_rs.partial": plan.slot_bytes}
 
 
 def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension,
@@ -144,7 +150,7 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, co
                                   x_dtype=jnp.dtype(x_local_aval.dtype).name)
     except (_plan.PlanError, _plan.NoExtension) as e:
         raise Unavailable(f"the kernels cannot run this call: {e}") from None
-    cid = comm.acquire_comm(mesh, axis_name, plan.slot_bytes, plan.tiles_per_partition)
+    cid = comm.acquire_comm(mesh, axis_name, *_heap_need(plan))
     return GemmRsCall(plan=plan, comm_id=cid, config=config, target=_plan.fp8_target() if fp8 else _plan.target(),
                       out_dtype=jnp.dtype(out_dtype).name if fp8 else None)
 

@@ -20,8 +20,18 @@ namespace entwine {
 
 namespace ag_gemm {
 
+namespace {
+
+// The heap region of the gathered shards (RegionSpec::id): single (the inbox argument, RunAgGemm).
+int inbox_region = -1;
+const comm::RegionSpec kRegions[] = {{"ag_gemm.inbox", false, &inbox_region}};
+
+}  // namespace
+
 // The GEMM and the transfer kernels are loaded with the communicator; the workspace holds the SM
-// push's arrival counters (one transfer stream runs the push kernel: one set per entry).
+// push's arrival counters (one transfer stream runs the push kernel: one set per entry). Side
+// stream d - 1 is transfer stream d (1 <= d < world), which pushes this rank's shard to rank
+// (rank + d) % world, so every link carries a transfer from the start of a call.
 const comm::OpHooks kHooks{
     "ag_gemm",
     prepare_kernels,
@@ -35,6 +45,9 @@ const comm::OpHooks kHooks{
              std::to_string(e.source);
     },
     kPushArrivalsBytes,
+    kRegions,
+    1,
+    [](int world) { return world - 1; },
 };
 
 }  // namespace ag_gemm
@@ -77,12 +90,13 @@ ffi::Error check_plan(AgPlan const& plan, AgProblem const& problem, AgGemmConfig
                                        " (or one SM for the chunk releases) need " + std::to_string(plan.sms_needed) +
                                        " SMs, this GPU has " + std::to_string(dc.sm_count) + call());
   }
-  if (size_t(plan.inbox_bytes) > dc.capacity.inbox_bytes || plan.chunks > dc.capacity.max_tiles) {
+  size_t const has_bytes = dc.capacity.bytes[ag_gemm::inbox_region];
+  if (size_t(plan.inbox_bytes) > has_bytes || plan.chunks > dc.capacity.flags_per_source) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       "entwine ag_gemm: call needs an inbox of " + std::to_string(plan.inbox_bytes) + " bytes and " +
                           std::to_string(plan.chunks) + " chunks per source, communicator has " +
-                          std::to_string(dc.capacity.inbox_bytes) + " bytes and " +
-                          std::to_string(dc.capacity.max_tiles) + " flags per source");
+                          std::to_string(has_bytes) + " bytes and " +
+                          std::to_string(dc.capacity.flags_per_source) + " flags per source");
   }
   return ffi::Error::Success();
 }
@@ -172,7 +186,8 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
   int const rank = dc->rank;
   char* const own = static_cast<char*>(dc->heap);
-  char* const own_inbox = own + dc->layout.inbox_offset();
+  size_t const inbox_offset = dc->layout.region_offset(ag_gemm::inbox_region);
+  char* const own_inbox = own + inbox_offset;
   char const* const shard = static_cast<char const*>(x.untyped_data());
   CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
   uint64_t const timeout_ns = comm::timeout_ms() * 1000000ull;
@@ -240,7 +255,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   // from a peer, so it starts while the host still enqueues the pushes.
   if (!chained) ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
   uint64_t* const own_ready = reinterpret_cast<uint64_t*>(own + dc->layout.ready_offset());
-  // The joins of the transfer streams used: transfer[1] alone for a forked SM push.
+  // The joins of the transfer streams used: transfer stream 1 alone for a forked SM push.
   int const transfer_streams = chained ? 0 : sm_push ? 1 : int(world) - 1;
   if (sm_push) {
     // SM push: one kernel (on XLA's stream ahead of the GEMM, or forked onto transfer stream 1)
@@ -250,7 +265,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
     for (int q = 0; q < world; ++q) {
       if (q == rank) continue;
       char* const peer_heap = static_cast<char*>(dc->peer_heap[q]);
-      push.inbox[q] = peer_heap + dc->layout.inbox_offset();
+      push.inbox[q] = peer_heap + inbox_offset;
       push.flags[q] = reinterpret_cast<uint64_t*>(peer_heap + dc->layout.flags_offset());
     }
     push.ready = own_ready;
@@ -270,9 +285,9 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
       ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, xla_stream));
       ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
     } else {
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->transfer[1], dc->start, 0));
-      ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, dc->transfer[1]));
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->transfer_done[1], dc->transfer[1]));
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->side[0], dc->start, 0));
+      ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, dc->side[0]));
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->side_done[0], dc->side[0]));
     }
   }
   // Copy-engine pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
@@ -281,7 +296,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   // opens with the wait for the receiver's announcement (its GEMM has started the call).
   for (int d = 1; plan.push_grid == 0 && d < world; ++d) {
     int const peer = (rank + d) % int(world);
-    cudaStream_t const stream = dc->transfer[d];
+    cudaStream_t const stream = dc->side[d - 1];
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(stream, dc->start, 0));
     char* const peer_heap = static_cast<char*>(dc->peer_heap[peer]);
     TransferArgs receiver{};
@@ -293,7 +308,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
     receiver.call = epoch_args;
     receiver.timeout_ns = timeout_ns;
     ENTWINE_RETURN_IF_CUDA(kOp, launch_wait_receiver(receiver, stream));
-    char* const peer_inbox = peer_heap + dc->layout.inbox_offset();
+    char* const peer_inbox = peer_heap + inbox_offset;
     uint64_t* const peer_flags = reinterpret_cast<uint64_t*>(peer_heap + dc->layout.flags_offset());
     if (fp8 && !ops.shared_scale) {
       // The shard's scale first: every chunk's release then publishes it too.
@@ -305,7 +320,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
                                              shard + c * chunk_bytes, chunk_bytes, cudaMemcpyDeviceToDevice, stream));
       ENTWINE_RETURN_IF_CUDA(kOp, launch_release(peer_flags + rank * plan.chunks + c, epoch_args, stream));
     }
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->transfer_done[d], stream));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->side_done[d - 1], stream));
   }
 
   if (gathered->element_count() != 0) {
@@ -334,15 +349,15 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
   timer.lap(comm::kPhaseLaunch);
   for (int d = 1; d <= transfer_streams; ++d) {
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->transfer_done[d], 0));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->side_done[d - 1], 0));
   }
   timer.lap(comm::kPhaseJoin);
   // The next call's epoch, once this whole call is done (outputs poisoned if the call failed anywhere).
-  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(
-                                  handler::call_end(*dc, epoch_args, y->untyped_data(), int64_t(y->size_bytes()),
-                                                    gathered->untyped_data(), int64_t(gathered->size_bytes()),
-                                                    scales_out, scales_out_bytes),
-                                  xla_stream));
+  comm::CallEnd end = handler::call_end(*dc, epoch_args);
+  end.add_output(y->untyped_data(), int64_t(y->size_bytes()));
+  end.add_output(gathered->untyped_data(), int64_t(gathered->size_bytes()));
+  end.add_output(scales_out, scales_out_bytes);
+  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(end, xla_stream));
   timer.lap(comm::kPhaseEnd);
   return ffi::Error::Success();
 }

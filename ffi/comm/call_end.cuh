@@ -25,7 +25,7 @@ __device__ inline bool end_failed(CallEnd const& end) {
 // bytes for the tail.
 __device__ inline void poison_outputs(CallEnd const& end, int thread, int threads) {
   uint4 const ones = make_uint4(~0u, ~0u, ~0u, ~0u);
-  for (int o = 0; o < CallEnd::kOutputs; ++o) {
+  for (int o = 0; o < end.outputs; ++o) {
     if (end.out[o] == nullptr) continue;
     int64_t const bytes = end.bytes[o];
     uint4* const body = static_cast<uint4*>(end.out[o]);

@@ -22,6 +22,15 @@ namespace {
 // the execute path reads it without the lock.
 const OpHooks* registered_ops[kMaxOps] = {};
 int op_count = 0;
+// Every registered op's regions, by id (RegionSpec::id).
+const RegionSpec* registered_regions[kMaxRegions] = {};
+int region_count = 0;
+// The most side streams any registered op asks for a group of `world` ranks.
+int side_streams_for(int world) {
+  int most = 0;
+  for (int i = 0; i < op_count; ++i) most = std::max(most, registered_ops[i]->side_streams(world));
+  return most;
+}
 bool created_any = false;
 
 struct Comm {
@@ -83,33 +92,45 @@ Comm& setup_get(int64_t comm_id) {
 
 size_t whole_chunks(size_t bytes) { return (bytes + kChunkBytes - 1) / kChunkBytes * kChunkBytes; }
 
-// The regions of a heap in layout order: where each starts, how much of it `mapped` covers and how
-// much it may ever cover.
-struct Region {
+// The spans of a heap in layout order (each flag parity, the ready chunk, each copy of each
+// region): where each starts, how much of it `mapped` covers and how much it may ever cover.
+struct Span {
   size_t offset, bytes, limit;
 };
-std::vector<Region> regions(const HeapLayout& layout, const MappedBytes& mapped) {
+std::vector<Span> spans(const HeapLayout& layout, const MappedBytes& mapped) {
   size_t const r = layout.region_bytes;
-  return {{layout.flags_offset(), mapped.flags, r},     {layout.flags_offset() + r, mapped.flags, r},
-          {layout.ready_offset(), mapped.ready, kChunkBytes}, {layout.slot_offset(), mapped.slot, r},
-          {layout.slot_offset() + r, mapped.slot, r},   {layout.inbox_offset(), mapped.inbox, r}};
+  std::vector<Span> out = {{layout.flags_offset(), mapped.flags, r},
+                           {layout.flags_offset() + r, mapped.flags, r},
+                           {layout.ready_offset(), mapped.ready, kChunkBytes}};
+  for (int id = 0; id < layout.regions; ++id) {
+    for (int copy = 0; copy < layout.copies[id]; ++copy) {
+      out.push_back({layout.region_offset(id) + copy * r, mapped.region[id], r});
+    }
+  }
+  return out;
 }
 
 // Whether a chunk lies in the part of its region that `mapped` covers.
 bool covered(const HeapLayout& layout, const MappedBytes& mapped, const Chunk& chunk) {
-  for (const Region& region : regions(layout, mapped)) {
-    if (chunk.offset >= region.offset && chunk.offset + chunk.bytes <= region.offset + region.bytes) return true;
+  for (const Span& span : spans(layout, mapped)) {
+    if (chunk.offset >= span.offset && chunk.offset + chunk.bytes <= span.offset + span.bytes) return true;
   }
   return false;
 }
 
 bool at_least(const Capacity& a, const Capacity& b) {
-  return a.slot_bytes >= b.slot_bytes && a.inbox_bytes >= b.inbox_bytes && a.max_tiles >= b.max_tiles;
+  for (int id = 0; id < kMaxRegions; ++id) {
+    if (a.bytes[id] < b.bytes[id]) return false;
+  }
+  return a.flags_per_source >= b.flags_per_source;
 }
 
 std::string describe(const Capacity& c) {
-  return "slot " + std::to_string(c.slot_bytes) + " B, inbox " + std::to_string(c.inbox_bytes) + " B, " +
-         std::to_string(c.max_tiles) + " flags per source";
+  std::string text = std::to_string(c.flags_per_source) + " flags per source";
+  for (int id = 0; id < region_count; ++id) {
+    text += ", " + std::string(registered_regions[id]->name) + " " + std::to_string(c.bytes[id]) + " B";
+  }
+  return text;
 }
 
 // Unmaps (and frees, for own chunks) every chunk of `chunks` that `keep` does not cover.
@@ -130,8 +151,8 @@ void map_own(DeviceComm& dc, const Capacity& capacity) {
   check(cudaSetDevice(dc.device), "cudaSetDevice");
   // A new heap has nothing mapped, not even the ready words that every capacity includes.
   MappedBytes const have = dc.chunks.empty() ? MappedBytes{} : mapped_bytes(dc.world, dc.mapped);
-  std::vector<Region> const before = regions(dc.layout, have);
-  std::vector<Region> const after = regions(dc.layout, mapped_bytes(dc.world, capacity));
+  std::vector<Span> const before = spans(dc.layout, have);
+  std::vector<Span> const after = spans(dc.layout, mapped_bytes(dc.world, capacity));
   try {
     for (size_t i = 0; i < after.size(); ++i) {
       if (after[i].bytes > after[i].limit) {
@@ -171,14 +192,14 @@ void shrink_entry(DeviceComm& dc, const Capacity& capacity) {
   dc.mapped = capacity;
 }
 
-// Whether the chunks mapped at `chunks` cover every region as far as `mapped` says.
+// Whether the chunks mapped at `chunks` cover every span as far as `mapped` says.
 bool covers(const std::vector<Chunk>& chunks, const HeapLayout& layout, const MappedBytes& mapped) {
-  for (const Region& region : regions(layout, mapped)) {
+  for (const Span& span : spans(layout, mapped)) {
     size_t have = 0;
     for (const Chunk& c : chunks) {
-      if (c.offset >= region.offset && c.offset < region.offset + region.limit) have += c.bytes;
+      if (c.offset >= span.offset && c.offset < span.offset + span.limit) have += c.bytes;
     }
-    if (have < region.bytes) return false;
+    if (have < span.bytes) return false;
   }
   return true;
 }
@@ -197,7 +218,37 @@ void register_op(const OpHooks* hooks) {
                                " share a name or a wait_site_base");
     }
   }
+  if (region_count + hooks->region_count > kMaxRegions) {
+    throw std::runtime_error(std::string("entwine comm: op ") + hooks->name + "'s regions exceed kMaxRegions");
+  }
+  for (int r = 0; r < hooks->region_count; ++r) {
+    for (int id = 0; id < region_count; ++id) {
+      if (std::strcmp(registered_regions[id]->name, hooks->regions[r].name) == 0) {
+        throw std::runtime_error(std::string("entwine comm: two ops register a region ") + hooks->regions[r].name);
+      }
+    }
+  }
+  for (int r = 0; r < hooks->region_count; ++r) {
+    *hooks->regions[r].id = region_count;
+    registered_regions[region_count++] = &hooks->regions[r];
+  }
   registered_ops[op_count++] = hooks;
+}
+
+Capacity capacity(int64_t flags_per_source, const std::vector<std::pair<std::string, size_t>>& region_bytes) {
+  Capacity c;
+  c.flags_per_source = flags_per_source;
+  for (auto const& [name, bytes] : region_bytes) {
+    int id = 0;
+    while (id < region_count && name != registered_regions[id]->name) ++id;
+    if (id == region_count) {
+      std::string known;
+      for (int k = 0; k < region_count; ++k) known += (k ? ", " : "") + std::string(registered_regions[k]->name);
+      throw std::invalid_argument("entwine comm: no region named " + name + " (registered: " + known + ")");
+    }
+    c.bytes[id] = bytes;
+  }
+  return c;
 }
 
 void* DeviceComm::workspace(const OpHooks* op) const noexcept {
@@ -210,16 +261,35 @@ void* DeviceComm::workspace(const OpHooks* op) const noexcept {
 HeapLayout heap_layout(size_t heap_max_bytes) {
   HeapLayout layout;
   layout.region_bytes = std::max(whole_chunks(heap_max_bytes), kChunkBytes);
+  layout.regions = region_count;
+  size_t offset = layout.ready_offset() + kChunkBytes;
+  for (int id = 0; id < region_count; ++id) {
+    layout.copies[id] = registered_regions[id]->double_buffered ? 2 : 1;
+    layout.payload_offset[id] = offset;
+    offset += layout.copies[id] * layout.region_bytes;
+  }
   return layout;
+}
+
+size_t HeapLayout::reserved() const {
+  return regions == 0 ? ready_offset() + kChunkBytes : region_offset(regions - 1) + copies[regions - 1] * region_bytes;
 }
 
 MappedBytes mapped_bytes(int world, const Capacity& capacity) {
   MappedBytes m;
-  m.flags = whole_chunks(size_t(world) * size_t(capacity.max_tiles) * sizeof(uint64_t));
+  m.flags = whole_chunks(size_t(world) * size_t(capacity.flags_per_source) * sizeof(uint64_t));
   m.ready = kChunkBytes;
-  m.slot = whole_chunks(capacity.slot_bytes);
-  m.inbox = whole_chunks(capacity.inbox_bytes);
+  for (int id = 0; id < region_count; ++id) {
+    m.region[id] = whole_chunks(capacity.bytes[id]);
+    m.copies[id] = registered_regions[id]->double_buffered ? 2 : 1;
+  }
   return m;
+}
+
+size_t MappedBytes::total() const {
+  size_t sum = 2 * flags + ready;
+  for (int id = 0; id < kMaxRegions; ++id) sum += copies[id] * region[id];
+  return sum;
 }
 
 DeviceComm::~DeviceComm() {
@@ -239,16 +309,14 @@ DeviceComm::~DeviceComm() {
     vmm::free_reservation(heap, layout.reserved());
   }
   if (epoch) cudaFree(epoch);
-  for (cudaEvent_t e : {start, producer_done, consumer_done}) {
+  for (cudaEvent_t e : {start, producer_done}) {
     if (e) cudaEventDestroy(e);
   }
-  for (int d = 0; d < kMaxWorld; ++d) {
-    if (transfer_done[d]) cudaEventDestroy(transfer_done[d]);
-    if (transfer[d]) cudaStreamDestroy(transfer[d]);
+  for (int i = 0; i < kMaxSideStreams; ++i) {
+    if (side_done[i]) cudaEventDestroy(side_done[i]);
+    if (side[i]) cudaStreamDestroy(side[i]);
   }
-  for (cudaStream_t s : {setup, consumer}) {
-    if (s) cudaStreamDestroy(s);
-  }
+  if (setup) cudaStreamDestroy(setup);
   if (error_host) cudaFreeHost(error_host);
   if (error_local) cudaFree(error_local);
   for (void* p : workspaces) {
@@ -290,17 +358,19 @@ void create(int64_t comm_id, int world, const std::vector<std::pair<int, int>>& 
     check(prepare_epoch_kernel(), "prepare_epoch_kernel");
     int least, greatest;
     check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-    // The consumer goes first on freed SMs so its small grid stays resident next to the GEMM.
-    check(cudaStreamCreateWithPriority(&dc->consumer, cudaStreamNonBlocking, greatest),
-          "cudaStreamCreateWithPriority(consumer)");
-    for (cudaEvent_t* e : {&dc->start, &dc->producer_done, &dc->consumer_done}) {
-      check(cudaEventCreateWithFlags(e, profiling() ? cudaEventDefault : cudaEventDisableTiming), "cudaEventCreate");
+    unsigned const event_flags = profiling() ? cudaEventDefault : cudaEventDisableTiming;
+    for (cudaEvent_t* e : {&dc->start, &dc->producer_done}) {
+      check(cudaEventCreateWithFlags(e, event_flags), "cudaEventCreate");
     }
     check(cudaDeviceGetAttribute(&dc->sm_count, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-    for (int d = 1; d < world; ++d) {
-      check(cudaStreamCreateWithPriority(&dc->transfer[d], cudaStreamNonBlocking, greatest),
-            "cudaStreamCreate(transfer)");
-      check(cudaEventCreateWithFlags(&dc->transfer_done[d], cudaEventDisableTiming), "cudaEventCreate(transfer)");
+    dc->side_count = side_streams_for(world);
+    if (dc->side_count > kMaxSideStreams) {
+      throw std::runtime_error("entwine comm: the ops ask " + std::to_string(dc->side_count) +
+                               " side streams, more than kMaxSideStreams");
+    }
+    for (int i = 0; i < dc->side_count; ++i) {
+      check(cudaStreamCreateWithPriority(&dc->side[i], cudaStreamNonBlocking, greatest), "cudaStreamCreate(side)");
+      check(cudaEventCreateWithFlags(&dc->side_done[i], event_flags), "cudaEventCreate(side)");
     }
 
     // Portable: one pinned record must be mappable from whichever context the device uses.
@@ -614,7 +684,9 @@ std::vector<CallTiming> last_call_ms(int64_t comm_id) {
   for (auto& [device, dc] : get(comm_id).by_device) {
     CallTiming t{device, 0.f, 0.f};
     check(cudaEventElapsedTime(&t.producer_ms, dc->start, dc->producer_done), "cudaEventElapsedTime(producer)");
-    check(cudaEventElapsedTime(&t.consumer_ms, dc->start, dc->consumer_done), "cudaEventElapsedTime(consumer)");
+    if (dc->side_count > 0) {
+      check(cudaEventElapsedTime(&t.consumer_ms, dc->start, dc->side_done[0]), "cudaEventElapsedTime(side stream 0)");
+    }
     timings.push_back(t);
   }
   return timings;

@@ -27,6 +27,18 @@ enum HostPhase { kPhaseChecks, kPhaseFork, kPhaseLaunch, kPhaseJoin, kPhaseEnd, 
 // --- Ops: what each op needs from every communicator entry, registered once per op before the
 // first create() (module.cc, one line per op). ------------------------------------------------
 constexpr int kMaxOps = 8;
+// Payload regions of the heap, over all ops (HeapLayout).
+constexpr int kMaxRegions = 8;
+// A payload region of the heap that an op registers (OpHooks::regions).
+struct RegionSpec {
+  // Unique among every op's regions, e.g. "gemm_rs.partial": Python's capacity requests name it.
+  const char* name;
+  // Two copies, call e using copy e % 2 (CallEpoch::slot_stride apart): a region whose readers of
+  // call e may still read while a peer writes call e+1 (docs/design.md, "The double-buffer argument").
+  bool double_buffered;
+  // Set by register_op(): the region's id, the index the handler passes to HeapLayout::region_offset.
+  int* id;
+};
 struct OpHooks {
   const char* name;  // e.g. "gemm_rs": names the op in messages
   // Loads every kernel module of the op on the current device and sets its attributes. Run at
@@ -40,18 +52,27 @@ struct OpHooks {
   // Bytes of device memory the op keeps per entry, zeroed once at create() (0: none); the handler
   // finds it with DeviceComm::workspace(hooks).
   size_t workspace_bytes;
+  // The op's payload regions of the heap (the flags, ready and abort words are the communicator's).
+  const RegionSpec* regions;
+  int region_count;
+  // How many side streams (DeviceComm::side) a call of the op on a group of `world` ranks uses; the
+  // pool has the most any registered op asks.
+  int (*side_streams)(int world);
 };
-// Throws if the op's name or wait sites collide with a registered op's, or after the first create().
+// Throws if the op's name, wait sites or a region name collide with a registered op's, if the
+// regions exceed kMaxRegions, or after the first create().
 void register_op(const OpHooks* hooks);
 
-// Room for the largest call seen so far, of any op: the double-buffered slot in bytes (gemm_rs: the
-// M x N partial output), the single inbox in bytes (ag_gemm: the W gathered shards), and the most
-// flags per source rank (gemm_rs: reduction tiles of one partition; ag_gemm: chunks of one shard).
+// Room for the largest call seen so far, of any op: the most flags per source rank (gemm_rs:
+// reduction tiles of one partition; ag_gemm: chunks of one shard), and the bytes of each registered
+// region (one copy of a double-buffered one), by region id.
 struct Capacity {
-  size_t slot_bytes = 0;
-  size_t inbox_bytes = 0;
-  int64_t max_tiles = 0;
+  int64_t flags_per_source = 0;
+  size_t bytes[kMaxRegions] = {};
 };
+// A capacity from the regions' names (RegionSpec::name) and bytes; throws std::invalid_argument
+// naming the registered regions on an unknown name.
+Capacity capacity(int64_t flags_per_source, const std::vector<std::pair<std::string, size_t>>& region_bytes);
 
 // Physical memory is mapped into the heap in multiples of this (the driver's granularity on Hopper;
 // create() checks that the device's divides it).
@@ -60,19 +81,24 @@ constexpr size_t kChunkBytes = size_t(2) << 20;
 // Heap layout: one reserved range of virtual addresses per rank, fixed for the communicator's life,
 // identical on every rank (peers compute offsets into each other's heaps). Every growing region gets
 // `region_bytes` of addresses, the heap cap, so no region ever moves:
-//   [flags parity 0 | R][flags parity 1 | R][ready | 1 chunk][partial slot 0 | R][slot 1 | R][inbox | R]
+//   [flags parity 0 | R][flags parity 1 | R][ready | 1 chunk][region 0, copy 0 | R][copy 1 | R]...
+// with one copy of each registered region, two of a double-buffered one, in id order.
 // Physical memory is mapped at the start of each region as far as the capacity needs (MappedBytes);
 // growing maps more behind it, so a CUDA graph recorded earlier still addresses mapped memory.
-// Call e uses flags[e % 2] and partial[e % 2], the parity chosen on the device (CallEpoch). The
-// flags are double-buffered like the partials because the kernels index flags by the call's
-// tiles_per_partition: when the shape changes between calls, one flag word can belong to different
-// source ranks in calls e and e+1, and a late write of call e could land after call e+1's; parity
-// makes the two writers of a word be calls e and e+2, which are ordered (docs/design.md, "The
-// double-buffer argument"; it holds across the two ops, which share the epochs). The inbox (what
-// peers push to ag_gemm) is single: its pushes are copy-engine copies, whose destination a graph
-// fixes, so a sender waits instead until the receiver has started the call (ready[sender]).
+// Call e uses flags[e % 2] and copy e % 2 of a double-buffered region (gemm_rs's partial output),
+// the parity chosen on the device (CallEpoch). The flags are double-buffered like the partials
+// because the kernels index flags by the call's tiles_per_partition: when the shape changes between
+// calls, one flag word can belong to different source ranks in calls e and e+1, and a late write of
+// call e could land after call e+1's; parity makes the two writers of a word be calls e and e+2,
+// which are ordered (docs/design.md, "The double-buffer argument"; it holds across the ops, which
+// share the epochs). A single region (ag_gemm's inbox) is for pushes by copy-engine copies, whose
+// destination a graph fixes: a sender waits instead until the receiver has started the call
+// (ready[sender]).
 struct HeapLayout {
-  size_t region_bytes = 0;  // addresses per growing region: the heap cap rounded up to chunks
+  size_t region_bytes = 0;  // addresses per growing region (per copy): the heap cap rounded up to chunks
+  int regions = 0;          // registered payload regions
+  int copies[kMaxRegions] = {};            // 2: double-buffered
+  size_t payload_offset[kMaxRegions] = {};  // copy 0 of each region
   size_t flags_offset() const { return 0; }
   // One chunk: kMaxWorld ready words (one per sender), then the abort word.
   size_t ready_offset() const { return 2 * region_bytes; }
@@ -80,21 +106,22 @@ struct HeapLayout {
   // The last 16 bytes of the ready chunk: the UUID of the GPU the heap lives on, written once at
   // creation, read by peers at connect (DeviceComm::gpu_sharers).
   size_t gpu_uuid_offset() const { return ready_offset() + kChunkBytes - 16; }
-  size_t slot_offset() const { return ready_offset() + kChunkBytes; }
-  size_t inbox_offset() const { return slot_offset() + 2 * region_bytes; }
-  size_t reserved() const { return inbox_offset() + region_bytes; }
+  size_t region_offset(int id) const { return payload_offset[id]; }
+  size_t reserved() const;
   int64_t flags_stride_words() const { return int64_t(region_bytes / sizeof(uint64_t)); }
-  int64_t slot_stride_bytes() const { return int64_t(region_bytes); }
+  // From copy 0 to copy 1 of a double-buffered region.
+  int64_t parity_stride_bytes() const { return int64_t(region_bytes); }
 };
+// The layout of the registered regions under a heap cap.
 HeapLayout heap_layout(size_t heap_max_bytes);
 
 // The bytes mapped at the start of each region for a capacity, whole chunks.
 struct MappedBytes {
   size_t flags = 0;  // each parity
   size_t ready = 0;
-  size_t slot = 0;   // each slot
-  size_t inbox = 0;
-  size_t total() const { return 2 * flags + ready + 2 * slot + inbox; }
+  size_t region[kMaxRegions] = {};  // each copy
+  int copies[kMaxRegions] = {};
+  size_t total() const;
 };
 MappedBytes mapped_bytes(int world, const Capacity& capacity);
 
@@ -109,6 +136,9 @@ struct SharedChunk {
   size_t offset = 0, bytes = 0;
   int fd = -1;
 };
+
+// The most side streams of one entry (OpHooks::side_streams).
+constexpr int kMaxSideStreams = kMaxWorld;
 
 // One rank of one comm, living on one local GPU of this process.
 struct DeviceComm {
@@ -131,17 +161,19 @@ struct DeviceComm {
   // between ranks.
   std::atomic<bool> dispatching{false};
   cudaStream_t setup = nullptr;         // zeroes new chunks without waiting for XLA's or our calls
-  cudaStream_t consumer = nullptr;      // highest priority, non-blocking (the GEMMs run on XLA's stream)
-  cudaEvent_t start = nullptr, producer_done = nullptr, consumer_done = nullptr;
-  // ag_gemm: stream d (1 <= d < world) pushes this rank's shard to rank (rank + d) % world, so
-  // every link carries a transfer from the start of a call; each joins back through its event.
-  cudaStream_t transfer[kMaxWorld] = {};  // highest priority: the release kernels go first
+  // The side streams a call forks XLA's stream into (OpHooks::side_streams: the most any op asks),
+  // each joined back through its event. Highest priority, non-blocking: what runs on them (a
+  // consumer, copy-engine pushes and their release kernels) goes first on freed SMs.
+  int side_count = 0;
+  cudaStream_t side[kMaxSideStreams] = {};
+  cudaEvent_t side_done[kMaxSideStreams] = {};
+  // The fork of XLA's stream and the end of the GEMM window; with side_done[0] what last_call_ms times.
+  cudaEvent_t start = nullptr, producer_done = nullptr;
   int sm_count = 0;
   // Ranks of the group on this physical GPU, this one included: above 1 only where processes share
   // a GPU (MPS, or time slicing). Their waiting kernels together must leave it an SM (the handlers
   // clamp their grids: docs/design.md, "Forward progress").
   int gpu_sharers = 1;
-  cudaEvent_t transfer_done[kMaxWorld] = {};
   // The call's epoch: a device word, 1 before the first call, advanced at the end of every call
   // (launch_end_call, or the last CTA of a call that folds its end: comm/call_end.cuh). Never
   // reset, so flags of any earlier call are below it, in every chunk however old. epoch[1] and
@@ -222,13 +254,23 @@ struct CallEnd {
   DeviceError* mirror = nullptr;  // its host-mapped copy
   const uint64_t* aborted = nullptr;  // this rank's abort word (CallEpoch::aborted)
   int rank = 0;
-  static constexpr int kOutputs = 3;  // ag_gemm FP8: y, the gathered shards and their scales
-  void* out[kOutputs] = {};       // the call's outputs, poisoned on failure
-  int64_t bytes[kOutputs] = {};
+  // The call's outputs, poisoned on failure: the first `outputs` of out and bytes (add_output).
+  static constexpr int kMaxOutputs = 8;
+  int outputs = 0;
+  void* out[kMaxOutputs] = {};
+  int64_t bytes[kMaxOutputs] = {};
   // Folded into the call's kernels (comm/call_end.cuh): the arrival counter (DeviceComm::epoch[1])
   // and how many arrivals end the call, the last one advancing the epoch; nullptr: the end kernel.
   uint64_t* done = nullptr;
   uint64_t expected = 0;
+  // Appends an output (host side, building the arguments); false when kMaxOutputs are taken.
+  bool add_output(void* data, int64_t size_bytes) {
+    if (outputs == kMaxOutputs) return false;
+    out[outputs] = data;
+    bytes[outputs] = size_bytes;
+    ++outputs;
+    return true;
+  }
 };
 cudaError_t launch_end_call(const CallEnd& end, cudaStream_t stream);
 cudaError_t prepare_epoch_kernel();
@@ -277,7 +319,7 @@ class SmHold {
 // ENTWINE_PROFILE=1 (read once, before the first communicator): the per-call events record time.
 bool profiling() noexcept;
 // Of the last completed call on each local device: milliseconds from the fork of XLA's stream to
-// the end of the producer (the GEMM window) and to the end of the consumer.
+// the end of the producer (the GEMM window) and to the join of side stream 0.
 struct CallTiming {
   int device;
   float producer_ms, consumer_ms;

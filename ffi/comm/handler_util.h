@@ -170,7 +170,7 @@ inline ffi::Error is_capturing(const char* op, cudaStream_t stream, bool* out) {
 // Where the kernels of a call on `dc` find its epoch, parity strides, ready and abort words, and
 // what the call is (protocol.h, CallEpoch).
 inline CallEpoch call_epoch(const comm::DeviceComm& dc, bool trap, int64_t signature) {
-  CallEpoch call{dc.epoch, dc.layout.slot_stride_bytes(), dc.layout.flags_stride_words(), trap,
+  CallEpoch call{dc.epoch, dc.layout.parity_stride_bytes(), dc.layout.flags_stride_words(), trap,
                  uint32_t(uint64_t(signature) & kSignatureMask)};
   char* const own = static_cast<char*>(dc.heap);
   call.ready = reinterpret_cast<const uint64_t*>(own + dc.layout.ready_offset());
@@ -184,22 +184,14 @@ inline CallEpoch call_epoch(const comm::DeviceComm& dc, bool trap, int64_t signa
 }
 
 // The call's end's arguments (its end kernel's, or the kernels' that fold it: comm/call_end.cuh): the
-// epoch, the failure records, the outputs to poison.
-inline comm::CallEnd call_end(const comm::DeviceComm& dc, const CallEpoch& call, void* out0, int64_t bytes0,
-                              void* out1 = nullptr, int64_t bytes1 = 0, void* out2 = nullptr,
-                              int64_t bytes2 = 0) {
+// epoch and the failure records; the handler adds the outputs to poison (CallEnd::add_output).
+inline comm::CallEnd call_end(const comm::DeviceComm& dc, const CallEpoch& call) {
   comm::CallEnd end;
   end.epoch = dc.epoch;
   end.error = dc.error_local;
   end.mirror = dc.error_device;
   end.aborted = call.aborted;
   end.rank = dc.rank;
-  end.out[0] = out0;
-  end.bytes[0] = bytes0;
-  end.out[1] = out1;
-  end.bytes[1] = bytes1;
-  end.out[2] = out2;
-  end.bytes[2] = bytes2;
   return end;
 }
 

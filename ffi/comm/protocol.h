@@ -52,7 +52,7 @@ ENTWINE_HOST_DEVICE constexpr uint32_t stamp_signature(uint64_t stamp) { return 
 // `base + p * stride` of each region.
 struct CallEpoch {
   const uint64_t* epoch = nullptr;  // this rank's epoch word (device memory): the call's epoch
-  int64_t slot_stride = 0;          // bytes from partial slot 0 to slot 1
+  int64_t slot_stride = 0;          // bytes from copy 0 to copy 1 of a double-buffered region
   int64_t flags_stride = 0;         // words from flags of parity 0 to parity 1
   bool trap = false;                // a wait that gives up traps: no host check runs inside a graph
   uint32_t signature = 0;           // this call's signature (stamp)

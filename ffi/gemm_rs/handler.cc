@@ -19,8 +19,18 @@ namespace entwine {
 
 namespace gemm_rs {
 
+namespace {
+
+// The heap region of the partial output (RegionSpec::id): double-buffered (the double-buffer
+// argument, RunGemmRs).
+int partial_region = -1;
+const comm::RegionSpec kRegions[] = {{"gemm_rs.partial", true, &partial_region}};
+
+}  // namespace
+
 // The kernels are loaded with the communicator; the producer's split tail needs one workspace per
 // stream that runs producers: XLA's stream of the entry's device, whose calls run one at a time.
+// One side stream: the consumer's, forked only under ENTWINE_PROFILE.
 const comm::OpHooks kHooks{
     "gemm_rs",
     prepare_kernels,
@@ -30,6 +40,9 @@ const comm::OpHooks kHooks{
              std::to_string(e.source);
     },
     kSplitWorkspaceBytes,
+    kRegions,
+    1,
+    [](int) { return 1; },
 };
 
 }  // namespace gemm_rs
@@ -86,12 +99,13 @@ ffi::Error check_plan(GemmRsPlan const& plan, GemmRsProblem const& problem, Gemm
   }
   // Python grows the heap at trace time, before any call of a new shape runs; this only catches
   // a call compiled against another process's (or a shut down) communicator.
-  if (size_t(plan.slot_bytes) > dc.capacity.slot_bytes || plan.tiles_per_partition > dc.capacity.max_tiles) {
+  size_t const has_bytes = dc.capacity.bytes[gemm_rs::partial_region];
+  if (size_t(plan.slot_bytes) > has_bytes || plan.tiles_per_partition > dc.capacity.flags_per_source) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       "entwine gemm_rs: call needs " + std::to_string(plan.slot_bytes) + " bytes and " +
                           std::to_string(plan.tiles_per_partition) + " tiles per slot, communicator has " +
-                          std::to_string(dc.capacity.slot_bytes) + " bytes and " +
-                          std::to_string(dc.capacity.max_tiles) + " tiles");
+                          std::to_string(has_bytes) + " bytes and " +
+                          std::to_string(dc.capacity.flags_per_source) + " tiles");
   }
   return ffi::Error::Success();
 }
@@ -162,11 +176,12 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   DeviceGuard guard;
   ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
   char* own = static_cast<char*>(dc->heap);
+  size_t const partial_offset = dc->layout.region_offset(gemm_rs::partial_region);
   CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
 
   ConsumerArgs consumer_args{};
   for (int s = 0; s < dc->world; ++s) {
-    consumer_args.partial[s] = static_cast<char*>(dc->peer_heap[s]) + dc->layout.slot_offset();
+    consumer_args.partial[s] = static_cast<char*>(dc->peer_heap[s]) + partial_offset;
   }
   consumer_args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
   consumer_args.out = y->untyped_data();
@@ -180,7 +195,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   producer_args.w = ops.w;
   producer_args.x_scale = ops.x_scale;
   producer_args.w_scale = ops.w_scale;
-  producer_args.partial = own + dc->layout.slot_offset();
+  producer_args.partial = own + partial_offset;
   for (int q = 0; q < dc->world; ++q) {
     // Push: each tile's flag goes into the memory of the rank that owns its partition.
     producer_args.flags[q] =
@@ -220,7 +235,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   // poisons y after a failure (ConsumerArgs). `end` holds no output: the producer's copy is in its
   // prepared parameters, derived from the epoch's words (in the key); the consumer adds y.
   auto const folded_end = [&](GemmRsPlan const& plan) {
-    comm::CallEnd end = handler::call_end(*dc, epoch_args, nullptr, 0);
+    comm::CallEnd end = handler::call_end(*dc, epoch_args);
     end.done = dc->epoch + 1;
     end.expected = uint64_t(plan.config.consumer_grid) + uint64_t(plan.schedule.grid);
     return end;
@@ -244,8 +259,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   }
 
   consumer_args.end = folded_end(derived->plan);
-  consumer_args.end.out[0] = y->untyped_data();
-  consumer_args.end.bytes[0] = int64_t(y->size_bytes());
+  consumer_args.end.add_output(y->untyped_data(), int64_t(y->size_bytes()));
   consumer_args.consumers_done = dc->epoch + 2;
   timer.lap(comm::kPhaseChecks);
   // The GEMM, then the consumer as its programmatic dependent, both on XLA's stream: the consumer's
@@ -258,8 +272,8 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   cudaStream_t consumer_stream = xla_stream;
   if (forked) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->consumer, dc->start, 0));
-    consumer_stream = dc->consumer;
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->side[0], dc->start, 0));
+    consumer_stream = dc->side[0];
   }
   timer.lap(comm::kPhaseFork);
   if (forked) ENTWINE_RETURN_IF_CUDA(kOp, launch_consumer(ops.output, derived->plan, consumer_args, consumer_stream, false));
@@ -268,8 +282,8 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   timer.lap(comm::kPhaseLaunch);
   if (forked) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->consumer_done, dc->consumer));
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->consumer_done, 0));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->side_done[0], dc->side[0]));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->side_done[0], 0));
   }
   timer.lap(comm::kPhaseJoin);
   timer.lap(comm::kPhaseEnd);  // folded into the kernels: no launch
