@@ -82,8 +82,13 @@ def _grouped_ag_gemm(x, weights: tuple, *, axis_name, gather_dimension, config, 
     with jax.named_scope("entwine_ag_gemm"):
         out = pairing.call("ag_gemm", x, jnp.concatenate(weights, axis=1), axis_name=axis_name,
                            dimension=gather_dimension, config=config, return_gathered=return_gathered)
-        y, g = out if return_gathered else (out, None)
-        ys = tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
+        return _split_group(out, widths, return_gathered)
+
+
+def _split_group(out, widths: list, return_gathered: bool):
+    """A grouped call's output [..., sum of N_i] (and the gathered x) as the group's outputs [..., N_i]."""
+    y, g = out if return_gathered else (out, None)
+    ys = tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
     return (ys, g) if return_gathered else ys
 
 
@@ -103,9 +108,4 @@ def _ag_gemm_fp8(x, w, *, axis_name, gather_dimension, config, return_gathered, 
     out = pairing.call_fp8("ag_gemm", x, w_all, xs, ws, gs, call, axis_name=axis_name, dimension=gather_dimension,
                            config=config, return_gathered=return_gathered,
                            shared_scale=fp8.shared_over(xs, x, axis_name))
-    if not grouped:
-        return out
-    with jax.named_scope("entwine_ag_gemm"):
-        y, g = out if return_gathered else (out, None)
-        ys = tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
-    return (ys, g) if return_gathered else ys
+    return _split_group(out, widths, return_gathered) if grouped else out

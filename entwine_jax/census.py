@@ -23,9 +23,9 @@ collective-permute, collective-broadcast (an async ``-start`` / ``-done`` pair, 
 collective its op's spec names (``entwine_jax.opspec.OpSpec``; ``entwine_gemm_rs``: a reduce-scatter,
 ``entwine_ag_gemm``: an all-gather).
 
-**What the ops move on a GPU**: the ops (``OWNERS``: each op's name, then ``"xla"``) own their custom calls (GPU compiles;
-``custom_call`` True) and the collectives of their XLA reference (what they lower to on CPU, or where
-the kernels cannot run), which each op wraps in a name scope saying which op it stands for and the
+**What the ops move on a GPU**: the ops (``OWNERS``: each op's name, then ``"xla"``) own their custom
+calls (GPU compiles; ``custom_call`` True) and the collectives of their XLA reference (what they
+lower to on CPU, or where the kernels cannot run), which each op wraps in a name scope saying which op it stands for and the
 dtype the op's kernels move (``entwine_jax.opspec.moves``). The census counts that dtype, so a
 program's numbers are the same whichever path it compiles to: gemm_rs's fp32 reference
 reduce-scatter counts in the output dtype (bf16: what the kernels and a bf16 ``psum_scatter`` move),

@@ -5,12 +5,12 @@
 # "The pairing" and "FP8".
 import dataclasses
 import functools
+
 import jax
 import jax.numpy as jnp
 
 from entwine_jax import callsite, fp8, registry
 from entwine_jax._dot import dot_by_source, matmul_weight_grad
-from entwine_jax.fp8 import quantize
 
 
 def call(name: str, x, w, *, axis_name, dimension, config, return_gathered: bool = False):
@@ -104,14 +104,14 @@ _paired.defvjp(_paired_fwd, _paired_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _paired_fp8(x, w, x_scale, w_scale, grad_scale, name, plan, fp8_call):
-    out = registry.OPS[name].forward_fp8(quantize(x, x_scale), quantize(w, w_scale), x_scale, w_scale, plan,
+    out = registry.OPS[name].forward_fp8(fp8.quantize(x, x_scale), fp8.quantize(w, w_scale), x_scale, w_scale, plan,
                                          gathered=plan.return_gathered)
     return out[:2] if plan.return_gathered else out
 
 
 def _paired_fp8_fwd(x, w, x_scale, w_scale, grad_scale, name, plan, fp8_call):
     op = registry.OPS[name]
-    x8, w8 = quantize(x, x_scale), quantize(w, w_scale)
+    x8, w8 = fp8.quantize(x, x_scale), fp8.quantize(w, w_scale)
     # The FP8 operands are the residuals (one byte per element of x kept for dw): x8 and its scale,
     # or where the forward gathers, the gathered x8 and its sources' scales.
     if not op.gathers:

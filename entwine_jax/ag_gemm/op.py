@@ -131,9 +131,10 @@ def _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
 
 def why_not_fused(x, w, *, axis_name, axis_size: int, dimension: int, config: AgGemmConfig,
                   out_dtype=None, shared_scale: bool = False) -> Optional[str]:
-    """Why a call on operands shaped like x and w (dimension: the gather dimension, normalised; out_dtype: an FP8
-    call's output dtype, shared_scale: its x_scale the same on every rank) takes the XLA path on
-    this mesh, or None; asks only, no communicator is made (for programs that report on calls)."""
+    """Why a call on operands shaped like x and w (dimension: the gather dimension, normalised;
+    out_dtype: an FP8 call's output dtype, shared_scale: its x_scale the same on every rank) takes the
+    XLA path on this mesh, or None; asks only, no communicator is made (for programs that report on
+    calls)."""
     push = push_of(config, math.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
     reason = callsite.early_reason(config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size), fixed_us(push),
                                    axis_name=axis_name)
@@ -160,8 +161,8 @@ def default_config(x, w, size: int, dimension: int) -> tuple[AgGemmConfig, str]:
 def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_gathered: bool = False,
          out_dtype=None, shared_scale: bool = False) -> Plan:
     """Check a call, choose its config and its path, and report the choice once per call site.
-    dimension: the gather dimension; out_dtype: an FP8 call (operands checked by entwine_jax.fp8) writing this dtype; shared_scale:
-    its x_scale is the same on every rank."""
+    dimension: the gather dimension; out_dtype: an FP8 call (operands checked by entwine_jax.fp8)
+    writing this dtype; shared_scale: its x_scale is the same on every rank."""
     axis_name = callsite.hashable_axis(axis_name)
     out_dtype = None if out_dtype is None else jnp.dtype(out_dtype).name
     size, gd = _check_args(x, w, axis_name, dimension, out_dtype is not None)

@@ -125,8 +125,8 @@ def _prepare(x, w, axis_name, size, sd, config, out_dtype) -> tuple[Any, Optiona
     """(fused.GemmRsCall, None) when the fused kernels run this call, else (None, the reason)."""
     # why_not_fused only answers; prepare makes the communicator once it said None.
     x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, sd, config, out_dtype)
-    return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, dimension=sd, config=config,
-                                                      out_dtype=out_dtype),
+    return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, dimension=sd,
+                                                      config=config, out_dtype=out_dtype),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
 
 
