@@ -2,8 +2,8 @@
 # (MLP wo / wi_*, attention out / query / key / value, MLA's) through gemm_rs and ag_gemm by patching
 # MaxText methods at runtime; disable() puts them back. Parameters, their paths and MaxText's
 # checkpoint_name tags are untouched. Written against MaxText 0.2.5 (docs/maxtext.md).
-"""Route MaxText's row-parallel projections through ``entwine_jax.gemm_rs`` (and its column-parallel
-ones through ``entwine_jax.ag_gemm`` where this entwine_jax has it).
+"""Route MaxText's row-parallel projections through ``entwine_jax.gemm_rs`` and its column-parallel
+ones through ``entwine_jax.ag_gemm``.
 
 Call :func:`enable` once at startup, before the train step is traced (e.g. before
 ``train.main``); nothing in MaxText's files or configs changes::
@@ -54,8 +54,7 @@ qwix recipes, fp8 or scaled weights, which includes TransformerEngine's ``te_com
 parameters, a non-default ``matmul_precision``, kernel axes other than MaxText's, context
 parallelism (the sequence dim sharded on the island's input), 2-D tensor parallelism (the
 contraction or output features over more than one mesh axis), no tensor parallelism, an output
-replicated over T (an all-reduce), inference modes (prefill, decode), shapes T does not divide, and
-column-parallel projections while ``entwine_jax`` has no ``ag_gemm``.
+replicated over T (an all-reduce), inference modes (prefill, decode), and shapes T does not divide.
 """
 from __future__ import annotations
 
@@ -76,6 +75,7 @@ from jax.sharding import PartitionSpec as P
 import entwine_jax
 from entwine_jax import _log
 from entwine_jax import fp8 as fp8_ops
+from entwine_jax.ag_gemm.config import AgGemmConfig
 from entwine_jax.gemm_rs.config import GemmRsConfig
 from entwine_jax.layers import FP8_META_NAMES, fp8_call_arguments
 
@@ -143,7 +143,7 @@ class _Group:
 class _State:
     originals: dict = dataclasses.field(default_factory=dict)  # (class, attribute) -> original function
     gemm_rs_config: Optional[GemmRsConfig] = None
-    ag_gemm_config: Any = None
+    ag_gemm_config: Optional[AgGemmConfig] = None
     column_parallel: bool = True
     # What the traces did, by where they ran: True, MaxText's train step; False, any other trace
     # (the model's initialisation, qwix's dummy forward, an evaluation step, a call by hand).
@@ -180,7 +180,7 @@ def _report() -> _Report:
 # The switch
 # ----------------------------------------------------------------------------------------------
 
-def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Any = None,
+def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Optional[AgGemmConfig] = None,
            column_parallel: bool = True) -> None:
     """Route MaxText's tensor-parallel projections through entwine_jax (see the module docstring).
 
@@ -195,8 +195,7 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Any
     if gemm_rs_config is not None and not isinstance(gemm_rs_config, GemmRsConfig):
         raise ValueError(f"entwine_jax.maxtext.enable: gemm_rs_config must be an entwine_jax.GemmRsConfig or None, "
                          f"got {type(gemm_rs_config).__name__}")
-    config_cls = getattr(entwine_jax, "AgGemmConfig", None)
-    if ag_gemm_config is not None and (config_cls is None or not isinstance(ag_gemm_config, config_cls)):
+    if ag_gemm_config is not None and not isinstance(ag_gemm_config, AgGemmConfig):
         raise ValueError(f"entwine_jax.maxtext.enable: ag_gemm_config must be an entwine_jax.AgGemmConfig or None, "
                          f"got {type(ag_gemm_config).__name__}")
     if column_parallel not in (True, False):
@@ -323,10 +322,6 @@ def _maxtext_version() -> str:
         return version("maxtext")
     except Exception:
         return "unknown"
-
-
-def _column_available() -> bool:
-    return hasattr(entwine_jax, "ag_gemm")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -594,8 +589,6 @@ def _plan(dense, site: _Site, inputs, out_sharding, slice_bounds):
     """The island's layout, or the reason (a str) to keep MaxText's DenseGeneral."""
     if site.kind == COLUMN and not _state.column_parallel:
         return "column_parallel=False"
-    if site.kind == COLUMN and not _column_available():
-        return "entwine_jax has no ag_gemm yet"
     reason = _module_reason(dense, site, inputs, slice_bounds)
     if reason is not None:
         return reason
