@@ -1,6 +1,8 @@
 // ag_gemm's W virtual ranks on one GPU, with the float64 host reference that checks them.
 #pragma once
 
+#include <cmath>
+
 #include "ag_gemm/ag_gemm.h"
 #include "harness/harness.h"
 

@@ -9,7 +9,8 @@ namespace entwine::harness {
 // f32 scales; odd sizes for the byte tail) filled with all bits set, NaN in each type, and the
 // epoch advanced.
 void run_fp8_poison() {
-  size_t const bytes[comm::CallEnd::kOutputs] = {2 * 300, 4 * 128 * 208 + 5, sizeof(float) * 4};
+  constexpr int kOutputs = 3;
+  size_t const bytes[kOutputs] = {2 * 300, 4 * 128 * 208 + 5, sizeof(float) * 4};
   comm::CallEnd end;
   DeviceError failed{};
   failed.code = kErrorDeadline;
@@ -17,17 +18,18 @@ void run_fp8_poison() {
   CHECK_CUDA(cudaMemset(end.epoch, 0, sizeof(uint64_t)));
   CHECK_CUDA(cudaMalloc(&end.error, sizeof(DeviceError)));
   CHECK_CUDA(cudaMemcpy(end.error, &failed, sizeof failed, cudaMemcpyHostToDevice));
-  for (int o = 0; o < comm::CallEnd::kOutputs; ++o) {
-    CHECK_CUDA(cudaMalloc(&end.out[o], bytes[o]));
-    CHECK_CUDA(cudaMemset(end.out[o], 0, bytes[o]));
-    end.bytes[o] = int64_t(bytes[o]);
+  for (int o = 0; o < kOutputs; ++o) {
+    void* out = nullptr;
+    CHECK_CUDA(cudaMalloc(&out, bytes[o]));
+    CHECK_CUDA(cudaMemset(out, 0, bytes[o]));
+    end.add_output(out, int64_t(bytes[o]));
   }
   CHECK_CUDA(comm::launch_end_call(end, 0));
   CHECK_CUDA(cudaDeviceSynchronize());
   uint64_t epoch = 0;
   CHECK_CUDA(cudaMemcpy(&epoch, end.epoch, sizeof epoch, cudaMemcpyDeviceToHost));
   bool all_set = true;
-  for (int o = 0; o < comm::CallEnd::kOutputs; ++o) {
+  for (int o = 0; o < kOutputs; ++o) {
     std::vector<unsigned char> host(bytes[o]);
     CHECK_CUDA(cudaMemcpy(host.data(), end.out[o], bytes[o], cudaMemcpyDeviceToHost));
     for (unsigned char b : host) all_set = all_set && b == 0xFF;

@@ -2,6 +2,8 @@
 // rank's producer and consumer on its own streams), with the float64 host reference that checks them.
 #pragma once
 
+#include <cmath>
+
 #include "gemm_rs/gemm_rs.h"
 #include "harness/harness.h"
 

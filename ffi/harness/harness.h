@@ -317,22 +317,28 @@ struct CublasLt {
 
 // The design suite of the benchmarks (entwine_jax/timing.py DESIGN_SUITE; M, N, K of one rank's GEMM;
 // W = 2 partitions).
-inline constexpr std::array<int, 3> kDesignSuite[] = {{4096, 8192, 1024},  {8192, 8192, 1024},  {16384, 8192, 1024},
-                                               {8192, 8192, 3584},  {16384, 8192, 3584}, {8192, 16384, 2048},
-                                               {16384, 16384, 2048}, {16384, 16384, 6656}};
+inline constexpr std::array<int, 3> kDesignSuite[] = {
+    {4096, 8192, 1024}, {8192, 8192, 1024},  {16384, 8192, 1024},  {8192, 8192, 3584},
+    {16384, 8192, 3584}, {8192, 16384, 2048}, {16384, 16384, 2048}, {16384, 16384, 6656}};
 
-// The commands (main.cu's table), in the files of their concern.
-int test_main();                                 // gemm_rs_test.cu
-int bench_main(char const* jsonl, char const* section);  // gemm_rs_bench.cu
+// The commands (main.cu's table), each in the file of its concern.
+// gemm_rs_test.cu
+int test_main();
+// gemm_rs_bench.cu
+int bench_main(char const* jsonl, char const* section);
 int producer_main(int argc, char** argv);
 int energy_main(bool suite, std::vector<std::array<int, 3>> const& shapes, double seconds, bool names_only);
-int ag_test_main();                              // ag_gemm.cu
+// ag_gemm.cu
+int ag_test_main();
 int ag_bench_main();
 int ag_push_main();
-int fp8_test_main();                             // fp8.cu
+// fp8.cu
+int fp8_test_main();
 int fp8_bench_main();
-int sanitize_main(bool sequential);              // sanitize.cu
+// sanitize.cu
+int sanitize_main(bool sequential);
 int ag_sanitize_main();
-int api_main();                                  // api.cu
+// api.cu
+int api_main();
 
 }  // namespace entwine::harness
