@@ -20,14 +20,13 @@ their collectives (under the ops' name scopes) are what the fused kernels move o
 """
 import argparse
 import contextlib
-import os
 import pathlib
 import sys
 import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from fake_devices import use_fake_cpu_devices
+
+use_fake_cpu_devices(8)
 
 import jax  # noqa: E402
 
