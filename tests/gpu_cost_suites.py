@@ -10,7 +10,8 @@ from gpu_harness import Rank
 
 
 class CostSuites(Rank):
-    """The suites of host cost and small shapes (measurements); the rank-side helpers they share are in gpu_harness.Rank."""
+    """The suites of host cost and small shapes (measurements); the rank-side helpers they share are
+    in gpu_harness.Rank."""
 
     def hostcost(self, calls=200):
         """Mean host time of one handler execution, per op, from the extension's own counters."""

@@ -66,7 +66,8 @@ class Fp8Suites(Rank):
                                             config.consumer_block, config.raster_rows, config.split_tail)
                 if plan["error"] or (plan["m"], plan["n"], plan["k"]) != (m, n, k):
                     raise AssertionError(f"fp8 gemm_rs plan of an aligned call: {plan}")
-                cid = comm.acquire_comm(self.mesh, "tp", plan["slot_bytes"], plan["tiles_per_partition"])
+                cid = comm.acquire_comm(self.mesh, "tp", plan["tiles_per_partition"],
+                                        {"gemm_rs.partial": plan["slot_bytes"]})
                 what = f"gemm_rs fp8 -> {jnp.dtype(out_dtype).name} M={m} N={n} K={k} scatter={'cols' if scatter_cols else 'rows'}"
                 signature = comm.call_signature(f"fp8kernels {what}")
                 outs = [self.fp8_call(ext.GEMM_RS_FP8_TARGET, [jax.ShapeDtypeStruct(part.shape, out_dtype)],
@@ -104,7 +105,7 @@ class Fp8Suites(Rank):
                 raise AssertionError(f"fp8 ag plan: {plan['error']}")
             if w_ > 1 and (plan["push_grid"] > 0) != (push_sms > 0):
                 raise AssertionError(f"fp8 ag plan: push_grid {plan['push_grid']} with push_sms {push_sms}")
-            cid = comm.acquire_comm(self.mesh, "tp", 0, plan["chunks"], inbox_bytes=plan["inbox_bytes"])
+            cid = comm.acquire_comm(self.mesh, "tp", plan["chunks"], {"ag_gemm.inbox": plan["inbox_bytes"]})
             what = (f"ag_gemm fp8 -> bf16 rows={rows} cols={cols} N={n} "
                     f"{'contraction, shared scale' if gather_k else 'rows, per-shard scales'} "
                     f"push={'sm' if push_sms else 'ce'}")
