@@ -16,7 +16,8 @@ OPS = ("gemm_rs", "ag_gemm")
 # The registry (one line per op), the public API (__init__.py, api.py), gemm_rs's tuner (tuning/tune.py),
 # the layers and the MaxText integration are about the ops by design.
 SHARED = ("_config.py", "_distributed.py", "_dot.py", "_extension.py", "_ffi.py", "_log.py", "callsite.py",
-          "comm.py", "census.py", "fp8.py", "opspec.py", "pairing.py", "tuning/crossover.py", "tuning/timing.py")
+          "comm.py", "census.py", "fp8.py", "heap_exchange.py", "layers_fp8.py", "opspec.py", "pairing.py",
+          "tuning/crossover.py", "tuning/timing.py")
 # A string literal up to this long is a key or a value, not prose.
 KEY_CHARS = 40
 
