@@ -565,7 +565,7 @@ class Fp8Suites(Rank):
         tl = t // w_
         errors = {}
         # The configs the backward takes (the e5m2 rule applied to fp16 operands), and 128-wide blocks.
-        ag_default = ag_op.default_config(jnp.zeros((tl, d), half), jnp.zeros((d, f_local), half), w_)
+        ag_default, _ = ag_op.default_config(jnp.zeros((tl, d), half), jnp.zeros((d, f_local), half), w_, 0)
         rs_default, _ = rs_op.default_config(jnp.zeros((t, f_local), half), jnp.zeros((f_local, d), half), w_, 0)
         self.log(f"fp8half: backward configs ag {ag_default}, rs {rs_default}")
         for name, cfg in (("default", ag_default), ("block128", dataclasses.replace(ag_default, block_n=128))):
