@@ -80,6 +80,13 @@ def current_scale(v, dtype=E4M3):
     return jnp.where((amax > 0) & jnp.isfinite(amax), scale, jnp.float32(1.0))
 
 
+def current_scale_over(v, axis_name, dtype=E4M3):
+    """The largest of every rank's current_scale(v) over axis_name: one scale, the same on every rank
+    (a scalar all-reduce). A gather over the contracted dimension needs it: its sources' scales
+    cannot be applied after the dot, and the kernels take one x scale there (docs/design.md, "FP8")."""
+    return jax.lax.pmax(current_scale(v, dtype), axis_name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Call:
     """The static part of an FP8 call (hashable, a custom_vjp nondiff argument)."""
@@ -221,9 +228,15 @@ def cotangent(v, dtype: str):
     return None if jnp.dtype(dtype) == E4M3 else v.astype(dtype)
 
 
-def quantized_cotangent(dy, grad_scale):
-    """(dy in e5m2, its scale): grad_scale, or this rank's current scale of its own dy."""
-    gs = current_scale(dy, E5M2) if grad_scale is None else grad_scale
+def quantized_cotangent(dy, grad_scale, shared_axis=None):
+    """(dy in e5m2, its scale): grad_scale; else the current scale of dy, this rank's own or, with
+    shared_axis, the largest over that axis (current_scale_over)."""
+    if grad_scale is not None:
+        gs = grad_scale
+    elif shared_axis is not None:
+        gs = current_scale_over(dy, shared_axis, E5M2)
+    else:
+        gs = current_scale(dy, E5M2)
     return quantize(dy, gs, E5M2), gs
 
 

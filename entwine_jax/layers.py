@@ -314,7 +314,8 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     x, kernel = x.astype(dtype), kernel.astype(dtype)
     if fp8 is not None:
         kernel2d = kernel.reshape(kernel.shape[0], -1)
-        fp8_kwargs, finish = fp8_call_arguments(where, fp8, x, kernel2d, axis_name, dtype)
+        fp8_kwargs, finish = fp8_call_arguments(where, fp8, x, kernel2d, axis_name, dtype,
+                                                contracted_gather=gather == "hidden")
         y = finish(ag_gemm(x, kernel2d, axis_name=axis_name, gather_dimension=_SPLIT_DIM[gather], config=config,
                            **fp8_kwargs))
         y = y.reshape(tuple(y.shape[:-1]) + tuple(kernel.shape[1:]))
@@ -477,8 +478,10 @@ def _column_parallel_group(x, kernels: tuple, biases, *, axis_name, gather, dtyp
     group = tuple(k.astype(dtype).reshape(k.shape[0], -1) for k in kernels)
     fp8_kwargs = {}
     if fp8 == "current":
-        # One scale for the group: the largest of the kernels' current scales.
-        fp8_kwargs = dict(x_scale=fp8_ops.current_scale(x),
+        # One scale for the group: the largest of the kernels' current scales (x's over the axis where
+        # the gather is over the contracted dimension, as for one kernel).
+        fp8_kwargs = dict(x_scale=(fp8_ops.current_scale_over(x, axis_name) if gather == "hidden"
+                                   else fp8_ops.current_scale(x)),
                           w_scale=jnp.max(jnp.stack([fp8_ops.current_scale(k) for k in group])),
                           out_dtype=dtype if dtype in fp8_ops.OUT_DTYPES else jnp.dtype(jnp.bfloat16))
     ys = ag_gemm(x, group, axis_name=axis_name, gather_dimension=_SPLIT_DIM[gather], config=config, **fp8_kwargs)

@@ -112,17 +112,19 @@ def _history_scale(scale, history, dtype):
     return jnp.reshape(flax_fp8.compute_scale(jnp.max(history), scale, largest), ())
 
 
-def fp8_call_arguments(where: str, fp8, x, kernel, axis_name, dtype):
+def fp8_call_arguments(where: str, fp8, x, kernel, axis_name, dtype, contracted_gather: bool = False):
     """(the FP8 keyword arguments of an op call on x and kernel inside shard_map, a function applied to
     its output; `where` names the caller in errors) for `fp8`:
     None (a bf16/fp16 call), "current" (each rank's current scales of its own x and kernel shard, e5m2
-    gradients at their current scale) or a delayed-scaling state (scales from the amax histories,
+    gradients at their current scale; contracted_gather, an ag_gemm over x's last dimension: x's
+    scale the largest over the axis, as the kernels need one there) or a delayed-scaling state (scales from the amax histories,
     the same on every rank, updated through the gradient as Flax does)."""
     if fp8 is None:
         return {}, lambda y: y
     out_dtype = dtype if dtype in fp8_ops.OUT_DTYPES else jnp.dtype(jnp.bfloat16)
     if fp8 == "current":
-        return (dict(x_scale=fp8_ops.current_scale(x), w_scale=fp8_ops.current_scale(kernel), out_dtype=out_dtype),
+        x_scale = fp8_ops.current_scale_over(x, axis_name) if contracted_gather else fp8_ops.current_scale(x)
+        return (dict(x_scale=x_scale, w_scale=fp8_ops.current_scale(kernel), out_dtype=out_dtype),
                 lambda y: y.astype(dtype))
     meta = {name: jnp.asarray(v) for name, v in fp8.items()}
     e4m3 = fp8_ops.E4M3

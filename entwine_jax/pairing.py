@@ -143,7 +143,10 @@ def _paired_fp8_bwd(name, plan, fp8_call, res, cotangents):
     else:
         # dx: the backward op in FP8 on e5m2 dy (each rank's block or partial scaled by its own grad
         # scale) and the e4m3 weight.
-        d8, gs = fp8.quantized_cotangent(dy, grad_scale)
+        # A backward that gathers over the contracted dimension (a forward scatter over the last one)
+        # needs one dy scale on every rank: the default current scale is then taken over the axis.
+        contracted = back.gathers and dim == dy.ndim - 1
+        d8, gs = fp8.quantized_cotangent(dy, grad_scale, plan.axis_name if contracted else None)
         # The config of the e5m2 operand: the FP8 kernels' blocks are 128 wide only.
         config = _backward_config(plan, back, d8, w8.T)
         back_plan = back.plan(d8, w8.T, axis_name=plan.axis_name, dimension=dim, config=config,

@@ -3,6 +3,7 @@
 # the grouped ag_gemm), the FP8 pairing's gradients (e5m2 cotangents with their own scales, or bf16),
 # the bad inputs, and the FP8 fused call as the FFI contract has it (traced, and its reasons without the
 # FP8 kernels).
+import dataclasses
 import logging
 import re
 
@@ -209,6 +210,59 @@ def test_gemm_rs_fp8_gradients_exact(sd):
     assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32  # the operands' dtypes
     assert rel_err(dx, g @ wd.T) <= BF16_TOL
     assert rel_err(dw, xd.T @ g) <= 1e-5  # fp32 dot of FP8 values, no rounding to bf16
+
+
+def _spy_plans(monkeypatch, name: str) -> list:
+    """The keyword arguments of every plan() of op `name` from now on (the registry's spec swapped)."""
+    from entwine_jax import registry
+    seen, spec = [], registry.OPS[name]
+
+    def plan(*args, **kwargs):
+        seen.append(kwargs)
+        return spec.plan(*args, **kwargs)
+    monkeypatch.setitem(registry.OPS, name, dataclasses.replace(spec, plan=plan))
+    return seen
+
+
+def test_gemm_rs_fp8_last_dim_backward_shares_its_grad_scale(monkeypatch):
+    # A scatter over the last dimension: the backward gathers dy over its contracted dimension, where
+    # the kernels need one scale on every rank. The default grad scale is then the largest current
+    # scale over the axis (here the current scale of the whole cotangent), and the backward's plan
+    # is told it is shared.
+    x = jax.random.normal(jax.random.key(30), (32, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(31), (64, 48), jnp.float32)
+    c = jax.random.normal(jax.random.key(32), (32, 48), jnp.float32)
+    c = (c * jnp.repeat(jnp.asarray([1.0, 8.0, 0.1, 3.0]), 12)[None, :]).astype(jnp.bfloat16)
+    xs, ws = fp8.current_scale(x), fp8.current_scale(w)
+    backward_plans = _spy_plans(monkeypatch, "ag_gemm")
+
+    def loss(x, w, c):
+        def body(x, w):
+            return gemm_rs(x, w, axis_name="tp", scatter_dimension=-1, x_scale=xs, w_scale=ws)
+        y = jax.shard_map(body, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P(None, "tp"))(x, w)
+        return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32))
+
+    dx, dw = grads(loss, (x, w, c), (P(None, "tp"), P("tp", None), P()), (0, 1))
+    assert [p.get("shared_scale") for p in backward_plans] == [True]
+    g = _dequantized_e5m2(c, fp8.current_scale(c, E5M2))
+    wd = f64(fp8.quantize(w, ws)) * float(ws)
+    xd = f64(fp8.quantize(x, xs)) * float(xs)
+    assert rel_err(dx, g @ wd.T) <= BF16_TOL
+    assert rel_err(dw, xd.T @ g) <= 1e-5
+
+
+def test_hidden_gather_layer_current_scaling_shares_the_x_scale(monkeypatch):
+    # fp8="current" on a column-parallel layer gathering the hidden (contracted) dimension: one x scale
+    # over the axis, so the op's plan is told the scale is shared (the kernels refuse per-shard scales
+    # there); the rows layout keeps each rank's own scale.
+    from entwine_jax import layers
+    x = jax.random.normal(jax.random.key(33), (16, 64), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(jax.random.key(34), (64, 32), jnp.float32).astype(jnp.bfloat16)
+    for gather, x_spec, expected in (("hidden", P(None, "tp"), True), ("rows", P("tp", None), False)):
+        plans = _spy_plans(monkeypatch, "ag_gemm")
+        run(lambda x, k: layers.column_parallel_linear(x, k, axis_name="tp", gather=gather, fp8="current"),
+            (x, k), (x_spec, P(None, "tp")), P(None, "tp"))
+        assert [p.get("shared_scale") for p in plans] == [expected], gather
 
 
 @pytest.mark.parametrize("gd", [0, -1])
