@@ -119,6 +119,193 @@ AgGemmConfig run_config(AgGemmConfig cfg, comm::DeviceComm const& dc) {
   return cfg;
 }
 
+// The call's problem from its operands' shapes, checked against each other (y and gathered: the
+// results; gathered and an FP8 call's gathered_scales may be empty).
+ffi::Error problem_of(Operands const& ops, ffi::AnyBuffer const& y, ffi::AnyBuffer const& gathered, bool gather_k,
+                      comm::DeviceComm const& dc, AgProblem* problem) {
+  bool const fp8 = is_fp8(ops.input);
+  int64_t const world = dc.world;
+  auto xd = ops.x.dimensions(), wd = ops.w.dimensions(), yd = y.dimensions(), gd = gathered.dimensions();
+  // FP8's w_t is w transposed: its K is the second dimension.
+  int const w_k = fp8 ? 1 : 0, w_n = fp8 ? 0 : 1;
+  bool dims_ok = xd.size() == 2 && wd.size() == 2 && yd.size() == 2;
+  if (dims_ok) {
+    int64_t const rows = xd[0], cols = xd[1];
+    dims_ok = wd[w_k] == (gather_k ? world * cols : cols) && yd[0] == (gather_k ? rows : world * rows) &&
+              yd[1] == wd[w_n];
+    // The gathered output: [world, rows, cols] (source-major), or empty when not asked for.
+    bool const no_gathered = gathered.element_count() == 0;
+    dims_ok = dims_ok && (no_gathered || (gd.size() == 3 && gd[0] == world && gd[1] == rows && gd[2] == cols));
+    // FP8: each shard's scale, [world] (source-major), or empty.
+    dims_ok = dims_ok && (!fp8 || ops.gathered_scales->element_count() == 0 ||
+                          (ops.gathered_scales->dimensions().size() == 1 && ops.gathered_scales->dimensions()[0] == world));
+  }
+  if (!dims_ok) {
+    std::string const w_shape = fp8 ? (gather_k ? "w_t [N, W * cols]" : "w_t [N, cols]")
+                                    : (gather_k ? "w [W * cols, N]" : "w [cols, N]");
+    return ffi::Error::InvalidArgument(
+        std::string("entwine ag_gemm: expected x [rows, cols], ") + w_shape +
+        (gather_k ? ", y [rows, N]" : ", y [W * rows, N]") + ", gathered [W, rows, cols] or empty" +
+        (fp8 ? ", gathered_scales [W] or empty" : "") + "; got x " + dims_string(xd) + ", w " + dims_string(wd) +
+        ", y " + dims_string(yd) + ", gathered " + dims_string(gd) +
+        (fp8 ? ", gathered_scales " + dims_string(ops.gathered_scales->dimensions()) : std::string()) +
+        " with W = " + std::to_string(world));
+  }
+  problem->world = dc.world;
+  problem->rank = dc.rank;
+  problem->gather_k = gather_k;
+  problem->input = ops.input;
+  problem->shared_scale = ops.shared_scale;
+  problem->rows = int32_t(xd[0]);
+  problem->cols = int32_t(xd[1]);
+  problem->n = int32_t(wd[w_n]);
+  return ffi::Error::Success();
+}
+
+// The plan and the GEMM's parameters (TMA descriptors) of a call site and its buffers.
+struct Derived {
+  AgPlan plan;
+  PreparedGemm gemm;
+};
+
+// Derived once per call site and buffers, then found in a memo: the key holds every value they are
+// derived from (the problem, the config, the GEMM's arguments, the FP8 scales' addresses among them:
+// kernel parameters).
+ffi::Error derive(Operands const& ops, AgProblem const& problem, AgGemmArgs const& args, bool capturing,
+                  AgGemmConfig const& config, comm::DeviceComm const& dc, Derived const** derived) {
+  static thread_local handler::CallMemo<64, Derived> memo;
+  handler::MemoKey<64> key;
+  for (int64_t v : {int64_t(ops.input), int64_t(ops.output), int64_t(problem.shared_scale), int64_t(problem.rows),
+                    int64_t(problem.cols), int64_t(problem.n), int64_t(problem.world), int64_t(problem.rank),
+                    int64_t(problem.gather_k), int64_t(capturing), args.call.slot_stride, args.call.flags_stride,
+                    int64_t(args.timeout_ns)}) {
+    key.add(uint64_t(v));
+  }
+#define ENTWINE_MEMO_FIELD(type, name, value) key.add(uint64_t(config.name));
+  ENTWINE_AG_GEMM_CONFIG_FIELDS(ENTWINE_MEMO_FIELD)
+#undef ENTWINE_MEMO_FIELD
+  for (const void* p : {args.x, args.gathered, args.w, static_cast<const void*>(args.y),
+                        static_cast<const void*>(args.flags), static_cast<const void*>(args.error),
+                        static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch),
+                        static_cast<const void*>(args.x_scale), static_cast<const void*>(args.w_scale)}) {
+    key.add(p);
+  }
+  handler::add_call(key, args.call);
+  *derived = memo.find(key);
+  if (*derived != nullptr) return ffi::Error::Success();
+  AgGemmConfig const run = run_config(config, dc);
+  Derived fresh{ag_plan(problem, run), {}};
+  if (ffi::Error e = check_plan(fresh.plan, problem, run, dc); e.failure()) return e;
+  ENTWINE_RETURN_IF_CUDA(kOp, ag_gemm::prepare_gemm(ops.input, ops.output, fresh.plan, args, &fresh.gemm));
+  Derived* entry = memo.insert(key);
+  *entry = fresh;
+  *derived = entry;
+  return ffi::Error::Success();
+}
+
+// The SM push: one kernel waits for every receiver, pushes every chunk to every peer and releases
+// each (launch_push); on `stream`, XLA's ahead of the GEMM or a side stream.
+ffi::Error enqueue_sm_push(comm::DeviceComm& dc, AgPlan const& plan, Operands const& ops, CallEpoch const& epoch,
+                           cudaStream_t stream) {
+  int const rank = dc.rank, world = dc.world;
+  size_t const inbox_offset = dc.layout.region_offset(ag_gemm::inbox_region);
+  PushArgs push{};
+  push.shard = static_cast<char const*>(ops.x.untyped_data());
+  for (int q = 0; q < world; ++q) {
+    if (q == rank) continue;
+    char* const peer_heap = static_cast<char*>(dc.peer_heap[q]);
+    push.inbox[q] = peer_heap + inbox_offset;
+    push.flags[q] = reinterpret_cast<uint64_t*>(peer_heap + dc.layout.flags_offset());
+  }
+  push.ready = reinterpret_cast<uint64_t*>(static_cast<char*>(dc.heap) + dc.layout.ready_offset());
+  push.arrivals = static_cast<uint32_t*>(dc.workspace(&ag_gemm::kHooks));
+  // A per-shard FP8 scale travels in its slot, ahead of the first chunk's release (PushArgs).
+  push.scale = is_fp8(ops.input) && !ops.shared_scale ? ops.x_scale : nullptr;
+  push.scales_offset = plan.scales_offset;
+  push.shard_bytes = plan.shard_bytes;
+  push.chunks = plan.chunks;
+  push.rank = rank;
+  push.world = int32_t(world);
+  push.error = dc.error_local;
+  push.error_mirror = dc.error_device;
+  push.call = epoch;
+  push.timeout_ns = comm::timeout_ms() * 1000000ull;
+  ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, stream));
+  return ffi::Error::Success();
+}
+
+// Copy-engine pushes: side stream d - 1 sends the shard to rank (rank + d) % W, chunk by chunk
+// (copy engine), each chunk released by its flag in the receiver's memory (launch_release, after the
+// copy). Rank r thus receives from r-1 first on every link at once; the GEMM visits peers in that
+// order. Each stream opens with the wait for the receiver's announcement (its GEMM has started the
+// call), forks from dc.start and records its side_done.
+ffi::Error enqueue_copy_engine_pushes(comm::DeviceComm& dc, AgPlan const& plan, Operands const& ops,
+                                      CallEpoch const& epoch) {
+  int const rank = dc.rank, world = dc.world;
+  size_t const inbox_offset = dc.layout.region_offset(ag_gemm::inbox_region);
+  char const* const shard = static_cast<char const*>(ops.x.untyped_data());
+  int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
+  uint64_t* const own_ready = reinterpret_cast<uint64_t*>(static_cast<char*>(dc.heap) + dc.layout.ready_offset());
+  for (int d = 1; d < world; ++d) {
+    int const peer = (rank + d) % world;
+    cudaStream_t const stream = dc.side[d - 1];
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(stream, dc.start, 0));
+    char* const peer_heap = static_cast<char*>(dc.peer_heap[peer]);
+    TransferArgs receiver{};
+    receiver.ready = own_ready + peer;
+    receiver.rank = rank;
+    receiver.peer = peer;
+    receiver.error = dc.error_local;
+    receiver.error_mirror = dc.error_device;
+    receiver.call = epoch;
+    receiver.timeout_ns = comm::timeout_ms() * 1000000ull;
+    ENTWINE_RETURN_IF_CUDA(kOp, launch_wait_receiver(receiver, stream));
+    char* const peer_inbox = peer_heap + inbox_offset;
+    uint64_t* const peer_flags = reinterpret_cast<uint64_t*>(peer_heap + dc.layout.flags_offset());
+    if (is_fp8(ops.input) && !ops.shared_scale) {
+      // The shard's scale first: every chunk's release then publishes it too.
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_inbox + plan.scales_offset + rank * kScaleSlotBytes, ops.x_scale,
+                                                  sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    }
+    for (int c = 0; c < plan.chunks; ++c) {
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_inbox + rank * plan.shard_bytes + c * chunk_bytes,
+                                                  shard + c * chunk_bytes, chunk_bytes, cudaMemcpyDeviceToDevice, stream));
+      ENTWINE_RETURN_IF_CUDA(kOp, launch_release(peer_flags + rank * plan.chunks + c, epoch, stream));
+    }
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc.side_done[d - 1], stream));
+  }
+  return ffi::Error::Success();
+}
+
+// The gathered outputs, on XLA's stream after the GEMM, which acquired every chunk: the inbox holds
+// every peer's shard (and per-shard FP8 scale) of this call. Empty outputs are skipped.
+ffi::Error copy_gathered(comm::DeviceComm const& dc, AgPlan const& plan, Operands const& ops,
+                         ffi::AnyBuffer& gathered, cudaStream_t xla_stream) {
+  int const rank = dc.rank, world = dc.world;
+  char const* const shard = static_cast<char const*>(ops.x.untyped_data());
+  char const* const own_inbox = static_cast<char const*>(dc.heap) + dc.layout.region_offset(ag_gemm::inbox_region);
+  if (gathered.element_count() != 0) {
+    char* const out = static_cast<char*>(gathered.untyped_data());
+    for (int s = 0; s < world; ++s) {
+      char const* const from = s == rank ? shard : own_inbox + s * plan.shard_bytes;
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(out + s * plan.shard_bytes, from, plan.shard_bytes,
+                                                  cudaMemcpyDeviceToDevice, xla_stream));
+    }
+  }
+  if (is_fp8(ops.input) && ops.gathered_scales->element_count() != 0) {
+    // Each source's scale, in the same order: the peers' from the inbox's slots, this rank's own (and
+    // with a shared scale every one) from x_scale.
+    auto* const scales = static_cast<float*>(ops.gathered_scales->untyped_data());
+    for (int s = 0; s < world; ++s) {
+      void const* const from = s == rank || ops.shared_scale ? static_cast<void const*>(ops.x_scale)
+                                                             : own_inbox + plan.scales_offset + s * kScaleSlotBytes;
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(scales + s, from, sizeof(float), cudaMemcpyDeviceToDevice,
+                                                  xla_stream));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // The inbox argument (docs/design.md, "The double-buffer argument"). In call e, rank q pushes its
 // shard into rank r's inbox and r's GEMM (and r's copy of the gathered operand) reads it. The
 // inbox is single: a copy engine's destination is fixed when a CUDA graph records it, so it cannot
@@ -136,46 +323,8 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   handler::ExclusiveDispatch const exclusive(*dc);
   if (ffi::Error e = exclusive.check(kOp); e.failure()) return e;
   handler::HostTimer timer{dc};
-  ffi::AnyBuffer const& x = ops.x;
-  bool const fp8 = is_fp8(ops.input);
-
   AgProblem problem;
-  problem.world = dc->world;
-  problem.rank = dc->rank;
-  problem.gather_k = gather_k;
-  problem.input = ops.input;
-  problem.shared_scale = ops.shared_scale;
-  auto xd = x.dimensions(), wd = ops.w.dimensions(), yd = y->dimensions(), gd = gathered->dimensions();
-  int64_t const world = dc->world;
-  // FP8's w_t is w transposed: its K is the second dimension.
-  int const w_k = fp8 ? 1 : 0, w_n = fp8 ? 0 : 1;
-  bool dims_ok = xd.size() == 2 && wd.size() == 2 && yd.size() == 2;
-  if (dims_ok) {
-    int64_t const rows = xd[0], cols = xd[1];
-    dims_ok = wd[w_k] == (gather_k ? world * cols : cols) && yd[0] == (gather_k ? rows : world * rows) &&
-              yd[1] == wd[w_n];
-    // The gathered output: [world, rows, cols] (source-major), or empty when not asked for.
-    bool const no_gathered = gathered->element_count() == 0;
-    dims_ok = dims_ok && (no_gathered || (gd.size() == 3 && gd[0] == world && gd[1] == rows && gd[2] == cols));
-    // FP8: each shard's scale, [world] (source-major), or empty.
-    dims_ok = dims_ok && (!fp8 || ops.gathered_scales->element_count() == 0 ||
-                          (ops.gathered_scales->dimensions().size() == 1 && ops.gathered_scales->dimensions()[0] == world));
-  }
-  if (!dims_ok) {
-    std::string const w_shape = fp8 ? (gather_k ? "w_t [N, W * cols]" : "w_t [N, cols]")
-                                    : (gather_k ? "w [W * cols, N]" : "w [cols, N]");
-    return ffi::Error::InvalidArgument(
-        std::string("entwine ag_gemm: expected x [rows, cols], ") + w_shape +
-        (gather_k ? ", y [rows, N]" : ", y [W * rows, N]") + ", gathered [W, rows, cols] or empty" +
-        (fp8 ? ", gathered_scales [W] or empty" : "") + "; got x " + dims_string(xd) + ", w " + dims_string(wd) +
-        ", y " + dims_string(yd) + ", gathered " + dims_string(gd) +
-        (fp8 ? ", gathered_scales " + dims_string(ops.gathered_scales->dimensions()) : std::string()) +
-        " with W = " + std::to_string(world));
-  }
-  problem.rows = int32_t(xd[0]);
-  problem.cols = int32_t(xd[1]);
-  problem.n = int32_t(wd[w_n]);
-
+  if (ffi::Error e = problem_of(ops, *y, *gathered, gather_k, *dc, &problem); e.failure()) return e;
   bool capturing = false;
   if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
 
@@ -184,17 +333,11 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   // "Graph safety").
   DeviceGuard guard;
   ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
-  int const rank = dc->rank;
   char* const own = static_cast<char*>(dc->heap);
-  size_t const inbox_offset = dc->layout.region_offset(ag_gemm::inbox_region);
-  char* const own_inbox = own + inbox_offset;
-  char const* const shard = static_cast<char const*>(x.untyped_data());
   CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
-  uint64_t const timeout_ns = comm::timeout_ms() * 1000000ull;
-
   AgGemmArgs args{};
-  args.x = x.untyped_data();
-  args.gathered = own_inbox;
+  args.x = ops.x.untyped_data();
+  args.gathered = own + dc->layout.region_offset(ag_gemm::inbox_region);
   args.w = ops.w.untyped_data();
   args.y = y->untyped_data();
   args.x_scale = ops.x_scale;
@@ -203,47 +346,13 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   args.error = dc->error_local;
   args.error_mirror = dc->error_device;
   args.call = epoch_args;
-  args.timeout_ns = timeout_ns;
-
-  // The plan and the GEMM's parameters (TMA descriptors), derived once per call site and buffers:
-  // the key holds every value they are derived from (the problem, the config, the GEMM's arguments,
-  // the FP8 scales' addresses among them: kernel parameters).
-  struct Derived {
-    AgPlan plan;
-    PreparedGemm gemm;
-  };
-  static thread_local handler::CallMemo<64, Derived> memo;
-  handler::MemoKey<64> key;
-  for (int64_t v : {int64_t(ops.input), int64_t(ops.output), int64_t(problem.shared_scale), int64_t(problem.rows), int64_t(problem.cols), int64_t(problem.n),
-                    int64_t(problem.world), int64_t(problem.rank), int64_t(problem.gather_k), int64_t(capturing),
-                    args.call.slot_stride, args.call.flags_stride, int64_t(args.timeout_ns)}) {
-    key.add(uint64_t(v));
-  }
-#define ENTWINE_MEMO_FIELD(type, name, value) key.add(uint64_t(config.name));
-  ENTWINE_AG_GEMM_CONFIG_FIELDS(ENTWINE_MEMO_FIELD)
-#undef ENTWINE_MEMO_FIELD
-  for (const void* p : {args.x, args.gathered, args.w, static_cast<const void*>(args.y),
-                        static_cast<const void*>(args.flags), static_cast<const void*>(args.error),
-                        static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch),
-                        static_cast<const void*>(args.x_scale), static_cast<const void*>(args.w_scale)}) {
-    key.add(p);
-  }
-  handler::add_call(key, args.call);
-  Derived const* derived = memo.find(key);
-  if (derived == nullptr) {
-    AgGemmConfig const run = run_config(config, *dc);
-    Derived fresh{ag_plan(problem, run), {}};
-    if (ffi::Error e = check_plan(fresh.plan, problem, run, *dc); e.failure()) return e;
-    ENTWINE_RETURN_IF_CUDA(kOp, ag_gemm::prepare_gemm(ops.input, ops.output, fresh.plan, args, &fresh.gemm));
-    Derived* entry = memo.insert(key);
-    *entry = fresh;
-    derived = entry;
-  }
+  args.timeout_ns = comm::timeout_ms() * 1000000ull;
+  Derived const* derived = nullptr;
+  if (ffi::Error e = derive(ops, problem, args, capturing, config, *dc, &derived); e.failure()) return e;
   AgPlan const& plan = derived->plan;
-  int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
 
   timer.lap(comm::kPhaseChecks);
-  bool const sm_push = plan.push_grid > 0 && world > 1;
+  bool const sm_push = plan.push_grid > 0 && dc->world > 1;
   // The SM push and the GEMM both on XLA's stream, the GEMM as the push's programmatic dependent: its
   // CTAs start once the push's are resident, and its grid completes only after the push's
   // (gemm_kernel.cuh). No fork or join. ENTWINE_PROFILE=1 forks the push instead, so that events
@@ -251,104 +360,28 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   bool const chained = sm_push && !comm::profiling();
   if (!chained) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
   timer.lap(comm::kPhaseFork);
-  // Forked pushes: the GEMM first, on XLA's stream (no fork to join): its local shard needs nothing
-  // from a peer, so it starts while the host still enqueues the pushes.
-  if (!chained) ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
-  uint64_t* const own_ready = reinterpret_cast<uint64_t*>(own + dc->layout.ready_offset());
-  // The joins of the transfer streams used: transfer stream 1 alone for a forked SM push.
-  int const transfer_streams = chained ? 0 : sm_push ? 1 : int(world) - 1;
-  if (sm_push) {
-    // SM push: one kernel (on XLA's stream ahead of the GEMM, or forked onto transfer stream 1)
-    // waits for every receiver, pushes every chunk to every peer and releases each (launch_push).
-    PushArgs push{};
-    push.shard = shard;
-    for (int q = 0; q < world; ++q) {
-      if (q == rank) continue;
-      char* const peer_heap = static_cast<char*>(dc->peer_heap[q]);
-      push.inbox[q] = peer_heap + inbox_offset;
-      push.flags[q] = reinterpret_cast<uint64_t*>(peer_heap + dc->layout.flags_offset());
-    }
-    push.ready = own_ready;
-    push.arrivals = static_cast<uint32_t*>(dc->workspace(&ag_gemm::kHooks));
-    // A per-shard FP8 scale travels in its slot, ahead of the first chunk's release (PushArgs).
-    push.scale = fp8 && !ops.shared_scale ? ops.x_scale : nullptr;
-    push.scales_offset = plan.scales_offset;
-    push.shard_bytes = plan.shard_bytes;
-    push.chunks = plan.chunks;
-    push.rank = rank;
-    push.world = int32_t(world);
-    push.error = dc->error_local;
-    push.error_mirror = dc->error_device;
-    push.call = epoch_args;
-    push.timeout_ns = timeout_ns;
-    if (chained) {
-      ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, xla_stream));
-      ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
-    } else {
+  // The side streams to join: side stream 0 alone for a forked SM push, one per peer for the copy engines.
+  int const side_streams = chained ? 0 : sm_push ? 1 : dc->world - 1;
+  if (chained) {
+    if (ffi::Error e = enqueue_sm_push(*dc, plan, ops, epoch_args, xla_stream); e.failure()) return e;
+    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
+  } else {
+    // Forked pushes: the GEMM first, on XLA's stream (no fork to join): its local shard needs nothing
+    // from a peer, so it starts while the host still enqueues the pushes.
+    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
+    if (sm_push) {
       ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->side[0], dc->start, 0));
-      ENTWINE_RETURN_IF_CUDA(kOp, launch_push(plan, push, dc->side[0]));
+      if (ffi::Error e = enqueue_sm_push(*dc, plan, ops, epoch_args, dc->side[0]); e.failure()) return e;
       ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->side_done[0], dc->side[0]));
+    } else if (ffi::Error e = enqueue_copy_engine_pushes(*dc, plan, ops, epoch_args); e.failure()) {
+      return e;
     }
   }
-  // Copy-engine pushes: stream d sends the shard to rank (rank + d) % W, chunk by chunk (copy engine), each chunk
-  // released by its flag in the receiver's memory (launch_release, after the copy). Rank r thus
-  // receives from r-1 first on every link at once; the GEMM visits peers in that order. Each stream
-  // opens with the wait for the receiver's announcement (its GEMM has started the call).
-  for (int d = 1; plan.push_grid == 0 && d < world; ++d) {
-    int const peer = (rank + d) % int(world);
-    cudaStream_t const stream = dc->side[d - 1];
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(stream, dc->start, 0));
-    char* const peer_heap = static_cast<char*>(dc->peer_heap[peer]);
-    TransferArgs receiver{};
-    receiver.ready = own_ready + peer;
-    receiver.rank = rank;
-    receiver.peer = peer;
-    receiver.error = dc->error_local;
-    receiver.error_mirror = dc->error_device;
-    receiver.call = epoch_args;
-    receiver.timeout_ns = timeout_ns;
-    ENTWINE_RETURN_IF_CUDA(kOp, launch_wait_receiver(receiver, stream));
-    char* const peer_inbox = peer_heap + inbox_offset;
-    uint64_t* const peer_flags = reinterpret_cast<uint64_t*>(peer_heap + dc->layout.flags_offset());
-    if (fp8 && !ops.shared_scale) {
-      // The shard's scale first: every chunk's release then publishes it too.
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_inbox + plan.scales_offset + rank * kScaleSlotBytes, ops.x_scale,
-                                                  sizeof(float), cudaMemcpyDeviceToDevice, stream));
-    }
-    for (int c = 0; c < plan.chunks; ++c) {
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_inbox + rank * plan.shard_bytes + c * chunk_bytes,
-                                             shard + c * chunk_bytes, chunk_bytes, cudaMemcpyDeviceToDevice, stream));
-      ENTWINE_RETURN_IF_CUDA(kOp, launch_release(peer_flags + rank * plan.chunks + c, epoch_args, stream));
-    }
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->side_done[d - 1], stream));
-  }
-
-  if (gathered->element_count() != 0) {
-    // After the GEMM, which acquired every chunk: the inbox holds every peer's shard of this call.
-    char* const out = static_cast<char*>(gathered->untyped_data());
-    for (int s = 0; s < world; ++s) {
-      char const* const from = s == rank ? shard : own_inbox + s * plan.shard_bytes;
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(out + s * plan.shard_bytes, from, plan.shard_bytes,
-                                             cudaMemcpyDeviceToDevice, xla_stream));
-    }
-  }
-  void* const scales_out = fp8 ? ops.gathered_scales->untyped_data() : nullptr;
-  int64_t const scales_out_bytes = fp8 ? int64_t(ops.gathered_scales->size_bytes()) : 0;
-  if (scales_out_bytes != 0) {
-    // Each source's scale, in the same order: the peers' from the inbox's slots (after the GEMM, as
-    // above), this rank's own (and with a shared scale every one) from x_scale.
-    auto* const scales = static_cast<float*>(scales_out);
-    for (int s = 0; s < world; ++s) {
-      void const* const from = s == rank || ops.shared_scale ? static_cast<void const*>(ops.x_scale)
-                                                             : own_inbox + plan.scales_offset + s * kScaleSlotBytes;
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(scales + s, from, sizeof(float), cudaMemcpyDeviceToDevice,
-                                                  xla_stream));
-    }
-  }
+  if (ffi::Error e = copy_gathered(*dc, plan, ops, *gathered, xla_stream); e.failure()) return e;
   // The GEMM window, for ENTWINE_PROFILE=1 (comm::last_call_ms).
   if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
   timer.lap(comm::kPhaseLaunch);
-  for (int d = 1; d <= transfer_streams; ++d) {
+  for (int d = 1; d <= side_streams; ++d) {
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->side_done[d - 1], 0));
   }
   timer.lap(comm::kPhaseJoin);
@@ -356,7 +389,9 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   comm::CallEnd end = handler::call_end(*dc, epoch_args);
   end.add_output(y->untyped_data(), int64_t(y->size_bytes()));
   end.add_output(gathered->untyped_data(), int64_t(gathered->size_bytes()));
-  end.add_output(scales_out, scales_out_bytes);
+  if (is_fp8(ops.input)) {
+    end.add_output(ops.gathered_scales->untyped_data(), int64_t(ops.gathered_scales->size_bytes()));
+  }
   ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(end, xla_stream));
   timer.lap(comm::kPhaseEnd);
   return ffi::Error::Success();
