@@ -4,7 +4,7 @@
 # entwine_jax from this checkout on PYTHONPATH (the integration is pure Python; on CPU the ops run
 # their XLA references),
 # then the test on 8 fake CPU devices. Measured on the 2-core machine: install 125 s (no pip cache),
-# test 77-132 s (docs/maxtext.md, "CI").
+# test 77-248 s, the longest with other jobs loading it (docs/maxtext.md, "CI").
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
