@@ -47,7 +47,34 @@ class GemmRsSuites(Rank):
         # MaxText's scan_layers: the custom call inside lax.scan, once per step of a device loop.
         worst = max(worst, self.scan_layers(w_ * 256, 512, 256, layers=3, dtype=jnp.bfloat16, seed=300))
         self.log("quick gemm_rs inside lax.scan (3 steps): ok")
+        self.census_of_the_xla_path(w_ * 128, 256, 64)
+        self.log("quick census of the XLA path on this GPU: ok")
         return f"quick: {2 * len(shapes) + 5} shapes ok, worst rel error {worst:.2e}"
+
+    def census_of_the_xla_path(self, m, n, k):
+        """A gemm_rs compiled for XLA's path on this GPU (path="xla"): its reference reduce-scatters in
+        fp32, and the census must report it as the op's, in the dtype the kernels move (bf16: M * N
+        * 2 bytes over W ranks), with what the program holds beside it (compiled, not run: NCCL
+        refuses two ranks of one GPU)."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+
+        xs, ws = self.host_inputs(m, n, k, jnp.bfloat16, seed=500)
+        gx, gw = self.global_arrays(xs, ws)
+        config = entwine_jax.GemmRsConfig(path="xla")
+        f = jax.jit(jax.shard_map(lambda x, w: entwine_jax.gemm_rs(x, w, axis_name="tp", config=config),
+                                  mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
+        found = self.census(f, gx, gw)
+        ours = found.select(owner="gemm_rs")
+        expected = (m * n * 2) * (self.world - 1) // self.world
+        if (len(ours.collectives) != 1 or ours.collectives[0].custom_call or ours.collectives[0].kind != "reduce-scatter"
+                or not ours.collectives[0].shape.startswith("bf16") or ours.collectives[0].bytes != expected
+                or not ours.collectives[0].program_shape.startswith("f32")):
+            raise AssertionError(f"census of gemm_rs on XLA's path: expected one bf16 reduce-scatter of {expected} "
+                                 f"bytes standing for an f32 one, got\n{found.table()}")
 
     def vmapped(self, b, m, n, k, dtype, shared_w, seed):
         """jax.vmap(gemm_rs) over b elements inside shard_map (w batched or shared) against the host
