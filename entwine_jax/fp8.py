@@ -83,8 +83,9 @@ def current_scale(v, dtype=E4M3):
 def current_scale_over(v, axis_name, dtype=E4M3):
     """The largest of every rank's current_scale(v) over axis_name: one scale, the same on every rank
     (a scalar all-reduce). A gather over the contracted dimension needs it: its sources' scales
-    cannot be applied after the dot, and the kernels take one x scale there (docs/design.md, "FP8")."""
-    return jax.lax.pmax(current_scale(v, dtype), axis_name)
+    cannot be applied after the dot, and the kernels take one x scale there (docs/design.md, "FP8").
+    A constant to differentiation, as the ops treat every scale (pmax has no derivative rule)."""
+    return jax.lax.pmax(jax.lax.stop_gradient(current_scale(v, dtype)), axis_name)
 
 
 @dataclasses.dataclass(frozen=True)

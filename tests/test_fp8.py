@@ -599,6 +599,36 @@ def test_fp8_backward_lowers_to_the_fused_fp8_calls(fused_on_cpu, caplog):
     assert sorted(gathered) == [("4x128x256", "f8E4M3FN"), ("4x128x256", "f8E5M2")]
 
 
+def test_hidden_layout_runs_every_fp8_call_on_the_kernels(fused_on_cpu, caplog):
+    # The hidden-sharded layout through the layers with fp8="current": ag_gemm gathers over the
+    # contracted dimension (x's scale taken over the axis) and gemm_rs scatters its last dimension
+    # (its backward gathers dy over the contracted dimension, at a grad scale taken over the axis).
+    # The kernels take one scale there, so all four FP8 calls run on them, none on XLA's path.
+    from entwine_jax import layers
+    mesh = make_mesh((W,), ("tp",))
+
+    def block(x, w1, w2):
+        h = layers.column_parallel_linear(x, w1, axis_name="tp", gather="hidden", fp8="current",
+                                          config=AgGemmConfig(path="fused", block_n=128))
+        h = jnp.tanh(h.astype(jnp.float32)).astype(jnp.bfloat16)
+        return layers.row_parallel_linear(h, w2, axis_name="tp", scatter="hidden", fp8="current",
+                                          config=GemmRsConfig(path="fused"))
+
+    specs = (P(None, "tp"), P(None, "tp"), P("tp", None))
+
+    def loss(x, w1, w2):
+        y = jax.shard_map(block, in_specs=specs, out_specs=P(None, "tp"))(x, w1, w2)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))
+            for shape, spec in zip(((256, 1024), (1024, 1024), (1024, 1024)), specs)]
+    with caplog.at_level(logging.INFO, logger="entwine_jax"), jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert sorted(_fp8_calls(text)) == [("entwine_ag_gemm_fp8", "f8E4M3FN"), ("entwine_ag_gemm_fp8", "f8E5M2"),
+                                        ("entwine_gemm_rs_fp8", "f8E4M3FN"), ("entwine_gemm_rs_fp8", "f8E5M2")]
+    assert not [r.getMessage() for r in caplog.records if "XLA reference path" in r.getMessage()]
+
+
 def test_bf16_backward_runs_on_the_bf16_kernels(fused_on_cpu):
     # grad_dtype bfloat16: the FP8 forward on the FP8 kernels, the backward on the bf16 ones, one call
     # per op, each on the dequantised FP8 operands (no XLA collective left).
