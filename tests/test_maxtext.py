@@ -154,7 +154,7 @@ def test_fp8_losses_match_stock_maxtext(train_main, tmp_path, name):
 def test_fp8_float32_stays_stock(train_main, tmp_path, name):
     """FP8 under float32 compute: the FP8 ops write bf16 or fp16 only, so every projection stays MaxText's
     (Flax's FP8 dot writes float32), with the reason in stats()["kept"]; the losses are stock's exactly,
-    from step 0 (routed, the bf16 outputs drifted from stock, issue 54 D7)."""
+    from step 0 (routed, the bf16 outputs would drift from stock's float32 ones)."""
     overrides = ["ici_tensor_parallelism=4", "ici_data_parallelism=2", "ici_fsdp_parallelism=1", "dtype=float32",
                  *FP8_RECIPES[name]]
     stock, _, _ = _train(train_main, tmp_path, name, overrides, routed=False)

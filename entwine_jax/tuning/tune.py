@@ -50,7 +50,7 @@ def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Opti
     shape; 128 only where N is not a multiple of 256), the consumer block 512 (the most loads in
     flight per SM, best in the consumer sweep); the budget x in TUNE_BUDGETS, with the producer
     persistent on the SMs the consumer leaves (producer_sms_beside; persistent measured 1.1-1.25x
-    faster than one CTA per block at every shape on H200, which is no longer offered). A budget above the
+    faster than one CTA per block at every shape on H200). A budget above the
     blocks of the local partition (the kernels' plan) would only idle: capped like the heuristic,
     duplicates dropped. The heuristic's own pick is always tried, so the winner is never worse.
     Measurements: docs/performance.md, "What was tried".

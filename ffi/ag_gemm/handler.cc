@@ -246,6 +246,7 @@ ffi::Error enqueue_copy_engine_pushes(comm::DeviceComm& dc, AgPlan const& plan, 
   char const* const shard = static_cast<char const*>(ops.x.untyped_data());
   int64_t const chunk_bytes = plan.shard_bytes / plan.chunks;
   uint64_t* const own_ready = reinterpret_cast<uint64_t*>(static_cast<char*>(dc.heap) + dc.layout.ready_offset());
+  uint64_t const timeout_ns = comm::timeout_ms() * 1000000ull;
   for (int d = 1; d < world; ++d) {
     int const peer = (rank + d) % world;
     cudaStream_t const stream = dc.side[d - 1];
@@ -258,7 +259,7 @@ ffi::Error enqueue_copy_engine_pushes(comm::DeviceComm& dc, AgPlan const& plan, 
     receiver.error = dc.error_local;
     receiver.error_mirror = dc.error_device;
     receiver.call = epoch;
-    receiver.timeout_ns = comm::timeout_ms() * 1000000ull;
+    receiver.timeout_ns = timeout_ns;
     ENTWINE_RETURN_IF_CUDA(kOp, launch_wait_receiver(receiver, stream));
     char* const peer_inbox = peer_heap + inbox_offset;
     uint64_t* const peer_flags = reinterpret_cast<uint64_t*>(peer_heap + dc.layout.flags_offset());
