@@ -88,11 +88,12 @@ struct GemmKernel {
 
   // ---- mainloop: A = x [M, K] row-major (K-major); B = w [K, N] row-major (N-major), or for FP8
   //      w_t [N, K] row-major (K-major: the only FP8 wgmma layout). 16-byte aligned rows (TMA).
-  //      For FP8 the builder picks CUTLASS's FP8 mainloop, which adds the tensor cores' partial sum
-  //      into a second fp32 accumulator every 4 wgmma k-steps (once per 128-deep k-tile): FP8 wgmma
-  //      keeps fewer mantissa bits in its accumulator than fp32, so a long K loop without the
-  //      promotion loses accuracy. The fast-accumulation schedule would save those adds; we keep
-  //      them, as cuBLASLt's FP8 default does: training shapes have K of 8k-32k.
+  //      For FP8 the builder picks CUTLASS's FP8 mainloop for its loads and shared-memory layouts;
+  //      the math warpgroups run fp8_mma below, which adds the tensor cores' partial sum into the
+  //      fp32 accumulator at least once per 128 products (FP8 wgmma keeps fewer mantissa bits in its
+  //      accumulator than fp32, so a long K loop without the promotion loses accuracy; training
+  //      shapes have K of 8k-32k). cuBLASLt's FP8 default promotes as often: its error statistics
+  //      equal ours (entwine_harness fp8 accuracy).
   using LayoutB = cute::conditional_t<kFp8, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static_assert(sizeof(ElementA) == sizeof(ElementB), "A and B share BLOCK_K and the alignment");
   static constexpr int kAlignment = 16 / int(sizeof(ElementA));
@@ -170,6 +171,101 @@ struct GemmKernel {
     }
   };
 
+  // The FP8 mainloop of the math warpgroups: wgmma sums at most 128 products (one k-tile's 4 k-steps)
+  // in its own accumulator, whose mantissa is short of fp32's, before the sum is promoted (added into
+  // the fp32 accum). A promotion waits for the warpgroup's wgmmas in flight, which idles the tensor
+  // pipe when both warpgroups wait at once; so warpgroup 1 promotes half a k-tile out of step with
+  // warpgroup 0, and the other warpgroup's wgmmas fill the pipe during each wait. Warpgroup 0's
+  // windows are whole k-tiles; warpgroup 1's are the second half of k-tile w-1 with the first half of
+  // k-tile w (the first and last windows half). Every window holds at most 128 products. A
+  // warpgroup releases a stage once the wgmmas that read it completed.
+  template <int kFirst, int kCount, class FragA, class FragB, class Frag>
+  static __device__ __forceinline__ void fp8_steps(TiledMma& tiled_mma, FragA const& a, FragB const& b, int stage,
+                                                   Frag& partial) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = kFirst; k < kFirst + kCount; ++k) {
+      cute::gemm(tiled_mma, a(_, _, k, stage), b(_, _, k, stage), partial);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+  }
+
+  // A window's first wgmma overwrites the partial sum instead of adding to it.
+  template <class Frag>
+  static __device__ __forceinline__ void fp8_open_window(TiledMma& tiled_mma, Frag& partial) {
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(partial);
+    warpgroup_arrive();
+  }
+
+  template <class Frag, class Accum>
+  static __device__ __forceinline__ void fp8_promote(Frag& partial, Accum& accum) {
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(partial);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); ++i) accum(i) += partial(i);
+  }
+
+  template <class Accum>
+  static __device__ void fp8_mma(MainloopPipeline& pipeline, PipelineState read_state, Accum& accum, int k_count,
+                                 int math_group, typename CollectiveMainloop::TensorStorage& shared) {
+    using SmemLayoutA = typename CollectiveMainloop::SmemLayoutA;
+    using SmemLayoutB = typename CollectiveMainloop::SmemLayoutB;
+    Tensor sA = make_tensor(make_smem_ptr(shared.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared.smem_B.data()), SmemLayoutB{});
+    TiledMma tiled_mma;
+    // The operands' shared-memory descriptors depend only on the warpgroup.
+    auto thread_mma = tiled_mma.get_slice(math_group * cutlass::NumThreadsPerWarpGroup);
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+    constexpr int kSteps = size<2>(decltype(tCrA){});                     // wgmma k-steps per k-tile
+    constexpr int kHalf = kSteps / 2;
+    static_assert(kSteps % 2 == 0, "a window is two halves of a k-tile's steps");
+    Tensor partial = make_fragment_like(accum);
+    PipelineState release_state = read_state;
+    if (math_group == 0) {
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int t = 0; t < k_count; ++t) {
+        pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+        int const stage = read_state.index();
+        ++read_state;
+        fp8_open_window(tiled_mma, partial);
+        fp8_steps<0, kSteps>(tiled_mma, tCrA, tCrB, stage, partial);
+        fp8_promote(partial, accum);
+        pipeline.consumer_release(release_state);
+        ++release_state;
+      }
+    } else if (k_count > 0) {
+      pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+      int stage = read_state.index();
+      ++read_state;
+      fp8_open_window(tiled_mma, partial);
+      fp8_steps<0, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
+      fp8_promote(partial, accum);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int t = 1; t < k_count; ++t) {
+        // The first half reads a k-tile already here: issued before waiting for the next one, it
+        // keeps the tensor pipe busy while warpgroup 0 promotes and waits.
+        fp8_open_window(tiled_mma, partial);
+        fp8_steps<kHalf, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
+        pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+        int const next = read_state.index();
+        ++read_state;
+        warpgroup_arrive();  // the wait's loop sits between the two halves' wgmmas
+        fp8_steps<0, kHalf>(tiled_mma, tCrA, tCrB, next, partial);
+        fp8_promote(partial, accum);
+        pipeline.consumer_release(release_state);
+        ++release_state;
+        stage = next;
+      }
+      fp8_open_window(tiled_mma, partial);
+      fp8_steps<kHalf, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
+      fp8_promote(partial, accum);
+      pipeline.consumer_release(release_state);
+    }
+    warpgroup_fence_operand(accum);
+  }
+
   static __device__ void run(Params const& params, char* smem) {
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem);
     int const thread_idx = threadIdx.x;
@@ -238,8 +334,12 @@ struct GemmKernel {
       Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       // The FP8 mainloop adds its promoted partial sums into accum, so accum starts at zero.
       if constexpr (kFp8) clear(accum);
-      mainloop.mma(pipeline, read_state, accum, k_count, math_idx, storage.mainloop, params.mainloop);
-      mainloop.mma_tail(pipeline, read_state, k_count);
+      if constexpr (kFp8) {
+        fp8_mma(pipeline, read_state, accum, k_count, warp_group - 1, storage.mainloop);
+      } else {
+        mainloop.mma(pipeline, read_state, accum, k_count, math_idx, storage.mainloop, params.mainloop);
+        mainloop.mma_tail(pipeline, read_state, k_count);
+      }
       read_state.advance(k_count);
       bool const write = u.slot < 0 || join_split(params, u.slot, accum, math_idx, storage.epilogue.split_arrival);
       if constexpr (kFp8) {

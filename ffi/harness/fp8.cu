@@ -1,5 +1,6 @@
 // FP8 operands of both ops: `fp8 test` (against float64 of the dequantised inputs, the plans' FP8
-// rules, a failed call's poisoned outputs) and `fp8 bench` (against cuBLASLt's FP8 GEMM).
+// rules, a failed call's poisoned outputs), `fp8 bench` (against cuBLASLt's FP8 GEMM) and `fp8 accuracy`
+// (the FP8 accumulation's error against cuBLASLt's).
 #include "harness/ag_world.h"
 #include "harness/gemm_rs_world.h"
 
@@ -126,6 +127,77 @@ int fp8_test_main() {
   run_fp8_poison();
   std::printf("harness fp8 test: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
+}
+
+// Accuracy of the FP8 accumulation: positive e4m3 operands (values in [0.5, 2): sums that only grow,
+// so truncation in the tensor cores' accumulator adds up instead of cancelling), one rank's
+// producer GEMM and cuBLASLt's FP8 GEMM against float64, mean and max relative error, per K.
+int fp8_accuracy_main() {
+  CHECK_CUDA(gemm_rs::prepare_kernels());
+  CublasLt const* lt = CublasLt::load();
+  std::printf("# fp8 accuracy, e4m3 in [0.5, 2) -> bf16, M = N = 256, scales 1; rel err vs float64 (mean / max)\n");
+  std::printf("%6s %22s %22s\n", "K", "ours", "cublasLt");
+  for (int k : {1024, 4096, 16384, 32768}) {
+    Case c{256, 256, k, 1, true, GemmRsConfig{128, 0, 8, 512}, false, true};
+    World world(c);
+    world.fill_inputs(1);
+    auto positive = [](int64_t count, uint64_t seed) {
+      std::vector<uint8_t> v(count);
+      for (int64_t i = 0; i < count; ++i) {
+        float const u = 0.5f * (hash_uniform(seed, i) + 1.0f);  // [0, 1)
+        int const e = 6 + int(u * 2.0f);                         // exponent field 6 or 7: [0.5, 2)
+        int const m = int(0.5f * (hash_uniform(seed + 1, i) + 1.0f) * 8.0f) & 7;
+        v[i] = uint8_t((e << 3) | m);
+      }
+      return v;
+    };
+    std::vector<uint8_t> const x = positive(int64_t(c.m) * k, 11), w = positive(int64_t(c.n) * k, 12);
+    std::vector<double> xd(x.size()), wd(w.size());
+    for (size_t i = 0; i < x.size(); ++i) xd[i] = fp8_to_double(x[i]);
+    for (size_t i = 0; i < w.size(); ++i) wd[i] = fp8_to_double(w[i]);
+    CHECK_CUDA(cudaMemcpy(world.ranks[0].x, x.data(), x.size(), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(world.ranks[0].w, w.data(), w.size(), cudaMemcpyHostToDevice));
+    float const ones[2] = {1.0f, 1.0f};
+    CHECK_CUDA(cudaMemcpy(world.ranks[0].scales, ones, sizeof ones, cudaMemcpyHostToDevice));
+    std::vector<double> ref(size_t(c.m) * c.n);
+    for (int i = 0; i < c.m; ++i)
+      for (int j = 0; j < c.n; ++j) {
+        double acc = 0;
+        for (int kk = 0; kk < k; ++kk) acc += xd[size_t(i) * k + kk] * wd[size_t(j) * k + kk];
+        ref[size_t(i) * c.n + j] = acc;
+      }
+    size_t const mn = size_t(c.m) * c.n;
+    auto error_of = [&](uint16_t const* dev) {
+      std::vector<uint16_t> y(mn);
+      CHECK_CUDA(cudaMemcpy(y.data(), dev, mn * 2, cudaMemcpyDeviceToHost));
+      double sum = 0, worst = 0;
+      for (size_t i = 0; i < mn; ++i) {
+        double const e = std::abs(to_double(y[i], true) - ref[i]) / ref[i];
+        sum += e;
+        worst = std::max(worst, e);
+      }
+      return std::array<double, 2>{sum / mn, worst};
+    };
+    // The producer writes the slot of the call's parity: poison both, then read the written one.
+    CHECK_CUDA(cudaMemset(world.ranks[0].partial[0], 0xFF, 2 * mn * 2));
+    producer_launcher(world, c.shape(0), c.config, false, false, 0)();
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<uint16_t> probe(1);
+    CHECK_CUDA(cudaMemcpy(probe.data(), world.ranks[0].partial[0], 2, cudaMemcpyDeviceToHost));
+    auto const ours = error_of(probe[0] == 0xFFFF ? world.ranks[0].partial[1] : world.ranks[0].partial[0]);
+    std::array<double, 2> theirs{NAN, NAN};
+    if (lt) {
+      CublasLt::Fp8Scales const scales{world.ranks[0].scales, world.ranks[0].scales + 1};
+      auto run = lt->gemm(c.m, c.n, k, world.ranks[0].x, world.ranks[0].w, world.ranks[0].out, 0, &scales);
+      if (run) {
+        run();
+        CHECK_CUDA(cudaDeviceSynchronize());
+        theirs = error_of(world.ranks[0].out);
+      }
+    }
+    std::printf("%6d %10.2e / %9.2e %10.2e / %9.2e\n", k, ours[0], ours[1], theirs[0], theirs[1]);
+  }
+  return 0;
 }
 
 // The FP8 GEMMs against cuBLASLt's FP8 GEMM (same types, scales and accumulation), in interleaved

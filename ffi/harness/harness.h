@@ -335,6 +335,7 @@ int ag_push_main();
 // fp8.cu
 int fp8_test_main();
 int fp8_bench_main();
+int fp8_accuracy_main();
 // sanitize.cu
 int sanitize_main(bool sequential);
 int ag_sanitize_main();
