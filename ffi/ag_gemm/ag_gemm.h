@@ -76,6 +76,7 @@ struct AgPlan {
   int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or the releases')
   TileOrder order;        // the blocks of one chunk, in production order
   WorkSchedule schedule;  // the GEMM's blocks, grid and k-tiles (every source's in the contraction layout)
+  Scaling scaling = Scaling::kTensor;  // FP8: picks the GEMM instantiation (per tensor only, so far)
 };
 AgPlan ag_plan(const AgProblem& problem, const AgGemmConfig& config);
 
