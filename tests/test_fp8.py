@@ -380,7 +380,8 @@ def test_bad_fp8_input(op, x, w, kwargs, match):
 
 
 def test_group_shares_one_w_scale():
-    with pytest.raises(ValueError, match=r"ag_gemm: w_scale must be one float32 scalar; a group of weights shares"):
+    with pytest.raises(ValueError, match=r"ag_gemm: a tuple w_scale gives each weight of a group its 128x128 block "
+                                         r"scales; per-tensor scaling takes one float32 scalar shared by the group"):
         _trace(lambda x, w, **k: ag_gemm(x, (w, w), **k), X8, W8, x_scale=S, w_scale=(S, S))
     with pytest.raises(ValueError, match=r"ag_gemm: the weights of a group must share one dtype"):
         _trace(lambda x, w, **k: ag_gemm(x, (w, w.astype(jnp.bfloat16)), **k), X8, W8, x_scale=S, w_scale=S)

@@ -79,10 +79,12 @@ def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, x
                          fp8=fp8, shared_scale=shared_scale, x_dtype=x_dtype.name)
 
 
-def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, out_dtype, shared_scale):
+def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, out_dtype, shared_scale, block_scaled):
     if config.path == "xla":
         return "config.path is 'xla'"
     if reason := callsite.kernel_dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
+        return reason
+    if block_scaled and (reason := _plan.fp8_block_reason()):
         return reason
     if reason := comm.world_reason(axis_size):
         return reason
@@ -114,18 +116,20 @@ def _heap_need(plan) -> tuple[int, dict[str, int]]:
 
 
 def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config,
-                       out_dtype=None, shared_scale: bool = False) -> Optional[str]:
+                       out_dtype=None, shared_scale: bool = False, block_scaled: bool = False) -> Optional[str]:
     """None when the ag_gemm kernels can run this call (x [rows, cols], w [cols or W * cols, n]),
     else a short reason (out_dtype given: the FP8 kernels on an e4m3 or e5m2 x and an e4m3 w, writing
-    out_dtype, with one x scale on every rank if shared_scale). Only answers (prepare acquires)."""
+    out_dtype, with one x scale on every rank if shared_scale; block_scaled: with block scales). Only
+    answers (prepare acquires)."""
     try:
         mesh = comm.find_mesh(axis_name)
         key = ("ag", tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
-               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh, str(out_dtype), shared_scale)
+               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh, str(out_dtype), shared_scale,
+               bool(block_scaled))
     except Exception as e:
         return f"cannot inspect the call ({type(e).__name__}: {e})"
     return comm.cached_reason(key, mesh, lambda: _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k,
-                                                               config, out_dtype, shared_scale))
+                                                               config, out_dtype, shared_scale, block_scaled))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +147,13 @@ class AgGemmCall:
 
 
 def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out_dtype=None,
-            shared_scale: bool = False) -> AgGemmCall:
+            shared_scale: bool = False, block_scaled: bool = False) -> AgGemmCall:
     """The plan of ag_gemm on this rank's shard x [rows, cols] and w, and its communicator, acquired
     now (acquire_comm): once per call site at trace time, after unavailable_reason said None
     (out_dtype: an FP8 call, as there). Raises Unavailable with the reason when the fused path
     cannot run it after all."""
+    if block_scaled and (reason := _plan.fp8_block_reason()):
+        raise Unavailable(reason)  # block scales never reach the per-tensor kernels
     mesh = comm.mesh_for(axis_name)
     (rows, cols), n = x_local_aval.shape, w_aval.shape[1]
     fp8 = out_dtype is not None

@@ -26,6 +26,12 @@ def fp8_reason() -> Optional[str]:
     return _extension.fp8_reason("AG_GEMM_FP8_TARGET", "ag_gemm_fp8_plan")
 
 
+def fp8_block_reason() -> Optional[str]:
+    """Why the extension cannot run block-scaled FP8 ag_gemm (no FP8 kernels, or FP8 kernels that take
+    per-tensor scales only), or None."""
+    return _extension.fp8_block_reason("ag_gemm", "ag_gemm_fp8_plan")
+
+
 @dataclasses.dataclass(frozen=True)
 class AgPlan:
     """ag_gemm's plan of one call (the C++ AgPlan) of an unpadded shard [rows, cols] and N = n."""

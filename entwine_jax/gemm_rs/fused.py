@@ -63,10 +63,12 @@ def unpad(y, p: Padding):
     return y[: p.mp, : p.n_part] if (p.mp, p.n_part) != (p.mp_pad, p.n_pad) else y
 
 
-def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config, out_dtype):
+def _unavailable(x_local_aval, w_aval, axis_name, axis_size, scatter_dimension, config, out_dtype, block_scaled):
     if getattr(config, "path", None) == "xla":
         return "config.path is 'xla'"
     if reason := callsite.kernel_dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
+        return reason
+    if block_scaled and (reason := _plan.fp8_block_reason()):
         return reason
     if scatter_dimension not in (0, 1):
         return f"fused kernels scatter over rows (0) or columns (1) of the 2-D product, got {scatter_dimension}"
@@ -104,21 +106,21 @@ def _heap_need(plan) -> tuple[int, dict[str, int]]:
 
 
 def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension,
-                       config, out_dtype=None) -> Optional[str]:
+                       config, out_dtype=None, block_scaled: bool = False) -> Optional[str]:
     """None when the fused kernels can run gemm_rs on x [M, K] (this rank's 2-D view), w [K, N],
     else a short reason (out_dtype given: the FP8 kernels on an e4m3 or e5m2 x and an e4m3 w, writing
-    out_dtype).
+    out_dtype; block_scaled: with block scales).
     Only answers: no communicator is created or grown here (prepare does that). Never raises for
     ordinary inputs; cached per call shape."""
     try:
         mesh = comm.find_mesh(axis_name)
         key = (tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
                str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, scatter_dimension,
-               repr(config), mesh, str(out_dtype))
+               repr(config), mesh, str(out_dtype), bool(block_scaled))
     except Exception as e:
         return f"cannot inspect the call ({type(e).__name__}: {e})"
     return comm.cached_reason(key, mesh, lambda: _unavailable(x_local_aval, w_aval, axis_name, axis_size,
-                                                              scatter_dimension, config, out_dtype))
+                                                              scatter_dimension, config, out_dtype, block_scaled))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,11 +139,14 @@ class GemmRsCall:
         return int(self.plan.scatter_cols)
 
 
-def prepare(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, config, out_dtype=None) -> GemmRsCall:
+def prepare(x_local_aval, w_aval, *, axis_name, axis_size, scatter_dimension, config, out_dtype=None,
+            block_scaled: bool = False) -> GemmRsCall:
     """The plan of gemm_rs on x [M, K] (this rank's 2-D view), w [K, N], and its communicator,
     acquired now (acquire_comm): call once per call site at trace time, after unavailable_reason
     said None (out_dtype: an FP8 call, as there). Raises Unavailable with the reason when the fused
     path cannot run it after all."""
+    if block_scaled and (reason := _plan.fp8_block_reason()):
+        raise Unavailable(reason)  # block scales never reach the per-tensor kernels
     mesh = comm.mesh_for(axis_name)
     (m, k), (_, n) = x_local_aval.shape, w_aval.shape
     fp8 = out_dtype is not None

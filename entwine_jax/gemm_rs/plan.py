@@ -26,6 +26,12 @@ def fp8_reason() -> Optional[str]:
     return _extension.fp8_reason("GEMM_RS_FP8_TARGET", "gemm_rs_fp8_plan")
 
 
+def fp8_block_reason() -> Optional[str]:
+    """Why the extension cannot run block-scaled FP8 gemm_rs (no FP8 kernels, or FP8 kernels that take
+    per-tensor scales only), or None."""
+    return _extension.fp8_block_reason("gemm_rs", "gemm_rs_fp8_plan")
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmRsPlan:
     """gemm_rs's plan of one call (the C++ GemmRsPlan), with the call it was made for.
