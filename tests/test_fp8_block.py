@@ -4,6 +4,8 @@
 # formula and float64, bad inputs, the mode never falling back to per-tensor scales, and the layers'
 # fp8="block".
 import dataclasses
+import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from entwine_jax.gemm_rs import fused as rs_fused
 from entwine_jax.gemm_rs import plan as rs_plan
 from entwine_jax.gemm_rs.config import GemmRsConfig
 
+from test_fp8 import fused_on_cpu  # noqa: F401  (a fixture)
 from test_gemm_rs import make_mesh, rel_err
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -433,3 +436,94 @@ def test_no_fused_kernel_for_block_scales_is_a_reason(monkeypatch):
 
     PerTensorOnly.gemm_rs_fp8_plan = staticmethod(with_blocks)
     assert rs_plan.fp8_block_reason() is None and ag_plan.fp8_block_reason() is not None
+
+
+# --- the fused call (the FFI contract), off-GPU -------------------------------------------------------
+
+
+def _rs_site(scatter_cols):
+    # x [200, 256] over 2 ranks: rows, partitions of 100 rows padded to 128, N 96 padded to 128; columns,
+    # N 256 in two slices of 128, M 200 padded to 256.
+    plan = rs_plan.GemmRsPlan(world=2, m=200, k=256, n=96 if not scatter_cols else 256, scatter_cols=scatter_cols,
+                              mp=100 if not scatter_cols else 200, mp_pad=128 if not scatter_cols else 256, k_pad=256,
+                              n_pad=128, tiles_per_partition=1, m_blocks=1, n_blocks=1, raster_rows=1, num_blocks=2,
+                              grid=2, k_tiles=2, split_first_block=2, split=False, slot_bytes=0)
+    return rs_fused.GemmRsCall(plan=plan, comm_id=3, config=GemmRsConfig(), target="entwine_gemm_rs_fp8",
+                               out_dtype="bfloat16", block_scaled=True)
+
+
+@pytest.mark.parametrize("scatter_cols", [False, True])
+def test_gemm_rs_block_call_as_the_ffi_contract_says(scatter_cols):
+    # The FP8 target with x_scale [K/128, padded M] (M-major) and w_scale [padded N / 128, K/128] for w_t;
+    # padded rows and columns scaled by 1, each partition's rows (or N slice) where its padded block is.
+    site = _rs_site(scatter_cols)
+    n = site.plan.n
+    x8, w8 = jnp.ones((200, 256), E4M3), jnp.ones((256, n), E4M3)
+    xs = jnp.arange(1.0, 401.0).reshape(200, 2)
+    ws = jnp.arange(1.0, 1 + 2 * fp8.blocks(n)).reshape(2, -1)
+    jaxpr = jax.make_jaxpr(lambda x, w, a, b: rs_fused.call_fp8(x, w, a, b, site))(x8, w8, xs, ws)
+    eqn, = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "ffi_call"]
+    assert eqn.params["target_name"] == "entwine_gemm_rs_fp8"
+    assert [(v.aval.shape, v.aval.dtype) for v in eqn.invars] == [
+        ((256, 256), E4M3), ((256 if scatter_cols else 128, 256), E4M3), ((2, 256), jnp.float32),
+        ((2, 2) if scatter_cols else (1, 2), jnp.float32)]
+    px, pw = jax.jit(rs_fused.pad_block_scales, static_argnums=2)(xs, ws, site.plan)
+    if scatter_cols:
+        want_x = np.concatenate([np.asarray(xs), np.ones((56, 2))]).T
+    else:
+        want_x = np.concatenate([np.asarray(xs[:100]), np.ones((28, 2)), np.asarray(xs[100:]), np.ones((28, 2))]).T
+    np.testing.assert_array_equal(np.asarray(px), want_x)
+    np.testing.assert_array_equal(np.asarray(pw), np.asarray(ws).T)
+
+
+def test_block_scaled_columns_need_whole_blocks_per_rank(monkeypatch):
+    # N / W = 96: w's 128-column scale blocks would straddle the ranks' slices, which the kernels pad
+    # apart: the XLA path, with the reason.
+    class BlockKernels:
+        GEMM_RS_FP8_TARGET, MAX_WORLD = "entwine_gemm_rs_fp8", 8
+
+        @staticmethod
+        def fp8_targets():
+            return ["entwine_gemm_rs_fp8"]
+
+        @staticmethod
+        def gemm_rs_fp8_plan(*args, x_dtype="float8_e4m3fn", block_scaled=False):
+            raise AssertionError("not asked")
+
+    monkeypatch.setattr(_extension, "module", lambda: (BlockKernels, None))
+    reason = rs_fused._unavailable(jax.ShapeDtypeStruct((64, 256), E4M3), jax.ShapeDtypeStruct((256, 192), E4M3),
+                                   "tp", 2, 1, GemmRsConfig(path="fused"), "bfloat16", True)
+    assert reason == ("block-scaled FP8 scattering columns needs N / W % 128 == 0 (w's 128x128 scale blocks within "
+                      "each rank's output slice), got N = 192 over 2 ranks")
+
+
+def test_block_scaled_gemm_rs_lowers_to_the_fp8_kernels(fused_on_cpu, caplog):
+    # Where the extension's FP8 plans take block scales: gemm_rs's block-scaled forward is the FP8 target
+    # with 2-D scales ([K/128, M] and [N/128, K/128]); its backward, an ag_gemm, the same where that op
+    # has block-scaled kernels, else the XLA path with the reason; never a per-tensor call.
+    if rs_plan.fp8_block_reason() is not None:
+        pytest.skip(rs_plan.fp8_block_reason())
+    world = 4
+    mesh = make_mesh((world,), ("tp",))
+
+    def block(x, w):
+        return gemm_rs(x, w, axis_name="tp", x_scale=fp8.scales_1x128(x), w_scale=fp8.scales_128x128(w),
+                       config=GemmRsConfig(path="fused"))
+
+    def loss(x, w):
+        y = jax.shard_map(block, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))(x, w)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))
+            for shape, spec in (((512, 1024), P(None, "tp")), ((1024, 512), P("tp", None)))]
+    with caplog.at_level(logging.INFO, logger="entwine_jax"), jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @(entwine_\w+_fp8)\(.* : \((.*?)\) ->", text)
+    scales = {target: re.findall(r"tensor<([\dx]*)xf32>", types) for target, types in calls}
+    assert scales["entwine_gemm_rs_fp8"] == ["2x512", "4x2"]  # K_local 256, M 512, N 512
+    reasons = [r.getMessage() for r in caplog.records if "XLA reference path" in r.getMessage()]
+    if ag_plan.fp8_block_reason() is None:
+        assert scales["entwine_ag_gemm_fp8"][:2] == ["4x128", "2x4"] and not reasons  # dy's N 512, rows 128
+    else:
+        assert set(scales) == {"entwine_gemm_rs_fp8"}
+        assert len(reasons) == 1 and "block-scaled FP8 has no fused ag_gemm kernel" in reasons[0]

@@ -195,6 +195,10 @@ def _fused_forward(x, w, *scales, plan: Plan):
     sd, world, lead = plan.dimension, plan.axis_size, tuple(x.shape[:-1])
     columns = kernel_scatter_dim(x, sd)
     x2d = x.reshape(-1, x.shape[-1]) if columns else _rows_by_partition(x, sd, world)
+    if plan.block_scaled:  # x's tile scales [..., K/128] follow its rows
+        x_scale, w_scale = scales
+        scales = (x_scale.reshape(-1, x_scale.shape[-1]) if columns else _rows_by_partition(x_scale, sd, world),
+                  w_scale)
     y = fused.call_fp8(x2d, w, *scales, plan.fused_call) if scales else fused.call(x2d, w, plan.fused_call)
     y = callsite.typed_like(callsite.varying_over(x, w, *scales), y)
     if columns:
