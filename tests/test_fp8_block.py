@@ -527,3 +527,12 @@ def test_block_scaled_gemm_rs_lowers_to_the_fp8_kernels(fused_on_cpu, caplog):
     else:
         assert set(scales) == {"entwine_gemm_rs_fp8"}
         assert len(reasons) == 1 and "block-scaled FP8 has no fused ag_gemm kernel" in reasons[0]
+
+
+def test_reciprocal_block_scales_are_caught():
+    # Block scales in the reciprocal convention (448 / amax) zero the operand, as per-tensor ones do (for
+    # amaxes under 21, fp8._scale_problem).
+    x = jax.random.normal(jax.random.key(19), (8, 256), jnp.float32)
+    fp8.check_scales("gemm_rs", (("x", x, fp8.scales_1x128(x)),))
+    with pytest.raises(ValueError, match=r"gemm_rs: x quantises to FP8 values that all lie below 1"):
+        fp8.check_scales("gemm_rs", (("x", x, 1 / fp8.scales_1x128(x)),))
