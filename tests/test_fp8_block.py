@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from entwine_jax import _extension, ag_gemm, fp8, gemm_rs, registry
+from entwine_jax import AgGemmConfig, _extension, ag_gemm, fp8, gemm_rs, registry
 from entwine_jax.ag_gemm import fused as ag_fused
 from entwine_jax.ag_gemm import plan as ag_plan
 from entwine_jax.comm import Unavailable
@@ -536,3 +536,42 @@ def test_reciprocal_block_scales_are_caught():
     fp8.check_scales("gemm_rs", (("x", x, fp8.scales_1x128(x)),))
     with pytest.raises(ValueError, match=r"gemm_rs: x quantises to FP8 values that all lie below 1"):
         fp8.check_scales("gemm_rs", (("x", x, 1 / fp8.scales_1x128(x)),))
+
+
+@pytest.mark.parametrize("gather_k,return_gathered", [(False, True), (True, False)])
+def test_ag_gemm_block_call_as_the_ffi_contract_says(gather_k, return_gathered):
+    # The FP8 target with the shard's x_scale [cols/128, rows_pad] (M-major) and w_scale [n_pad/128,
+    # K/128] for w_t; results y, the gathered shards and their scales [W, cols/128, rows_pad] (or empty).
+    p = ag_fused.AgPadding(world=2, rows=100, cols=256, n=96, rows_pad=128, cols_pad=256, n_pad=128, gather_k=gather_k)
+    site = ag_fused.AgGemmCall(padding=p, gemm_sms=131, push_sms=0, comm_id=1, config=AgGemmConfig(),
+                               target="entwine_ag_gemm_fp8", out_dtype="bfloat16", block_scaled=True)
+    k = 2 * 256 if gather_k else 256
+    x8, w8 = jnp.ones((100, 256), E4M3), jnp.ones((k, 96), E4M3)
+    xs, ws = jnp.arange(1.0, 201.0).reshape(100, 2), jnp.ones((k // 128, 1))
+
+    def call(x, w, a, b):
+        return ag_fused.call_fp8(x, w, a, b, site, return_gathered, False)
+
+    jaxpr = jax.make_jaxpr(call)(x8, w8, xs, ws)
+    eqn, = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "ffi_call"]
+    assert [(v.aval.shape, v.aval.dtype) for v in eqn.invars] == [
+        ((128, 256), E4M3), ((128, k), E4M3), ((2, 128), jnp.float32), ((1, k // 128), jnp.float32)]
+    gathered = ((2, 128, 256), (2, 2, 128)) if return_gathered else ((0,), (0,))
+    assert [a.shape for a in eqn.params["result_avals"]][1:] == list(gathered)
+    if return_gathered:
+        assert jaxpr.out_avals[2].shape == (2, 2, 100)
+    px, _ = ag_fused.pad_block_scales(xs, ws, p)
+    np.testing.assert_array_equal(np.asarray(px), np.concatenate([np.asarray(xs), np.ones((28, 2))]).T)
+
+
+@pytest.mark.parametrize("shape,gd", [((6, 3), 0), ((2, 6, 3), 1), ((2, 3, 4, 3), 1), ((5, 3), 1), ((2, 5, 3), 2)])
+def test_gathered_block_scales_are_placed_as_the_gathered_x(shape, gd):
+    # The kernels return each source's tile scales [W, cols/128, rows]; placed, they are what the
+    # reference gathers: the sources' x_scale concatenated over the gathered dim (the last: its tiles).
+    from entwine_jax.ag_gemm import op as ag_op
+    world = 2
+    sources = [jnp.asarray(np.random.default_rng(r).normal(size=shape)) for r in range(world)]
+    kernels = jnp.stack([s.reshape(-1, shape[-1]).T for s in sources])
+    plan = ag_op.Plan(axis_name="tp", axis_size=world, dimension=gd, config=None, return_gathered=True, reason="")
+    placed = ag_op._in_x_layout(jnp.swapaxes(kernels, 1, 2), shape[:-1], shape[-1], plan)
+    np.testing.assert_array_equal(np.asarray(placed), np.concatenate(sources, axis=gd))

@@ -201,44 +201,51 @@ def _fused_forward(x, w, *scales, plan: Plan, gathered: bool):
     """The kernels see this rank's shard as [rows, cols]. Rows layout: the gathered dim's W slices
     come back stacked in rank order, [W * rows, N]; for a gathered dim with dims in front of it
     (x [B, S/W, K], gather dim 1) the result is permuted into place (one copy of y). scales: an FP8
-    call's (x_scale, w_scale); with `gathered` it also returns the W sources' x_scale."""
+    call's (x_scale, w_scale); with `gathered` it also returns the W sources' x_scale (block scales:
+    their tiles' scales, placed as the gathered x is)."""
     x2d = x.reshape(-1, x.shape[-1])
     names = callsite.varying_over(x, w, *scales)
     if not scales:
         y2d, g = fused.call(x2d, w, plan.fused_call, return_gathered=gathered)
         return _placed(x, w, y2d, g, plan, gathered, names)
-    y2d, g, source_scales = fused.call_fp8(x2d, w, *scales, plan.fused_call, gathered, plan.shared_scale)
+    x_scale, w_scale = scales
+    if plan.block_scaled:  # x's tile scales [..., cols/128] follow its rows
+        x_scale = x_scale.reshape(-1, x_scale.shape[-1])
+    y2d, g, source_scales = fused.call_fp8(x2d, w, x_scale, w_scale, plan.fused_call, gathered, plan.shared_scale)
     out = _placed(x, w, y2d, g, plan, gathered, names)
-    return (*out, callsite.typed_like(names, source_scales)) if gathered else out
+    if not gathered:
+        return out
+    if plan.block_scaled:  # [W, cols/128, rows] -> the gathered x's layout, its last dim in tiles
+        source_scales = _in_x_layout(jnp.swapaxes(source_scales, 1, 2), tuple(x.shape[:-1]),
+                                     x_scale.shape[-1], plan)
+    return (*out, callsite.typed_like(names, source_scales))
+
+
+def _in_x_layout(v, lead: tuple, last: int, plan: Plan):
+    """A source-major result of the kernels, [W, rows, last] or [W * rows, last] (rows: this rank's
+    shard's leading dims, `lead`), in x's layout with the gathered dim whole: in the rows layout
+    lead's gathered dim W times longer ([W, P, D, R, ·] (dims before it, it, after it) -> [P, W, D,
+    R, ·]), in the contraction layout the last dim (the sources' K slices in rank order)."""
+    world, gd = plan.axis_size, plan.dimension
+    if gd == len(lead):
+        return jnp.swapaxes(v.reshape(world, -1, last), 0, 1).reshape(lead + (world * last,))
+    before, d, after = lead[:gd], lead[gd], lead[gd + 1:]
+    p = math.prod(before)
+    v = v.reshape((world, p, d) + after + (last,))
+    if p != 1:
+        v = jnp.swapaxes(v, 0, 1)
+    return v.reshape(before + (world * d,) + after + (last,))
 
 
 def _placed(x, w, y2d, g, plan: Plan, gathered: bool, names):
     """The kernels' y [W * rows, N] (or [rows, N]) and gathered [W, rows, cols] in x's layout."""
-    world, gd, lead = plan.axis_size, plan.dimension, tuple(x.shape[:-1])
-    gather_k = gd == x.ndim - 1
-    n = w.shape[1]
-    if not gathered:
-        # The kernels write no gathered operand at all: a forward-only call moves only what y needs.
-        y2d = callsite.typed_like(names, y2d)
-        if gather_k:
-            return y2d.reshape(lead + (n,))
-        before, d, after = lead[:gd], lead[gd], lead[gd + 1:]
-        y = y2d.reshape((world, math.prod(before), d) + after + (n,))
-        return jnp.swapaxes(y, 0, 1).reshape(before + (world * d,) + after + (n,))
-    y2d, g = callsite.typed_like(names, y2d, g)
-    if gather_k:
-        # g [W, rows, cols] -> [rows, W * cols]: the contraction dim in rank order.
-        g = jnp.swapaxes(g, 0, 1).reshape(lead + (world * x.shape[-1],))
-        return y2d.reshape(lead + (n,)), g
-    before, d, after = lead[:gd], lead[gd], lead[gd + 1:]
-    p = math.prod(before)
-    # [W, P, D, R, ·] (source-major) -> [P, W, D, R, ·] -> [..., W * D, ...]
-    y = y2d.reshape((world, p, d) + after + (n,))
-    g = g.reshape((world, p, d) + after + (x.shape[-1],))
-    if p != 1:
-        y, g = jnp.swapaxes(y, 0, 1), jnp.swapaxes(g, 0, 1)
-    shape = before + (world * d,) + after
-    return y.reshape(shape + (n,)), g.reshape(shape + (x.shape[-1],))
+    lead, n = tuple(x.shape[:-1]), w.shape[1]
+    gather_k = plan.dimension == x.ndim - 1
+    # Without `gathered` the kernels write no gathered operand at all: a forward-only call moves only
+    # what y needs.
+    y2d, g = callsite.typed_like(names, y2d, g) if gathered else (callsite.typed_like(names, y2d), None)
+    y = y2d.reshape(lead + (n,)) if gather_k else _in_x_layout(y2d, lead, n, plan)
+    return (y, _in_x_layout(g, lead, x.shape[-1], plan)) if gathered else y
 
 
 def forward(x, w, plan: Plan, gathered: bool = False):
