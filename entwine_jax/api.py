@@ -108,16 +108,15 @@ def _ag_gemm_fp8(x, w, *, axis_name, gather_dimension, config, return_gathered, 
     fp8.check_scales("ag_gemm", (("x", x, xs),) + tuple((f"w[{i}]" if grouped else "w", w_i, s)
                                                          for i, (w_i, s) in enumerate(zip(weights, w_scales))))
     # One GEMM over the group's concatenated columns, split after (as for the bf16 group).
-    w_all = jnp.concatenate(weights, axis=1) if grouped else w
     kept = widths
     if grouped and call.block:
         # Block scales concatenate over the columns only in whole blocks: each weight but the last is
         # padded with zero columns to a multiple of 128 (its last block's scale covers them), and its
         # output's padding is cut off after the split.
-        padded = [fp8.blocks(n) * fp8.BLOCK for n in widths[:-1]] + widths[-1:]
-        w_all = jnp.concatenate([jnp.pad(w_i, ((0, 0), (0, p - n))) for w_i, n, p in zip(weights, widths, padded)],
-                                axis=1)
-        ws, widths = jnp.concatenate(ws, axis=1), padded
+        widths = [fp8.blocks(n) * fp8.BLOCK for n in kept[:-1]] + kept[-1:]
+        weights = tuple(jnp.pad(w_i, ((0, 0), (0, p - n))) for w_i, n, p in zip(weights, kept, widths))
+        ws = jnp.concatenate(ws, axis=1)
+    w_all = jnp.concatenate(weights, axis=1) if grouped else w
     axis_name = callsite.hashable_axis(axis_name)
     out = pairing.call_fp8("ag_gemm", x, w_all, xs, ws, gs, call, axis_name=axis_name, dimension=gather_dimension,
                            config=config, return_gathered=return_gathered,
