@@ -543,6 +543,12 @@ def fused_on_cpu(monkeypatch):
     for reason in (rs_plan.fp8_reason(), ag_plan.fp8_reason()):
         if reason is not None:
             pytest.skip(f"the FP8 plans need the extension with its FP8 kernels: {reason}")
+    gpu_side_faked(monkeypatch)
+
+
+def gpu_side_faked(monkeypatch):
+    """The CPU devices pass for GPUs and the communicators are a fake extension's (FakeExt); the plans
+    stay the extension's (_extension.module)."""
     ext = FakeExt()
     for name, value in (("_comms", {}), ("_setup_meshes", {}), ("_reason_cache", {}), ("_failed", {}),
                         ("_atexit_registered", True)):

@@ -21,7 +21,7 @@ from entwine_jax.gemm_rs import fused as rs_fused
 from entwine_jax.gemm_rs import plan as rs_plan
 from entwine_jax.gemm_rs.config import GemmRsConfig
 
-from test_fp8 import fused_on_cpu  # noqa: F401  (a fixture)
+from test_fp8 import gpu_side_faked
 from test_gemm_rs import make_mesh, rel_err
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -497,36 +497,120 @@ def test_block_scaled_columns_need_whole_blocks_per_rank(monkeypatch):
                       "each rank's output slice), got N = 192 over 2 ranks")
 
 
-def test_block_scaled_gemm_rs_lowers_to_the_fp8_kernels(fused_on_cpu, caplog):
-    # Where the extension's FP8 plans take block scales: gemm_rs's block-scaled forward is the FP8 target
-    # with 2-D scales ([K/128, M] and [N/128, K/128]); its backward, an ag_gemm, the same where that op
-    # has block-scaled kernels, else the XLA path with the reason; never a per-tensor call.
-    if rs_plan.fp8_block_reason() is not None:
-        pytest.skip(rs_plan.fp8_block_reason())
+def _up(v, multiple):
+    return -(-v // multiple) * multiple
+
+
+class SimulatedKernels:
+    """The extension as far as planning calls goes, block-scaled FP8 included (its FP8 plans take
+    block_scaled): the targets, and plans that pad as the C++ plans do (rows and N to whole 128-blocks,
+    K to 16 elements) and refuse block scales unless K (ag_gemm: each shard's cols) % 128 == 0. Nothing
+    runs: programs are lowered for CUDA only."""
+    GEMM_RS_TARGET, AG_GEMM_TARGET = "entwine_gemm_rs", "entwine_ag_gemm"
+    GEMM_RS_FP8_TARGET, AG_GEMM_FP8_TARGET = "entwine_gemm_rs_fp8", "entwine_ag_gemm_fp8"
+    MAX_WORLD = 8
+
+    @staticmethod
+    def fp8_targets():
+        return [SimulatedKernels.GEMM_RS_FP8_TARGET, SimulatedKernels.AG_GEMM_FP8_TARGET]
+
+    @staticmethod
+    def gemm_rs_plan(m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid, consumer_block, raster_rows,
+                     split_tail, x_dtype="float8_e4m3fn", block_scaled=False):
+        mp, n_part = (m, n // world) if scatter_cols else (m // world, n)
+        return dict(error="block-scaled FP8 needs K % 128 == 0" if block_scaled and k % 128 else None,
+                    config_error=False, part_rows=_up(mp, 128), part_cols=_up(n_part, 128), k=_up(k, 16),
+                    tiles_per_partition=1, m_blocks=1, n_blocks=1, raster_rows=1, num_blocks=world, grid=1, k_tiles=1,
+                    split_first_block=world, split=False, slot_bytes=0)
+
+    gemm_rs_fp8_plan = gemm_rs_plan
+
+    @staticmethod
+    def ag_gemm_fp8_plan(rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks, push_sms,
+                         shared_scale=False, x_dtype="float8_e4m3fn", block_scaled=False):
+        return dict(error="block-scaled FP8 needs cols % 128 == 0" if block_scaled and cols % 128 else None,
+                    rows_pad=_up(rows, 128), cols_pad=_up(cols, 16), n_pad=_up(n, 128), chunks=1, chunk_tiles=1,
+                    num_blocks=1, grid=1, k_tiles=1, inbox_bytes=0, flags=1, push_grid=0, sms_needed=2)
+
+
+@pytest.fixture
+def simulated_kernels(monkeypatch):
+    """The fused path as on CUDA GPUs with block-scaled kernels for both ops, as far as lowering (the
+    plans SimulatedKernels', the rest test_fp8.gpu_side_faked)."""
+    monkeypatch.setattr(_extension, "module", lambda: (SimulatedKernels, None))
+    gpu_side_faked(monkeypatch)
+    rs_plan._asked.cache_clear()
+    ag_plan._asked.cache_clear()
+    yield
+    rs_plan._asked.cache_clear()  # no simulated plan outlives the test
+    ag_plan._asked.cache_clear()
+
+
+def _lowered_grads(op, x_shape, w_shape, x_spec, w_spec, y_spec, **dim):
+    """(the CUDA lowering's text of the gradients of a block-scaled call on the fused path, its
+    XLA-path reasons logged), operands bf16 quantised by the op."""
     world = 4
     mesh = make_mesh((world,), ("tp",))
+    config = GemmRsConfig(path="fused") if op is gemm_rs else AgGemmConfig(path="fused", block_n=128)
 
-    def block(x, w):
-        return gemm_rs(x, w, axis_name="tp", x_scale=fp8.scales_1x128(x), w_scale=fp8.scales_128x128(w),
-                       config=GemmRsConfig(path="fused"))
+    def body(x, w):
+        return op(x, w, axis_name="tp", x_scale=fp8.scales_1x128(x), w_scale=fp8.scales_128x128(w), config=config,
+                  **dim)
 
     def loss(x, w):
-        y = jax.shard_map(block, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))(x, w)
-        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+        return jnp.sum(jnp.sin(jax.shard_map(body, in_specs=(x_spec, w_spec), out_specs=y_spec)(x, w)
+                               .astype(jnp.float32)))
 
     args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))
-            for shape, spec in (((512, 1024), P(None, "tp")), ((1024, 512), P("tp", None)))]
-    with caplog.at_level(logging.INFO, logger="entwine_jax"), jax.set_mesh(mesh):
-        text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = re.findall(r"custom_call @(entwine_\w+_fp8)\(.* : \((.*?)\) ->", text)
-    scales = {target: re.findall(r"tensor<([\dx]*)xf32>", types) for target, types in calls}
-    assert scales["entwine_gemm_rs_fp8"] == ["2x512", "4x2"]  # K_local 256, M 512, N 512
+            for shape, spec in ((x_shape, x_spec), (w_shape, w_spec))]
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _block_calls(text):
+    """(target, x's element type, the f32 operands' shapes, the results' shapes) of every FP8 custom call."""
+    calls = []
+    for target, operands, results in re.findall(r"custom_call @(entwine_\w+_fp8)\(.* : \((.*?)\) -> (.*)$", text,
+                                                re.M):
+        calls.append((target, re.match(r"tensor<[\dx]*x(\w+)>", operands).group(1),
+                      re.findall(r"tensor<([\dx]*)xf32>", operands), re.findall(r"tensor<([\dx]*)x\w+>", results)))
+    return sorted(calls)
+
+
+def test_block_scaled_calls_lower_to_the_fp8_kernels(simulated_kernels, caplog):
+    # gemm_rs (rows) forward and its backward ag_gemm, on the FP8 targets with 2-D scales in the kernels'
+    # layout: x_scale [K/128, padded M], w_scale [padded N/128, K/128]; the ag_gemm returns its gathered
+    # e5m2 dy with the tiles' scales [W, K/128, rows] for dw. Nothing on XLA's path.
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        text = _lowered_grads(gemm_rs, (512, 1024), (1024, 512), P(None, "tp"), P("tp", None), P("tp", None))
+    assert not [r.getMessage() for r in caplog.records if "XLA reference path" in r.getMessage()]
+    (ag, ag_x, ag_scales, ag_results), (rs, rs_x, rs_scales, _) = _block_calls(text)
+    assert (rs, rs_x, rs_scales) == ("entwine_gemm_rs_fp8", "f8E4M3FN", ["2x512", "4x2"])  # K_local 256, M, N 512
+    # dy [128, 512] per rank, gathered; w.T [512, 256]: w_t [256, 512].
+    assert (ag, ag_x, ag_scales) == ("entwine_ag_gemm_fp8", "f8E5M2", ["4x128", "2x4"])
+    assert ag_results[1:] == ["4x128x512", "4x4x128"]
+
+
+def test_block_scaled_ag_gemm_contraction_lowers_to_the_fp8_kernels(simulated_kernels, caplog):
+    # ag_gemm gathering the contracted dim (cols 256 per rank) and its backward gemm_rs scattering it.
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        text = _lowered_grads(ag_gemm, (256, 1024), (1024, 512), P(None, "tp"), P(None, "tp"), P(None, "tp"),
+                              gather_dimension=-1)
+    assert not [r.getMessage() for r in caplog.records if "XLA reference path" in r.getMessage()]
+    (ag, ag_x, ag_scales, ag_results), (rs, rs_x, rs_scales, _) = _block_calls(text)
+    assert (ag, ag_x, ag_scales) == ("entwine_ag_gemm_fp8", "f8E4M3FN", ["2x256", "1x8"])  # w_t [128, 1024]
+    assert ag_results[1:] == ["4x256x256", "4x2x256"]
+    # dy [256, 128] (N_local 128) scattered over K: w.T [128, 1024], w_t [1024, 128] split in 4 slices.
+    assert (rs, rs_x, rs_scales) == ("entwine_gemm_rs_fp8", "f8E5M2", ["1x256", "8x1"])
+
+
+def test_block_scales_off_whole_blocks_take_the_xla_path_with_the_reason(simulated_kernels, caplog):
+    # K_local 200: the plan refuses it; the reference runs, and says why.
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        text = _lowered_grads(gemm_rs, (512, 800), (800, 512), P(None, "tp"), P("tp", None), P("tp", None))
+    assert "entwine_gemm_rs_fp8" not in text
     reasons = [r.getMessage() for r in caplog.records if "XLA reference path" in r.getMessage()]
-    if ag_plan.fp8_block_reason() is None:
-        assert scales["entwine_ag_gemm_fp8"][:2] == ["4x128", "2x4"] and not reasons  # dy's N 512, rows 128
-    else:
-        assert set(scales) == {"entwine_gemm_rs_fp8"}
-        assert len(reasons) == 1 and "block-scaled FP8 has no fused ag_gemm kernel" in reasons[0]
+    assert any("block-scaled FP8 needs K % 128 == 0" in r for r in reasons), reasons
 
 
 def test_reciprocal_block_scales_are_caught():
