@@ -26,7 +26,11 @@ set(ENTWINE_GEMM_TABLE
   "ag_gemm e4m3 bf16 128"
   "ag_gemm e4m3 fp16 128"
   "ag_gemm e5m2 bf16 128"
-  "ag_gemm e5m2 fp16 128")
+  "ag_gemm e5m2 fp16 128"
+  "ag_gemm e4m3 bf16 128 block"
+  "ag_gemm e4m3 fp16 128 block"
+  "ag_gemm e5m2 bf16 128 block"
+  "ag_gemm e5m2 fp16 128 block")
 
 # Sets ENTWINE_GEMM_SOURCES to the generated files (instances and dispatches).
 function(entwine_generate_gemm_kernels out_dir)

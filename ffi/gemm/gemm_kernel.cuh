@@ -246,7 +246,7 @@ struct GemmKernel {
       } else if (scale_loader) {
         if constexpr (kBlockScaled) {
           PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
-          Schedule::template load_scales<GemmKernel>(params, mainloop, pipeline, write_state, load_inputs,
+          Schedule::template load_scales<GemmKernel>(params, mainloop, pipeline, write_state, load_inputs, load_local,
                                                      storage.mainloop);
         }
       }
@@ -452,14 +452,27 @@ struct GemmKernel {
   static constexpr int kSplitBarrier = 10;  // math threads among themselves, at a split slot
   static constexpr uint64_t kSplitTimeoutNs = 10'000'000'000ull;
 
+  // Block-scaled FP8: where a mainloop's scales are, in floats: x's of row r, K block kb, batch b at
+  // x[b * x_batch + kb * x_pitch + r] (M-major), w_t's of block (nb, kb) at
+  // w[b * w_batch + nb * w_pitch + kb] (K-major). packed(): one [k/128, m] and one [n/128, k/128]
+  // array per batch, the FFI layouts.
+  struct ScaleOperands {
+    float const* x = nullptr;
+    int64_t x_pitch = 0, x_batch = 0;
+    float const* w = nullptr;
+    int64_t w_pitch = 0, w_batch = 0;
+    static ScaleOperands packed(float const* x, float const* w, int m, int n, int k) {
+      int64_t const k_blocks = (k + kScaleBlock - 1) / kScaleBlock, n_blocks = (n + kScaleBlock - 1) / kScaleBlock;
+      return ScaleOperands{x, m, k_blocks * m, w, k_blocks, n_blocks * k_blocks};
+    }
+  };
+
   // A's and B's TMA parameters: A [l][m, k] row-major; B [l][k, n] row-major, or for FP8 [l][n, k]
   // row-major; ldb is B's row pitch (16-bit: n; FP8: k, or more when B is a column slice of a wider
-  // w_t); batch strides in elements. Block-scaled: x_scale [l][k/128, m] and w_scale
-  // [l][n/128, k/128], each batch packed after the previous one.
+  // w_t); batch strides in elements. Block-scaled: `scales` (x's TMA-loaded: pitches of 16 bytes).
   static typename CollectiveMainloop::Params mainloop_params(int m, int n, int k, int l, ElementA const* a,
                                                              int64_t batch_a, ElementB const* b, int64_t ldb,
-                                                             int64_t batch_b, float const* x_scale = nullptr,
-                                                             float const* w_scale = nullptr) {
+                                                             int64_t batch_b, ScaleOperands const& scales = {}) {
     StrideA stride_a{};
     get<0>(stride_a) = int64_t(k);
     StrideB stride_b{};
@@ -472,11 +485,15 @@ struct GemmKernel {
     get<2>(stride_b) = batch_b;
     auto const problem = make_shape(m, n, k, l);
     if constexpr (kBlockScaled) {
+      int const k_blocks = (k + kScaleBlock - 1) / kScaleBlock, n_blocks = (n + kScaleBlock - 1) / kScaleBlock;
+      LayoutSFA const layout_sfa = make_layout(
+          make_shape(make_shape(_1{}, m), make_shape(Int<kScaleBlock>{}, k_blocks), l),
+          make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, int32_t(scales.x_pitch)), int32_t(scales.x_batch)));
+      LayoutSFB const layout_sfb = make_layout(
+          make_shape(make_shape(Int<kScaleBlock>{}, n_blocks), make_shape(Int<kScaleBlock>{}, k_blocks), l),
+          make_stride(make_stride(_0{}, int32_t(scales.w_pitch)), make_stride(_0{}, _1{}), int32_t(scales.w_batch)));
       return CollectiveMainloop::to_underlying_arguments(
-          problem,
-          {a, stride_a, b, stride_b, x_scale, BlockScaleConfig::tile_atom_to_shape_SFA(problem), w_scale,
-           BlockScaleConfig::tile_atom_to_shape_SFB(problem)},
-          nullptr);
+          problem, {a, stride_a, b, stride_b, scales.x, layout_sfa, scales.w, layout_sfb}, nullptr);
     } else {
       return CollectiveMainloop::to_underlying_arguments(problem, {a, stride_a, b, stride_b}, nullptr);
     }

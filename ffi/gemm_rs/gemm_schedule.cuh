@@ -63,7 +63,7 @@ struct GemmSchedule {
   // Block-scaled FP8: w_t's scales beside the TMA warp's units (A's scales come with A's TMA).
   template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
   static __device__ void load_scales(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
-                                     State& write_state, Inputs const& load_inputs, Storage& smem) {
+                                     State& write_state, Inputs const& load_inputs, Inputs const&, Storage& smem) {
     Kernel::load_scale_units(params, mainloop, pipeline, write_state, load_inputs, smem);
   }
 
@@ -110,7 +110,8 @@ struct GemmSchedule {
     typename Kernel::Params p{};
     p.mainloop = Kernel::mainloop_params(shape.m, shape.n, shape.k, 1, static_cast<ElementA const*>(args.x), 0,
                                          static_cast<ElementB const*>(args.w), Kernel::kFp8 ? shape.k : shape.n, 0,
-                                         args.x_scale, args.w_scale);
+                                         Kernel::ScaleOperands::packed(args.x_scale, args.w_scale, shape.m, shape.n,
+                                                                       shape.k));
     p.mainloop_local = p.mainloop;
     p.l = 1;
     p.m_local = shape.m;

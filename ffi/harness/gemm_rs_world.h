@@ -33,24 +33,6 @@ struct Case {
   }
 };
 
-// Block-scaled FP8 scales of one rank (the FFI layouts): x_scale [K/128, M] (M-major) and w_scale
-// [N/128, K/128]. Each a power of two from 2^-8 to 2^2, drawn per block from (seed, rank), so that
-// neighbouring blocks differ by up to three orders of magnitude (a scale read from the wrong row,
-// K block or block column shows) while the products stay exact and inside fp16's range.
-struct BlockScales {
-  int k_blocks, m, n_blocks;
-  std::vector<float> x, w;
-  BlockScales(int m_, int n, int k, uint64_t seed, int rank)
-      : k_blocks((k + kScaleBlock - 1) / kScaleBlock), m(m_), n_blocks((n + kScaleBlock - 1) / kScaleBlock),
-        x(size_t(k_blocks) * m_), w(size_t(n_blocks) * k_blocks) {
-    auto power = [](float u) { return std::ldexp(1.0f, int(std::floor((u + 1.0f) * 5.5f)) - 8); };  // u in [-1, 1)
-    for (size_t i = 0; i < x.size(); ++i) x[i] = power(hash_uniform(seed * 977 + 2 * rank, i));
-    for (size_t i = 0; i < w.size(); ++i) w[i] = power(hash_uniform(seed * 977 + 2 * rank + 1, i));
-  }
-  float x_scale(int64_t row, int kk) const { return x[size_t(kk / kScaleBlock) * m + row]; }
-  float w_scale(int col, int kk) const { return w[size_t(col / kScaleBlock) * k_blocks + kk / kScaleBlock]; }
-};
-
 struct VirtualRank {
   // partial[1] = partial[0] + M*N and flags holds two parities: the layout the kernels assume
   // (CallEpoch's strides).

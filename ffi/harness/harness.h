@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "gemm/gemm.h"
 
 #define CHECK_CUDA(expr)                                                                        \
   do {                                                                                          \
@@ -54,6 +56,26 @@ double fp8_to_double(uint8_t bits, bool e5m2 = false);
 // Each rank's dequantisation scales (x's, w's): exact in binary, different per rank, so a block
 // scaled with another rank's factor shows.
 std::array<float, 2> fp8_scales(int rank);
+
+// Block-scaled FP8 scales of one rank (the FFI layouts): x_scale [K/128, M] (M-major) and w_scale
+// [N/128, w_k/128] (w_k: w_t's K, K unless given: ag_gemm's contraction layout has W shards' K).
+// Each a power of two from 2^-8 to 2^2, drawn per block from (seed, rank), so that neighbouring
+// blocks differ by up to three orders of magnitude (a scale read from the wrong row, K block or
+// block column shows) while the products stay exact and inside fp16's range.
+struct BlockScales {
+  int x_k_blocks, m, n_blocks, w_k_blocks;
+  std::vector<float> x, w;
+  BlockScales(int m_, int n, int k, uint64_t seed, int rank, int64_t w_k = 0)
+      : x_k_blocks((k + kScaleBlock - 1) / kScaleBlock), m(m_), n_blocks((n + kScaleBlock - 1) / kScaleBlock),
+        w_k_blocks(int(((w_k > 0 ? w_k : k) + kScaleBlock - 1) / kScaleBlock)), x(size_t(x_k_blocks) * m_),
+        w(size_t(n_blocks) * w_k_blocks) {
+    auto power = [](float u) { return std::ldexp(1.0f, int(std::floor((u + 1.0f) * 5.5f)) - 8); };  // u in [-1, 1)
+    for (size_t i = 0; i < x.size(); ++i) x[i] = power(hash_uniform(seed * 977 + 2 * rank, i));
+    for (size_t i = 0; i < w.size(); ++i) w[i] = power(hash_uniform(seed * 977 + 2 * rank + 1, i));
+  }
+  float x_scale(int64_t row, int64_t kk) const { return x[size_t(kk / kScaleBlock) * m + row]; }
+  float w_scale(int64_t col, int64_t kk) const { return w[size_t(col / kScaleBlock) * w_k_blocks + kk / kScaleBlock]; }
+};
 
 double to_double(uint16_t bits, bool bf16);
 
