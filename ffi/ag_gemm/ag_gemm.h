@@ -41,7 +41,8 @@ struct AgGemmConfig {
 // K slice of its own scale would need the accumulator scaled per slice, which the per-tensor
 // mainloop does not do).
 // Block-scaled FP8 (gemm.h, Scaling): each shard carries x_scale [cols/128, rows] (one per row and
-// K block, M-major), which always travels with it (no shared_scale), and w_t's scale is w_scale
+// K block, M-major), which always travels with it (shared_scale changes nothing: equal scales
+// arrive equal), and w_t's scale is w_scale
 // [N/128, K/128] of the whole w_t; cols % 128 == 0 (a k-tile is one K block); both layouts, since
 // the mainloop scales each k-tile by its own source's scales.
 struct AgProblem {

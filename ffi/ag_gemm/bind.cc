@@ -76,7 +76,7 @@ void bind(nb::module_& m, FfiTargets& targets) {
         "(float8_e4m3fn or float8_e5m2), "
         "w_t [n, W * cols or cols] (cols padded to 16, block_n 128 only; inbox_bytes includes the scale slots; "
         "shared_scale: one x scale for every shard, which per-tensor gather_k needs; block_scaled: x_scale "
-        "[cols/128, rows_pad] per shard, w_scale [n_pad/128, K/128], cols % 128 == 0, shared_scale false): "
+        "[cols/128, rows_pad] per shard, always pushed, w_scale [n_pad/128, K/128], cols % 128 == 0): "
         ENTWINE_AG_PLAN_RETURNS);
 #undef ENTWINE_AG_PLAN_RETURNS
 }

@@ -255,8 +255,8 @@ ffi::Error enqueue_sm_push(comm::DeviceComm& dc, AgPlan const& plan, Operands co
   push.ready = reinterpret_cast<uint64_t*>(static_cast<char*>(dc.heap) + dc.layout.ready_offset());
   push.arrivals = static_cast<uint32_t*>(dc.workspace(&ag_gemm::kHooks));
   // A per-shard FP8 scale travels in its slot, ahead of the first chunk's release (PushArgs);
-  // block scales always travel (the plan refuses them shared).
-  push.scale = is_fp8(ops.input) && !ops.shared_scale ? ops.x_scale : nullptr;
+  // block scales always travel (AgProblem).
+  push.scale = is_fp8(ops.input) && (!ops.shared_scale || plan.scale_k_blocks > 0) ? ops.x_scale : nullptr;
   push.scales_offset = plan.scales_offset;
   push.scale_k_blocks = plan.scale_k_blocks;
   push.rows = plan.rows_pad;
@@ -301,7 +301,7 @@ ffi::Error enqueue_copy_engine_pushes(comm::DeviceComm& dc, AgPlan const& plan, 
     ENTWINE_RETURN_IF_CUDA(kOp, launch_wait_receiver(receiver, stream));
     char* const peer_inbox = peer_heap + inbox_offset;
     uint64_t* const peer_flags = reinterpret_cast<uint64_t*>(peer_heap + dc.layout.flags_offset());
-    if (is_fp8(ops.input) && !ops.shared_scale && plan.scale_k_blocks > 0) {
+    if (is_fp8(ops.input) && plan.scale_k_blocks > 0) {
       // Block-scaled: the shard's [k_blocks, rows] scales first, into columns rank*rows .. of the
       // peer's [k_blocks, W * rows] (AgPlan); every chunk's release then publishes them too.
       size_t const row_bytes = size_t(plan.rows_pad) * sizeof(float);

@@ -47,10 +47,6 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
     if (p.cols % kScaleBlock != 0) {
       return fail("block-scaled FP8 needs cols (each shard's K) % 128 == 0 (one k-tile per scale block)");
     }
-    if (p.shared_scale) {
-      return fail("block-scaled FP8 scales are each shard's own rows' (they travel with it): shared_scale must be "
-                  "false");
-    }
   }
   if (fp8 && !block_scaled && p.gather_k && !p.shared_scale) {
     return fail("FP8 gather_k needs one x scale shared by every shard (shared_scale): a per-shard scale would "

@@ -20,7 +20,7 @@ struct AgCase {
   bool fp8 = false;           // shards and w_t [N, w_rows] in e4m3, with fp8_scales
   bool shared_scale = false;  // FP8: every rank's x scale is rank 0's, and none travels
   bool x_e5m2 = false;        // FP8: the shards in e5m2 instead (the backward's gradient; w_t stays e4m3)
-  bool block_scaled = false;  // FP8: per-block scales (BlockScales; shared_scale false) instead of fp8_scales
+  bool block_scaled = false;  // FP8: per-block scales (BlockScales; always pushed) instead of fp8_scales
   DType output() const { return bf16 ? DType::kBF16 : DType::kFP16; }
   DType input() const { return !fp8 ? output() : x_e5m2 ? DType::kE5M2 : DType::kE4M3; }
   AgProblem problem(int rank) const {
@@ -148,7 +148,7 @@ struct AgWorld {
     }
     a.ready = ranks[r].ready;
     a.arrivals = ranks[r].arrivals;
-    a.scale = !c.fp8 || c.shared_scale ? nullptr : c.block_scaled ? ranks[r].x_block_scales : ranks[r].scales;
+    a.scale = !c.fp8 ? nullptr : c.block_scaled ? ranks[r].x_block_scales : c.shared_scale ? nullptr : ranks[r].scales;
     a.scales_offset = plan.scales_offset;
     a.scale_k_blocks = plan.scale_k_blocks;
     a.rows = plan.rows_pad;
