@@ -90,9 +90,13 @@ __global__ void __launch_bounds__(kPushThreads) push_shard(PushArgs a) {
             *reinterpret_cast<float*>(a.inbox[peer] + a.scales_offset + a.rank * kScaleSlotBytes) = *a.scale;
           }
         } else {
-          float* const to = reinterpret_cast<float*>(a.inbox[peer] + a.scales_offset) + int64_t(a.rank) * a.rows;
-          int64_t const count = int64_t(a.scale_k_blocks) * a.rows, pitch = int64_t(a.world) * a.rows;
-          for (int64_t i = threadIdx.x; i < count; i += kPushThreads) to[i / a.rows * pitch + i % a.rows] = __ldg(a.scale + i);
+          // 16-byte vectors: rows is a multiple of 128, the inbox's scales and x_scale 16-byte aligned.
+          auto* const to = reinterpret_cast<float4*>(a.inbox[peer] + a.scales_offset) + int64_t(a.rank) * (a.rows / 4);
+          auto const* const from = reinterpret_cast<const float4*>(a.scale);
+          int64_t const row_vectors = a.rows / 4, count = int64_t(a.scale_k_blocks) * row_vectors;
+          for (int64_t i = threadIdx.x; i < count; i += kPushThreads) {
+            to[i / row_vectors * a.world * row_vectors + i % row_vectors] = __ldg(from + i);
+          }
         }
       }
       if (peer_ok[peer]) {

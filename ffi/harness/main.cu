@@ -24,10 +24,11 @@
 //   entwine_harness fp8 bench         the FP8 producer and ag_gemm's FP8 GEMM vs cuBLASLt's FP8 GEMM
 //                                     on the design suite; an FP8 shard's push time vs a bf16 one
 //   entwine_harness fp8block test     block-scaled FP8 (x per row and 128-wide K block, w_t per
-//                                     128x128 block; x in e4m3 or e5m2) of gemm_rs: the GEMM and the
-//                                     fused call against float64, W in {1,2,4,8}, split tail, graphs
-//   entwine_harness fp8block bench    the block-scaled FP8 producer vs the per-tensor one and
-//                                     cuBLASLt's block-scaled FP8 GEMM on the design suite
+//                                     128x128 block; x in e4m3 or e5m2): gemm_rs's GEMM and fused
+//                                     call, ag_gemm's fused call in both layouts and both pushes,
+//                                     against float64, W in {1,2,4,8}, split tail, graphs
+//   entwine_harness fp8block bench    the block-scaled FP8 producer and ag_gemm GEMM vs their
+//                                     per-tensor selves and cuBLASLt's block-scaled FP8 GEMM
 // Each command's code is in the file of its concern; harness.h holds what they share.
 #include <cstdio>
 #include <cstdlib>
