@@ -4,7 +4,8 @@
 # in ffi/<op>/<op>.h; the schedule is entwine::<op>::GemmSchedule in ffi/<op>/gemm_schedule.cuh).
 # Adding a variant is adding a row; input and output are DTypes of ffi/comm/protocol.h, lower-case.
 # FP8 inputs (e4m3: both operands e4m3; e5m2: x e5m2, w_t e4m3) run 128-wide blocks only
-# (ffi/gemm/gemm.h, kFp8BlockN).
+# (ffi/gemm/gemm.h, kFp8BlockN). An optional fifth field is the FP8 scaling (ffi/gemm/gemm.h,
+# Scaling): "tensor" (the default) or "block".
 set(ENTWINE_GEMM_TABLE
   "gemm_rs bf16 bf16 128"
   "gemm_rs bf16 bf16 256"
@@ -14,6 +15,10 @@ set(ENTWINE_GEMM_TABLE
   "gemm_rs e4m3 fp16 128"
   "gemm_rs e5m2 bf16 128"
   "gemm_rs e5m2 fp16 128"
+  "gemm_rs e4m3 bf16 128 block"
+  "gemm_rs e4m3 fp16 128 block"
+  "gemm_rs e5m2 bf16 128 block"
+  "gemm_rs e5m2 fp16 128 block"
   "ag_gemm bf16 bf16 128"
   "ag_gemm bf16 bf16 256"
   "ag_gemm fp16 fp16 128"
@@ -21,7 +26,11 @@ set(ENTWINE_GEMM_TABLE
   "ag_gemm e4m3 bf16 128"
   "ag_gemm e4m3 fp16 128"
   "ag_gemm e5m2 bf16 128"
-  "ag_gemm e5m2 fp16 128")
+  "ag_gemm e5m2 fp16 128"
+  "ag_gemm e4m3 bf16 128 block"
+  "ag_gemm e4m3 fp16 128 block"
+  "ag_gemm e5m2 bf16 128 block"
+  "ag_gemm e5m2 fp16 128 block")
 
 # Sets ENTWINE_GEMM_SOURCES to the generated files (instances and dispatches).
 function(entwine_generate_gemm_kernels out_dir)
@@ -33,9 +42,23 @@ function(entwine_generate_gemm_kernels out_dir)
     list(GET fields 1 INPUT)
     list(GET fields 2 OUTPUT)
     list(GET fields 3 BLOCK_N)
+    set(SCALING "tensor")
+    list(LENGTH fields field_count)
+    if(field_count GREATER 4)
+      list(GET fields 4 SCALING)
+    endif()
+    if(NOT SCALING MATCHES "^(tensor|block)$")
+      message(FATAL_ERROR "gemm kernel table row \"${row}\": scaling must be tensor or block")
+    endif()
     string(TOUPPER "${INPUT}" INPUT_UPPER)
     string(TOUPPER "${OUTPUT}" OUTPUT_UPPER)
     set(NAME "${INPUT}_${OUTPUT}_n${BLOCK_N}")
+    if(SCALING STREQUAL "block")
+      set(NAME "${NAME}_block")
+      set(SCALING_ENUM "Scaling::kBlock")
+    else()
+      set(SCALING_ENUM "Scaling::kTensor")
+    endif()
     set(INPUT_ENUM "DType::k${INPUT_UPPER}")
     set(OUTPUT_ENUM "DType::k${OUTPUT_UPPER}")
     configure_file("${CMAKE_CURRENT_FUNCTION_LIST_DIR}/gemm_instance.cu.in" "${out_dir}/${OP}/gemm_${NAME}.cu" @ONLY)
@@ -50,7 +73,8 @@ function(entwine_generate_gemm_kernels out_dir)
       "cudaError_t prepare_${NAME}();\n"
       "void prepare_launch_${NAME}(GemmPlan const& plan, GemmArgs const& args, PreparedGemm* out);\n")
     string(APPEND CASES_${OP}
-      "  if (input == ${INPUT_ENUM} && output == ${OUTPUT_ENUM} && plan.config.block_n == ${BLOCK_N}) {\n"
+      "  if (input == ${INPUT_ENUM} && output == ${OUTPUT_ENUM} && plan.config.block_n == ${BLOCK_N} &&\n"
+      "      plan.scaling == ${SCALING_ENUM}) {\n"
       "    prepare_launch_${NAME}(plan, args, out);\n"
       "    return cudaSuccess;\n"
       "  }\n")

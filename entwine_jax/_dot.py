@@ -1,6 +1,7 @@
 # The GEMMs every op's reference and backward share: an fp32-accumulated dot over x's last dim, the
-# weight gradient x.T @ dy over every other dim, each rounded once to the operands' dtype, and the FP8
-# dot whose gathered operand carries one scale per source rank.
+# weight gradient x.T @ dy over every other dim, each rounded once to the operands' dtype, the FP8
+# dot whose gathered operand carries one scale per source rank, and the full-fp32 dot of dequantised
+# block-scaled operands.
 import jax
 import jax.numpy as jnp
 
@@ -12,9 +13,16 @@ def dot_type(dtype):
     return jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
 
 
-def dot_last_first(x, w, out_type=jnp.float32):
+def dot_last_first(x, w, out_type=jnp.float32, precision=None):
     # x [..., K] . w [K, N] -> [..., N].
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=out_type)
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=out_type)
+
+
+def dot_f32(x, w):
+    """x [..., K] . w [K, N] of float32 operands in full float32 (a GPU's default would round them to
+    TF32's 10 mantissa bits): the block-scaled GEMM on dequantised operands."""
+    return dot_last_first(x, w, precision=jax.lax.Precision.HIGHEST)
 
 
 def matmul_weight_grad(x, dy, dtype):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 from typing import Any, Optional
@@ -96,6 +97,28 @@ def fp8_reason(target_attribute: str, plan_function: str) -> Optional[str]:
         return (f"FP8 kernels not built (the extension has no {target_attribute} among its fp8_targets() and no "
                 f"{plan_function})")
     return None
+
+
+def fp8_block_reason(op: str, plan_function: str) -> Optional[str]:
+    """Why the extension cannot run `op`'s block-scaled FP8 calls, or None: its FP8 plan function must
+    take `block_scaled` (the build whose FP8 kernels take block scales); fp8_reason's checks first."""
+    mod, reason = module()
+    if mod is None:
+        return reason
+    plan = getattr(mod, plan_function, None)
+    if plan is None or "block_scaled" not in _keywords(plan):
+        return (f"block-scaled FP8 has no fused {op} kernel in this build (its FP8 kernels take per-tensor "
+                f"scales only): the XLA reference runs")
+    return None
+
+
+def _keywords(function) -> str:
+    """The text that names a function's parameters: its signature (Python), or the docstring that
+    nanobind opens with the signature."""
+    try:
+        return " ".join(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return function.__doc__ or ""
 
 
 def max_world() -> int:

@@ -29,7 +29,9 @@ def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[Gem
     psum_scatter((x * x_scale) @ (w * w_scale)) on float8_e4m3fn operands (or bf16/fp16/fp32 ones the
     op quantises with those scales) in out_dtype (bfloat16 or float16); the backward quantises the
     cotangent to grad_dtype (float8_e5m2 with grad_scale, default each rank's current scale; or
-    bfloat16/float16).
+    bfloat16/float16). Block scaling: x_scale [..., ceil(K_local/128)] (one per 1x128 tile of x, x's
+    leading dims) and w_scale [ceil(K_local/128), ceil(N/128)] (one per 128x128 block of w), this
+    rank's; the backward quantises dy per 1x128 tile (grad_scale not taken).
     """
     if fp8.requested(x, w, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
         xs, ws, gs, call = fp8.check("gemm_rs", x, (w,), x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
@@ -60,7 +62,9 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
     FP8 (entwine_jax.fp8): with x_scale and w_scale (float32 scalars; a group shares one w_scale)
     computes all_gather(x * x_scale) @ (w * w_scale) on float8_e4m3fn operands (or bf16/fp16/fp32
     ones the op quantises) in out_dtype; each rank's x_scale scales its own block of the gathered x.
-    return_gathered returns the gathered FP8 x. Backward as for gemm_rs.
+    return_gathered returns the gathered FP8 x. Block scaling: x_scale [..., ceil(K_shard/128)] (one
+    per 1x128 tile of this rank's shard, x's leading dims; gathered with it), w_scale
+    [ceil(K/128), ceil(N_local/128)], a group one per weight (a tuple). Backward as for gemm_rs.
     """
     if fp8.requested(x, w, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
         return _ag_gemm_fp8(x, w, axis_name=axis_name, gather_dimension=gather_dimension, config=config,
@@ -98,14 +102,28 @@ def _ag_gemm_fp8(x, w, *, axis_name, gather_dimension, config, return_gathered, 
     returns the gathered FP8 x (e4m3, each source's block in its own scale)."""
     grouped = isinstance(w, (tuple, list))
     weights = tuple(w) if grouped else (w,)
-    xs, ws, gs, call = fp8.check("ag_gemm", x, weights, x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
+    xs, ws, gs, call = fp8.check("ag_gemm", x, weights, x_scale, w_scale, out_dtype, grad_dtype, grad_scale, grouped)
     widths = ag_op.check_group(x, weights, fp8=True) if grouped else None
-    fp8.check_scales("ag_gemm", (("x", x, xs),) + tuple((f"w[{i}]" if grouped else "w", w_i, ws)
-                                                         for i, w_i in enumerate(weights)))
+    w_scales = ws if grouped and call.block else (ws,) * len(weights)
+    fp8.check_scales("ag_gemm", (("x", x, xs),) + tuple((f"w[{i}]" if grouped else "w", w_i, s)
+                                                         for i, (w_i, s) in enumerate(zip(weights, w_scales))))
     # One GEMM over the group's concatenated columns, split after (as for the bf16 group).
+    kept = widths
+    if grouped and call.block:
+        # Block scales concatenate over the columns only in whole blocks: each weight but the last is
+        # padded with zero columns to a multiple of 128 (its last block's scale covers them), and its
+        # output's padding is cut off after the split.
+        widths = [fp8.blocks(n) * fp8.BLOCK for n in kept[:-1]] + kept[-1:]
+        weights = tuple(jnp.pad(w_i, ((0, 0), (0, p - n))) for w_i, n, p in zip(weights, kept, widths))
+        ws = jnp.concatenate(ws, axis=1)
     w_all = jnp.concatenate(weights, axis=1) if grouped else w
     axis_name = callsite.hashable_axis(axis_name)
     out = pairing.call_fp8("ag_gemm", x, w_all, xs, ws, gs, call, axis_name=axis_name, dimension=gather_dimension,
                            config=config, return_gathered=return_gathered,
-                           shared_scale=fp8.shared_over(xs, x, axis_name))
-    return _split_group(out, widths, return_gathered) if grouped else out
+                           shared_scale=not call.block and fp8.shared_over(xs, x, axis_name))
+    if not grouped:
+        return out
+    out = _split_group(out, widths, return_gathered)
+    ys, g = out if return_gathered else (out, None)
+    ys = tuple(y[..., :n] for y, n in zip(ys, kept))
+    return (ys, g) if return_gathered else ys

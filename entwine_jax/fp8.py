@@ -1,6 +1,7 @@
 # FP8's helpers, for the FP8 calls of every op: y = (x * x_scale) @ (w * w_scale) on float8_e4m3fn operands
-# with per-tensor fp32 scales, accumulated in fp32, written in bf16 or fp16. The checks of an FP8 call, the
-# quantisation helpers and the cotangent's quantisation; the custom VJP that keeps the pairing in FP8
+# with per-tensor fp32 scales, or block scales (1x128 tiles of x, 128x128 blocks of w), accumulated in fp32,
+# written in bf16 or fp16. The checks of an FP8 call, the quantisation helpers (per tensor and per block)
+# and the cotangent's quantisation; the custom VJP that keeps the pairing in FP8
 # (each op's backward is its backward op on the cotangent quantised to float8_e5m2 with its own scale:
 # the hybrid recipe, e5m2 x e4m3 on the kernels; or in bf16/fp16 when the caller asks) is
 # entwine_jax.pairing's. docs/design.md, "FP8".
@@ -27,12 +28,26 @@ block (rows, or a K slice in the contraction layout) by its source's scale, whic
 shard. An ``x_scale`` that shard_map's types show to be the same on every rank (not varying over the
 axis while x is) is a shared scale (delayed scaling): the kernels use their own and nothing travels.
 
+Block scaling (DeepSeek-V3's recipe, TransformerEngine's FP8 block scaling): x carries one scale per
+1x128 tile (per row, per 128-wide block of the contracted dim K), ``x_scale [..., rows, ceil(K/128)]`` in
+x's own layout, and w [K, N] one per 128x128 block, ``w_scale [ceil(K/128), ceil(N/128)]``;
+``y = sum over k-blocks kb of (x_q[:, kb] @ w_q[kb, :]) * x_scale[m, kb] * w_scale[kb, nb]`` in fp32.
+The mode is w_scale's: a scalar is per tensor, a rank-2 array (or, for a group of weights, a tuple with
+one per weight) is per block, and x_scale must then be x's block scale: a mixture is a ValueError, so
+block scales never run per tensor. Tails (K, N or rows not multiples of 128) are partial blocks.
+``quantize_1x128`` and ``quantize_128x128`` quantise with the current block scales (``scales_1x128``,
+``scales_128x128``); ``quantize`` and ``dequantize`` take either kind of scale.
+
 Backward: the cotangent dy is quantised to ``grad_dtype`` float8_e5m2 (default) with ``grad_scale``
 (default: each rank's current scale of its own dy), then dx is the other op in FP8 (gemm_rs's dx an
 ag_gemm of e5m2 dy and the e4m3 weight, ag_gemm's dx a gemm_rs) and dw a dot of the gathered FP8
 operand. Where the forward runs on the fused kernels, so does this backward: the FP8 kernels take an
 e5m2 x with an e4m3 weight (e5m2 x e4m3). ``grad_dtype`` bfloat16 or float16 runs the backward in
-that dtype on the dequantised FP8 operands (the bf16/fp16 kernels where the forward is fused).
+that dtype on the dequantised FP8 operands (the bf16/fp16 kernels where the forward is fused). Block
+scaling quantises dy to e5m2 with its own current 1x128 scales along its last dimension (the dx GEMM's
+contracted one; ``grad_scale`` is per tensor and refused there), reuses w with its block scales transposed,
+and computes dw by XLA on the dequantised operands (its contraction runs over the rows, along which both
+operands' scales vary).
 """
 from __future__ import annotations
 
@@ -45,39 +60,110 @@ import jax.numpy as jnp
 
 from entwine_jax import callsite
 
-__all__ = ["E4M3", "E5M2", "quantize", "dequantize", "current_scale"]
+__all__ = ["E4M3", "E5M2", "BLOCK", "quantize", "dequantize", "current_scale", "scales_1x128", "scales_128x128",
+           "quantize_1x128", "quantize_128x128"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)  # activations and weights
 E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients: more range, less precision
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 HIGH_DTYPES = OUT_DTYPES + (jnp.dtype(jnp.float32),)
+BLOCK = 128  # the edge of a scaling block: 1x128 tiles of x, 128x128 blocks of w
+
+
+def blocks(n: int) -> int:
+    """How many BLOCK-wide blocks cover n elements (the last one partial where n % BLOCK)."""
+    return -(-int(n) // BLOCK)
+
+
+def is_scalar(scale) -> bool:
+    """Whether `scale` has the shape of a per-tensor scale, () or (1,)."""
+    return tuple(getattr(scale, "shape", ())) in ((), (1,))
+
+
+def expand_scale(scale, shape):
+    """`scale` broadcast onto an operand of `shape`: a per-tensor scale (shape () or (1,)) as a scalar; a
+    block scale (the operand's rank; each dim the operand's, or its count of BLOCK-wide blocks) repeated
+    over the elements of its blocks. Sizes tell the two dims apart: they differ for any dim of 2 or more
+    elements, and a dim of one element is the same either way (as a rank-1 operand's one block is its
+    per-tensor scale)."""
+    scale = jnp.asarray(scale, jnp.float32)
+    if is_scalar(scale):
+        return jnp.reshape(scale, ())
+    for d, n in enumerate(shape):
+        if scale.shape[d] != n:
+            scale = jax.lax.slice_in_dim(jnp.repeat(scale, BLOCK, axis=d), 0, n, axis=d)
+    return scale
 
 
 def quantize(v, scale, dtype=E4M3):
     """v / scale rounded to the FP8 `dtype`, clipped to its largest finite value (fp32 arithmetic);
-    `v` already in `dtype` is returned as it is."""
+    `scale` per tensor or per block (expand_scale); `v` already in `dtype` is returned as it is."""
     dtype = jnp.dtype(dtype)
     if v.dtype == dtype:
         return v
     largest = float(jnp.finfo(dtype).max)
-    return jnp.clip(v.astype(jnp.float32) / jnp.reshape(scale, ()).astype(jnp.float32), -largest,
-                    largest).astype(dtype)
+    return jnp.clip(v.astype(jnp.float32) / expand_scale(scale, v.shape), -largest, largest).astype(dtype)
 
 
-def dequantize(v8, scale, dtype):
-    """v8 * scale in `dtype`. The barrier keeps the FP8 rounding: where v8 = quantize(v) in the same
-    program, XLA's GPU simplifier (allowed excess precision) would otherwise fold the f32 -> FP8 -> f32
-    converts away and compute with v itself, off the recipe by FP8's rounding (2.6% on one H200)."""
+def dequantize(v8, scale, dtype=jnp.float32):
+    """v8 * scale in `dtype`, `scale` per tensor or per block (expand_scale). The barrier keeps the FP8
+    rounding: where v8 = quantize(v) in the same program, XLA's GPU simplifier (allowed excess
+    precision) would otherwise fold the f32 -> FP8 -> f32 converts away and compute with v itself, off
+    the recipe by FP8's rounding (2.6% on one H200)."""
     v8 = jax.lax.optimization_barrier(v8)
-    return (v8.astype(jnp.float32) * jnp.reshape(scale, ()).astype(jnp.float32)).astype(dtype)
+    return (v8.astype(jnp.float32) * expand_scale(scale, v8.shape)).astype(dtype)
+
+
+def _scale_of_amax(amax, dtype):
+    """amax / the largest finite value of `dtype`; 1 where amax is 0 (any scale represents zeros) or not
+    finite (no scale does)."""
+    return jnp.where((amax > 0) & jnp.isfinite(amax), amax / float(jnp.finfo(dtype).max), jnp.float32(1.0))
 
 
 def current_scale(v, dtype=E4M3):
     """The scale that maps amax(|v|) onto the largest finite value of the FP8 `dtype` (float32, shape
     ()); 1 where v is all zeros (any scale represents it) or not finite (no scale does)."""
-    amax = jnp.max(jnp.abs(v)).astype(jnp.float32)
-    scale = amax / float(jnp.finfo(dtype).max)
-    return jnp.where((amax > 0) & jnp.isfinite(amax), scale, jnp.float32(1.0))
+    return _scale_of_amax(jnp.max(jnp.abs(v)).astype(jnp.float32), dtype)
+
+
+def _block_scales(v, dims: tuple, dtype):
+    """The current scale of every block of v: BLOCK elements along each dim of `dims`, one along the
+    others (a partial block at a tail, its missing elements counted as zeros)."""
+    a = jnp.abs(v).astype(jnp.float32)
+    a = jnp.pad(a, [(0, blocks(n) * BLOCK - n if d in dims else 0) for d, n in enumerate(v.shape)])
+    split = []
+    for d, n in enumerate(a.shape):
+        split += [n // BLOCK, BLOCK] if d in dims else [n]
+    inner = tuple(i + 1 + k for k, i in enumerate(sorted(dims)))  # the BLOCK axes after the split
+    return _scale_of_amax(jnp.max(a.reshape(split), axis=inner), dtype)
+
+
+def scales_1x128(x, dtype=E4M3):
+    """x's current scales per 1x128 tile: float32 ``x.shape[:-1] + (ceil(K/128),)``, each block's amax
+    over the largest finite value of the FP8 `dtype` (1 for an all-zero block); K = x.shape[-1]."""
+    return _block_scales(x, (x.ndim - 1,), dtype)
+
+
+def scales_128x128(w, dtype=E4M3):
+    """w [K, N]'s current scales per 128x128 block: float32 ``[ceil(K/128), ceil(N/128)]``, as
+    scales_1x128."""
+    if w.ndim != 2:
+        raise ValueError(f"scales_128x128: w must have rank 2 ([K, N]), got shape {tuple(w.shape)}")
+    return _block_scales(w, (0, 1), dtype)
+
+
+def quantize_1x128(x, dtype=E4M3):
+    """(x quantised to the FP8 `dtype` per 1x128 tile of its last dim, its scales_1x128): the x and
+    x_scale of a block-scaled call; dequantize(q, scale) gives x back within FP8's rounding."""
+    scale = scales_1x128(x, dtype)
+    return quantize(x, scale, dtype), scale
+
+
+def quantize_128x128(w, dtype=E4M3):
+    """(w [K, N] quantised to the FP8 `dtype` per 128x128 block, its scales_128x128): the w and w_scale
+    of a block-scaled call."""
+    scale = scales_128x128(w, dtype)
+    return quantize(w, scale, dtype), scale
 
 
 def current_scale_over(v, axis_name, dtype=E4M3):
@@ -95,6 +181,7 @@ class Fp8Call:
     grad_dtype: str  # float8_e5m2, or the bf16/fp16 dtype the backward runs in
     x_dtype: str  # the operands as passed: their cotangents' dtypes (FP8 operands get none)
     w_dtype: str
+    block: bool = False  # block scales (1x128 of x, 128x128 of w) instead of per-tensor ones
 
     @property
     def fp8_grads(self) -> bool:
@@ -118,8 +205,8 @@ def _scale(op: str, name: str, s):
     if not (hasattr(s, "shape") and hasattr(s, "dtype")):
         raise ValueError(f"{op}: {name} must be a float32 scalar array (shape () or (1,)), got {type(s).__name__}")
     if jnp.dtype(s.dtype) != jnp.float32 or tuple(s.shape) not in ((), (1,)):
-        raise ValueError(f"{op}: {name} must be a float32 scalar array (shape () or (1,)), got "
-                         f"{jnp.dtype(s.dtype).name}{list(s.shape)}")
+        raise ValueError(f"{op}: {name} must be a float32 scalar array (shape () or (1,); block scales: a w_scale "
+                         f"of rank 2), got {jnp.dtype(s.dtype).name}{list(s.shape)}")
     return jnp.reshape(s, ())
 
 
@@ -136,9 +223,10 @@ def _operand_dtype(op: str, name: str, v) -> jnp.dtype:
     return dtype
 
 
-def check(op: str, x, weights: tuple, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
-    """ValueError for an FP8 call that cannot run; returns (x_scale, w_scale, grad_scale) as float32
-    scalars (grad_scale None: current scaling) and the call's Fp8Call."""
+def check(op: str, x, weights: tuple, x_scale, w_scale, out_dtype, grad_dtype, grad_scale, grouped: bool = False):
+    """ValueError for an FP8 call that cannot run; returns (x_scale, w_scale, grad_scale) (float32
+    scalars, or block scales with w_scale a tuple for a group; grad_scale None: current scaling) and
+    the call's Fp8Call. grouped: `weights` is a group (a tuple the caller passed, even of one)."""
     if x_scale is None or w_scale is None:
         raise ValueError(f"{op}: an FP8 call (float8 operands, or out_dtype / grad_dtype / grad_scale given) needs "
                          f"both x_scale and w_scale, got x_scale={'None' if x_scale is None else 'an array'} and "
@@ -151,10 +239,17 @@ def check(op: str, x, weights: tuple, x_scale, w_scale, out_dtype, grad_dtype, g
     if (x_dtype == E4M3) != (w_dtype == E4M3):
         raise ValueError(f"{op}: mixed FP8 and high-precision operands (x {x_dtype}, w {w_dtype}): pass both "
                          f"quantised (float8_e4m3fn) or both in high precision (the op quantises them)")
-    if isinstance(w_scale, (tuple, list)):
-        raise ValueError(f"{op}: w_scale must be one float32 scalar; a group of weights shares one scale (quantise "
-                         f"them together: current_scale of all of them)")
-    xs, ws = _scale(op, "x_scale", x_scale), _scale(op, "w_scale", w_scale)
+    block = isinstance(w_scale, (tuple, list)) or getattr(w_scale, "ndim", 0) == 2
+    if block:
+        xs, ws = _block_scales_checked(op, x, weights, x_scale, w_scale, grouped)
+    else:
+        ws = _scale(op, "w_scale", w_scale)
+        if hasattr(x_scale, "shape") and not is_scalar(x_scale) and x.ndim:
+            raise ValueError(f"{op}: x_scale {_described(x_scale)} is not a scalar but w_scale {_described(w_scale)} "
+                             f"is per tensor: pass both scales per tensor (float32 scalars) or both per block "
+                             f"(x_scale {_shape_text(x.shape[:-1] + (blocks(x.shape[-1]),))} for 1x128 tiles, "
+                             f"w_scale [ceil(K/128), ceil(N/128)] for 128x128 blocks)")
+        xs = _scale(op, "x_scale", x_scale)
     if out_dtype is None:
         out_dtype = x_dtype if x_dtype in OUT_DTYPES else jnp.dtype(jnp.bfloat16)
     if jnp.dtype(out_dtype) not in OUT_DTYPES:
@@ -165,12 +260,68 @@ def check(op: str, x, weights: tuple, x_scale, w_scale, out_dtype, grad_dtype, g
                          f"{grad_dtype.name}")
     gs = None
     if grad_scale is not None:
+        if block:
+            raise ValueError(f"{op}: grad_scale is a per-tensor scale; a block-scaled call quantises its gradients "
+                             f"with their own current 1x128 scales: leave grad_scale None")
         if grad_dtype != E5M2:
             raise ValueError(f"{op}: grad_scale scales float8_e5m2 gradients; grad_dtype is {grad_dtype.name}")
         gs = _scale(op, "grad_scale", grad_scale)
     call = Fp8Call(out_dtype=jnp.dtype(out_dtype).name, grad_dtype=grad_dtype.name, x_dtype=x_dtype.name,
-                   w_dtype=w_dtype.name)
+                   w_dtype=w_dtype.name, block=block)
     return xs, ws, gs, call
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join(str(int(n)) for n in shape) + "]"
+
+
+def _described(s) -> str:
+    """An argument as an error message shows it: dtype[shape], or its type."""
+    if hasattr(s, "shape") and hasattr(s, "dtype"):
+        return f"{jnp.dtype(s.dtype).name}{_shape_text(s.shape)}"
+    return type(s).__name__
+
+
+def _block_scale(op: str, name: str, s, shape: tuple, what: str):
+    """s, a float32 array of `shape` (the block scale of `what`); ValueError naming both otherwise."""
+    if not (hasattr(s, "shape") and hasattr(s, "dtype")) or jnp.dtype(s.dtype) != jnp.float32 \
+            or tuple(s.shape) != tuple(shape):
+        kind = "a per-tensor scalar: mixing block and per-tensor scales" if is_scalar(s) and hasattr(s, "dtype") \
+            else _described(s)
+        raise ValueError(f"{op}: {name} must be float32{_shape_text(shape)} ({what}) in a block-scaled call, got "
+                         f"{kind}" + (f" ({_described(s)})" if kind != _described(s) else ""))
+    return s
+
+
+def _block_scales_checked(op: str, x, weights: tuple, x_scale, w_scale, grouped: bool) -> tuple:
+    """(x_scale, w_scale) of a block-scaled call, checked against the operands' block shapes: x_scale
+    x.shape[:-1] + (ceil(K/128),), w_scale [ceil(K/128), ceil(N/128)] or, for a group, a tuple of
+    one per weight."""
+    for i, w in enumerate(weights):
+        if w.ndim != 2:
+            raise ValueError(f"{op}: w{f'[{i}]' if len(weights) > 1 else ''} must have rank 2 ([K, N]), got shape "
+                             f"{tuple(w.shape)}")
+    if x.ndim == 0:
+        raise ValueError(f"{op}: x must have rank >= 1 ([..., K]), got a scalar")
+    if not grouped and isinstance(w_scale, (tuple, list)):
+        raise ValueError(f"{op}: w_scale is a tuple of {len(w_scale)}, which gives a group of weights their block "
+                         f"scales; one weight takes its w_scale array itself")
+    if grouped and not (isinstance(w_scale, (tuple, list)) and len(w_scale) == len(weights)):
+        raise ValueError(f"{op}: a block-scaled group of {len(weights)} weights takes a tuple of {len(weights)} "
+                         f"w_scale arrays (one [ceil(K/128), ceil(N_i/128)] per weight), got "
+                         f"{len(w_scale) if isinstance(w_scale, (tuple, list)) else 'one array'}")
+    scales = tuple(w_scale) if grouped else (w_scale,)
+    if grouped and all(hasattr(s, "dtype") and is_scalar(s) for s in scales):
+        raise ValueError(f"{op}: a tuple w_scale gives each weight of a group its 128x128 block scales; per-tensor "
+                         f"scaling takes one float32 scalar shared by the group (the largest of the weights' "
+                         f"current_scale), got {len(scales)} scalars")
+    ws = tuple(_block_scale(op, f"w_scale[{i}]" if grouped else "w_scale", s,
+                            (blocks(w.shape[0]), blocks(w.shape[1])),
+                            f"128x128 blocks of w{f'[{i}]' if grouped else ''} {_shape_text(w.shape)}")
+               for i, (w, s) in enumerate(zip(weights, scales)))
+    xs = _block_scale(op, "x_scale", x_scale, tuple(x.shape[:-1]) + (blocks(x.shape[-1]),),
+                      f"1x128 tiles of x {_shape_text(x.shape)}")
+    return xs, (ws if grouped else ws[0])
 
 
 def _scale_problem(op: str, name: str, largest) -> Optional[str]:
@@ -201,7 +352,7 @@ def check_scales(op: str, operands: tuple) -> None:
         concrete = not isinstance(v, jax.core.Tracer) and not isinstance(scale, jax.core.Tracer)
         if not (concrete or debug):
             continue
-        largest = jnp.max(jnp.abs(v.astype(jnp.float32))) / jnp.reshape(scale, ()).astype(jnp.float32)
+        largest = jnp.max(jnp.abs(v.astype(jnp.float32)) / expand_scale(scale, v.shape))
         # An all-zero operand quantises to zeros with any scale: nothing to report.
         largest = jnp.where(jnp.max(jnp.abs(v)) > 0, largest, jnp.float32(jnp.inf))
         if concrete:
@@ -241,9 +392,20 @@ def quantized_cotangent(dy, grad_scale, shared_axis=None):
     return quantize(dy, gs, E5M2), gs
 
 
-def dequantize_by_source(g8, scales, dim: int, dtype):
-    """The gathered FP8 operand in `dtype`, each source's block of `dim` times its scale."""
-    shape = [1] * g8.ndim
-    shape[dim] = g8.shape[dim]
-    per = jnp.repeat(scales, g8.shape[dim] // scales.shape[0]).reshape(shape)
-    return (jax.lax.optimization_barrier(g8).astype(jnp.float32) * per).astype(dtype)  # as in dequantize
+def dequantize_by_source(g8, scales, dim: int, dtype, world: int):
+    """The operand gathered over `dim` from `world` ranks, in `dtype`: with per-tensor scales (f32
+    [world]) each source's block of `dim` times its scale; with block scales (gathered with it over
+    `dim`) each source's tiles times theirs, which over the contracted (last) dim are tiles of each
+    source's own K slice."""
+    g8 = jax.lax.optimization_barrier(g8)  # as in dequantize
+    if tuple(scales.shape) == (world,):
+        shape = [1] * g8.ndim
+        shape[dim] = g8.shape[dim]
+        per = jnp.repeat(scales, g8.shape[dim] // world).reshape(shape)
+    elif dim == g8.ndim - 1:
+        lead = tuple(g8.shape[:-1])
+        per = expand_scale(scales.reshape(lead + (world, -1)), lead + (world, g8.shape[-1] // world))
+        per = per.reshape(g8.shape)
+    else:
+        per = expand_scale(scales, g8.shape)
+    return (g8.astype(jnp.float32) * per).astype(dtype)

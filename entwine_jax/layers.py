@@ -85,12 +85,11 @@ try:
 except ImportError as e:  # flax is an optional dependency of entwine_jax
     raise ImportError(f"entwine_jax.layers needs flax: pip install 'entwine_jax[layers]' ({e})") from e
 
-from entwine_jax import fp8 as fp8_ops
 from entwine_jax.ag_gemm.config import AgGemmConfig
 from entwine_jax.api import ag_gemm, gemm_rs
 from entwine_jax.gemm_rs.config import GemmRsConfig
-from entwine_jax.layers_fp8 import (FP8_META_NAMES, OVERWRITE_WITH_GRADIENT, Fp8Meta, check_fp8, fp8_call_arguments,
-                                    fp8_meta, overwrite_with_gradient)
+from entwine_jax.layers_fp8 import (FP8_META_NAMES, FP8_MODES, OVERWRITE_WITH_GRADIENT, Fp8Meta, check_fp8,
+                                    fp8_call_arguments, fp8_meta, overwrite_with_gradient)
 
 __all__ = ["DEFAULT_LOGICAL_AXIS_RULES", "partition_specs", "row_parallel_linear", "column_parallel_linear",
            "column_parallel_group", "FP8_META_NAMES", "fp8_meta", "Fp8Meta", "overwrite_with_gradient",
@@ -237,7 +236,9 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
     ``[..., out/W]``. dtype: compute and output dtype
     (default: promoted from x and kernel). config: passed to gemm_rs.
     fp8: None; "current" (the FP8 op with each rank's current scales of its x and kernel shards,
-    e5m2 gradients at their current scale); or a delayed-scaling state (``fp8_meta()``, Flax's
+    e5m2 gradients at their current scale); "block" (block scaling: each rank's current scales per
+    1x128 tile of x and per 128x128 block of the kernel, this step's, e5m2 gradients per 1x128 tile);
+    or a delayed-scaling state (``fp8_meta()``, Flax's
     names), whose gradient is its next value (see the module docstring).
     """
     _check_choice(where, "scatter", scatter, _SCATTER)
@@ -304,7 +305,8 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     bias: ``kernel.shape[1:]`` or None, added after the GEMM. Output ``[..., *out_local]`` with the
     gathered dim whole. dtype: compute and output dtype (default: promoted from x and kernel).
     config: passed to ag_gemm (unused with ``gather=None``). fp8: as for row_parallel_linear (an
-    ag_gemm: needs ``gather``; a group takes None or "current", its kernels quantised with one scale).
+    ag_gemm: needs ``gather``; a group takes None, "current" (its kernels quantised with one scale) or
+    "block" (each kernel with its own block scales).
     """
     if isinstance(kernel, (tuple, list)):
         return _column_parallel_group(x, tuple(kernel), bias, axis_name=axis_name, gather=gather, dtype=dtype,
@@ -435,7 +437,7 @@ class RowParallelLinear(nnx.Module):
 
 def _nnx_fp8(module, where: str, fp8, amax_history_length: int) -> Optional[str]:
     """Checks an NNX layer's fp8 mode; "delayed" gives the module its state as Fp8Meta variables."""
-    _check_choice(where, "fp8", fp8, (None, "current", "delayed"))
+    _check_choice(where, "fp8", fp8, FP8_MODES)
     if fp8 == "delayed":
         for name, value in fp8_meta(_feature(where, "amax_history_length", amax_history_length)).items():
             setattr(module, name, Fp8Meta(value))
@@ -453,9 +455,10 @@ def _column_parallel_group(x, kernels: tuple, biases, *, axis_name, gather, dtyp
     """column_parallel_linear of several kernels on one x: one ag_gemm (one gather of x) for all."""
     if not kernels:
         raise ValueError(f"{where}: kernel is an empty group")
-    if fp8 not in (None, "current"):
-        raise ValueError(f"{where}: a group takes fp8=None or 'current' (one gather quantises the group's kernels "
-                         f"with one scale); delayed scaling keeps a state per layer: call the layers one by one")
+    if fp8 not in (None, "current", "block"):
+        raise ValueError(f"{where}: a group takes fp8=None, 'current' or 'block' (one gather quantises the group's "
+                         f"kernels, with one scale or each with its block scales); delayed scaling keeps a state per "
+                         f"layer: call the layers one by one")
     if biases is not None and (not isinstance(biases, (tuple, list)) or len(biases) != len(kernels)):
         raise ValueError(f"{where}: with {len(kernels)} kernels, bias must be None or a tuple of {len(kernels)} "
                          f"(each None or the kernel's output shape), got {type(biases).__name__}")
@@ -476,14 +479,8 @@ def _column_parallel_group(x, kernels: tuple, biases, *, axis_name, gather, dtyp
     dtype = _compute_dtype(where, dtype, x, *kernels)
     x = x.astype(dtype)
     group = tuple(k.astype(dtype).reshape(k.shape[0], -1) for k in kernels)
-    fp8_kwargs = {}
-    if fp8 == "current":
-        # One scale for the group: the largest of the kernels' current scales (x's over the axis where
-        # the gather is over the contracted dimension, as for one kernel).
-        fp8_kwargs = dict(x_scale=(fp8_ops.current_scale_over(x, axis_name) if gather == "hidden"
-                                   else fp8_ops.current_scale(x)),
-                          w_scale=jnp.max(jnp.stack([fp8_ops.current_scale(k) for k in group])),
-                          out_dtype=dtype if dtype in fp8_ops.OUT_DTYPES else jnp.dtype(jnp.bfloat16))
+    # The group's outputs are cast to dtype below: the call's finishing function is that cast.
+    fp8_kwargs, _ = fp8_call_arguments(where, fp8, x, group, axis_name, dtype, contracted_gather=gather == "hidden")
     ys = ag_gemm(x, group, axis_name=axis_name, gather_dimension=_SPLIT_DIM[gather], config=config, **fp8_kwargs)
     ys = tuple(y.astype(dtype) for y in ys)
     out = []
@@ -650,7 +647,7 @@ class RowParallelDense(_LinenLinear):
 def _linen_fp8(module: nn.Module, where: str):
     """Checks a Linen layer's fp8 mode; "delayed" declares its state in Flax's OVERWRITE_WITH_GRADIENT
     collection (Flax's names and initial values) and returns the state's values."""
-    _check_choice(where, "fp8", module.fp8, (None, "current", "delayed"))
+    _check_choice(where, "fp8", module.fp8, FP8_MODES)
     if module.fp8 != "delayed":
         return module.fp8
     initial = fp8_meta(_feature(where, "amax_history_length", module.amax_history_length))

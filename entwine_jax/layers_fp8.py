@@ -1,6 +1,7 @@
-# The FP8 state of entwine_jax.layers: current scaling, and delayed scaling with Flax's state
-# (flax.linen.fp8_ops): the scales and amax histories, their update through the gradient, and the FP8
-# keyword arguments of an op call. The layers (entwine_jax.layers) and MaxText's switch use it.
+# The FP8 state of entwine_jax.layers: current scaling (per tensor, or per block: 1x128 tiles of x,
+# 128x128 blocks of the kernel), and delayed scaling with Flax's state (flax.linen.fp8_ops): the scales
+# and amax histories, their update through the gradient, and the FP8 keyword arguments of an op call.
+# The layers (entwine_jax.layers) and MaxText's switch use it.
 import functools
 from typing import Mapping
 
@@ -19,6 +20,8 @@ from entwine_jax import fp8 as fp8_ops
 FP8_META_NAMES = ("input_amax_history", "kernel_amax_history", "output_grad_amax_history", "input_scale",
                   "kernel_scale", "output_grad_scale")
 OVERWRITE_WITH_GRADIENT = flax_fp8.OVERWRITE_WITH_GRADIENT
+# The fp8 modes of a layer: none, current per-tensor scaling, current block scaling, delayed scaling.
+FP8_MODES = (None, "current", "block", "delayed")
 
 
 def fp8_meta(amax_history_length: int = 1024) -> dict:
@@ -41,11 +44,11 @@ def overwrite_with_gradient(state, grads):
 
 
 def check_fp8(where: str, fp8) -> None:
-    """ValueError unless `fp8` is None, "current" or a delayed-scaling state (fp8_meta())."""
-    if fp8 is None or fp8 == "current":
+    """ValueError unless `fp8` is None, "current", "block" or a delayed-scaling state (fp8_meta())."""
+    if fp8 is None or fp8 in ("current", "block"):
         return
     if not isinstance(fp8, Mapping) or set(fp8) != set(FP8_META_NAMES):
-        raise ValueError(f"{where}: fp8 must be None, 'current' or a delayed-scaling state with the keys "
+        raise ValueError(f"{where}: fp8 must be None, 'current', 'block' or a delayed-scaling state with the keys "
                          f"{FP8_META_NAMES} (layers.fp8_meta()), got {fp8!r}")
     for name in FP8_META_NAMES:
         v = fp8[name]
@@ -117,15 +120,25 @@ def fp8_call_arguments(where: str, fp8, x, kernel, axis_name, dtype, contracted_
     its output; `where` names the caller in errors) for `fp8`:
     None (a bf16/fp16 call), "current" (each rank's current scales of its own x and kernel shard, e5m2
     gradients at their current scale; contracted_gather, an ag_gemm over x's last dimension: x's
-    scale the largest over the axis, as the kernels need one there) or a delayed-scaling state (scales from the amax histories,
-    the same on every rank, updated through the gradient as Flax does)."""
+    scale the largest over the axis, as the kernels need one there), "block" (each rank's current block
+    scales of its x (1x128) and kernel (128x128) shards, this step's, no history; the gradients per
+    1x128 tile) or a delayed-scaling state (scales from the amax histories, the same on every rank,
+    updated through the gradient as Flax does). kernel: one [K, N] array, or with "current" and "block"
+    a tuple of them (a group: one shared scale, or one block scale each)."""
     if fp8 is None:
         return {}, lambda y: y
     out_dtype = dtype if dtype in fp8_ops.OUT_DTYPES else jnp.dtype(jnp.bfloat16)
+    if fp8 == "block":
+        w_scale = (tuple(fp8_ops.scales_128x128(k) for k in kernel) if isinstance(kernel, tuple)
+                   else fp8_ops.scales_128x128(kernel))
+        return dict(x_scale=fp8_ops.scales_1x128(x), w_scale=w_scale, out_dtype=out_dtype), lambda y: y.astype(dtype)
+    group = kernel if isinstance(kernel, tuple) else None
     if fp8 == "current":
         x_scale = fp8_ops.current_scale_over(x, axis_name) if contracted_gather else fp8_ops.current_scale(x)
-        return (dict(x_scale=x_scale, w_scale=fp8_ops.current_scale(kernel), out_dtype=out_dtype),
-                lambda y: y.astype(dtype))
+        # A group's kernels share one scale: the largest of theirs.
+        w_scale = (jnp.max(jnp.stack([fp8_ops.current_scale(k) for k in group])) if group
+                   else fp8_ops.current_scale(kernel))
+        return dict(x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype), lambda y: y.astype(dtype)
     meta = {name: jnp.asarray(v) for name, v in fp8.items()}
     e4m3 = fp8_ops.E4M3
     kwargs = dict(x_scale=_delayed_scale(e4m3, axis_name, x, meta["input_scale"], meta["input_amax_history"]),

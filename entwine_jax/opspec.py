@@ -33,15 +33,18 @@ class OpSpec:
 
     The call site: config_type (its config; config_type(path="xla") is the XLA path), and
       plan(x, w, *, axis_name, dimension, config, return_gathered=False, out_dtype=None,
-           shared_scale=False) -> the op's Plan: checks the call (ValueErrors naming the argument),
-           chooses its config and path, reports it; out_dtype: an FP8 call writing that dtype,
-           shared_scale: its x_scale the same on every rank. A Plan has axis_name, axis_size,
-           dimension (normalised), config, reason (None: the kernels run it), return_gathered.
+           shared_scale=False, block_scaled=False) -> the op's Plan: checks the call (ValueErrors
+           naming the argument), chooses its config and path, reports it; out_dtype: an FP8 call
+           writing that dtype, shared_scale: its x_scale the same on every rank, block_scaled: its
+           scales per block (1x128 tiles of x, 128x128 blocks of w; entwine_jax.fp8). A Plan has
+           axis_name, axis_size, dimension (normalised), config, reason (None: the kernels run it),
+           return_gathered.
       forward(x, w, plan, gathered=False) -> y, or (y, gathered x) with gathered;
       forward_fp8(x8, w8, x_scale, w_scale, plan, gathered=False) -> y, or (y, gathered x8, the W
-           sources' x_scale) with gathered;
+           sources' x_scale, or with block scales x's tiles' scales gathered with it) with gathered;
       why_not_fused(x, w, *, axis_name, axis_size, dimension, config, out_dtype=None,
-           shared_scale=False) -> why the call takes the XLA path, or None (asks only);
+           shared_scale=False, block_scaled=False) -> why the call takes the XLA path, or None (asks
+           only);
       default_config(x, w, axis_size, dimension) -> (config, where it came from);
       fixed_us(...) -> the fused call's fixed cost beyond XLA's in microseconds (the small-call
            rule, tuning/crossover.py), from what that cost depends on for the op (nothing for one,

@@ -33,7 +33,8 @@ def call_fp8(name: str, x, w, x_scale, w_scale, grad_scale, fp8_call: fp8.Fp8Cal
     x8_aval = jax.ShapeDtypeStruct(tuple(x.shape), fp8.E4M3)
     w8_aval = jax.ShapeDtypeStruct(tuple(w.shape), fp8.E4M3)
     plan = op.plan(x8_aval, w8_aval, axis_name=axis_name, dimension=dimension, config=config,
-                   return_gathered=return_gathered, out_dtype=fp8_call.out_dtype, shared_scale=shared_scale)
+                   return_gathered=return_gathered, out_dtype=fp8_call.out_dtype, shared_scale=shared_scale,
+                   block_scaled=fp8_call.block)
     names = callsite.varying_over(x, w, axis_name=plan.axis_name)
     with jax.named_scope(op.scope):  # as in call()
         return _paired_fp8(callsite.make_varying(x, names), callsite.make_varying(w, names), x_scale, w_scale,
@@ -139,7 +140,9 @@ def _paired_fp8_bwd(name, plan, fp8_call, res, cotangents):
             dw = matmul_weight_grad(fp8.dequantize(x8, x_scales, dtype), g, dtype)
         else:
             dx = back.forward(dy, w_t, back_plan)
-            dw = matmul_weight_grad(fp8.dequantize_by_source(x8, x_scales, dim, dtype), dy, dtype)
+            dw = matmul_weight_grad(fp8.dequantize_by_source(x8, x_scales, dim, dtype, plan.axis_size), dy, dtype)
+    elif fp8_call.block:
+        dx, dw = _block_scaled_bwd(back, plan, fp8_call, x8, x_scales, w8, ws, dy)
     else:
         # dx: the backward op in FP8 on e5m2 dy (each rank's block or partial scaled by its own grad
         # scale) and the e4m3 weight.
@@ -161,6 +164,29 @@ def _paired_fp8_bwd(name, plan, fp8_call, res, cotangents):
             # dw = gathered x.T @ dy from the gathered FP8 operand.
             dw = dot_by_source(x8, d8, ((lead, lead), ((), ())), dim, x_scales) * gs
     return fp8.cotangent(dx, fp8_call.x_dtype), fp8.cotangent(dw, fp8_call.w_dtype), None, None, None
+
+
+def _block_scaled_bwd(back, plan, fp8_call, x8, x_scales, w8, ws, dy):
+    """(dx, dw) of a block-scaled call: dx the backward op on dy quantised to e5m2 per 1x128 tile of its
+    last dim (the dx GEMM's contracted one; each rank's own scales, which travel with its tiles) and
+    w8.T with its 128x128 scales transposed; dw by XLA on the dequantised operands in fp32 (its
+    contraction runs over the rows, along which both operands' scales vary, so no FP8 dot can take
+    them out of its sum)."""
+    dim, world = plan.dimension, plan.axis_size
+    lead = tuple(range(x8.ndim - 1))
+    d8, gs = fp8.quantize_1x128(dy, fp8.E5M2)
+    config = _backward_config(plan, back, d8, w8.T)
+    back_plan = back.plan(d8, w8.T, axis_name=plan.axis_name, dimension=dim, config=config,
+                          return_gathered=back.gathers, out_dtype=fp8_call.backward_dtype, block_scaled=True)
+    if back.gathers:
+        dx, g8, g_scales = back.forward_fp8(d8, w8.T, gs, ws.T, back_plan, gathered=True)
+        x, g = fp8.dequantize(x8, x_scales), fp8.dequantize_by_source(g8, g_scales, dim, jnp.float32, world)
+    else:
+        dx = back.forward_fp8(d8, w8.T, gs, ws.T, back_plan)
+        x, g = fp8.dequantize_by_source(x8, x_scales, dim, jnp.float32, world), fp8.dequantize(d8, gs)
+    dw = jax.lax.dot_general(x, g, ((lead, lead), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+    return dx, dw
 
 
 _paired_fp8.defvjp(_paired_fp8_fwd, _paired_fp8_bwd)

@@ -1,6 +1,7 @@
 """gpu_ranks suites of the FP8 operands: `fp8kernels` (the FFI targets called directly), `fp8` (the
-FP8 calls of both ops, the grouped op and the MLP with gradients) and `fp8half` (the FP8 calls' fp16
-backward piece by piece), against float64 of the dequantised operands."""
+FP8 calls of both ops, the grouped op and the MLP with gradients), `fp8half` (the FP8 calls' fp16
+backward piece by piece) and `fp8block` (block-scaled calls through the ops), against float64 of the
+dequantised operands."""
 
 from __future__ import annotations
 
@@ -680,3 +681,189 @@ class Fp8Suites(Rank):
         y = self.local(self.gemm_fn(m, n, k, jnp.float16, config=config)(*self.global_arrays(xs, ws)))
         ref = self.reference(xs, ws)
         return rel_error(y, ref)
+
+
+class Fp8BlockSuites(Fp8Suites):
+    """The block-scaled FP8 suite (1x128 tiles of x, 128x128 blocks of w), through the Python ops."""
+
+    def fp8block(self):
+        """Block-scaled FP8 through the ops on the kernels: gemm_rs over rows and columns, ag_gemm's rows
+        and contraction layouts, and the gradients of a block-scaled gemm_rs (its backward an ag_gemm),
+        against float64 of the dequantised operands (the per-block formula); every call must lower to
+        the fused FP8 call. An op whose block-scaled kernels this build lacks is reported, not run."""
+        from entwine_jax.ag_gemm import plan as ag_plan
+        from entwine_jax.gemm_rs import plan as rs_plan
+
+        w_ = self.world
+        worst, cases, missing = 0.0, 0, []
+        for op, reason in (("gemm_rs", rs_plan.fp8_block_reason()), ("ag_gemm", ag_plan.fp8_block_reason())):
+            if reason is not None:
+                missing.append(op)
+                self.log(f"fp8block: {op} not run: {reason}")
+        if "gemm_rs" not in missing:
+            for columns in (False, True):
+                m, n, k = (256, w_ * 256, 512) if columns else (w_ * 256, 384, 512)
+                worst = max(worst, self.block_gemm_rs_case(m, n, k, columns, seed=1500 + cases))
+                cases += 1
+        if "ag_gemm" not in missing:
+            for gather_k in (False, True):
+                worst = max(worst, self.block_ag_case(200, 256, 384, gather_k, seed=1510 + cases))
+                cases += 1
+        if not missing:
+            worst = max(worst, self.block_gemm_rs_grads(w_ * 128, 384, 256, seed=1520))
+            cases += 1
+        return f"fp8block: {cases} cases ok, worst rel error {worst:.2e}" + (
+            f"; no block-scaled kernels for {', '.join(missing)} in this build" if missing else "")
+
+    def block_operands(self, shape, seed, quantise):
+        """Every rank's operand of `shape` (rows of magnitudes 1e-2 to 10, which one scale per tensor
+        would not serve) quantised with its current block scales (quantise: fp8.quantize_1x128 or
+        fp8.quantize_128x128): [(FP8 array, scales, float64 of the dequantised values)] by rank."""
+        import jax.numpy as jnp
+        import numpy as np
+
+        from entwine_jax import fp8
+
+        rng = np.random.default_rng(seed)
+        out = []
+        for _ in range(self.world):
+            v = rng.standard_normal(shape).astype(np.float32) * np.logspace(-2, 1, shape[0], dtype=np.float32)[:, None]
+            q, s = quantise(jnp.asarray(v))
+            out.append((q, s, np.asarray(fp8.dequantize(q, s), np.float64)))
+        return out
+
+    def block_call(self, op, fn, args, what):
+        """jit(fn)'s result on this rank (fn: a shard_map), refused unless `op` lowers to its fused call."""
+        import jax
+
+        f = jax.jit(fn)
+        if not self.fused_calls(f, *args).get(op):
+            raise AssertionError(f"{what}: did not lower to the fused call")
+        with jax.set_mesh(self.mesh):
+            return f(*args)
+
+    def block_gemm_rs_case(self, m, n, k, columns, seed):
+        """gemm_rs on every rank's x [M, K] and w [K, N] (the rank's K slices) with their block scales."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import comm, fp8
+
+        r, w_ = self.rank, self.world
+        xs = self.block_operands((m, k), seed, fp8.quantize_1x128)
+        ws = self.block_operands((k, n), seed + 1, fp8.quantize_128x128)
+        config = dataclasses.replace(entwine_jax.heuristic_config(m, n, k, w_, jnp.float8_e4m3fn, scatter_cols=columns),
+                                     path="fused")
+        sd = 1 if columns else 0
+
+        def body(x, w, a, b):
+            return entwine_jax.gemm_rs(x, w, axis_name="tp", scatter_dimension=sd, x_scale=a, w_scale=b, config=config)
+
+        out = P(None, "tp") if columns else P("tp", None)
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None), P(None, "tp"), P("tp", None)),
+                           out_specs=out)
+        (x8, xs_r, _), (w8, ws_r, _) = xs[r], ws[r]
+        args = (self.place(x8, 1, (m, w_ * k)), self.place(w8, 0, (w_ * k, n)),
+                self.place(xs_r, 1, (m, w_ * xs_r.shape[1])), self.place(ws_r, 0, (w_ * ws_r.shape[0], ws_r.shape[1])))
+        what = f"block-scaled gemm_rs M={m} N={n} K={k} {'columns' if columns else 'rows'}"
+        y = self.local(self.block_call("gemm_rs", fn, args, what))
+        comm.check_errors()
+        full = sum(x[2] @ w[2] for x, w in zip(xs, ws))
+        ref = full[:, r * n // w_:(r + 1) * n // w_] if columns else full[r * m // w_:(r + 1) * m // w_]
+        self.log(f"{what}: ok")
+        return self.check(y, ref, what)
+
+    def block_ag_case(self, rows, cols, n, gather_k, seed):
+        """ag_gemm on every rank's shard [rows, cols] with its tile scales, w [K, N] sharded over N (each
+        rank's slice with its block scales); y and the gathered FP8 operand."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import comm, fp8
+
+        r, w_ = self.rank, self.world
+        k = w_ * cols if gather_k else cols
+        xs = self.block_operands((rows, cols), seed, fp8.quantize_1x128)
+        ws = self.block_operands((k, n), seed + 1, fp8.quantize_128x128)
+        config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n, cols, w_, jnp.float8_e4m3fn), path="fused")
+        gd = -1 if gather_k else 0
+        x_spec = P(None, "tp") if gather_k else P("tp", None)
+
+        def body(x, w, a, b):
+            y, g = entwine_jax.ag_gemm(x, w, axis_name="tp", gather_dimension=gd, x_scale=a, w_scale=b, config=config,
+                                       return_gathered=True)
+            return y, g[None]
+
+        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(x_spec, P(None, "tp"), x_spec, P(None, "tp")),
+                           out_specs=(P(None, "tp"), P("tp")))
+        (x8, xs_r, _), (w8, ws_r, _) = xs[r], ws[r]
+        x_global = (rows, w_ * cols) if gather_k else (w_ * rows, cols)
+        s_global = (rows, w_ * xs_r.shape[1]) if gather_k else (w_ * rows, xs_r.shape[1])
+        args = (self.place(x8, 1 if gather_k else 0, x_global), self.place(w8, 1, (k, w_ * n)),
+                self.place(xs_r, 1 if gather_k else 0, s_global), self.place(ws_r, 1, (ws_r.shape[0], w_ * ws_r.shape[1])))
+        what = f"block-scaled ag_gemm rows={rows} cols={cols} N={n} {'contraction' if gather_k else 'rows'}"
+        y, g = self.block_call("ag_gemm", fn, args, what)
+        comm.check_errors()
+        gathered = np.concatenate([x[2] for x in xs], axis=1 if gather_k else 0)
+        if not np.array_equal(self.local(g)[0].astype(np.float32),
+                              np.concatenate([np.asarray(x[0], np.float32) for x in xs], axis=1 if gather_k else 0)):
+            raise AssertionError(f"{what}: the gathered FP8 operand differs from the shards")
+        self.log(f"{what}: ok")
+        return self.check(self.local(y), gathered @ ws[r][2], what)
+
+    def block_gemm_rs_grads(self, m, n, k, seed):
+        """The gradients of sum(gemm_rs(x, w) * c) with block scales (bf16 x and w quantised by the op),
+        both backward calls fused: dx = D @ W.T and dw = X.T @ D in float64 of the dequantised shards
+        (D: each rank's dy quantised to e5m2 per 1x128 tile)."""
+        import dataclasses
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        import entwine_jax
+        from entwine_jax import comm, fp8
+
+        r, w_ = self.rank, self.world
+        rng = np.random.default_rng(seed)
+        xs = [rng.standard_normal((m, k)).astype(jnp.bfloat16) for _ in range(w_)]
+        ws = [(rng.standard_normal((k, n)) / 16).astype(jnp.bfloat16) for _ in range(w_)]
+        c = rng.standard_normal((m, n)).astype(np.float32)
+        config = dataclasses.replace(entwine_jax.heuristic_config(m, n, k, w_, jnp.float8_e4m3fn), path="fused")
+
+        def loss(x, w, c):
+            y = entwine_jax.gemm_rs(x, w, axis_name="tp", x_scale=fp8.scales_1x128(x), w_scale=fp8.scales_128x128(w),
+                                    config=config)
+            return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * c), "tp")
+
+        fn = jax.grad(jax.shard_map(loss, mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None), P("tp", None)),
+                                    out_specs=P()), argnums=(0, 1))
+        args = (self.place(xs[r], 1, (m, w_ * k)), self.place(ws[r], 0, (w_ * k, n)),
+                self.place(c[r * m // w_:(r + 1) * m // w_], 0, (m, n)))
+        what = f"block-scaled gemm_rs gradients M={m} N={n} K={k}"
+        census = self.fused_calls(jax.jit(fn), *args)
+        if not (census.get("gemm_rs") and census.get("ag_gemm")):
+            raise AssertionError(f"{what}: not every call fused: {census}")
+        with jax.set_mesh(self.mesh):
+            dx, dw = jax.jit(fn)(*args)
+        comm.check_errors()
+        deq = lambda v, quantise, dtype=fp8.E4M3: np.asarray(fp8.dequantize(*quantise(jnp.asarray(v), dtype)),  # noqa: E731
+                                                             np.float64)
+        x_d = [deq(x, fp8.quantize_1x128) for x in xs]
+        w_d = [deq(w, fp8.quantize_128x128) for w in ws]
+        d = np.concatenate([deq(c[s * m // w_:(s + 1) * m // w_].astype(jnp.bfloat16), fp8.quantize_1x128, fp8.E5M2)
+                            for s in range(w_)])
+        worst = self.check(self.local(dx), d @ w_d[r].T, f"{what}: dx")
+        worst = max(worst, self.check(self.local(dw), x_d[r].T @ d, f"{what}: dw"))
+        self.log(f"{what}: ok")
+        return worst

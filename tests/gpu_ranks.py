@@ -68,6 +68,10 @@ Suites:
   fp8half  the FP8 calls' fp16 backward piece by piece: the fp16 ops alone at the FP8 MLP's
            backward shapes (both configs, both pushes), each FP8 op's fp16 backward alone against
            the recipe (FP8-rounded operands) and against the unrounded operands, the FP8 MLP.
+  fp8block block-scaled FP8 (1x128 / 128x128 scales) through the ops on the kernels: gemm_rs rows
+           and columns, ag_gemm rows and contraction (the gathered FP8 operand too), a block-scaled
+           gemm_rs's gradients with its backward ag_gemm; against float64 of the dequantised
+           operands. An op without block-scaled kernels in the build is reported, not run.
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
            gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time, also by phase; then the host
            time per step of a lax.scan over an 8-layer MLP block (ag_gemm -> silu -> gemm_rs);
@@ -108,7 +112,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_ag_suites import AgSuites  # noqa: E402
 from gpu_cmdbuf_suites import CMDBUF_XLA_FLAGS, CmdbufSuites  # noqa: E402
 from gpu_cost_suites import CostSuites  # noqa: E402
-from gpu_fp8_suites import Fp8Suites  # noqa: E402
+from gpu_fp8_suites import Fp8BlockSuites, Fp8Suites  # noqa: E402
 from gpu_gemm_rs_suites import GemmRsSuites  # noqa: E402
 from gpu_harness import MISSING_TIMEOUT_MS, Suite, launch, rank_main  # noqa: E402
 from gpu_heap_suites import HEAPGROW_XLA_FLAGS, HeapSuites  # noqa: E402
@@ -135,6 +139,7 @@ SUITES = {
     "fp8kernels": Suite(Fp8Suites),
     "fp8": Suite(Fp8Suites),
     "fp8half": Suite(Fp8Suites),
+    "fp8block": Suite(Fp8BlockSuites),
     # The SMs that rank 0's held kernel takes (read once per process).
     "forward": Suite(ProtocolSuites, env={"ENTWINE_SM_RESERVE": str(FORWARD_HELD_SMS)}),
     "hostcost": Suite(CostSuites, checking=False),

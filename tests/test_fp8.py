@@ -380,7 +380,8 @@ def test_bad_fp8_input(op, x, w, kwargs, match):
 
 
 def test_group_shares_one_w_scale():
-    with pytest.raises(ValueError, match=r"ag_gemm: w_scale must be one float32 scalar; a group of weights shares"):
+    with pytest.raises(ValueError, match=r"ag_gemm: a tuple w_scale gives each weight of a group its 128x128 block "
+                                         r"scales; per-tensor scaling takes one float32 scalar shared by the group"):
         _trace(lambda x, w, **k: ag_gemm(x, (w, w), **k), X8, W8, x_scale=S, w_scale=(S, S))
     with pytest.raises(ValueError, match=r"ag_gemm: the weights of a group must share one dtype"):
         _trace(lambda x, w, **k: ag_gemm(x, (w, w.astype(jnp.bfloat16)), **k), X8, W8, x_scale=S, w_scale=S)
@@ -542,6 +543,12 @@ def fused_on_cpu(monkeypatch):
     for reason in (rs_plan.fp8_reason(), ag_plan.fp8_reason()):
         if reason is not None:
             pytest.skip(f"the FP8 plans need the extension with its FP8 kernels: {reason}")
+    gpu_side_faked(monkeypatch)
+
+
+def gpu_side_faked(monkeypatch):
+    """The CPU devices pass for GPUs and the communicators are a fake extension's (FakeExt); the plans
+    stay the extension's (_extension.module)."""
     ext = FakeExt()
     for name, value in (("_comms", {}), ("_setup_meshes", {}), ("_reason_cache", {}), ("_failed", {}),
                         ("_atexit_registered", True)):

@@ -1,7 +1,8 @@
 # The layers' FP8 modes on 8 fake CPU devices (a dp=2 x tp=4 mesh; the ops take their XLA path):
-# current scaling and delayed scaling with Flax's state (collection OVERWRITE_WITH_GRADIENT, Flax's names),
-# trained a few steps; the delayed state evolves as Flax's own Fp8DirectDotGeneralOp's does on the same
-# model; NNX's Fp8Meta variables; bad fp8 arguments.
+# current scaling (per tensor and per block) and delayed scaling with Flax's state (collection
+# OVERWRITE_WITH_GRADIENT, Flax's names), trained a few steps; the delayed state evolves as Flax's own
+# Fp8DirectDotGeneralOp's does on the same model; NNX's Fp8Meta variables; block scaling in NNX = Linen,
+# against the block recipe computed by hand, its group; bad fp8 arguments.
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,7 +82,7 @@ def train(mesh, apply, variables, specs, steps, lr=0.5, sharded=True):
     return losses, variables
 
 
-@pytest.mark.parametrize("fp8", [None, "current", "delayed"])
+@pytest.mark.parametrize("fp8", [None, "current", "delayed", "block"])
 def test_linen_mlp_trains(mesh, fp8):
     x, _ = data(0)
     variables = MLP(fp8).init(jax.random.key(1), x)
@@ -173,17 +174,101 @@ def test_current_scaling_is_close_to_the_exact_layer(mesh):
 
 @pytest.mark.parametrize("call, match", [
     (lambda: ColumnParallelLinear(D, F, gather="rows", fp8="e4m3", rngs=nnx.Rngs(0)),
-     r"ColumnParallelLinear: fp8 must be one of \(None, 'current', 'delayed'\), got 'e4m3'"),
+     r"ColumnParallelLinear: fp8 must be one of \(None, 'current', 'block', 'delayed'\), got 'e4m3'"),
     (lambda: RowParallelLinear(F, D, fp8="delayed", amax_history_length=0, rngs=nnx.Rngs(0)),
      r"amax_history_length must be a positive int, got 0"),
     (lambda: layers.row_parallel_linear(jnp.ones((8, 4)), jnp.ones((4, 8)), fp8={"input_scale": 1}),
-     r"row_parallel_linear: fp8 must be None, 'current' or a delayed-scaling state"),
+     r"row_parallel_linear: fp8 must be None, 'current', 'block' or a delayed-scaling state"),
     (lambda: layers.column_parallel_linear(jnp.ones((8, 4)), jnp.ones((4, 8)), fp8="current"),
      r"fp8=current runs the FP8 ag_gemm, which needs a sharded input: set gather"),
     (lambda: layers.column_parallel_linear(jnp.ones((8, 4)), (jnp.ones((4, 8)),) * 2, gather="rows",
                                            fp8=layers.fp8_meta(4)),
-     r"a group takes fp8=None or 'current'"),
+     r"a group takes fp8=None, 'current' or 'block'"),
 ])
 def test_bad_fp8_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def _block_recipe_by_hand(x, wu, wd, tp):
+    """The block recipe of relu(x @ wu) @ wd computed by hand, float64, one dp group of T/2 rows at a
+    time: up's columns shard by shard (each row's 1x128 tiles, each 128x128 block of the kernel shard),
+    relu, bf16 (the FP8 op's output), down's K slices shard by shard summed."""
+    from test_fp8_block import formula
+    from entwine_jax import fp8 as fp8_ops
+    want = []
+    for rows in jnp.split(x, 2):
+        h = np.concatenate([formula(*fp8_ops.quantize_1x128(rows), *fp8_ops.quantize_128x128(w))
+                            for w in jnp.split(wu, tp, axis=1)], axis=1)
+        h = jnp.asarray(np.maximum(h, 0), jnp.bfloat16).astype(jnp.float32)
+        want.append(sum(formula(*fp8_ops.quantize_1x128(hs), *fp8_ops.quantize_128x128(ws))
+                        for hs, ws in zip(jnp.split(h, tp, axis=1), jnp.split(wd, tp, axis=0))))
+    return np.concatenate(want)
+
+
+def test_block_scaled_layers_follow_the_recipe(mesh, monkeypatch):
+    # fp8="block" in NNX and in Linen: the outputs of the block recipe computed by hand, and every call
+    # the layers make, forward and backward, block-scaled.
+    from test_fp8_block import _spied
+    d, f, tp = 256, 512, 4
+    x = jax.random.normal(jax.random.key(5), (T, d), jnp.float32)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = ColumnParallelDense(f, gather="rows", fp8="block", name="up")(x)
+            return RowParallelDense(d, fp8="block", name="down")(jax.nn.relu(h))
+
+    variables = Block().init(jax.random.key(1), x)
+    specs = partition_specs(variables, RULES)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(RULES):
+        up = ColumnParallelLinear(d, f, gather="rows", fp8="block", rngs=nnx.Rngs(0))
+        down = RowParallelLinear(f, d, fp8="block", rngs=nnx.Rngs(1))
+    graph, state = nnx.split((up, down))
+    nnx_specs = partition_specs(state, RULES)
+
+    def nnx_apply(state, x):
+        up, down = nnx.merge(graph, state)
+        return down(jax.nn.relu(up(x)))
+
+    seen = _spied(monkeypatch)
+    nnx_f = jax.shard_map(nnx_apply, mesh=mesh, in_specs=(nnx_specs, ROWS), out_specs=ROWS)
+    with jax.set_mesh(mesh):
+        linen = jax.jit(jax.shard_map(Block().apply, mesh=mesh, in_specs=(specs, ROWS), out_specs=ROWS))(
+            jax.device_put(variables, specs), jax.device_put(x, ROWS))
+        state, xr = jax.device_put(state, nnx_specs), jax.device_put(x, ROWS)
+        ours = jax.jit(nnx_f)(state, xr)
+        jax.jit(jax.grad(lambda s, x: jnp.sum(jnp.square(nnx_f(s, x)))))(state, xr)
+    assert {(op, block) for op, block, _ in seen} == {("ag_gemm", True), ("gemm_rs", True)}
+    assert {dtype for *_, dtype in seen} == {"float8_e4m3fn", "float8_e5m2"}
+    params = nn.unbox(variables["params"])
+    for y, wu, wd in ((linen, params["up"]["kernel"], params["down"]["kernel"]),
+                      (ours, up.kernel[...], down.kernel[...])):
+        want = _block_recipe_by_hand(x, jnp.asarray(np.asarray(wu)), jnp.asarray(np.asarray(wd)), tp)
+        assert np.abs(np.asarray(y, np.float64) - want).max() <= 2e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("gather", ["rows", "hidden"])
+def test_block_scaled_group_equals_its_layers(mesh, gather):
+    # Gate and up (widths that are no multiple of 128 per shard) in one gather, each kernel with its own
+    # block scales: the layers' outputs, called one by one.
+    d = 512
+    x = jax.random.normal(jax.random.key(6), (T, d), jnp.float32)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(RULES):
+        gate = ColumnParallelLinear(d, 4 * 40, gather=gather, fp8="block", rngs=nnx.Rngs(0))
+        up = ColumnParallelLinear(d, 4 * 72, gather=gather, fp8="block", rngs=nnx.Rngs(1))
+    graph, state = nnx.split((gate, up))
+    specs = partition_specs(state, RULES)
+    x_spec = ROWS if gather == "rows" else P("dp", "tp")
+
+    def apply(grouped):
+        def body(state, x):
+            gate, up = nnx.merge(graph, state)
+            return layers.column_parallel_group(x, (gate, up)) if grouped else (gate(x), up(x))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, x_spec), out_specs=(P("dp", "tp"),) * 2))
+
+    with jax.set_mesh(mesh):
+        args = jax.device_put(state, specs), jax.device_put(x, x_spec)
+        for a, b in zip(apply(True)(*args), apply(False)(*args)):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert a.shape == b.shape and np.abs(a - b).max() <= 1e-2 * np.abs(b).max()

@@ -14,6 +14,7 @@ from entwine_jax import _extension, _ffi, callsite, comm
 from entwine_jax.ag_gemm import plan as _plan
 from entwine_jax.ag_gemm.config import push_budget, push_of
 from entwine_jax.comm import Unavailable
+from entwine_jax.fp8 import blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,16 +74,18 @@ def launch_sms(config, shard_bytes: int) -> tuple[int, int]:
 
 
 def _ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, x_dtype, fp8: bool = False,
-             shared_scale: bool = False) -> _plan.AgPlan:
+             shared_scale: bool = False, block_scaled: bool = False) -> _plan.AgPlan:
     x_dtype = jnp.dtype(x_dtype)
     return _plan.ag_plan(rows, cols, n, world, gather_k, config, *launch_sms(config, rows * cols * x_dtype.itemsize),
-                         fp8=fp8, shared_scale=shared_scale, x_dtype=x_dtype.name)
+                         fp8=fp8, shared_scale=shared_scale, x_dtype=x_dtype.name, block_scaled=block_scaled)
 
 
-def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, out_dtype, shared_scale):
+def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, out_dtype, shared_scale, block_scaled):
     if config.path == "xla":
         return "config.path is 'xla'"
     if reason := callsite.kernel_dtype_reason(x_local_aval.dtype, w_aval.dtype, out_dtype):
+        return reason
+    if block_scaled and (reason := _plan.fp8_block_reason()):
         return reason
     if reason := comm.world_reason(axis_size):
         return reason
@@ -96,7 +99,7 @@ def _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k, config, o
         return reason
     try:
         plan = _ag_plan(rows, cols, n, axis_size, gather_k, config, x_local_aval.dtype, fp8=out_dtype is not None,
-                        shared_scale=shared_scale)
+                        shared_scale=shared_scale, block_scaled=block_scaled)
     except _plan.PlanError as e:
         return f"the kernels cannot run this call: {e.rule}"
     if plan.sms_needed > _extension.sm_count():
@@ -114,18 +117,20 @@ def _heap_need(plan) -> tuple[int, dict[str, int]]:
 
 
 def unavailable_reason(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config,
-                       out_dtype=None, shared_scale: bool = False) -> Optional[str]:
+                       out_dtype=None, shared_scale: bool = False, block_scaled: bool = False) -> Optional[str]:
     """None when the ag_gemm kernels can run this call (x [rows, cols], w [cols or W * cols, n]),
     else a short reason (out_dtype given: the FP8 kernels on an e4m3 or e5m2 x and an e4m3 w, writing
-    out_dtype, with one x scale on every rank if shared_scale). Only answers (prepare acquires)."""
+    out_dtype, with one x scale on every rank if shared_scale; block_scaled: with block scales). Only
+    answers (prepare acquires)."""
     try:
         mesh = comm.find_mesh(axis_name)
         key = ("ag", tuple(x_local_aval.shape), str(x_local_aval.dtype), tuple(w_aval.shape),
-               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh, str(out_dtype), shared_scale)
+               str(w_aval.dtype), comm.axis_tuple(axis_name), axis_size, gather_k, repr(config), mesh, str(out_dtype), shared_scale,
+               bool(block_scaled))
     except Exception as e:
         return f"cannot inspect the call ({type(e).__name__}: {e})"
     return comm.cached_reason(key, mesh, lambda: _unavailable(x_local_aval, w_aval, axis_name, axis_size, gather_k,
-                                                               config, out_dtype, shared_scale))
+                                                               config, out_dtype, shared_scale, block_scaled))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,21 +145,25 @@ class AgGemmCall:
     config: Any  # AgGemmConfig
     target: str
     out_dtype: Optional[str] = None  # an FP8 call: the output dtype's name; None: bf16/fp16 in, same out
+    block_scaled: bool = False  # an FP8 call with block scales (the plan was made for them)
 
 
 def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out_dtype=None,
-            shared_scale: bool = False) -> AgGemmCall:
+            shared_scale: bool = False, block_scaled: bool = False) -> AgGemmCall:
     """The plan of ag_gemm on this rank's shard x [rows, cols] and w, and its communicator, acquired
     now (acquire_comm): once per call site at trace time, after unavailable_reason said None
     (out_dtype: an FP8 call, as there). Raises Unavailable with the reason when the fused path
     cannot run it after all."""
+    if block_scaled and (reason := _plan.fp8_block_reason()):
+        raise Unavailable(reason)  # block scales never reach the per-tensor kernels
     mesh = comm.mesh_for(axis_name)
     (rows, cols), n = x_local_aval.shape, w_aval.shape[1]
     fp8 = out_dtype is not None
     gemm_sms, push_sms = launch_sms(config, rows * cols * jnp.dtype(x_local_aval.dtype).itemsize)
     try:
         plan = _plan.ag_plan(rows, cols, n, axis_size, gather_k, config, gemm_sms, push_sms, fp8=fp8,
-                             shared_scale=shared_scale, x_dtype=jnp.dtype(x_local_aval.dtype).name)
+                             shared_scale=shared_scale, x_dtype=jnp.dtype(x_local_aval.dtype).name,
+                             block_scaled=block_scaled)
     except _plan.NoExtension as e:
         raise Unavailable(str(e)) from None
     except _plan.PlanError as e:
@@ -163,7 +172,7 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out
     cid = comm.acquire_comm(mesh, axis_name, *_heap_need(plan))
     return AgGemmCall(padding=p, gemm_sms=gemm_sms, push_sms=push_sms, comm_id=cid, config=config,
                       target=_plan.fp8_target() if fp8 else _plan.target(),
-                      out_dtype=jnp.dtype(out_dtype).name if fp8 else None)
+                      out_dtype=jnp.dtype(out_dtype).name if fp8 else None, block_scaled=bool(fp8 and block_scaled))
 
 
 def call(x2d, w, site: AgGemmCall, return_gathered: bool):
@@ -184,10 +193,21 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
     return unpad(y, gathered if return_gathered else None, p)
 
 
+def pad_block_scales(x_scale, w_scale, p: AgPadding) -> list:
+    """Block scales in the kernels' layout for the padded operands (pad_operands): the shard's x_scale
+    [rows, cols/128] -> [cols/128, rows_pad], M-major; w_scale [K/128, ceil(N/128)] -> [n_pad/128, K/128],
+    w_t's 128x128 blocks. Padded rows and columns are zeros; their scales are 1. The plan had
+    cols % 128 == 0 (no K padding)."""
+    x_scale = jnp.pad(x_scale, ((0, p.rows_pad - p.rows), (0, 0)), constant_values=1)
+    w_scale = jnp.pad(w_scale, ((0, 0), (0, blocks(p.n_pad) - w_scale.shape[1])), constant_values=1)
+    return [x_scale.astype(jnp.float32).T, w_scale.astype(jnp.float32).T]
+
+
 def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, shared_scale: bool):
     """call() of the FP8 kernels: shard x [rows, cols] in e4m3 or e5m2 (scaled by this rank's x_scale)
     and w in e4m3, y in site.out_dtype; returns (y, gathered [W, rows, cols] in x's dtype or None, the
-    W sources' x_scale).
+    W sources' x_scale: f32 [W], or with block scales (site.block_scaled: x_scale [rows, cols/128],
+    w_scale [K/128, ceil(N/128)]) [W, cols/128, rows] or, without return_gathered, empty).
     Each shard's scale travels with it inside the kernels (no collective of its own); shared_scale
     says every rank's x_scale is equal, so the kernels may use their own. The weight goes in
     transposed ([N, K], K-major), as for gemm_rs's FP8 call."""
@@ -195,18 +215,26 @@ def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, 
     x_pad, w_pad = pad_operands(x2d, w, p)
     y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
     gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
-    scales = [jnp.reshape(s.astype(jnp.float32), (1,)) for s in (x_scale, w_scale)]
+    if site.block_scaled:
+        scales = pad_block_scales(x_scale, w_scale, p)
+        scales_shape = (p.world, x_scale.shape[1], p.rows_pad) if return_gathered else (0,)
+    else:
+        scales = [jnp.reshape(s.astype(jnp.float32), (1,)) for s in (x_scale, w_scale)]
+        scales_shape = (p.world,)
     w_t = w_pad.T
     attributes = site.config.kernel_attributes(site.gemm_sms, site.push_sms)
     layout = "contraction" if p.gather_k else "rows"
     signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w_t {list(w_t.shape)} gathering "
                                     f"{layout}, gathered {list(gathered_shape)}, out {site.out_dtype}, shared scale "
-                                    f"{bool(shared_scale)}, config {comm.attributes_text(attributes)}, "
+                                    f"{bool(shared_scale)}{', block-scaled' if site.block_scaled else ''}, config "
+                                    f"{comm.attributes_text(attributes)}, "
                                     f"from {comm.call_site()}")
     y, gathered, gathered_scales = _ffi.fused_call(
         site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), site.out_dtype),
-                      jax.ShapeDtypeStruct(gathered_shape, x2d.dtype), jax.ShapeDtypeStruct((p.world,), jnp.float32)],
+                      jax.ShapeDtypeStruct(gathered_shape, x2d.dtype), jax.ShapeDtypeStruct(scales_shape, jnp.float32)],
         x_pad, w_t, *scales, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
         shared_scale=bool(shared_scale), signature=np.int64(signature), config=attributes)
     y, gathered = unpad(y, gathered if return_gathered else None, p)
+    if site.block_scaled and return_gathered:
+        gathered_scales = gathered_scales[:, :, : p.rows]
     return y, gathered, gathered_scales

@@ -44,6 +44,7 @@ class Plan:
     fused_call: Any = None  # with reason None: fused.AgGemmCall (padding, grid, comm id)
     out_dtype: Optional[str] = None  # an FP8 call (entwine_jax.fp8): the output dtype's name
     shared_scale: bool = False  # an FP8 call: every rank's x_scale is the same
+    block_scaled: bool = False  # an FP8 call with block scales (1x128 of x, 128x128 of w)
 
 
 def _check_args(x, w, axis_name, gather_dimension, fp8: bool) -> tuple[int, int]:
@@ -120,36 +121,38 @@ def _cost(x, w, size: int) -> tuple[float, float]:
     return 2.0 * size * shard * w.shape[1], (size - 1) * shard * jnp.dtype(x.dtype).itemsize
 
 
-def _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale) -> tuple:
+def _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale, block_scaled) -> tuple:
     x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
     kwargs = dict(axis_name=axis_name, axis_size=size, gather_k=gd == len(x.shape) - 1, config=config)
     if out_dtype is not None:  # an FP8 call
-        kwargs.update(out_dtype=out_dtype, shared_scale=shared_scale)
+        kwargs.update(out_dtype=out_dtype, shared_scale=shared_scale, block_scaled=block_scaled)
     return x2d, w_aval, kwargs
 
 
 def why_not_fused(x, w, *, axis_name, axis_size: int, dimension: int, config: AgGemmConfig,
-                  out_dtype=None, shared_scale: bool = False) -> Optional[str]:
+                  out_dtype=None, shared_scale: bool = False, block_scaled: bool = False) -> Optional[str]:
     """Why a call on operands shaped like x and w (dimension: the gather dimension, normalised;
-    out_dtype: an FP8 call's output dtype, shared_scale: its x_scale the same on every rank) takes the
-    XLA path on this mesh, or None; asks only, no communicator is made (for programs that report on
-    calls)."""
+    out_dtype: an FP8 call's output dtype, shared_scale: its x_scale the same on every rank,
+    block_scaled: with block scales) takes the XLA path on this mesh, or None; asks only, no
+    communicator is made (for programs that report on calls)."""
     push = push_of(config, math.prod(x.shape) * jnp.dtype(x.dtype).itemsize)
     reason = callsite.early_reason(config, axis_size, x.dtype, "gather", *_cost(x, w, axis_size), fixed_us(push),
                                    axis_name=axis_name)
     if reason is not None:
         return reason
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, dimension, config, out_dtype, shared_scale)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, dimension, config, out_dtype, shared_scale,
+                                           block_scaled)
     return fused.unavailable_reason(x2d, w_aval, **kwargs)
 
 
-def _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale) -> tuple[Any, Optional[str]]:
+def _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale, block_scaled) -> tuple[Any, Optional[str]]:
     """(fused.AgGemmCall, None) when the fused kernels run this call, else (None, the reason)."""
     # why_not_fused only answers; prepare makes the communicator once it said None.
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, gd, config, out_dtype, shared_scale, block_scaled)
     return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, dimension=gd,
-                                                      config=config, out_dtype=out_dtype, shared_scale=shared_scale),
+                                                      config=config, out_dtype=out_dtype, shared_scale=shared_scale,
+                                                      block_scaled=block_scaled),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
 
 
@@ -159,10 +162,11 @@ def default_config(x, w, size: int, dimension: int) -> tuple[AgGemmConfig, str]:
 
 
 def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_gathered: bool = False,
-         out_dtype=None, shared_scale: bool = False) -> Plan:
+         out_dtype=None, shared_scale: bool = False, block_scaled: bool = False) -> Plan:
     """Check a call, choose its config and its path, and report the choice once per call site.
     dimension: the gather dimension; out_dtype: an FP8 call (operands checked by entwine_jax.fp8)
-    writing this dtype; shared_scale: its x_scale is the same on every rank."""
+    writing this dtype; shared_scale: its x_scale is the same on every rank; block_scaled: with block
+    scales (which travel with their tiles: never shared)."""
     axis_name = callsite.hashable_axis(axis_name)
     out_dtype = None if out_dtype is None else jnp.dtype(out_dtype).name
     size, gd = _check_args(x, w, axis_name, dimension, out_dtype is not None)
@@ -174,13 +178,16 @@ def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_g
     if config is None:
         config, source = default_config(x, w, size, gd)
     _check_config(config)
-    fused_call, reason = _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
+    block_scaled = bool(block_scaled) and out_dtype is not None
+    shared_scale = bool(shared_scale) and not block_scaled
+    fused_call, reason = _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale, block_scaled)
     p = Plan(axis_name=axis_name, axis_size=size, dimension=gd, config=config,
              return_gathered=return_gathered, reason=reason, fused_call=fused_call, out_dtype=out_dtype,
-             shared_scale=shared_scale)
-    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, gd, out_dtype, shared_scale)
+             shared_scale=shared_scale, block_scaled=block_scaled)
+    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, gd, out_dtype, shared_scale, block_scaled)
     site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={axis_name!r} (size {size}) "
-            f"gather_dimension={gd}" + (f" out_dtype={out_dtype} shared_scale={shared_scale}" if out_dtype else ""))
+            f"gather_dimension={gd}" + (f" out_dtype={out_dtype} shared_scale={shared_scale}" if out_dtype else "")
+            + (" block-scaled" if block_scaled else ""))
     callsite.report(OP, key, site, config, reason, source, printed)
     return p
 
@@ -194,44 +201,51 @@ def _fused_forward(x, w, *scales, plan: Plan, gathered: bool):
     """The kernels see this rank's shard as [rows, cols]. Rows layout: the gathered dim's W slices
     come back stacked in rank order, [W * rows, N]; for a gathered dim with dims in front of it
     (x [B, S/W, K], gather dim 1) the result is permuted into place (one copy of y). scales: an FP8
-    call's (x_scale, w_scale); with `gathered` it also returns the W sources' x_scale."""
+    call's (x_scale, w_scale); with `gathered` it also returns the W sources' x_scale (block scales:
+    their tiles' scales, placed as the gathered x is)."""
     x2d = x.reshape(-1, x.shape[-1])
     names = callsite.varying_over(x, w, *scales)
     if not scales:
         y2d, g = fused.call(x2d, w, plan.fused_call, return_gathered=gathered)
         return _placed(x, w, y2d, g, plan, gathered, names)
-    y2d, g, source_scales = fused.call_fp8(x2d, w, *scales, plan.fused_call, gathered, plan.shared_scale)
+    x_scale, w_scale = scales
+    if plan.block_scaled:  # x's tile scales [..., cols/128] follow its rows
+        x_scale = x_scale.reshape(-1, x_scale.shape[-1])
+    y2d, g, source_scales = fused.call_fp8(x2d, w, x_scale, w_scale, plan.fused_call, gathered, plan.shared_scale)
     out = _placed(x, w, y2d, g, plan, gathered, names)
-    return (*out, callsite.typed_like(names, source_scales)) if gathered else out
+    if not gathered:
+        return out
+    if plan.block_scaled:  # [W, cols/128, rows] -> the gathered x's layout, its last dim in tiles
+        source_scales = _in_x_layout(jnp.swapaxes(source_scales, 1, 2), tuple(x.shape[:-1]),
+                                     x_scale.shape[-1], plan)
+    return (*out, callsite.typed_like(names, source_scales))
+
+
+def _in_x_layout(v, lead: tuple, last: int, plan: Plan):
+    """A source-major result of the kernels, [W, rows, last] or [W * rows, last] (rows: this rank's
+    shard's leading dims, `lead`), in x's layout with the gathered dim whole: in the rows layout
+    lead's gathered dim W times longer ([W, P, D, R, ·] (dims before it, it, after it) -> [P, W, D,
+    R, ·]), in the contraction layout the last dim (the sources' K slices in rank order)."""
+    world, gd = plan.axis_size, plan.dimension
+    if gd == len(lead):
+        return jnp.swapaxes(v.reshape(world, -1, last), 0, 1).reshape(lead + (world * last,))
+    before, d, after = lead[:gd], lead[gd], lead[gd + 1:]
+    p = math.prod(before)
+    v = v.reshape((world, p, d) + after + (last,))
+    if p != 1:
+        v = jnp.swapaxes(v, 0, 1)
+    return v.reshape(before + (world * d,) + after + (last,))
 
 
 def _placed(x, w, y2d, g, plan: Plan, gathered: bool, names):
     """The kernels' y [W * rows, N] (or [rows, N]) and gathered [W, rows, cols] in x's layout."""
-    world, gd, lead = plan.axis_size, plan.dimension, tuple(x.shape[:-1])
-    gather_k = gd == x.ndim - 1
-    n = w.shape[1]
-    if not gathered:
-        # The kernels write no gathered operand at all: a forward-only call moves only what y needs.
-        y2d = callsite.typed_like(names, y2d)
-        if gather_k:
-            return y2d.reshape(lead + (n,))
-        before, d, after = lead[:gd], lead[gd], lead[gd + 1:]
-        y = y2d.reshape((world, math.prod(before), d) + after + (n,))
-        return jnp.swapaxes(y, 0, 1).reshape(before + (world * d,) + after + (n,))
-    y2d, g = callsite.typed_like(names, y2d, g)
-    if gather_k:
-        # g [W, rows, cols] -> [rows, W * cols]: the contraction dim in rank order.
-        g = jnp.swapaxes(g, 0, 1).reshape(lead + (world * x.shape[-1],))
-        return y2d.reshape(lead + (n,)), g
-    before, d, after = lead[:gd], lead[gd], lead[gd + 1:]
-    p = math.prod(before)
-    # [W, P, D, R, ·] (source-major) -> [P, W, D, R, ·] -> [..., W * D, ...]
-    y = y2d.reshape((world, p, d) + after + (n,))
-    g = g.reshape((world, p, d) + after + (x.shape[-1],))
-    if p != 1:
-        y, g = jnp.swapaxes(y, 0, 1), jnp.swapaxes(g, 0, 1)
-    shape = before + (world * d,) + after
-    return y.reshape(shape + (n,)), g.reshape(shape + (x.shape[-1],))
+    lead, n = tuple(x.shape[:-1]), w.shape[1]
+    gather_k = plan.dimension == x.ndim - 1
+    # Without `gathered` the kernels write no gathered operand at all: a forward-only call moves only
+    # what y needs.
+    y2d, g = callsite.typed_like(names, y2d, g) if gathered else (callsite.typed_like(names, y2d), None)
+    y = y2d.reshape(lead + (n,)) if gather_k else _in_x_layout(y2d, lead, n, plan)
+    return (y, _in_x_layout(g, lead, x.shape[-1], plan)) if gathered else y
 
 
 def forward(x, w, plan: Plan, gathered: bool = False):
@@ -244,7 +258,7 @@ def forward(x, w, plan: Plan, gathered: bool = False):
 def _reference_fp8(x, w, x_scale, w_scale, plan: Plan, gathered: bool):
     y, g, scales = ag_gemm_reference_fp8(x, w, x_scale, w_scale, axis_name=plan.axis_name,
                                          gather_dimension=plan.dimension, out_dtype=plan.out_dtype,
-                                         shared_scale=plan.shared_scale)
+                                         shared_scale=plan.shared_scale, block=plan.block_scaled)
     # Typed as the fused branch types its results (a shared scale's broadcast varies over nothing).
     names = callsite.varying_over(x, w, x_scale, w_scale)
     return callsite.typed_like(names, y, g, scales) if gathered else callsite.typed_like(names, y)
@@ -252,8 +266,8 @@ def _reference_fp8(x, w, x_scale, w_scale, plan: Plan, gathered: bool):
 
 def forward_fp8(x, w, x_scale, w_scale, plan: Plan, gathered: bool = False):
     """all_gather(x * x_scale) @ (w * w_scale) of FP8 operands in plan.out_dtype, and with `gathered`
-    the gathered FP8 x and the W sources' x_scale: the FP8 kernels where the plan says so (on CUDA),
-    else the reference."""
+    the gathered FP8 x and the W sources' x_scale (block scales: x's tiles' scales, gathered with x
+    over its gathered dim): the FP8 kernels where the plan says so (on CUDA), else the reference."""
     return callsite.dispatch(plan.reason, functools.partial(_reference_fp8, plan=plan, gathered=gathered),
                              functools.partial(_fused_forward, plan=plan, gathered=gathered), x, w, x_scale, w_scale)
 

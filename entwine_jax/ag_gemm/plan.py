@@ -26,6 +26,12 @@ def fp8_reason() -> Optional[str]:
     return _extension.fp8_reason("AG_GEMM_FP8_TARGET", "ag_gemm_fp8_plan")
 
 
+def fp8_block_reason() -> Optional[str]:
+    """Why the extension cannot run block-scaled FP8 ag_gemm (no FP8 kernels, or FP8 kernels that take
+    per-tensor scales only), or None."""
+    return _extension.fp8_block_reason("ag_gemm", "ag_gemm_fp8_plan")
+
+
 @dataclasses.dataclass(frozen=True)
 class AgPlan:
     """ag_gemm's plan of one call (the C++ AgPlan) of an unpadded shard [rows, cols] and N = n."""
@@ -45,30 +51,35 @@ class AgPlan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _asked(fp8, x_dtype, shared_scale, rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks,
-           push_sms) -> dict:
+def _asked(fp8, x_dtype, shared_scale, block_scaled, rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows,
+           max_chunks, push_sms) -> dict:
     args = (rows, cols, n, world, gather_k, block_n, gemm_sms, raster_rows, max_chunks, push_sms)
     if fp8:
         # The FP8 plan: the bf16 plan's arguments, x's FP8 dtype and whether every shard has the same
-        # scale (the contraction layout needs it).
-        return dict(_extension.ext().ag_gemm_fp8_plan(*args, shared_scale=shared_scale, x_dtype=x_dtype))
+        # scale (the per-tensor contraction layout needs it); block_scaled only where asked (a build
+        # without block-scaled kernels has no such keyword).
+        return dict(_extension.ext().ag_gemm_fp8_plan(*args, shared_scale=shared_scale, x_dtype=x_dtype,
+                                                      **({"block_scaled": True} if block_scaled else {})))
     return dict(_extension.ext().ag_plan(*args))
 
 
 def ag_plan(rows: int, cols: int, n: int, world: int, gather_k: bool, config, gemm_sms: int,
             push_sms: int = 0, fp8: bool = False, shared_scale: bool = False,
-            x_dtype: str = "float8_e4m3fn") -> AgPlan:
+            x_dtype: str = "float8_e4m3fn", block_scaled: bool = False) -> AgPlan:
     """ag_gemm's plan of one rank's shard [rows, cols] and N = n over `world` ranks (gather_k: the
     shards are slices of the contraction dim) with `config` (an AgGemmConfig); gemm_sms and push_sms:
     the GEMM grid and the SM push's CTAs the call runs (config's resolved; push_sms 0: the copy
     engines); fp8: the FP8 kernels' plan, shared_scale: one x scale on every rank, x_dtype: the
-    shard's FP8 dtype (float8_e4m3fn or float8_e5m2; w is e4m3). Raises PlanError with the C++ rule
-    when the kernels cannot run it, NoExtension without the extension (or its FP8 plan)."""
+    shard's FP8 dtype (float8_e4m3fn or float8_e5m2; w is e4m3), block_scaled: with block scales.
+    Raises PlanError with the C++ rule when the kernels cannot run it, NoExtension without the
+    extension (or its FP8 plan, or one that takes block scales)."""
     if fp8 and (reason := fp8_reason()) is not None:
         raise NoExtension(reason)
-    d = _asked(bool(fp8), str(x_dtype) if fp8 else None, bool(shared_scale), int(rows), int(cols), int(n),
-               int(world), bool(gather_k), int(config.block_n), int(gemm_sms), int(config.raster_rows),
-               int(config.max_chunks), int(push_sms))
+    if block_scaled and (reason := fp8_block_reason()) is not None:
+        raise NoExtension(reason)
+    d = _asked(bool(fp8), str(x_dtype) if fp8 else None, bool(shared_scale), bool(fp8 and block_scaled), int(rows),
+               int(cols), int(n), int(world), bool(gather_k), int(config.block_n), int(gemm_sms),
+               int(config.raster_rows), int(config.max_chunks), int(push_sms))
     if d["error"] is not None:
         raise PlanError(d["error"], False)
     return AgPlan(**{f.name: int(d[f.name]) for f in dataclasses.fields(AgPlan)})

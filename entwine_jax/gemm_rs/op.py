@@ -40,6 +40,7 @@ class Plan:
     reason: Optional[str]  # None: the fused path (on CUDA); else why the XLA reference runs
     fused_call: Any = None  # with reason None: fused.GemmRsCall (the kernels' plan and the comm id)
     out_dtype: Optional[str] = None  # an FP8 call (entwine_jax.fp8): the output dtype's name
+    block_scaled: bool = False  # an FP8 call with block scales (1x128 of x, 128x128 of w)
     # A reduce-scatter returns no gathered operand; each rank's partial carries its own FP8 scales.
     return_gathered: ClassVar[bool] = False
 
@@ -98,35 +99,35 @@ def _cost(x, w, size: int, out_dtype) -> tuple[float, float]:
     return 2.0 * m * n * k, (size - 1) / size * m * n * jax.numpy.dtype(out_dtype).itemsize
 
 
-def _fused_arguments(x, w, axis_name, size, sd, config, out_dtype) -> tuple:
+def _fused_arguments(x, w, axis_name, size, sd, config, out_dtype, block_scaled) -> tuple:
     x2d = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
     w_aval = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
     kwargs = dict(axis_name=axis_name, axis_size=size, scatter_dimension=kernel_scatter_dim(x, sd), config=config)
     if out_dtype is not None:  # an FP8 call
-        kwargs["out_dtype"] = out_dtype
+        kwargs.update(out_dtype=out_dtype, block_scaled=block_scaled)
     return x2d, w_aval, kwargs
 
 
 def why_not_fused(x, w, *, axis_name, axis_size: int, dimension: int, config: GemmRsConfig, out_dtype=None,
-                  shared_scale: bool = False) -> Optional[str]:
+                  shared_scale: bool = False, block_scaled: bool = False) -> Optional[str]:
     """Why a call on operands shaped like x and w (dimension: the scatter dimension, normalised;
-    out_dtype: an FP8 call's output dtype; shared_scale changes nothing here) takes the XLA path on
-    this mesh, or None; asks only, no communicator is made (for programs that report on calls, e.g.
-    the benchmarks)."""
+    out_dtype: an FP8 call's output dtype, block_scaled: with block scales; shared_scale changes
+    nothing here) takes the XLA path on this mesh, or None; asks only, no communicator is made (for
+    programs that report on calls, e.g. the benchmarks)."""
     reason = callsite.early_reason(config, axis_size, x.dtype, "reduce or scatter",
                                    *_cost(x, w, axis_size, out_dtype or x.dtype), fixed_us(), axis_name=axis_name)
     if reason is not None:
         return reason
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, dimension, config, out_dtype)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, axis_size, dimension, config, out_dtype, block_scaled)
     return fused.unavailable_reason(x2d, w_aval, **kwargs)
 
 
-def _prepare(x, w, axis_name, size, sd, config, out_dtype) -> tuple[Any, Optional[str]]:
+def _prepare(x, w, axis_name, size, sd, config, out_dtype, block_scaled) -> tuple[Any, Optional[str]]:
     """(fused.GemmRsCall, None) when the fused kernels run this call, else (None, the reason)."""
     # why_not_fused only answers; prepare makes the communicator once it said None.
-    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, sd, config, out_dtype)
+    x2d, w_aval, kwargs = _fused_arguments(x, w, axis_name, size, sd, config, out_dtype, block_scaled)
     return callsite.prepare(OP, lambda: why_not_fused(x, w, axis_name=axis_name, axis_size=size, dimension=sd,
-                                                      config=config, out_dtype=out_dtype),
+                                                      config=config, out_dtype=out_dtype, block_scaled=block_scaled),
                             lambda: fused.prepare(x2d, w_aval, **kwargs))
 
 
@@ -142,11 +143,12 @@ def default_config(x, w, size: int, dimension: int) -> tuple[GemmRsConfig, str]:
 
 
 def plan(x, w, *, axis_name, dimension, config: Optional[GemmRsConfig], return_gathered: bool = False,
-         out_dtype=None, shared_scale: bool = False) -> Plan:
+         out_dtype=None, shared_scale: bool = False, block_scaled: bool = False) -> Plan:
     """Check a call, choose its config and its path, and report the choice once per call site.
     dimension: the scatter dimension; out_dtype: an FP8 call (operands checked by entwine_jax.fp8)
-    writing this dtype. return_gathered must be False and shared_scale changes nothing: a
-    reduce-scatter gathers nothing, and each rank's partial carries its own scales."""
+    writing this dtype, block_scaled: with block scales. return_gathered must be False and
+    shared_scale changes nothing: a reduce-scatter gathers nothing, and each rank's partial carries
+    its own scales."""
     if return_gathered:
         raise ValueError("gemm_rs: return_gathered must be False (a reduce-scatter gathers nothing)")
     axis_name = callsite.hashable_axis(axis_name)
@@ -158,12 +160,14 @@ def plan(x, w, *, axis_name, dimension, config: Optional[GemmRsConfig], return_g
     if config is None:
         config, source = default_config(x, w, size, sd)
     _check_config(config)
-    fused_call, reason = _prepare(x, w, axis_name, size, sd, config, out_dtype)
+    block_scaled = bool(block_scaled) and out_dtype is not None
+    fused_call, reason = _prepare(x, w, axis_name, size, sd, config, out_dtype, block_scaled)
     p = Plan(axis_name=axis_name, axis_size=size, dimension=sd, config=config, reason=reason,
-             fused_call=fused_call, out_dtype=out_dtype)
-    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, sd, out_dtype)
+             fused_call=fused_call, out_dtype=out_dtype, block_scaled=block_scaled)
+    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, sd, out_dtype, block_scaled)
     site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={axis_name!r} (size {size}) "
-            f"scatter_dimension={sd}" + (f" out_dtype={out_dtype}" if out_dtype else ""))
+            f"scatter_dimension={sd}" + (f" out_dtype={out_dtype}" if out_dtype else "")
+            + (" block-scaled" if block_scaled else ""))
     middle = 0 < sd < x.ndim - 1
     note = " (a middle dim: x's rows are permuted first, one copy of x)" if middle else ""
     callsite.report(OP, key, site, config, reason, source, printed, note)
@@ -191,6 +195,10 @@ def _fused_forward(x, w, *scales, plan: Plan):
     sd, world, lead = plan.dimension, plan.axis_size, tuple(x.shape[:-1])
     columns = kernel_scatter_dim(x, sd)
     x2d = x.reshape(-1, x.shape[-1]) if columns else _rows_by_partition(x, sd, world)
+    if plan.block_scaled:  # x's tile scales [..., K/128] follow its rows
+        x_scale, w_scale = scales
+        scales = (x_scale.reshape(-1, x_scale.shape[-1]) if columns else _rows_by_partition(x_scale, sd, world),
+                  w_scale)
     y = fused.call_fp8(x2d, w, *scales, plan.fused_call) if scales else fused.call(x2d, w, plan.fused_call)
     y = callsite.typed_like(callsite.varying_over(x, w, *scales), y)
     if columns:
@@ -206,10 +214,11 @@ def forward(x, w, plan: Plan, gathered: bool = False):
 
 
 def forward_fp8(x, w, x_scale, w_scale, plan: Plan, gathered: bool = False):
-    """psum_scatter((x * x_scale) @ (w * w_scale)) of FP8 operands in plan.out_dtype: the FP8
-    kernels where the plan says so (on CUDA), else the reference. gathered: False, as in forward."""
+    """psum_scatter((x * x_scale) @ (w * w_scale)) of FP8 operands in plan.out_dtype, the scales per
+    tensor or per block (plan.block_scaled): the FP8 kernels where the plan says so (on CUDA), else
+    the reference. gathered: False, as in forward."""
     reference = functools.partial(gemm_rs_reference_fp8, axis_name=plan.axis_name, scatter_dimension=plan.dimension,
-                                  out_dtype=plan.out_dtype)
+                                  out_dtype=plan.out_dtype, block=plan.block_scaled)
     return callsite.dispatch(plan.reason, reference, functools.partial(_fused_forward, plan=plan), x, w, x_scale,
                              w_scale)
 

@@ -26,6 +26,12 @@ def fp8_reason() -> Optional[str]:
     return _extension.fp8_reason("GEMM_RS_FP8_TARGET", "gemm_rs_fp8_plan")
 
 
+def fp8_block_reason() -> Optional[str]:
+    """Why the extension cannot run block-scaled FP8 gemm_rs (no FP8 kernels, or FP8 kernels that take
+    per-tensor scales only), or None."""
+    return _extension.fp8_block_reason("gemm_rs", "gemm_rs_fp8_plan")
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmRsPlan:
     """gemm_rs's plan of one call (the C++ GemmRsPlan), with the call it was made for.
@@ -71,25 +77,31 @@ class GemmRsPlan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _asked(fp8, x_dtype, m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid, consumer_block,
-           raster_rows, split_tail) -> dict:
+def _asked(fp8, x_dtype, block_scaled, m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid,
+           consumer_block, raster_rows, split_tail) -> dict:
     args = (m, n, k, world, scatter_cols, block_n, producer_sms, consumer_grid, consumer_block, raster_rows,
             split_tail)
     if fp8:
         # The FP8 plan: the bf16 plan's arguments and x's FP8 dtype; it pads K to 16 one-byte elements.
-        return dict(_extension.ext().gemm_rs_fp8_plan(*args, x_dtype=x_dtype))
+        # block_scaled only where asked: a build without block-scaled kernels has no such keyword.
+        return dict(_extension.ext().gemm_rs_fp8_plan(*args, x_dtype=x_dtype,
+                                                      **({"block_scaled": True} if block_scaled else {})))
     return dict(_extension.ext().gemm_rs_plan(*args))
 
 
 def gemm_rs_plan(m: int, n: int, k: int, world: int, config, scatter_cols: bool = False,
-                 fp8: bool = False, x_dtype: str = "float8_e4m3fn") -> GemmRsPlan:
+                 fp8: bool = False, x_dtype: str = "float8_e4m3fn", block_scaled: bool = False) -> GemmRsPlan:
     """The plan of gemm_rs for x [m, k], w [k, n] (one rank's operands, unpadded) over `world`
     ranks with `config` (a GemmRsConfig); fp8: the FP8 kernels' plan, x_dtype: x's FP8 dtype
-    (float8_e4m3fn or float8_e5m2; w is e4m3). Raises PlanError with the C++ rule when the kernels
-    cannot run it, NoExtension without the extension (or its FP8 plan)."""
+    (float8_e4m3fn or float8_e5m2; w is e4m3), block_scaled: with block scales. Raises PlanError with
+    the C++ rule when the kernels cannot run it, NoExtension without the extension (or its FP8 plan,
+    or one that takes block scales)."""
     if fp8 and (reason := fp8_reason()) is not None:
         raise NoExtension(reason)
-    d = _asked(bool(fp8), str(x_dtype) if fp8 else None, int(m), int(n), int(k), int(world), bool(scatter_cols),
+    if block_scaled and (reason := fp8_block_reason()) is not None:
+        raise NoExtension(reason)
+    d = _asked(bool(fp8), str(x_dtype) if fp8 else None, bool(fp8 and block_scaled), int(m), int(n), int(k),
+               int(world), bool(scatter_cols),
                int(config.block_n), int(config.producer_sms), int(config.consumer_grid), int(config.consumer_block),
                int(config.raster_rows), bool(config.split_tail))
     if d["error"] is not None:

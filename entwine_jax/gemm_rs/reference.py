@@ -3,8 +3,8 @@
 # and the matching backward (all_gather, two dots accumulated in fp32); and the FP8 reference.
 import jax
 
-from entwine_jax import opspec
-from entwine_jax._dot import dot_last_first, dot_type
+from entwine_jax import fp8, opspec
+from entwine_jax._dot import dot_f32, dot_last_first, dot_type
 
 
 def gemm_rs_reference(x, w, *, axis_name, scatter_dimension: int = 0):
@@ -38,14 +38,20 @@ def gemm_rs_reference_bwd(x, w, dy, *, axis_name, dimension: int = 0):
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-def gemm_rs_reference_fp8(x, w, x_scale, w_scale, *, axis_name, scatter_dimension: int, out_dtype):
+def gemm_rs_reference_fp8(x, w, x_scale, w_scale, *, axis_name, scatter_dimension: int, out_dtype,
+                          block: bool = False):
     """psum_scatter((x * x_scale) @ (w * w_scale), tiled=True) of FP8 operands: the dot of the FP8
     values accumulated in fp32, scaled by this rank's x_scale * w_scale (each rank's partial carries
-    its own scales), summed over the ranks in fp32; output in out_dtype."""
-    # Operands quantised in the same program: the barrier keeps XLA from folding the FP8 rounding away
-    # where it upcasts them for the dot (fp8.dequantize says why).
-    x, w = jax.lax.optimization_barrier((x, w))
-    y = dot_last_first(x, w) * (x_scale * w_scale)
+    its own scales), summed over the ranks in fp32; output in out_dtype. block: the scales are this
+    rank's block scales (1x128 tiles of x, 128x128 blocks of w), the dot one of the dequantised
+    operands in fp32."""
+    if block:
+        y = dot_f32(fp8.dequantize(x, x_scale), fp8.dequantize(w, w_scale))
+    else:
+        # Operands quantised in the same program: the barrier keeps XLA from folding the FP8 rounding
+        # away where it upcasts them for the dot (fp8.dequantize says why, and has its own).
+        x, w = jax.lax.optimization_barrier((x, w))
+        y = dot_last_first(x, w) * (x_scale * w_scale)
     if jax.lax.axis_size(axis_name) > 1:
         # The kernels send each partial in out_dtype (the census counts that, not this fp32 sum's bytes).
         with opspec.moves("gemm_rs", out_dtype):

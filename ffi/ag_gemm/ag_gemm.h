@@ -38,18 +38,27 @@ struct AgGemmConfig {
 // FP8 (input kE4M3 or kE5M2): w is transposed, w_t [n, world * cols] or [n, cols], and each shard
 // carries a dequantisation scale. shared_scale: every rank's x_scale is the same, so none travels;
 // otherwise each shard's scale is pushed with it and scales that shard's rows (rows layout only: a
-// K slice of its own scale would need the accumulator scaled per slice, which the mainloop does
-// not do).
+// K slice of its own scale would need the accumulator scaled per slice, which the per-tensor
+// mainloop does not do).
+// Block-scaled FP8 (gemm.h, Scaling): each shard carries x_scale [cols/128, rows] (one per row and
+// K block, M-major), which always travels with it (shared_scale changes nothing: equal scales
+// arrive equal), and w_t's scale is w_scale
+// [N/128, K/128] of the whole w_t; cols % 128 == 0 (a k-tile is one K block); both layouts, since
+// the mainloop scales each k-tile by its own source's scales.
 struct AgProblem {
   int32_t rows = 0, cols = 0, n = 0;
   int32_t world = 1, rank = 0;
   bool gather_k = false;
   DType input = DType::kBF16;
   bool shared_scale = true;
+  Scaling scaling = Scaling::kTensor;
 };
 
-// FP8: the inbox ends with one 16-byte slot per source (a copy of 16-byte alignment), the first 4
-// bytes of which hold that source's x_scale (pushed before the shard's first chunk).
+// FP8 per tensor: the inbox ends with one 16-byte slot per source (a copy of 16-byte alignment),
+// the first 4 bytes of which hold that source's x_scale (pushed before the shard's first chunk).
+// Block-scaled: the inbox ends with the gathered operand's x scales, [cols/128, W * rows] (M-major
+// over the gathered rows, source s in columns s*rows ..: the rows layout's A-scale as one array),
+// each source's [cols/128, rows] pushed there (a strided copy) before its shard's first chunk.
 constexpr int64_t kScaleSlotBytes = 16;
 
 // Everything static about one call, from the problem and the config: the kernels run exactly
@@ -71,11 +80,13 @@ struct AgPlan {
   int64_t shard_bytes;    // one padded shard
   int64_t inbox_bytes;    // the gathered operand: world padded shards (FP8: then world scale slots)
   int64_t scales_offset;  // FP8: bytes from the inbox's start to the scale slots (world * shard_bytes)
+  int32_t scale_k_blocks = 0;  // block-scaled: cols / 128, the rows of each source's x scales (else 0)
   int64_t flags;          // flag words per rank: world * chunks
   int32_t push_grid;      // CTAs of the SM push (launch_push), 0: the copy engines push
   int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or the releases')
   TileOrder order;        // the blocks of one chunk, in production order
   WorkSchedule schedule;  // the GEMM's blocks, grid and k-tiles (every source's in the contraction layout)
+  Scaling scaling = Scaling::kTensor;  // FP8: picks the GEMM instantiation
 };
 AgPlan ag_plan(const AgProblem& problem, const AgGemmConfig& config);
 
@@ -92,7 +103,8 @@ struct AgGemmArgs {
   CallEpoch call;
   uint64_t timeout_ns;
   const float* x_scale = nullptr;  // FP8: the local shard's and w's dequantisation scales (device
-  const float* w_scale = nullptr;  // scalars); a peer's x scale is read from the inbox (AgPlan::scales_offset)
+  const float* w_scale = nullptr;  // scalars, or block-scaled arrays: AgProblem); a peer's x scale is
+                                   // read from the inbox (AgPlan::scales_offset)
 };
 
 // The wait that opens a transfer stream (transfer.cu): no byte goes to the receiver before its GEMM
@@ -115,6 +127,8 @@ struct PushArgs {
   const void* shard;               // the local shard: shard_bytes, 16-byte aligned
   const float* scale;              // FP8 with a per-shard scale: x_scale, for each peer's scale slot; else nullptr
   int64_t scales_offset;           // AgPlan::scales_offset
+  int32_t scale_k_blocks = 0;      // block-scaled: AgPlan::scale_k_blocks; scale is [scale_k_blocks, rows]
+  int32_t rows = 0;                // block-scaled: the padded shard's rows
   char* inbox[kMaxWorld];          // every peer's inbox (this rank's entry unused)
   uint64_t* flags[kMaxWorld];      // every peer's flags of parity 0 (the kernel adds the parity)
   const uint64_t* ready;           // ready[0 .. world) in this rank's heap: the receivers' announcements

@@ -44,12 +44,14 @@ void bind(nb::module_& m, FfiTargets& targets) {
     d["flags"] = p.flags;
     d["push_grid"] = p.push_grid;
     d["sms_needed"] = p.sms_needed;
+    d["block_scaled"] = p.scaling == Scaling::kBlock;
+    d["scale_k_blocks"] = p.scale_k_blocks;
     return d;
   };
   // What both return (a string literal, so that the docstrings below are literals too).
 #define ENTWINE_AG_PLAN_RETURNS                                                                                 \
   "{error: None or the violated rule, rows_pad, cols_pad, n_pad, chunks, chunk_tiles, num_blocks, grid, k_tiles, " \
-  "inbox_bytes, shard_bytes, flags, push_grid, sms_needed}."
+  "inbox_bytes, shard_bytes, flags, push_grid, sms_needed, block_scaled, scale_k_blocks}."
   m.def("ag_plan",
         [plan_dict](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
                     int max_chunks, int push_sms) {
@@ -62,17 +64,20 @@ void bind(nb::module_& m, FfiTargets& targets) {
         "N = n: " ENTWINE_AG_PLAN_RETURNS);
   m.def("ag_gemm_fp8_plan",
         [plan_dict](int rows, int cols, int n, int world, bool gather_k, int block_n, int gemm_sms, int raster_rows,
-                    int max_chunks, int push_sms, bool shared_scale, std::string const& x_dtype) {
-          return plan_dict(AgProblem{rows, cols, n, world, 0, gather_k, fp8_input_dtype(x_dtype), shared_scale},
+                    int max_chunks, int push_sms, bool shared_scale, std::string const& x_dtype, bool block_scaled) {
+          return plan_dict(AgProblem{rows, cols, n, world, 0, gather_k, fp8_input_dtype(x_dtype), shared_scale,
+                                     block_scaled ? Scaling::kBlock : Scaling::kTensor},
                            AgGemmConfig{block_n, gemm_sms, raster_rows, max_chunks, push_sms});
         },
         nb::arg("rows"), nb::arg("cols"), nb::arg("n"), nb::arg("world"), nb::arg("gather_k"), nb::arg("block_n"),
         nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("max_chunks"), nb::arg("push_sms"),
-        nb::arg("shared_scale") = false, nb::arg("x_dtype") = "float8_e4m3fn",
+        nb::arg("shared_scale") = false, nb::arg("x_dtype") = "float8_e4m3fn", nb::arg("block_scaled") = false,
         "ag_gemm's plan of one FP8 call (entwine_ag_gemm_fp8) of an unpadded shard [rows, cols] in x_dtype "
         "(float8_e4m3fn or float8_e5m2), "
         "w_t [n, W * cols or cols] (cols padded to 16, block_n 128 only; inbox_bytes includes the scale slots; "
-        "shared_scale: one x scale for every shard, which gather_k needs): " ENTWINE_AG_PLAN_RETURNS);
+        "shared_scale: one x scale for every shard, which per-tensor gather_k needs; block_scaled: x_scale "
+        "[cols/128, rows_pad] per shard, always pushed, w_scale [n_pad/128, K/128], cols % 128 == 0): "
+        ENTWINE_AG_PLAN_RETURNS);
 #undef ENTWINE_AG_PLAN_RETURNS
 }
 

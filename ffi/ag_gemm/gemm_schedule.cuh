@@ -78,7 +78,7 @@ struct GemmSchedule {
     int waited_source = -1, waited_chunk = -1;
     bool ok = true;  // false once a wait ran past its deadline: the rest loads without waiting
     auto k_shape = cute::shape<3>(cute::get<0>(load_inputs));
-    auto load_block = [&](bool local, int m_block, int n_block, int batch, int source, int chunk) {
+    for_each_load<Kernel>(params, [&](bool local, int m_block, int n_block, int batch, int source, int chunk) {
       if (!local && (source != waited_source || chunk != waited_chunk)) {
         ok = ok && wait::wait_flag_warp(flags + source * op.chunks + chunk, epoch, params.call, op.timeout_ns, op.error,
                                         op.error_mirror, op.rank, source, chunk, kWaitGatherChunk);
@@ -92,23 +92,50 @@ struct GemmSchedule {
                     local ? load_local : load_inputs, cute::make_coord(m_block, n_block, cute::_, batch), k_iter,
                     op.k_tiles_per_source, lane, 0u, smem);
       write_state.advance(op.k_tiles_per_source);
-    };
+    });
+    mainloop.load_tail(pipeline, write_state);
+  }
+
+  // Block-scaled FP8: the scale-load warp loads w_t's scales of the TMA warp's loads, in its order
+  // (for_each_load), from the same operand (the local shard's or the inbox's parameters: in the
+  // contraction layout they hold different slices of w_t). It waits for no chunk: w's scales are
+  // ready at launch, and its stages are the TMA warp's, so it runs at most a pipeline ahead.
+  template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
+  static __device__ void load_scales(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
+                                     State& write_state, Inputs const& load_inputs, Inputs const& load_local,
+                                     Storage& smem) {
+    int const lane = cutlass::canonical_lane_idx();
+    int const k_tiles = params.op.k_tiles_per_source;
+    auto k_shape = cute::shape<3>(cute::get<0>(load_inputs));
+    for_each_load<Kernel>(params, [&](bool local, int m_block, int n_block, int batch, int, int) {
+      auto k_iter = cute::make_coord_iterator(cute::idx2crd(0, k_shape), k_shape);
+      mainloop.load_auxiliary(local ? params.mainloop_local : params.mainloop, pipeline, write_state,
+                              local ? load_local : load_inputs, cute::make_coord(m_block, n_block, cute::_, batch),
+                              k_iter, k_tiles, lane, 0u, smem);
+      write_state.advance(k_tiles);
+    });
+  }
+
+  // A CTA's loads, in order, as visit(local, m_block, n_block, batch, source, chunk): every block's
+  // A from the local shard (x) or from source's rows of the gathered inbox, chunk `chunk`.
+  template <class Kernel, class Visit>
+  static __device__ void for_each_load(typename Kernel::Params const& params, Visit&& visit) {
+    Params const& op = params.op;
     typename Kernel::WorkIter work(params);
     for (typename Kernel::Unit u; work.next(u);) {
       BlockCoord const c = block_coord(u.p, op, params.order);
       int const chunk = c.tile_m / op.chunk_tiles;
       if (!op.gather_k) {
         bool const local = c.owner == op.rank;
-        load_block(local, (local ? 0 : c.owner * op.shard_tiles) + c.tile_m, c.n_block, 0, c.owner, chunk);
+        visit(local, (local ? 0 : c.owner * op.shard_tiles) + c.tile_m, c.n_block, 0, c.owner, chunk);
       } else {
         // The K loop: the local shard, then the peers in arrival order (r-1 first).
         for (int d = 0; d < op.world; ++d) {
           int const source = (op.rank + op.world - d) % op.world;
-          load_block(d == 0, c.tile_m, c.n_block, d == 0 ? 0 : source, source, chunk);
+          visit(d == 0, c.tile_m, c.n_block, d == 0 ? 0 : source, source, chunk);
         }
       }
     }
-    mainloop.load_tail(pipeline, write_state);
   }
 
   template <class Kernel>
@@ -119,7 +146,7 @@ struct GemmSchedule {
   template <class Kernel>
   static __device__ void finish(typename Kernel::Params const&, int) {}
 
-  // FP8: block c's factor, its source's x scale times w's. A peer's scale was pushed before its
+  // FP8 per tensor: block c's factor, its source's x scale times w's. A peer's scale was pushed before its
   // shard's first chunk, so the release of the chunk this block's rows came from published it too;
   // this thread is ordered after the TMA warp's acquire of that flag (the mbarrier of the loads it
   // consumed), and reads the slot past L1 (ld.global.cv).
@@ -137,6 +164,10 @@ struct GemmSchedule {
   // source) or x (local), B = w as a batch of world slices [cols, n] (local: the rank's own slice).
   // FP8: w_t [n, world * cols] holds slice s in columns s*cols .. (s+1)*cols: pitch world * cols,
   // slice stride cols (16-bit: w [world * cols, n], slice stride cols * n).
+  // Block-scaled: A's scales are x_scale [cols/128, rows] (local) or the inbox's [cols/128,
+  // W * rows] (peers: source s in columns s*rows .., so the rows layout reads it as one array and
+  // the contraction layout as a batch of W column slices); w's, w_scale [n/128, K/128], K/128
+  // covering every slice in the contraction layout (slice s: columns s*cols/128 ..).
   template <class Kernel>
   static typename Kernel::Params make_params(Plan const& plan, Args const& args) {
     using Element = typename Kernel::Element;
@@ -150,21 +181,32 @@ struct GemmSchedule {
     p.n = pr.n;
     p.k = pr.cols;
     p.m_local = pr.rows;
+    using Scales = typename Kernel::ScaleOperands;
+    int64_t const k_blocks = plan.scale_k_blocks, n_blocks = (int64_t(pr.n) + kScaleBlock - 1) / kScaleBlock;
+    auto const* inbox_scales = reinterpret_cast<const float*>(static_cast<const char*>(args.gathered) + plan.scales_offset);
+    int64_t const gathered_rows = int64_t(pr.world) * pr.rows;
     if (pr.gather_k) {
       int64_t const shard = int64_t(pr.rows) * pr.cols;
       int64_t const ldb = Kernel::kFp8 ? int64_t(pr.world) * pr.cols : pr.n;
       int64_t const slice = Kernel::kFp8 ? int64_t(pr.cols) : int64_t(pr.cols) * pr.n;
+      int64_t const w_pitch = pr.world * k_blocks;
       p.m = pr.rows;
       p.l = pr.world;
-      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, gathered, shard, w, ldb, slice);
-      p.mainloop_local =
-          Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, ldb, slice);
+      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, gathered, shard, w, ldb, slice,
+                                           Scales{inbox_scales, gathered_rows, pr.rows, args.w_scale, w_pitch, k_blocks});
+      p.mainloop_local = Kernel::mainloop_params(
+          p.m_local, p.n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, ldb, slice,
+          Scales{args.x_scale, pr.rows, k_blocks * pr.rows,
+                 args.w_scale == nullptr ? nullptr : args.w_scale + pr.rank * k_blocks, w_pitch, k_blocks});
     } else {
       int64_t const ldb = Kernel::kFp8 ? pr.cols : pr.n;
       p.m = pr.world * pr.rows;
       p.l = 1;
-      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, 1, gathered, 0, w, ldb, 0);
-      p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, 0, w, ldb, 0);
+      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, 1, gathered, 0, w, ldb, 0,
+                                           Scales{inbox_scales, gathered_rows, gathered_rows * k_blocks, args.w_scale,
+                                                  k_blocks, n_blocks * k_blocks});
+      p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, 0, w, ldb, 0,
+                                                 Scales::packed(args.x_scale, args.w_scale, p.m_local, p.n, p.k));
     }
     p.world = pr.world;
     p.rank = pr.rank;

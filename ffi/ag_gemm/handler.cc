@@ -1,5 +1,5 @@
 // XLA FFI handlers `entwine_ag_gemm` (bf16/fp16) and `entwine_ag_gemm_fp8` (FP8 shards with their
-// scales): each checks its operands' types, then one body validates and plans one rank's call, runs
+// scales, per tensor or per block): each checks its operands' types, then one body validates and plans one rank's call, runs
 // the GEMM (consuming the gathered operand as it arrives) on XLA's stream beside the pushes of the
 // shard (and an FP8 shard's scale) to every peer, one flag per chunk: one SM copy kernel on XLA's
 // stream ahead of the GEMM, or copy engines on transfer streams forked from it and joined back; and ag_gemm::kHooks. No kernel syntax; no allocation, free, synchronisation, IPC or
@@ -66,8 +66,34 @@ struct Operands {
   const float* x_scale = nullptr;  // FP8 only
   const float* w_scale = nullptr;
   bool shared_scale = true;        // FP8: no scale travels (AgProblem)
-  ffi::AnyBuffer* gathered_scales = nullptr;  // FP8: f32 [W] or empty
+  Scaling scaling = Scaling::kTensor;
+  ffi::AnyBuffer* gathered_scales = nullptr;  // FP8: f32 [W] (block-scaled: [W, ceil(cols/128), rows]) or empty
 };
+
+// An FP8 call's scales, told apart by their shapes: two scalars ([] or [1]) scale per tensor;
+// otherwise per block, x_scale [ceil(cols/128), rows] (M-major) for the shard x [rows, cols] and
+// w_scale [ceil(N/128), ceil(K/128)] for w_t [N, K]. Sets the scaling and the scales' addresses.
+ffi::Error fp8_scales(ffi::AnyBuffer const& x_scale, ffi::AnyBuffer const& w_scale, Operands* ops) {
+  if (handler::is_tensor_scale(x_scale) && handler::is_tensor_scale(w_scale)) {
+    ops->scaling = Scaling::kTensor;
+    if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops->x_scale); e.failure()) return e;
+    return handler::scale_operand(kOp, "w_scale", w_scale, &ops->w_scale);
+  }
+  ops->scaling = Scaling::kBlock;
+  auto const xd = ops->x.dimensions(), wd = ops->w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": expected x [rows, cols] and w_t [N, K], got x " +
+                                       dims_string(xd) + ", w_t " + dims_string(wd));
+  }
+  auto const blocks = [](int64_t v) { return (v + kScaleBlock - 1) / kScaleBlock; };
+  if (ffi::Error e = handler::block_scale_operand(kOp, "x_scale", x_scale, blocks(xd[1]), xd[0],
+                                                  "[ceil(cols/128), rows]", &ops->x_scale);
+      e.failure()) {
+    return e;
+  }
+  return handler::block_scale_operand(kOp, "w_scale", w_scale, blocks(wd[0]), blocks(wd[1]),
+                                      "[ceil(N/128), ceil(K/128)]", &ops->w_scale);
+}
 
 // The plan's rules, and what the call needs of the GPU and of the communicator: checked when a call
 // site's plan is made (a memoised plan passed them).
@@ -136,9 +162,13 @@ ffi::Error problem_of(Operands const& ops, ffi::AnyBuffer const& y, ffi::AnyBuff
     // The gathered output: [world, rows, cols] (source-major), or empty when not asked for.
     bool const no_gathered = gathered.element_count() == 0;
     dims_ok = dims_ok && (no_gathered || (gd.size() == 3 && gd[0] == world && gd[1] == rows && gd[2] == cols));
-    // FP8: each shard's scale, [world] (source-major), or empty.
-    dims_ok = dims_ok && (!fp8 || ops.gathered_scales->element_count() == 0 ||
-                          (ops.gathered_scales->dimensions().size() == 1 && ops.gathered_scales->dimensions()[0] == world));
+    // FP8: each shard's scale, [world] (source-major; block-scaled [world, ceil(cols/128), rows]), or empty.
+    auto const sd = fp8 ? ops.gathered_scales->dimensions() : gd;
+    bool const scales_ok = ops.scaling == Scaling::kBlock
+                               ? sd.size() == 3 && sd[0] == world && sd[1] == (cols + kScaleBlock - 1) / kScaleBlock &&
+                                     sd[2] == rows
+                               : sd.size() == 1 && sd[0] == world;
+    dims_ok = dims_ok && (!fp8 || ops.gathered_scales->element_count() == 0 || scales_ok);
   }
   if (!dims_ok) {
     std::string const w_shape = fp8 ? (gather_k ? "w_t [N, W * cols]" : "w_t [N, cols]")
@@ -146,7 +176,10 @@ ffi::Error problem_of(Operands const& ops, ffi::AnyBuffer const& y, ffi::AnyBuff
     return ffi::Error::InvalidArgument(
         std::string("entwine ag_gemm: expected x [rows, cols], ") + w_shape +
         (gather_k ? ", y [rows, N]" : ", y [W * rows, N]") + ", gathered [W, rows, cols] or empty" +
-        (fp8 ? ", gathered_scales [W] or empty" : "") + "; got x " + dims_string(xd) + ", w " + dims_string(wd) +
+        (!fp8                               ? ""
+         : ops.scaling == Scaling::kBlock ? ", gathered_scales [W, ceil(cols/128), rows] or empty"
+                                          : ", gathered_scales [W] or empty") +
+        "; got x " + dims_string(xd) + ", w " + dims_string(wd) +
         ", y " + dims_string(yd) + ", gathered " + dims_string(gd) +
         (fp8 ? ", gathered_scales " + dims_string(ops.gathered_scales->dimensions()) : std::string()) +
         " with W = " + std::to_string(world));
@@ -156,6 +189,7 @@ ffi::Error problem_of(Operands const& ops, ffi::AnyBuffer const& y, ffi::AnyBuff
   problem->gather_k = gather_k;
   problem->input = ops.input;
   problem->shared_scale = ops.shared_scale;
+  problem->scaling = ops.scaling;
   problem->rows = int32_t(xd[0]);
   problem->cols = int32_t(xd[1]);
   problem->n = int32_t(wd[w_n]);
@@ -175,7 +209,8 @@ ffi::Error derive(Operands const& ops, AgProblem const& problem, AgGemmArgs cons
                   AgGemmConfig const& config, comm::DeviceComm const& dc, Derived const** derived) {
   static thread_local handler::CallMemo<64, Derived> memo;
   handler::MemoKey<64> key;
-  for (int64_t v : {int64_t(ops.input), int64_t(ops.output), int64_t(problem.shared_scale), int64_t(problem.rows),
+  for (int64_t v : {int64_t(ops.input), int64_t(ops.output), int64_t(problem.shared_scale), int64_t(problem.scaling),
+                    int64_t(problem.rows),
                     int64_t(problem.cols), int64_t(problem.n), int64_t(problem.world), int64_t(problem.rank),
                     int64_t(problem.gather_k), int64_t(capturing), args.call.slot_stride, args.call.flags_stride,
                     int64_t(args.timeout_ns)}) {
@@ -219,9 +254,12 @@ ffi::Error enqueue_sm_push(comm::DeviceComm& dc, AgPlan const& plan, Operands co
   }
   push.ready = reinterpret_cast<uint64_t*>(static_cast<char*>(dc.heap) + dc.layout.ready_offset());
   push.arrivals = static_cast<uint32_t*>(dc.workspace(&ag_gemm::kHooks));
-  // A per-shard FP8 scale travels in its slot, ahead of the first chunk's release (PushArgs).
-  push.scale = is_fp8(ops.input) && !ops.shared_scale ? ops.x_scale : nullptr;
+  // A per-shard FP8 scale travels in its slot, ahead of the first chunk's release (PushArgs);
+  // block scales always travel (AgProblem).
+  push.scale = is_fp8(ops.input) && (!ops.shared_scale || plan.scale_k_blocks > 0) ? ops.x_scale : nullptr;
   push.scales_offset = plan.scales_offset;
+  push.scale_k_blocks = plan.scale_k_blocks;
+  push.rows = plan.rows_pad;
   push.shard_bytes = plan.shard_bytes;
   push.chunks = plan.chunks;
   push.rank = rank;
@@ -263,7 +301,14 @@ ffi::Error enqueue_copy_engine_pushes(comm::DeviceComm& dc, AgPlan const& plan, 
     ENTWINE_RETURN_IF_CUDA(kOp, launch_wait_receiver(receiver, stream));
     char* const peer_inbox = peer_heap + inbox_offset;
     uint64_t* const peer_flags = reinterpret_cast<uint64_t*>(peer_heap + dc.layout.flags_offset());
-    if (is_fp8(ops.input) && !ops.shared_scale) {
+    if (is_fp8(ops.input) && plan.scale_k_blocks > 0) {
+      // Block-scaled: the shard's [k_blocks, rows] scales first, into columns rank*rows .. of the
+      // peer's [k_blocks, W * rows] (AgPlan); every chunk's release then publishes them too.
+      size_t const row_bytes = size_t(plan.rows_pad) * sizeof(float);
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpy2DAsync(peer_inbox + plan.scales_offset + rank * row_bytes, world * row_bytes,
+                                                    ops.x_scale, row_bytes, row_bytes, size_t(plan.scale_k_blocks),
+                                                    cudaMemcpyDeviceToDevice, stream));
+    } else if (is_fp8(ops.input) && !ops.shared_scale) {
       // The shard's scale first: every chunk's release then publishes it too.
       ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_inbox + plan.scales_offset + rank * kScaleSlotBytes, ops.x_scale,
                                                   sizeof(float), cudaMemcpyDeviceToDevice, stream));
@@ -293,7 +338,23 @@ ffi::Error copy_gathered(comm::DeviceComm const& dc, AgPlan const& plan, Operand
                                                   cudaMemcpyDeviceToDevice, xla_stream));
     }
   }
-  if (is_fp8(ops.input) && ops.gathered_scales->element_count() != 0) {
+  if (is_fp8(ops.input) && ops.gathered_scales->element_count() != 0 && plan.scale_k_blocks > 0) {
+    // Block-scaled: each source's [k_blocks, rows], in the same order: this rank's from x_scale, the
+    // peers' from their columns of the inbox's [k_blocks, W * rows].
+    auto* const scales = static_cast<char*>(ops.gathered_scales->untyped_data());
+    size_t const row_bytes = size_t(plan.rows_pad) * sizeof(float), source_bytes = row_bytes * plan.scale_k_blocks;
+    for (int s = 0; s < world; ++s) {
+      if (s == rank) {
+        ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(scales + s * source_bytes, ops.x_scale, source_bytes,
+                                                    cudaMemcpyDeviceToDevice, xla_stream));
+      } else {
+        ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpy2DAsync(scales + s * source_bytes, row_bytes,
+                                                      own_inbox + plan.scales_offset + s * row_bytes, world * row_bytes,
+                                                      row_bytes, size_t(plan.scale_k_blocks), cudaMemcpyDeviceToDevice,
+                                                      xla_stream));
+      }
+    }
+  } else if (is_fp8(ops.input) && ops.gathered_scales->element_count() != 0) {
     // Each source's scale, in the same order: the peers' from the inbox's slots, this rank's own (and
     // with a shared scale every one) from x_scale.
     auto* const scales = static_cast<float*>(ops.gathered_scales->untyped_data());
@@ -415,11 +476,13 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
 }
 
 // FP8: the shard x [rows, cols] in float8_e4m3fn or float8_e5m2 and w_t [N, W * cols or cols] in
-// float8_e4m3fn, one f32 scale each; y bf16 or fp16 (x's type and y's pick the kernel). Each
-// source's rows (rows layout) are scaled by that source's x_scale, which travels with its shard,
-// unless shared_scale says they are all equal.
-// Returns the gathered shards (x's type, [W, rows, cols], or empty) and their scales (f32 [W] or
-// empty).
+// float8_e4m3fn; y bf16 or fp16 (x's type, y's and the scales' shapes pick the kernel). Per tensor,
+// one f32 scale each: each source's rows (rows layout) are scaled by that source's x_scale, which
+// travels with its shard, unless shared_scale says they are all equal. Per block (fp8_scales): each
+// shard's x_scale [ceil(cols/128), rows] travels with it and scales its rows (rows layout) or its K
+// slice (contraction layout) per K block; w_scale [ceil(N/128), ceil(K/128)].
+// Returns the gathered shards (x's type, [W, rows, cols], or empty) and their scales (f32 [W], or
+// block-scaled [W, ceil(cols/128), rows], or empty).
 ffi::Error AgGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w_t,
                          ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::AnyBuffer> gathered, ffi::Result<ffi::AnyBuffer> gathered_scales,
@@ -433,8 +496,7 @@ ffi::Error AgGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer
                                          std::to_string(int(gathered->element_type())) + " and " +
                                          std::to_string(int(x.element_type())));
     }
-    if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops.x_scale); e.failure()) return e;
-    if (ffi::Error e = handler::scale_operand(kOp, "w_scale", w_scale, &ops.w_scale); e.failure()) return e;
+    if (ffi::Error e = fp8_scales(x_scale, w_scale, &ops); e.failure()) return e;
     if (ffi::Error e = handler::element_type(kOp, "y", *y, &ops.output); e.failure()) return e;
     if (gathered_scales->element_type() != ffi::DataType::F32) {
       return ffi::Error::InvalidArgument("entwine ag_gemm: gathered_scales must be float32, got dtype code " +
@@ -474,11 +536,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemmFp8, entwine::AgGemmFp8Impl,
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Arg<ffi::AnyBuffer>()                     // x: the local shard, float8_e4m3fn or e5m2
                                   .Arg<ffi::AnyBuffer>()                     // w_t: float8_e4m3fn [N, K]
-                                  .Arg<ffi::AnyBuffer>()                     // x_scale: f32
-                                  .Arg<ffi::AnyBuffer>()                     // w_scale: f32
+                                  .Arg<ffi::AnyBuffer>()                     // x_scale: f32 [] or [cols/128, rows]
+                                  .Arg<ffi::AnyBuffer>()                     // w_scale: f32 [] or [N/128, K/128]
                                   .Ret<ffi::AnyBuffer>()                     // y: bf16 or f16
                                   .Ret<ffi::AnyBuffer>()                     // gathered (or empty)
-                                  .Ret<ffi::AnyBuffer>()                     // gathered_scales (or empty)
+                                  .Ret<ffi::AnyBuffer>()                     // gathered_scales [W] or [W, cols/128, rows] (or empty)
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<bool>("gather_k")                    // gather_k
                                   .Attr<int64_t>("signature")                // what the call is (stamps)

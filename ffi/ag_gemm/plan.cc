@@ -41,7 +41,14 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
     return fail("config.block_n must be 128 with FP8 operands (the promoted accumulator of a wider block does "
                 "not fit the registers)");
   }
-  if (fp8 && p.gather_k && !p.shared_scale) {
+  bool const block_scaled = p.scaling == Scaling::kBlock;
+  if (block_scaled) {
+    if (!fp8) return fail("block scaling needs FP8 operands");
+    if (p.cols % kScaleBlock != 0) {
+      return fail("block-scaled FP8 needs cols (each shard's K) % 128 == 0 (one k-tile per scale block)");
+    }
+  }
+  if (fp8 && !block_scaled && p.gather_k && !p.shared_scale) {
     return fail("FP8 gather_k needs one x scale shared by every shard (shared_scale): a per-shard scale would "
                 "scale each K slice of the accumulator, which the kernel does not do");
   }
@@ -65,7 +72,11 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   plan.grid = c.gemm_sms < plan.num_blocks ? int32_t(c.gemm_sms) : plan.num_blocks;
   plan.shard_bytes = rows_pad * cols_pad * element_bytes(p.input);
   plan.scales_offset = p.world * plan.shard_bytes;
-  plan.inbox_bytes = plan.scales_offset + (fp8 ? p.world * kScaleSlotBytes : 0);
+  plan.scale_k_blocks = block_scaled ? int32_t(cols_pad / kScaleBlock) : 0;
+  int64_t const scale_bytes = block_scaled ? int64_t(plan.scale_k_blocks) * p.world * rows_pad * int64_t(sizeof(float))
+                                           : p.world * kScaleSlotBytes;
+  plan.inbox_bytes = plan.scales_offset + (fp8 ? scale_bytes : 0);
+  plan.scaling = p.scaling;
   plan.flags = int64_t(p.world) * plan.chunks;
   // The SM push splits each chunk over the CTAs of a peer's group, kPushThreads 16-byte vectors at a
   // time: a CTA beyond one vector per thread of a chunk, for every peer, would only wait and count.
@@ -75,7 +86,8 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   // Every CTA of the GEMM may wait for a chunk that only a running push CTA (or, on the copy
   // engines, a one-warp release kernel) releases: they all must be resident at once.
   plan.sms_needed = plan.grid + (plan.push_grid > 0 ? plan.push_grid : 1);
-  plan.shape = AgProblem{plan.rows_pad, plan.cols_pad, plan.n_pad, p.world, p.rank, p.gather_k, p.input, p.shared_scale};
+  plan.shape = AgProblem{plan.rows_pad, plan.cols_pad, plan.n_pad, p.world, p.rank, p.gather_k, p.input, p.shared_scale,
+                         p.scaling};
   plan.order = TileOrder{plan.chunk_tiles, plan.n_blocks,
                          c.raster_rows < plan.chunk_tiles ? int32_t(c.raster_rows) : plan.chunk_tiles};
   // Contraction layout: a block's K loop runs over every source's k-tiles. Nothing splits.

@@ -79,10 +79,25 @@ __global__ void __launch_bounds__(kPushThreads) push_shard(PushArgs a) {
   for (int chunk = 0; chunk < a.chunks; ++chunk) {
     for (int d = 1 + group; d <= peers; d += groups) {
       int const peer = (a.rank + d) % a.world;
-      if (peer_ok[peer] && chunk == 0 && member == 0 && threadIdx.x == 0 && a.scale != nullptr) {
-        // The FP8 shard's scale, before this thread's fenced arrival at chunk 0: every release of a
-        // chunk to this peer reads an arrival chain that follows it, so each publishes the scale.
-        *reinterpret_cast<float*>(a.inbox[peer] + a.scales_offset + a.rank * kScaleSlotBytes) = *a.scale;
+      if (peer_ok[peer] && chunk == 0 && member == 0 && a.scale != nullptr) {
+        // The FP8 shard's scale, before this CTA's fenced arrival at chunk 0 (the barrier below
+        // orders every thread's stores before thread 0's fence): every release of a chunk to this
+        // peer reads an arrival chain that follows it, so each publishes the scale. Block-scaled:
+        // the shard's [k_blocks, rows] scales into columns rank*rows .. of the peer's
+        // [k_blocks, world * rows] (AgPlan).
+        if (a.scale_k_blocks == 0) {
+          if (threadIdx.x == 0) {
+            *reinterpret_cast<float*>(a.inbox[peer] + a.scales_offset + a.rank * kScaleSlotBytes) = *a.scale;
+          }
+        } else {
+          // 16-byte vectors: rows is a multiple of 128, the inbox's scales and x_scale 16-byte aligned.
+          auto* const to = reinterpret_cast<float4*>(a.inbox[peer] + a.scales_offset) + int64_t(a.rank) * (a.rows / 4);
+          auto const* const from = reinterpret_cast<const float4*>(a.scale);
+          int64_t const row_vectors = a.rows / 4, count = int64_t(a.scale_k_blocks) * row_vectors;
+          for (int64_t i = threadIdx.x; i < count; i += kPushThreads) {
+            to[i / row_vectors * a.world * row_vectors + i % row_vectors] = __ldg(from + i);
+          }
+        }
       }
       if (peer_ok[peer]) {
         uint4 const* from = shard + chunk * chunk_vectors;

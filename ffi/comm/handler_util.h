@@ -136,6 +136,23 @@ inline ffi::Error scale_operand(const char* op, const char* name, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// Whether an FP8 call's scale is one per tensor ([] or [1]); a block-scaled call's are 2-D arrays.
+inline bool is_tensor_scale(ffi::AnyBuffer const& a) { return a.dimensions().size() <= 1 && a.element_count() == 1; }
+
+// A block-scaled FP8 call's scale array: float32 [rows, cols] exactly (`layout` names the dims).
+inline ffi::Error block_scale_operand(const char* op, const char* name, ffi::AnyBuffer const& a, int64_t rows,
+                                      int64_t cols, const char* layout, const float** out) {
+  auto const d = a.dimensions();
+  if (a.element_type() != ffi::DataType::F32 || d.size() != 2 || d[0] != rows || d[1] != cols) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must be float32 " + layout + " = [" +
+                                       std::to_string(rows) + ", " + std::to_string(cols) +
+                                       "] (block scaling; per tensor, both scales are one float32), got dtype code " +
+                                       std::to_string(int(a.element_type())) + " " + dims_string(d));
+  }
+  *out = static_cast<const float*>(a.untyped_data());
+  return ffi::Error::Success();
+}
+
 // Runs a handler's body: nothing but an ffi::Error may leave a handler (std::string and the
 // registry lock can throw).
 template <class Body>

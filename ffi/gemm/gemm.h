@@ -24,6 +24,13 @@ constexpr int align_k(DType input) { return 16 / element_bytes(input); }
 // would not fit its registers.
 constexpr int kFp8BlockN = 128;
 
+// How FP8 operands are dequantised. kTensor: one factor per operand, applied to a block's finished
+// sum (the schedule's alpha). kBlock (DeepSeek-V3 / TransformerEngine block scaling): x has one
+// scale per row and kScaleBlock-wide K block, w_t one per kScaleBlock x kScaleBlock block, applied
+// by the mainloop to each k-tile's partial sum (a k-tile is one K block: BLOCK_K == kScaleBlock).
+enum class Scaling : int32_t { kTensor = 0, kBlock = 1 };
+constexpr int kScaleBlock = 128;
+
 // Production order of the GEMM blocks of one group of tile rows (a partition, a chunk): groups of
 // `raster_rows` tile rows, each group visited column by column, so the blocks in flight at once
 // share rows of A and columns of B in L2. Block i -> (tile row, block column).
@@ -70,7 +77,8 @@ constexpr size_t kSplitWorkspaceBytes = kSplitCountersBytes + kSplitSlots * kSpl
 // them once per call site and buffers and enqueue them on every call. Filled by an op's
 // prepare_gemm (generated dispatch); the parameters are the instantiation's, behind `launch`.
 struct PreparedGemm {
-  static constexpr size_t kParamsBytes = 2048;  // above every instantiation's Params (static_assert)
+  static constexpr size_t kParamsBytes = 3072;  // above every instantiation's Params (static_assert; block-scaled
+                                                // FP8 adds a scale descriptor to each of two mainloops)
   alignas(128) unsigned char params[kParamsBytes];
   cudaError_t (*launch)(void const* params, cudaStream_t stream, bool dependent) = nullptr;
   // dependent: as the programmatic dependent of the stream's previous kernel (gemm_kernel.cuh).

@@ -1,7 +1,8 @@
 // The GEMM both fused ops run: CUTLASS 3.x SM90 TMA + wgmma mainloop, warp-specialised (TMA warp,
-// store warp copying staged blocks out with bulk copies, two math warpgroups). What differs between
-// the ops (block order, what the TMA warp waits for, how a stored block is released) is the op's
-// Schedule, a template parameter. One instantiation per generated file (cmake/gemm_kernels.cmake).
+// store warp copying staged blocks out with bulk copies, block-scaled FP8: a scale-load warp; two
+// math warpgroups). What differs between the ops (block order, what the TMA warp waits for, how a
+// stored block is released) is the op's Schedule, a template parameter. One instantiation per
+// generated file (cmake/gemm_kernels.cmake).
 #pragma once
 
 #include <new>
@@ -9,6 +10,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/pipeline/pipeline.hpp>
@@ -51,9 +53,10 @@ struct ElementOf<DType::kE5M2> {
 //   load<Kernel>(params, ...)        the TMA warp's loop over its units (ag_gemm: waits on chunks)
 //   release<Kernel>(params, c, e, parity)  after the store warp's copies of block c completed
 //   finish<Kernel>(params, lane)     the store warp's last act, every lane (gemm_rs: the folded end)
-//   alpha<Kernel>(params, c)         FP8: the factor that dequantises block c's fp32 sum
+//   alpha<Kernel>(params, c)         FP8 per tensor: the factor that dequantises block c's fp32 sum
+//   load_scales<Kernel>(params, ...) FP8 per block: the scale-load warp's loop over the TMA warp's units
 //   make_params<Kernel>(plan, args)  the kernel parameters of a plan (host)
-template <DType kInput, DType kOutput, int BLOCK_N_, class Schedule_>
+template <DType kInput, DType kOutput, int BLOCK_N_, class Schedule_, Scaling kScaling = Scaling::kTensor>
 struct GemmKernel {
   // ---- core config ---------------------------------------------------------------------------
   // A (x, the gathered shards): bf16, fp16, e4m3 or e5m2. B (w): A's type, except that kE5M2 pairs
@@ -65,13 +68,20 @@ struct GemmKernel {
   // FP8: wgmma reads both operands K-major (B is w transposed, [N, K]), and the block's sum is
   // dequantised by the schedule's alpha in the epilogue.
   static constexpr bool kFp8 = is_fp8(kInput);
+  static constexpr bool kBlockScaled = kScaling == Scaling::kBlock;
+  static_assert(!kBlockScaled || kFp8, "block scaling is for FP8 operands");
   static_assert(!is_fp8(kOutput), "FP8 is an input type only");
   static_assert(kFp8 || kInput == kOutput, "16-bit inputs produce their own type");
   static constexpr int BLOCK_M = kBlockM;             // two math warpgroups of 64 rows each
   static constexpr int BLOCK_N = BLOCK_N_;            // 128 or 256 (FP8: 128, gemm.h)
   static constexpr int BLOCK_K = block_k(kInput);     // one 128-byte TMA swizzle row of the input type
   static_assert(!kFp8 || BLOCK_N == kFp8BlockN, "FP8 blocks are 128 wide (gemm.h)");
-  static constexpr int kThreads = 384;                // warp 0: TMA, warp 1: stores, warps 2-3: exit, warpgroups 1-2: math
+  static_assert(!kBlockScaled || (BLOCK_K == kScaleBlock && BLOCK_N == kScaleBlock),
+                "block scaling: a k-tile is one K scale block, a block column one w_t scale block");
+  // warp 0: TMA, warp 1: stores, warp 2: block scales (kBlockScaled) or exit, warp 3: exit,
+  // warpgroups 1-2: math
+  static constexpr int kThreads = 384;
+  static constexpr int kScaleLoadWarp = 2;
   static constexpr int kMathThreads = 256;            // cooperative: both warpgroups on every block
   using TileShape = Shape<Int<BLOCK_M>, Int<BLOCK_N>, Int<BLOCK_K>>;
   using ClusterShape = Shape<_1, _1, _1>;
@@ -88,22 +98,37 @@ struct GemmKernel {
 
   // ---- mainloop: A = x [M, K] row-major (K-major); B = w [K, N] row-major (N-major), or for FP8
   //      w_t [N, K] row-major (K-major: the only FP8 wgmma layout). 16-byte aligned rows (TMA).
-  //      For FP8 the builder picks CUTLASS's FP8 mainloop for its loads and shared-memory layouts;
+  //      For per-tensor FP8 the builder picks CUTLASS's FP8 mainloop for its loads and shared-memory layouts;
   //      the math warpgroups run fp8_mma below, which adds the tensor cores' partial sum into the
   //      fp32 accumulator at least once per 128 products (FP8 wgmma keeps fewer mantissa bits in its
   //      accumulator than fp32, so a long K loop without the promotion loses accuracy; training
   //      shapes have K of 8k-32k). cuBLASLt's FP8 default promotes as often: its error statistics
   //      equal ours (entwine_harness fp8 accuracy).
+  //      Block-scaled FP8 runs CUTLASS's blockwise mainloop instead: each k-tile's wgmma sum is
+  //      multiplied by its scales (x's per row, w_t's per block) as it is added into accum. Its
+  //      scales travel with the k-tile through the same pipeline stage: x's [K/128, M] (M-major: a
+  //      k-tile's 128 row scales are contiguous) by the TMA warp's TMA, w_t's one scale per stage
+  //      ([N/128, K/128], K-major) by cp.async from the scale-load warp, whose 32 lanes arrive on
+  //      the stage's full barrier beside the TMA warp's transaction (33 producer arrivals).
   using LayoutB = cute::conditional_t<kFp8, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static_assert(sizeof(ElementA) == sizeof(ElementB), "A and B share BLOCK_K and the alignment");
   static constexpr int kAlignment = 16 / int(sizeof(ElementA));
+  using BlockScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleBlock, kScaleBlock, cute::GMMA::Major::MN,
+                                                                     cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(BlockScaleConfig::deduce_layoutSFA());  // x_scale [K/128, M]
+  using LayoutSFB = decltype(BlockScaleConfig::deduce_layoutSFB());  // w_scale [N/128, K/128]
+  using GmemLayoutA = cute::conditional_t<kBlockScaled, cute::tuple<cutlass::layout::RowMajor, LayoutSFA>,
+                                          cutlass::layout::RowMajor>;
+  using GmemLayoutB = cute::conditional_t<kBlockScaled, cute::tuple<LayoutB, LayoutSFB>, LayoutB>;
+  using MainloopSchedule = cute::conditional_t<kBlockScaled, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum,
+                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      ElementA, cutlass::layout::RowMajor, kAlignment,
-      ElementB, LayoutB, kAlignment,
+      ElementA, GmemLayoutA, kAlignment,
+      ElementB, GmemLayoutB, kAlignment,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(EpilogueStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      MainloopSchedule>::CollectiveOp;
   using TiledMma = typename CollectiveMainloop::TiledMma;
   using MainloopPipeline = typename CollectiveMainloop::MainloopPipeline;
   using PipelineState = typename CollectiveMainloop::PipelineState;
@@ -284,9 +309,11 @@ struct GemmKernel {
       if constexpr (Schedule::kLocalOperand) CollectiveMainloop::prefetch_tma_descriptors(params.mainloop_local);
     }
 
-    // Mainloop pipeline: warp 0 produces (TMA), the 256 math threads consume.
+    // Mainloop pipeline: warp 0 produces (TMA; block-scaled: with the scale-load warp, whose lanes
+    // arrive but never expect transaction bytes: only thread 0 leads), the 256 math threads consume.
+    bool const scale_loader = kBlockScaled && warp_idx == kScaleLoadWarp;
     typename MainloopPipeline::Params pipeline_params;
-    if (warp_group == 0 && warp_idx == 0) {
+    if (warp_group == 0 && (warp_idx == 0 || scale_loader)) {
       pipeline_params.role = MainloopPipeline::ThreadCategory::Producer;
     }
     if (warp_group > 0) {
@@ -294,6 +321,7 @@ struct GemmKernel {
     }
     pipeline_params.is_leader = (thread_idx % cutlass::NumThreadsPerWarpGroup) == 0;
     pipeline_params.num_consumers = kMathThreads;
+    if constexpr (kBlockScaled) pipeline_params.num_producers = CollectiveMainloop::NumProducerThreadEvents;
     pipeline_params.transaction_bytes = params.mainloop.tma_transaction_bytes;
     MainloopPipeline pipeline(storage.pipeline, pipeline_params, ClusterShape{});
     // Barrier init must be visible to every thread before first use.
@@ -311,6 +339,12 @@ struct GemmKernel {
                                             storage.mainloop);
       } else if (warp_idx == 1) {
         store_and_release(params, storage.epilogue.tile, &storage.epilogue.skip, cutlass::canonical_lane_idx());
+      } else if (scale_loader) {
+        if constexpr (kBlockScaled) {
+          PipelineState write_state = cutlass::make_producer_start_state<MainloopPipeline>();
+          Schedule::template load_scales<GemmKernel>(params, mainloop, pipeline, write_state, load_inputs, load_local,
+                                                     storage.mainloop);
+        }
       }
       return;
     }
@@ -332,9 +366,10 @@ struct GemmKernel {
     for (Unit u; work.next(u); first = false) {
       int const k_count = u.k_end - u.k_begin;
       Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
-      // The FP8 mainloop adds its promoted partial sums into accum, so accum starts at zero.
+      // The FP8 mainloops add their promoted (block-scaled: scaled) partial sums into accum, so
+      // accum starts at zero.
       if constexpr (kFp8) clear(accum);
-      if constexpr (kFp8) {
+      if constexpr (kFp8 && !kBlockScaled) {
         fp8_mma(pipeline, read_state, accum, k_count, warp_group - 1, storage.mainloop);
       } else {
         mainloop.mma(pipeline, read_state, accum, k_count, math_idx, storage.mainloop, params.mainloop);
@@ -342,7 +377,7 @@ struct GemmKernel {
       }
       read_state.advance(k_count);
       bool const write = u.slot < 0 || join_split(params, u.slot, accum, math_idx, storage.epilogue.split_arrival);
-      if constexpr (kFp8) {
+      if constexpr (kFp8 && !kBlockScaled) {
         // Dequantise the whole sum (after a split block's two pieces met: one rounding, one factor).
         if (write) {
           float const alpha = Schedule::template alpha<GemmKernel>(params, Schedule::block_coord(u.p, params.op, params.order));
@@ -426,16 +461,41 @@ struct GemmKernel {
                                     typename CollectiveMainloop::TensorStorage& smem) {
     WorkIter work(params);
     for (Unit u; work.next(u);) {
-      BlockCoord const c = Schedule::block_coord(u.p, params.op, params.order);
-      int m_block = int(c.owner * params.part_row_step / BLOCK_M) + c.tile_m;
-      int n_block = int(c.owner * params.part_col_step / BLOCK_N) + c.n_block;
-      auto k_shape = shape<3>(get<0>(load_inputs));
-      auto k_iter = cute::make_coord_iterator(idx2crd(u.k_begin, k_shape), k_shape);
-      mainloop.load(params.mainloop, pipeline, write_state, load_inputs, make_coord(m_block, n_block, _, 0), k_iter,
+      auto const k_iter = unit_k_tiles(u, load_inputs);
+      mainloop.load(params.mainloop, pipeline, write_state, load_inputs, unit_block(params, u), k_iter,
                     u.k_end - u.k_begin, cutlass::canonical_lane_idx(), 0u, smem);
       write_state.advance(u.k_end - u.k_begin);
     }
     mainloop.load_tail(pipeline, write_state);
+  }
+
+  // The scale-load warp's loop beside load_units: the same units, so that its stages are the TMA
+  // warp's. Every lane arrives on each stage's full barrier once its copies landed (lane 0 copies
+  // the stage's one w_t scale); no tail: the TMA warp's waits for the last stages' release.
+  template <class Pipeline, class State, class Inputs>
+  static __device__ void load_scale_units(Params const& params, CollectiveMainloop& mainloop, Pipeline& pipeline,
+                                          State& write_state, Inputs const& load_inputs,
+                                          typename CollectiveMainloop::TensorStorage& smem) {
+    WorkIter work(params);
+    for (Unit u; work.next(u);) {
+      auto const k_iter = unit_k_tiles(u, load_inputs);
+      mainloop.load_auxiliary(params.mainloop, pipeline, write_state, load_inputs, unit_block(params, u), k_iter,
+                              u.k_end - u.k_begin, cutlass::canonical_lane_idx(), 0u, smem);
+      write_state.advance(u.k_end - u.k_begin);
+    }
+  }
+
+  // A unit's block in A's and B's tiles (gemm_rs: at its owner's offset) and its first k-tile.
+  static __device__ auto unit_block(Params const& params, Unit const& u) {
+    BlockCoord const c = Schedule::block_coord(u.p, params.op, params.order);
+    int const m_block = int(c.owner * params.part_row_step / BLOCK_M) + c.tile_m;
+    int const n_block = int(c.owner * params.part_col_step / BLOCK_N) + c.n_block;
+    return make_coord(m_block, n_block, _, 0);
+  }
+  template <class Inputs>
+  static __device__ auto unit_k_tiles(Unit const& u, Inputs const& load_inputs) {
+    auto k_shape = shape<3>(get<0>(load_inputs));
+    return cute::make_coord_iterator(idx2crd(u.k_begin, k_shape), k_shape);
   }
 
   // Warp 1 (idle in the CUTLASS schedule) copies each staged block to the output with one bulk
@@ -492,12 +552,27 @@ struct GemmKernel {
   static constexpr int kSplitBarrier = 10;  // math threads among themselves, at a split slot
   static constexpr uint64_t kSplitTimeoutNs = 10'000'000'000ull;
 
+  // Block-scaled FP8: where a mainloop's scales are, in floats: x's of row r, K block kb, batch b at
+  // x[b * x_batch + kb * x_pitch + r] (M-major), w_t's of block (nb, kb) at
+  // w[b * w_batch + nb * w_pitch + kb] (K-major). packed(): one [k/128, m] and one [n/128, k/128]
+  // array per batch, the FFI layouts.
+  struct ScaleOperands {
+    float const* x = nullptr;
+    int64_t x_pitch = 0, x_batch = 0;
+    float const* w = nullptr;
+    int64_t w_pitch = 0, w_batch = 0;
+    static ScaleOperands packed(float const* x, float const* w, int m, int n, int k) {
+      int64_t const k_blocks = (k + kScaleBlock - 1) / kScaleBlock, n_blocks = (n + kScaleBlock - 1) / kScaleBlock;
+      return ScaleOperands{x, m, k_blocks * m, w, k_blocks, n_blocks * k_blocks};
+    }
+  };
+
   // A's and B's TMA parameters: A [l][m, k] row-major; B [l][k, n] row-major, or for FP8 [l][n, k]
   // row-major; ldb is B's row pitch (16-bit: n; FP8: k, or more when B is a column slice of a wider
-  // w_t); batch strides in elements.
+  // w_t); batch strides in elements. Block-scaled: `scales` (x's TMA-loaded: pitches of 16 bytes).
   static typename CollectiveMainloop::Params mainloop_params(int m, int n, int k, int l, ElementA const* a,
                                                              int64_t batch_a, ElementB const* b, int64_t ldb,
-                                                             int64_t batch_b) {
+                                                             int64_t batch_b, ScaleOperands const& scales = {}) {
     StrideA stride_a{};
     get<0>(stride_a) = int64_t(k);
     StrideB stride_b{};
@@ -508,7 +583,20 @@ struct GemmKernel {
     }
     get<2>(stride_a) = batch_a;
     get<2>(stride_b) = batch_b;
-    return CollectiveMainloop::to_underlying_arguments(make_shape(m, n, k, l), {a, stride_a, b, stride_b}, nullptr);
+    auto const problem = make_shape(m, n, k, l);
+    if constexpr (kBlockScaled) {
+      int const k_blocks = (k + kScaleBlock - 1) / kScaleBlock, n_blocks = (n + kScaleBlock - 1) / kScaleBlock;
+      LayoutSFA const layout_sfa = make_layout(
+          make_shape(make_shape(_1{}, m), make_shape(Int<kScaleBlock>{}, k_blocks), l),
+          make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, int32_t(scales.x_pitch)), int32_t(scales.x_batch)));
+      LayoutSFB const layout_sfb = make_layout(
+          make_shape(make_shape(Int<kScaleBlock>{}, n_blocks), make_shape(Int<kScaleBlock>{}, k_blocks), l),
+          make_stride(make_stride(_0{}, int32_t(scales.w_pitch)), make_stride(_0{}, _1{}), int32_t(scales.w_batch)));
+      return CollectiveMainloop::to_underlying_arguments(
+          problem, {a, stride_a, b, stride_b, scales.x, layout_sfa, scales.w, layout_sfb}, nullptr);
+    } else {
+      return CollectiveMainloop::to_underlying_arguments(problem, {a, stride_a, b, stride_b}, nullptr);
+    }
   }
 };
 

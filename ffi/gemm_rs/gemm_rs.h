@@ -53,11 +53,13 @@ struct ProblemShape {
 // One rank's call as the op sees it, before any padding: x [m, k] (the rows before the scatter),
 // w [k, n] (FP8: w_t [n, k]), scattered over rows (partition q: rows q*m/W ..) or columns (columns
 // q*n/W ..). `input` is the operands' type; the output's (bf16 or fp16) changes no shape rule.
+// FP8 block scaling (gemm.h, Scaling) needs K % 128 == 0: a k-tile is one scale block.
 struct GemmRsProblem {
   int64_t m = 0, n = 0, k = 0;
   int32_t world = 1, rank = 0;
   bool scatter_cols = false;
   DType input = DType::kBF16;
+  Scaling scaling = Scaling::kTensor;
 };
 
 // Everything static about one call, from the problem and the config (docs/design.md, "gemm_rs"):
@@ -67,6 +69,7 @@ struct GemmRsPlan {
   const char* error = nullptr;  // nullptr, or the rule the problem or the config violates
   bool config_error = false;    // the violated rule is one of the config's own (check_config)
   GemmRsConfig config;          // the config the plan was made with
+  Scaling scaling = Scaling::kTensor;  // the problem's: picks the GEMM instantiation
   ProblemShape shape;           // the kernels' problem: each partition padded to whole 128 x block_n
                                 // blocks, K to align_k(input) (a padded problem plans to itself)
   TileOrder order{};            // the blocks of one partition, in production order
@@ -82,8 +85,10 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& problem, const GemmRsConfig& config
 struct ProducerArgs {
   const void* x;
   const void* w;                  // w [K, N]; FP8: w_t [N, K]
-  const float* x_scale = nullptr;  // FP8: the dequantisation scales (device scalars): the output is
-  const float* w_scale = nullptr;  // x_scale * w_scale * (x @ w)
+  const float* x_scale = nullptr;  // FP8: the dequantisation scales. Per tensor: device scalars, the
+  const float* w_scale = nullptr;  // output is x_scale * w_scale * (x @ w). Per block: x_scale
+                                   // [K/128, M] (one per row and K block, M-major), w_scale
+                                   // [N/128, K/128] (one per 128x128 block of w_t)
   void* partial;                  // this rank's M x N partial output, slot 0 (the kernel adds the parity)
   uint64_t* flags[kMaxWorld];     // flag array of each owner rank, parity 0 (peer pointers)
   CallEpoch call;

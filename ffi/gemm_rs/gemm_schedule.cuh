@@ -24,8 +24,8 @@ struct GemmSchedule {
     int tiles_per_partition;
     int world, rank;
     bool interleave, publish;    // harness switches (ProducerArgs)
-    const float* x_scale;        // FP8: one dequantisation scale per operand (ProducerArgs)
-    const float* w_scale;
+    const float* x_scale;        // FP8 per tensor: one dequantisation scale per operand (ProducerArgs;
+    const float* w_scale;        // per block, the mainloop's parameters hold them)
     comm::CallEnd end;           // the folded end (ProducerArgs; end.done nullptr: none)
   };
 
@@ -60,6 +60,13 @@ struct GemmSchedule {
     Kernel::load_units(params, mainloop, pipeline, write_state, load_inputs, smem);
   }
 
+  // Block-scaled FP8: w_t's scales beside the TMA warp's units (A's scales come with A's TMA).
+  template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
+  static __device__ void load_scales(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
+                                     State& write_state, Inputs const& load_inputs, Inputs const&, Storage& smem) {
+    Kernel::load_scale_units(params, mainloop, pipeline, write_state, load_inputs, smem);
+  }
+
   // Publish: after the copies' writes completed, order them before the generic proxy; one system
   // fence then releases all of the block's flags, pushed into the owner's flag array (remote
   // stores: push, not pull).
@@ -87,8 +94,8 @@ struct GemmSchedule {
     if (lane == 0 && end.done != nullptr && comm::arrive(end.done, end.expected)) comm::advance_epoch(end);
   }
 
-  // FP8: every block of the call has the same factor, x's scale times w's (device scalars, written
-  // before the call: stream order).
+  // FP8 per tensor: every block of the call has the same factor, x's scale times w's (device
+  // scalars, written before the call: stream order).
   template <class Kernel>
   static __device__ float alpha(typename Kernel::Params const& params, BlockCoord const&) {
     return *params.op.x_scale * *params.op.w_scale;
@@ -102,7 +109,9 @@ struct GemmSchedule {
     ProblemShape const& shape = plan.shape;
     typename Kernel::Params p{};
     p.mainloop = Kernel::mainloop_params(shape.m, shape.n, shape.k, 1, static_cast<ElementA const*>(args.x), 0,
-                                         static_cast<ElementB const*>(args.w), Kernel::kFp8 ? shape.k : shape.n, 0);
+                                         static_cast<ElementB const*>(args.w), Kernel::kFp8 ? shape.k : shape.n, 0,
+                                         Kernel::ScaleOperands::packed(args.x_scale, args.w_scale, shape.m, shape.n,
+                                                                       shape.k));
     p.mainloop_local = p.mainloop;
     p.l = 1;
     p.m_local = shape.m;

@@ -1,5 +1,5 @@
 // XLA FFI handlers `entwine_gemm_rs` (bf16/fp16) and `entwine_gemm_rs_fp8` (FP8 operands with their
-// scales): each checks its operands' types, then one body validates and plans the call and launches
+// scales, per tensor or per block): each checks its operands' types, then one body validates and plans the call and launches
 // the consumer (reduction) and the producer (GEMM) beside it, both on XLA's stream;
 // and gemm_rs::kHooks. No kernel syntax; no allocation, free, synchronisation, IPC or peer-access call (any of them can
 // deadlock against a consumer spinning on another device of this process).
@@ -58,8 +58,9 @@ struct Operands {
   DType input, output;  // output: y's and the partials' type
   const void* x;
   const void* w;
-  const float* x_scale = nullptr;  // FP8 only
+  const float* x_scale = nullptr;  // FP8 only (ProducerArgs)
   const float* w_scale = nullptr;
+  Scaling scaling = Scaling::kTensor;
   int64_t m, n, k;
 };
 
@@ -76,6 +77,27 @@ ffi::Error check_dims(ffi::AnyBuffer const& x, ffi::AnyBuffer const& w, ffi::Any
   ops->n = wd[w_transposed ? 0 : 1];
   ops->k = xd[1];
   return ffi::Error::Success();
+}
+
+// An FP8 call's scales, told apart by their shapes: two scalars ([] or [1]) scale per tensor;
+// otherwise per block, x_scale [ceil(K/128), M] (M-major) and w_scale [ceil(N/128), ceil(K/128)] for
+// the call's x [M, K] and w_t [N, K] (check_dims first). Sets the scaling and the scales' addresses.
+ffi::Error fp8_scales(ffi::AnyBuffer const& x_scale, ffi::AnyBuffer const& w_scale, Operands* ops) {
+  if (handler::is_tensor_scale(x_scale) && handler::is_tensor_scale(w_scale)) {
+    ops->scaling = Scaling::kTensor;
+    if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops->x_scale); e.failure()) return e;
+    return handler::scale_operand(kOp, "w_scale", w_scale, &ops->w_scale);
+  }
+  ops->scaling = Scaling::kBlock;
+  int64_t const k_blocks = (ops->k + kScaleBlock - 1) / kScaleBlock;
+  int64_t const n_blocks = (ops->n + kScaleBlock - 1) / kScaleBlock;
+  if (ffi::Error e = handler::block_scale_operand(kOp, "x_scale", x_scale, k_blocks, ops->m, "[ceil(K/128), M]",
+                                                  &ops->x_scale);
+      e.failure()) {
+    return e;
+  }
+  return handler::block_scale_operand(kOp, "w_scale", w_scale, n_blocks, k_blocks, "[ceil(N/128), ceil(K/128)]",
+                                      &ops->w_scale);
 }
 
 // The plan's rules and what the call needs of the communicator: checked when a call site's plan is
@@ -166,6 +188,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   problem.rank = dc->rank;
   problem.scatter_cols = scatter_dimension == 1;
   problem.input = ops.input;
+  problem.scaling = ops.scaling;
 
   bool capturing = false;
   if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
@@ -213,7 +236,7 @@ ffi::Error RunGemmRs(cudaStream_t xla_stream, int32_t device, Operands const& op
   };
   static thread_local handler::CallMemo<64, Derived> memo;
   handler::MemoKey<64> key;
-  for (int64_t v : {int64_t(ops.input), int64_t(ops.output), problem.m, problem.n, problem.k, int64_t(problem.world), int64_t(problem.rank),
+  for (int64_t v : {int64_t(ops.input), int64_t(ops.output), int64_t(ops.scaling), problem.m, problem.n, problem.k, int64_t(problem.world), int64_t(problem.rank),
                     int64_t(problem.scatter_cols), int64_t(capturing), epoch_args.slot_stride,
                     epoch_args.flags_stride, int64_t(producer_args.interleave), int64_t(producer_args.publish)}) {
     key.add(uint64_t(v));
@@ -311,9 +334,10 @@ ffi::Error GemmRsImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
   });
 }
 
-// FP8: x [M, K] in float8_e4m3fn or float8_e5m2 and w_t [N, K] in float8_e4m3fn, one f32 scale each;
-// y bf16 or fp16 (x's type and y's pick the kernel, y's the partials' type):
-// y = x_scale * w_scale * (x @ w_t^T), reduce-scattered.
+// FP8: x [M, K] in float8_e4m3fn or float8_e5m2 and w_t [N, K] in float8_e4m3fn; y bf16 or fp16
+// (x's type, y's and the scales' shapes pick the kernel, y's the partials' type). Per tensor, one
+// f32 scale each: y = x_scale * w_scale * (x @ w_t^T). Per block (fp8_scales): y = sum over K blocks
+// kb of (x[:, kb] @ w_t[:, kb]^T) * x_scale[kb, m] * w_scale[nb, kb]. Reduce-scattered.
 ffi::Error GemmRsFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w_t,
                          ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> y,
                          int64_t comm_id, int64_t scatter_dimension, int64_t signature, GemmRsConfig config) {
@@ -321,10 +345,9 @@ ffi::Error GemmRsFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer
     Operands ops{};
     if (ffi::Error e = handler::fp8_input(kOp, "x", x, &ops.input); e.failure()) return e;
     if (ffi::Error e = handler::fp8_weight(kOp, "w_t", w_t); e.failure()) return e;
-    if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops.x_scale); e.failure()) return e;
-    if (ffi::Error e = handler::scale_operand(kOp, "w_scale", w_scale, &ops.w_scale); e.failure()) return e;
     if (ffi::Error e = handler::element_type(kOp, "y", *y, &ops.output); e.failure()) return e;
     if (ffi::Error e = check_dims(x, w_t, *y, true, &ops); e.failure()) return e;
+    if (ffi::Error e = fp8_scales(x_scale, w_scale, &ops); e.failure()) return e;
     ops.x = x.untyped_data();
     ops.w = w_t.untyped_data();
     return RunGemmRs(xla_stream, device, ops, y, comm_id, scatter_dimension, signature, config);
@@ -358,8 +381,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmRsFp8, entwine::GemmRsFp8Impl,
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Arg<ffi::AnyBuffer>()                     // x: float8_e4m3fn or e5m2 [M, K]
                                   .Arg<ffi::AnyBuffer>()                     // w_t: float8_e4m3fn [N, K]
-                                  .Arg<ffi::AnyBuffer>()                     // x_scale: f32
-                                  .Arg<ffi::AnyBuffer>()                     // w_scale: f32
+                                  .Arg<ffi::AnyBuffer>()                     // x_scale: f32 [] or [K/128, M]
+                                  .Arg<ffi::AnyBuffer>()                     // w_scale: f32 [] or [N/128, K/128]
                                   .Ret<ffi::AnyBuffer>()                     // y: bf16 or f16
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("scatter_dimension")        // scatter_dimension

@@ -62,6 +62,7 @@ int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1
 GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
   GemmRsPlan plan;
   plan.config = c;
+  plan.scaling = p.scaling;
   auto fail = [&](const char* rule, bool config_error = false) {
     plan.error = rule;
     plan.config_error = config_error;
@@ -74,6 +75,13 @@ GemmRsPlan gemm_rs_plan(const GemmRsProblem& p, const GemmRsConfig& c) {
   if (is_fp8(p.input) && c.block_n != kFp8BlockN) {
     return fail("config.block_n must be 128 with FP8 operands (the promoted accumulator of a wider block "
                 "does not fit the registers)", true);
+  }
+  // Block scaling: the mainloop scales whole k-tiles, so K must be whole scale blocks (no padding:
+  // the scales' K/128 rows would have to be padded alike); M and N are padded to whole blocks below
+  // and the scales with them (x_scale [K/128, padded M], w_scale [padded N/128, K/128]).
+  if (p.scaling == Scaling::kBlock) {
+    if (!is_fp8(p.input)) return fail("block scaling needs FP8 operands");
+    if (p.k % kScaleBlock != 0) return fail("block-scaled FP8 needs K % 128 == 0 (one k-tile per scale block)");
   }
   // Padding: each partition to whole 128 x block_n blocks, on its own, so that partition q of the
   // padded product holds partition q of the real one; K to align_k (16-byte rows). Zeros add nothing.

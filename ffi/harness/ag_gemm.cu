@@ -9,7 +9,7 @@ std::string describe(AgCase const& c) {
   std::snprintf(buf, sizeof buf,
                 "ag W=%d rows=%d cols=%d N=%d %s%s%s %s block_n=%d gemm_sms=%d r=%d chunks<=%d push_sms=%d", c.world,
                 c.rows, c.cols, c.n, !c.fp8 ? "" : c.x_e5m2 ? "e5m2xe4m3->" : "e4m3->", c.bf16 ? "bf16" : "fp16",
-                c.fp8 ? (c.shared_scale ? " shared scale" : " per-shard scales") : "",
+                !c.fp8 ? "" : c.block_scaled ? " block scales" : c.shared_scale ? " shared scale" : " per-shard scales",
                 c.gather_k ? "contraction" : "rows", int(c.config.block_n), int(c.config.gemm_sms),
                 int(c.config.raster_rows), int(c.config.max_chunks), int(c.config.push_sms));
   return buf;

@@ -20,9 +20,13 @@ struct AgCase {
   bool fp8 = false;           // shards and w_t [N, w_rows] in e4m3, with fp8_scales
   bool shared_scale = false;  // FP8: every rank's x scale is rank 0's, and none travels
   bool x_e5m2 = false;        // FP8: the shards in e5m2 instead (the backward's gradient; w_t stays e4m3)
+  bool block_scaled = false;  // FP8: per-block scales (BlockScales; always pushed) instead of fp8_scales
   DType output() const { return bf16 ? DType::kBF16 : DType::kFP16; }
   DType input() const { return !fp8 ? output() : x_e5m2 ? DType::kE5M2 : DType::kE4M3; }
-  AgProblem problem(int rank) const { return AgProblem{rows, cols, n, world, rank, gather_k, input(), shared_scale}; }
+  AgProblem problem(int rank) const {
+    return AgProblem{rows, cols, n, world, rank, gather_k, input(), shared_scale,
+                     block_scaled ? Scaling::kBlock : Scaling::kTensor};
+  }
   float x_scale(int rank) const { return fp8_scales(shared_scale ? 0 : rank)[0]; }
   int64_t w_rows() const { return gather_k ? int64_t(world) * cols : cols; }
   int64_t y_rows() const { return gather_k ? rows : int64_t(world) * rows; }
@@ -32,6 +36,8 @@ struct AgWorld {
   struct Rank {
     uint16_t *x = nullptr, *w = nullptr, *y = nullptr;  // FP8: x and w_t bytes
     float* scales = nullptr;                            // FP8: x's and w's dequantisation scales
+    float *x_block_scales = nullptr, *w_block_scales = nullptr;  // block-scaled FP8 (BlockScales layouts)
+    std::unique_ptr<BlockScales> block_scales;                   // their host copy, for the reference
     char* inbox = nullptr;
     uint64_t* flags = nullptr;  // two parities of plan.flags words
     uint64_t* ready = nullptr;  // kMaxWorld words: ready[s] = the last call rank s's GEMM announced
@@ -58,6 +64,11 @@ struct AgWorld {
       CHECK_CUDA(cudaMalloc(&r.y, size_t(c.y_rows()) * c.n * 2));
       CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
       CHECK_CUDA(cudaMalloc(&r.scales, 2 * sizeof(float)));
+      if (c.block_scaled) {
+        BlockScales const shape_only(c.rows, c.n, c.cols, 0, 0, c.w_rows());
+        CHECK_CUDA(cudaMalloc(&r.x_block_scales, shape_only.x.size() * sizeof(float)));
+        CHECK_CUDA(cudaMalloc(&r.w_block_scales, shape_only.w.size() * sizeof(float)));
+      }
       CHECK_CUDA(cudaMalloc(&r.flags, 2 * plan.flags * sizeof(uint64_t)));
       CHECK_CUDA(cudaMemset(r.flags, 0, 2 * plan.flags * sizeof(uint64_t)));
       CHECK_CUDA(cudaMalloc(&r.ready, kMaxWorld * sizeof(uint64_t)));
@@ -80,6 +91,8 @@ struct AgWorld {
       cudaFree(r.y);
       cudaFree(r.inbox);
       cudaFree(r.scales);
+      cudaFree(r.x_block_scales);
+      cudaFree(r.w_block_scales);
       cudaFree(r.flags);
       cudaFree(r.ready);
       cudaFree(r.arrivals);
@@ -105,6 +118,12 @@ struct AgWorld {
         fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].w), c.w_rows() * c.n, seed * 131 + 2 * r + 1);
         float const scales[2] = {c.x_scale(r), fp8_scales(r)[1]};
         CHECK_CUDA(cudaMemcpy(ranks[r].scales, scales, sizeof scales, cudaMemcpyHostToDevice));
+        if (c.block_scaled) {
+          ranks[r].block_scales = std::make_unique<BlockScales>(c.rows, c.n, c.cols, seed, r, c.w_rows());
+          BlockScales const& b = *ranks[r].block_scales;
+          CHECK_CUDA(cudaMemcpy(ranks[r].x_block_scales, b.x.data(), b.x.size() * sizeof(float), cudaMemcpyHostToDevice));
+          CHECK_CUDA(cudaMemcpy(ranks[r].w_block_scales, b.w.data(), b.w.size() * sizeof(float), cudaMemcpyHostToDevice));
+        }
         continue;
       }
       fill_random<<<264, 256>>>(ranks[r].x, int64_t(c.rows) * c.cols, seed * 131 + 2 * r, c.bf16);
@@ -129,8 +148,10 @@ struct AgWorld {
     }
     a.ready = ranks[r].ready;
     a.arrivals = ranks[r].arrivals;
-    a.scale = c.fp8 && !c.shared_scale ? ranks[r].scales : nullptr;
+    a.scale = !c.fp8 ? nullptr : c.block_scaled ? ranks[r].x_block_scales : c.shared_scale ? nullptr : ranks[r].scales;
     a.scales_offset = plan.scales_offset;
+    a.scale_k_blocks = plan.scale_k_blocks;
+    a.rows = plan.rows_pad;
     a.shard_bytes = plan.shard_bytes;
     a.chunks = plan.chunks;
     a.rank = r;
@@ -151,8 +172,8 @@ struct AgWorld {
       AgGemmArgs a{ranks[r].x, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr, call_epoch(),
                    timeout_ns};
       for (int q = 0; q < c.world; ++q) a.call.announce[q] = q == r ? nullptr : ranks[q].ready + r;
-      a.x_scale = ranks[r].scales;
-      a.w_scale = ranks[r].scales + 1;
+      a.x_scale = c.block_scaled ? ranks[r].x_block_scales : ranks[r].scales;
+      a.w_scale = c.block_scaled ? ranks[r].w_block_scales : ranks[r].scales + 1;
       CHECK_CUDA(ag_gemm::launch_gemm(c.input(), c.output(), plans[r], a, ranks[r].gemm));
     }
     for (int r = 0; r < c.world; ++r) {
@@ -165,7 +186,13 @@ struct AgWorld {
         int const q = (r + d) % c.world;
         TransferArgs const receiver{ranks[r].ready + q, r, q, error, nullptr, call_epoch(), timeout_ns};
         CHECK_CUDA(launch_wait_receiver(receiver, ranks[r].transfer[d]));
-        if (c.fp8 && !c.shared_scale) {
+        if (c.fp8 && c.block_scaled) {
+          // The shard's [k_blocks, rows] scales into columns r*rows .. of q's [k_blocks, W * rows].
+          size_t const row_bytes = size_t(plan.rows_pad) * sizeof(float);
+          CHECK_CUDA(cudaMemcpy2DAsync(ranks[q].inbox + plan.scales_offset + r * row_bytes, c.world * row_bytes,
+                                       ranks[r].x_block_scales, row_bytes, row_bytes, size_t(plan.scale_k_blocks),
+                                       cudaMemcpyDeviceToDevice, ranks[r].transfer[d]));
+        } else if (c.fp8 && !c.shared_scale) {
           CHECK_CUDA(cudaMemcpyAsync(ranks[q].inbox + plan.scales_offset + r * kScaleSlotBytes, ranks[r].scales,
                                      sizeof(float), cudaMemcpyDeviceToDevice, ranks[r].transfer[d]));
         }
@@ -204,14 +231,18 @@ struct AgWorld {
     return h;
   }
 
-  // Rank r's shard (or its w [w_rows, n], w_t for FP8, as [w_rows, n]) in float64, dequantised.
+  // Rank r's shard (or its w [w_rows, n], w_t for FP8, as [w_rows, n]) in float64, dequantised
+  // (by block scales where the case has them).
   std::vector<double> shard(int r) {
     size_t const count = size_t(c.rows) * c.cols;
     std::vector<double> x(count);
     if (c.fp8) {
       std::vector<uint8_t> bytes(count);
       CHECK_CUDA(cudaMemcpy(bytes.data(), ranks[r].x, count, cudaMemcpyDeviceToHost));
-      for (size_t i = 0; i < count; ++i) x[i] = c.x_scale(r) * fp8_to_double(bytes[i], c.x_e5m2);
+      for (size_t i = 0; i < count; ++i) {
+        double const s = c.block_scaled ? double(ranks[r].block_scales->x_scale(i / c.cols, i % c.cols)) : c.x_scale(r);
+        x[i] = s * fp8_to_double(bytes[i], c.x_e5m2);
+      }
       return x;
     }
     auto const bits = download(ranks[r].x, count);
@@ -225,8 +256,12 @@ struct AgWorld {
       std::vector<uint8_t> w_t(w.size());
       CHECK_CUDA(cudaMemcpy(w_t.data(), ranks[r].w, w_t.size(), cudaMemcpyDeviceToHost));
       double const scale = fp8_scales(r)[1];
+      BlockScales const* const blocks = ranks[r].block_scales.get();
       for (int j = 0; j < c.n; ++j) {
-        for (int64_t kk = 0; kk < k; ++kk) w[size_t(kk) * c.n + j] = scale * fp8_to_double(w_t[size_t(j) * k + kk]);
+        for (int64_t kk = 0; kk < k; ++kk) {
+          double const s = c.block_scaled ? double(blocks->w_scale(j, kk)) : scale;
+          w[size_t(kk) * c.n + j] = s * fp8_to_double(w_t[size_t(j) * k + kk]);
+        }
       }
       return w;
     }
@@ -235,11 +270,12 @@ struct AgWorld {
     return w;
   }
 
-  // Relative error of every rank's y against float64 over about 40 rows per rank.
+  // Relative error of every rank's y against float64 over about 40 rows per rank. Block-scaled: the
+  // worst of that and of each row's 128-column segments on their own (as gemm_rs's World::check).
   double check() {
     std::vector<std::vector<double>> xs;
     for (int r = 0; r < c.world; ++r) xs.push_back(shard(r));
-    double err2 = 0, ref2 = 0;
+    double err2 = 0, ref2 = 0, worst_segment = 0;
     int64_t const rows = c.y_rows();
     int const stride = rows <= 40 ? 1 : int((rows / 40) | 1);
     std::vector<double> ref(c.n);
@@ -260,15 +296,22 @@ struct AgWorld {
             for (int j = 0; j < c.n; ++j) ref[j] += xv * wr[j];
           }
         }
+        double seg_err2 = 0, seg_ref2 = 0;
         for (int j = 0; j < c.n; ++j) {
           double const o = to_double(y[size_t(i) * c.n + j], c.bf16);
           if (std::isnan(o)) return INFINITY;
           err2 += (o - ref[j]) * (o - ref[j]);
           ref2 += ref[j] * ref[j];
+          seg_err2 += (o - ref[j]) * (o - ref[j]);
+          seg_ref2 += ref[j] * ref[j];
+          if (c.block_scaled && (j % kScaleBlock == kScaleBlock - 1 || j == c.n - 1)) {
+            worst_segment = std::max(worst_segment, std::sqrt(seg_err2 / std::max(seg_ref2, 1e-30)));
+            seg_err2 = seg_ref2 = 0;
+          }
         }
       }
     }
-    return std::sqrt(err2 / std::max(ref2, 1e-30));
+    return std::max(worst_segment, std::sqrt(err2 / std::max(ref2, 1e-30)));
   }
 
   std::vector<std::vector<uint16_t>> outputs() {

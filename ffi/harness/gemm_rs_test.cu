@@ -6,8 +6,8 @@ namespace entwine::harness {
 
 std::string describe(Case const& c) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "W=%d M=%d N=%d K=%d %s%s scatter=%s block_n=%d producer_sms=%d x=%d b=%d r=%d",
-                c.world, c.m, c.n, c.k, !c.fp8 ? "" : c.x_e5m2 ? "e5m2xe4m3->" : "e4m3->", c.bf16 ? "bf16" : "fp16", c.scatter_cols ? "cols" : "rows", int(c.config.block_n),
+  std::snprintf(buf, sizeof buf, "W=%d M=%d N=%d K=%d %s%s%s scatter=%s block_n=%d producer_sms=%d x=%d b=%d r=%d",
+                c.world, c.m, c.n, c.k, c.block_scaled ? "block-scaled " : "", !c.fp8 ? "" : c.x_e5m2 ? "e5m2xe4m3->" : "e4m3->", c.bf16 ? "bf16" : "fp16", c.scatter_cols ? "cols" : "rows", int(c.config.block_n),
                 int(c.config.producer_sms), int(c.config.consumer_grid), int(c.config.consumer_block),
                 int(c.config.raster_rows));
   return buf;

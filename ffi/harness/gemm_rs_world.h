@@ -16,6 +16,7 @@ struct Case {
   bool scatter_cols = false;
   bool fp8 = false;  // x [M, K] and w_t [N, K] in e4m3, with each rank's fp8_scales
   bool x_e5m2 = false;  // FP8: x in e5m2 instead (the backward's gradient; w_t stays e4m3)
+  bool block_scaled = false;  // FP8: per-block scales (block_scales) instead of fp8_scales
   ProblemShape shape(int rank) const {
     ProblemShape s{m, n, k, world, rank};
     s.scatter_cols = scatter_cols;
@@ -24,9 +25,11 @@ struct Case {
   DType output() const { return bf16 ? DType::kBF16 : DType::kFP16; }
   DType input() const { return !fp8 ? output() : x_e5m2 ? DType::kE5M2 : DType::kE4M3; }
   // Rank r's plan: the cases are aligned, so it plans the case's own shape (run_case checks that).
-  GemmRsPlan plan(int rank) const { return plan_of(shape(rank), config, input()); }
-  static GemmRsPlan plan_of(ProblemShape const& s, GemmRsConfig const& config, DType input = DType::kBF16) {
-    return gemm_rs_plan(GemmRsProblem{s.m, s.n, s.k, s.world, s.rank, s.scatter_cols, input}, config);
+  GemmRsPlan plan(int rank) const { return plan_of(shape(rank), config, input(), scaling()); }
+  Scaling scaling() const { return block_scaled ? Scaling::kBlock : Scaling::kTensor; }
+  static GemmRsPlan plan_of(ProblemShape const& s, GemmRsConfig const& config, DType input = DType::kBF16,
+                            Scaling scaling = Scaling::kTensor) {
+    return gemm_rs_plan(GemmRsProblem{s.m, s.n, s.k, s.world, s.rank, s.scatter_cols, input, scaling}, config);
   }
 };
 
@@ -36,6 +39,8 @@ struct VirtualRank {
   uint16_t *x = nullptr, *w = nullptr, *partial[2] = {nullptr, nullptr}, *out = nullptr;  // FP8: x, w_t bytes
   uint64_t* flags = nullptr;
   float* scales = nullptr;          // FP8: x's and w's dequantisation scales
+  float *x_block_scales = nullptr, *w_block_scales = nullptr;  // block-scaled FP8 (BlockScales layouts)
+  std::unique_ptr<BlockScales> block_scales;                   // their host copy, for the reference
   void* split_workspace = nullptr;  // the producer's split tail (one per producer stream)
   cudaStream_t producer_stream = nullptr, consumer_stream = nullptr;
 };
@@ -66,6 +71,11 @@ struct World {
       CHECK_CUDA(cudaMalloc(&r.split_workspace, kSplitWorkspaceBytes));
       CHECK_CUDA(cudaMemset(r.split_workspace, 0, kSplitWorkspaceBytes));
       CHECK_CUDA(cudaMalloc(&r.scales, 2 * sizeof(float)));
+      if (c.block_scaled) {
+        BlockScales const shape_only(c.m, c.n, c.k, 0, 0);
+        CHECK_CUDA(cudaMalloc(&r.x_block_scales, shape_only.x.size() * sizeof(float)));
+        CHECK_CUDA(cudaMalloc(&r.w_block_scales, shape_only.w.size() * sizeof(float)));
+      }
       CHECK_CUDA(cudaStreamCreateWithPriority(&r.producer_stream, cudaStreamNonBlocking, lo));
       CHECK_CUDA(cudaStreamCreateWithPriority(&r.consumer_stream, cudaStreamNonBlocking, hi));
     }
@@ -93,6 +103,8 @@ struct World {
       cudaFree(r.out);
       cudaFree(r.flags);
       cudaFree(r.scales);
+      cudaFree(r.x_block_scales);
+      cudaFree(r.w_block_scales);
       cudaFree(r.split_workspace);
       cudaStreamDestroy(r.producer_stream);
       cudaStreamDestroy(r.consumer_stream);
@@ -109,6 +121,12 @@ struct World {
         fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(ranks[r].w), int64_t(c.k) * c.n, seed * 131 + 2 * r + 1);
         std::array<float, 2> const scales = fp8_scales(r);
         CHECK_CUDA(cudaMemcpy(ranks[r].scales, scales.data(), sizeof scales, cudaMemcpyHostToDevice));
+        if (c.block_scaled) {
+          ranks[r].block_scales = std::make_unique<BlockScales>(c.m, c.n, c.k, seed, r);
+          BlockScales const& b = *ranks[r].block_scales;
+          CHECK_CUDA(cudaMemcpy(ranks[r].x_block_scales, b.x.data(), b.x.size() * sizeof(float), cudaMemcpyHostToDevice));
+          CHECK_CUDA(cudaMemcpy(ranks[r].w_block_scales, b.w.data(), b.w.size() * sizeof(float), cudaMemcpyHostToDevice));
+        }
         continue;
       }
       fill_random<<<264, 256>>>(ranks[r].x, int64_t(c.m) * c.k, seed * 131 + 2 * r, c.bf16);
@@ -131,8 +149,8 @@ struct World {
     ProducerArgs a{};
     a.x = ranks[r].x;
     a.w = ranks[r].w;
-    a.x_scale = ranks[r].scales;
-    a.w_scale = ranks[r].scales + 1;
+    a.x_scale = c.block_scaled ? ranks[r].x_block_scales : ranks[r].scales;
+    a.w_scale = c.block_scaled ? ranks[r].w_block_scales : ranks[r].scales + 1;
     a.partial = ranks[r].partial[0];
     a.split_workspace = ranks[r].split_workspace;
     for (int q = 0; q < c.world; ++q) a.flags[q] = ranks[q].flags;
@@ -204,7 +222,8 @@ struct World {
     return h;
   }
 
-  // Every rank's w [K, N] in float64, for the host references below (FP8: w_t dequantised).
+  // Every rank's w [K, N] in float64, for the host references below (FP8: w_t dequantised, by
+  // block scales where the case has them).
   std::vector<std::vector<double>> weights() {
     std::vector<std::vector<double>> ws;
     for (int r = 0; r < c.world; ++r) {
@@ -213,8 +232,12 @@ struct World {
         std::vector<uint8_t> w_t(size_t(c.k) * c.n);
         CHECK_CUDA(cudaMemcpy(w_t.data(), ranks[r].w, w_t.size(), cudaMemcpyDeviceToHost));
         double const scale = fp8_scales(r)[1];
+        BlockScales const* const blocks = ranks[r].block_scales.get();
         for (int j = 0; j < c.n; ++j) {
-          for (int kk = 0; kk < c.k; ++kk) ws.back()[size_t(kk) * c.n + j] = scale * fp8_to_double(w_t[size_t(j) * c.k + kk]);
+          for (int kk = 0; kk < c.k; ++kk) {
+            double const s = c.block_scaled ? double(blocks->w_scale(j, kk)) : scale;
+            ws.back()[size_t(kk) * c.n + j] = s * fp8_to_double(w_t[size_t(j) * c.k + kk]);
+          }
         }
         continue;
       }
@@ -230,7 +253,10 @@ struct World {
     if (c.fp8) {
       std::vector<uint8_t> bytes(c.k);
       CHECK_CUDA(cudaMemcpy(bytes.data(), reinterpret_cast<uint8_t*>(ranks[r].x) + i * c.k, c.k, cudaMemcpyDeviceToHost));
-      for (int kk = 0; kk < c.k; ++kk) row[kk] = fp8_scales(r)[0] * fp8_to_double(bytes[kk], c.x_e5m2);
+      for (int kk = 0; kk < c.k; ++kk) {
+        double const s = c.block_scaled ? double(ranks[r].block_scales->x_scale(i, kk)) : fp8_scales(r)[0];
+        row[kk] = s * fp8_to_double(bytes[kk], c.x_e5m2);
+      }
       return row;
     }
     auto const bits = download(ranks[r].x + i * c.k, c.k);
@@ -261,13 +287,15 @@ struct World {
 
   // Relative error ||out - ref|| / ||ref|| over about 48 rows per owner (every row of small
   // partitions; odd stride so the checked rows fall at varying offsets inside the 128-row tiles),
-  // against a float64 host reference; NaN (an unwritten element) fails.
+  // against a float64 host reference; NaN (an unwritten element) fails. Block-scaled: the worst
+  // of that and of each row's 128-column segments on their own (a segment's magnitude is its
+  // scales': a wrong scale in a small one would vanish in the whole's norm).
   double check() {
     ProblemShape const s = c.shape(0);
     int const rows = s.part_rows(), cols = s.part_cols();
     int const stride = rows <= 48 ? 1 : ((rows / 48) | 1);
     auto const ws = weights();
-    double err2 = 0, ref2 = 0;
+    double err2 = 0, ref2 = 0, worst_segment = 0;
     std::vector<double> row(c.n);
     for (int owner = 0; owner < c.world; ++owner) {
       auto out = download(ranks[owner].out, size_t(rows) * cols);
@@ -276,16 +304,28 @@ struct World {
         std::fill(row.begin(), row.end(), 0.0);
         for (int src = 0; src < c.world; ++src) add_product_row(row, x_row(src, row0 + i), ws[src]);
         if (!add_error(out.data() + size_t(i) * cols, row.data() + col0, cols, err2, ref2)) return INFINITY;
+        if (c.block_scaled) worst_segment = std::max(worst_segment, segment_error(out.data() + size_t(i) * cols, row.data() + col0, cols));
       }
     }
-    return std::sqrt(err2 / std::max(ref2, 1e-30));
+    return std::max(worst_segment, std::sqrt(err2 / std::max(ref2, 1e-30)));
+  }
+
+  // The worst relative error of the kScaleBlock-wide segments of one row (NaN-free: add_error ran).
+  double segment_error(uint16_t const* got, double const* ref, int count) const {
+    double worst = 0;
+    for (int j0 = 0; j0 < count; j0 += kScaleBlock) {
+      double err2 = 0, ref2 = 0;
+      add_error(got + j0, ref + j0, std::min(kScaleBlock, count - j0), err2, ref2);
+      worst = std::max(worst, std::sqrt(err2 / std::max(ref2, 1e-30)));
+    }
+    return worst;
   }
 
   // Relative error of every rank's partial output (slot `slot`) against its own x @ w in float64,
-  // over every 7th row: tells a wrong producer from a wrong consumer.
+  // over every 7th row: tells a wrong producer from a wrong consumer (block-scaled: as check()).
   double check_partials(int slot) {
     auto const ws = weights();
-    double err2 = 0, ref2 = 0;
+    double err2 = 0, ref2 = 0, worst_segment = 0;
     std::vector<double> row(c.n);
     for (int r = 0; r < c.world; ++r) {
       auto part = download(ranks[r].partial[slot], size_t(c.m) * c.n);
@@ -293,9 +333,10 @@ struct World {
         std::fill(row.begin(), row.end(), 0.0);
         add_product_row(row, x_row(r, i), ws[r]);
         if (!add_error(part.data() + size_t(i) * c.n, row.data(), c.n, err2, ref2)) return INFINITY;
+        if (c.block_scaled) worst_segment = std::max(worst_segment, segment_error(part.data() + size_t(i) * c.n, row.data(), c.n));
       }
     }
-    return std::sqrt(err2 / std::max(ref2, 1e-30));
+    return std::max(worst_segment, std::sqrt(err2 / std::max(ref2, 1e-30)));
   }
 
   std::vector<std::vector<uint16_t>> outputs() {

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "gemm/gemm.h"
 
 #define CHECK_CUDA(expr)                                                                        \
   do {                                                                                          \
@@ -54,6 +56,26 @@ double fp8_to_double(uint8_t bits, bool e5m2 = false);
 // Each rank's dequantisation scales (x's, w's): exact in binary, different per rank, so a block
 // scaled with another rank's factor shows.
 std::array<float, 2> fp8_scales(int rank);
+
+// Block-scaled FP8 scales of one rank (the FFI layouts): x_scale [K/128, M] (M-major) and w_scale
+// [N/128, w_k/128] (w_k: w_t's K, K unless given: ag_gemm's contraction layout has W shards' K).
+// Each a power of two from 2^-8 to 2^2, drawn per block from (seed, rank), so that neighbouring
+// blocks differ by up to three orders of magnitude (a scale read from the wrong row, K block or
+// block column shows) while the products stay exact and inside fp16's range.
+struct BlockScales {
+  int x_k_blocks, m, n_blocks, w_k_blocks;
+  std::vector<float> x, w;
+  BlockScales(int m_, int n, int k, uint64_t seed, int rank, int64_t w_k = 0)
+      : x_k_blocks((k + kScaleBlock - 1) / kScaleBlock), m(m_), n_blocks((n + kScaleBlock - 1) / kScaleBlock),
+        w_k_blocks(int(((w_k > 0 ? w_k : k) + kScaleBlock - 1) / kScaleBlock)), x(size_t(x_k_blocks) * m_),
+        w(size_t(n_blocks) * w_k_blocks) {
+    auto power = [](float u) { return std::ldexp(1.0f, int(std::floor((u + 1.0f) * 5.5f)) - 8); };  // u in [-1, 1)
+    for (size_t i = 0; i < x.size(); ++i) x[i] = power(hash_uniform(seed * 977 + 2 * rank, i));
+    for (size_t i = 0; i < w.size(); ++i) w[i] = power(hash_uniform(seed * 977 + 2 * rank + 1, i));
+  }
+  float x_scale(int64_t row, int64_t kk) const { return x[size_t(kk / kScaleBlock) * m + row]; }
+  float w_scale(int64_t col, int64_t kk) const { return w[size_t(col / kScaleBlock) * w_k_blocks + kk / kScaleBlock]; }
+};
 
 double to_double(uint16_t bits, bool bf16);
 
@@ -175,8 +197,11 @@ struct CublasLt {
                          void*, void*, void*, Algo const*, void*, size_t, cudaStream_t);
   static constexpr int kBF16 = 14 /* CUDA_R_16BF */, kF32 = 0 /* CUDA_R_32F */, kE4M3 = 28 /* CUDA_R_8F_E4M3 */,
                        kCompute32F = 68;
-  // cublasLtMatmulDescAttributes_t and cublasOperation_t values (cublasLt.h).
+  // cublasLtMatmulDescAttributes_t, cublasOperation_t and cublasLtMatmulMatrixScale_t values
+  // (cublasLt.h of CUDA 13: CUBLASLT_MATMUL_DESC_A/B_SCALE_MODE, CUBLASLT_MATMUL_MATRIX_SCALE_
+  // VEC128_32F and BLK128x128_32F).
   static constexpr int kDescTransA = 3, kDescAScale = 17, kDescBScale = 18, kOpT = 1;
+  static constexpr int kDescAScaleMode = 31, kDescBScaleMode = 32, kScaleVec128 = 4, kScaleBlock128x128 = 5;
   static constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
   void* handle = nullptr;
@@ -216,10 +241,13 @@ struct CublasLt {
     return &lt;
   }
 
-  // The scales of an FP8 GEMM (device scalars): y = x_scale * w_scale * (x @ w_t^T).
+  // The scales of an FP8 GEMM: device scalars, y = x_scale * w_scale * (x @ w_t^T); or `block`:
+  // DeepSeek-V3 block scaling, x's one per row and 128-wide K block (VEC128_32F), w_t's one per
+  // 128x128 block (BLK128x128_32F), device arrays in cuBLASLt's layouts.
   struct Fp8Scales {
     float const* x;
     float const* w;
+    bool block = false;
   };
 
   // Row-major bf16 y[M, N] = x[M, K] @ w[K, N] with fp32 accumulation (column-major: y^T = w^T x^T),
@@ -248,10 +276,26 @@ struct CublasLt {
     std::shared_ptr<void> c_own;
     if (fp8) {
       int const trans = kOpT;
-      CHECK_CUDA(cudaMemcpy(scales, fp8->w, sizeof(float), cudaMemcpyDeviceToDevice));
-      CHECK_CUDA(cudaMemcpy(scales + 64, fp8->x, sizeof(float), cudaMemcpyDeviceToDevice));
       float const* a_scale = scales;
       float const* b_scale = scales + 64;
+      if (fp8->block) {
+        // cuBLASLt's A is w_t (K x N, transposed), its B is x (K x M).
+        a_scale = fp8->w;
+        b_scale = fp8->x;
+        // A cuBLASLt without these modes (or without them on this GPU) refuses here or in the
+        // heuristic: then there is no cuBLAS column, not an exit.
+        int const a_mode = kScaleBlock128x128, b_mode = kScaleVec128;
+        int const status_a = desc_set(desc, kDescAScaleMode, &a_mode, sizeof a_mode);
+        int const status_b = desc_set(desc, kDescBScaleMode, &b_mode, sizeof b_mode);
+        if (status_a != 0 || status_b != 0) {
+          std::printf("(cuBLASLt refuses the block scale modes: status %d, %d: no cuBLAS column)\n", status_a, status_b);
+          desc_destroy(desc);
+          return {};
+        }
+      } else {
+        CHECK_CUDA(cudaMemcpy(scales, fp8->w, sizeof(float), cudaMemcpyDeviceToDevice));
+        CHECK_CUDA(cudaMemcpy(scales + 64, fp8->x, sizeof(float), cudaMemcpyDeviceToDevice));
+      }
       check(desc_set(desc, kDescTransA, &trans, sizeof trans));
       check(desc_set(desc, kDescAScale, &a_scale, sizeof a_scale));
       check(desc_set(desc, kDescBScale, &b_scale, sizeof b_scale));
@@ -269,8 +313,18 @@ struct CublasLt {
     check(pref_set(pref, 1 /* CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES */, &max_workspace, sizeof max_workspace));
     HeuristicResult results[16];
     int count = 0;
-    check(heuristic(handle, desc, a, b, d, d, pref, 16, results, &count), "cublasLtMatmulAlgoGetHeuristic");
+    int const heuristic_status = heuristic(handle, desc, a, b, d, d, pref, 16, results, &count);
     check(pref_destroy(pref));
+    if (fp8 && fp8->block && (heuristic_status != 0 || count == 0)) {
+      std::printf("(cuBLASLt block-scaled FP8 GEMM %dx%dx%d: heuristic status %d, %d algorithms: no cuBLAS column)\n",
+                  m, n, k, heuristic_status, count);
+      layout_destroy(a);
+      layout_destroy(b);
+      layout_destroy(d);
+      desc_destroy(desc);
+      return {};
+    }
+    check(heuristic_status, "cublasLtMatmulAlgoGetHeuristic");
     if (count == 0) check(-1, "no algorithm");
     // The descriptors live as long as the launchers that use them.
     Destroy const destroy_desc = desc_destroy, destroy_layout = layout_destroy;
@@ -302,7 +356,7 @@ struct CublasLt {
     if (launchers.empty()) {
       std::printf("(cuBLASLt %s GEMM %dx%dx%d: cublasLtMatmul refused all %d algorithms of the heuristic, last status %d;"
                   " CUBLASLT_LOG_LEVEL=5 says why: no cuBLAS column)\n",
-                  fp8 ? "FP8" : "bf16", m, n, k, count, last_status);
+                  !fp8 ? "bf16" : fp8->block ? "block-scaled FP8" : "FP8", m, n, k, count, last_status);
     }
     return launchers;
   }
@@ -336,6 +390,9 @@ int ag_push_main();
 int fp8_test_main();
 int fp8_bench_main();
 int fp8_accuracy_main();
+// fp8_block.cu
+int fp8block_test_main();
+int fp8block_bench_main();
 // sanitize.cu
 int sanitize_main(bool sequential);
 int ag_sanitize_main();

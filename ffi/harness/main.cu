@@ -25,6 +25,12 @@
 //                                     on the design suite; an FP8 shard's push time vs a bf16 one
 //   entwine_harness fp8 accuracy      the FP8 accumulation's error (positive operands, K to 32768)
 //                                     against float64, ours and cuBLASLt's
+//   entwine_harness fp8block test     block-scaled FP8 (x per row and 128-wide K block, w_t per
+//                                     128x128 block; x in e4m3 or e5m2): gemm_rs's GEMM and fused
+//                                     call, ag_gemm's fused call in both layouts and both pushes,
+//                                     against float64, W in {1,2,4,8}, split tail, graphs
+//   entwine_harness fp8block bench    the block-scaled FP8 producer and ag_gemm GEMM vs their
+//                                     per-tensor selves and cuBLASLt's block-scaled FP8 GEMM
 // Each command's code is in the file of its concern; harness.h holds what they share.
 #include <cstdio>
 #include <cstdlib>
@@ -48,6 +54,8 @@ int main(int argc, char** argv) {
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "test") return fp8_test_main();
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "bench") return fp8_bench_main();
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "accuracy") return fp8_accuracy_main();
+  if (mode == "fp8block" && argc > 2 && std::string(argv[2]) == "test") return fp8block_test_main();
+  if (mode == "fp8block" && argc > 2 && std::string(argv[2]) == "bench") return fp8block_bench_main();
   if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
   if (mode == "producer" && (argc == 8 || argc == 9)) return producer_main(argc, argv);
   if (mode == "energy" && argc >= 3 && std::string(argv[2]) == "suite") {
@@ -63,6 +71,7 @@ int main(int argc, char** argv) {
   std::fprintf(stderr,
                "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
                "       entwine_harness ag test | ag sanitize | ag bench | ag push | fp8 test | fp8 bench | fp8 accuracy | api\n"
+               "       entwine_harness fp8block test | fp8block bench\n"
                "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n"
                "       entwine_harness energy M N K [seconds] [names] | energy suite [seconds] [shapes]\n");
   return 2;
