@@ -113,12 +113,15 @@ def fp8_block_reason(op: str, plan_function: str) -> Optional[str]:
 
 
 def _keywords(function) -> str:
-    """The text that names a function's parameters: its signature (Python), or the docstring that
-    nanobind opens with the signature."""
+    """The text that names a function's parameters: nanobind's signature (`__nb_signature__`), else
+    the Python signature, and the docstring (where nanobind may open it with the signature)."""
+    parts = [str(entry[0]) for entry in getattr(function, "__nb_signature__", None) or ()]
     try:
-        return " ".join(inspect.signature(function).parameters)
+        parts.append(" ".join(inspect.signature(function).parameters))
     except (TypeError, ValueError):
-        return function.__doc__ or ""
+        pass
+    parts.append(function.__doc__ or "")
+    return " ".join(parts)
 
 
 def max_world() -> int:

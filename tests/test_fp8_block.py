@@ -659,3 +659,29 @@ def test_gathered_block_scales_are_placed_as_the_gathered_x(shape, gd):
     plan = ag_op.Plan(axis_name="tp", axis_size=world, dimension=gd, config=None, return_gathered=True, reason="")
     placed = ag_op._in_x_layout(jnp.swapaxes(kernels, 1, 2), shape[:-1], shape[-1], plan)
     np.testing.assert_array_equal(np.asarray(placed), np.concatenate(sources, axis=gd))
+
+
+def test_block_kernels_found_in_a_nanobind_signature(monkeypatch):
+    # nanobind's functions: inspect.signature may fail or show only (*args, **kwargs) depending on the
+    # nanobind version; the parameters are in __nb_signature__ (and the docstring may not name them).
+    class NbFunction:
+        __doc__ = "the plan of one FP8 call"
+
+        def __init__(self, names):
+            self.__nb_signature__ = ((f"def f(m: int, {names}) -> dict", "the plan", ()),)
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("not asked")
+
+    class Extension:
+        GEMM_RS_FP8_TARGET, AG_GEMM_FP8_TARGET = "entwine_gemm_rs_fp8", "entwine_ag_gemm_fp8"
+        gemm_rs_fp8_plan = NbFunction("x_dtype: str = \\0, block_scaled: bool = \\1")
+        ag_gemm_fp8_plan = NbFunction("x_dtype: str = \\0")
+
+        @staticmethod
+        def fp8_targets():
+            return ["entwine_gemm_rs_fp8", "entwine_ag_gemm_fp8"]
+
+    monkeypatch.setattr(_extension, "module", lambda: (Extension, None))
+    assert rs_plan.fp8_block_reason() is None
+    assert "no fused ag_gemm kernel" in ag_plan.fp8_block_reason()
