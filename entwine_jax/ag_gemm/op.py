@@ -9,9 +9,11 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from entwine_jax import _extension, callsite, opspec
+from entwine_jax import _extension, _log, callsite, opspec
 from entwine_jax.ag_gemm import fused
+from entwine_jax.ag_gemm import plan as _plan
 from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config, push_budget, push_of
 from entwine_jax.ag_gemm.reference import ag_gemm_reference, ag_gemm_reference_fp8
 
@@ -44,6 +46,10 @@ class Plan:
     fused_call: Any = None  # with reason None: fused.AgGemmCall (padding, grid, comm id)
     out_dtype: Optional[str] = None  # an FP8 call (entwine_jax.fp8): the output dtype's name
     shared_scale: bool = False  # an FP8 call: every rank's x_scale is the same
+    # A group of weights (w a tuple): None: one weight. joined: why the fused call concatenates the
+    # group's weights (and splits its output) instead of reading each where it lies; None: it does not.
+    widths: Optional[tuple] = None
+    joined: Optional[str] = None
 
 
 def _check_args(x, w, axis_name, gather_dimension, fp8: bool) -> tuple[int, int]:
@@ -88,6 +94,33 @@ def check_group(x, weights: tuple, fp8: bool = False) -> list:
         if w.shape[1] == 0:
             raise ValueError(f"ag_gemm: w[{i}] has no columns (shape {tuple(w.shape)})")
     return [int(w.shape[1]) for w in weights]
+
+
+def joined_aval(weights: tuple, dtype=None):
+    """The [K, sum of N_i] operand a group of weights stands for (in `dtype`, default theirs)."""
+    return jax.ShapeDtypeStruct((weights[0].shape[0], sum(w.shape[1] for w in weights)), dtype or weights[0].dtype)
+
+
+def group_reason(widths, config: AgGemmConfig) -> Optional[str]:
+    """Why the kernels cannot read a group of weights of these widths where they lie (the call then
+    concatenates them, one copy of the weights per call), or None. Each weight is read through its own
+    descriptors into whole blocks of its own: a width must be a multiple of the block."""
+    if len(widths) > _plan.max_weights():
+        return f"{len(widths)} weights, the kernels read at most {_plan.max_weights()} in place"
+    for i, n in enumerate(widths):
+        if n % config.block_n:
+            return f"w[{i}] has {n} columns, not a multiple of config.block_n ({config.block_n})"
+    return None
+
+
+def _group_config(widths, config: AgGemmConfig, source: str) -> AgGemmConfig:
+    """A group's config: the heuristic's, with 128-wide blocks where its blocks would straddle two
+    weights (a 256-wide block needs every width a multiple of 256) but 128-wide ones would not."""
+    if source == "override" or config.block_n == 128 or any(n % 128 for n in widths):
+        return config
+    if any(n % config.block_n for n in widths):
+        return dataclasses.replace(config, block_n=128)
+    return config
 
 
 def _check_config(config: AgGemmConfig) -> None:
@@ -165,6 +198,9 @@ def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_g
     writing this dtype; shared_scale: its x_scale is the same on every rank."""
     axis_name = callsite.hashable_axis(axis_name)
     out_dtype = None if out_dtype is None else jnp.dtype(out_dtype).name
+    # A group of weights plans as the one operand their columns side by side make.
+    widths = tuple(int(w_i.shape[1]) for w_i in w) if isinstance(w, tuple) else None
+    w = joined_aval(w) if widths else w
     size, gd = _check_args(x, w, axis_name, dimension, out_dtype is not None)
     if config is not None and not isinstance(config, AgGemmConfig):
         raise ValueError(f"ag_gemm: config must be an AgGemmConfig or None, got {type(config).__name__}")
@@ -173,15 +209,24 @@ def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_g
     source = "override"
     if config is None:
         config, source = default_config(x, w, size, gd)
+    if widths:
+        config = _group_config(widths, config, source)
     _check_config(config)
     fused_call, reason = _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
+    joined = group_reason(widths, config) if widths and reason is None else None
     p = Plan(axis_name=axis_name, axis_size=size, dimension=gd, config=config,
              return_gathered=return_gathered, reason=reason, fused_call=fused_call, out_dtype=out_dtype,
-             shared_scale=shared_scale)
-    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, gd, out_dtype, shared_scale)
-    site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={axis_name!r} (size {size}) "
-            f"gather_dimension={gd}" + (f" out_dtype={out_dtype} shared_scale={shared_scale}" if out_dtype else ""))
+             shared_scale=shared_scale, widths=widths, joined=joined)
+    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, gd, out_dtype, shared_scale, widths)
+    site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)}"
+            + (f" (a group of widths {list(widths)})" if widths else "")
+            + f" axis={axis_name!r} (size {size}) gather_dimension={gd}"
+            + (f" out_dtype={out_dtype} shared_scale={shared_scale}" if out_dtype else ""))
     callsite.report(OP, key, site, config, reason, source, printed)
+    if joined is not None:
+        # Fused, at the price of one copy of the weights (and of the outputs) per call: worth saying.
+        _log.log_once((OP, "joined", key), _log.fallback_level(config.path),
+                      "%s %s: the weights are concatenated per call: %s", OP, site, joined)
     return p
 
 
@@ -194,44 +239,55 @@ def _fused_forward(x, w, *scales, plan: Plan, gathered: bool):
     """The kernels see this rank's shard as [rows, cols]. Rows layout: the gathered dim's W slices
     come back stacked in rank order, [W * rows, N]; for a gathered dim with dims in front of it
     (x [B, S/W, K], gather dim 1) the result is permuted into place (one copy of y). scales: an FP8
-    call's (x_scale, w_scale); with `gathered` it also returns the W sources' x_scale."""
+    call's (x_scale, w_scale); with `gathered` it also returns the W sources' x_scale. A group of
+    weights (w a tuple) gives a tuple of outputs: each weight read where it lies and its output
+    written by the kernels, or where plan.joined says why not, the weights concatenated and the
+    one output split."""
     x2d = x.reshape(-1, x.shape[-1])
     names = callsite.varying_over(x, w, *scales)
+    operand = jnp.concatenate(w, axis=1) if plan.joined is not None else w
     if not scales:
-        y2d, g = fused.call(x2d, w, plan.fused_call, return_gathered=gathered)
-        return _placed(x, w, y2d, g, plan, gathered, names)
-    y2d, g, source_scales = fused.call_fp8(x2d, w, *scales, plan.fused_call, gathered, plan.shared_scale)
-    out = _placed(x, w, y2d, g, plan, gathered, names)
+        y2d, g = fused.call(x2d, operand, plan.fused_call, return_gathered=gathered)
+        return _placed(x, _as_group(y2d, plan), g, plan, gathered, names)
+    y2d, g, source_scales = fused.call_fp8(x2d, operand, *scales, plan.fused_call, gathered, plan.shared_scale)
+    out = _placed(x, _as_group(y2d, plan), g, plan, gathered, names)
     return (*out, callsite.typed_like(names, source_scales)) if gathered else out
 
 
-def _placed(x, w, y2d, g, plan: Plan, gathered: bool, names):
-    """The kernels' y [W * rows, N] (or [rows, N]) and gathered [W, rows, cols] in x's layout."""
+def _as_group(y2d, plan: Plan):
+    """The kernels' output(s) as the call's: y alone, or a group's tuple (a joined call's y split)."""
+    if plan.joined is not None:
+        return tuple(jnp.split(y2d, np.cumsum(plan.widths)[:-1].tolist(), axis=1))
+    return y2d
+
+
+def _placed(x, y2d, g, plan: Plan, gathered: bool, names):
+    """The kernels' y [W * rows, N] (or [rows, N]; a group: a tuple of them) and gathered [W, rows,
+    cols] in x's layout."""
     world, gd, lead = plan.axis_size, plan.dimension, tuple(x.shape[:-1])
     gather_k = gd == x.ndim - 1
-    n = w.shape[1]
-    if not gathered:
-        # The kernels write no gathered operand at all: a forward-only call moves only what y needs.
-        y2d = callsite.typed_like(names, y2d)
+    before, d, after = (lead[:gd], lead[gd], lead[gd + 1:]) if not gather_k else ((), 0, ())
+    p = math.prod(before)
+
+    def place(y2d):
+        n = y2d.shape[1]
         if gather_k:
             return y2d.reshape(lead + (n,))
-        before, d, after = lead[:gd], lead[gd], lead[gd + 1:]
-        y = y2d.reshape((world, math.prod(before), d) + after + (n,))
-        return jnp.swapaxes(y, 0, 1).reshape(before + (world * d,) + after + (n,))
-    y2d, g = callsite.typed_like(names, y2d, g)
+        # [W, P, D, R, ·] (source-major) -> [P, W, D, R, ·] -> [..., W * D, ...]
+        y = y2d.reshape((world, p, d) + after + (n,))
+        return (jnp.swapaxes(y, 0, 1) if p != 1 else y).reshape(before + (world * d,) + after + (n,))
+
+    # The kernels write no gathered operand at all unless asked: a forward-only call moves only y.
+    y = jax.tree.map(place, callsite.typed_like(names, y2d))
+    if not gathered:
+        return y
+    g = callsite.typed_like(names, g)
     if gather_k:
         # g [W, rows, cols] -> [rows, W * cols]: the contraction dim in rank order.
-        g = jnp.swapaxes(g, 0, 1).reshape(lead + (world * x.shape[-1],))
-        return y2d.reshape(lead + (n,)), g
-    before, d, after = lead[:gd], lead[gd], lead[gd + 1:]
-    p = math.prod(before)
-    # [W, P, D, R, ·] (source-major) -> [P, W, D, R, ·] -> [..., W * D, ...]
-    y = y2d.reshape((world, p, d) + after + (n,))
+        return y, jnp.swapaxes(g, 0, 1).reshape(lead + (world * x.shape[-1],))
     g = g.reshape((world, p, d) + after + (x.shape[-1],))
-    if p != 1:
-        y, g = jnp.swapaxes(y, 0, 1), jnp.swapaxes(g, 0, 1)
-    shape = before + (world * d,) + after
-    return y.reshape(shape + (n,)), g.reshape(shape + (x.shape[-1],))
+    g = jnp.swapaxes(g, 0, 1) if p != 1 else g
+    return y, g.reshape(before + (world * d,) + after + (x.shape[-1],))
 
 
 def forward(x, w, plan: Plan, gathered: bool = False):
