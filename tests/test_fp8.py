@@ -820,3 +820,30 @@ def test_an_e4m3_weight_is_transposed_once_per_forward(fused_stand_in):
     # one transposed copy the FP8 kernels' layout needs (an e4m3 [N, K] weight has no public form).
     hlo = _compiled_fp8_step((256,), E4M3)
     assert len(_e4m3_copies(hlo)) == 1
+
+
+@pytest.mark.parametrize("fp8_call", [False, True])
+@pytest.mark.parametrize("widths,weights", [((1024, 128, 128), 3), ((256, 96, 32), 1)])
+def test_a_group_lowers_to_one_call_on_its_weights(fused_on_cpu, fp8_call, widths, weights):
+    # With the kernels' plan: a group of whole 128-wide blocks is one ag_gemm call taking each weight
+    # (x, w_1 [, the scales], w_2 .. w_G) and returning each output; one with a width that is not takes
+    # the weights joined into one operand.
+    mesh = make_mesh((W,), ("tp",))
+    scales = dict(x_scale=S, w_scale=S) if fp8_call else {}
+
+    def call(x, *ws):
+        return ag_gemm(x, ws, axis_name="tp", config=AgGemmConfig(path="fused", block_n=128), **scales)
+
+    specs = (P("tp", None),) + (P(None, "tp"),) * len(widths)
+    f = jax.shard_map(call, in_specs=specs, out_specs=(P("tp", None),) * len(widths))
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))
+            for shape, spec in zip([(512, 256)] + [(256, W * n) for n in widths], specs)]
+    with jax.set_mesh(mesh):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    target = "entwine_ag_gemm_fp8" if fp8_call else "entwine_ag_gemm"
+    calls = re.findall(rf"custom_call @{target}\(([^)]*)\).*-> \(([^)]*)\)", text)
+    assert len(calls) == 1, text
+    operands, results = calls[0]
+    fixed = 3 if fp8_call else 1  # x (and the two scales)
+    assert len(operands.split(",")) == fixed + weights
+    assert len(re.findall(r"tensor<", results)) == (2 if fp8_call else 1) + weights

@@ -390,7 +390,7 @@ struct GemmKernel {
       int64_t const row0 = c.owner * params.part_row_step + int64_t(c.tile_m) * BLOCK_M;
       int n_block = c.n_block;
       int const g = group_operand(params, n_block);
-      // A group operand's block goes to that operand's output (calls with a group write one copy).
+      // A group operand's block goes to that operand's own output, at its row pitch.
       int64_t const ld = params.group.count > 1 ? params.group.ld[g] : int64_t(params.n);
       Element* const base = params.group.count > 1 ? params.group.out_of[g] : partial;
       Element* dst = base + row0 * ld + c.owner * params.part_col_step + int64_t(n_block) * BLOCK_N;
