@@ -194,7 +194,7 @@ class Fp8Suites(Rank):
         except AssertionError as e:
             failures.append(str(e))
         # The group read in place (widths of whole 128-wide blocks), and joined (a width that is not).
-        for widths, in_place in (((512, 128, 128), True), ((256, 96, 32), False)):
+        for widths, in_place in (((1024, 128, 128), True), ((256, 96, 32), False)):
             try:
                 worst = max(worst, self.fp8_grouped_grads(widths=widths, in_place=in_place))
             except AssertionError as e:
