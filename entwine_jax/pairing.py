@@ -96,10 +96,11 @@ def _paired_bwd(name, plan, res, cotangents):
     x, w = res  # x: the forward's operand, or its gathered operand where the forward gathers
     # Only a call that returns the gathered operand has its cotangent (JAX passes zeros when that
     # output is unused: one reduce-scatter of zeros, so return it only where it is needed).
-    dy, dg = cotangents if plan.return_gathered else (cotangents, None)
-    dy, w, widths = _joined(dy, w)
+    dys, dg = cotangents if plan.return_gathered else (cotangents, None)
+    dy, w, widths = _joined(dys, w)
     if plan.config.path == "xla" and op.reference_backward is not None:
-        return op.reference_backward(x, w, dy, axis_name=plan.axis_name, dimension=plan.dimension)
+        dx, dw = op.reference_backward(x, w, dy, axis_name=plan.axis_name, dimension=plan.dimension)
+        return dx, _split(dw, widths)
     config = _backward_config(plan, back, dy, w.T)
     if back.gathers:
         # The backward of a reduce-scatter is an all-gather: dx = all_gather(dy) @ w.T, whose gathered
@@ -114,7 +115,8 @@ def _paired_bwd(name, plan, res, cotangents):
     if dg is not None:
         dx = dx + jax.lax.psum_scatter(dg, plan.axis_name, scatter_dimension=plan.dimension,
                                        tiled=True).astype(dx.dtype)
-    return dx, _split(matmul_weight_grad(x, dy, w.dtype), widths)
+    # A group's dw_i from its own cotangent: one GEMM each, where a joined dw would be split (a copy).
+    return dx, jax.tree.map(lambda d: matmul_weight_grad(x, d, w.dtype), dys)
 
 
 _paired.defvjp(_paired_fwd, _paired_bwd)
