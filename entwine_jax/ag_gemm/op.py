@@ -76,9 +76,9 @@ def _check_args(x, w, axis_name, gather_dimension, fp8: bool) -> tuple[int, int]
     return size, gd
 
 
-def check_group(x, weights: tuple, fp8: bool = False) -> list:
+def check_group(x, weights: tuple, fp8: bool = False) -> None:
     """ValueError unless `weights` is a non-empty group of [K, N_i] arrays that one GEMM can serve
-    (x's dtype, or with fp8 one dtype of their own; one K); returns the widths N_i."""
+    (x's dtype, or with fp8 one dtype of their own; one K)."""
     if not weights:
         raise ValueError("ag_gemm: w is an empty group; pass one weight or a tuple of weights [K, N_i]")
     for i, w in enumerate(weights):
@@ -93,15 +93,14 @@ def check_group(x, weights: tuple, fp8: bool = False) -> list:
             raise ValueError(f"ag_gemm: w[{i}].dtype must equal x.dtype ({x.dtype}), got {w.dtype}")
         if w.shape[1] == 0:
             raise ValueError(f"ag_gemm: w[{i}] has no columns (shape {tuple(w.shape)})")
-    return [int(w.shape[1]) for w in weights]
 
 
-def joined_aval(weights: tuple, dtype=None):
-    """The [K, sum of N_i] operand a group of weights stands for (in `dtype`, default theirs)."""
-    return jax.ShapeDtypeStruct((weights[0].shape[0], sum(w.shape[1] for w in weights)), dtype or weights[0].dtype)
+def _joined_aval(weights: tuple):
+    """The [K, sum of N_i] operand a group of weights stands for."""
+    return jax.ShapeDtypeStruct((weights[0].shape[0], sum(w.shape[1] for w in weights)), weights[0].dtype)
 
 
-def group_reason(widths, config: AgGemmConfig) -> Optional[str]:
+def _group_reason(widths, config: AgGemmConfig) -> Optional[str]:
     """Why the kernels cannot read a group of weights of these widths where they lie (the call then
     concatenates them, one copy of the weights per call), or None. Each weight is read through its own
     descriptors into whole blocks of its own: a width must be a multiple of the block."""
@@ -200,7 +199,7 @@ def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_g
     out_dtype = None if out_dtype is None else jnp.dtype(out_dtype).name
     # A group of weights plans as the one operand their columns side by side make.
     widths = tuple(int(w_i.shape[1]) for w_i in w) if isinstance(w, tuple) else None
-    w = joined_aval(w) if widths else w
+    w = _joined_aval(w) if widths else w
     size, gd = _check_args(x, w, axis_name, dimension, out_dtype is not None)
     if config is not None and not isinstance(config, AgGemmConfig):
         raise ValueError(f"ag_gemm: config must be an AgGemmConfig or None, got {type(config).__name__}")
@@ -213,7 +212,7 @@ def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_g
         config = _group_config(widths, config, source)
     _check_config(config)
     fused_call, reason = _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale)
-    joined = group_reason(widths, config) if widths and reason is None else None
+    joined = _group_reason(widths, config) if widths and reason is None else None
     p = Plan(axis_name=axis_name, axis_size=size, dimension=gd, config=config,
              return_gathered=return_gathered, reason=reason, fused_call=fused_call, out_dtype=out_dtype,
              shared_scale=shared_scale, widths=widths, joined=joined)
