@@ -177,13 +177,18 @@ def _group_operands(x2d, w, p: AgPadding) -> tuple:
     return x_pad, tuple(pad_operands(x2d, w_i, p_i)[1] for w_i, p_i in zip(w, pads)), pads
 
 
-def _outputs(results: list, pads: tuple, fixed: int, gathered, return_gathered: bool):
-    """The call's outputs unpadded from the FFI results: the first weight's y, `fixed` results after
-    it (the gathered operand first), then the group's further outputs; y alone, or a tuple of a
+def _outputs(results: list, pads: tuple, fixed: int, return_gathered: bool):
+    """(y, gathered or None) unpadded from the FFI results: the first weight's y, `fixed` results
+    after it (the gathered operand first), then the group's further outputs; y alone, or a tuple of a
     group's."""
-    y, gathered = unpad(results[0], gathered if return_gathered else None, pads[0])
+    y, gathered = unpad(results[0], results[1] if return_gathered else None, pads[0])
     ys = (y,) + tuple(unpad(y_i, None, p_i)[0] for y_i, p_i in zip(results[1 + fixed:], pads[1:]))
     return (ys if len(pads) > 1 else y), gathered
+
+
+def _shapes(weights) -> list:
+    """The weight operands' shapes as a call's signature names them: one weight's, or a group's list."""
+    return list(weights[0].shape) if len(weights) == 1 else [list(v.shape) for v in weights]
 
 
 def call(x2d, w, site: AgGemmCall, return_gathered: bool):
@@ -197,7 +202,7 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
     gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
     attributes = site.config.kernel_attributes(site.gemm_sms, site.push_sms)
     layout = "contraction" if p.gather_k else "rows"
-    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w {[list(v.shape) for v in weights]} "
+    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w {_shapes(weights)} "
                                     f"gathering {layout}, gathered {list(gathered_shape)}, config "
                                     f"{comm.attributes_text(attributes)}, from {comm.call_site()}")
     ys = [jax.ShapeDtypeStruct((y_rows, p_i.n_pad), x2d.dtype) for p_i in pads]
@@ -205,7 +210,7 @@ def call(x2d, w, site: AgGemmCall, return_gathered: bool):
         site.target, [ys[0], jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)] + ys[1:],
         x_pad, *weights, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k), signature=np.int64(signature),
         config=attributes)
-    return _outputs(results, pads, 1, results[1], return_gathered)
+    return _outputs(results, pads, 1, return_gathered)
 
 
 def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, shared_scale: bool):
@@ -225,7 +230,7 @@ def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, 
     w_ts = [v.T for v in weights]
     attributes = site.config.kernel_attributes(site.gemm_sms, site.push_sms)
     layout = "contraction" if p.gather_k else "rows"
-    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w_t {[list(v.shape) for v in w_ts]} "
+    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w_t {_shapes(w_ts)} "
                                     f"gathering {layout}, gathered {list(gathered_shape)}, out {site.out_dtype}, "
                                     f"shared scale {bool(shared_scale)}, config {comm.attributes_text(attributes)}, "
                                     f"from {comm.call_site()}")
@@ -235,5 +240,5 @@ def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, 
                       jax.ShapeDtypeStruct((p.world,), jnp.float32)] + ys[1:],
         x_pad, w_ts[0], *scales, *w_ts[1:], comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
         shared_scale=bool(shared_scale), signature=np.int64(signature), config=attributes)
-    y, gathered = _outputs(results, pads, 2, results[1], return_gathered)
+    y, gathered = _outputs(results, pads, 2, return_gathered)
     return y, gathered, results[2]
