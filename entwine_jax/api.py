@@ -3,9 +3,7 @@
 # takes and hands the call to entwine_jax.pairing, which runs the op with its backward.
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from entwine_jax import callsite, fp8, pairing
 from entwine_jax.ag_gemm import op as ag_op
@@ -55,8 +53,10 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
     sharded over the hidden dim): x [..., K/W], w [K, N_local] -> [..., N_local].
 
     Grouped: w a tuple (or list) of weights [K, N_i] (e.g. query, key and value, of any widths) ->
-    a tuple of outputs [..., N_i], from one gather of x: the weights are one GEMM over their
-    concatenated columns, and the backward is one gemm_rs on all the cotangents.
+    a tuple of outputs [..., N_i], from one gather of x: one GEMM over the weights side by side,
+    each read where it lies and each output written in place (up to 4 weights whose widths are
+    multiples of the GEMM block, 128 or config.block_n; otherwise the call concatenates the weights,
+    a copy per call, and logs why once), and the backward is one gemm_rs on all the cotangents.
     config: an AgGemmConfig; default: ag_heuristic_config().
 
     FP8 (entwine_jax.fp8): with x_scale and w_scale (float32 scalars; a group shares one w_scale)
@@ -71,29 +71,12 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
                             return_gathered=return_gathered, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype,
                             grad_dtype=grad_dtype, grad_scale=grad_scale)
     if isinstance(w, (tuple, list)):
-        return _grouped_ag_gemm(x, tuple(w), axis_name=axis_name, gather_dimension=gather_dimension, config=config,
-                                return_gathered=return_gathered)
+        # The group goes to the op as a tuple: its forward reads each weight where it lies, and the
+        # pairing's backward is one gemm_rs on the joined cotangents (entwine_jax.pairing).
+        w = tuple(w)
+        ag_op.check_group(x, w)
     return pairing.call("ag_gemm", x, w, axis_name=axis_name, dimension=gather_dimension, config=config,
                         return_gathered=return_gathered)
-
-
-def _grouped_ag_gemm(x, weights: tuple, *, axis_name, gather_dimension, config, return_gathered):
-    # One ag_gemm over the weights' concatenated columns, split after. Differentiating through the
-    # concatenation and the split gives the pairing for the group: one gemm_rs on the concatenated
-    # cotangents (dx of every weight summed inside the GEMM) and each dw a column block of gathered
-    # x.T @ dy. The price is one copy of the weights (and of the cotangents in the backward) per call.
-    widths = ag_op.check_group(x, weights)
-    with jax.named_scope("entwine_ag_gemm"):
-        out = pairing.call("ag_gemm", x, jnp.concatenate(weights, axis=1), axis_name=axis_name,
-                           dimension=gather_dimension, config=config, return_gathered=return_gathered)
-        return _split_group(out, widths, return_gathered)
-
-
-def _split_group(out, widths: list, return_gathered: bool):
-    """A grouped call's output [..., sum of N_i] (and the gathered x) as the group's outputs [..., N_i]."""
-    y, g = out if return_gathered else (out, None)
-    ys = tuple(jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1))
-    return (ys, g) if return_gathered else ys
 
 
 def _ag_gemm_fp8(x, w, *, axis_name, gather_dimension, config, return_gathered, x_scale, w_scale, out_dtype,
@@ -103,27 +86,28 @@ def _ag_gemm_fp8(x, w, *, axis_name, gather_dimension, config, return_gathered, 
     grouped = isinstance(w, (tuple, list))
     weights = tuple(w) if grouped else (w,)
     xs, ws, gs, call = fp8.check("ag_gemm", x, weights, x_scale, w_scale, out_dtype, grad_dtype, grad_scale, grouped)
-    widths = ag_op.check_group(x, weights, fp8=True) if grouped else None
+    if grouped:
+        ag_op.check_group(x, weights, fp8=True)
     w_scales = ws if grouped and call.block else (ws,) * len(weights)
     fp8.check_scales("ag_gemm", (("x", x, xs),) + tuple((f"w[{i}]" if grouped else "w", w_i, s)
                                                          for i, (w_i, s) in enumerate(zip(weights, w_scales))))
-    # One GEMM over the group's concatenated columns, split after (as for the bf16 group).
-    kept = widths
-    if grouped and call.block:
-        # Block scales concatenate over the columns only in whole blocks: each weight but the last is
-        # padded with zero columns to a multiple of 128 (its last block's scale covers them), and its
-        # output's padding is cut off after the split.
-        widths = [fp8.blocks(n) * fp8.BLOCK for n in kept[:-1]] + kept[-1:]
-        weights = tuple(jnp.pad(w_i, ((0, 0), (0, p - n))) for w_i, n, p in zip(weights, kept, widths))
-        ws = jnp.concatenate(ws, axis=1)
-    w_all = jnp.concatenate(weights, axis=1) if grouped else w
     axis_name = callsite.hashable_axis(axis_name)
-    out = pairing.call_fp8("ag_gemm", x, w_all, xs, ws, gs, call, axis_name=axis_name, dimension=gather_dimension,
-                           config=config, return_gathered=return_gathered,
-                           shared_scale=not call.block and fp8.shared_over(xs, x, axis_name))
-    if not grouped:
-        return out
-    out = _split_group(out, widths, return_gathered)
+    if not (grouped and call.block):
+        # One weight, or a group as for bf16/fp16: each weight read where it lies (one w_scale).
+        return pairing.call_fp8("ag_gemm", x, weights if grouped else w, xs, ws, gs, call, axis_name=axis_name,
+                                dimension=gather_dimension, config=config, return_gathered=return_gathered,
+                                shared_scale=not call.block and fp8.shared_over(xs, x, axis_name))
+    # A block-scaled group: the block-scaled kernels read one weight, and block scales concatenate
+    # over the columns only in whole blocks: each weight but the last is padded with zero columns to
+    # a multiple of 128 (its last block's scale covers them), the weights and their scales are
+    # joined, and each output's padding is cut off after the split.
+    kept = [int(w_i.shape[1]) for w_i in weights]
+    widths = [fp8.blocks(n) * fp8.BLOCK for n in kept[:-1]] + kept[-1:]
+    w_all = jnp.concatenate([jnp.pad(w_i, ((0, 0), (0, p - n))) for w_i, n, p in zip(weights, kept, widths)], axis=1)
+    out = pairing.call_fp8("ag_gemm", x, w_all, xs, jnp.concatenate(ws, axis=1), gs, call, axis_name=axis_name,
+                           dimension=gather_dimension, config=config, return_gathered=return_gathered,
+                           shared_scale=False)
     ys, g = out if return_gathered else (out, None)
-    ys = tuple(y[..., :n] for y, n in zip(ys, kept))
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    ys = tuple(ys[..., start:start + n] for start, n in zip(starts, kept))
     return (ys, g) if return_gathered else ys

@@ -174,15 +174,17 @@ def make_varying(v, names):
 
 
 def varying_over(*operands, axis_name=()) -> list:
-    """Every axis any operand varies over, plus `axis_name`'s: what the op's outputs vary over."""
+    """Every axis any operand (an array or a tuple of them) varies over, plus `axis_name`'s: what
+    the op's outputs vary over."""
     names = set(axis_names(axis_name))
-    for v in operands:
+    for v in jax.tree.leaves(operands):
         names |= varying_axes(v)
     return sorted(names, key=str)
 
 
 def typed_like(names, *values):
-    """values cast to vary over `names` (platform_dependent needs both branches typed alike: the
-    reference's output varies over every axis its operands vary over, an FFI call's may not)."""
-    out = tuple(make_varying(v, names) for v in values)
+    """values (arrays or tuples of them) cast to vary over `names` (platform_dependent needs both
+    branches typed alike: the reference's output varies over every axis its operands vary over, an
+    FFI call's may not)."""
+    out = tuple(jax.tree.map(lambda a: make_varying(a, names), v) for v in values)
     return out[0] if len(out) == 1 else out

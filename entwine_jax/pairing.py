@@ -1,13 +1,15 @@
 # The pairing of every op with its backward, in bf16/fp16 and in FP8: one custom VJP each, driven by
 # the ops' contracts (entwine_jax.opspec). An op's dx is its backward op (spec.backward) on (dy, w.T)
 # in the same layout; whichever of the two gathers (spec.gathers) hands its gathered operand to dw,
-# the forward's gathered x kept as the residual or the backward's gathered dy. docs/design.md,
-# "The pairing" and "FP8".
+# the forward's gathered x kept as the residual or the backward's gathered dy. An op that gathers
+# may take a group of weights (w a tuple, one output each): its dx is the backward op on the
+# cotangents and weights joined side by side. docs/design.md, "The pairing" and "FP8".
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from entwine_jax import callsite, fp8, registry
 from entwine_jax._dot import dot_by_source, matmul_weight_grad
@@ -15,14 +17,32 @@ from entwine_jax._dot import dot_by_source, matmul_weight_grad
 
 def call(name: str, x, w, *, axis_name, dimension, config, return_gathered: bool = False):
     """The op `name` (bf16/fp16/fp32 operands), differentiable, inside jax.shard_map: plan the call,
-    type its operands, and run it under the op's name scope."""
+    type its operands, and run it under the op's name scope. w: one weight, or for an op that
+    gathers a tuple of weights (a group: a tuple of outputs)."""
     op = registry.OPS[name]
     plan = op.plan(x, w, axis_name=axis_name, dimension=dimension, config=config, return_gathered=return_gathered)
     names = callsite.varying_over(x, w, axis_name=plan.axis_name)
     # The scope names every operation of the call (forward and backward) in the program's metadata,
     # which is how a collective census tells the op's collectives from XLA's own.
     with jax.named_scope(op.scope):
-        return _paired(callsite.make_varying(x, names), callsite.make_varying(w, names), name, plan)
+        return _paired(callsite.make_varying(x, names), _varying(w, names), name, plan)
+
+
+def _varying(w, names):
+    return jax.tree.map(lambda v: callsite.make_varying(v, names), w)
+
+
+def _joined(dy, w):
+    """A group's cotangents and weights side by side ([..., sum of N_i], [K, sum of N_i]) and their
+    widths; one weight's as they are (widths None). The price: a copy of each per backward call."""
+    if not isinstance(w, tuple):
+        return dy, w, None
+    return jnp.concatenate(dy, axis=-1), jnp.concatenate(w, axis=1), [v.shape[1] for v in w]
+
+
+def _split(dw, widths):
+    """dw of the joined weights as the group's (widths: _joined's)."""
+    return dw if widths is None else tuple(jnp.split(dw, np.cumsum(widths)[:-1].tolist(), axis=1))
 
 
 def call_fp8(name: str, x, w, x_scale, w_scale, grad_scale, fp8_call: fp8.Fp8Call, *, axis_name, dimension, config,
@@ -31,13 +51,13 @@ def call_fp8(name: str, x, w, x_scale, w_scale, grad_scale, fp8_call: fp8.Fp8Cal
     shared_scale: x_scale is the same on every rank (fp8.shared_over)."""
     op = registry.OPS[name]
     x8_aval = jax.ShapeDtypeStruct(tuple(x.shape), fp8.E4M3)
-    w8_aval = jax.ShapeDtypeStruct(tuple(w.shape), fp8.E4M3)
+    w8_aval = jax.tree.map(lambda v: jax.ShapeDtypeStruct(tuple(v.shape), fp8.E4M3), w)
     plan = op.plan(x8_aval, w8_aval, axis_name=axis_name, dimension=dimension, config=config,
                    return_gathered=return_gathered, out_dtype=fp8_call.out_dtype, shared_scale=shared_scale,
                    block_scaled=fp8_call.block)
     names = callsite.varying_over(x, w, axis_name=plan.axis_name)
     with jax.named_scope(op.scope):  # as in call()
-        return _paired_fp8(callsite.make_varying(x, names), callsite.make_varying(w, names), x_scale, w_scale,
+        return _paired_fp8(callsite.make_varying(x, names), _varying(w, names), x_scale, w_scale,
                            grad_scale, name, plan, fp8_call)
 
 
@@ -77,9 +97,11 @@ def _paired_bwd(name, plan, res, cotangents):
     x, w = res  # x: the forward's operand, or its gathered operand where the forward gathers
     # Only a call that returns the gathered operand has its cotangent (JAX passes zeros when that
     # output is unused: one reduce-scatter of zeros, so return it only where it is needed).
-    dy, dg = cotangents if plan.return_gathered else (cotangents, None)
+    dys, dg = cotangents if plan.return_gathered else (cotangents, None)
+    dy, w, widths = _joined(dys, w)
     if plan.config.path == "xla" and op.reference_backward is not None:
-        return op.reference_backward(x, w, dy, axis_name=plan.axis_name, dimension=plan.dimension)
+        dx, dw = op.reference_backward(x, w, dy, axis_name=plan.axis_name, dimension=plan.dimension)
+        return dx, _split(dw, widths)
     config = _backward_config(plan, back, dy, w.T)
     if back.gathers:
         # The backward of a reduce-scatter is an all-gather: dx = all_gather(dy) @ w.T, whose gathered
@@ -94,7 +116,8 @@ def _paired_bwd(name, plan, res, cotangents):
     if dg is not None:
         dx = dx + jax.lax.psum_scatter(dg, plan.axis_name, scatter_dimension=plan.dimension,
                                        tiled=True).astype(dx.dtype)
-    return dx, matmul_weight_grad(x, dy, w.dtype)
+    # A group's dw_i from its own cotangent: one GEMM each, where a joined dw would be split (a copy).
+    return dx, jax.tree.map(lambda d: matmul_weight_grad(x, d, w.dtype), dys)
 
 
 _paired.defvjp(_paired_fwd, _paired_bwd)
@@ -105,14 +128,14 @@ _paired.defvjp(_paired_fwd, _paired_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _paired_fp8(x, w, x_scale, w_scale, grad_scale, name, plan, fp8_call):
-    out = registry.OPS[name].forward_fp8(fp8.quantize(x, x_scale), fp8.quantize(w, w_scale), x_scale, w_scale, plan,
+    out = registry.OPS[name].forward_fp8(fp8.quantize(x, x_scale), _quantized(w, w_scale), x_scale, w_scale, plan,
                                          gathered=plan.return_gathered)
     return out[:2] if plan.return_gathered else out
 
 
 def _paired_fp8_fwd(x, w, x_scale, w_scale, grad_scale, name, plan, fp8_call):
     op = registry.OPS[name]
-    x8, w8 = fp8.quantize(x, x_scale), fp8.quantize(w, w_scale)
+    x8, w8 = fp8.quantize(x, x_scale), _quantized(w, w_scale)
     # The FP8 operands are the residuals (one byte per element of x kept for dw): x8 and its scale,
     # or where the forward gathers, the gathered x8 and its sources' scales.
     if not op.gathers:
@@ -126,6 +149,7 @@ def _paired_fp8_bwd(name, plan, fp8_call, res, cotangents):
     x8, x_scales, w8, ws, grad_scale = res
     # The returned gathered operand is FP8, a constant to differentiation: its cotangent is dropped.
     dy = cotangents[0] if plan.return_gathered else cotangents
+    dy, w8, widths = _joined(dy, w8)
     dim = plan.dimension
     lead = tuple(range(x8.ndim - 1))
     if not fp8_call.fp8_grads:
@@ -163,7 +187,7 @@ def _paired_fp8_bwd(name, plan, fp8_call, res, cotangents):
             dx = back.forward_fp8(d8, w8.T, gs, ws, back_plan)
             # dw = gathered x.T @ dy from the gathered FP8 operand.
             dw = dot_by_source(x8, d8, ((lead, lead), ((), ())), dim, x_scales) * gs
-    return fp8.cotangent(dx, fp8_call.x_dtype), fp8.cotangent(dw, fp8_call.w_dtype), None, None, None
+    return fp8.cotangent(dx, fp8_call.x_dtype), _split(fp8.cotangent(dw, fp8_call.w_dtype), widths), None, None, None
 
 
 def _block_scaled_bwd(back, plan, fp8_call, x8, x_scales, w8, ws, dy):
@@ -190,3 +214,8 @@ def _block_scaled_bwd(back, plan, fp8_call, x8, x_scales, w8, ws, dy):
 
 
 _paired_fp8.defvjp(_paired_fp8_fwd, _paired_fp8_bwd)
+
+
+def _quantized(w, w_scale):
+    """w (one weight or a group, sharing w_scale) in e4m3."""
+    return jax.tree.map(lambda v: fp8.quantize(v, w_scale), w)

@@ -29,13 +29,20 @@ class AgSuites(Rank):
         self.log("ag: sequence-parallel MLP forward + backward, both directions fused: ok")
         worst = max(worst, self.mlp_grads(self.world * 200, 264, 200, jnp.bfloat16, seed=901))
         self.log("ag: sequence-parallel MLP with tails: ok")
-        # Grouped: q/k/v-like weights of unequal widths (8 query heads per kv head), and tails.
-        groups = [(256, 512, (512, 64, 64), jnp.bfloat16), (77, 60, (130, 17, 17, 40), jnp.float16)]
-        for i, (rows, cols, widths, dtype) in enumerate(groups):
+        # Grouped: q/k/v-like weights of unequal widths (8 query heads per kv head) read in place (widths
+        # of whole 128-wide blocks: the heuristic's 256-wide ones would straddle; whole 256-wide ones;
+        # four weights, the most in place), and groups the kernels cannot read in place (widths not
+        # whole blocks, tails), joined into one operand per call.
+        groups = [(256, 512, (1024, 128, 128), jnp.bfloat16, True), (200, 264, (256, 512), jnp.float16, True),
+                  (128, 256, (128, 256, 128, 384), jnp.bfloat16, True),
+                  (256, 512, (512, 64, 64), jnp.bfloat16, False), (77, 60, (130, 17, 17, 40), jnp.float16, False)]
+        for i, (rows, cols, widths, dtype, in_place) in enumerate(groups):
             for gather_k in (False, True):
-                worst = max(worst, self.grouped_grads(rows, cols, widths, dtype, gather_k, seed=950 + i))
-                self.log(f"ag: grouped rows={rows} cols={cols} widths={widths} gather_k={gather_k}: ok")
-        return f"ag: {cases} cases + 2 MLP gradients + 4 grouped ok, worst rel error {worst:.2e}"
+                worst = max(worst, self.grouped_grads(rows, cols, widths, dtype, gather_k, seed=950 + i,
+                                                      in_place=in_place))
+                self.log(f"ag: grouped rows={rows} cols={cols} widths={widths} gather_k={gather_k} "
+                         f"{'in place' if in_place else 'joined'}: ok")
+        return f"ag: {cases} cases + 2 MLP gradients + {2 * len(groups)} grouped ok, worst rel error {worst:.2e}"
 
     def ag_case(self, rows, cols, n, dtype, gather_k, seed, return_gathered=False, repeats=2, push="auto"):
         import numpy as np
@@ -65,10 +72,11 @@ class AgSuites(Rank):
                 raise AssertionError(f"{what}: the gathered operand differs from the shards")
         return err
 
-    def grouped_grads(self, rows, cols, widths, dtype, gather_k, seed):
+    def grouped_grads(self, rows, cols, widths, dtype, gather_k, seed, in_place):
         """ys = ag_gemm(x, (w_1, ..., w_G)) (one gather, weights of unequal widths), its values and the
         gradients of loss = sum_i sum(y_i c_i) (summed over ranks) against float64: one fused ag_gemm
-        forward, one fused gemm_rs backward, no XLA collective."""
+        forward (taking the G weights where they lie if in_place, else one joined operand), one fused
+        gemm_rs backward, no XLA collective."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -110,6 +118,10 @@ class AgSuites(Rank):
         calls = found.select(custom_call=True).counts("owner")
         if calls != {"ag_gemm": 1, "gemm_rs": 1}:
             raise AssertionError(f"grouped: custom calls {calls}, expected one ag_gemm and one gemm_rs")
+        if self.ag_gemm_weights(f, *args) != [groups if in_place else 1]:
+            raise AssertionError(f"grouped widths={widths}: the ag_gemm call takes {self.ag_gemm_weights(f, *args)} "
+                                 f"weight operands, expected {groups if in_place else 1} "
+                                 f"({'in place' if in_place else 'joined'})")
         left = found.select(custom_call=False, kind=("all-gather", "reduce-scatter", "all-reduce"))
         if left:
             raise AssertionError(f"grouped: the compiled program still has XLA collectives:\n{left.table()}")

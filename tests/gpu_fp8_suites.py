@@ -194,10 +194,12 @@ class Fp8Suites(Rank):
             self.log("fp8: an FP8 ag_gemm, then an fp16 one with its gathered operand: ok")
         except AssertionError as e:
             failures.append(str(e))
-        try:
-            worst = max(worst, self.fp8_grouped_grads())
-        except AssertionError as e:
-            failures.append(str(e))
+        # The group read in place (widths of whole 128-wide blocks), and joined (a width that is not).
+        for widths, in_place in (((1024, 128, 128), True), ((256, 96, 32), False)):
+            try:
+                worst = max(worst, self.fp8_grouped_grads(widths=widths, in_place=in_place))
+            except AssertionError as e:
+                failures.append(str(e))
         for grad_dtype in ("float16", "float8_e5m2"):
             try:
                 worst = max(worst, self.fp8_mlp_grads(w_ * 256, 512, 384, seed=1300, grad_dtype=grad_dtype))
@@ -431,11 +433,12 @@ class Fp8Suites(Rank):
         self.log(f"FP8 MLP grad_dtype={grad_dtype}: rel errors " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
         return max(errors.values())
 
-    def fp8_grouped_grads(self, rows=256, cols=512, widths=(512, 128, 128), seed=1380):
+    def fp8_grouped_grads(self, rows=256, cols=512, widths=(512, 128, 128), seed=1380, in_place=True):
         """The grouped FP8 ag_gemm (one gather of x for q/k/v-like weights of unequal widths, rows
         layout, each rank's own x scale, one scale for the group's weights) with its fp16 backward:
         ys and the gradients of sum_i sum(y_i c_i) against float64 of the recipe. One fused FP8
-        ag_gemm forward, one fused fp16 gemm_rs backward. Returns the worst rel error."""
+        ag_gemm forward (the G weights' w_t where they lie if in_place, else one joined operand), one
+        fused fp16 gemm_rs backward. Returns the worst rel error."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -473,6 +476,10 @@ class Fp8Suites(Rank):
         calls = self.fused_calls(f, *args)
         if (calls.get("ag_gemm", 0), calls.get("gemm_rs", 0)) != (1, 1):
             raise AssertionError(f"grouped FP8: fused calls {calls}, expected one ag_gemm and one gemm_rs")
+        if self.ag_gemm_weights(f, *args) != [groups if in_place else 1]:
+            raise AssertionError(f"grouped FP8 widths={widths}: the ag_gemm call takes "
+                                 f"{self.ag_gemm_weights(f, *args)} weight operands, expected "
+                                 f"{groups if in_place else 1}")
         with jax.set_mesh(self.mesh):
             ys, grads = f(*args)
         comm.check_errors()
@@ -491,7 +498,8 @@ class Fp8Suites(Rank):
             errors[f"dw{i}"] = rel_error(self.local(grads[1 + i]), g.T @ cs[r][i].astype(np.float64))
         dg = sum(cs[q][i].astype(np.float64) @ rounded(deq_group(ws[q])[i]).T for q in range(w_) for i in range(groups))
         errors["dx"] = rel_error(self.local(grads[0]), dg[r * rows:(r + 1) * rows])
-        self.log("grouped FP8 ag_gemm, fp16 backward: rel errors " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+        self.log(f"grouped FP8 ag_gemm widths={widths} ({'in place' if in_place else 'joined'}), fp16 backward: rel "
+                 "errors " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
         if max(errors.values()) > 1e-2:
             raise AssertionError("grouped FP8 ag_gemm: rel errors " + ", ".join(f"{k} {v:.3g}" for k, v in errors.items()))
         return max(errors.values())

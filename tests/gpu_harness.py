@@ -242,6 +242,19 @@ class Rank:
         """{op: executions per run} of the fused custom calls of f on args (self.census)."""
         return self.census(f, *args).select(custom_call=True).counts("owner")
 
+    def ag_gemm_weights(self, f, *args) -> list:
+        """The weight operands of each fused ag_gemm call of f on args: G for a group read in place,
+        1 for one weight or a group joined into one (the FFI call's operands: x, the first weight, the
+        FP8 call's two scales, then the group's further weights)."""
+        import re
+
+        import jax
+
+        with jax.set_mesh(self.mesh):
+            text = f.lower(*args).as_text()
+        calls = re.findall(r"custom_call @entwine_ag_gemm(_fp8)?\(([^)]*)\)", text)
+        return [len(operands.split(",")) - (3 if fp8 else 1) for fp8, operands in calls]
+
     # -- the ops --
 
     def gemm_fn(self, m, n, k, dtype, extra_work=False, config=None):

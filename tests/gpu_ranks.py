@@ -26,7 +26,9 @@ Suites:
            dim), bf16 and fp16, tails, the gathered operand returned, repeated calls bitwise equal,
            every shape and layout pushed by the SM copy kernel and by the copy engines;
            then a sequence-parallel MLP (ag_gemm -> silu -> gemm_rs) forward and backward with both
-           directions fused, gradients against a float64 host reference.
+           directions fused, gradients against a float64 host reference; then the grouped ag_gemm
+           with its gradients, groups read in place (the lowered call takes every weight) and
+           groups joined (widths not whole blocks).
   mixed    1000 back-to-back calls alternating gemm_rs and ag_gemm (both layouts, both pushes) on
            one communicator, every result checked.
   agmissing  as `missing`, for ag_gemm (the SM push): the ranks waiting for the absent rank's
@@ -60,8 +62,8 @@ Suites:
   fp8      the FP8 calls (float8_e4m3fn operands, fp32 scales, bf16/fp16 out) on the FP8 kernels:
            gemm_rs both layouts with each rank's own scales, tails; ag_gemm both layouts with
            per-shard and shared x_scale, the gathered FP8 operand returned; repeated calls bitwise
-           equal; an FP8 then an fp16 ag_gemm in one program; the grouped FP8 ag_gemm (q/k/v widths)
-           with its fp16 backward; then an FP8 sequence-parallel MLP (FP8
+           equal; an FP8 then an fp16 ag_gemm in one program; the grouped FP8 ag_gemm (q/k/v widths
+           read in place, and a group joined) with its fp16 backward; then an FP8 sequence-parallel MLP (FP8
            forward; backward in e5m2 on the e5m2 x e4m3 kernels, and in fp16 on the fp16 kernels)
            with gradients; all against float64 of the dequantised operands. Fails where the
            extension has no FP8 kernels (the XLA path cannot run several ranks on one GPU).

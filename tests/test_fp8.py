@@ -730,3 +730,127 @@ def test_reciprocal_scales_are_caught_under_the_debug_flag(monkeypatch):
     with pytest.raises(Exception, match=r"reciprocal convention, 448 / amax"):
         jax.block_until_ready(_rs_island(mesh, recip)(x, w))
     jax.block_until_ready(_rs_island(mesh, fp8.current_scale)(x, w))
+
+
+# --- the e4m3 weight's layout: no transposed copy of an e4m3 array -----------------------------------
+
+
+@pytest.fixture
+def fused_stand_in(monkeypatch):
+    """Both ops' fused FP8 calls as fused.py builds them (padding, w_t, operand order), with no
+    extension: a site made here (shapes that need no padding) and each FFI call replaced by an opaque
+    host callback on the same operands, which XLA:CPU must hand over in the layout given (row-major),
+    as to the handler. The compiled CPU program then shows what XLA does to the weights per call."""
+    def ag_prepare(x2d, w, *, axis_size, gather_k, config, out_dtype=None, **_):
+        (rows, cols), n = x2d.shape, w.shape[1]
+        padding = ag_fused.AgPadding(axis_size, rows, cols, n, rows, cols, n, gather_k)
+        return ag_fused.AgGemmCall(padding, 100, 0, 0, config, "ag_gemm_fp8", out_dtype)
+
+    def rs_prepare(x2d, w, *, axis_size, config, out_dtype=None, **_):
+        (m, k), n = x2d.shape, w.shape[1]
+        plan = rs_plan.GemmRsPlan(axis_size, m, k, n, False, m // axis_size, m // axis_size, k, n, 1, 1, 1, 1, 1, 1,
+                                  1, 1, False, 0)
+        return rs_fused.GemmRsCall(plan, 0, config, "gemm_rs_fp8", out_dtype)
+
+    def opaque(target, results, *operands, **attributes):
+        return list(jax.pure_callback(lambda *a: tuple(np.zeros(r.shape, r.dtype) for r in results), tuple(results),
+                                      *operands))
+
+    from entwine_jax import _ffi
+    from entwine_jax.ag_gemm import op as ag_op
+    from entwine_jax.gemm_rs import op as rs_op
+    for op, prepare, fused in ((ag_op, ag_prepare, ag_fused), (rs_op, rs_prepare, rs_fused)):
+        monkeypatch.setattr(op, "fused", dataclasses.make_dataclass("Fused", ())())
+        for name, value in (("unavailable_reason", lambda *a, **k: None), ("prepare", prepare),
+                            ("call", fused.call), ("call_fp8", fused.call_fp8)):
+            setattr(op.fused, name, value)
+    monkeypatch.setattr(ag_plan, "max_weights", lambda: 4)
+    monkeypatch.setattr(_ffi, "fused_call", opaque)
+    monkeypatch.setattr(callsite, "platform_reason", lambda axis_name: None)
+    # The fused branch on the CPU devices (lax.platform_dependent would pick the reference there).
+    monkeypatch.setattr(callsite, "dispatch", lambda reason, reference, fused, *a: (fused if reason is None
+                                                                                    else reference)(*a))
+
+
+def _e4m3_copies(hlo: str) -> list:
+    """The instructions of the optimized program's entry computation that read an e4m3 array and
+    write one of as many elements (a copy, transposed or not: a pass over an e4m3 weight that its
+    quantisation could have written in the layout it needed)."""
+    entry = hlo[hlo.index("\nENTRY "):]
+    entry = entry[: entry.index("\n}")]
+    shapes = dict(re.findall(r"%([\w.-]+) = (f8e4m3fn\[[\d,]*\])", entry))
+    copies = []
+    for name, shape, operands in re.findall(r"%([\w.-]+) = (f8e4m3fn\[[\d,]*\])\S* \w[\w-]*\(([^)]*)\)", entry):
+        size = np.prod([int(d) for d in re.findall(r"\d+", shape)])
+        for operand in re.findall(r"%([\w.-]+)", operands):
+            if operand in shapes and np.prod([int(d) for d in re.findall(r"\d+", shapes[operand])]) == size:
+                copies.append(name)
+    return copies
+
+
+def _compiled_fp8_step(widths, weight_dtype):
+    """The optimized CPU program of an FP8 ag_gemm (one weight, or a group of `widths`) on the fused
+    path: with high-precision weights its gradients (forward, gemm_rs dx, dw), with e4m3 ones the
+    forward (FP8 operands are constants to differentiation)."""
+    mesh = make_mesh((W,), ("tp",))
+    grouped = len(widths) > 1
+
+    def call(x, *ws):
+        return ag_gemm(x, ws if grouped else ws[0], axis_name="tp", x_scale=S, w_scale=S,
+                       config=AgGemmConfig(path="fused", block_n=128))
+
+    specs = (P("tp", None),) + (P(None, "tp"),) * len(widths)
+    f = jax.shard_map(call, in_specs=specs, out_specs=(P("tp", None),) * len(widths) if grouped else P("tp", None))
+
+    def loss(*a):
+        return sum(jnp.sum(y.astype(jnp.float32)) for y in jax.tree.leaves(f(*a)))
+
+    args = [jax.ShapeDtypeStruct(shape, weight_dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+            for shape, spec in zip([(512, 256)] + [(256, W * n) for n in widths], specs)]
+    fn = loss if weight_dtype == E4M3 else jax.grad(loss, argnums=tuple(range(len(args))))
+    with jax.set_mesh(mesh):
+        return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("widths", [(256,), (256, 128)])
+def test_the_quantised_weight_is_never_copied_in_e4m3(fused_stand_in, widths):
+    # The op quantises a high-precision weight itself: the forward's w_t [N, K] (K-major, as FP8 wgmma
+    # reads B) comes from one fusion of the convert and the transpose, and the backward's gemm_rs reads
+    # w8.T.T, which cancels: w8 [K, N] straight from the convert. No e4m3 array is copied.
+    hlo = _compiled_fp8_step(widths, jnp.bfloat16)
+    assert hlo.count(" custom-call(") == 2  # the forward's ag_gemm and the backward's gemm_rs
+    assert not _e4m3_copies(hlo)
+
+
+def test_an_e4m3_weight_is_transposed_once_per_forward(fused_stand_in):
+    # A weight passed in e4m3 [K, N] has no quantisation to write it K-major: the forward makes the
+    # one transposed copy the FP8 kernels' layout needs (an e4m3 [N, K] weight has no public form).
+    hlo = _compiled_fp8_step((256,), E4M3)
+    assert len(_e4m3_copies(hlo)) == 1
+
+
+@pytest.mark.parametrize("fp8_call", [False, True])
+@pytest.mark.parametrize("widths,weights", [((1024, 128, 128), 3), ((256, 96, 32), 1)])
+def test_a_group_lowers_to_one_call_on_its_weights(fused_on_cpu, fp8_call, widths, weights):
+    # With the kernels' plan: a group of whole 128-wide blocks is one ag_gemm call taking each weight
+    # (x, w_1 [, the scales], w_2 .. w_G) and returning each output; one with a width that is not takes
+    # the weights joined into one operand.
+    mesh = make_mesh((W,), ("tp",))
+    scales = dict(x_scale=S, w_scale=S) if fp8_call else {}
+
+    def call(x, *ws):
+        return ag_gemm(x, ws, axis_name="tp", config=AgGemmConfig(path="fused", block_n=128), **scales)
+
+    specs = (P("tp", None),) + (P(None, "tp"),) * len(widths)
+    f = jax.shard_map(call, in_specs=specs, out_specs=(P("tp", None),) * len(widths))
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, spec))
+            for shape, spec in zip([(512, 256)] + [(256, W * n) for n in widths], specs)]
+    with jax.set_mesh(mesh):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    target = "entwine_ag_gemm_fp8" if fp8_call else "entwine_ag_gemm"
+    calls = re.findall(rf"custom_call @{target}\(([^)]*)\).*-> \(([^)]*)\)", text)
+    assert len(calls) == 1, text
+    operands, results = calls[0]
+    fixed = 3 if fp8_call else 1  # x (and the two scales)
+    assert len(operands.split(",")) == fixed + weights
+    assert len(re.findall(r"tensor<", results)) == (2 if fp8_call else 1) + weights

@@ -4,6 +4,7 @@
 # (counted by the census), and bad groups. Also: a forward-only call asks the kernels for no
 # gathered operand.
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from entwine_jax import AgGemmConfig, ag_gemm, callsite, census
+from entwine_jax.ag_gemm import fused as ag_fused
 from entwine_jax.ag_gemm import op as ag_gemm_op
 
 from test_ag_gemm import layout_specs
@@ -166,3 +168,126 @@ def test_forward_only_calls_ask_for_no_gathered_operand(monkeypatch):
         assert fake.asked_gathered == [False]  # inference / evaluation: no [W * rows, K] write
         jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1))).lower(*args)
         assert fake.asked_gathered[1:] == [True]  # the backward's dw needs it
+
+
+# --- The fused call of a group, without a GPU ----------------------------------------------------
+
+
+class _GroupRecordingFused(_RecordingFused):
+    """_RecordingFused that also records the weight operand each traced call passes (a tuple: the
+    group read in place; one array: the group joined) and answers a group with one output each."""
+
+    def __init__(self):
+        super().__init__()
+        self.operands = []
+        self.configs = []
+
+    def prepare(self, x2d, w, *, gather_k, config, **k):
+        self.configs.append(config)
+        return super().prepare(x2d, w, gather_k=gather_k)
+
+    def call(self, x2d, w, site, return_gathered):
+        self.operands.append(tuple(v.shape for v in w) if isinstance(w, tuple) else w.shape)
+        if not isinstance(w, tuple):
+            return super().call(x2d, w, site, return_gathered)
+        ys = tuple(super(_GroupRecordingFused, self).call(x2d, v, site, False)[0] for v in w)
+        return ys, (jnp.zeros((2,) + x2d.shape, x2d.dtype) if return_gathered else None)
+
+
+def _fake_fused_group(monkeypatch, max_weights=4):
+    fake = _GroupRecordingFused()
+    monkeypatch.setattr(ag_gemm_op, "fused", fake)
+    monkeypatch.setattr(callsite, "platform_reason", lambda axis_name: None)
+    # The extension's bound on a group (AG_GEMM_MAX_WEIGHTS), absent without the extension.
+    monkeypatch.setattr(ag_gemm_op._plan, "max_weights", lambda: max_weights)
+    return fake
+
+
+def _lower_group(widths, config=None, grad=False):
+    mesh = make_mesh((2,), ("tp",))
+    x, ws = group_inputs(1, (256, 64), 64, widths, jnp.bfloat16)
+    f = jax.shard_map(lambda x, *ws: ag_gemm(x, ws, axis_name="tp", config=config), mesh=mesh,
+                      in_specs=(P("tp", None),) + (P(),) * len(ws), out_specs=(P(),) * len(ws), check_vma=False)
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(x, P("tp", None))] + [jax.device_put(w, P()) for w in ws]
+        if grad:
+            jax.jit(jax.grad(lambda *a: sum(jnp.sum(y.astype(jnp.float32)) for y in f(*a)),
+                             argnums=tuple(range(len(args))))).lower(*args)
+        else:
+            jax.jit(f).lower(*args)
+
+
+@pytest.mark.parametrize("widths,config,block_n", [
+    ((1024, 128, 128), None, 128),  # the heuristic's 256-wide blocks would straddle: 128-wide ones
+    ((512, 256), None, 256),
+    ((128, 128), AgGemmConfig(block_n=128, path="fused"), 128),
+])
+def test_a_group_of_whole_blocks_is_read_in_place(monkeypatch, caplog, widths, config, block_n):
+    fake = _fake_fused_group(monkeypatch)
+    _log_reset()
+    with caplog.at_level("DEBUG", logger="entwine_jax"):
+        _lower_group(widths, config, grad=True)
+    assert fake.operands == [tuple((64, n) for n in widths)]  # each weight, no concatenation
+    assert fake.configs[0].block_n == block_n
+    assert "concatenated" not in caplog.text
+
+
+@pytest.mark.parametrize("widths,config,max_weights,reason", [
+    ((1024, 128, 128), AgGemmConfig(block_n=256, path="fused"), 4,
+     r"w\[1\] has 128 columns, not a multiple of config.block_n \(256\)"),
+    ((1024, 96), None, 4, r"w\[1\] has 96 columns, not a multiple of config.block_n \(128\)"),
+    ((128,) * 5, None, 4, "5 weights, the kernels read at most 4 in place"),
+])
+def test_a_group_the_kernels_cannot_read_in_place_is_joined_visibly(monkeypatch, caplog, widths, config,
+                                                                     max_weights, reason):
+    fake = _fake_fused_group(monkeypatch, max_weights)
+    _log_reset()
+    with caplog.at_level("DEBUG", logger="entwine_jax"):
+        _lower_group(widths, config)
+        _lower_group(widths, config)
+    assert fake.operands == [(64, sum(widths))] * 2  # one concatenated operand per call
+    messages = [r.getMessage() for r in caplog.records if "concatenated" in r.getMessage()]
+    assert len(messages) == 1, messages  # logged once per call site
+    assert re.search(reason, messages[0]), messages[0]
+
+
+def _log_reset():
+    from entwine_jax import _log
+    _log.reset_once()
+
+
+@pytest.mark.parametrize("gather_k", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_ffi_call_takes_every_weight_and_returns_every_output(gather_k, fp8):
+    # The operands and results of one grouped FFI call as the handler binds them: x, w_0 (FP8: w_t_0
+    # and the two scales), then the further weights; y_0, the gathered operand (FP8: and its scales),
+    # then the further outputs. Each weight is padded in K alone; each output unpadded on its own.
+    world, rows, cols, widths = 2, 100, 60, (1024, 128, 128)
+    k = world * cols if gather_k else cols
+    padding = ag_fused.AgPadding(world, rows, cols, sum(widths), 128, 64, sum(widths), gather_k)
+    site = ag_fused.AgGemmCall(padding=padding, gemm_sms=100, push_sms=0, comm_id=3,
+                               config=AgGemmConfig(block_n=128), target="entwine_ag_gemm" + ("_fp8" if fp8 else ""),
+                               out_dtype="bfloat16" if fp8 else None)
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    x = jnp.zeros((rows, cols), dtype)
+    ws = tuple(jnp.zeros((k, n), dtype) for n in widths)
+    if fp8:
+        one = jnp.float32(1)
+        fn = lambda x, *ws: ag_fused.call_fp8(x, ws, one, one, site, True, False)  # noqa: E731
+    else:
+        fn = lambda x, *ws: ag_fused.call(x, ws, site, True)  # noqa: E731
+    jaxpr = jax.make_jaxpr(fn)(x, *ws)
+    call, = [e for e in jaxpr.eqns if e.primitive.name == "ffi_call"]
+    k_pad = world * 64 if gather_k else 64
+    y_rows = 128 if gather_k else world * 128
+    scales = [(1,), (1,)] if fp8 else []
+    weights = [(n, k_pad) if fp8 else (k_pad, n) for n in widths]
+    assert [tuple(v.aval.shape) for v in call.invars] == [(128, 64), weights[0]] + scales + weights[1:]
+    gathered = [(world, 128, 64)] + ([(world,)] if fp8 else [])
+    assert [tuple(v.aval.shape) for v in call.outvars] == [(y_rows, widths[0])] + gathered + [(y_rows, n) for n in
+                                                                                              widths[1:]]
+    out = jax.eval_shape(fn, x, *ws)
+    ys, g = out[0], out[1]
+    out_rows = rows if gather_k else world * rows
+    assert [y.shape for y in ys] == [(out_rows, n) for n in widths]
+    assert g.shape == (world, rows, cols)

@@ -175,22 +175,51 @@ def prepare(x_local_aval, w_aval, *, axis_name, axis_size, gather_k, config, out
                       out_dtype=jnp.dtype(out_dtype).name if fp8 else None, block_scaled=bool(fp8 and block_scaled))
 
 
+def _group_operands(x2d, w, p: AgPadding) -> tuple:
+    """(x padded, the weights padded, the padding of each weight's output): w one weight, or a group
+    whose widths are multiples of the block (fused.call), each weight padded in K alone."""
+    if not isinstance(w, tuple):
+        x_pad, w_pad = pad_operands(x2d, w, p)
+        return x_pad, (w_pad,), (p,)
+    pads = tuple(dataclasses.replace(p, n=w_i.shape[1], n_pad=w_i.shape[1]) for w_i in w)
+    x_pad = pad_operands(x2d, w[0], pads[0])[0]
+    return x_pad, tuple(pad_operands(x2d, w_i, p_i)[1] for w_i, p_i in zip(w, pads)), pads
+
+
+def _outputs(results: list, pads: tuple, fixed: int, return_gathered: bool):
+    """(y, gathered or None) unpadded from the FFI results: the first weight's y, `fixed` results
+    after it (the gathered operand first), then the group's further outputs; y alone, or a tuple of a
+    group's."""
+    y, gathered = unpad(results[0], results[1] if return_gathered else None, pads[0])
+    ys = (y,) + tuple(unpad(y_i, None, p_i)[0] for y_i, p_i in zip(results[1 + fixed:], pads[1:]))
+    return (ys if len(pads) > 1 else y), gathered
+
+
+def _shapes(weights) -> list:
+    """The weight operands' shapes as a call's signature names them: one weight's, or a group's list."""
+    return list(weights[0].shape) if len(weights) == 1 else [list(v.shape) for v in weights]
+
+
 def call(x2d, w, site: AgGemmCall, return_gathered: bool):
-    """One rank's fused AllGather + GEMM inside shard_map, as prepared: (y, gathered or None)."""
+    """One rank's fused AllGather + GEMM inside shard_map, as prepared: (y, gathered or None). w one
+    weight, or a group of weights [K, N_i] (a tuple; each N_i a multiple of config.block_n, the
+    plan's N their sum), each read where it lies and each with its own output: then y is a tuple.
+    The FFI call takes the weights after w and returns their outputs after the gathered operand."""
     p = site.padding
-    x_pad, w_pad = pad_operands(x2d, w, p)
+    x_pad, weights, pads = _group_operands(x2d, w, p)
     y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
     gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
     attributes = site.config.kernel_attributes(site.gemm_sms, site.push_sms)
     layout = "contraction" if p.gather_k else "rows"
-    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w {list(w_pad.shape)} gathering "
-                                    f"{layout}, gathered {list(gathered_shape)}, config {comm.attributes_text(attributes)}, "
-                                    f"from {comm.call_site()}")
-    y, gathered = _ffi.fused_call(
-        site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), x2d.dtype), jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)],
-        x_pad, w_pad, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k), signature=np.int64(signature),
+    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w {_shapes(weights)} "
+                                    f"gathering {layout}, gathered {list(gathered_shape)}, config "
+                                    f"{comm.attributes_text(attributes)}, from {comm.call_site()}")
+    ys = [jax.ShapeDtypeStruct((y_rows, p_i.n_pad), x2d.dtype) for p_i in pads]
+    results = _ffi.fused_call(
+        site.target, [ys[0], jax.ShapeDtypeStruct(gathered_shape, x2d.dtype)] + ys[1:],
+        x_pad, *weights, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k), signature=np.int64(signature),
         config=attributes)
-    return unpad(y, gathered if return_gathered else None, p)
+    return _outputs(results, pads, 1, return_gathered)
 
 
 def pad_block_scales(x_scale, w_scale, p: AgPadding) -> list:
@@ -205,14 +234,17 @@ def pad_block_scales(x_scale, w_scale, p: AgPadding) -> list:
 
 def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, shared_scale: bool):
     """call() of the FP8 kernels: shard x [rows, cols] in e4m3 or e5m2 (scaled by this rank's x_scale)
-    and w in e4m3, y in site.out_dtype; returns (y, gathered [W, rows, cols] in x's dtype or None, the
-    W sources' x_scale: f32 [W], or with block scales (site.block_scaled: x_scale [rows, cols/128],
-    w_scale [K/128, ceil(N/128)]) [W, cols/128, rows] or, without return_gathered, empty).
+    and w in e4m3 (or a group of them, sharing w_scale), y in site.out_dtype; returns (y, gathered
+    [W, rows, cols] in x's dtype or None, the W sources' x_scale: f32 [W], or with block scales
+    (site.block_scaled, one weight: x_scale [rows, cols/128], w_scale [K/128, ceil(N/128)])
+    [W, cols/128, rows] or, without return_gathered, empty).
     Each shard's scale travels with it inside the kernels (no collective of its own); shared_scale
-    says every rank's x_scale is equal, so the kernels may use their own. The weight goes in
-    transposed ([N, K], K-major), as for gemm_rs's FP8 call."""
+    says every rank's x_scale is equal, so the kernels may use their own. Each weight goes in
+    transposed ([N_i, K], K-major, as for gemm_rs's FP8 call): XLA fuses the transpose with the
+    quantisation that makes the weight (one pass over its bytes). A group's further w_t follow the
+    scales, their outputs the gathered scales."""
     p = site.padding
-    x_pad, w_pad = pad_operands(x2d, w, p)
+    x_pad, weights, pads = _group_operands(x2d, w, p)
     y_rows = p.rows_pad if p.gather_k else p.world * p.rows_pad
     gathered_shape = (p.world, p.rows_pad, p.cols_pad) if return_gathered else (0,)
     if site.block_scaled:
@@ -221,20 +253,21 @@ def call_fp8(x2d, w, x_scale, w_scale, site: AgGemmCall, return_gathered: bool, 
     else:
         scales = [jnp.reshape(s.astype(jnp.float32), (1,)) for s in (x_scale, w_scale)]
         scales_shape = (p.world,)
-    w_t = w_pad.T
+    w_ts = [v.T for v in weights]
     attributes = site.config.kernel_attributes(site.gemm_sms, site.push_sms)
     layout = "contraction" if p.gather_k else "rows"
-    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w_t {list(w_t.shape)} gathering "
-                                    f"{layout}, gathered {list(gathered_shape)}, out {site.out_dtype}, shared scale "
-                                    f"{bool(shared_scale)}{', block-scaled' if site.block_scaled else ''}, config "
-                                    f"{comm.attributes_text(attributes)}, "
-                                    f"from {comm.call_site()}")
-    y, gathered, gathered_scales = _ffi.fused_call(
-        site.target, [jax.ShapeDtypeStruct((y_rows, p.n_pad), site.out_dtype),
-                      jax.ShapeDtypeStruct(gathered_shape, x2d.dtype), jax.ShapeDtypeStruct(scales_shape, jnp.float32)],
-        x_pad, w_t, *scales, comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
+    signature = comm.call_signature(f"ag_gemm {x2d.dtype} x {list(x_pad.shape)} w_t {_shapes(w_ts)} "
+                                    f"gathering {layout}, gathered {list(gathered_shape)}, out {site.out_dtype}, "
+                                    f"shared scale {bool(shared_scale)}{', block-scaled' if site.block_scaled else ''}, "
+                                    f"config {comm.attributes_text(attributes)}, from {comm.call_site()}")
+    ys = [jax.ShapeDtypeStruct((y_rows, p_i.n_pad), site.out_dtype) for p_i in pads]
+    results = _ffi.fused_call(
+        site.target, [ys[0], jax.ShapeDtypeStruct(gathered_shape, x2d.dtype),
+                      jax.ShapeDtypeStruct(scales_shape, jnp.float32)] + ys[1:],
+        x_pad, w_ts[0], *scales, *w_ts[1:], comm_id=np.int64(site.comm_id), gather_k=bool(p.gather_k),
         shared_scale=bool(shared_scale), signature=np.int64(signature), config=attributes)
-    y, gathered = unpad(y, gathered if return_gathered else None, p)
+    y, gathered = _outputs(results, pads, 2, return_gathered)
+    gathered_scales = results[2]
     if site.block_scaled and return_gathered:
         gathered_scales = gathered_scales[:, :, : p.rows]
     return y, gathered, gathered_scales

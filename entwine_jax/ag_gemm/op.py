@@ -9,9 +9,11 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from entwine_jax import _extension, callsite, opspec
+from entwine_jax import _extension, _log, callsite, opspec
 from entwine_jax.ag_gemm import fused
+from entwine_jax.ag_gemm import plan as _plan
 from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config, push_budget, push_of
 from entwine_jax.ag_gemm.reference import ag_gemm_reference, ag_gemm_reference_fp8
 
@@ -45,6 +47,10 @@ class Plan:
     out_dtype: Optional[str] = None  # an FP8 call (entwine_jax.fp8): the output dtype's name
     shared_scale: bool = False  # an FP8 call: every rank's x_scale is the same
     block_scaled: bool = False  # an FP8 call with block scales (1x128 of x, 128x128 of w)
+    # A group of weights (w a tuple): None: one weight. joined: why the fused call concatenates the
+    # group's weights (and splits its output) instead of reading each where it lies; None: it does not.
+    widths: Optional[tuple] = None
+    joined: Optional[str] = None
 
 
 def _check_args(x, w, axis_name, gather_dimension, fp8: bool) -> tuple[int, int]:
@@ -71,9 +77,9 @@ def _check_args(x, w, axis_name, gather_dimension, fp8: bool) -> tuple[int, int]
     return size, gd
 
 
-def check_group(x, weights: tuple, fp8: bool = False) -> list:
+def check_group(x, weights: tuple, fp8: bool = False) -> None:
     """ValueError unless `weights` is a non-empty group of [K, N_i] arrays that one GEMM can serve
-    (x's dtype, or with fp8 one dtype of their own; one K); returns the widths N_i."""
+    (x's dtype, or with fp8 one dtype of their own; one K)."""
     if not weights:
         raise ValueError("ag_gemm: w is an empty group; pass one weight or a tuple of weights [K, N_i]")
     for i, w in enumerate(weights):
@@ -88,7 +94,33 @@ def check_group(x, weights: tuple, fp8: bool = False) -> list:
             raise ValueError(f"ag_gemm: w[{i}].dtype must equal x.dtype ({x.dtype}), got {w.dtype}")
         if w.shape[1] == 0:
             raise ValueError(f"ag_gemm: w[{i}] has no columns (shape {tuple(w.shape)})")
-    return [int(w.shape[1]) for w in weights]
+
+
+def _joined_aval(weights: tuple):
+    """The [K, sum of N_i] operand a group of weights stands for."""
+    return jax.ShapeDtypeStruct((weights[0].shape[0], sum(w.shape[1] for w in weights)), weights[0].dtype)
+
+
+def _group_reason(widths, config: AgGemmConfig) -> Optional[str]:
+    """Why the kernels cannot read a group of weights of these widths where they lie (the call then
+    concatenates them, one copy of the weights per call), or None. Each weight is read through its own
+    descriptors into whole blocks of its own: a width must be a multiple of the block."""
+    if len(widths) > _plan.max_weights():
+        return f"{len(widths)} weights, the kernels read at most {_plan.max_weights()} in place"
+    for i, n in enumerate(widths):
+        if n % config.block_n:
+            return f"w[{i}] has {n} columns, not a multiple of config.block_n ({config.block_n})"
+    return None
+
+
+def _group_config(widths, config: AgGemmConfig, source: str) -> AgGemmConfig:
+    """A group's config: the heuristic's, with 128-wide blocks where its blocks would straddle two
+    weights (a 256-wide block needs every width a multiple of 256) but 128-wide ones would not."""
+    if source == "override" or config.block_n == 128 or any(n % 128 for n in widths):
+        return config
+    if any(n % config.block_n for n in widths):
+        return dataclasses.replace(config, block_n=128)
+    return config
 
 
 def _check_config(config: AgGemmConfig) -> None:
@@ -169,6 +201,9 @@ def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_g
     scales (which travel with their tiles: never shared)."""
     axis_name = callsite.hashable_axis(axis_name)
     out_dtype = None if out_dtype is None else jnp.dtype(out_dtype).name
+    # A group of weights plans as the one operand their columns side by side make.
+    widths = tuple(int(w_i.shape[1]) for w_i in w) if isinstance(w, tuple) else None
+    w = _joined_aval(w) if widths else w
     size, gd = _check_args(x, w, axis_name, dimension, out_dtype is not None)
     if config is not None and not isinstance(config, AgGemmConfig):
         raise ValueError(f"ag_gemm: config must be an AgGemmConfig or None, got {type(config).__name__}")
@@ -177,18 +212,28 @@ def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_g
     source = "override"
     if config is None:
         config, source = default_config(x, w, size, gd)
+    if widths:
+        config = _group_config(widths, config, source)
     _check_config(config)
     block_scaled = bool(block_scaled) and out_dtype is not None
     shared_scale = bool(shared_scale) and not block_scaled
     fused_call, reason = _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale, block_scaled)
+    joined = _group_reason(widths, config) if widths and reason is None else None
     p = Plan(axis_name=axis_name, axis_size=size, dimension=gd, config=config,
              return_gathered=return_gathered, reason=reason, fused_call=fused_call, out_dtype=out_dtype,
-             shared_scale=shared_scale, block_scaled=block_scaled)
-    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, gd, out_dtype, shared_scale, block_scaled)
-    site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)} axis={axis_name!r} (size {size}) "
-            f"gather_dimension={gd}" + (f" out_dtype={out_dtype} shared_scale={shared_scale}" if out_dtype else "")
+             shared_scale=shared_scale, block_scaled=block_scaled, widths=widths, joined=joined)
+    key = (tuple(x.shape), tuple(w.shape), str(x.dtype), axis_name, gd, out_dtype, shared_scale, block_scaled,
+           widths)
+    site = (f"x={x.dtype}{list(x.shape)} w={w.dtype}{list(w.shape)}"
+            + (f" (a group of widths {list(widths)})" if widths else "")
+            + f" axis={axis_name!r} (size {size}) gather_dimension={gd}"
+            + (f" out_dtype={out_dtype} shared_scale={shared_scale}" if out_dtype else "")
             + (" block-scaled" if block_scaled else ""))
     callsite.report(OP, key, site, config, reason, source, printed)
+    if joined is not None:
+        # Fused, at the price of one copy of the weights (and of the outputs) per call: worth saying.
+        _log.log_once((OP, "joined", key), _log.fallback_level(config.path),
+                      "%s %s: the weights are concatenated per call: %s", OP, site, joined)
     return p
 
 
@@ -202,23 +247,34 @@ def _fused_forward(x, w, *scales, plan: Plan, gathered: bool):
     come back stacked in rank order, [W * rows, N]; for a gathered dim with dims in front of it
     (x [B, S/W, K], gather dim 1) the result is permuted into place (one copy of y). scales: an FP8
     call's (x_scale, w_scale); with `gathered` it also returns the W sources' x_scale (block scales:
-    their tiles' scales, placed as the gathered x is)."""
+    their tiles' scales, placed as the gathered x is). A group of weights (w a tuple) gives a tuple
+    of outputs: each weight read where it lies and its output written by the kernels, or where
+    plan.joined says why not, the weights concatenated and the one output split."""
     x2d = x.reshape(-1, x.shape[-1])
     names = callsite.varying_over(x, w, *scales)
+    operand = jnp.concatenate(w, axis=1) if plan.joined is not None else w
     if not scales:
-        y2d, g = fused.call(x2d, w, plan.fused_call, return_gathered=gathered)
-        return _placed(x, w, y2d, g, plan, gathered, names)
+        y2d, g = fused.call(x2d, operand, plan.fused_call, return_gathered=gathered)
+        return _placed(x, _as_group(y2d, plan), g, plan, gathered, names)
     x_scale, w_scale = scales
     if plan.block_scaled:  # x's tile scales [..., cols/128] follow its rows
         x_scale = x_scale.reshape(-1, x_scale.shape[-1])
-    y2d, g, source_scales = fused.call_fp8(x2d, w, x_scale, w_scale, plan.fused_call, gathered, plan.shared_scale)
-    out = _placed(x, w, y2d, g, plan, gathered, names)
+    y2d, g, source_scales = fused.call_fp8(x2d, operand, x_scale, w_scale, plan.fused_call, gathered,
+                                           plan.shared_scale)
+    out = _placed(x, _as_group(y2d, plan), g, plan, gathered, names)
     if not gathered:
         return out
     if plan.block_scaled:  # [W, cols/128, rows] -> the gathered x's layout, its last dim in tiles
         source_scales = _in_x_layout(jnp.swapaxes(source_scales, 1, 2), tuple(x.shape[:-1]),
                                      x_scale.shape[-1], plan)
     return (*out, callsite.typed_like(names, source_scales))
+
+
+def _as_group(y2d, plan: Plan):
+    """The kernels' output(s) as the call's: y alone, or a group's tuple (a joined call's y split)."""
+    if plan.joined is not None:
+        return tuple(jnp.split(y2d, np.cumsum(plan.widths)[:-1].tolist(), axis=1))
+    return y2d
 
 
 def _in_x_layout(v, lead: tuple, last: int, plan: Plan):
@@ -237,15 +293,17 @@ def _in_x_layout(v, lead: tuple, last: int, plan: Plan):
     return v.reshape(before + (world * d,) + after + (last,))
 
 
-def _placed(x, w, y2d, g, plan: Plan, gathered: bool, names):
-    """The kernels' y [W * rows, N] (or [rows, N]) and gathered [W, rows, cols] in x's layout."""
-    lead, n = tuple(x.shape[:-1]), w.shape[1]
+def _placed(x, y2d, g, plan: Plan, gathered: bool, names):
+    """The kernels' y [W * rows, N] (or [rows, N]; a group: a tuple of them) and gathered [W, rows,
+    cols] in x's layout."""
+    lead = tuple(x.shape[:-1])
     gather_k = plan.dimension == x.ndim - 1
-    # Without `gathered` the kernels write no gathered operand at all: a forward-only call moves only
-    # what y needs.
-    y2d, g = callsite.typed_like(names, y2d, g) if gathered else (callsite.typed_like(names, y2d), None)
-    y = y2d.reshape(lead + (n,)) if gather_k else _in_x_layout(y2d, lead, n, plan)
-    return (y, _in_x_layout(g, lead, x.shape[-1], plan)) if gathered else y
+    # The kernels write no gathered operand at all unless asked: a forward-only call moves only y.
+    y = jax.tree.map(lambda v: v.reshape(lead + (v.shape[1],)) if gather_k else _in_x_layout(v, lead, v.shape[1], plan),
+                     callsite.typed_like(names, y2d))
+    if not gathered:
+        return y
+    return y, _in_x_layout(callsite.typed_like(names, g), lead, x.shape[-1], plan)
 
 
 def forward(x, w, plan: Plan, gathered: bool = False):

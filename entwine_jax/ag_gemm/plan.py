@@ -21,6 +21,11 @@ def fp8_target() -> str:
     return _extension.ext().AG_GEMM_FP8_TARGET
 
 
+def max_weights() -> int:
+    """The most weights of a group the kernels read in place (AgGemmArgs, spelled in the extension)."""
+    return int(_extension.ext().AG_GEMM_MAX_WEIGHTS)
+
+
 def fp8_reason() -> Optional[str]:
     """Why the extension cannot run FP8 ag_gemm (no FP8 target, no FP8 plan), or None."""
     return _extension.fp8_reason("AG_GEMM_FP8_TARGET", "ag_gemm_fp8_plan")

@@ -1,5 +1,6 @@
 # ag_gemm's XLA reference, used on every backend where the fused kernels cannot run: all_gather, then
-# a dot accumulated in fp32 and rounded once to the input dtype; and the FP8 reference.
+# a dot accumulated in fp32 and rounded once to the input dtype; and the FP8 reference. A group of
+# weights (w a tuple) is one gather and a dot per weight.
 import jax
 import jax.numpy as jnp
 
@@ -12,7 +13,7 @@ def ag_gemm_reference(x, w, *, axis_name, gather_dimension: int):
     be normalised; gathering the last dim gathers the contraction dim (w holds all of K)."""
     with opspec.moves("ag_gemm", x.dtype):  # the census' label (entwine_jax.opspec)
         g = jax.lax.all_gather(x, axis_name, axis=gather_dimension, tiled=True)
-    return dot_last_first(g, w, dot_type(x.dtype)).astype(x.dtype), g
+    return jax.tree.map(lambda w: dot_last_first(g, w, dot_type(x.dtype)).astype(x.dtype), w), g
 
 
 def ag_gemm_reference_fp8(x, w, x_scale, w_scale, *, axis_name, gather_dimension: int, out_dtype, shared_scale: bool,
@@ -37,10 +38,10 @@ def ag_gemm_reference_fp8(x, w, x_scale, w_scale, *, axis_name, gather_dimension
         return y.astype(out_dtype), g, scales
     if shared_scale:
         scales = jnp.broadcast_to(x_scale, (world,))
-        y = dot_last_first(g, w) * x_scale
+        y = jax.tree.map(lambda w: dot_last_first(g, w) * x_scale, w)
     else:
         # The kernels send each shard's scale with it.
         with opspec.moves("ag_gemm", jnp.float32):
             scales = jax.lax.all_gather(jnp.reshape(x_scale, (1,)), axis_name, tiled=True)
-        y = dot_by_source(g, w, (((g.ndim - 1,), (0,)), ((), ())), gather_dimension, scales)
-    return (y * w_scale).astype(out_dtype), g, scales
+        y = jax.tree.map(lambda w: dot_by_source(g, w, (((g.ndim - 1,), (0,)), ((), ())), gather_dimension, scales), w)
+    return jax.tree.map(lambda y: (y * w_scale).astype(out_dtype), y), g, scales

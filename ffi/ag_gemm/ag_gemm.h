@@ -90,6 +90,10 @@ struct AgPlan {
 };
 AgPlan ag_plan(const AgProblem& problem, const AgGemmConfig& config);
 
+// The most weights of a group (AgGemmArgs): the GEMM's parameters hold two sets of TMA descriptors
+// per weight (gemm/gemm.h, PreparedGemm::kParamsBytes); q/k/v and gate/up need 3 and 2.
+constexpr int kMaxWeights = 4;
+
 // The kernel's arguments. The inbox holds the W shards at s * shard_bytes (source-major); the local
 // shard is read from x itself and never copied before the GEMM.
 struct AgGemmArgs {
@@ -105,6 +109,14 @@ struct AgGemmArgs {
   const float* x_scale = nullptr;  // FP8: the local shard's and w's dequantisation scales (device
   const float* w_scale = nullptr;  // scalars, or block-scaled arrays: AgProblem); a peer's x scale is
                                    // read from the inbox (AgPlan::scales_offset)
+  // A group of weights side by side, each read where it lies and written to its own y (the grouped
+  // call; weights 1: w and y alone). Weight g is weight_n[g] columns of N wide, a multiple of
+  // config.block_n (a block belongs to one weight); weight 0 is w and y, weight g > 0 w_more[g - 1]
+  // and y_more[g - 1]. The plan's N is the sum of the widths.
+  int32_t weights = 1;
+  int32_t weight_n[kMaxWeights] = {};
+  const void* w_more[kMaxWeights - 1] = {};
+  void* y_more[kMaxWeights - 1] = {};
 };
 
 // The wait that opens a transfer stream (transfer.cu): no byte goes to the receiver before its GEMM

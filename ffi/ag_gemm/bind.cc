@@ -22,6 +22,7 @@ void bind(nb::module_& m, FfiTargets& targets) {
   constexpr const char* kFp8Target = "entwine_ag_gemm_fp8";
   m.attr("AG_GEMM_TARGET") = kTarget;
   m.attr("AG_GEMM_FP8_TARGET") = kFp8Target;
+  m.attr("AG_GEMM_MAX_WEIGHTS") = kMaxWeights;
   targets.push_back({kTarget, reinterpret_cast<void*>(AgGemm), false});
   targets.push_back({kFp8Target, reinterpret_cast<void*>(AgGemmFp8), true});
   comm::register_op(&kHooks);

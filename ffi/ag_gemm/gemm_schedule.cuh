@@ -14,6 +14,7 @@ struct GemmSchedule {
   using Plan = GemmPlan;
   using Args = GemmArgs;
   static constexpr bool kLocalOperand = true;  // A: the local shard (x) or the gathered inbox
+  static constexpr int kMaxGroup = kMaxWeights;  // B: w, or a group of weights (AgGemmArgs)
 
   struct Params {
     const uint64_t* gather_flags;   // flags[source * chunks + chunk] of this rank, parity 0
@@ -88,7 +89,9 @@ struct GemmSchedule {
         waited_chunk = chunk;
       }
       auto k_iter = cute::make_coord_iterator(cute::idx2crd(0, k_shape), k_shape);
-      mainloop.load(local ? params.mainloop_local : params.mainloop, pipeline, write_state,
+      // B: the weight of a group that owns the block column, read where it lies.
+      int const weight = Kernel::group_operand(params, n_block);
+      mainloop.load(Kernel::mainloop_of(params, weight, local), pipeline, write_state,
                     local ? load_local : load_inputs, cute::make_coord(m_block, n_block, cute::_, batch), k_iter,
                     op.k_tiles_per_source, lane, 0u, smem);
       write_state.advance(op.k_tiles_per_source);
@@ -168,6 +171,8 @@ struct GemmSchedule {
   // W * rows] (peers: source s in columns s*rows .., so the rows layout reads it as one array and
   // the contraction layout as a batch of W column slices); w's, w_scale [n/128, K/128], K/128
   // covering every slice in the contraction layout (slice s: columns s*cols/128 ..).
+  // A group of weights (args.weights > 1): each weight is such a B of its own width, with its own
+  // descriptors and output (Kernel::Params::group); the blocks span the sum of the widths.
   template <class Kernel>
   static typename Kernel::Params make_params(Plan const& plan, Args const& args) {
     using Element = typename Kernel::Element;
@@ -176,37 +181,73 @@ struct GemmSchedule {
     AgProblem const& pr = plan.shape;
     auto const* x = static_cast<ElementA const*>(args.x);
     auto const* gathered = static_cast<ElementA const*>(args.gathered);
-    auto const* w = static_cast<ElementB const*>(args.w);
     typename Kernel::Params p{};
     p.n = pr.n;
     p.k = pr.cols;
     p.m_local = pr.rows;
-    using Scales = typename Kernel::ScaleOperands;
-    int64_t const k_blocks = plan.scale_k_blocks, n_blocks = (int64_t(pr.n) + kScaleBlock - 1) / kScaleBlock;
-    auto const* inbox_scales = reinterpret_cast<const float*>(static_cast<const char*>(args.gathered) + plan.scales_offset);
-    int64_t const gathered_rows = int64_t(pr.world) * pr.rows;
-    if (pr.gather_k) {
-      int64_t const shard = int64_t(pr.rows) * pr.cols;
-      int64_t const ldb = Kernel::kFp8 ? int64_t(pr.world) * pr.cols : pr.n;
-      int64_t const slice = Kernel::kFp8 ? int64_t(pr.cols) : int64_t(pr.cols) * pr.n;
-      int64_t const w_pitch = pr.world * k_blocks;
-      p.m = pr.rows;
-      p.l = pr.world;
-      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, gathered, shard, w, ldb, slice,
-                                           Scales{inbox_scales, gathered_rows, pr.rows, args.w_scale, w_pitch, k_blocks});
-      p.mainloop_local = Kernel::mainloop_params(
-          p.m_local, p.n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, ldb, slice,
-          Scales{args.x_scale, pr.rows, k_blocks * pr.rows,
-                 args.w_scale == nullptr ? nullptr : args.w_scale + pr.rank * k_blocks, w_pitch, k_blocks});
+    if constexpr (Kernel::kBlockScaled) {
+      // One weight: a block-scaled group is joined by the op (its scales concatenate).
+      auto const* w = static_cast<ElementB const*>(args.w);
+      using Scales = typename Kernel::ScaleOperands;
+      int64_t const k_blocks = plan.scale_k_blocks, n_blocks = (int64_t(pr.n) + kScaleBlock - 1) / kScaleBlock;
+      auto const* inbox_scales = reinterpret_cast<const float*>(static_cast<const char*>(args.gathered) + plan.scales_offset);
+      int64_t const gathered_rows = int64_t(pr.world) * pr.rows;
+      if (pr.gather_k) {
+        int64_t const shard = int64_t(pr.rows) * pr.cols;
+        int64_t const ldb = Kernel::kFp8 ? int64_t(pr.world) * pr.cols : pr.n;
+        int64_t const slice = Kernel::kFp8 ? int64_t(pr.cols) : int64_t(pr.cols) * pr.n;
+        int64_t const w_pitch = pr.world * k_blocks;
+        p.m = pr.rows;
+        p.l = pr.world;
+        p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, gathered, shard, w, ldb, slice,
+                                             Scales{inbox_scales, gathered_rows, pr.rows, args.w_scale, w_pitch, k_blocks});
+        p.mainloop_local = Kernel::mainloop_params(
+            p.m_local, p.n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, ldb, slice,
+            Scales{args.x_scale, pr.rows, k_blocks * pr.rows,
+                   args.w_scale == nullptr ? nullptr : args.w_scale + pr.rank * k_blocks, w_pitch, k_blocks});
+      } else {
+        int64_t const ldb = Kernel::kFp8 ? pr.cols : pr.n;
+        p.m = pr.world * pr.rows;
+        p.l = 1;
+        p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, 1, gathered, 0, w, ldb, 0,
+                                             Scales{inbox_scales, gathered_rows, gathered_rows * k_blocks, args.w_scale,
+                                                    k_blocks, n_blocks * k_blocks});
+        p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, 0, w, ldb, 0,
+                                                   Scales::packed(args.x_scale, args.w_scale, p.m_local, p.n, p.k));
+      }
     } else {
-      int64_t const ldb = Kernel::kFp8 ? pr.cols : pr.n;
-      p.m = pr.world * pr.rows;
-      p.l = 1;
-      p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, 1, gathered, 0, w, ldb, 0,
-                                           Scales{inbox_scales, gathered_rows, gathered_rows * k_blocks, args.w_scale,
-                                                  k_blocks, n_blocks * k_blocks});
-      p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, 0, w, ldb, 0,
-                                                 Scales::packed(args.x_scale, args.w_scale, p.m_local, p.n, p.k));
+      p.m = pr.gather_k ? pr.rows : pr.world * pr.rows;
+      p.l = pr.gather_k ? pr.world : 1;
+      // Weight g's mainloop parameters, gathered A and local A.
+      auto weight_params = [&](auto const* w, int n, typename Kernel::CollectiveMainloop::Params& gathered_a,
+                               typename Kernel::CollectiveMainloop::Params& local_a) {
+        if (pr.gather_k) {
+          int64_t const shard = int64_t(pr.rows) * pr.cols;
+          int64_t const ldb = Kernel::kFp8 ? int64_t(pr.world) * pr.cols : n;
+          int64_t const slice = Kernel::kFp8 ? int64_t(pr.cols) : int64_t(pr.cols) * n;
+          gathered_a = Kernel::mainloop_params(p.m, n, p.k, p.l, gathered, shard, w, ldb, slice);
+          local_a = Kernel::mainloop_params(p.m_local, n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, ldb, slice);
+        } else {
+          int64_t const ldb = Kernel::kFp8 ? pr.cols : n;
+          gathered_a = Kernel::mainloop_params(p.m, n, p.k, 1, gathered, 0, w, ldb, 0);
+          local_a = Kernel::mainloop_params(p.m_local, n, p.k, 1, x, 0, w, ldb, 0);
+        }
+      };
+      bool const grouped = args.weights > 1;
+      weight_params(static_cast<ElementB const*>(args.w), grouped ? args.weight_n[0] : pr.n, p.mainloop,
+                    p.mainloop_local);
+      if (grouped) {
+        p.group.count = args.weights;
+        for (int g = 0; g < args.weights; ++g) {
+          if (g > 0) {
+            weight_params(static_cast<ElementB const*>(args.w_more[g - 1]), args.weight_n[g],
+                          p.group.mainloop_more[g - 1], p.group.local_more[g - 1]);
+          }
+          p.group.first[g + 1] = p.group.first[g] + args.weight_n[g] / Kernel::BLOCK_N;
+          p.group.out_of[g] = static_cast<Element*>(g == 0 ? args.y : args.y_more[g - 1]);
+          p.group.ld[g] = args.weight_n[g];
+        }
+      }
     }
     p.world = pr.world;
     p.rank = pr.rank;

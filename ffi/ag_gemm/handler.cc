@@ -5,6 +5,7 @@
 // stream ahead of the GEMM, or copy engines on transfer streams forked from it and joined back; and ag_gemm::kHooks. No kernel syntax; no allocation, free, synchronisation, IPC or
 // peer-access call (see gemm_rs).
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -68,6 +69,10 @@ struct Operands {
   bool shared_scale = true;        // FP8: no scale travels (AgProblem)
   Scaling scaling = Scaling::kTensor;
   ffi::AnyBuffer* gathered_scales = nullptr;  // FP8: f32 [W] (block-scaled: [W, ceil(cols/128), rows]) or empty
+  // A group of weights (AgGemmArgs): the further weights (the remaining arguments, typed as w) and
+  // their outputs (the remaining results, typed as y), `more` of each.
+  int more = 0;
+  std::optional<ffi::AnyBuffer> w_more[kMaxWeights - 1], y_more[kMaxWeights - 1];
 };
 
 // An FP8 call's scales, told apart by their shapes: two scalars ([] or [1]) scale per tensor;
@@ -93,6 +98,32 @@ ffi::Error fp8_scales(ffi::AnyBuffer const& x_scale, ffi::AnyBuffer const& w_sca
   }
   return handler::block_scale_operand(kOp, "w_scale", w_scale, blocks(wd[0]), blocks(wd[1]),
                                       "[ceil(N/128), ceil(K/128)]", &ops->w_scale);
+}
+
+// A group's further weights and outputs: as many of each, at most kMaxWeights in all (the kernel's
+// parameters hold each weight's descriptors), each of its first's type.
+ffi::Error group_operands(ffi::RemainingArgs const& w_more, ffi::RemainingRets const& y_more,
+                          ffi::AnyBuffer const& y, Operands* ops) {
+  if (w_more.size() != y_more.size() || w_more.size() > size_t(kMaxWeights - 1)) {
+    return ffi::Error::InvalidArgument("entwine ag_gemm: a group takes one output per weight and at most " +
+                                       std::to_string(kMaxWeights) + " weights, got " +
+                                       std::to_string(1 + w_more.size()) + " weights and " +
+                                       std::to_string(1 + y_more.size()) + " outputs");
+  }
+  ops->more = int(w_more.size());
+  for (int g = 0; g < ops->more; ++g) {
+    ffi::ErrorOr<ffi::AnyBuffer> w = w_more.get<ffi::AnyBuffer>(g);
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = y_more.get<ffi::AnyBuffer>(g);
+    if (w.has_error()) return w.error();
+    if (out.has_error()) return out.error();
+    if (w->element_type() != ops->w.element_type() || (*out)->element_type() != y.element_type()) {
+      return ffi::Error::InvalidArgument("entwine ag_gemm: weight " + std::to_string(g + 1) +
+                                         " of the group or its output differs in dtype from the first's");
+    }
+    ops->w_more[g] = *w;
+    ops->y_more[g] = **out;
+  }
+  return ffi::Error::Success();
 }
 
 // The plan's rules, and what the call needs of the GPU and of the communicator: checked when a call
@@ -148,7 +179,7 @@ AgGemmConfig run_config(AgGemmConfig cfg, comm::DeviceComm const& dc) {
 // The call's problem from its operands' shapes, checked against each other (y and gathered: the
 // results; gathered and an FP8 call's gathered_scales may be empty).
 ffi::Error problem_of(Operands const& ops, ffi::AnyBuffer const& y, ffi::AnyBuffer const& gathered, bool gather_k,
-                      comm::DeviceComm const& dc, AgProblem* problem) {
+                      AgGemmConfig const& config, comm::DeviceComm const& dc, AgProblem* problem) {
   bool const fp8 = is_fp8(ops.input);
   int64_t const world = dc.world;
   auto xd = ops.x.dimensions(), wd = ops.w.dimensions(), yd = y.dimensions(), gd = gathered.dimensions();
@@ -169,6 +200,11 @@ ffi::Error problem_of(Operands const& ops, ffi::AnyBuffer const& y, ffi::AnyBuff
                                      sd[2] == rows
                                : sd.size() == 1 && sd[0] == world;
     dims_ok = dims_ok && (!fp8 || ops.gathered_scales->element_count() == 0 || scales_ok);
+    // A group: every weight as w (its own N), every output as y with its weight's N.
+    for (int g = 0; dims_ok && g < ops.more; ++g) {
+      auto md = ops.w_more[g]->dimensions(), od = ops.y_more[g]->dimensions();
+      dims_ok = md.size() == 2 && od.size() == 2 && md[w_k] == wd[w_k] && od[0] == yd[0] && od[1] == md[w_n];
+    }
   }
   if (!dims_ok) {
     std::string const w_shape = fp8 ? (gather_k ? "w_t [N, W * cols]" : "w_t [N, cols]")
@@ -182,7 +218,20 @@ ffi::Error problem_of(Operands const& ops, ffi::AnyBuffer const& y, ffi::AnyBuff
         "; got x " + dims_string(xd) + ", w " + dims_string(wd) +
         ", y " + dims_string(yd) + ", gathered " + dims_string(gd) +
         (fp8 ? ", gathered_scales " + dims_string(ops.gathered_scales->dimensions()) : std::string()) +
+        (ops.more > 0 ? ", and each further weight and output of the group shaped as w and y with its own N"
+                      : "") +
         " with W = " + std::to_string(world));
+  }
+  // Each weight of a group owns whole blocks: a block is loaded from and stored to one weight.
+  int64_t n = wd[w_n];
+  for (int g = 0; g <= ops.more; ++g) {
+    int64_t const width = g == 0 ? wd[w_n] : ops.w_more[g - 1]->dimensions()[w_n];
+    if (ops.more > 0 && width % config.block_n != 0) {
+      return ffi::Error::InvalidArgument("entwine ag_gemm: weight " + std::to_string(g) + " of the group has N = " +
+                                         std::to_string(width) + ", not a multiple of config.block_n = " +
+                                         std::to_string(config.block_n));
+    }
+    if (g > 0) n += width;
   }
   problem->world = dc.world;
   problem->rank = dc.rank;
@@ -192,7 +241,7 @@ ffi::Error problem_of(Operands const& ops, ffi::AnyBuffer const& y, ffi::AnyBuff
   problem->scaling = ops.scaling;
   problem->rows = int32_t(xd[0]);
   problem->cols = int32_t(xd[1]);
-  problem->n = int32_t(wd[w_n]);
+  problem->n = int32_t(n);
   return ffi::Error::Success();
 }
 
@@ -224,6 +273,14 @@ ffi::Error derive(Operands const& ops, AgProblem const& problem, AgGemmArgs cons
                         static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch),
                         static_cast<const void*>(args.x_scale), static_cast<const void*>(args.w_scale)}) {
     key.add(p);
+  }
+  key.add(uint64_t(args.weights));
+  for (int g = 0; g < args.weights && args.weights > 1; ++g) {
+    key.add(uint64_t(args.weight_n[g]));
+    if (g > 0) {
+      key.add(args.w_more[g - 1]);
+      key.add(static_cast<const void*>(args.y_more[g - 1]));
+    }
   }
   handler::add_call(key, args.call);
   *derived = memo.find(key);
@@ -386,7 +443,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   if (ffi::Error e = exclusive.check(kOp); e.failure()) return e;
   handler::HostTimer timer{dc};
   AgProblem problem;
-  if (ffi::Error e = problem_of(ops, *y, *gathered, gather_k, *dc, &problem); e.failure()) return e;
+  if (ffi::Error e = problem_of(ops, *y, *gathered, gather_k, config, *dc, &problem); e.failure()) return e;
   bool capturing = false;
   if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
 
@@ -404,6 +461,16 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   args.y = y->untyped_data();
   args.x_scale = ops.x_scale;
   args.w_scale = ops.w_scale;
+  args.weights = 1 + ops.more;
+  if (ops.more > 0) {
+    int const w_n = is_fp8(ops.input) ? 0 : 1;
+    args.weight_n[0] = int32_t(ops.w.dimensions()[w_n]);
+    for (int g = 1; g <= ops.more; ++g) {
+      args.weight_n[g] = int32_t(ops.w_more[g - 1]->dimensions()[w_n]);
+      args.w_more[g - 1] = ops.w_more[g - 1]->untyped_data();
+      args.y_more[g - 1] = ops.y_more[g - 1]->untyped_data();
+    }
+  }
   args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
   args.error = dc->error_local;
   args.error_mirror = dc->error_device;
@@ -450,6 +517,7 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   // The next call's epoch, once this whole call is done (outputs poisoned if the call failed anywhere).
   comm::CallEnd end = handler::call_end(*dc, epoch_args);
   end.add_output(y->untyped_data(), int64_t(y->size_bytes()));
+  for (int g = 0; g < ops.more; ++g) end.add_output(ops.y_more[g]->untyped_data(), int64_t(ops.y_more[g]->size_bytes()));
   end.add_output(gathered->untyped_data(), int64_t(gathered->size_bytes()));
   if (is_fp8(ops.input)) {
     end.add_output(ops.gathered_scales->untyped_data(), int64_t(ops.gathered_scales->size_bytes()));
@@ -461,8 +529,9 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
 
 // bf16 or fp16: x, w, y and the gathered output of one type.
 ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered, int64_t comm_id,
-                      bool gather_k, int64_t signature, AgGemmConfig config) {
+                      ffi::RemainingArgs w_more, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered,
+                      ffi::RemainingRets y_more, int64_t comm_id, bool gather_k, int64_t signature,
+                      AgGemmConfig config) {
   return handler::guarded(kOp, [&] {
     Operands ops{DType::kBF16, DType::kBF16, x, w};
     if (ffi::Error e = handler::element_type(kOp, "x", x, &ops.input); e.failure()) return e;
@@ -471,6 +540,7 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
       return ffi::Error::InvalidArgument("entwine ag_gemm: x, w, y and the gathered output must share one dtype");
     }
     ops.output = ops.input;
+    if (ffi::Error e = group_operands(w_more, y_more, *y, &ops); e.failure()) return e;
     return RunAgGemm(xla_stream, device, ops, y, gathered, comm_id, gather_k, signature, config);
   });
 }
@@ -484,9 +554,10 @@ ffi::Error AgGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x,
 // Returns the gathered shards (x's type, [W, rows, cols], or empty) and their scales (f32 [W], or
 // block-scaled [W, ceil(cols/128), rows], or empty).
 ffi::Error AgGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w_t,
-                         ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> y,
-                         ffi::Result<ffi::AnyBuffer> gathered, ffi::Result<ffi::AnyBuffer> gathered_scales,
-                         int64_t comm_id, bool gather_k, int64_t signature, AgGemmConfig config, bool shared_scale) {
+                         ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::RemainingArgs w_t_more,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gathered,
+                         ffi::Result<ffi::AnyBuffer> gathered_scales, ffi::RemainingRets y_more, int64_t comm_id,
+                         bool gather_k, int64_t signature, AgGemmConfig config, bool shared_scale) {
   return handler::guarded(kOp, [&] {
     Operands ops{DType::kE4M3, DType::kBF16, x, w_t};
     if (ffi::Error e = handler::fp8_input(kOp, "x", x, &ops.input); e.failure()) return e;
@@ -504,6 +575,12 @@ ffi::Error AgGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer
     }
     ops.shared_scale = shared_scale;
     ops.gathered_scales = &*gathered_scales;
+    if (ffi::Error e = group_operands(w_t_more, y_more, *y, &ops); e.failure()) return e;
+    if (ops.scaling == Scaling::kBlock && ops.more > 0) {
+      // The block-scaled kernels read one weight: the op joins a block-scaled group (its scales concatenate).
+      return ffi::Error::InvalidArgument("entwine ag_gemm: a block-scaled call takes one weight, got a group of " +
+                                         std::to_string(1 + ops.more));
+    }
     return RunAgGemm(xla_stream, device, ops, y, gathered, comm_id, gather_k, signature, config);
   });
 }
@@ -522,8 +599,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemm, entwine::AgGemmImpl,
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Arg<ffi::AnyBuffer>()                     // x: the local shard
                                   .Arg<ffi::AnyBuffer>()                     // w
+                                  .RemainingArgs()                           // a group's further weights
                                   .Ret<ffi::AnyBuffer>()                     // y
                                   .Ret<ffi::AnyBuffer>()                     // gathered (or empty)
+                                  .RemainingRets()                           // a group's further outputs
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<bool>("gather_k")                    // gather_k
                                   .Attr<int64_t>("signature")                // what the call is (stamps)
@@ -538,9 +617,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AgGemmFp8, entwine::AgGemmFp8Impl,
                                   .Arg<ffi::AnyBuffer>()                     // w_t: float8_e4m3fn [N, K]
                                   .Arg<ffi::AnyBuffer>()                     // x_scale: f32 [] or [cols/128, rows]
                                   .Arg<ffi::AnyBuffer>()                     // w_scale: f32 [] or [N/128, K/128]
+                                  .RemainingArgs()                           // a group's further w_t
                                   .Ret<ffi::AnyBuffer>()                     // y: bf16 or f16
                                   .Ret<ffi::AnyBuffer>()                     // gathered (or empty)
                                   .Ret<ffi::AnyBuffer>()                     // gathered_scales [W] or [W, cols/128, rows] (or empty)
+                                  .RemainingRets()                           // a group's further outputs
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<bool>("gather_k")                    // gather_k
                                   .Attr<int64_t>("signature")                // what the call is (stamps)

@@ -77,8 +77,11 @@ constexpr size_t kSplitWorkspaceBytes = kSplitCountersBytes + kSplitSlots * kSpl
 // them once per call site and buffers and enqueue them on every call. Filled by an op's
 // prepare_gemm (generated dispatch); the parameters are the instantiation's, behind `launch`.
 struct PreparedGemm {
-  static constexpr size_t kParamsBytes = 3072;  // above every instantiation's Params (static_assert; block-scaled
-                                                // FP8 adds a scale descriptor to each of two mainloops)
+  // Above every instantiation's Params (static_assert). A schedule whose B is a group of operands
+  // holds 640 bytes of mainloop parameters (TMA descriptors) per further operand and A (ag_gemm:
+  // 5.5 KB for 4 weights; block-scaled kernels take one weight, with a scale descriptor more per
+  // mainloop); kernel parameters above 4 KB need CUDA 12.1, which sm_90a builds have.
+  static constexpr size_t kParamsBytes = 6144;
   alignas(128) unsigned char params[kParamsBytes];
   cudaError_t (*launch)(void const* params, cudaStream_t stream, bool dependent) = nullptr;
   // dependent: as the programmatic dependent of the stream's previous kernel (gemm_kernel.cuh).

@@ -47,6 +47,7 @@ struct ElementOf<DType::kE5M2> {
 // The GEMM of one (input, output, BLOCK_N, op schedule) row of the kernel table. What is the op's is
 // its Schedule (gemm_rs/gemm_schedule.cuh, ag_gemm/gemm_schedule.cuh), a type with:
 //   Params                 what only the schedule reads (Params::op)
+//   kMaxGroup              how many operands side by side B may be (Params::group; 1: one)
 //   Plan, Args             the op's plan and launch arguments (host)
 //   block_coord(p, op, order)        block p of the call's order -> (owner, tile row, block column)
 //   start<Kernel>(params)            first thing of every CTA (ag_gemm: announce the call)
@@ -70,6 +71,8 @@ struct GemmKernel {
   static constexpr bool kFp8 = is_fp8(kInput);
   static constexpr bool kBlockScaled = kScaling == Scaling::kBlock;
   static_assert(!kBlockScaled || kFp8, "block scaling is for FP8 operands");
+  // B's operands side by side (Params::group): block-scaled kernels read one (the op joins a group).
+  static constexpr int kMaxGroup = kBlockScaled ? 1 : Schedule::kMaxGroup;
   static_assert(!is_fp8(kOutput), "FP8 is an input type only");
   static_assert(kFp8 || kInput == kOutput, "16-bit inputs produce their own type");
   static constexpr int BLOCK_M = kBlockM;             // two math warpgroups of 64 rows each
@@ -155,7 +158,35 @@ struct GemmKernel {
     Element* out;                 // slot 0 of the output (gemm_rs: the partial; ag_gemm: y)
     CallEpoch call;               // the epoch word and the parity strides
     typename Schedule::Params op;
+    // B as a group of up to kMaxGroup operands side by side, each read where it lies
+    // (ag_gemm's grouped weights; count < 2: B is mainloop's alone and blocks go to `out`, row
+    // pitch n). Operand g owns block columns [first[g], first[g + 1]), is loaded through its own
+    // descriptors (g = 0: mainloop and mainloop_local; else mainloop_more[g - 1], local_more[g - 1])
+    // and stored to out_of[g], row pitch ld[g]: one GEMM, no copy of the operands into one B.
+    struct Group {
+      int count;
+      int first[kMaxGroup + 1];
+      Element* out_of[kMaxGroup];
+      int64_t ld[kMaxGroup];
+      cute::array<typename CollectiveMainloop::Params, kMaxGroup - 1> mainloop_more, local_more;
+    } group;
   };
+
+  // The group operand that owns block column `n_block` (0 without a group); n_block becomes the
+  // block column inside it.
+  static __device__ int group_operand(Params const& params, int& n_block) {
+    int g = 0;
+    while (g + 1 < params.group.count && n_block >= params.group.first[g + 1]) ++g;
+    n_block -= params.group.first[g];
+    return g;
+  }
+
+  // The mainloop parameters (A's and B's descriptors) of group operand g, with A the gathered
+  // operand or (local) the local one.
+  static __device__ typename CollectiveMainloop::Params const& mainloop_of(Params const& params, int g, bool local) {
+    if (g == 0) return local ? params.mainloop_local : params.mainloop;
+    return local ? params.group.local_more[g - 1] : params.group.mainloop_more[g - 1];
+  }
 
   // One unit of a CTA's work: k-tiles [k_begin, k_end) of logical block p. slot >= 0: the block is
   // split between this CTA and a neighbour, which meet in that workspace slot.
@@ -307,6 +338,10 @@ struct GemmKernel {
     if (warp_idx == 0 && lane_predicate) {
       CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
       if constexpr (Schedule::kLocalOperand) CollectiveMainloop::prefetch_tma_descriptors(params.mainloop_local);
+      for (int g = 1; g < params.group.count; ++g) {
+        CollectiveMainloop::prefetch_tma_descriptors(mainloop_of(params, g, false));
+        if constexpr (Schedule::kLocalOperand) CollectiveMainloop::prefetch_tma_descriptors(mainloop_of(params, g, true));
+      }
     }
 
     // Mainloop pipeline: warp 0 produces (TMA; block-scaled: with the scale-load warp, whose lanes
@@ -515,13 +550,17 @@ struct GemmKernel {
       more = work.next(next);
       BlockCoord const c = Schedule::block_coord(u.p, params.op, params.order);
       int64_t const row0 = c.owner * params.part_row_step + int64_t(c.tile_m) * BLOCK_M;
-      int64_t const col0 = c.owner * params.part_col_step + int64_t(c.n_block) * BLOCK_N;
-      Element* dst = partial + row0 * params.n + col0;
+      int n_block = c.n_block;
+      int const g = group_operand(params, n_block);
+      // A group operand's block goes to that operand's own output, at its row pitch.
+      int64_t const ld = params.group.count > 1 ? params.group.ld[g] : int64_t(params.n);
+      Element* const base = params.group.count > 1 ? params.group.out_of[g] : partial;
+      Element* dst = base + row0 * ld + c.owner * params.part_col_step + int64_t(n_block) * BLOCK_N;
       ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
       bool const skip = ptx::load_shared_word(skip_word) != 0;
       if (lane == 0 && !skip) {
         for (int row = 0; row < BLOCK_M; ++row) {
-          SM90_BULK_COPY_S2G::copy(stage + row * kStagePitch, dst + int64_t(row) * params.n, kRowBytes);
+          SM90_BULK_COPY_S2G::copy(stage + row * kStagePitch, dst + int64_t(row) * ld, kRowBytes);
         }
         cute::tma_store_arrive();
         cute::tma_store_wait<0>();

@@ -16,6 +16,7 @@ struct GemmSchedule {
   using Plan = GemmPlan;
   using Args = GemmArgs;
   static constexpr bool kLocalOperand = false;  // A is x alone
+  static constexpr int kMaxGroup = 1;           // B is w alone
 
   struct Params {
     uint64_t* flags[kMaxWorld];  // parity 0 of each owner's flag array
