@@ -221,6 +221,8 @@ def _lower_group(widths, config=None, grad=False):
     ((1024, 128, 128), None, 128),  # the heuristic's 256-wide blocks would straddle: 128-wide ones
     ((512, 256), None, 256),
     ((128, 128), AgGemmConfig(block_n=128, path="fused"), 128),
+    # A config's 256-wide blocks would straddle too: 128-wide ones, and the user is told.
+    ((1024, 128, 128), AgGemmConfig(block_n=256, path="fused"), 128),
 ])
 def test_a_group_of_whole_blocks_is_read_in_place(monkeypatch, caplog, widths, config, block_n):
     fake = _fake_fused_group(monkeypatch)
@@ -230,11 +232,13 @@ def test_a_group_of_whole_blocks_is_read_in_place(monkeypatch, caplog, widths, c
     assert fake.operands == [tuple((64, n) for n in widths)]  # each weight, no concatenation
     assert fake.configs[0].block_n == block_n
     assert "concatenated" not in caplog.text
+    assert ("runs 128-wide blocks, not config.block_n = 256" in caplog.text) == (
+        config is not None and config.block_n != block_n)
 
 
 @pytest.mark.parametrize("widths,config,max_weights,reason", [
-    ((1024, 128, 128), AgGemmConfig(block_n=256, path="fused"), 4,
-     r"w\[1\] has 128 columns, not a multiple of config.block_n \(256\)"),
+    ((1024, 320), AgGemmConfig(block_n=256, path="fused"), 4,
+     r"w\[1\] has 320 columns, not a multiple of config.block_n \(256\)"),
     ((1024, 96), None, 4, r"w\[1\] has 96 columns, not a multiple of config.block_n \(128\)"),
     ((128,) * 5, None, 4, "5 weights, the kernels read at most 4 in place"),
 ])

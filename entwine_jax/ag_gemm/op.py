@@ -4,6 +4,7 @@
 # in the same layout) is declared there and run by entwine_jax.pairing.
 import dataclasses
 import functools
+import logging
 import math
 from typing import Any, Optional
 
@@ -114,13 +115,17 @@ def _group_reason(widths, config: AgGemmConfig) -> Optional[str]:
 
 
 def _group_config(widths, config: AgGemmConfig, source: str) -> AgGemmConfig:
-    """A group's config: the heuristic's, with 128-wide blocks where its blocks would straddle two
-    weights (a 256-wide block needs every width a multiple of 256) but 128-wide ones would not."""
-    if source == "override" or config.block_n == 128 or any(n % 128 for n in widths):
+    """A group's config: 128-wide blocks where config.block_n's would straddle two weights (a 256-wide
+    block needs every width a multiple of 256) but 128-wide ones would not, whatever the config's
+    source: reading the weights in place saves a copy of them per call, and a block cannot belong to
+    two weights. A config the user passed is told so once."""
+    if config.block_n == 128 or any(n % 128 for n in widths) or not any(n % config.block_n for n in widths):
         return config
-    if any(n % config.block_n for n in widths):
-        return dataclasses.replace(config, block_n=128)
-    return config
+    if source == "override":
+        _log.log_once((OP, "group block_n", tuple(widths), config), logging.INFO,
+                      "%s: a group of widths %s runs 128-wide blocks, not config.block_n = %d (its blocks would "
+                      "straddle two weights; the weights are read in place)", OP, list(widths), config.block_n)
+    return dataclasses.replace(config, block_n=128)
 
 
 def _check_config(config: AgGemmConfig) -> None:
