@@ -75,29 +75,19 @@ struct Operands {
   std::optional<ffi::AnyBuffer> w_more[kMaxWeights - 1], y_more[kMaxWeights - 1];
 };
 
-// An FP8 call's scales, told apart by their shapes: two scalars ([] or [1]) scale per tensor;
-// otherwise per block, x_scale [ceil(cols/128), rows] (M-major) for the shard x [rows, cols] and
-// w_scale [ceil(N/128), ceil(K/128)] for w_t [N, K]. Sets the scaling and the scales' addresses.
+// An FP8 call's scales (handler::fp8_scales) for the shard x [rows, cols] and w_t [N, K]: per
+// tensor, or per block with x_scale [ceil(cols/128), rows].
 ffi::Error fp8_scales(ffi::AnyBuffer const& x_scale, ffi::AnyBuffer const& w_scale, Operands* ops) {
-  if (handler::is_tensor_scale(x_scale) && handler::is_tensor_scale(w_scale)) {
-    ops->scaling = Scaling::kTensor;
-    if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops->x_scale); e.failure()) return e;
-    return handler::scale_operand(kOp, "w_scale", w_scale, &ops->w_scale);
-  }
-  ops->scaling = Scaling::kBlock;
   auto const xd = ops->x.dimensions(), wd = ops->w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": expected x [rows, cols] and w_t [N, K], got x " +
                                        dims_string(xd) + ", w_t " + dims_string(wd));
   }
-  auto const blocks = [](int64_t v) { return (v + kScaleBlock - 1) / kScaleBlock; };
-  if (ffi::Error e = handler::block_scale_operand(kOp, "x_scale", x_scale, blocks(xd[1]), xd[0],
-                                                  "[ceil(cols/128), rows]", &ops->x_scale);
-      e.failure()) {
-    return e;
-  }
-  return handler::block_scale_operand(kOp, "w_scale", w_scale, blocks(wd[0]), blocks(wd[1]),
-                                      "[ceil(N/128), ceil(K/128)]", &ops->w_scale);
+  bool block = false;
+  ffi::Error e = handler::fp8_scales(kOp, x_scale, w_scale, xd[0], xd[1], wd[0], wd[1], kScaleBlock,
+                                     "[ceil(cols/128), rows]", &block, &ops->x_scale, &ops->w_scale);
+  ops->scaling = block ? Scaling::kBlock : Scaling::kTensor;
+  return e;
 }
 
 // A group's further weights and outputs: as many of each, at most kMaxWeights in all (the kernel's

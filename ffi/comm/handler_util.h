@@ -153,6 +153,25 @@ inline ffi::Error block_scale_operand(const char* op, const char* name, ffi::Any
   return ffi::Error::Success();
 }
 
+// An FP8 call's two scales, told apart by their shapes: two scalars ([] or [1]) scale per tensor
+// (*block false); otherwise per block (*block true), x_scale [ceil(x_k / b), x_rows] (M-major) and
+// w_scale [ceil(w_n / b), ceil(w_k / b)] for w_t [w_n, w_k], b = `block_elems`; `x_layout` names
+// x_scale's dims in its error. Sets the scales' addresses.
+inline ffi::Error fp8_scales(const char* op, ffi::AnyBuffer const& x_scale, ffi::AnyBuffer const& w_scale,
+                             int64_t x_rows, int64_t x_k, int64_t w_n, int64_t w_k, int64_t block_elems,
+                             const char* x_layout, bool* block, const float** xs, const float** ws) {
+  *block = !(is_tensor_scale(x_scale) && is_tensor_scale(w_scale));
+  if (!*block) {
+    if (ffi::Error e = scale_operand(op, "x_scale", x_scale, xs); e.failure()) return e;
+    return scale_operand(op, "w_scale", w_scale, ws);
+  }
+  auto const blocks = [block_elems](int64_t v) { return (v + block_elems - 1) / block_elems; };
+  if (ffi::Error e = block_scale_operand(op, "x_scale", x_scale, blocks(x_k), x_rows, x_layout, xs); e.failure()) {
+    return e;
+  }
+  return block_scale_operand(op, "w_scale", w_scale, blocks(w_n), blocks(w_k), "[ceil(N/128), ceil(K/128)]", ws);
+}
+
 // Runs a handler's body: nothing but an ffi::Error may leave a handler (std::string and the
 // registry lock can throw).
 template <class Body>

@@ -79,25 +79,14 @@ ffi::Error check_dims(ffi::AnyBuffer const& x, ffi::AnyBuffer const& w, ffi::Any
   return ffi::Error::Success();
 }
 
-// An FP8 call's scales, told apart by their shapes: two scalars ([] or [1]) scale per tensor;
-// otherwise per block, x_scale [ceil(K/128), M] (M-major) and w_scale [ceil(N/128), ceil(K/128)] for
-// the call's x [M, K] and w_t [N, K] (check_dims first). Sets the scaling and the scales' addresses.
+// An FP8 call's scales (handler::fp8_scales) for the call's x [M, K] and w_t [N, K] (check_dims
+// first): per tensor, or per block with x_scale [ceil(K/128), M].
 ffi::Error fp8_scales(ffi::AnyBuffer const& x_scale, ffi::AnyBuffer const& w_scale, Operands* ops) {
-  if (handler::is_tensor_scale(x_scale) && handler::is_tensor_scale(w_scale)) {
-    ops->scaling = Scaling::kTensor;
-    if (ffi::Error e = handler::scale_operand(kOp, "x_scale", x_scale, &ops->x_scale); e.failure()) return e;
-    return handler::scale_operand(kOp, "w_scale", w_scale, &ops->w_scale);
-  }
-  ops->scaling = Scaling::kBlock;
-  int64_t const k_blocks = (ops->k + kScaleBlock - 1) / kScaleBlock;
-  int64_t const n_blocks = (ops->n + kScaleBlock - 1) / kScaleBlock;
-  if (ffi::Error e = handler::block_scale_operand(kOp, "x_scale", x_scale, k_blocks, ops->m, "[ceil(K/128), M]",
-                                                  &ops->x_scale);
-      e.failure()) {
-    return e;
-  }
-  return handler::block_scale_operand(kOp, "w_scale", w_scale, n_blocks, k_blocks, "[ceil(N/128), ceil(K/128)]",
-                                      &ops->w_scale);
+  bool block = false;
+  ffi::Error e = handler::fp8_scales(kOp, x_scale, w_scale, ops->m, ops->k, ops->n, ops->k, kScaleBlock,
+                                     "[ceil(K/128), M]", &block, &ops->x_scale, &ops->w_scale);
+  ops->scaling = block ? Scaling::kBlock : Scaling::kTensor;
+  return e;
 }
 
 // The plan's rules and what the call needs of the communicator: checked when a call site's plan is
