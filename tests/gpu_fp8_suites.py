@@ -850,8 +850,11 @@ class Fp8BlockSuites(Fp8Suites):
                                     config=config)
             return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * c), "tp")
 
-        fn = jax.grad(jax.shard_map(loss, mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None), P("tp", None)),
-                                    out_specs=P()), argnums=(0, 1))
+        # The value too: with the gradients alone the forward's output is dead code (the loss is linear
+        # in y), and XLA drops the forward call.
+        fn = jax.value_and_grad(jax.shard_map(loss, mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None),
+                                                                              P("tp", None)),
+                                              out_specs=P()), argnums=(0, 1))
         args = (self.place(xs[r], 1, (m, w_ * k)), self.place(ws[r], 0, (w_ * k, n)),
                 self.place(c[r * m // w_:(r + 1) * m // w_], 0, (m, n)))
         what = f"block-scaled gemm_rs gradients M={m} N={n} K={k}"
@@ -859,7 +862,7 @@ class Fp8BlockSuites(Fp8Suites):
         if not (census.get("gemm_rs") and census.get("ag_gemm")):
             raise AssertionError(f"{what}: not every call fused: {census}")
         with jax.set_mesh(self.mesh):
-            dx, dw = jax.jit(fn)(*args)
+            value, (dx, dw) = jax.jit(fn)(*args)
         comm.check_errors()
         deq = lambda v, quantise, dtype=fp8.E4M3: np.asarray(fp8.dequantize(*quantise(jnp.asarray(v), dtype)),  # noqa: E731
                                                              np.float64)
@@ -867,7 +870,9 @@ class Fp8BlockSuites(Fp8Suites):
         w_d = [deq(w, fp8.quantize_128x128) for w in ws]
         d = np.concatenate([deq(c[s * m // w_:(s + 1) * m // w_].astype(jnp.bfloat16), fp8.quantize_1x128, fp8.E5M2)
                             for s in range(w_)])
-        worst = self.check(self.local(dx), d @ w_d[r].T, f"{what}: dx")
+        y = sum(x_d[q] @ w_d[q] for q in range(w_))
+        worst = self.check(np.asarray(value, np.float64).reshape(1), np.array([np.sum(y * c)]), f"{what}: value")
+        worst = max(worst, self.check(self.local(dx), d @ w_d[r].T, f"{what}: dx"))
         worst = max(worst, self.check(self.local(dw), x_d[r].T @ d, f"{what}: dw"))
         self.log(f"{what}: ok")
         return worst
