@@ -185,57 +185,50 @@ struct GemmSchedule {
     p.n = pr.n;
     p.k = pr.cols;
     p.m_local = pr.rows;
+    p.m = pr.gather_k ? pr.rows : pr.world * pr.rows;
+    p.l = pr.gather_k ? pr.world : 1;
+    // Block-scaled (one weight: the op joins a block-scaled group, whose scales concatenate): the
+    // gathered A's scales are the inbox's, the local A's x_scale; w_scale serves both, from the
+    // rank's own K slice for the local A in the contraction layout.
+    using Scales = typename Kernel::ScaleOperands;
+    Scales gathered_scales{}, local_scales{};
     if constexpr (Kernel::kBlockScaled) {
-      // One weight: a block-scaled group is joined by the op (its scales concatenate).
-      auto const* w = static_cast<ElementB const*>(args.w);
-      using Scales = typename Kernel::ScaleOperands;
       int64_t const k_blocks = plan.scale_k_blocks, n_blocks = (int64_t(pr.n) + kScaleBlock - 1) / kScaleBlock;
-      auto const* inbox_scales = reinterpret_cast<const float*>(static_cast<const char*>(args.gathered) + plan.scales_offset);
+      auto const* inbox_scales =
+          reinterpret_cast<const float*>(static_cast<const char*>(args.gathered) + plan.scales_offset);
       int64_t const gathered_rows = int64_t(pr.world) * pr.rows;
       if (pr.gather_k) {
-        int64_t const shard = int64_t(pr.rows) * pr.cols;
-        int64_t const ldb = Kernel::kFp8 ? int64_t(pr.world) * pr.cols : pr.n;
-        int64_t const slice = Kernel::kFp8 ? int64_t(pr.cols) : int64_t(pr.cols) * pr.n;
         int64_t const w_pitch = pr.world * k_blocks;
-        p.m = pr.rows;
-        p.l = pr.world;
-        p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, gathered, shard, w, ldb, slice,
-                                             Scales{inbox_scales, gathered_rows, pr.rows, args.w_scale, w_pitch, k_blocks});
-        p.mainloop_local = Kernel::mainloop_params(
-            p.m_local, p.n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, ldb, slice,
-            Scales{args.x_scale, pr.rows, k_blocks * pr.rows,
-                   args.w_scale == nullptr ? nullptr : args.w_scale + pr.rank * k_blocks, w_pitch, k_blocks});
+        gathered_scales = Scales{inbox_scales, gathered_rows, pr.rows, args.w_scale, w_pitch, k_blocks};
+        local_scales = Scales{args.x_scale, pr.rows, k_blocks * pr.rows,
+                              args.w_scale == nullptr ? nullptr : args.w_scale + pr.rank * k_blocks, w_pitch,
+                              k_blocks};
       } else {
-        int64_t const ldb = Kernel::kFp8 ? pr.cols : pr.n;
-        p.m = pr.world * pr.rows;
-        p.l = 1;
-        p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, 1, gathered, 0, w, ldb, 0,
-                                             Scales{inbox_scales, gathered_rows, gathered_rows * k_blocks, args.w_scale,
-                                                    k_blocks, n_blocks * k_blocks});
-        p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, 1, x, 0, w, ldb, 0,
-                                                   Scales::packed(args.x_scale, args.w_scale, p.m_local, p.n, p.k));
+        gathered_scales = Scales{inbox_scales, gathered_rows, gathered_rows * k_blocks, args.w_scale, k_blocks,
+                                 n_blocks * k_blocks};
+        local_scales = Scales::packed(args.x_scale, args.w_scale, p.m_local, p.n, p.k);
       }
-    } else {
-      p.m = pr.gather_k ? pr.rows : pr.world * pr.rows;
-      p.l = pr.gather_k ? pr.world : 1;
-      // Weight g's mainloop parameters, gathered A and local A.
-      auto weight_params = [&](auto const* w, int n, typename Kernel::CollectiveMainloop::Params& gathered_a,
-                               typename Kernel::CollectiveMainloop::Params& local_a) {
-        if (pr.gather_k) {
-          int64_t const shard = int64_t(pr.rows) * pr.cols;
-          int64_t const ldb = Kernel::kFp8 ? int64_t(pr.world) * pr.cols : n;
-          int64_t const slice = Kernel::kFp8 ? int64_t(pr.cols) : int64_t(pr.cols) * n;
-          gathered_a = Kernel::mainloop_params(p.m, n, p.k, p.l, gathered, shard, w, ldb, slice);
-          local_a = Kernel::mainloop_params(p.m_local, n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, ldb, slice);
-        } else {
-          int64_t const ldb = Kernel::kFp8 ? pr.cols : n;
-          gathered_a = Kernel::mainloop_params(p.m, n, p.k, 1, gathered, 0, w, ldb, 0);
-          local_a = Kernel::mainloop_params(p.m_local, n, p.k, 1, x, 0, w, ldb, 0);
-        }
-      };
-      bool const grouped = args.weights > 1;
-      weight_params(static_cast<ElementB const*>(args.w), grouped ? args.weight_n[0] : pr.n, p.mainloop,
-                    p.mainloop_local);
+    }
+    // Weight g's mainloop parameters, gathered A and local A.
+    auto weight_params = [&](auto const* w, int n, typename Kernel::CollectiveMainloop::Params& gathered_a,
+                             typename Kernel::CollectiveMainloop::Params& local_a) {
+      if (pr.gather_k) {
+        int64_t const shard = int64_t(pr.rows) * pr.cols;
+        int64_t const ldb = Kernel::kFp8 ? int64_t(pr.world) * pr.cols : n;
+        int64_t const slice = Kernel::kFp8 ? int64_t(pr.cols) : int64_t(pr.cols) * n;
+        gathered_a = Kernel::mainloop_params(p.m, n, p.k, p.l, gathered, shard, w, ldb, slice, gathered_scales);
+        local_a = Kernel::mainloop_params(p.m_local, n, p.k, 1, x, shard, w + int64_t(pr.rank) * slice, ldb, slice,
+                                          local_scales);
+      } else {
+        int64_t const ldb = Kernel::kFp8 ? pr.cols : n;
+        gathered_a = Kernel::mainloop_params(p.m, n, p.k, 1, gathered, 0, w, ldb, 0, gathered_scales);
+        local_a = Kernel::mainloop_params(p.m_local, n, p.k, 1, x, 0, w, ldb, 0, local_scales);
+      }
+    };
+    bool const grouped = args.weights > 1;
+    weight_params(static_cast<ElementB const*>(args.w), grouped ? args.weight_n[0] : pr.n, p.mainloop,
+                  p.mainloop_local);
+    if constexpr (Kernel::kMaxGroup > 1) {
       if (grouped) {
         p.group.count = args.weights;
         for (int g = 0; g < args.weights; ++g) {

@@ -490,34 +490,27 @@ struct GemmKernel {
 
   // The TMA warp's loop when every block's A is ready at launch (gemm_rs): each unit's k-tiles of
   // its block, at the block's owner's offset in A (partition offsets are multiples of the block).
-  template <class Pipeline, class State, class Inputs>
+  // kScales: the scale-load warp's loop beside it (block-scaled FP8), over the same units so that its
+  // stages are the TMA warp's; every lane arrives on each stage's full barrier once its copies landed
+  // (lane 0 copies the stage's one w_t scale); no tail: the TMA warp waits for the last stages' release.
+  template <bool kScales = false, class Pipeline, class State, class Inputs>
   static __device__ void load_units(Params const& params, CollectiveMainloop& mainloop, Pipeline& pipeline,
                                     State& write_state, Inputs const& load_inputs,
                                     typename CollectiveMainloop::TensorStorage& smem) {
     WorkIter work(params);
     for (Unit u; work.next(u);) {
       auto const k_iter = unit_k_tiles(u, load_inputs);
-      mainloop.load(params.mainloop, pipeline, write_state, load_inputs, unit_block(params, u), k_iter,
-                    u.k_end - u.k_begin, cutlass::canonical_lane_idx(), 0u, smem);
-      write_state.advance(u.k_end - u.k_begin);
+      int const k_count = u.k_end - u.k_begin;
+      if constexpr (kScales) {
+        mainloop.load_auxiliary(params.mainloop, pipeline, write_state, load_inputs, unit_block(params, u), k_iter,
+                                k_count, cutlass::canonical_lane_idx(), 0u, smem);
+      } else {
+        mainloop.load(params.mainloop, pipeline, write_state, load_inputs, unit_block(params, u), k_iter, k_count,
+                      cutlass::canonical_lane_idx(), 0u, smem);
+      }
+      write_state.advance(k_count);
     }
-    mainloop.load_tail(pipeline, write_state);
-  }
-
-  // The scale-load warp's loop beside load_units: the same units, so that its stages are the TMA
-  // warp's. Every lane arrives on each stage's full barrier once its copies landed (lane 0 copies
-  // the stage's one w_t scale); no tail: the TMA warp's waits for the last stages' release.
-  template <class Pipeline, class State, class Inputs>
-  static __device__ void load_scale_units(Params const& params, CollectiveMainloop& mainloop, Pipeline& pipeline,
-                                          State& write_state, Inputs const& load_inputs,
-                                          typename CollectiveMainloop::TensorStorage& smem) {
-    WorkIter work(params);
-    for (Unit u; work.next(u);) {
-      auto const k_iter = unit_k_tiles(u, load_inputs);
-      mainloop.load_auxiliary(params.mainloop, pipeline, write_state, load_inputs, unit_block(params, u), k_iter,
-                              u.k_end - u.k_begin, cutlass::canonical_lane_idx(), 0u, smem);
-      write_state.advance(u.k_end - u.k_begin);
-    }
+    if constexpr (!kScales) mainloop.load_tail(pipeline, write_state);
   }
 
   // A unit's block in A's and B's tiles (gemm_rs: at its owner's offset) and its first k-tile.

@@ -65,7 +65,7 @@ struct GemmSchedule {
   template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
   static __device__ void load_scales(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
                                      State& write_state, Inputs const& load_inputs, Inputs const&, Storage& smem) {
-    Kernel::load_scale_units(params, mainloop, pipeline, write_state, load_inputs, smem);
+    Kernel::template load_units<true>(params, mainloop, pipeline, write_state, load_inputs, smem);
   }
 
   // Publish: after the copies' writes completed, order them before the generic proxy; one system

@@ -200,16 +200,23 @@ int fp8_accuracy_main() {
   return 0;
 }
 
-// The FP8 GEMMs against cuBLASLt's FP8 GEMM (same types, scales and accumulation), in interleaved
-// rounds: gemm_rs's producer on the design suite (W = 2 partitions), ag_gemm's GEMM alone (chunks
-// released, per-shard scales in the rows layout) on its bench shapes; then the push of an FP8 shard
-// against a bf16 one.
-int fp8_bench_main() {
+// Both ops' kernels and the epoch kernel loaded, and cuBLASLt (nullptr, said once, where the
+// loader does not find it): what every FP8 benchmark starts with.
+CublasLt const* prepare_fp8_bench() {
   CHECK_CUDA(gemm_rs::prepare_kernels());
   CHECK_CUDA(ag_gemm::prepare_kernels());
   CHECK_CUDA(comm::prepare_epoch_kernel());
   CublasLt const* lt = CublasLt::load();
   if (!lt) std::printf("(libcublasLt.so.13 not found: no cuBLAS column)\n");
+  return lt;
+}
+
+// The FP8 GEMMs against cuBLASLt's FP8 GEMM (same types, scales and accumulation), in interleaved
+// rounds: gemm_rs's producer on the design suite (W = 2 partitions), ag_gemm's GEMM alone (chunks
+// released, per-shard scales in the rows layout) on its bench shapes; then the push of an FP8 shard
+// against a bf16 one.
+int fp8_bench_main() {
+  CublasLt const* lt = prepare_fp8_bench();
   int const sms = sm_count();
   std::printf("# gemm_rs producer, e4m3 -> bf16, W = 2, median ms of interleaved rounds; goal cublas/shipped >= 0.95\n");
   std::printf("%6s %6s %5s %10s %10s %10s %8s %15s\n", "M", "N", "K", "plain_ms", "shipped_ms", "cublas_ms", "TF/s",

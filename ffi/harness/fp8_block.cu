@@ -144,11 +144,7 @@ struct LtBlockScales {
 // block-scaled FP8 GEMM of the same FLOPs, in interleaved rounds on the shapes of `fp8 bench`; the
 // geometric means of the ratios at the end.
 int fp8block_bench_main() {
-  CHECK_CUDA(gemm_rs::prepare_kernels());
-  CHECK_CUDA(ag_gemm::prepare_kernels());
-  CHECK_CUDA(comm::prepare_epoch_kernel());
-  CublasLt const* lt = CublasLt::load();
-  if (!lt) std::printf("(libcublasLt.so.13 not found: no cuBLAS column)\n");
+  CublasLt const* lt = prepare_fp8_bench();
   int const sms = sm_count();
   std::printf("# gemm_rs producer, e4m3 -> bf16, W = 2, median ms of interleaved rounds; goal cublas/block >= 0.95\n");
   std::printf("%6s %6s %5s %10s %10s %10s %8s %13s %13s\n", "M", "N", "K", "block_ms", "tensor_ms", "cublas_ms",

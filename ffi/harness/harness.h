@@ -389,6 +389,7 @@ int ag_push_main();
 // fp8.cu
 int fp8_test_main();
 int fp8_bench_main();
+CublasLt const* prepare_fp8_bench();
 int fp8_accuracy_main();
 // fp8_block.cu
 int fp8block_test_main();
