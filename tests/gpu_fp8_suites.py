@@ -825,9 +825,11 @@ class Fp8BlockSuites(Fp8Suites):
         return self.check(self.local(y), gathered @ ws[r][2], what)
 
     def block_gemm_rs_grads(self, m, n, k, seed):
-        """The gradients of sum(gemm_rs(x, w) * c) with block scales (bf16 x and w quantised by the op),
-        both backward calls fused: dx = D @ W.T and dw = X.T @ D in float64 of the dequantised shards
-        (D: each rank's dy quantised to e5m2 per 1x128 tile)."""
+        """The value and the vector-Jacobian product of a block-scaled gemm_rs (bf16 x and w quantised by
+        the op) with the cotangent c, both calls fused: y, dx = D @ W.T and dw = X.T @ D in float64 of
+        the dequantised shards (D: each rank's c quantised to e5m2 per 1x128 tile). jax.vjp inside
+        shard_map with c given: a loss summed over ranks would need an XLA all-reduce (NCCL, which
+        cannot run two ranks on one GPU), and y as an output keeps the forward call in the program."""
         import dataclasses
 
         import jax
@@ -842,36 +844,35 @@ class Fp8BlockSuites(Fp8Suites):
         rng = np.random.default_rng(seed)
         xs = [rng.standard_normal((m, k)).astype(jnp.bfloat16) for _ in range(w_)]
         ws = [(rng.standard_normal((k, n)) / 16).astype(jnp.bfloat16) for _ in range(w_)]
-        c = rng.standard_normal((m, n)).astype(np.float32)
+        c = rng.standard_normal((m, n)).astype(jnp.bfloat16)
         config = dataclasses.replace(entwine_jax.heuristic_config(m, n, k, w_, jnp.float8_e4m3fn), path="fused")
 
-        def loss(x, w, c):
-            y = entwine_jax.gemm_rs(x, w, axis_name="tp", x_scale=fp8.scales_1x128(x), w_scale=fp8.scales_128x128(w),
-                                    config=config)
-            return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * c), "tp")
+        def body(x, w, c):
+            def f(x, w):
+                return entwine_jax.gemm_rs(x, w, axis_name="tp", x_scale=fp8.scales_1x128(x),
+                                           w_scale=fp8.scales_128x128(w), config=config)
 
-        # The value too: with the gradients alone the forward's output is dead code (the loss is linear
-        # in y), and XLA drops the forward call.
-        fn = jax.value_and_grad(jax.shard_map(loss, mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None),
-                                                                              P("tp", None)),
-                                              out_specs=P()), argnums=(0, 1))
+            y, pullback = jax.vjp(f, x, w)
+            return (y, *pullback(c))
+
+        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P(None, "tp"), P("tp", None), P("tp", None)),
+                                   out_specs=(P("tp", None), P(None, "tp"), P("tp", None))))
         args = (self.place(xs[r], 1, (m, w_ * k)), self.place(ws[r], 0, (w_ * k, n)),
                 self.place(c[r * m // w_:(r + 1) * m // w_], 0, (m, n)))
-        what = f"block-scaled gemm_rs gradients M={m} N={n} K={k}"
-        census = self.fused_calls(jax.jit(fn), *args)
+        what = f"block-scaled gemm_rs vjp M={m} N={n} K={k}"
+        census = self.fused_calls(fn, *args)
         if not (census.get("gemm_rs") and census.get("ag_gemm")):
             raise AssertionError(f"{what}: not every call fused: {census}")
         with jax.set_mesh(self.mesh):
-            value, (dx, dw) = jax.jit(fn)(*args)
+            y, dx, dw = fn(*args)
         comm.check_errors()
         deq = lambda v, quantise, dtype=fp8.E4M3: np.asarray(fp8.dequantize(*quantise(jnp.asarray(v), dtype)),  # noqa: E731
                                                              np.float64)
         x_d = [deq(x, fp8.quantize_1x128) for x in xs]
         w_d = [deq(w, fp8.quantize_128x128) for w in ws]
-        d = np.concatenate([deq(c[s * m // w_:(s + 1) * m // w_].astype(jnp.bfloat16), fp8.quantize_1x128, fp8.E5M2)
-                            for s in range(w_)])
-        y = sum(x_d[q] @ w_d[q] for q in range(w_))
-        worst = self.check(np.asarray(value, np.float64).reshape(1), np.array([np.sum(y * c)]), f"{what}: value")
+        d = np.concatenate([deq(c[s * m // w_:(s + 1) * m // w_], fp8.quantize_1x128, fp8.E5M2) for s in range(w_)])
+        full = sum(x_d[q] @ w_d[q] for q in range(w_))
+        worst = self.check(self.local(y), full[r * m // w_:(r + 1) * m // w_], f"{what}: y")
         worst = max(worst, self.check(self.local(dx), d @ w_d[r].T, f"{what}: dx"))
         worst = max(worst, self.check(self.local(dw), x_d[r].T @ d, f"{what}: dw"))
         self.log(f"{what}: ok")
