@@ -1,0 +1,64 @@
+// moe_dispatch_gemm's plan (static capacity): the config's rules and the shape rules of its
+// kernels in one place, and the loading of every kernel module of the op at setup.
+#include "moe/moe.h"
+
+namespace entwine {
+
+MoePlan moe_plan(const MoeProblem& p, const MoeConfig& c) {
+  MoePlan plan{};
+  plan.config = c;
+  plan.shape = p;
+  auto fail = [&](const char* rule) {
+    plan.error = rule;
+    return plan;
+  };
+  if (p.world < 1 || p.world > kMaxWorld) return fail("world size must be in [1, 8]");
+  if (p.rank < 0 || p.rank >= p.world) return fail("rank must be in [0, world)");
+  if (c.block_n != 128 && c.block_n != 256) return fail("config.block_n must be 128 or 256");
+  // Every GEMM CTA may wait for a segment whose release kernel then needs an SM: the grid is
+  // persistent, and the caller checks that plan.sms_needed fits the GPU.
+  if (c.gemm_sms < 1) return fail("config.gemm_sms must be >= 1");
+  if (c.raster_rows < 1) return fail("config.raster_rows must be >= 1");
+  if (is_fp8(p.input)) return fail("FP8 operands are not supported yet (16-bit inputs only)");
+  if (p.experts < 1 || p.experts % p.world != 0) return fail("experts must be a positive multiple of world");
+  if (p.capacity <= 0 || p.k <= 0 || p.n <= 0) return fail("capacity, K and N must be positive");
+  // A block's rows must come from one source's segment of one expert: one flag per block, and a
+  // block never mixes a peer's rows with the local rows read in place.
+  if (p.capacity % kBlockM != 0) return fail("capacity % 128 == 0 (a GEMM block must not straddle two sources' rows)");
+  if (p.k % align_k(p.input) != 0) return fail("K must make 16-byte rows (K % 8 == 0 for 16-bit inputs; TMA)");
+  // The store warp writes whole blocks at y's row pitch n.
+  if (p.n % c.block_n != 0) return fail("N must be a multiple of config.block_n");
+  plan.e_local = p.experts / p.world;
+  int64_t const rows = int64_t(p.world) * p.capacity;  // A's rows per expert
+  // int32 coordinates in the kernels (rows of one expert's A, w's rows and columns).
+  if (rows >= (int64_t(1) << 31) || int64_t(p.experts) * p.capacity >= (int64_t(1) << 31)) {
+    return fail("world * capacity (or experts * capacity) is 2^31 rows or more");
+  }
+  plan.seg_tiles = p.capacity / kBlockM;
+  plan.n_blocks = int32_t(p.n / c.block_n);
+  plan.k_tiles = (p.k + block_k(p.input) - 1) / block_k(p.input);
+  int64_t const blocks = int64_t(plan.e_local) * p.world * plan.seg_tiles * plan.n_blocks;
+  if (blocks >= (int64_t(1) << 31)) return fail("the GEMM has 2^31 blocks or more");
+  plan.num_blocks = int32_t(blocks);
+  plan.grid = c.gemm_sms < plan.num_blocks ? int32_t(c.gemm_sms) : plan.num_blocks;
+  plan.slice_bytes = int64_t(p.capacity) * p.k * element_bytes(p.input);
+  plan.inbox_bytes = int64_t(plan.e_local) * p.world * plan.slice_bytes;
+  plan.flags = int64_t(p.world) * plan.e_local;
+  plan.sms_needed = plan.grid + 1;
+  plan.order = TileOrder{plan.seg_tiles, plan.n_blocks,
+                         c.raster_rows < plan.seg_tiles ? int32_t(c.raster_rows) : plan.seg_tiles};
+  plan.schedule = WorkSchedule{plan.num_blocks, plan.grid, plan.k_tiles, plan.num_blocks};
+  plan.scaling = Scaling::kTensor;
+  return plan;
+}
+
+namespace moe {
+
+cudaError_t prepare_kernels() {
+  cudaError_t err = prepare_gemms();
+  return err != cudaSuccess ? err : prepare_transfer_kernels();
+}
+
+}  // namespace moe
+
+}  // namespace entwine
