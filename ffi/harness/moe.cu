@@ -10,7 +10,7 @@ namespace entwine::harness {
 struct MoeCase {
   int world, experts, capacity, k, n;
   MoeConfig config;
-  bool bf16 = true;  // the operands' and output's type (bf16; fp16 rows are not in the kernel table yet)
+  bool bf16 = true;  // the operands' and output's type: bf16, else fp16
   DType dtype() const { return bf16 ? DType::kBF16 : DType::kFP16; }
   MoeProblem problem(int rank) const { return MoeProblem{world, rank, experts, capacity, k, n, dtype()}; }
   int e_local() const { return experts / world; }
@@ -287,6 +287,9 @@ int moe_test_main() {
   run_moe_case(MoeCase{2, 4, 128, 200, 384, moe_config_for(2, 128)}, 2);
   run_moe_case(MoeCase{3, 6, 384, 1024, 512, moe_config_for(3, 256, 2)}, 2);
   run_moe_case(MoeCase{4, 8, 256, 512, 1024, moe_config_for(4, 256, 1)}, 2);
+  MoeCase half{2, 4, 256, 256, 512, moe_config_for(2, 256)};
+  half.bf16 = false;
+  run_moe_case(half, 2);
   run_moe_deadline(2, 4);
   run_moe_deadline(3, 3);
   run_moe_deadline(4, 8);
