@@ -1,5 +1,5 @@
 // moe_dispatch_gemm (static capacity) on W virtual ranks of one GPU: `moe test` runs every rank's
-// copy-engine transfers and expert GEMM as a handler would, over several epochs (flags never reset),
+// transfers (copy engines or the SM push) and expert GEMM as a handler would, over several epochs (flags never reset),
 // checks y against float64 on the host, and checks that a rank that never takes part ends its
 // peers' waits with the deadline error naming it (plain launches and a CUDA graph).
 #include "harness/harness.h"
@@ -21,27 +21,29 @@ struct MoeCase {
 
 std::string describe(MoeCase const& c) {
   char buf[192];
-  std::snprintf(buf, sizeof buf, "moe W=%d E=%d C=%d K=%d N=%d %s block_n=%d gemm_sms=%d r=%d", c.world, c.experts,
-                c.capacity, c.k, c.n, c.bf16 ? "bf16" : "fp16", int(c.config.block_n), int(c.config.gemm_sms),
-                int(c.config.raster_rows));
+  std::snprintf(buf, sizeof buf, "moe W=%d E=%d C=%d K=%d N=%d %s block_n=%d gemm_sms=%d r=%d push_sms=%d", c.world,
+                c.experts, c.capacity, c.k, c.n, c.bf16 ? "bf16" : "fp16", int(c.config.block_n),
+                int(c.config.gemm_sms), int(c.config.raster_rows), int(c.config.push_sms));
   return buf;
 }
 
 // W ranks' GEMMs share this GPU: each gets a grid that leaves SMs for the others and for the
-// release kernels (on a real node each GPU runs one GEMM on all SMs but one).
-MoeConfig moe_config_for(int world, int block_n, int raster_rows = 8) {
-  return MoeConfig{block_n, std::max(1, sm_count() / world - 2), raster_rows};
+// release kernels or its SM push (on a real node each GPU runs one GEMM on all SMs the push leaves).
+MoeConfig moe_config_for(int world, int block_n, int raster_rows = 8, int push_sms = 0) {
+  return MoeConfig{block_n, std::max(1, sm_count() / world - 2 - push_sms), raster_rows, push_sms};
 }
 
 // Every rank's x_send, w, y, inbox, flags (two parities) and ready words in this GPU's memory. Rank
 // r's transfer to rank r + d runs on its transfer stream d (the staggered order: every receiver's
-// first segments come from rank - 1), its GEMM on its own stream.
+// first segments come from rank - 1), its GEMM on its own stream; with config.push_sms, its SM push
+// runs on the GEMM's stream ahead of the GEMM, which is launched as its programmatic dependent.
 struct MoeWorld {
   struct Rank {
     uint16_t *x_send = nullptr, *w = nullptr, *y = nullptr;
     char* inbox = nullptr;
     uint64_t* flags = nullptr;  // two parities of plan.flags words
     uint64_t* ready = nullptr;  // kMaxWorld words: ready[s] = the last call rank s announced
+    uint32_t* arrivals = nullptr;  // the SM push's counters (the op's workspace)
     cudaStream_t gemm = nullptr;
     cudaStream_t transfer[kMaxWorld] = {};
   };
@@ -69,6 +71,8 @@ struct MoeWorld {
       CHECK_CUDA(cudaMemset(r.flags, 0, 2 * plan.flags * sizeof(uint64_t)));
       CHECK_CUDA(cudaMalloc(&r.ready, kMaxWorld * sizeof(uint64_t)));
       CHECK_CUDA(cudaMemset(r.ready, 0, kMaxWorld * sizeof(uint64_t)));
+      CHECK_CUDA(cudaMalloc(&r.arrivals, kMoePushArrivalsBytes));
+      CHECK_CUDA(cudaMemset(r.arrivals, 0, kMoePushArrivalsBytes));
       CHECK_CUDA(cudaStreamCreateWithPriority(&r.gemm, cudaStreamNonBlocking, lo));
       for (int d = 1; d < c.world; ++d) CHECK_CUDA(cudaStreamCreateWithPriority(&r.transfer[d], cudaStreamNonBlocking, hi));
     }
@@ -86,6 +90,7 @@ struct MoeWorld {
       cudaFree(r.inbox);
       cudaFree(r.flags);
       cudaFree(r.ready);
+      cudaFree(r.arrivals);
       cudaStreamDestroy(r.gemm);
       for (int d = 1; d < c.world; ++d) cudaStreamDestroy(r.transfer[d]);
     }
@@ -120,16 +125,40 @@ struct MoeWorld {
     CHECK_CUDA(cudaDeviceSynchronize());
   }
 
-  // Every rank's GEMM, then its transfers to rank + 1, rank + 2, ... each on its own stream;
-  // skip_rank neither pushes nor runs its GEMM.
+  // Rank r's SM push to every peer, on its GEMM's stream.
+  void enqueue_sm_push(int r) {
+    MoePushArgs a{};
+    a.x_send = ranks[r].x_send;
+    for (int q = 0; q < c.world; ++q) {
+      a.inbox[q] = ranks[q].inbox;
+      a.flags[q] = ranks[q].flags;
+    }
+    a.ready = ranks[r].ready;
+    a.arrivals = ranks[r].arrivals;
+    a.slice_bytes = plan.slice_bytes;
+    a.e_local = plan.e_local;
+    a.rank = r;
+    a.world = c.world;
+    a.error = error;
+    a.call = call_epoch(r);
+    a.timeout_ns = timeout_ns;
+    CHECK_CUDA(moe::launch_push(plans[r], a, ranks[r].gemm));
+  }
+
+  // Every rank's GEMM (after its SM push, if the plan has one), then its copy-engine transfers to
+  // rank + 1, rank + 2, ... each on its own stream; skip_rank neither pushes nor runs its GEMM.
   void enqueue(int skip_rank) {
+    bool const sm_push = plan.push_grid > 0;
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
       MoeGemmArgs const a{ranks[r].x_send, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr,
                           call_epoch(r), timeout_ns};
-      CHECK_CUDA(moe::launch_gemm(c.dtype(), c.dtype(), plans[r], a, ranks[r].gemm));
+      if (sm_push) enqueue_sm_push(r);
+      PreparedGemm gemm;
+      CHECK_CUDA(moe::prepare_gemm(c.dtype(), c.dtype(), plans[r], a, &gemm));
+      CHECK_CUDA(gemm.enqueue(ranks[r].gemm, sm_push));
     }
-    for (int r = 0; r < c.world; ++r) {
+    for (int r = 0; r < c.world && !sm_push; ++r) {
       if (r == skip_rank) continue;
       for (int d = 1; d < c.world; ++d) {
         int const q = (r + d) % c.world;
@@ -248,8 +277,8 @@ void run_moe_case(MoeCase const& c, int epochs) {
 
 // A rank that never takes part: a peer's GEMM waiting on its segments, or a peer's transfer waiting
 // for its announcement, must record the deadline naming it, within seconds.
-void run_moe_deadline(int world_size, int experts) {
-  MoeCase c{world_size, experts, 128, 256, 256, moe_config_for(world_size, 128)};
+void run_moe_deadline(int world_size, int experts, int push_sms = 0) {
+  MoeCase c{world_size, experts, 128, 256, 256, moe_config_for(world_size, 128, 8, push_sms)};
   MoeWorld world(c);
   world.fill_inputs(9);
   world.call();
@@ -260,8 +289,9 @@ void run_moe_deadline(int world_size, int experts) {
   double const secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   DeviceError const e = world.read_error();
   char buf[256];
-  std::snprintf(buf, sizeof buf, "moe deadline W=%d E=%d: code=%u site=%d rank=%d source=%d expert=%d expected=%llu after %.2f s",
-                world_size, experts, e.code, e.site, e.rank, e.source, e.tile, (unsigned long long)e.expected, secs);
+  std::snprintf(buf, sizeof buf,
+                "moe deadline W=%d E=%d push_sms=%d: code=%u site=%d rank=%d source=%d expert=%d expected=%llu after %.2f s",
+                world_size, experts, push_sms, e.code, e.site, e.rank, e.source, e.tile, (unsigned long long)e.expected, secs);
   bool const site_ok = e.site == kMoeWaitSegment || e.site == kMoeWaitInboxReady;
   expect(e.code == kErrorDeadline && site_ok && e.source == missing && stamp_epoch(e.expected) == 2 && secs < 5, buf);
 }
@@ -290,11 +320,20 @@ int moe_test_main() {
   MoeCase half{2, 4, 256, 256, 512, moe_config_for(2, 256)};
   half.bf16 = false;
   run_moe_case(half, 2);
+  // The SM push: every world, one CTA or more than a segment has vectors for (the plan caps it),
+  // several experts per rank.
+  for (int world : {2, 3, 4}) {
+    run_moe_case(MoeCase{world, 2 * world, 256, 256, 512, moe_config_for(world, 256, 8, 4)}, 3);
+  }
+  run_moe_case(MoeCase{2, 6, 128, 200, 384, moe_config_for(2, 128, 2, 1)}, 2);
+  run_moe_case(MoeCase{4, 4, 384, 1024, 512, moe_config_for(4, 256, 8, 16)}, 2);
   run_moe_deadline(2, 4);
   run_moe_deadline(3, 3);
   run_moe_deadline(4, 8);
+  run_moe_deadline(3, 6, 4);
   run_graph<MoeWorld>(MoeCase{2, 4, 128, 256, 256, moe_config_for(2, 128)}, 4);
   run_graph<MoeWorld>(MoeCase{3, 6, 256, 320, 512, moe_config_for(3, 256)}, 4);
+  run_graph<MoeWorld>(MoeCase{2, 4, 256, 256, 512, moe_config_for(2, 256, 8, 4)}, 4);
   std::printf("harness moe test: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;
 }

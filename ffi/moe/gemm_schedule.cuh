@@ -29,9 +29,10 @@ struct GemmSchedule {
   // Position p -> (segment, tile row inside it, block column). A segment is (expert e, source s),
   // owner e * world + s: the store warp writes its block at y row owner * C + tile * 128, which is
   // y[e, s * C + tile * 128] of y [E_local, world * C, n]. Order: the local source's segments
-  // first (expert-major), then expert by expert the peers rank - 1, rank - 2, ...: the transfer to
-  // rank r from r - d runs on its source's d-th stream, each stream copying experts in order, so
-  // segment (e, r - 1) is among the first to arrive.
+  // first (expert-major), then expert by expert the peers rank - 1, rank - 2, ...: both transfers
+  // send expert-major (the copy engines: the transfer to rank r from r - d on its source's d-th
+  // stream, experts in order; the SM push: expert by expert to all its destinations at once), and
+  // rank r is the first destination of r - 1.
   static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order) {
     int const per_seg = op.blocks_per_segment, local_blocks = op.e_local * per_seg;
     int expert, source, i;

@@ -18,7 +18,8 @@ namespace entwine {
 #define ENTWINE_MOE_CONFIG_FIELDS(X)                                                                  \
   X(int64_t, block_n, 256)    /* GEMM block: 128 x block_n x 64, block_n in {128, 256} */              \
   X(int64_t, gemm_sms, 131)   /* persistent grid; leaves an SM for the release kernels */             \
-  X(int64_t, raster_rows, 8)  /* a segment's blocks run in groups of this many tile rows (L2 reuse) */
+  X(int64_t, raster_rows, 8)  /* a segment's blocks run in groups of this many tile rows (L2 reuse) */ \
+  X(int64_t, push_sms, 0)     /* 0: copy engines push the segments; > 0: one SM push kernel of that many CTAs */
 struct MoeConfig {
   ENTWINE_MOE_CONFIG_FIELDS(ENTWINE_CONFIG_MEMBER)
 };
@@ -58,7 +59,8 @@ struct MoePlan {
   int64_t slice_bytes;    // one segment's rows: C * k elements
   int64_t inbox_bytes;    // e_local * world segments
   int64_t flags;          // flag words per parity: world * e_local
-  int32_t sms_needed;     // SMs the call needs at once: the GEMM's and one for the release kernels
+  int32_t push_grid;      // CTAs of the SM push (launch_push), 0: the copy engines push
+  int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or one for the releases)
   TileOrder order;        // the blocks of one segment, in production order
   WorkSchedule schedule;  // the GEMM's blocks, grid and k-tiles (no split tail)
   Scaling scaling = Scaling::kTensor;  // picks the GEMM instantiation (16-bit only for now)
@@ -93,6 +95,28 @@ struct MoeTransferArgs {
   uint64_t timeout_ns;
 };
 
+// The SM push (config.push_sms > 0): one kernel, launched before the GEMM on the GEMM's stream (the
+// GEMM is its programmatic dependent: it starts once every push CTA is resident, on the SMs they
+// leave), copies every segment of every peer with 16-byte stores and releases each itself. Its CTAs
+// wait only for the receivers' announcements, which every rank makes before it waits for anything.
+constexpr int kMoePushThreads = 512;
+// Arrival counters of the SM push, one per (local expert of the destination, peer), zero between calls.
+constexpr int kMoePushCounters = 1024;
+constexpr size_t kMoePushArrivalsBytes = size_t(kMoePushCounters) * sizeof(uint32_t);
+struct MoePushArgs {
+  const void* x_send;              // this rank's x_send [experts, C, k], 16-byte aligned
+  char* inbox[kMaxWorld];          // every rank's inbox (this rank's entry unused)
+  uint64_t* flags[kMaxWorld];      // every rank's flags of parity 0 (the kernel adds the parity)
+  const uint64_t* ready;           // ready[0 .. world) in this rank's heap: the receivers' announcements
+  uint32_t* arrivals;              // kMoePushCounters counters, zero between calls (the op's workspace)
+  int64_t slice_bytes;             // MoePlan::slice_bytes
+  int32_t e_local, rank, world;
+  DeviceError* error;
+  DeviceError* error_mirror;
+  CallEpoch call;
+  uint64_t timeout_ns;
+};
+
 // The waits of moe_dispatch_gemm (DeviceError::site; tile: the expert of the waited segment).
 constexpr int32_t kMoeWaitSiteBase = 3 * kWaitSitesPerOp;
 constexpr int32_t kMoeWaitSegment = kMoeWaitSiteBase + 0;     // the GEMM: a source's rows of an expert
@@ -106,6 +130,9 @@ namespace moe {
 // destinations rank + 1, rank + 2, ... on streams of their own stagger the links: every receiver
 // gets its first segments from rank - 1 (the GEMM's order, gemm_schedule.cuh).
 cudaError_t launch_push_copy(const MoePlan& plan, const MoeTransferArgs& args, cudaStream_t stream);
+// The SM push of a plan with push_grid > 0 (world > 1): on the GEMM's stream, before the GEMM
+// (enqueued with `dependent`: PreparedGemm::enqueue(stream, true)).
+cudaError_t launch_push(const MoePlan& plan, const MoePushArgs& args, cudaStream_t stream);
 cudaError_t prepare_transfer_kernels();
 
 // The GEMM over the inbox as it arrives (moe/gemm_schedule.cuh), dispatched to the instantiation of

@@ -19,6 +19,7 @@ MoePlan moe_plan(const MoeProblem& p, const MoeConfig& c) {
   // persistent, and the caller checks that plan.sms_needed fits the GPU.
   if (c.gemm_sms < 1) return fail("config.gemm_sms must be >= 1");
   if (c.raster_rows < 1) return fail("config.raster_rows must be >= 1");
+  if (c.push_sms < 0 || c.push_sms > 64) return fail("config.push_sms must be in [0, 64]");
   if (is_fp8(p.input)) return fail("FP8 operands are not supported yet (16-bit inputs only)");
   if (p.experts < 1 || p.experts % p.world != 0) return fail("experts must be a positive multiple of world");
   if (p.capacity <= 0 || p.k <= 0 || p.n <= 0) return fail("capacity, K and N must be positive");
@@ -44,7 +45,21 @@ MoePlan moe_plan(const MoeProblem& p, const MoeConfig& c) {
   plan.slice_bytes = int64_t(p.capacity) * p.k * element_bytes(p.input);
   plan.inbox_bytes = int64_t(plan.e_local) * p.world * plan.slice_bytes;
   plan.flags = int64_t(p.world) * plan.e_local;
-  plan.sms_needed = plan.grid + 1;
+  // The SM push splits each segment over the CTAs of a destination's group, kMoePushThreads 16-byte
+  // vectors at a time: a CTA beyond one vector per thread of a segment, for every peer, would only
+  // wait and count. One counter per (expert, peer).
+  int32_t const peers = p.world - 1;
+  if (c.push_sms > 0 && peers > 0) {
+    if (int64_t(plan.e_local) * peers > kMoePushCounters) {
+      return fail("the SM push counts arrivals per (local expert, peer): E_local * (world - 1) <= 1024");
+    }
+    int64_t const vectors = plan.slice_bytes / 16;
+    int64_t const useful = (vectors + kMoePushThreads - 1) / kMoePushThreads * peers;
+    plan.push_grid = int32_t(c.push_sms < useful ? c.push_sms : useful);
+  }
+  // Every GEMM CTA may wait for a segment that only a running push CTA (or, on the copy engines, a
+  // one-warp release kernel) releases: they all must be resident at once.
+  plan.sms_needed = plan.grid + (plan.push_grid > 0 ? plan.push_grid : 1);
   plan.order = TileOrder{plan.seg_tiles, plan.n_blocks,
                          c.raster_rows < plan.seg_tiles ? int32_t(c.raster_rows) : plan.seg_tiles};
   plan.schedule = WorkSchedule{plan.num_blocks, plan.grid, plan.k_tiles, plan.num_blocks};
