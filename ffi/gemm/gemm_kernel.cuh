@@ -365,8 +365,8 @@ struct GemmKernel {
 
     CollectiveMainloop mainloop;
     auto load_inputs = mainloop.load_init(make_shape(params.m, params.n, params.k, params.l), params.mainloop);
-    auto load_local = mainloop.load_init(make_shape(params.m_local, params.n, params.k, params.l_local > 1 ? params.l_local : 1),
-                                         params.mainloop_local);
+    int const l_local = params.l_local > 1 ? params.l_local : 1;
+    auto load_local = mainloop.load_init(make_shape(params.m_local, params.n, params.k, l_local), params.mainloop_local);
 
     if (warp_group == 0) {
       cutlass::arch::warpgroup_reg_dealloc<40>();
