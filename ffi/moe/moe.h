@@ -56,8 +56,8 @@ struct MoePlan {
   int32_t k_tiles;        // ceil(k / BLOCK_K) (TMA zero-fills the tail)
   int32_t num_blocks;     // e_local * world * seg_tiles * n_blocks
   int32_t grid;           // GEMM CTAs
-  int64_t slice_bytes;    // one segment's rows: C * k elements
-  int64_t inbox_bytes;    // e_local * world segments
+  int64_t slice_bytes;    // one segment's rows in bytes: C * k elements
+  int64_t inbox_bytes;    // e_local * world segments (the local source's slots stay unused)
   int64_t flags;          // flag words per parity: world * e_local
   int32_t push_grid;      // CTAs of the SM push (launch_push), 0: the copy engines push
   int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or one for the releases)
