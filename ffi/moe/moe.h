@@ -124,6 +124,9 @@ constexpr int32_t kMoeWaitInboxReady = kMoeWaitSiteBase + 1;  // a transfer: the
 
 namespace moe {
 
+// What moe_dispatch_gemm asks of every communicator entry (handler.cc), registered by bind.cc.
+extern const comm::OpHooks kHooks;
+
 // Enqueues on `stream` the source's whole transfer to args.dest (copy engines and two one-warp
 // kernels: the receiver wait first, one release per segment). Each release must find an SM while
 // the destination's GEMM runs: its persistent grid leaves one (plan.sms_needed). Transfers to the
