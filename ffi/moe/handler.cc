@@ -1,4 +1,5 @@
-// XLA FFI handler `entwine_moe_dispatch_gemm` (bf16/fp16, static capacity): checks one rank's
+// XLA FFI handlers `entwine_moe_dispatch_gemm` (bf16/fp16, static capacity) and `entwine_moe_transfer`
+// (the same moves without the GEMM, any dtype). moe_dispatch_gemm: checks one rank's
 // operands, plans its call, runs the expert GEMM over the receive pool as the segments arrive (XLA's
 // stream) beside this rank's pushes of its x_send segments to every peer, one flag per (source,
 // expert): one SM push kernel ahead of the GEMM, or copy engines on transfer streams forked from
@@ -41,7 +42,8 @@ const comm::OpHooks kHooks{
         return "entwine moe_dispatch_gemm: " + waited + "for rank " + std::to_string(e.source) +
                " to start the call (before pushing tokens into rank " + std::to_string(e.source) + "'s pool)";
       }
-      return "entwine moe_dispatch_gemm: " + waited + "for the tokens of rank " + std::to_string(e.source) +
+      std::string const op = e.site == kMoeWaitTransfer ? "moe_transfer" : "moe_dispatch_gemm";
+      return "entwine " + op + ": " + waited + "for the rows of rank " + std::to_string(e.source) +
              " for local expert " + std::to_string(e.tile);
     },
     kMoePushArrivalsBytes,
@@ -320,6 +322,83 @@ ffi::Error MoeDispatchGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::Any
   });
 }
 
+// moe_transfer: send [E, C, ...] (rank d's rows of expert e at d * E_local + e) -> recv [E_local,
+// W * C, ...] (every source's rows of this rank's expert e, source-major), any dtype: the pushes as in
+// moe_dispatch_gemm, then on XLA's stream the wait for every peer's segments and the copies of recv.
+// The inbox is moe_dispatch_gemm's, under the same announcement rule.
+ffi::Error MoeTransferImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer send,
+                           ffi::Result<ffi::AnyBuffer> recv, int64_t comm_id, int64_t signature, int64_t push_sms) {
+  constexpr const char* kTransferOp = "entwine moe_transfer";
+  return handler::guarded(kTransferOp, [&]() -> ffi::Error {
+    comm::DeviceComm* dc = nullptr;
+    if (ffi::Error e = handler::usable_comm(kTransferOp, comm_id, device, &dc); e.failure()) return e;
+    handler::ExclusiveDispatch const exclusive(*dc);
+    if (ffi::Error e = exclusive.check(kTransferOp); e.failure()) return e;
+    handler::HostTimer timer{dc};
+    auto sd = send.dimensions(), rd = recv->dimensions();
+    int64_t const world = dc->world;
+    bool ok = sd.size() >= 2 && rd.size() == sd.size() && sd[0] % world == 0 && rd[0] == sd[0] / world &&
+              rd[1] == world * sd[1] && recv->element_type() == send.element_type() && send.element_count() > 0;
+    for (size_t i = 2; ok && i < sd.size(); ++i) ok = rd[i] == sd[i];
+    if (!ok) {
+      return ffi::Error::InvalidArgument(std::string(kTransferOp) +
+                                         ": expected send [E, C, ...] (E a multiple of W) and recv [E/W, W*C, ...] of "
+                                         "one dtype, got send " + dims_string(sd) + ", recv " + dims_string(rd) +
+                                         " with W = " + std::to_string(world));
+    }
+    int64_t const row_bytes = int64_t(send.size_bytes()) / (sd[0] * sd[1]);
+    MoePlan const plan = moe_transfer_plan(dc->world, dc->rank, int32_t(sd[0]), int32_t(sd[1]), row_bytes, push_sms);
+    if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string(kTransferOp) + ": " + plan.error);
+    if (plan.sms_needed > dc->sm_count) {
+      return ffi::Error::InvalidArgument(std::string(kTransferOp) + ": the push needs " +
+                                         std::to_string(plan.sms_needed) + " SMs, this GPU has " +
+                                         std::to_string(dc->sm_count));
+    }
+    size_t const has_bytes = dc->capacity.bytes[moe::inbox_region];
+    if (size_t(plan.inbox_bytes) > has_bytes || plan.e_local > dc->capacity.flags_per_source) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        std::string(kTransferOp) + ": call needs a pool of " + std::to_string(plan.inbox_bytes) +
+                            " bytes and " + std::to_string(plan.e_local) + " flags per source, communicator has " +
+                            std::to_string(has_bytes) + " bytes and " + std::to_string(dc->capacity.flags_per_source));
+    }
+    bool capturing = false;
+    if (ffi::Error e = handler::is_capturing(kTransferOp, xla_stream, &capturing); e.failure()) return e;
+    DeviceGuard guard;
+    ENTWINE_RETURN_IF_CUDA(kTransferOp, guard.set(device));
+    CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
+    timer.lap(comm::kPhaseChecks);
+    bool const sm_push = plan.push_grid > 0 && dc->world > 1;
+    if (!sm_push) ENTWINE_RETURN_IF_CUDA(kTransferOp, cudaEventRecord(dc->start, xla_stream));
+    timer.lap(comm::kPhaseFork);
+    if (sm_push) {
+      if (ffi::Error e = enqueue_sm_push(*dc, plan, send.untyped_data(), epoch_args, xla_stream); e.failure()) return e;
+    } else if (ffi::Error e = enqueue_copy_engine_pushes(*dc, plan, send.untyped_data(), epoch_args); e.failure()) {
+      return e;
+    }
+    MoeWaitArgs wait{};
+    wait.flags = reinterpret_cast<const uint64_t*>(static_cast<char*>(dc->heap) + dc->layout.flags_offset());
+    wait.e_local = plan.e_local;
+    wait.rank = dc->rank;
+    wait.world = dc->world;
+    wait.error = dc->error_local;
+    wait.error_mirror = dc->error_device;
+    wait.call = epoch_args;
+    wait.timeout_ns = comm::timeout_ms() * 1000000ull;
+    ENTWINE_RETURN_IF_CUDA(kTransferOp, moe::launch_wait_segments(wait, xla_stream));
+    if (ffi::Error e = copy_pool(*dc, plan, send.untyped_data(), *recv, xla_stream); e.failure()) return e;
+    timer.lap(comm::kPhaseLaunch);
+    for (int d = 1; !sm_push && d < dc->world; ++d) {
+      ENTWINE_RETURN_IF_CUDA(kTransferOp, cudaStreamWaitEvent(xla_stream, dc->side_done[d - 1], 0));
+    }
+    timer.lap(comm::kPhaseJoin);
+    comm::CallEnd end = handler::call_end(*dc, epoch_args);
+    end.add_output(recv->untyped_data(), int64_t(recv->size_bytes()));
+    ENTWINE_RETURN_IF_CUDA(kTransferOp, comm::launch_end_call(end, xla_stream));
+    timer.lap(comm::kPhaseEnd);
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 }  // namespace entwine
 
@@ -339,4 +418,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchGemm, entwine::MoeDispatchGemmImpl,
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("signature")                // what the call is (stamps)
                                   .Attr<entwine::MoeConfig>("config"),       // config
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeTransfer, entwine::MoeTransferImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // send [E, C, ...]
+                                  .Ret<ffi::AnyBuffer>()                     // recv [E_local, W * C, ...]
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
+                                  .Attr<int64_t>("push_sms"),                // 0: copy engines; else the SM push's CTAs
                               {ffi::Traits::kCmdBufferCompatible});

@@ -66,6 +66,13 @@ struct MoePlan {
   Scaling scaling = Scaling::kTensor;  // picks the GEMM instantiation (16-bit only for now)
 };
 MoePlan moe_plan(const MoeProblem& problem, const MoeConfig& config);
+// The plan of moe_transfer, the segments' all-to-all alone (no GEMM): the moves of the MoE ops
+// whose GEMM runs before the move (the combine's return, the backward's moves). Every rank sends
+// send [world][E_local][C] rows of row_bytes bytes; rank r's segment (d, e) lands in rank d's inbox
+// at segment (e, r), and rank d's recv is [E_local][world][C] rows (its own segments copied from
+// send). Only the transfer fields are set (shape.k = row_bytes, n = 0; no GEMM).
+MoePlan moe_transfer_plan(int32_t world, int32_t rank, int32_t experts, int32_t capacity, int64_t row_bytes,
+                          int64_t push_sms);
 
 // The GEMM's arguments.
 struct MoeGemmArgs {
@@ -121,6 +128,22 @@ struct MoePushArgs {
 constexpr int32_t kMoeWaitSiteBase = 3 * kWaitSitesPerOp;
 constexpr int32_t kMoeWaitSegment = kMoeWaitSiteBase + 0;     // the GEMM: a source's rows of an expert
 constexpr int32_t kMoeWaitInboxReady = kMoeWaitSiteBase + 1;  // a transfer: the receiver has not started the call
+constexpr int32_t kMoeWaitTransfer = kMoeWaitSiteBase + 2;    // moe_transfer's receiver: a source's rows of an expert
+
+// moe_transfer's receiver: one kernel on XLA's stream announces the call, then waits for every
+// peer's segments (a warp per segment at a time), so that the copies of recv after it read them.
+struct MoeWaitArgs {
+  const uint64_t* flags;  // this rank's flags of parity 0: flags[source * E_local + expert]
+  int32_t e_local, rank, world;
+  DeviceError* error;
+  DeviceError* error_mirror;
+  CallEpoch call;
+  uint64_t timeout_ns;
+};
+
+namespace comm {
+struct OpHooks;
+}
 
 namespace moe {
 
@@ -137,6 +160,8 @@ cudaError_t launch_push_copy(const MoePlan& plan, const MoeTransferArgs& args, c
 // (enqueued with `dependent`: PreparedGemm::enqueue(stream, true)).
 cudaError_t launch_push(const MoePlan& plan, const MoePushArgs& args, cudaStream_t stream);
 cudaError_t prepare_transfer_kernels();
+// moe_transfer's wait for every peer's segments (MoeWaitArgs), on the receiver's stream.
+cudaError_t launch_wait_segments(const MoeWaitArgs& args, cudaStream_t stream);
 
 // The GEMM over the inbox as it arrives (moe/gemm_schedule.cuh), dispatched to the instantiation of
 // (input, output, plan.config.block_n) by code generated from the kernel table.

@@ -4,6 +4,53 @@
 
 namespace entwine {
 
+namespace {
+
+// The SM push's grid (plan->push_grid) for plan->slice_bytes and plan->e_local: it splits each
+// segment over the CTAs of a destination's group, kMoePushThreads 16-byte vectors at a time, so a
+// CTA beyond one vector per thread of a segment, for every peer, would only wait and count; one
+// counter per (expert, peer). A violated rule, or nullptr.
+const char* plan_push(int32_t world, int64_t push_sms, MoePlan* plan) {
+  int32_t const peers = world - 1;
+  if (push_sms <= 0 || peers == 0) return nullptr;
+  if (int64_t(plan->e_local) * peers > kMoePushCounters) {
+    return "the SM push counts arrivals per (local expert, peer): E_local * (world - 1) <= 1024";
+  }
+  int64_t const vectors = plan->slice_bytes / 16;
+  int64_t const useful = (vectors + kMoePushThreads - 1) / kMoePushThreads * peers;
+  plan->push_grid = int32_t(push_sms < useful ? push_sms : useful);
+  return nullptr;
+}
+
+}  // namespace
+
+MoePlan moe_transfer_plan(int32_t world, int32_t rank, int32_t experts, int32_t capacity, int64_t row_bytes,
+                          int64_t push_sms) {
+  MoePlan plan{};
+  plan.config = MoeConfig{128, 0, 1, push_sms};
+  plan.shape = MoeProblem{world, rank, experts, capacity, int32_t(row_bytes), 0, DType::kBF16};
+  auto fail = [&](const char* rule) {
+    plan.error = rule;
+    return plan;
+  };
+  if (world < 1 || world > kMaxWorld) return fail("world size must be in [1, 8]");
+  if (rank < 0 || rank >= world) return fail("rank must be in [0, world)");
+  if (push_sms < 0 || push_sms > 64) return fail("config.push_sms must be in [0, 64]");
+  if (experts < 1 || experts % world != 0) return fail("experts must be a positive multiple of world");
+  if (capacity <= 0 || row_bytes <= 0) return fail("capacity and the rows' bytes must be positive");
+  // The SM push moves 16-byte vectors, and every segment starts 16-byte aligned.
+  if ((int64_t(capacity) * row_bytes) % 16 != 0) return fail("a segment (capacity rows) must be a multiple of 16 bytes");
+  if (row_bytes >= (int64_t(1) << 31)) return fail("a row of 2^31 bytes or more");
+  plan.e_local = experts / world;
+  plan.slice_bytes = int64_t(capacity) * row_bytes;
+  plan.inbox_bytes = int64_t(plan.e_local) * world * plan.slice_bytes;
+  plan.flags = int64_t(world) * plan.e_local;
+  if (const char* rule = plan_push(world, push_sms, &plan)) return fail(rule);
+  // The receiver's wait kernel, and the push's CTAs or the copy engines' release kernels.
+  plan.sms_needed = 1 + (plan.push_grid > 0 ? plan.push_grid : 1);
+  return plan;
+}
+
 MoePlan moe_plan(const MoeProblem& p, const MoeConfig& c) {
   MoePlan plan{};
   plan.config = c;
@@ -45,18 +92,7 @@ MoePlan moe_plan(const MoeProblem& p, const MoeConfig& c) {
   plan.slice_bytes = int64_t(p.capacity) * p.k * element_bytes(p.input);
   plan.inbox_bytes = int64_t(plan.e_local) * p.world * plan.slice_bytes;
   plan.flags = int64_t(p.world) * plan.e_local;
-  // The SM push splits each segment over the CTAs of a destination's group, kMoePushThreads 16-byte
-  // vectors at a time: a CTA beyond one vector per thread of a segment, for every peer, would only
-  // wait and count. One counter per (expert, peer).
-  int32_t const peers = p.world - 1;
-  if (c.push_sms > 0 && peers > 0) {
-    if (int64_t(plan.e_local) * peers > kMoePushCounters) {
-      return fail("the SM push counts arrivals per (local expert, peer): E_local * (world - 1) <= 1024");
-    }
-    int64_t const vectors = plan.slice_bytes / 16;
-    int64_t const useful = (vectors + kMoePushThreads - 1) / kMoePushThreads * peers;
-    plan.push_grid = int32_t(c.push_sms < useful ? c.push_sms : useful);
-  }
+  if (const char* rule = plan_push(p.world, c.push_sms, &plan)) return fail(rule);
   // Every GEMM CTA may wait for a segment that only a running push CTA (or, on the copy engines, a
   // one-warp release kernel) releases: they all must be resident at once.
   plan.sms_needed = plan.grid + (plan.push_grid > 0 ? plan.push_grid : 1);

@@ -34,6 +34,25 @@ __global__ void __launch_bounds__(32) release_segment(uint64_t* flag, CallEpoch 
   }
 }
 
+// moe_transfer's receiver: announce (the peers' transfers into this rank's inbox wait for it), then
+// every (source, expert) segment of the peers, warp by warp; a failed wait records the source and
+// expert and the rest go on without waiting (the call's outputs are poisoned).
+constexpr int kWaitThreads = 256;
+__global__ void __launch_bounds__(kWaitThreads) wait_segments(MoeWaitArgs a) {
+  if (threadIdx.x == 0) wait::announce(a.call);
+  __syncthreads();
+  uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
+  const uint64_t* const flags = a.flags + int64_t(epoch & 1) * a.call.flags_stride;
+  int const warp = threadIdx.x / 32, warps = kWaitThreads / 32;
+  bool ok = true;
+  for (int i = warp; i < a.world * a.e_local; i += warps) {
+    int const source = i / a.e_local, expert = i % a.e_local;
+    if (source == a.rank || !ok) continue;
+    ok = wait::wait_flag_warp(flags + i, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, source, expert,
+                              kMoeWaitTransfer);
+  }
+}
+
 // Vectors each thread keeps in flight: the loads of a batch are issued before its stores.
 constexpr int kPushUnroll = 4;
 
@@ -135,9 +154,15 @@ cudaError_t launch_push_copy(const MoePlan& plan, const MoeTransferArgs& a, cuda
   return err;
 }
 
+cudaError_t launch_wait_segments(const MoeWaitArgs& args, cudaStream_t stream) {
+  wait_segments<<<1, kWaitThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
 cudaError_t prepare_transfer_kernels() {
   cudaFuncAttributes attr;
   cudaError_t err = cudaFuncGetAttributes(&attr, wait_receiver);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, wait_segments);
   if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, release_segment);
   return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, push_segments);
 }
