@@ -164,3 +164,80 @@ def call(x_send, w1, site: MoeCall, return_pool: bool):
                               x_send, w1, comm_id=np.int64(site.comm_id), signature=np.int64(signature),
                               config=attributes)
     return y, (pool if return_pool else None)
+
+
+# -- moe_transfer: the same moves without the GEMM (the combine's return, the backward's moves) --
+
+
+def transfer_target() -> str:
+    """The XLA FFI target name of moe_transfer (spelled once, in the extension)."""
+    return _extension.ext().MOE_TRANSFER_TARGET
+
+
+def _transfer_plan(world: int, send) -> dict:
+    """moe_transfer's plan of send [E, C, ...] (an abstract value); PlanError with the C++ rule."""
+    if (reason := kernels_reason()) is not None:
+        raise NoExtension(reason)
+    experts, capacity = send.shape[:2]
+    row_bytes = int(np.prod(send.shape[2:], dtype=np.int64)) * jnp.dtype(send.dtype).itemsize
+    d = dict(_extension.ext().moe_transfer_plan(int(world), int(experts), int(capacity), row_bytes, 0))
+    if d["error"] is not None:
+        raise PlanError(d["error"], False)
+    return d
+
+
+def _transfer_unavailable(send, axis_name, axis_size, config) -> Optional[str]:
+    if config.path == "xla":
+        return "config.path='xla'"
+    if reason := kernels_reason():
+        return reason
+    if reason := comm.world_reason(axis_size):
+        return reason
+    reason, mesh, ext = comm.platform_reason(axis_name)
+    if reason:
+        return reason
+    try:
+        d = _transfer_plan(axis_size, send)
+    except PlanError as e:
+        return f"the kernels cannot move this: {e.rule}"
+    if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
+        return reason
+    return comm.heap_reason(ext, mesh, axis_name, axis_size, d["flags_per_source"], {INBOX_REGION: d["inbox_bytes"]})
+
+
+def transfer_unavailable_reason(send, *, axis_name, axis_size: int, config) -> Optional[str]:
+    """None when moe_transfer can move send [E, C, ...] (an abstract value, any dtype), else why not."""
+    try:
+        mesh = comm.find_mesh(axis_name)
+        key = ("moe transfer", tuple(send.shape), str(send.dtype), comm.axis_tuple(axis_name), axis_size,
+               config.path, mesh)
+    except Exception as e:
+        return f"cannot inspect the call ({type(e).__name__}: {e})"
+    return comm.cached_reason(key, mesh, lambda: _transfer_unavailable(send, axis_name, axis_size, config))
+
+
+def prepare_transfer(send, *, axis_name, axis_size: int) -> MoeCall:
+    """moe_transfer's communicator for send [E, C, ...], acquired now (after transfer_unavailable_reason
+    said None)."""
+    mesh = comm.mesh_for(axis_name)
+    try:
+        d = _transfer_plan(axis_size, send)
+    except NoExtension as e:
+        raise Unavailable(str(e)) from None
+    except PlanError as e:
+        raise Unavailable(f"the kernels cannot move this: {e.rule}") from None
+    cid = comm.acquire_comm(mesh, axis_name, d["flags_per_source"], {INBOX_REGION: d["inbox_bytes"]})
+    # The copy engines move the rows: no SM is taken from the GEMMs around the move.
+    return MoeCall(comm_id=cid, attributes=(("push_sms", 0),), target=transfer_target())
+
+
+def transfer(send, site: MoeCall, world: int):
+    """One rank's moe_transfer inside shard_map over an axis of `world` ranks: send [E, C, ...] (rows
+    for every expert, expert d * E_local + e on rank d) -> recv [E_local, W * C, ...] (every source's
+    rows of this rank's expert e, source-major)."""
+    experts, capacity = send.shape[:2]
+    recv = jax.ShapeDtypeStruct((experts // world, world * capacity) + tuple(send.shape[2:]), send.dtype)
+    signature = comm.call_signature(f"moe_transfer {send.dtype} send {list(send.shape)}, from {comm.call_site()}")
+    (out,) = _ffi.fused_call(site.target, [recv], send, comm_id=np.int64(site.comm_id), signature=np.int64(signature),
+                             push_sms=np.int64(dict(site.attributes)["push_sms"]))
+    return out

@@ -2,6 +2,8 @@
 // transfers (copy engines or the SM push) and expert GEMM as a handler would, over several epochs (flags never reset),
 // checks y against float64 on the host, and checks that a rank that never takes part ends its
 // peers' waits with the deadline error naming it (plain launches and a CUDA graph).
+#include <cstring>
+
 #include "harness/harness.h"
 #include "moe/moe.h"
 
@@ -55,6 +57,7 @@ struct MoeWorld {
   uint64_t epoch = 0;              // the last call's epoch, as the host counts it
   uint64_t* epoch_word = nullptr;  // the next call's epoch, on the device (one word for all ranks)
   uint64_t timeout_ns = 3'000'000'000ull;
+  bool transfer_only = false;  // moe_transfer: the pushes and the receivers' wait kernel, no GEMM
 
   explicit MoeWorld(MoeCase const& c_) : c(c_), plan(moe_plan(c_.problem(0), c_.config)), ranks(c_.world) {
     for (int r = 0; r < c.world; ++r) plans.push_back(moe_plan(c.problem(r), c.config));
@@ -154,6 +157,11 @@ struct MoeWorld {
       MoeGemmArgs const a{ranks[r].x_send, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr,
                           call_epoch(r), timeout_ns};
       if (sm_push) enqueue_sm_push(r);
+      if (transfer_only) {
+        MoeWaitArgs const wa{ranks[r].flags, plan.e_local, r, c.world, error, nullptr, call_epoch(r), timeout_ns};
+        CHECK_CUDA(moe::launch_wait_segments(wa, ranks[r].gemm));
+        continue;
+      }
       PreparedGemm gemm;
       CHECK_CUDA(moe::prepare_gemm(c.dtype(), c.dtype(), plans[r], a, &gemm));
       CHECK_CUDA(gemm.enqueue(ranks[r].gemm, sm_push));
@@ -275,6 +283,45 @@ void run_moe_case(MoeCase const& c, int epochs) {
   expect(worst <= tol && bitwise && e.code == 0, describe(c) + buf);
 }
 
+// moe_transfer's moves alone (no GEMM): after each call every rank's inbox holds, at segment
+// (e, q), source q's rows for its expert e, byte for byte; a missing rank ends the waits with the
+// deadline naming it.
+void run_moe_transfer(int world_size, int experts, int push_sms) {
+  MoeCase c{world_size, experts, 128, 256, 256, moe_config_for(world_size, 128, 8, push_sms)};
+  MoeWorld world(c);
+  world.transfer_only = true;
+  bool same = true;
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    world.fill_inputs(700 + epoch);
+    for (auto& r : world.ranks) CHECK_CUDA(cudaMemset(r.inbox, 0xFF, world.plan.inbox_bytes));
+    world.call();
+    for (int r = 0; r < world_size; ++r) {
+      std::vector<char> inbox(world.plan.inbox_bytes);
+      CHECK_CUDA(cudaMemcpy(inbox.data(), world.ranks[r].inbox, inbox.size(), cudaMemcpyDeviceToHost));
+      for (int q = 0; q < world_size; ++q) {
+        if (q == r) continue;
+        std::vector<char> sent(world.plan.slice_bytes);
+        for (int e = 0; e < world.plan.e_local; ++e) {
+          CHECK_CUDA(cudaMemcpy(sent.data(), reinterpret_cast<char*>(world.ranks[q].x_send) +
+                                                  (int64_t(r) * world.plan.e_local + e) * world.plan.slice_bytes,
+                                sent.size(), cudaMemcpyDeviceToHost));
+          same = same && std::memcmp(sent.data(), inbox.data() + (int64_t(e) * world_size + q) * world.plan.slice_bytes,
+                                     sent.size()) == 0;
+        }
+      }
+    }
+  }
+  DeviceError const ok = world.read_error();
+  world.timeout_ns = 200'000'000ull;
+  world.call(world_size - 1);
+  DeviceError const e = world.read_error();
+  char buf[224];
+  std::snprintf(buf, sizeof buf, "moe transfer W=%d E=%d push_sms=%d: 3 epochs %s, error %u; missing rank: code=%u site=%d source=%d",
+                world_size, experts, push_sms, same ? "byte-exact" : "DIFFER", ok.code, e.code, e.site, e.source);
+  bool const site_ok = e.site == kMoeWaitTransfer || e.site == kMoeWaitInboxReady;
+  expect(same && ok.code == 0 && e.code == kErrorDeadline && site_ok && e.source == world_size - 1, buf);
+}
+
 // A rank that never takes part: a peer's GEMM waiting on its segments, or a peer's transfer waiting
 // for its announcement, must record the deadline naming it, within seconds.
 void run_moe_deadline(int world_size, int experts, int push_sms = 0) {
@@ -327,6 +374,10 @@ int moe_test_main() {
   }
   run_moe_case(MoeCase{2, 6, 128, 200, 384, moe_config_for(2, 128, 2, 1)}, 2);
   run_moe_case(MoeCase{4, 4, 384, 1024, 512, moe_config_for(4, 256, 8, 16)}, 2);
+  for (int world : {2, 3, 4}) {
+    run_moe_transfer(world, 2 * world, 0);
+    run_moe_transfer(world, world, 4);
+  }
   run_moe_deadline(2, 4);
   run_moe_deadline(3, 3);
   run_moe_deadline(4, 8);
