@@ -30,7 +30,11 @@ set(ENTWINE_GEMM_TABLE
   "ag_gemm e4m3 bf16 128 block"
   "ag_gemm e4m3 fp16 128 block"
   "ag_gemm e5m2 bf16 128 block"
-  "ag_gemm e5m2 fp16 128 block")
+  "ag_gemm e5m2 fp16 128 block"
+  "moe bf16 bf16 128"
+  "moe bf16 bf16 256"
+  "moe fp16 fp16 128"
+  "moe fp16 fp16 256")
 
 # Sets ENTWINE_GEMM_SOURCES to the generated files (instances and dispatches).
 function(entwine_generate_gemm_kernels out_dir)

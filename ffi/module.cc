@@ -25,7 +25,8 @@ namespace nb = nanobind;
 // The ops, one row each: ffi/<op>/bind.cc defines entwine::<op>::bind (see bind.h).
 #define ENTWINE_OPS(X) \
   X(gemm_rs)           \
-  X(ag_gemm)
+  X(ag_gemm)           \
+  X(moe)
 
 #define ENTWINE_DECLARE_BIND(op) \
   namespace entwine::op {        \

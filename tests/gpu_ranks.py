@@ -74,6 +74,10 @@ Suites:
            and columns, ag_gemm rows and contraction (the gathered FP8 operand too), a block-scaled
            gemm_rs's gradients with its backward ag_gemm; against float64 of the dequantised
            operands. An op without block-scaled kernels in the build is reported, not run.
+  moe      moe_dispatch_gemm on the kernels (tokens dispatched to their experts' ranks, the expert
+           GEMM starting on each source's rows as they arrive): dropless and dropping capacities,
+           tokens routed nowhere, an expert nobody picks, bf16 and fp16, SM push and copy engines,
+           repeated calls bitwise equal, no XLA collective left in the program; against float64.
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
            gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time, also by phase; then the host
            time per step of a lax.scan over an 8-layer MLP block (ag_gemm -> silu -> gemm_rs);
@@ -118,6 +122,7 @@ from gpu_fp8_suites import Fp8BlockSuites, Fp8Suites  # noqa: E402
 from gpu_gemm_rs_suites import GemmRsSuites  # noqa: E402
 from gpu_harness import MISSING_TIMEOUT_MS, Suite, launch, rank_main  # noqa: E402
 from gpu_heap_suites import HEAPGROW_XLA_FLAGS, HeapSuites  # noqa: E402
+from gpu_moe_suites import MoeSuites  # noqa: E402
 from gpu_protocol_suites import FORWARD_HELD_SMS, ProtocolSuites  # noqa: E402
 
 MISSING_ENV = {"ENTWINE_TIMEOUT_MS": str(MISSING_TIMEOUT_MS)}
@@ -142,6 +147,7 @@ SUITES = {
     "fp8": Suite(Fp8Suites),
     "fp8half": Suite(Fp8Suites),
     "fp8block": Suite(Fp8BlockSuites),
+    "moe": Suite(MoeSuites),
     # The SMs that rank 0's held kernel takes (read once per process).
     "forward": Suite(ProtocolSuites, env={"ENTWINE_SM_RESERVE": str(FORWARD_HELD_SMS)}),
     "hostcost": Suite(CostSuites, checking=False),

@@ -150,6 +150,7 @@ struct GemmKernel {
     typename CollectiveMainloop::Params mainloop;        // A: x (gemm_rs) or the gathered inbox (ag_gemm)
     typename CollectiveMainloop::Params mainloop_local;  // A: the local shard (ag_gemm; unused by gemm_rs)
     int m, n, k, l, m_local, world, rank;
+    int l_local;                  // batches of the local operand (0 or 1: one; a batched local A)
     int64_t part_row_step;        // block (owner q, ...) is stored at row q * part_row_step ...
     int64_t part_col_step;        // ... and column q * part_col_step of the output
     WorkSchedule schedule;        // blocks, grid, k-tiles, split region (none without a workspace)
@@ -364,7 +365,8 @@ struct GemmKernel {
 
     CollectiveMainloop mainloop;
     auto load_inputs = mainloop.load_init(make_shape(params.m, params.n, params.k, params.l), params.mainloop);
-    auto load_local = mainloop.load_init(make_shape(params.m_local, params.n, params.k, 1), params.mainloop_local);
+    int const l_local = params.l_local > 1 ? params.l_local : 1;
+    auto load_local = mainloop.load_init(make_shape(params.m_local, params.n, params.k, l_local), params.mainloop_local);
 
     if (warp_group == 0) {
       cutlass::arch::warpgroup_reg_dealloc<40>();

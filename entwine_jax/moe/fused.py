@@ -1,0 +1,243 @@
+# moe_dispatch_gemm's fused path: whether the kernels can run a call (a predicate that only answers),
+# its preparation once per call site at trace time (the C++ plan and the communicator, acquired with
+# the room the plan needs), and the call itself inside shard_map. The kernels replace exactly the
+# reference's dispatch_pool: x_send [E, C, H] (this rank's rows for every expert, C per expert) and
+# w1 [E_local, H, N] -> y [E_local, W * C, N] and the receive pool [E_local, W * C, H].
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from entwine_jax import _extension, _ffi, callsite, comm
+from entwine_jax._extension import NoExtension, PlanError
+from entwine_jax.comm import Unavailable
+
+# The pool's region, as ffi/moe/handler.cc registers it.
+INBOX_REGION = "moe.inbox"
+
+
+def target() -> str:
+    """The XLA FFI target name of moe_dispatch_gemm (spelled once, in the extension)."""
+    return _extension.ext().MOE_DISPATCH_GEMM_TARGET
+
+
+def kernels_reason() -> Optional[str]:
+    """Why the extension has no moe_dispatch_gemm kernels (not built, or a build without them), or None."""
+    ext, reason = _extension.module()
+    if ext is None:
+        return reason
+    if not hasattr(ext, "MOE_DISPATCH_GEMM_TARGET") or not hasattr(ext, "moe_plan"):
+        return "the CUDA extension was built without the MoE kernels"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoePlan:
+    """The kernels' plan of one call (the C++ MoePlan)."""
+
+    e_local: int
+    num_blocks: int  # GEMM blocks
+    grid: int  # GEMM CTAs
+    inbox_bytes: int  # the receive pool in the heap
+    flags_per_source: int  # one flag per (source, local expert)
+    push_grid: int  # CTAs of the SM push (0: the copy engines push)
+    sms_needed: int  # SMs the GEMM and the push (or the segment releases) hold at once
+
+
+@functools.lru_cache(maxsize=1024)
+def _asked(world, experts, capacity, k, n, fp16, block_n, gemm_sms, raster_rows, push_sms) -> dict:
+    return dict(_extension.ext().moe_plan(world, experts, capacity, k, n, fp16, block_n, gemm_sms, raster_rows,
+                                          push_sms))
+
+
+def launch_sms(config) -> tuple[int, int]:
+    """(gemm_sms, push_sms): the GEMM grid (config's, or every SM the push leaves) and the SM push's
+    CTAs (0: the copy engines push, and the segment releases need one SM)."""
+    push_sms = int(config.push_sms)
+    return int(config.gemm_sms) or _extension.sm_count() - max(push_sms, 1), push_sms
+
+
+def block_n(config, n: int) -> int:
+    """The GEMM block's width: config's, or 256 where N allows it (fewer, wider blocks), else 128."""
+    return int(config.block_n) if config.block_n else (256 if n % 256 == 0 else 128)
+
+
+def moe_plan(world: int, experts: int, capacity: int, k: int, n: int, dtype, config) -> MoePlan:
+    """The kernels' plan; PlanError with the C++ rule when they cannot run the call."""
+    if (reason := kernels_reason()) is not None:
+        raise NoExtension(reason)
+    gemm_sms, push_sms = launch_sms(config)
+    d = _asked(int(world), int(experts), int(capacity), int(k), int(n), jnp.dtype(dtype) == jnp.float16,
+               block_n(config, n), gemm_sms, int(config.raster_rows), push_sms)
+    if d["error"] is not None:
+        raise PlanError(d["error"], False)
+    return MoePlan(**{f.name: int(d[f.name]) for f in dataclasses.fields(MoePlan)})
+
+
+def _heap_need(plan: MoePlan) -> tuple[int, dict[str, int]]:
+    return plan.flags_per_source, {INBOX_REGION: plan.inbox_bytes}
+
+
+def _unavailable(x_send, w1, axis_name, axis_size, config) -> Optional[str]:
+    if config.path == "xla":
+        return "config.path='xla'"
+    if reason := kernels_reason():
+        return reason
+    if reason := callsite.kernel_dtype_reason(x_send.dtype, w1.dtype):
+        return reason
+    if reason := comm.world_reason(axis_size):
+        return reason
+    reason, mesh, ext = comm.platform_reason(axis_name)
+    if reason:
+        return reason
+    (experts, capacity, k), n = x_send.shape, w1.shape[2]
+    try:
+        plan = moe_plan(axis_size, experts, capacity, k, n, x_send.dtype, config)
+    except PlanError as e:
+        return f"the kernels cannot run this call: {e.rule}"
+    if plan.sms_needed > _extension.sm_count():
+        return (f"the GEMM's {plan.grid} CTAs and the push's {plan.push_grid} (or one SM for the segment releases) "
+                f"need {plan.sms_needed} SMs at once, the GPU has {_extension.sm_count()}")
+    if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
+        return reason
+    return comm.heap_reason(ext, mesh, axis_name, axis_size, *_heap_need(plan))
+
+
+def unavailable_reason(x_send, w1, *, axis_name, axis_size: int, config) -> Optional[str]:
+    """None when the kernels can run dispatch_pool on x_send [E, C, H] and w1 [E_local, H, N]
+    (abstract values), else a short reason. Only answers (prepare acquires)."""
+    try:
+        mesh = comm.find_mesh(axis_name)
+        key = ("moe", tuple(x_send.shape), str(x_send.dtype), tuple(w1.shape), str(w1.dtype),
+               comm.axis_tuple(axis_name), axis_size, repr(config), mesh)
+    except Exception as e:
+        return f"cannot inspect the call ({type(e).__name__}: {e})"
+    return comm.cached_reason(key, mesh, lambda: _unavailable(x_send, w1, axis_name, axis_size, config))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeCall:
+    """Everything static about one fused call; hashable (it lives in the op's static plan)."""
+
+    comm_id: int
+    attributes: tuple  # the kernel config's fields, (name, value) pairs
+    target: str
+
+
+def prepare(x_send, w1, *, axis_name, axis_size: int, config) -> MoeCall:
+    """The plan of one call and its communicator, acquired now: once per call site at trace time,
+    after unavailable_reason said None. Raises Unavailable with the reason when the fused path cannot
+    run it after all."""
+    mesh = comm.mesh_for(axis_name)
+    (experts, capacity, k), n = x_send.shape, w1.shape[2]
+    try:
+        plan = moe_plan(axis_size, experts, capacity, k, n, x_send.dtype, config)
+    except NoExtension as e:
+        raise Unavailable(str(e)) from None
+    except PlanError as e:
+        raise Unavailable(f"the kernels cannot run this call: {e.rule}") from None
+    cid = comm.acquire_comm(mesh, axis_name, *_heap_need(plan))
+    gemm_sms, push_sms = launch_sms(config)
+    attributes = (("block_n", block_n(config, n)), ("gemm_sms", gemm_sms), ("raster_rows", int(config.raster_rows)),
+                  ("push_sms", push_sms))
+    return MoeCall(comm_id=cid, attributes=attributes, target=target())
+
+
+def call(x_send, w1, site: MoeCall, return_pool: bool):
+    """One rank's fused dispatch and expert GEMM inside shard_map: (y [E_local, W * C, N], the pool
+    [E_local, W * C, H] or None)."""
+    experts, capacity, k = x_send.shape
+    e_local, n = w1.shape[0], w1.shape[2]
+    world = experts // e_local
+    pool_shape = (e_local, world * capacity, k) if return_pool else (0,)
+    attributes = {name: np.int64(v) for name, v in site.attributes}
+    signature = comm.call_signature(f"moe_dispatch_gemm {x_send.dtype} x_send {list(x_send.shape)} w "
+                                    f"{list(w1.shape)}, pool {list(pool_shape)}, config "
+                                    f"{comm.attributes_text(attributes)}, from {comm.call_site()}")
+    y, pool = _ffi.fused_call(site.target, [jax.ShapeDtypeStruct((e_local, world * capacity, n), x_send.dtype),
+                                            jax.ShapeDtypeStruct(pool_shape, x_send.dtype)],
+                              x_send, w1, comm_id=np.int64(site.comm_id), signature=np.int64(signature),
+                              config=attributes)
+    return y, (pool if return_pool else None)
+
+
+# -- moe_transfer: the same moves without the GEMM (the combine's return, the backward's moves) --
+
+
+def transfer_target() -> str:
+    """The XLA FFI target name of moe_transfer (spelled once, in the extension)."""
+    return _extension.ext().MOE_TRANSFER_TARGET
+
+
+def _transfer_plan(world: int, send) -> dict:
+    """moe_transfer's plan of send [E, C, ...] (an abstract value); PlanError with the C++ rule."""
+    if (reason := kernels_reason()) is not None:
+        raise NoExtension(reason)
+    experts, capacity = send.shape[:2]
+    row_bytes = int(np.prod(send.shape[2:], dtype=np.int64)) * jnp.dtype(send.dtype).itemsize
+    d = dict(_extension.ext().moe_transfer_plan(int(world), int(experts), int(capacity), row_bytes, 0))
+    if d["error"] is not None:
+        raise PlanError(d["error"], False)
+    return d
+
+
+def _transfer_unavailable(send, axis_name, axis_size, config) -> Optional[str]:
+    if config.path == "xla":
+        return "config.path='xla'"
+    if reason := kernels_reason():
+        return reason
+    if reason := comm.world_reason(axis_size):
+        return reason
+    reason, mesh, ext = comm.platform_reason(axis_name)
+    if reason:
+        return reason
+    try:
+        d = _transfer_plan(axis_size, send)
+    except PlanError as e:
+        return f"the kernels cannot move this: {e.rule}"
+    if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
+        return reason
+    return comm.heap_reason(ext, mesh, axis_name, axis_size, d["flags_per_source"], {INBOX_REGION: d["inbox_bytes"]})
+
+
+def transfer_unavailable_reason(send, *, axis_name, axis_size: int, config) -> Optional[str]:
+    """None when moe_transfer can move send [E, C, ...] (an abstract value, any dtype), else why not."""
+    try:
+        mesh = comm.find_mesh(axis_name)
+        key = ("moe transfer", tuple(send.shape), str(send.dtype), comm.axis_tuple(axis_name), axis_size,
+               config.path, mesh)
+    except Exception as e:
+        return f"cannot inspect the call ({type(e).__name__}: {e})"
+    return comm.cached_reason(key, mesh, lambda: _transfer_unavailable(send, axis_name, axis_size, config))
+
+
+def prepare_transfer(send, *, axis_name, axis_size: int) -> MoeCall:
+    """moe_transfer's communicator for send [E, C, ...], acquired now (after transfer_unavailable_reason
+    said None)."""
+    mesh = comm.mesh_for(axis_name)
+    try:
+        d = _transfer_plan(axis_size, send)
+    except NoExtension as e:
+        raise Unavailable(str(e)) from None
+    except PlanError as e:
+        raise Unavailable(f"the kernels cannot move this: {e.rule}") from None
+    cid = comm.acquire_comm(mesh, axis_name, d["flags_per_source"], {INBOX_REGION: d["inbox_bytes"]})
+    # The copy engines move the rows: no SM is taken from the GEMMs around the move.
+    return MoeCall(comm_id=cid, attributes=(("push_sms", 0),), target=transfer_target())
+
+
+def transfer(send, site: MoeCall, world: int):
+    """One rank's moe_transfer inside shard_map over an axis of `world` ranks: send [E, C, ...] (rows
+    for every expert, expert d * E_local + e on rank d) -> recv [E_local, W * C, ...] (every source's
+    rows of this rank's expert e, source-major)."""
+    experts, capacity = send.shape[:2]
+    recv = jax.ShapeDtypeStruct((experts // world, world * capacity) + tuple(send.shape[2:]), send.dtype)
+    signature = comm.call_signature(f"moe_transfer {send.dtype} send {list(send.shape)}, from {comm.call_site()}")
+    (out,) = _ffi.fused_call(site.target, [recv], send, comm_id=np.int64(site.comm_id), signature=np.int64(signature),
+                             push_sms=np.int64(dict(site.attributes)["push_sms"]))
+    return out

@@ -1,0 +1,392 @@
+// moe_dispatch_gemm (static capacity) on W virtual ranks of one GPU: `moe test` runs every rank's
+// transfers (copy engines or the SM push) and expert GEMM as a handler would, over several epochs (flags never reset),
+// checks y against float64 on the host, and checks that a rank that never takes part ends its
+// peers' waits with the deadline error naming it (plain launches and a CUDA graph).
+#include <cstring>
+
+#include "harness/harness.h"
+#include "moe/moe.h"
+
+namespace entwine::harness {
+
+struct MoeCase {
+  int world, experts, capacity, k, n;
+  MoeConfig config;
+  bool bf16 = true;  // the operands' and output's type: bf16, else fp16
+  DType dtype() const { return bf16 ? DType::kBF16 : DType::kFP16; }
+  MoeProblem problem(int rank) const { return MoeProblem{world, rank, experts, capacity, k, n, dtype()}; }
+  int e_local() const { return experts / world; }
+  int64_t send_elems() const { return int64_t(experts) * capacity * k; }
+  int64_t w_elems() const { return int64_t(e_local()) * k * n; }
+  int64_t y_rows() const { return int64_t(e_local()) * world * capacity; }
+};
+
+std::string describe(MoeCase const& c) {
+  char buf[192];
+  std::snprintf(buf, sizeof buf, "moe W=%d E=%d C=%d K=%d N=%d %s block_n=%d gemm_sms=%d r=%d push_sms=%d", c.world,
+                c.experts, c.capacity, c.k, c.n, c.bf16 ? "bf16" : "fp16", int(c.config.block_n),
+                int(c.config.gemm_sms), int(c.config.raster_rows), int(c.config.push_sms));
+  return buf;
+}
+
+// W ranks' GEMMs share this GPU: each gets a grid that leaves SMs for the others and for the
+// release kernels or its SM push (on a real node each GPU runs one GEMM on all SMs the push leaves).
+MoeConfig moe_config_for(int world, int block_n, int raster_rows = 8, int push_sms = 0) {
+  return MoeConfig{block_n, std::max(1, sm_count() / world - 2 - push_sms), raster_rows, push_sms};
+}
+
+// Every rank's x_send, w, y, inbox, flags (two parities) and ready words in this GPU's memory. Rank
+// r's transfer to rank r + d runs on its transfer stream d (the staggered order: every receiver's
+// first segments come from rank - 1), its GEMM on its own stream; with config.push_sms, its SM push
+// runs on the GEMM's stream ahead of the GEMM, which is launched as its programmatic dependent.
+struct MoeWorld {
+  struct Rank {
+    uint16_t *x_send = nullptr, *w = nullptr, *y = nullptr;
+    char* inbox = nullptr;
+    uint64_t* flags = nullptr;  // two parities of plan.flags words
+    uint64_t* ready = nullptr;  // kMaxWorld words: ready[s] = the last call rank s announced
+    uint32_t* arrivals = nullptr;  // the SM push's counters (the op's workspace)
+    cudaStream_t gemm = nullptr;
+    cudaStream_t transfer[kMaxWorld] = {};
+  };
+  MoeCase c;
+  MoePlan plan;               // rank 0's: the sizes every rank shares
+  std::vector<MoePlan> plans;  // each rank's
+  std::vector<Rank> ranks;
+  DeviceError* error = nullptr;
+  uint64_t epoch = 0;              // the last call's epoch, as the host counts it
+  uint64_t* epoch_word = nullptr;  // the next call's epoch, on the device (one word for all ranks)
+  uint64_t timeout_ns = 3'000'000'000ull;
+  bool transfer_only = false;  // moe_transfer: the pushes and the receivers' wait kernel, no GEMM
+
+  explicit MoeWorld(MoeCase const& c_) : c(c_), plan(moe_plan(c_.problem(0), c_.config)), ranks(c_.world) {
+    for (int r = 0; r < c.world; ++r) plans.push_back(moe_plan(c.problem(r), c.config));
+    int lo, hi;
+    CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    for (auto& r : ranks) {
+      CHECK_CUDA(cudaMalloc(&r.x_send, size_t(c.send_elems()) * 2));
+      CHECK_CUDA(cudaMalloc(&r.w, size_t(c.w_elems()) * 2));
+      CHECK_CUDA(cudaMalloc(&r.y, size_t(c.y_rows()) * c.n * 2));
+      CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
+      // Stale rows a wrong wait would read show as NaN in y.
+      CHECK_CUDA(cudaMemset(r.inbox, 0xFF, plan.inbox_bytes));
+      CHECK_CUDA(cudaMalloc(&r.flags, 2 * plan.flags * sizeof(uint64_t)));
+      CHECK_CUDA(cudaMemset(r.flags, 0, 2 * plan.flags * sizeof(uint64_t)));
+      CHECK_CUDA(cudaMalloc(&r.ready, kMaxWorld * sizeof(uint64_t)));
+      CHECK_CUDA(cudaMemset(r.ready, 0, kMaxWorld * sizeof(uint64_t)));
+      CHECK_CUDA(cudaMalloc(&r.arrivals, kMoePushArrivalsBytes));
+      CHECK_CUDA(cudaMemset(r.arrivals, 0, kMoePushArrivalsBytes));
+      CHECK_CUDA(cudaStreamCreateWithPriority(&r.gemm, cudaStreamNonBlocking, lo));
+      for (int d = 1; d < c.world; ++d) CHECK_CUDA(cudaStreamCreateWithPriority(&r.transfer[d], cudaStreamNonBlocking, hi));
+    }
+    CHECK_CUDA(cudaMalloc(&error, sizeof(DeviceError)));
+    CHECK_CUDA(cudaMemset(error, 0, sizeof(DeviceError)));
+    CHECK_CUDA(cudaMalloc(&epoch_word, sizeof(uint64_t)));
+    set_epoch(1);
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+  ~MoeWorld() {
+    for (auto& r : ranks) {
+      cudaFree(r.x_send);
+      cudaFree(r.w);
+      cudaFree(r.y);
+      cudaFree(r.inbox);
+      cudaFree(r.flags);
+      cudaFree(r.ready);
+      cudaFree(r.arrivals);
+      cudaStreamDestroy(r.gemm);
+      for (int d = 1; d < c.world; ++d) cudaStreamDestroy(r.transfer[d]);
+    }
+    cudaFree(error);
+    cudaFree(epoch_word);
+  }
+
+  void set_epoch(uint64_t next) {
+    CHECK_CUDA(cudaMemcpy(epoch_word, &next, sizeof(next), cudaMemcpyHostToDevice));
+    epoch = next - 1;
+  }
+
+  // Rank r's call: its announcements go to every peer's ready word for r (whichever of its kernels
+  // starts first announces).
+  CallEpoch call_epoch(int r) const {
+    CallEpoch call{epoch_word, 0, plan.flags, false};
+    for (int q = 0; q < c.world; ++q) call.announce[q] = q == r ? nullptr : ranks[q].ready + r;
+    return call;
+  }
+
+  void fill_inputs(uint64_t seed) {
+    for (int r = 0; r < c.world; ++r) {
+      fill_random<<<264, 256>>>(ranks[r].x_send, c.send_elems(), seed * 131 + 2 * r, c.bf16);
+      fill_random<<<264, 256>>>(ranks[r].w, c.w_elems(), seed * 131 + 2 * r + 1, c.bf16);
+    }
+    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  void poison_outputs() {
+    for (auto& r : ranks) CHECK_CUDA(cudaMemset(r.y, 0xFF, size_t(c.y_rows()) * c.n * 2));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  // Rank r's SM push to every peer, on its GEMM's stream.
+  void enqueue_sm_push(int r) {
+    MoePushArgs a{};
+    a.x_send = ranks[r].x_send;
+    for (int q = 0; q < c.world; ++q) {
+      a.inbox[q] = ranks[q].inbox;
+      a.flags[q] = ranks[q].flags;
+    }
+    a.ready = ranks[r].ready;
+    a.arrivals = ranks[r].arrivals;
+    a.slice_bytes = plan.slice_bytes;
+    a.e_local = plan.e_local;
+    a.rank = r;
+    a.world = c.world;
+    a.error = error;
+    a.call = call_epoch(r);
+    a.timeout_ns = timeout_ns;
+    CHECK_CUDA(moe::launch_push(plans[r], a, ranks[r].gemm));
+  }
+
+  // Every rank's GEMM (after its SM push, if the plan has one), then its copy-engine transfers to
+  // rank + 1, rank + 2, ... each on its own stream; skip_rank neither pushes nor runs its GEMM.
+  void enqueue(int skip_rank) {
+    bool const sm_push = plan.push_grid > 0;
+    for (int r = 0; r < c.world; ++r) {
+      if (r == skip_rank) continue;
+      MoeGemmArgs const a{ranks[r].x_send, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr,
+                          call_epoch(r), timeout_ns};
+      if (sm_push) enqueue_sm_push(r);
+      if (transfer_only) {
+        MoeWaitArgs const wa{ranks[r].flags, plan.e_local, r, c.world, error, nullptr, call_epoch(r), timeout_ns};
+        CHECK_CUDA(moe::launch_wait_segments(wa, ranks[r].gemm));
+        continue;
+      }
+      PreparedGemm gemm;
+      CHECK_CUDA(moe::prepare_gemm(c.dtype(), c.dtype(), plans[r], a, &gemm));
+      CHECK_CUDA(gemm.enqueue(ranks[r].gemm, sm_push));
+    }
+    for (int r = 0; r < c.world && !sm_push; ++r) {
+      if (r == skip_rank) continue;
+      for (int d = 1; d < c.world; ++d) {
+        int const q = (r + d) % c.world;
+        MoeTransferArgs const t{ranks[r].x_send, ranks[q].inbox, ranks[q].flags, ranks[r].ready + q, r, q, error,
+                                nullptr, call_epoch(r), timeout_ns};
+        CHECK_CUDA(moe::launch_push_copy(plans[r], t, ranks[r].transfer[d]));
+      }
+    }
+  }
+
+  // One call on every rank, then the epoch advance.
+  void call(int skip_rank = -1) {
+    ++epoch;
+    enqueue(skip_rank);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(comm::launch_end_call(comm::CallEnd{epoch_word}, 0));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  cudaGraphExec_t capture(cudaStream_t origin, int skip_rank = -1) {
+    std::vector<cudaStream_t> streams;
+    for (auto& r : ranks) {
+      streams.push_back(r.gemm);
+      for (int d = 1; d < c.world; ++d) streams.push_back(r.transfer[d]);
+    }
+    return capture_call(origin, streams, epoch_word, [&] { enqueue(skip_rank); });
+  }
+
+  std::vector<uint16_t> download(uint16_t const* ptr, size_t count) {
+    std::vector<uint16_t> h(count);
+    CHECK_CUDA(cudaMemcpy(h.data(), ptr, count * 2, cudaMemcpyDeviceToHost));
+    return h;
+  }
+  std::vector<double> download_double(uint16_t const* ptr, size_t count) {
+    auto const bits = download(ptr, count);
+    std::vector<double> v(count);
+    for (size_t i = 0; i < count; ++i) v[i] = to_double(bits[i], c.bf16);
+    return v;
+  }
+
+  // Relative error of every rank's y against float64, over every (expert, source) segment's rows i
+  // with i % 16 == (e + q) % 16 (every tile row of every segment, 8 or more rows each):
+  // y[e, q * C + i, :] = x_send_q[r * E_local + e, i, :] @ w_r[e].
+  double check() {
+    std::vector<std::vector<double>> xs;
+    for (int q = 0; q < c.world; ++q) xs.push_back(download_double(ranks[q].x_send, size_t(c.send_elems())));
+    int const el = c.e_local(), cap = c.capacity, k = c.k, n = c.n;
+    double err2 = 0, ref2 = 0;
+    std::vector<double> ref(n);
+    for (int r = 0; r < c.world; ++r) {
+      std::vector<double> const w = download_double(ranks[r].w, size_t(c.w_elems()));
+      auto const y = download(ranks[r].y, size_t(c.y_rows()) * n);
+      for (int e = 0; e < el; ++e) {
+        double const* we = w.data() + size_t(e) * k * n;
+        for (int q = 0; q < c.world; ++q) {
+          for (int i = (e + q) % 16; i < cap; i += 16) {
+            double const* xrow = xs[q].data() + (size_t(r * el + e) * cap + i) * k;
+            std::fill(ref.begin(), ref.end(), 0.0);
+            for (int kk = 0; kk < k; ++kk) {
+              double const xv = xrow[kk];
+              double const* wr = we + size_t(kk) * n;
+              for (int j = 0; j < n; ++j) ref[j] += xv * wr[j];
+            }
+            uint16_t const* yrow = y.data() + (size_t(e) * c.world * cap + size_t(q) * cap + i) * n;
+            for (int j = 0; j < n; ++j) {
+              double const o = to_double(yrow[j], c.bf16);
+              if (std::isnan(o)) return INFINITY;
+              err2 += (o - ref[j]) * (o - ref[j]);
+              ref2 += ref[j] * ref[j];
+            }
+          }
+        }
+      }
+    }
+    return std::sqrt(err2 / std::max(ref2, 1e-30));
+  }
+
+  std::vector<std::vector<uint16_t>> outputs() {
+    std::vector<std::vector<uint16_t>> o;
+    for (auto& r : ranks) o.push_back(download(r.y, size_t(c.y_rows()) * c.n));
+    return o;
+  }
+
+  DeviceError read_error() {
+    DeviceError e;
+    CHECK_CUDA(cudaMemcpy(&e, error, sizeof e, cudaMemcpyDeviceToHost));
+    return e;
+  }
+};
+
+void run_moe_case(MoeCase const& c, int epochs) {
+  MoePlan const plan = moe_plan(c.problem(0), c.config);
+  if (plan.error) {
+    expect(false, describe(c) + ": " + plan.error);
+    return;
+  }
+  MoeWorld world(c);
+  double worst = 0;
+  for (int e = 0; e < epochs; ++e) {
+    world.fill_inputs(4000 + e);
+    world.poison_outputs();
+    world.call();
+    worst = std::max(worst, world.check());
+  }
+  auto first = world.outputs();
+  world.poison_outputs();
+  world.call();
+  bool const bitwise = world.outputs() == first;
+  DeviceError const e = world.read_error();
+  double const tol = c.bf16 ? 1e-2 : 2e-3;
+  char buf[160];
+  std::snprintf(buf, sizeof buf, ": %d blocks, %d epochs, rel err %.2e (tol %.0e), bitwise repeat %s, error %u",
+                plan.num_blocks, epochs, worst, tol, bitwise ? "yes" : "NO", e.code);
+  expect(worst <= tol && bitwise && e.code == 0, describe(c) + buf);
+}
+
+// moe_transfer's moves alone (no GEMM): after each call every rank's inbox holds, at segment
+// (e, q), source q's rows for its expert e, byte for byte; a missing rank ends the waits with the
+// deadline naming it.
+void run_moe_transfer(int world_size, int experts, int push_sms) {
+  MoeCase c{world_size, experts, 128, 256, 256, moe_config_for(world_size, 128, 8, push_sms)};
+  MoeWorld world(c);
+  world.transfer_only = true;
+  bool same = true;
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    world.fill_inputs(700 + epoch);
+    for (auto& r : world.ranks) CHECK_CUDA(cudaMemset(r.inbox, 0xFF, world.plan.inbox_bytes));
+    world.call();
+    for (int r = 0; r < world_size; ++r) {
+      std::vector<char> inbox(world.plan.inbox_bytes);
+      CHECK_CUDA(cudaMemcpy(inbox.data(), world.ranks[r].inbox, inbox.size(), cudaMemcpyDeviceToHost));
+      for (int q = 0; q < world_size; ++q) {
+        if (q == r) continue;
+        std::vector<char> sent(world.plan.slice_bytes);
+        for (int e = 0; e < world.plan.e_local; ++e) {
+          CHECK_CUDA(cudaMemcpy(sent.data(), reinterpret_cast<char*>(world.ranks[q].x_send) +
+                                                  (int64_t(r) * world.plan.e_local + e) * world.plan.slice_bytes,
+                                sent.size(), cudaMemcpyDeviceToHost));
+          same = same && std::memcmp(sent.data(), inbox.data() + (int64_t(e) * world_size + q) * world.plan.slice_bytes,
+                                     sent.size()) == 0;
+        }
+      }
+    }
+  }
+  DeviceError const ok = world.read_error();
+  world.timeout_ns = 200'000'000ull;
+  world.call(world_size - 1);
+  DeviceError const e = world.read_error();
+  char buf[224];
+  std::snprintf(buf, sizeof buf, "moe transfer W=%d E=%d push_sms=%d: 3 epochs %s, error %u; missing rank: code=%u site=%d source=%d",
+                world_size, experts, push_sms, same ? "byte-exact" : "DIFFER", ok.code, e.code, e.site, e.source);
+  bool const site_ok = e.site == kMoeWaitTransfer || e.site == kMoeWaitInboxReady;
+  expect(same && ok.code == 0 && e.code == kErrorDeadline && site_ok && e.source == world_size - 1, buf);
+}
+
+// A rank that never takes part: a peer's GEMM waiting on its segments, or a peer's transfer waiting
+// for its announcement, must record the deadline naming it, within seconds.
+void run_moe_deadline(int world_size, int experts, int push_sms = 0) {
+  MoeCase c{world_size, experts, 128, 256, 256, moe_config_for(world_size, 128, 8, push_sms)};
+  MoeWorld world(c);
+  world.fill_inputs(9);
+  world.call();
+  int const missing = world_size - 1;
+  world.timeout_ns = 200'000'000ull;
+  auto t0 = std::chrono::steady_clock::now();
+  world.call(missing);
+  double const secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  DeviceError const e = world.read_error();
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "moe deadline W=%d E=%d push_sms=%d: code=%u site=%d rank=%d source=%d expert=%d expected=%llu after %.2f s",
+                world_size, experts, push_sms, e.code, e.site, e.rank, e.source, e.tile, (unsigned long long)e.expected, secs);
+  bool const site_ok = e.site == kMoeWaitSegment || e.site == kMoeWaitInboxReady;
+  expect(e.code == kErrorDeadline && site_ok && e.source == missing && stamp_epoch(e.expected) == 2 && secs < 5, buf);
+}
+
+int moe_test_main() {
+  CHECK_CUDA(moe::prepare_kernels());
+  CHECK_CUDA(comm::prepare_epoch_kernel());
+  // The plan refuses a capacity whose tiles would straddle two sources.
+  {
+    MoeCase const bad{2, 4, 192, 256, 256, moe_config_for(2, 128)};
+    char const* const err = moe_plan(bad.problem(0), bad.config).error;
+    expect(err != nullptr, describe(bad) + ": plan error \"" + (err ? err : "none") + "\"");
+  }
+  for (int world : {1, 2, 3, 4}) {
+    for (int experts : {world, 2 * world}) {
+      for (int capacity : {128, 256}) {
+        run_moe_case(MoeCase{world, experts, capacity, 256, 512, moe_config_for(world, capacity == 128 ? 128 : 256)}, 3);
+      }
+    }
+  }
+  // A K tail inside a k-tile (TMA zero-fills it), narrow blocks, raster groups smaller than a
+  // segment, three tile rows per segment, a longer K.
+  run_moe_case(MoeCase{2, 4, 128, 200, 384, moe_config_for(2, 128)}, 2);
+  run_moe_case(MoeCase{3, 6, 384, 1024, 512, moe_config_for(3, 256, 2)}, 2);
+  run_moe_case(MoeCase{4, 8, 256, 512, 1024, moe_config_for(4, 256, 1)}, 2);
+  MoeCase half{2, 4, 256, 256, 512, moe_config_for(2, 256)};
+  half.bf16 = false;
+  run_moe_case(half, 2);
+  // The SM push: every world, one CTA or more than a segment has vectors for (the plan caps it),
+  // several experts per rank.
+  for (int world : {2, 3, 4}) {
+    run_moe_case(MoeCase{world, 2 * world, 256, 256, 512, moe_config_for(world, 256, 8, 4)}, 3);
+  }
+  run_moe_case(MoeCase{2, 6, 128, 200, 384, moe_config_for(2, 128, 2, 1)}, 2);
+  run_moe_case(MoeCase{4, 4, 384, 1024, 512, moe_config_for(4, 256, 8, 16)}, 2);
+  for (int world : {2, 3, 4}) {
+    run_moe_transfer(world, 2 * world, 0);
+    run_moe_transfer(world, world, 4);
+  }
+  run_moe_deadline(2, 4);
+  run_moe_deadline(3, 3);
+  run_moe_deadline(4, 8);
+  run_moe_deadline(3, 6, 4);
+  run_graph<MoeWorld>(MoeCase{2, 4, 128, 256, 256, moe_config_for(2, 128)}, 4);
+  run_graph<MoeWorld>(MoeCase{3, 6, 256, 320, 512, moe_config_for(3, 256)}, 4);
+  run_graph<MoeWorld>(MoeCase{2, 4, 256, 256, 512, moe_config_for(2, 256, 8, 4)}, 4);
+  std::printf("harness moe test: %d failure(s)\n", failures);
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace entwine::harness

@@ -1,0 +1,65 @@
+// moe's part of the nanobind module (see bind.h): the FFI targets of moe_dispatch_gemm and
+// moe_transfer (MOE_DISPATCH_GEMM_TARGET, MOE_TRANSFER_TARGET), their plans, which Python asks instead of restating the kernels' shape
+// rules, and its communicator hooks.
+#include <nanobind/nanobind.h>
+
+#include "bind.h"
+#include "comm/comm.h"
+#include "moe/moe.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in moe/handler.cc.
+extern "C" XLA_FFI_Error* MoeDispatchGemm(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* MoeTransfer(XLA_FFI_CallFrame* call_frame);
+
+namespace entwine::moe {
+
+void bind(nb::module_& m, FfiTargets& targets) {
+  constexpr const char* kTarget = "entwine_moe_dispatch_gemm";
+  m.attr("MOE_DISPATCH_GEMM_TARGET") = kTarget;
+  constexpr const char* kTransferTarget = "entwine_moe_transfer";
+  m.attr("MOE_TRANSFER_TARGET") = kTransferTarget;
+  targets.push_back({kTarget, reinterpret_cast<void*>(MoeDispatchGemm), false});
+  targets.push_back({kTransferTarget, reinterpret_cast<void*>(MoeTransfer), false});
+  comm::register_op(&kHooks);
+  m.def("moe_plan",
+        [](int world, int experts, int capacity, int k, int n, bool fp16, int block_n, int gemm_sms, int raster_rows,
+           int push_sms) {
+          MoePlan const p = moe_plan(MoeProblem{world, 0, experts, capacity, k, n, fp16 ? DType::kFP16 : DType::kBF16},
+                                     MoeConfig{block_n, gemm_sms, raster_rows, push_sms});
+          nb::dict d;
+          d["error"] = rule_or_none(p.error);
+          d["e_local"] = p.e_local;
+          d["num_blocks"] = p.num_blocks;
+          d["grid"] = p.grid;
+          d["inbox_bytes"] = p.inbox_bytes;
+          d["flags_per_source"] = p.e_local;
+          d["push_grid"] = p.push_grid;
+          d["sms_needed"] = p.sms_needed;
+          return d;
+        },
+        nb::arg("world"), nb::arg("experts"), nb::arg("capacity"), nb::arg("k"), nb::arg("n"), nb::arg("fp16"),
+        nb::arg("block_n"), nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("push_sms"),
+        "moe_dispatch_gemm's plan of one call (ffi/moe/moe.h) of x_send [experts, capacity, k] and w [experts/world, "
+        "k, n]: {error: None or the violated rule, e_local, num_blocks, grid, inbox_bytes, flags_per_source, "
+        "push_grid, sms_needed}.");
+  m.def("moe_transfer_plan",
+        [](int world, int experts, int capacity, int64_t row_bytes, int push_sms) {
+          MoePlan const p = moe_transfer_plan(world, 0, experts, capacity, row_bytes, push_sms);
+          nb::dict d;
+          d["error"] = rule_or_none(p.error);
+          d["e_local"] = p.e_local;
+          d["inbox_bytes"] = p.inbox_bytes;
+          d["flags_per_source"] = p.e_local;
+          d["push_grid"] = p.push_grid;
+          d["sms_needed"] = p.sms_needed;
+          return d;
+        },
+        nb::arg("world"), nb::arg("experts"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("push_sms"),
+        "moe_transfer's plan (ffi/moe/moe.h) of send [experts, capacity, ...] with row_bytes bytes per row: {error, "
+        "e_local, inbox_bytes, flags_per_source, push_grid, sms_needed}.");
+}
+
+}  // namespace entwine::moe

@@ -1,0 +1,432 @@
+// XLA FFI handlers `entwine_moe_dispatch_gemm` (bf16/fp16, static capacity) and `entwine_moe_transfer`
+// (the same moves without the GEMM, any dtype). moe_dispatch_gemm: checks one rank's
+// operands, plans its call, runs the expert GEMM over the receive pool as the segments arrive (XLA's
+// stream) beside this rank's pushes of its x_send segments to every peer, one flag per (source,
+// expert): one SM push kernel ahead of the GEMM, or copy engines on transfer streams forked from
+// XLA's and joined back; and moe::kHooks. No kernel syntax; no allocation, free, synchronisation,
+// IPC or peer-access call (see gemm_rs).
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "comm/comm.h"
+#include "comm/handler_util.h"
+#include "moe/moe.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace entwine {
+
+namespace moe {
+
+namespace {
+
+// The heap region of the receive pool (single: a copy engine's destination is fixed in a graph; see
+// RunMoeDispatch for why one copy suffices).
+int inbox_region = -1;
+const comm::RegionSpec kRegions[] = {{"moe.inbox", false, &inbox_region}};
+
+}  // namespace
+
+// Side stream d - 1 is transfer stream d (1 <= d < world): it pushes this rank's segments to rank
+// (rank + d) % world, so every link carries a transfer from the start of a call. The workspace holds
+// the SM push's arrival counters.
+const comm::OpHooks kHooks{
+    "moe",
+    prepare_kernels,
+    kMoeWaitSiteBase,
+    [](const DeviceError& e, const std::string& waited) -> std::string {
+      if (e.site == kMoeWaitInboxReady) {
+        return "entwine moe_dispatch_gemm: " + waited + "for rank " + std::to_string(e.source) +
+               " to start the call (before pushing tokens into rank " + std::to_string(e.source) + "'s pool)";
+      }
+      std::string const op = e.site == kMoeWaitTransfer ? "moe_transfer" : "moe_dispatch_gemm";
+      return "entwine " + op + ": " + waited + "for the rows of rank " + std::to_string(e.source) +
+             " for local expert " + std::to_string(e.tile);
+    },
+    kMoePushArrivalsBytes,
+    kRegions,
+    1,
+    [](int world) { return world - 1; },
+};
+
+}  // namespace moe
+
+namespace {
+
+constexpr const char* kOp = "entwine moe_dispatch_gemm";
+using handler::DeviceGuard;
+using handler::dims_string;
+
+// The plan's rules and what the call needs of the GPU and of the communicator.
+ffi::Error check_plan(MoePlan const& plan, MoeProblem const& problem, MoeConfig const& config,
+                      comm::DeviceComm const& dc) {
+  auto const call = [&] {
+    return " (E=" + std::to_string(problem.experts) + ", C=" + std::to_string(problem.capacity) + ", K=" +
+           std::to_string(problem.k) + ", N=" + std::to_string(problem.n) + ", W=" + std::to_string(problem.world) +
+           ", config " + ENTWINE_CONFIG_STRING(config, ENTWINE_MOE_CONFIG_FIELDS) + ")";
+  };
+  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string(kOp) + ": " + plan.error + call());
+  if (plan.sms_needed > dc.sm_count) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": the GEMM's " + std::to_string(plan.grid) +
+                                       " CTAs and the push's " + std::to_string(plan.push_grid) +
+                                       " (or one SM for the segment releases) need " +
+                                       std::to_string(plan.sms_needed) + " SMs, this GPU has " +
+                                       std::to_string(dc.sm_count) + call());
+  }
+  size_t const has_bytes = dc.capacity.bytes[moe::inbox_region];
+  if (size_t(plan.inbox_bytes) > has_bytes || plan.e_local > dc.capacity.flags_per_source) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(kOp) + ": call needs a pool of " + std::to_string(plan.inbox_bytes) + " bytes and " +
+                          std::to_string(plan.e_local) + " flags per source, communicator has " +
+                          std::to_string(has_bytes) + " bytes and " + std::to_string(dc.capacity.flags_per_source) +
+                          " flags per source");
+  }
+  return ffi::Error::Success();
+}
+
+// The config the kernels run (docs/design.md, "Forward progress"): the GEMM's CTAs wait, holding
+// their SMs, for segments that peers' pushes release, so the GEMM leaves the push's SMs (or one for
+// the copy engines' release kernels), the reserve, and, where processes share this GPU, enough that
+// all of them waiting at once still leave one SM for the releases (ag_gemm's rule).
+MoeConfig run_config(MoeConfig cfg, comm::DeviceComm const& dc) {
+  int64_t const push = cfg.push_sms > 0 ? cfg.push_sms : 1;
+  int64_t const free = int64_t(dc.sm_count) - comm::sm_reserve();
+  int64_t limit = free - push;
+  if (dc.gpu_sharers > 1) {
+    int64_t const share = (free - 1) / dc.gpu_sharers - push;
+    if (share < limit) limit = share;
+  }
+  if (cfg.gemm_sms > limit) cfg.gemm_sms = limit > 1 ? limit : 1;
+  return cfg;
+}
+
+// The problem from x_send [E, C, K], w [E_local, K, N], y [E_local, W * C, N] and the pool output
+// [E_local, W * C, K] (or empty).
+ffi::Error problem_of(DType input, ffi::AnyBuffer const& x_send, ffi::AnyBuffer const& w, ffi::AnyBuffer const& y,
+                      ffi::AnyBuffer const& pool, comm::DeviceComm const& dc, MoeProblem* problem) {
+  int64_t const world = dc.world;
+  auto xd = x_send.dimensions(), wd = w.dimensions(), yd = y.dimensions(), pd = pool.dimensions();
+  bool ok = xd.size() == 3 && wd.size() == 3 && yd.size() == 3 && xd[0] % world == 0;
+  if (ok) {
+    int64_t const e_local = xd[0] / world, c = xd[1], k = xd[2], n = wd[2];
+    ok = wd[0] == e_local && wd[1] == k && yd[0] == e_local && yd[1] == world * c && yd[2] == n;
+    ok = ok && (pool.element_count() == 0 ||
+                (pd.size() == 3 && pd[0] == e_local && pd[1] == world * c && pd[2] == k));
+  }
+  if (!ok) {
+    return ffi::Error::InvalidArgument(std::string(kOp) +
+                                       ": expected x_send [E, C, K] (E a multiple of W), w [E/W, K, N], y [E/W, W*C, N] "
+                                       "and pool [E/W, W*C, K] or empty; got x_send " + dims_string(xd) + ", w " +
+                                       dims_string(wd) + ", y " + dims_string(yd) + ", pool " + dims_string(pd) +
+                                       " with W = " + std::to_string(world));
+  }
+  problem->world = dc.world;
+  problem->rank = dc.rank;
+  problem->experts = int32_t(xd[0]);
+  problem->capacity = int32_t(xd[1]);
+  problem->k = int32_t(xd[2]);
+  problem->n = int32_t(wd[2]);
+  problem->input = input;
+  return ffi::Error::Success();
+}
+
+struct Derived {
+  MoePlan plan;
+  PreparedGemm gemm;
+};
+
+// Derived once per call site and buffers, then found in a memo keyed by every value it reads.
+ffi::Error derive(MoeProblem const& problem, MoeGemmArgs const& args, bool capturing, MoeConfig const& config,
+                  comm::DeviceComm const& dc, Derived const** derived) {
+  static thread_local handler::CallMemo<48, Derived> memo;
+  handler::MemoKey<48> key;
+  for (int64_t v : {int64_t(problem.input), int64_t(problem.experts), int64_t(problem.capacity), int64_t(problem.k),
+                    int64_t(problem.n), int64_t(problem.world), int64_t(problem.rank), int64_t(capturing),
+                    args.call.slot_stride, args.call.flags_stride, int64_t(args.timeout_ns)}) {
+    key.add(uint64_t(v));
+  }
+#define ENTWINE_MEMO_FIELD(type, name, value) key.add(uint64_t(config.name));
+  ENTWINE_MOE_CONFIG_FIELDS(ENTWINE_MEMO_FIELD)
+#undef ENTWINE_MEMO_FIELD
+  for (const void* p : {args.x_send, args.inbox, args.w, static_cast<const void*>(args.y),
+                        static_cast<const void*>(args.flags), static_cast<const void*>(args.error),
+                        static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch)}) {
+    key.add(p);
+  }
+  handler::add_call(key, args.call);
+  *derived = memo.find(key);
+  if (*derived != nullptr) return ffi::Error::Success();
+  MoeConfig const run = run_config(config, dc);
+  Derived fresh{moe_plan(problem, run), {}};
+  if (ffi::Error e = check_plan(fresh.plan, problem, run, dc); e.failure()) return e;
+  ENTWINE_RETURN_IF_CUDA(kOp, moe::prepare_gemm(problem.input, problem.input, fresh.plan, args, &fresh.gemm));
+  Derived* entry = memo.insert(key);
+  *entry = fresh;
+  *derived = entry;
+  return ffi::Error::Success();
+}
+
+// The SM push on `stream`: waits for every receiver, pushes every segment, releases each.
+ffi::Error enqueue_sm_push(comm::DeviceComm& dc, MoePlan const& plan, const void* x_send, CallEpoch const& epoch,
+                           cudaStream_t stream) {
+  size_t const inbox_offset = dc.layout.region_offset(moe::inbox_region);
+  MoePushArgs push{};
+  push.x_send = x_send;
+  for (int q = 0; q < dc.world; ++q) {
+    if (q == dc.rank) continue;
+    char* const peer_heap = static_cast<char*>(dc.peer_heap[q]);
+    push.inbox[q] = peer_heap + inbox_offset;
+    push.flags[q] = reinterpret_cast<uint64_t*>(peer_heap + dc.layout.flags_offset());
+  }
+  push.ready = reinterpret_cast<uint64_t*>(static_cast<char*>(dc.heap) + dc.layout.ready_offset());
+  push.arrivals = static_cast<uint32_t*>(dc.workspace(&moe::kHooks));
+  push.slice_bytes = plan.slice_bytes;
+  push.e_local = plan.e_local;
+  push.rank = dc.rank;
+  push.world = dc.world;
+  push.error = dc.error_local;
+  push.error_mirror = dc.error_device;
+  push.call = epoch;
+  push.timeout_ns = comm::timeout_ms() * 1000000ull;
+  ENTWINE_RETURN_IF_CUDA(kOp, moe::launch_push(plan, push, stream));
+  return ffi::Error::Success();
+}
+
+// Copy engines: side stream d - 1 sends this rank's segments to rank (rank + d) % W (receiver wait,
+// then per expert one copy and one release), forked from dc.start, recording its side_done.
+ffi::Error enqueue_copy_engine_pushes(comm::DeviceComm& dc, MoePlan const& plan, const void* x_send,
+                                      CallEpoch const& epoch) {
+  size_t const inbox_offset = dc.layout.region_offset(moe::inbox_region);
+  uint64_t* const own_ready = reinterpret_cast<uint64_t*>(static_cast<char*>(dc.heap) + dc.layout.ready_offset());
+  for (int d = 1; d < dc.world; ++d) {
+    int const peer = (dc.rank + d) % dc.world;
+    cudaStream_t const stream = dc.side[d - 1];
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(stream, dc.start, 0));
+    char* const peer_heap = static_cast<char*>(dc.peer_heap[peer]);
+    MoeTransferArgs t{};
+    t.x_send = x_send;
+    t.inbox = peer_heap + inbox_offset;
+    t.flags = reinterpret_cast<uint64_t*>(peer_heap + dc.layout.flags_offset());
+    t.ready = own_ready + peer;
+    t.rank = dc.rank;
+    t.dest = peer;
+    t.error = dc.error_local;
+    t.error_mirror = dc.error_device;
+    t.call = epoch;
+    t.timeout_ns = comm::timeout_ms() * 1000000ull;
+    ENTWINE_RETURN_IF_CUDA(kOp, moe::launch_push_copy(plan, t, stream));
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc.side_done[d - 1], stream));
+  }
+  return ffi::Error::Success();
+}
+
+// The receive pool as an output [E_local, W * C, K], on XLA's stream after the GEMM (which acquired
+// every segment): the peers' segments from the inbox, this rank's own from x_send.
+ffi::Error copy_pool(comm::DeviceComm const& dc, MoePlan const& plan, const void* x_send, ffi::AnyBuffer& pool,
+                     cudaStream_t xla_stream) {
+  if (pool.element_count() == 0) return ffi::Error::Success();
+  char const* const own_inbox = static_cast<char const*>(dc.heap) + dc.layout.region_offset(moe::inbox_region);
+  char const* const own_rows = static_cast<char const*>(x_send) + int64_t(dc.rank) * plan.e_local * plan.slice_bytes;
+  char* const out = static_cast<char*>(pool.untyped_data());
+  int const world = dc.world;
+  for (int e = 0; e < plan.e_local; ++e) {
+    for (int s = 0; s < world; ++s) {
+      int64_t const segment = (int64_t(e) * world + s) * plan.slice_bytes;
+      char const* const from = s == dc.rank ? own_rows + e * plan.slice_bytes : own_inbox + segment;
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(out + segment, from, plan.slice_bytes, cudaMemcpyDeviceToDevice,
+                                                  xla_stream));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// The inbox is single for ag_gemm's reason (ffi/ag_gemm/handler.cc, RunAgGemm): a source's transfer
+// to rank r opens with a wait for r's announcement of the call, which r makes only after its
+// previous call, every read of the pool included, completed on r's XLA stream.
+ffi::Error MoeDispatchGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x_send, ffi::AnyBuffer w,
+                               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> pool, int64_t comm_id,
+                               int64_t signature, MoeConfig config) {
+  return handler::guarded(kOp, [&]() -> ffi::Error {
+    DType input = DType::kBF16;
+    if (ffi::Error e = handler::element_type(kOp, "x_send", x_send, &input); e.failure()) return e;
+    if (w.element_type() != x_send.element_type() || y->element_type() != x_send.element_type() ||
+        pool->element_type() != x_send.element_type()) {
+      return ffi::Error::InvalidArgument(std::string(kOp) + ": x_send, w, y and pool must share one dtype");
+    }
+    comm::DeviceComm* dc = nullptr;
+    if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
+    handler::ExclusiveDispatch const exclusive(*dc);
+    if (ffi::Error e = exclusive.check(kOp); e.failure()) return e;
+    handler::HostTimer timer{dc};
+    MoeProblem problem;
+    if (ffi::Error e = problem_of(input, x_send, w, *y, *pool, *dc, &problem); e.failure()) return e;
+    bool capturing = false;
+    if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
+
+    DeviceGuard guard;
+    ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
+    char* const own = static_cast<char*>(dc->heap);
+    CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
+    MoeGemmArgs args{};
+    args.x_send = x_send.untyped_data();
+    args.inbox = own + dc->layout.region_offset(moe::inbox_region);
+    args.w = w.untyped_data();
+    args.y = y->untyped_data();
+    args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
+    args.error = dc->error_local;
+    args.error_mirror = dc->error_device;
+    args.call = epoch_args;
+    args.timeout_ns = comm::timeout_ms() * 1000000ull;
+    Derived const* derived = nullptr;
+    if (ffi::Error e = derive(problem, args, capturing, config, *dc, &derived); e.failure()) return e;
+    MoePlan const& plan = derived->plan;
+
+    timer.lap(comm::kPhaseChecks);
+    bool const sm_push = plan.push_grid > 0 && dc->world > 1;
+    // As ag_gemm: the SM push and the GEMM chained on XLA's stream (the GEMM its programmatic
+    // dependent), unless ENTWINE_PROFILE=1 forks the push so that events time the GEMM alone.
+    bool const chained = sm_push && !comm::profiling();
+    if (!chained) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
+    timer.lap(comm::kPhaseFork);
+    int const side_streams = chained ? 0 : sm_push ? 1 : dc->world - 1;
+    if (chained) {
+      if (ffi::Error e = enqueue_sm_push(*dc, plan, args.x_send, epoch_args, xla_stream); e.failure()) return e;
+      ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
+    } else {
+      ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
+      if (sm_push) {
+        ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->side[0], dc->start, 0));
+        if (ffi::Error e = enqueue_sm_push(*dc, plan, args.x_send, epoch_args, dc->side[0]); e.failure()) return e;
+        ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->side_done[0], dc->side[0]));
+      } else if (ffi::Error e = enqueue_copy_engine_pushes(*dc, plan, args.x_send, epoch_args); e.failure()) {
+        return e;
+      }
+    }
+    if (ffi::Error e = copy_pool(*dc, plan, args.x_send, *pool, xla_stream); e.failure()) return e;
+    if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
+    timer.lap(comm::kPhaseLaunch);
+    for (int d = 1; d <= side_streams; ++d) {
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->side_done[d - 1], 0));
+    }
+    timer.lap(comm::kPhaseJoin);
+    // The next call's epoch, once this whole call is done (outputs poisoned if it failed anywhere).
+    comm::CallEnd end = handler::call_end(*dc, epoch_args);
+    end.add_output(y->untyped_data(), int64_t(y->size_bytes()));
+    end.add_output(pool->untyped_data(), int64_t(pool->size_bytes()));
+    ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(end, xla_stream));
+    timer.lap(comm::kPhaseEnd);
+    return ffi::Error::Success();
+  });
+}
+
+// moe_transfer: send [E, C, ...] (rank d's rows of expert e at d * E_local + e) -> recv [E_local,
+// W * C, ...] (every source's rows of this rank's expert e, source-major), any dtype: the pushes as in
+// moe_dispatch_gemm, then on XLA's stream the wait for every peer's segments and the copies of recv.
+// The inbox is moe_dispatch_gemm's, under the same announcement rule.
+ffi::Error MoeTransferImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer send,
+                           ffi::Result<ffi::AnyBuffer> recv, int64_t comm_id, int64_t signature, int64_t push_sms) {
+  constexpr const char* kTransferOp = "entwine moe_transfer";
+  return handler::guarded(kTransferOp, [&]() -> ffi::Error {
+    comm::DeviceComm* dc = nullptr;
+    if (ffi::Error e = handler::usable_comm(kTransferOp, comm_id, device, &dc); e.failure()) return e;
+    handler::ExclusiveDispatch const exclusive(*dc);
+    if (ffi::Error e = exclusive.check(kTransferOp); e.failure()) return e;
+    handler::HostTimer timer{dc};
+    auto sd = send.dimensions(), rd = recv->dimensions();
+    int64_t const world = dc->world;
+    bool ok = sd.size() >= 2 && rd.size() == sd.size() && sd[0] % world == 0 && rd[0] == sd[0] / world &&
+              rd[1] == world * sd[1] && recv->element_type() == send.element_type() && send.element_count() > 0;
+    for (size_t i = 2; ok && i < sd.size(); ++i) ok = rd[i] == sd[i];
+    if (!ok) {
+      return ffi::Error::InvalidArgument(std::string(kTransferOp) +
+                                         ": expected send [E, C, ...] (E a multiple of W) and recv [E/W, W*C, ...] of "
+                                         "one dtype, got send " + dims_string(sd) + ", recv " + dims_string(rd) +
+                                         " with W = " + std::to_string(world));
+    }
+    int64_t const row_bytes = int64_t(send.size_bytes()) / (sd[0] * sd[1]);
+    MoePlan const plan = moe_transfer_plan(dc->world, dc->rank, int32_t(sd[0]), int32_t(sd[1]), row_bytes, push_sms);
+    if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string(kTransferOp) + ": " + plan.error);
+    if (plan.sms_needed > dc->sm_count) {
+      return ffi::Error::InvalidArgument(std::string(kTransferOp) + ": the push needs " +
+                                         std::to_string(plan.sms_needed) + " SMs, this GPU has " +
+                                         std::to_string(dc->sm_count));
+    }
+    size_t const has_bytes = dc->capacity.bytes[moe::inbox_region];
+    if (size_t(plan.inbox_bytes) > has_bytes || plan.e_local > dc->capacity.flags_per_source) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        std::string(kTransferOp) + ": call needs a pool of " + std::to_string(plan.inbox_bytes) +
+                            " bytes and " + std::to_string(plan.e_local) + " flags per source, communicator has " +
+                            std::to_string(has_bytes) + " bytes and " + std::to_string(dc->capacity.flags_per_source));
+    }
+    bool capturing = false;
+    if (ffi::Error e = handler::is_capturing(kTransferOp, xla_stream, &capturing); e.failure()) return e;
+    DeviceGuard guard;
+    ENTWINE_RETURN_IF_CUDA(kTransferOp, guard.set(device));
+    CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
+    timer.lap(comm::kPhaseChecks);
+    bool const sm_push = plan.push_grid > 0 && dc->world > 1;
+    if (!sm_push) ENTWINE_RETURN_IF_CUDA(kTransferOp, cudaEventRecord(dc->start, xla_stream));
+    timer.lap(comm::kPhaseFork);
+    if (sm_push) {
+      if (ffi::Error e = enqueue_sm_push(*dc, plan, send.untyped_data(), epoch_args, xla_stream); e.failure()) return e;
+    } else if (ffi::Error e = enqueue_copy_engine_pushes(*dc, plan, send.untyped_data(), epoch_args); e.failure()) {
+      return e;
+    }
+    MoeWaitArgs wait{};
+    wait.flags = reinterpret_cast<const uint64_t*>(static_cast<char*>(dc->heap) + dc->layout.flags_offset());
+    wait.e_local = plan.e_local;
+    wait.rank = dc->rank;
+    wait.world = dc->world;
+    wait.error = dc->error_local;
+    wait.error_mirror = dc->error_device;
+    wait.call = epoch_args;
+    wait.timeout_ns = comm::timeout_ms() * 1000000ull;
+    ENTWINE_RETURN_IF_CUDA(kTransferOp, moe::launch_wait_segments(wait, xla_stream));
+    if (ffi::Error e = copy_pool(*dc, plan, send.untyped_data(), *recv, xla_stream); e.failure()) return e;
+    timer.lap(comm::kPhaseLaunch);
+    for (int d = 1; !sm_push && d < dc->world; ++d) {
+      ENTWINE_RETURN_IF_CUDA(kTransferOp, cudaStreamWaitEvent(xla_stream, dc->side_done[d - 1], 0));
+    }
+    timer.lap(comm::kPhaseJoin);
+    comm::CallEnd end = handler::call_end(*dc, epoch_args);
+    end.add_output(recv->untyped_data(), int64_t(recv->size_bytes()));
+    ENTWINE_RETURN_IF_CUDA(kTransferOp, comm::launch_end_call(end, xla_stream));
+    timer.lap(comm::kPhaseEnd);
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace entwine
+
+// `config` arrives as one dictionary attribute, decoded by name into MoeConfig.
+ENTWINE_REGISTER_CONFIG_DECODING(entwine::MoeConfig, ENTWINE_MOE_CONFIG_FIELDS);
+
+// Command-buffer compatible for ag_gemm's reason: no host value that changes per call reaches a
+// kernel or a copy.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchGemm, entwine::MoeDispatchGemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // x_send [E, C, K]
+                                  .Arg<ffi::AnyBuffer>()                     // w [E_local, K, N]
+                                  .Ret<ffi::AnyBuffer>()                     // y [E_local, W * C, N]
+                                  .Ret<ffi::AnyBuffer>()                     // pool [E_local, W * C, K] (or empty)
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
+                                  .Attr<entwine::MoeConfig>("config"),       // config
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeTransfer, entwine::MoeTransferImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // send [E, C, ...]
+                                  .Ret<ffi::AnyBuffer>()                     // recv [E_local, W * C, ...]
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
+                                  .Attr<int64_t>("push_sms"),                // 0: copy engines; else the SM push's CTAs
+                              {ffi::Traits::kCmdBufferCompatible});

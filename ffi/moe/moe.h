@@ -1,0 +1,179 @@
+// Host-side contract of moe_dispatch_gemm with static capacity: the config, one rank's problem, its
+// plan (the kernels run exactly this), the GEMM's and the transfers' arguments and launchers. No
+// kernel syntax. Protocol: docs/design.md, "Mixture of experts (planned)"; this is its static
+// capacity form (a fixed C rows per (source, expert), so no counts phase and no prefix sums).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "comm/config.h"
+#include "comm/protocol.h"
+#include "gemm/gemm.h"
+
+namespace entwine {
+
+// The config of moe_dispatch_gemm, fields as X(type, name, default) (comm/config.h).
+#define ENTWINE_MOE_CONFIG_FIELDS(X)                                                                  \
+  X(int64_t, block_n, 256)    /* GEMM block: 128 x block_n x 64, block_n in {128, 256} */              \
+  X(int64_t, gemm_sms, 131)   /* persistent grid; leaves an SM for the release kernels */             \
+  X(int64_t, raster_rows, 8)  /* a segment's blocks run in groups of this many tile rows (L2 reuse) */ \
+  X(int64_t, push_sms, 0)     /* 0: copy engines push the segments; > 0: one SM push kernel of that many CTAs */
+struct MoeConfig {
+  ENTWINE_MOE_CONFIG_FIELDS(ENTWINE_CONFIG_MEMBER)
+};
+
+// One rank's problem, inside a mesh axis of `world` ranks with `experts` experts, expert g on rank
+// g / E_local (E_local = experts / world). Every rank holds
+//   x_send [experts, capacity, k]: the rows it sends to each global expert, `capacity` per expert
+//     (unused rows hold anything: they come back as rows of y and nothing else reads them);
+//   w [E_local, k, n]: its experts' weights (16-bit: row-major, N-major);
+// and computes y [E_local, world * capacity, n] with
+//   y[e, q * capacity + i, :] = x_send_q[rank * E_local + e, i, :] @ w[e]
+// (the receive pool is expert-major: expert e's A is the world * capacity rows that every source
+// sent it, contiguous, each source's capacity rows in source order).
+struct MoeProblem {
+  int32_t world = 1, rank = 0;
+  int32_t experts = 1;    // E, a multiple of world
+  int32_t capacity = 0;   // C, rows per (source, expert): a multiple of 128
+  int32_t k = 0, n = 0;   // x's columns (w's rows), w's columns
+  DType input = DType::kBF16;
+};
+
+// Everything static about one call. The inbox of rank r is [E_local][world][C][k] (source-slot s of
+// expert e at ((e * world + s) * C) rows); flag (s, e) of rank r, word s * E_local + e of each
+// parity, says source s has written its C rows of expert e for the call of the stamp. The local
+// source's rows are read from x_send in place (never copied), so its flags are never written.
+// A 128-row GEMM block lies inside one (source, expert) segment (C % 128 == 0): it waits for one flag.
+struct MoePlan {
+  const char* error;      // nullptr, or the rule the problem or config violates
+  MoeConfig config;       // the config the plan was made with
+  MoeProblem shape;       // the problem
+  int32_t e_local;        // experts per rank
+  int32_t seg_tiles;      // tile rows of one (source, expert) segment: C / 128
+  int32_t n_blocks;       // n / block_n
+  int32_t k_tiles;        // ceil(k / BLOCK_K) (TMA zero-fills the tail)
+  int32_t num_blocks;     // e_local * world * seg_tiles * n_blocks
+  int32_t grid;           // GEMM CTAs
+  int64_t slice_bytes;    // one segment's rows in bytes: C * k elements
+  int64_t inbox_bytes;    // e_local * world segments (the local source's slots stay unused)
+  int64_t flags;          // flag words per parity: world * e_local
+  int32_t push_grid;      // CTAs of the SM push (launch_push), 0: the copy engines push
+  int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or one for the releases)
+  TileOrder order;        // the blocks of one segment, in production order
+  WorkSchedule schedule;  // the GEMM's blocks, grid and k-tiles (no split tail)
+  Scaling scaling = Scaling::kTensor;  // picks the GEMM instantiation (16-bit only for now)
+};
+MoePlan moe_plan(const MoeProblem& problem, const MoeConfig& config);
+// The plan of moe_transfer, the segments' all-to-all alone (no GEMM): the moves of the MoE ops
+// whose GEMM runs before the move (the combine's return, the backward's moves). Every rank sends
+// send [world][E_local][C] rows of row_bytes bytes; rank r's segment (d, e) lands in rank d's inbox
+// at segment (e, r), and rank d's recv is [E_local][world][C] rows (its own segments copied from
+// send). Only the transfer fields are set (shape.k = row_bytes, n = 0; no GEMM).
+MoePlan moe_transfer_plan(int32_t world, int32_t rank, int32_t experts, int32_t capacity, int64_t row_bytes,
+                          int64_t push_sms);
+
+// The GEMM's arguments.
+struct MoeGemmArgs {
+  const void* x_send;         // this rank's x_send [experts, C, k]: its own experts' slice is read in place
+  const void* inbox;          // this rank's inbox [E_local][world][C][k]: the peers push into it
+  const void* w;              // [E_local, k, n]
+  void* y;                    // [E_local, world * C, n]
+  const uint64_t* flags;      // this rank's flags of parity 0: flags[source * E_local + expert]
+  DeviceError* error;         // device memory, claimed by the first failing wait
+  DeviceError* error_mirror;  // host-mapped copy written once on failure (nullptr: none)
+  CallEpoch call;
+  uint64_t timeout_ns;
+};
+
+// One source's transfer to one destination on the copy engines (launch_push_copy): the receiver
+// wait (the destination has announced the call, so it no longer reads its inbox of the last call),
+// then per local expert of the destination one copy of the segment and one release of its flag.
+struct MoeTransferArgs {
+  const void* x_send;        // the source's x_send [experts, C, k]
+  char* inbox;               // the destination's inbox
+  uint64_t* flags;           // the destination's flags of parity 0 (the release adds the parity)
+  const uint64_t* ready;     // ready[destination] in the source's heap: the destination's announcement
+  int32_t rank, dest;        // source and destination (dest != rank)
+  DeviceError* error;
+  DeviceError* error_mirror;
+  CallEpoch call;
+  uint64_t timeout_ns;
+};
+
+// The SM push (config.push_sms > 0): one kernel, launched before the GEMM on the GEMM's stream (the
+// GEMM is its programmatic dependent: it starts once every push CTA is resident, on the SMs they
+// leave), copies every segment of every peer with 16-byte stores and releases each itself. Its CTAs
+// wait only for the receivers' announcements, which every rank makes before it waits for anything.
+constexpr int kMoePushThreads = 512;
+// Arrival counters of the SM push, one per (local expert of the destination, peer), zero between calls.
+constexpr int kMoePushCounters = 1024;
+constexpr size_t kMoePushArrivalsBytes = size_t(kMoePushCounters) * sizeof(uint32_t);
+struct MoePushArgs {
+  const void* x_send;              // this rank's x_send [experts, C, k], 16-byte aligned
+  char* inbox[kMaxWorld];          // every rank's inbox (this rank's entry unused)
+  uint64_t* flags[kMaxWorld];      // every rank's flags of parity 0 (the kernel adds the parity)
+  const uint64_t* ready;           // ready[0 .. world) in this rank's heap: the receivers' announcements
+  uint32_t* arrivals;              // kMoePushCounters counters, zero between calls (the op's workspace)
+  int64_t slice_bytes;             // MoePlan::slice_bytes
+  int32_t e_local, rank, world;
+  DeviceError* error;
+  DeviceError* error_mirror;
+  CallEpoch call;
+  uint64_t timeout_ns;
+};
+
+// The waits of moe_dispatch_gemm (DeviceError::site; tile: the expert of the waited segment).
+constexpr int32_t kMoeWaitSiteBase = 3 * kWaitSitesPerOp;
+constexpr int32_t kMoeWaitSegment = kMoeWaitSiteBase + 0;     // the GEMM: a source's rows of an expert
+constexpr int32_t kMoeWaitInboxReady = kMoeWaitSiteBase + 1;  // a transfer: the receiver has not started the call
+constexpr int32_t kMoeWaitTransfer = kMoeWaitSiteBase + 2;    // moe_transfer's receiver: a source's rows of an expert
+
+// moe_transfer's receiver: one kernel on XLA's stream announces the call, then waits for every
+// peer's segments (a warp per segment at a time), so that the copies of recv after it read them.
+struct MoeWaitArgs {
+  const uint64_t* flags;  // this rank's flags of parity 0: flags[source * E_local + expert]
+  int32_t e_local, rank, world;
+  DeviceError* error;
+  DeviceError* error_mirror;
+  CallEpoch call;
+  uint64_t timeout_ns;
+};
+
+namespace comm {
+struct OpHooks;
+}
+
+namespace moe {
+
+// What moe_dispatch_gemm asks of every communicator entry (handler.cc), registered by bind.cc.
+extern const comm::OpHooks kHooks;
+
+// Enqueues on `stream` the source's whole transfer to args.dest (copy engines and two one-warp
+// kernels: the receiver wait first, one release per segment). Each release must find an SM while
+// the destination's GEMM runs: its persistent grid leaves one (plan.sms_needed). Transfers to the
+// destinations rank + 1, rank + 2, ... on streams of their own stagger the links: every receiver
+// gets its first segments from rank - 1 (the GEMM's order, gemm_schedule.cuh).
+cudaError_t launch_push_copy(const MoePlan& plan, const MoeTransferArgs& args, cudaStream_t stream);
+// The SM push of a plan with push_grid > 0 (world > 1): on the GEMM's stream, before the GEMM
+// (enqueued with `dependent`: PreparedGemm::enqueue(stream, true)).
+cudaError_t launch_push(const MoePlan& plan, const MoePushArgs& args, cudaStream_t stream);
+cudaError_t prepare_transfer_kernels();
+// moe_transfer's wait for every peer's segments (MoeWaitArgs), on the receiver's stream.
+cudaError_t launch_wait_segments(const MoeWaitArgs& args, cudaStream_t stream);
+
+// The GEMM over the inbox as it arrives (moe/gemm_schedule.cuh), dispatched to the instantiation of
+// (input, output, plan.config.block_n) by code generated from the kernel table.
+using GemmPlan = MoePlan;
+using GemmArgs = MoeGemmArgs;
+cudaError_t launch_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
+cudaError_t prepare_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
+cudaError_t prepare_gemms();
+
+// Loads every kernel module of the op on the current device (once per device at setup).
+cudaError_t prepare_kernels();
+
+}  // namespace moe
+
+}  // namespace entwine

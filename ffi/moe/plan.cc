@@ -1,0 +1,115 @@
+// moe_dispatch_gemm's plan (static capacity): the config's rules and the shape rules of its
+// kernels in one place, and the loading of every kernel module of the op at setup.
+#include "moe/moe.h"
+
+namespace entwine {
+
+namespace {
+
+// The SM push's grid (plan->push_grid) for plan->slice_bytes and plan->e_local: it splits each
+// segment over the CTAs of a destination's group, kMoePushThreads 16-byte vectors at a time, so a
+// CTA beyond one vector per thread of a segment, for every peer, would only wait and count; one
+// counter per (expert, peer). A violated rule, or nullptr.
+const char* plan_push(int32_t world, int64_t push_sms, MoePlan* plan) {
+  int32_t const peers = world - 1;
+  if (push_sms <= 0 || peers == 0) return nullptr;
+  if (int64_t(plan->e_local) * peers > kMoePushCounters) {
+    return "the SM push counts arrivals per (local expert, peer): E_local * (world - 1) <= 1024";
+  }
+  int64_t const vectors = plan->slice_bytes / 16;
+  int64_t const useful = (vectors + kMoePushThreads - 1) / kMoePushThreads * peers;
+  plan->push_grid = int32_t(push_sms < useful ? push_sms : useful);
+  return nullptr;
+}
+
+}  // namespace
+
+MoePlan moe_transfer_plan(int32_t world, int32_t rank, int32_t experts, int32_t capacity, int64_t row_bytes,
+                          int64_t push_sms) {
+  MoePlan plan{};
+  plan.config = MoeConfig{128, 0, 1, push_sms};
+  plan.shape = MoeProblem{world, rank, experts, capacity, int32_t(row_bytes), 0, DType::kBF16};
+  auto fail = [&](const char* rule) {
+    plan.error = rule;
+    return plan;
+  };
+  if (world < 1 || world > kMaxWorld) return fail("world size must be in [1, 8]");
+  if (rank < 0 || rank >= world) return fail("rank must be in [0, world)");
+  if (push_sms < 0 || push_sms > 64) return fail("config.push_sms must be in [0, 64]");
+  if (experts < 1 || experts % world != 0) return fail("experts must be a positive multiple of world");
+  if (capacity <= 0 || row_bytes <= 0) return fail("capacity and the rows' bytes must be positive");
+  // The SM push moves 16-byte vectors, and every segment starts 16-byte aligned.
+  if ((int64_t(capacity) * row_bytes) % 16 != 0) return fail("a segment (capacity rows) must be a multiple of 16 bytes");
+  if (row_bytes >= (int64_t(1) << 31)) return fail("a row of 2^31 bytes or more");
+  plan.e_local = experts / world;
+  plan.slice_bytes = int64_t(capacity) * row_bytes;
+  plan.inbox_bytes = int64_t(plan.e_local) * world * plan.slice_bytes;
+  plan.flags = int64_t(world) * plan.e_local;
+  if (const char* rule = plan_push(world, push_sms, &plan)) return fail(rule);
+  // The receiver's wait kernel, and the push's CTAs or the copy engines' release kernels.
+  plan.sms_needed = 1 + (plan.push_grid > 0 ? plan.push_grid : 1);
+  return plan;
+}
+
+MoePlan moe_plan(const MoeProblem& p, const MoeConfig& c) {
+  MoePlan plan{};
+  plan.config = c;
+  plan.shape = p;
+  auto fail = [&](const char* rule) {
+    plan.error = rule;
+    return plan;
+  };
+  if (p.world < 1 || p.world > kMaxWorld) return fail("world size must be in [1, 8]");
+  if (p.rank < 0 || p.rank >= p.world) return fail("rank must be in [0, world)");
+  if (c.block_n != 128 && c.block_n != 256) return fail("config.block_n must be 128 or 256");
+  // Every GEMM CTA may wait for a segment whose release kernel then needs an SM: the grid is
+  // persistent, and the caller checks that plan.sms_needed fits the GPU.
+  if (c.gemm_sms < 1) return fail("config.gemm_sms must be >= 1");
+  if (c.raster_rows < 1) return fail("config.raster_rows must be >= 1");
+  if (c.push_sms < 0 || c.push_sms > 64) return fail("config.push_sms must be in [0, 64]");
+  if (is_fp8(p.input)) return fail("FP8 operands are not supported yet (16-bit inputs only)");
+  if (p.experts < 1 || p.experts % p.world != 0) return fail("experts must be a positive multiple of world");
+  if (p.capacity <= 0 || p.k <= 0 || p.n <= 0) return fail("capacity, K and N must be positive");
+  // A block's rows must come from one source's segment of one expert: one flag per block, and a
+  // block never mixes a peer's rows with the local rows read in place.
+  if (p.capacity % kBlockM != 0) return fail("capacity % 128 == 0 (a GEMM block must not straddle two sources' rows)");
+  if (p.k % align_k(p.input) != 0) return fail("K must make 16-byte rows (K % 8 == 0 for 16-bit inputs; TMA)");
+  // The store warp writes whole blocks at y's row pitch n.
+  if (p.n % c.block_n != 0) return fail("N must be a multiple of config.block_n");
+  plan.e_local = p.experts / p.world;
+  int64_t const rows = int64_t(p.world) * p.capacity;  // A's rows per expert
+  // int32 coordinates in the kernels (rows of one expert's A, w's rows and columns).
+  if (rows >= (int64_t(1) << 31) || int64_t(p.experts) * p.capacity >= (int64_t(1) << 31)) {
+    return fail("world * capacity (or experts * capacity) is 2^31 rows or more");
+  }
+  plan.seg_tiles = p.capacity / kBlockM;
+  plan.n_blocks = int32_t(p.n / c.block_n);
+  plan.k_tiles = (p.k + block_k(p.input) - 1) / block_k(p.input);
+  int64_t const blocks = int64_t(plan.e_local) * p.world * plan.seg_tiles * plan.n_blocks;
+  if (blocks >= (int64_t(1) << 31)) return fail("the GEMM has 2^31 blocks or more");
+  plan.num_blocks = int32_t(blocks);
+  plan.grid = c.gemm_sms < plan.num_blocks ? int32_t(c.gemm_sms) : plan.num_blocks;
+  plan.slice_bytes = int64_t(p.capacity) * p.k * element_bytes(p.input);
+  plan.inbox_bytes = int64_t(plan.e_local) * p.world * plan.slice_bytes;
+  plan.flags = int64_t(p.world) * plan.e_local;
+  if (const char* rule = plan_push(p.world, c.push_sms, &plan)) return fail(rule);
+  // Every GEMM CTA may wait for a segment that only a running push CTA (or, on the copy engines, a
+  // one-warp release kernel) releases: they all must be resident at once.
+  plan.sms_needed = plan.grid + (plan.push_grid > 0 ? plan.push_grid : 1);
+  plan.order = TileOrder{plan.seg_tiles, plan.n_blocks,
+                         c.raster_rows < plan.seg_tiles ? int32_t(c.raster_rows) : plan.seg_tiles};
+  plan.schedule = WorkSchedule{plan.num_blocks, plan.grid, plan.k_tiles, plan.num_blocks};
+  plan.scaling = Scaling::kTensor;
+  return plan;
+}
+
+namespace moe {
+
+cudaError_t prepare_kernels() {
+  cudaError_t err = prepare_gemms();
+  return err != cudaSuccess ? err : prepare_transfer_kernels();
+}
+
+}  // namespace moe
+
+}  // namespace entwine

@@ -1,0 +1,172 @@
+// moe_dispatch_gemm's transfers; every kernel reads the call's epoch from the device, so a CUDA
+// graph can replay it (docs/design.md, "Graph safety"). Copy engines (config.push_sms = 0): one
+// source's segments for one destination, each copied into the destination's inbox and released by
+// a one-warp kernel. SMs (push_sms > 0): one kernel copies and releases every segment (push_segments).
+// The release is an SM sequence (system fence, then the stamp), not a stream memory operation, for
+// the reason ag_gemm's transfers give (a stream write could be seen before the copy's data).
+#include "comm/flag.cuh"
+#include "comm/ptx.cuh"
+#include "comm/wait.cuh"
+#include "moe/moe.h"
+
+namespace entwine {
+namespace {
+
+// Opens a transfer: announces this rank's call first (its own GEMM may not have started: it needs
+// SMs that waiting kernels could hold, and a receiver waits for this announcement), then waits,
+// bounded, until the destination has announced the call: it has finished reading its inbox in
+// every earlier call.
+__global__ void __launch_bounds__(32) wait_receiver(MoeTransferArgs a) {
+  if (threadIdx.x == 0) wait::announce(a.call);
+  __syncwarp();
+  uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
+  wait::wait_flag_warp(a.ready, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, a.dest, 0,
+                       kMoeWaitInboxReady);
+}
+
+// After the stream's copy of one segment completed: one system fence, then the stamp into the
+// destination's flag (docs/design.md, "Memory ordering").
+__global__ void __launch_bounds__(32) release_segment(uint64_t* flag, CallEpoch call) {
+  if (threadIdx.x == 0) {
+    uint64_t const epoch = ptx::load_relaxed_sys(call.epoch);
+    ptx::fence_acq_rel_sys();
+    flag::store(flag, call, epoch);
+  }
+}
+
+// moe_transfer's receiver: announce (the peers' transfers into this rank's inbox wait for it), then
+// every (source, expert) segment of the peers, warp by warp; a failed wait records the source and
+// expert and the rest go on without waiting (the call's outputs are poisoned).
+constexpr int kWaitThreads = 256;
+__global__ void __launch_bounds__(kWaitThreads) wait_segments(MoeWaitArgs a) {
+  if (threadIdx.x == 0) wait::announce(a.call);
+  __syncthreads();
+  uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
+  const uint64_t* const flags = a.flags + int64_t(epoch & 1) * a.call.flags_stride;
+  int const warp = threadIdx.x / 32, warps = kWaitThreads / 32;
+  bool ok = true;
+  for (int i = warp; i < a.world * a.e_local; i += warps) {
+    int const source = i / a.e_local, expert = i % a.e_local;
+    if (source == a.rank || !ok) continue;
+    ok = wait::wait_flag_warp(flags + i, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, source, expert,
+                              kMoeWaitTransfer);
+  }
+}
+
+// Vectors each thread keeps in flight: the loads of a batch are issued before its stores.
+constexpr int kPushUnroll = 4;
+
+// The SM push. The CTAs form min(W-1, grid) groups, group g serving the destinations rank + d with
+// (d - 1) % groups == g, so that every link carries a push from the start. A group's CTAs copy their
+// shares of each (expert, destination) segment, expert-major, so that expert e's segments reach the
+// group's destinations before expert e + 1's go anywhere (the receivers' GEMMs take the peers'
+// segments expert by expert), then count themselves done with the segment; the last to arrive
+// releases it. Release across CTAs: each CTA's stores, its barrier, its thread 0's system fence and
+// relaxed arrival; the last arrival reads every earlier one (one RMW chain), fences and stores the
+// flag, so every CTA's stores are visible to a reader that acquired the flag. The last CTA also
+// zeroes the counter for the next call, which starts after this kernel ends (stream order).
+// Pitfalls: every CTA of a group arrives at every segment of the group, even with nothing to copy
+// or after a failed wait, or the counters stop returning to zero; no flag of a destination whose
+// announcement never came is written.
+__global__ void __launch_bounds__(kMoePushThreads) push_segments(MoePushArgs a) {
+  __shared__ int dest_ok[kMaxWorld];
+  // The GEMM, launched after this grid as its programmatic dependent, may start once every CTA of
+  // this grid got here. This rank's announcement comes first: the peers' pushes wait for it, and it
+  // must not wait behind the GEMM's start, which needs SMs that waiting CTAs may hold.
+  if (blockIdx.x == 0 && threadIdx.x == 0) wait::announce(a.call);
+  ptx::launch_dependents();
+  uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
+  int const peers = a.world - 1, grid = int(gridDim.x);
+  int const groups = peers < grid ? peers : grid, group = int(blockIdx.x) % groups;
+  int const members = grid / groups + (group < grid % groups ? 1 : 0), member = int(blockIdx.x) / groups;
+  // Warp d - 1 waits for the announcement of destination rank + d, if it is the group's: its inbox
+  // is free for this call.
+  int const warp = threadIdx.x / 32;
+  if (warp < peers && warp % groups == group) {
+    int const dest = (a.rank + 1 + warp) % a.world;
+    bool const ok = wait::wait_flag_warp(a.ready + dest, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank,
+                                         dest, 0, kMoeWaitInboxReady);
+    if (threadIdx.x % 32 == 0) dest_ok[dest] = ok;
+  }
+  __syncthreads();
+
+  int64_t const vectors = a.slice_bytes / 16;
+  int64_t const stride = int64_t(members) * kMoePushThreads;
+  for (int e = 0; e < a.e_local; ++e) {
+    for (int d = 1 + group; d <= peers; d += groups) {
+      int const dest = (a.rank + d) % a.world;
+      if (dest_ok[dest]) {
+        // Rows x_send[dest * E_local + e] into source slot `rank` of the destination's expert e.
+        auto const* from = reinterpret_cast<const uint4*>(static_cast<const char*>(a.x_send) +
+                                                          (int64_t(dest) * a.e_local + e) * a.slice_bytes);
+        auto* to = reinterpret_cast<uint4*>(a.inbox[dest] + (int64_t(e) * a.world + a.rank) * a.slice_bytes);
+        int64_t i = int64_t(member) * kMoePushThreads + threadIdx.x;
+        for (; i + (kPushUnroll - 1) * stride < vectors; i += kPushUnroll * stride) {
+          uint4 v[kPushUnroll];
+#pragma unroll
+          for (int j = 0; j < kPushUnroll; ++j) v[j] = __ldg(from + i + j * stride);
+#pragma unroll
+          for (int j = 0; j < kPushUnroll; ++j) to[i + j * stride] = v[j];
+        }
+        for (; i < vectors; i += stride) to[i] = __ldg(from + i);
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        uint32_t* const arrivals = a.arrivals + e * peers + (d - 1);
+        ptx::fence_acq_rel_sys();
+        if (atomicAdd(arrivals, 1u) == uint32_t(members - 1)) {
+          *arrivals = 0;
+          ptx::fence_acq_rel_sys();
+          if (dest_ok[dest]) flag::store(a.flags[dest] + int64_t(a.rank) * a.e_local + e, a.call, epoch);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+namespace moe {
+
+cudaError_t launch_push(const MoePlan& plan, const MoePushArgs& args, cudaStream_t stream) {
+  push_segments<<<plan.push_grid, kMoePushThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+// Segment e of the destination d holds rows x_send[d * E_local + e] of this source, at source slot
+// `rank` of expert e's A: experts in order, the order in which every receiver's GEMM takes them.
+// A failed receiver wait does not stop the copies (stream order has no branch): they land in an
+// inbox whose owner is past this call or failing, and the flags they release carry this call's
+// stamp, which only this call reads; every output of a failed call is poisoned.
+cudaError_t launch_push_copy(const MoePlan& plan, const MoeTransferArgs& a, cudaStream_t stream) {
+  wait_receiver<<<1, 32, 0, stream>>>(a);
+  cudaError_t err = cudaGetLastError();
+  int const e_local = plan.e_local, world = plan.shape.world;
+  for (int e = 0; e < e_local && err == cudaSuccess; ++e) {
+    char const* from = static_cast<char const*>(a.x_send) + (int64_t(a.dest) * e_local + e) * plan.slice_bytes;
+    char* to = a.inbox + (int64_t(e) * world + a.rank) * plan.slice_bytes;
+    err = cudaMemcpyAsync(to, from, plan.slice_bytes, cudaMemcpyDeviceToDevice, stream);
+    if (err == cudaSuccess) {
+      release_segment<<<1, 32, 0, stream>>>(a.flags + int64_t(a.rank) * e_local + e, a.call);
+      err = cudaGetLastError();
+    }
+  }
+  return err;
+}
+
+cudaError_t launch_wait_segments(const MoeWaitArgs& args, cudaStream_t stream) {
+  wait_segments<<<1, kWaitThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t prepare_transfer_kernels() {
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaFuncGetAttributes(&attr, wait_receiver);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, wait_segments);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, release_segment);
+  return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, push_segments);
+}
+
+}  // namespace moe
+
+}  // namespace entwine
