@@ -17,6 +17,8 @@ def call(name: str, x, w, *, axis_name, dimension, config, return_gathered: bool
     """The op `name` (bf16/fp16/fp32 operands), differentiable, inside jax.shard_map: plan the call,
     type its operands, and run it under the op's name scope."""
     op = registry.OPS[name]
+    if op.routed:  # its operands are not (x, w): its own package pairs it (opspec.OpSpec)
+        raise ValueError(f"pairing.call: {name} is a routed op; call it through its public function")
     plan = op.plan(x, w, axis_name=axis_name, dimension=dimension, config=config, return_gathered=return_gathered)
     names = callsite.varying_over(x, w, axis_name=plan.axis_name)
     # The scope names every operation of the call (forward and backward) in the program's metadata,

@@ -23,7 +23,7 @@ LAYER = {
     "entwine_jax.layers": COMPOSITION, "entwine_jax.layers_fp8": COMPOSITION, "entwine_jax.maxtext": COMPOSITION,
     "entwine_jax.maxtext_site.sitecustomize": COMPOSITION, "entwine_jax.tuning.tune": COMPOSITION,
 }
-OP_PACKAGES = ("entwine_jax.gemm_rs", "entwine_jax.ag_gemm")
+OP_PACKAGES = ("entwine_jax.gemm_rs", "entwine_jax.ag_gemm", "entwine_jax.moe")
 # The compiled extension: a module without a .py file.
 COMPILED = ("entwine_jax._entwine",)
 
