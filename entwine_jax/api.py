@@ -132,9 +132,8 @@ def moe_dispatch_gemm(x, topk_idx, w1, *, axis_name, capacity=None, num_experts:
     num_experts: E, checked against W * w1.shape[0] when given.
     Differentiable in x and w1; the backward is a moe_gemm_combine (docs/design.md, "The pairing").
     """
-    config = config or MoeConfig()
     if capacity is not None:
-        config = dataclasses.replace(config, capacity=capacity)
+        config = dataclasses.replace(config or MoeConfig(), capacity=capacity)
     if num_experts is not None:
         size = callsite.axis_size("moe_dispatch_gemm", callsite.hashable_axis(axis_name))
         e_local = w1.shape[0] if hasattr(w1, "shape") and w1.ndim == 3 else None

@@ -50,7 +50,8 @@ class OpSpec:
     through comm.acquire_comm).
 
     An op with routing operands (routed=True: a mixture-of-experts op) takes a RoutedInput in place of
-    x in plan, forward, why_not_fused and default_config; its dimension is 0 and it gathers nothing.
+    x in plan, forward, why_not_fused and default_config; its dimension is 0, it gathers nothing, and
+    its forward returns what its public function returns (a dispatch: its output and its routing handle).
     entwine_jax.pairing runs the dense ops only (its rule, dx = backward op on (dy, w.T), is theirs):
     a routed op's package pairs its ops with their backward itself. moved and fixed_us are None and
     targets empty while an op has no kernels; forward_fp8 is None while it has no FP8 call."""

@@ -23,9 +23,9 @@ EP = P("ep")
 TOL = {jnp.bfloat16: 3e-2, jnp.float32: 1e-5}
 
 
-def run(fn, mesh, args, out_specs, *, jit=True):
+def run(fn, mesh, args, out_specs, *, jit=True, check_vma=True):
     """fn under shard_map over "ep" with every argument's leading dim sharded; the outputs as NumPy arrays."""
-    f = jax.shard_map(fn, mesh=mesh, in_specs=(EP,) * len(args), out_specs=out_specs)
+    f = jax.shard_map(fn, mesh=mesh, in_specs=(EP,) * len(args), out_specs=out_specs, check_vma=check_vma)
     f = jax.jit(f) if jit else f
     with jax.set_mesh(mesh):
         return jax.tree.map(np.asarray, f(*[jax.device_put(a, EP) for a in args]))
@@ -153,6 +153,7 @@ def test_hand_computed():
 
 
 CASES = [  # (W, E_local, T, k, routing)
+    (1, 3, 6, 2, "skewed"),    # nothing leaves the rank
     (2, 2, 8, 2, "uniform"),
     (2, 3, 6, 3, "skewed"),
     (3, 2, 5, 2, "uniform"),   # E = 6
@@ -181,12 +182,28 @@ def test_mlp_matches_float64_model(case, dtype):
     assert rel_err(out, model_mlp(x, idx, weights, w1, w2, kept)) < TOL[dtype]
 
 
-def test_eager_equals_jit():
+def test_eager_equals_jit_and_no_vma():
     mesh = make_mesh((3,), ("ep",))
     args = random_case(3, 3, 2, 5, 2, 8, 4, jnp.float32, "skewed")
     jitted, _ = run(moe_mlp, mesh, args, (EP, EP))
     eager, _ = run(moe_mlp, mesh, args, (EP, EP), jit=False)
-    np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
+    unchecked, _ = run(moe_mlp, mesh, args, (EP, EP), check_vma=False)
+    np.testing.assert_array_equal(eager, jitted)
+    np.testing.assert_array_equal(unchecked, jitted)
+
+
+def test_ids_outside_the_experts_route_nowhere():
+    # The ids are traced (no ValueError can see them): an id < -1 or >= E is sent nowhere, like -1.
+    mesh = make_mesh((2,), ("ep",))
+    x, idx, weights, w1, w2 = random_case(4, 2, 2, 6, 2, 8, 4, jnp.float32, "uniform")
+    bad = idx.copy()
+    bad[0, 0], bad[7, 1], bad[11, 0] = 4, -7, 1000
+    none = np.where((bad >= 0) & (bad < 4), bad, -1).astype(np.int32)
+    out_bad, handle_bad = run(moe_mlp, mesh, (x, bad, weights, w1, w2), (EP, EP))
+    out_none, handle_none = run(moe_mlp, mesh, (x, none, weights, w1, w2), (EP, EP))
+    np.testing.assert_array_equal(out_bad, out_none)
+    np.testing.assert_array_equal(handle_bad.expert, handle_none.expert)
+    np.testing.assert_array_equal(handle_bad.dropped, [0, 0])
 
 
 def overflow_case(t=160):
@@ -423,3 +440,17 @@ def test_specs_plan_and_forward_match_the_public_ops():
 
     np.testing.assert_array_equal(run(by_spec, mesh, (x, idx, weights, w1, w2), EP),
                                   run(moe_mlp, mesh, (x, idx, weights, w1, w2), (EP, EP))[0])
+
+
+def test_config_path_and_printed_choice(monkeypatch, capsys):
+    monkeypatch.setenv("ENTWINE_PRINT_CONFIG", "1")
+    mesh = make_mesh((2,), ("ep",))
+    x, idx, weights, w1, w2 = random_case(8, 2, 2, 4, 2, 8, 4, jnp.float32, "uniform")
+    config = MoeConfig(capacity=0.5, path="xla")
+    out = run(lambda x, idx, w1: moe_dispatch_gemm(x, idx, w1, axis_name="ep", config=config)[0], mesh, (x, idx, w1),
+              EP)
+    # capacity 0.5: cap = round_up(ceil(0.5 * 4 * 2) + 254, 128) = 384 rows per rank.
+    assert out.shape == (2 * 384, 8)
+    err = capsys.readouterr().err
+    assert ("entwine_jax.moe_dispatch_gemm x=float32[4, 8] topk_idx[4, 2] w1=float32[2, 8, 8] axis='ep' (size 2) "
+            "cap=384: path=xla MoeConfig(capacity=0.5, path=xla) source=the call reason: config.path='xla'") in err

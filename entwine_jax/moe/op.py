@@ -18,7 +18,6 @@ from entwine_jax.moe.reference import COMBINE, DISPATCH, TILE, MoeHandle, round_
 
 printed: set = set()  # call sites printed under ENTWINE_PRINT_CONFIG=1
 NOT_BUILT = "MoE kernels not built yet (docs/design.md, \"Mixture of experts (planned)\"): the XLA reference runs"
-SOURCE = "MoeConfig() or the call's"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +57,8 @@ def _check_float(op: str, name: str, v, like=None) -> None:
         raise ValueError(f"{op}: {name}.dtype must equal {like[0]}.dtype ({like[1].dtype}), got {v.dtype}")
 
 
-def _report(op: str, key, site: str, config: MoeConfig, reason: str) -> None:
-    callsite.report(op, key, site, config, reason, SOURCE, printed)
+def _report(op: str, key, site: str, config: MoeConfig, reason: str, given: bool) -> None:
+    callsite.report(op, key, site, config, reason, "the call" if given else "default", printed)
 
 
 def why_not_fused(x, w, *, axis_name, axis_size: int, dimension: int, config: MoeConfig, out_dtype=None,
@@ -100,7 +99,7 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
                          f"{tuple(topk_idx.shape)}, w1 {tuple(w1.shape)}")
     if config is not None and not isinstance(config, MoeConfig):
         raise ValueError(f"{DISPATCH}: config must be a MoeConfig or None, got {type(config).__name__}")
-    config = config or MoeConfig()
+    given, config = config is not None, config or MoeConfig()
     axis_name = callsite.hashable_axis(axis_name)
     size = callsite.axis_size(DISPATCH, axis_name)
     cap = capacity_rows(size, t, k, e_local, config.capacity)
@@ -111,7 +110,7 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     site = (f"x={xs.dtype}{list(xs.shape)} topk_idx{list(topk_idx.shape)} w1={w1.dtype}{list(w1.shape)} "
             f"axis={axis_name!r} (size {size}) cap={cap}")
     _report(DISPATCH, (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, cap), site,
-            config, reason)
+            config, reason, given)
     return Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local, cap=cap)
 
 
@@ -144,7 +143,7 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
                          f"got {tuple(weights.shape)}")
     if config is not None and not isinstance(config, MoeConfig):
         raise ValueError(f"{COMBINE}: config must be a MoeConfig or None, got {type(config).__name__}")
-    config = config or MoeConfig()
+    given, config = config is not None, config or MoeConfig()
     axis_name = callsite.hashable_axis(axis_name)
     size = callsite.axis_size(COMBINE, axis_name)
     if handle.counts.shape != (size, size * e_local):
@@ -152,7 +151,8 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
                          f"{axis_name!r}, got {tuple(handle.counts.shape)} (a handle of another axis?)")
     reason = why_not_fused(x, w2, axis_name=axis_name, axis_size=size, dimension=0, config=config)
     site = f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
-    _report(COMBINE, (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name), site, config, reason)
+    _report(COMBINE, (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name), site, config, reason,
+            given)
     return Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local, cap=cap)
 
 
