@@ -329,7 +329,12 @@ def test_census_attributes_the_collectives():
     assert dispatch.counts("kind") == {"all-gather": 1, "all-to-all": 2}, forward.table()
     assert combine.counts("kind") == {"all-to-all": 1}, forward.table()
     assert all(c.axes == ("ep",) for c in dispatch.collectives + combine.collectives)
-    assert "bf16" in combine.collectives[0].shape
+    # Bytes by the ops' formula (docs/design.md, "Census"), not the reference's W per-pair blocks:
+    # rows (W-1)/W x T*k x H x 2 = 1/2 x 16 x 8 x 2; counts (W-1) x E x 4.
+    rows, = combine.collectives
+    assert (rows.shape.split("[")[0], rows.bytes) == ("bf16", 128)
+    assert dispatch.select(kind="all-gather").bytes == 16
+    assert dispatch.select(kind="all-to-all").bytes == 128 + 16 * 4 // 2  # rows, then the slots' int32 positions
     # Backward adds: dispatch's dx (a combine), combine's dout and weights (dispatches) and the router
     # weights' gradient home (the combine's).
     assert not backward.select(owner="xla", kind=("all-to-all", "all-gather")), backward.table()

@@ -234,13 +234,24 @@ def combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfi
         return _combine(h, w2, topk_weights, handle, plan)
 
 
+def reference_bytes(kind: str, operand_bytes: int, world: int) -> int:
+    """What the census counts for a collective of the reference (docs/design.md, "Census"): each slot's
+    data crosses once, (W-1)/W of it to another rank; the reference's all-to-all operand is W per-pair
+    blocks of T*k rows each, W times that. The counts' all-gather is counted as it is."""
+    if kind == "all-to-all":
+        return (world - 1) * operand_bytes // (world * world)
+    return (world - 1) * operand_bytes if kind == "all-gather" else operand_bytes
+
+
 # The op contracts (entwine_jax.opspec), listed in entwine_jax/registry.py: routed ops, no kernels yet
 # (no targets, moved, forward_fp8 or fixed cost); each one's backward is the other.
 DISPATCH_SPEC = opspec.OpSpec(name=DISPATCH, kind="ragged-all-to-all", targets=(), moved=None, backward=COMBINE,
                               gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_dispatch,
                               forward=forward_dispatch, forward_fp8=None, why_not_fused=why_not_fused,
-                              default_config=default_config, fixed_us=None, routed=True)
+                              default_config=default_config, fixed_us=None, routed=True,
+                              reference_bytes=reference_bytes)
 COMBINE_SPEC = opspec.OpSpec(name=COMBINE, kind="ragged-all-to-all", targets=(), moved=None, backward=DISPATCH,
                              gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_combine,
                              forward=forward_combine, forward_fp8=None, why_not_fused=why_not_fused,
-                             default_config=default_config, fixed_us=None, routed=True)
+                             default_config=default_config, fixed_us=None, routed=True,
+                             reference_bytes=reference_bytes)
