@@ -382,6 +382,9 @@ def test_dtype_mismatch_and_config_errors():
         _trace(_dispatch_only(), mesh, args)
     with pytest.raises(ValueError, match="capacity must be None .* got -1"):
         MoeConfig(capacity=-1)
+    with pytest.raises(ValueError, match="config must be a MoeConfig or None, got GemmRsConfig"):
+        _trace(_dispatch_only(config=entwine_jax.GemmRsConfig()), mesh,
+               (args[0], args[1], args[2].astype(jnp.bfloat16)))
     with pytest.raises(ValueError, match="axis_name 'nope' is not bound"):
         moe_dispatch_gemm(*args[:2], args[2].astype(jnp.bfloat16), axis_name="nope")
 

@@ -57,8 +57,11 @@ def _check_float(op: str, name: str, v, like=None) -> None:
         raise ValueError(f"{op}: {name}.dtype must equal {like[0]}.dtype ({like[1].dtype}), got {v.dtype}")
 
 
-def _report(op: str, key, site: str, config: MoeConfig, reason: str, given: bool) -> None:
-    callsite.report(op, key, site, config, reason, "the call" if given else "default", printed)
+def _config(op: str, config: Optional[MoeConfig]) -> tuple[MoeConfig, str]:
+    """(the call's config, where it came from)."""
+    if config is not None and not isinstance(config, MoeConfig):
+        raise ValueError(f"{op}: config must be a MoeConfig or None, got {type(config).__name__}")
+    return (config, "the call") if config is not None else default_config(None, None, 0, 0)
 
 
 def why_not_fused(x, w, *, axis_name, axis_size: int, dimension: int, config: MoeConfig, out_dtype=None,
@@ -75,8 +78,8 @@ def default_config(x, w, size: int, dimension: int) -> tuple[MoeConfig, str]:
 def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] = None,
                   return_gathered: bool = False, out_dtype=None, shared_scale: bool = False) -> Plan:
     """Check a moe_dispatch_gemm call (x: an opspec.RoutedInput of x [T, H] and topk_idx [T, k]; w1
-    [E_local, H, N]), fix its capacity, report its path once. return_gathered, out_dtype (FP8) and
-    shared_scale must be the defaults: neither is built."""
+    [E_local, H, N]), fix its capacity, report its path once. return_gathered and out_dtype (FP8) must
+    be the defaults (neither is built); shared_scale changes nothing."""
     xs, topk_idx = x.x, x.topk_idx
     if return_gathered or out_dtype is not None:
         raise ValueError(f"{DISPATCH}: return_gathered and out_dtype (FP8) are not supported yet")
@@ -97,9 +100,7 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     if min(t, h, k, e_local, n) == 0:
         raise ValueError(f"{DISPATCH}: every dim must be > 0, got x {tuple(xs.shape)}, topk_idx "
                          f"{tuple(topk_idx.shape)}, w1 {tuple(w1.shape)}")
-    if config is not None and not isinstance(config, MoeConfig):
-        raise ValueError(f"{DISPATCH}: config must be a MoeConfig or None, got {type(config).__name__}")
-    given, config = config is not None, config or MoeConfig()
+    config, source = _config(DISPATCH, config)
     axis_name = callsite.hashable_axis(axis_name)
     size = callsite.axis_size(DISPATCH, axis_name)
     cap = capacity_rows(size, t, k, e_local, config.capacity)
@@ -109,8 +110,8 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     reason = why_not_fused(x, w1, axis_name=axis_name, axis_size=size, dimension=0, config=config)
     site = (f"x={xs.dtype}{list(xs.shape)} topk_idx{list(topk_idx.shape)} w1={w1.dtype}{list(w1.shape)} "
             f"axis={axis_name!r} (size {size}) cap={cap}")
-    _report(DISPATCH, (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, cap), site,
-            config, reason, given)
+    key = (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, cap)
+    callsite.report(DISPATCH, key, site, config, reason, source, printed)
     return Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local, cap=cap)
 
 
@@ -141,9 +142,7 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
     if tuple(weights.shape) != (t, k):
         raise ValueError(f"{COMBINE}: topk_weights must have shape [T, k] = {(t, k)} (the dispatch's topk_idx), "
                          f"got {tuple(weights.shape)}")
-    if config is not None and not isinstance(config, MoeConfig):
-        raise ValueError(f"{COMBINE}: config must be a MoeConfig or None, got {type(config).__name__}")
-    given, config = config is not None, config or MoeConfig()
+    config, source = _config(COMBINE, config)
     axis_name = callsite.hashable_axis(axis_name)
     size = callsite.axis_size(COMBINE, axis_name)
     if handle.counts.shape != (size, size * e_local):
@@ -151,8 +150,8 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
                          f"{axis_name!r}, got {tuple(handle.counts.shape)} (a handle of another axis?)")
     reason = why_not_fused(x, w2, axis_name=axis_name, axis_size=size, dimension=0, config=config)
     site = f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
-    _report(COMBINE, (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name), site, config, reason,
-            given)
+    key = (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name)
+    callsite.report(COMBINE, key, site, config, reason, source, printed)
     return Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local, cap=cap)
 
 
