@@ -42,7 +42,7 @@ from entwine_jax.layers import (axis_size_if_bound, bound_axis_size, check_array
                                 positive_int)
 from entwine_jax.moe.config import MoeConfig
 
-__all__ = ["moe_mlp", "MoeMlp", "MoeMlpDense", "ROUTER_AXES", "WI_AXES", "WO_AXES"]
+__all__ = ["moe_mlp", "route", "MoeMlp", "MoeMlpDense", "ROUTER_AXES", "WI_AXES", "WO_AXES"]
 
 ROUTER_AXES = ("embed", None)
 WI_AXES = ("exp", "embed", None)
