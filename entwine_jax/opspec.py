@@ -5,7 +5,7 @@
 # kernels move that data on a GPU.
 import dataclasses
 import re
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,10 @@ class OpSpec:
     The census: name (the op, its name scope "entwine_<name>" and its moves() label), kind (the
     collective its kernels perform, an HLO opcode: "reduce-scatter"), targets (its custom-call
     targets), moved(target, operand arrays, result arrays, backend_config text) -> (W, the arrays one
-    rank sends W - 1 times) of one custom call, arrays as [(HLO element type, dims)].
+    rank sends W - 1 times) of one custom call, arrays as [(HLO element type, dims)];
+    reference_bytes(kind, bytes of the operands, W) -> the bytes per device the census counts for a
+    collective of the op's XLA reference (in its moves() scope), where the reference moves more than
+    the kernels would (None: the collective's own count).
 
     The pairing (entwine_jax.pairing): backward, the op (by name) whose call on (dy, w.T) in the same
     layout (the same dimension) is this op's dx; gathers, whether the op can return the operand it
@@ -50,27 +53,46 @@ class OpSpec:
            rule, tuning/crossover.py), from what that cost depends on for the op (nothing for one,
            the transfer engine for another); the op's why_not_fused passes it on.
     What a fused call needs of the communicator's heap each op asks for itself (its fused.prepare,
-    through comm.acquire_comm)."""
+    through comm.acquire_comm).
+
+    An op with routing operands (routed=True: a mixture-of-experts op) takes a RoutedInput in place of
+    x in plan, forward, why_not_fused and default_config; its dimension is 0, it gathers nothing, and
+    its forward returns what its public function returns (a dispatch: its output and its routing handle).
+    entwine_jax.pairing runs the dense ops only (its rule, dx = backward op on (dy, w.T), is theirs):
+    a routed op's package pairs its ops with their backward itself. moved and fixed_us are None and
+    targets empty while an op has no kernels; forward_fp8 is None while it has no FP8 call."""
     name: str
     kind: str
     targets: tuple
-    moved: Callable
+    moved: Optional[Callable]
     backward: str
     gathers: bool
     reference_backward: Optional[Callable]
     config_type: type
     plan: Callable
     forward: Callable
-    forward_fp8: Callable
+    forward_fp8: Optional[Callable]
     why_not_fused: Callable
     default_config: Callable
-    fixed_us: Callable
+    fixed_us: Optional[Callable]
+    routed: bool = False
+    reference_bytes: Optional[Callable] = None
 
     @property
     def scope(self) -> str:
         """The name scope of every operation of a call (forward and backward): how the census tells
         the op's collectives from XLA's own."""
         return f"entwine_{self.name}"
+
+
+class RoutedInput(NamedTuple):
+    """The operands of a routed op in place of x: the rows (tokens, or the rows the experts received),
+    each token's experts [T, k] (int32, -1: none), its router weights [T, k], and the routing handle a
+    previous call returned (None where the op computes it)."""
+    x: Any
+    topk_idx: Any = None
+    weights: Any = None
+    handle: Any = None
 
 
 def attribute_is(attrs: str, name: str, value: str) -> bool:
