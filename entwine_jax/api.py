@@ -158,7 +158,8 @@ def moe_gemm_combine(h, w2, topk_weights, handle, *, axis_name, config: Optional
     h [E_local, W*C, F] in y's layout (e.g. the activation of moe_dispatch_gemm's y), w2 [E_local, F, H],
     topk_weights [T, k] (float). Returns out [T, H] in h.dtype: out[t] = sum_j topk_weights[t, j] *
     (h[row(t, j)] @ w2[expert(t, j)]) over the slots that were sent (-1 and dropped slots contribute
-    zero); the rows travel in h.dtype and are summed in fp32, in j order. Differentiable in h, w2 and topk_weights; the backward is
-    a moe_dispatch_gemm of the cotangent in the handle's layout (docs/design.md, "The pairing").
+    zero); the rows travel in h.dtype and are summed in fp32, in j order. Differentiable in h, w2 and
+    topk_weights; the backward is a moe_dispatch_gemm of the cotangent in the handle's layout
+    (docs/design.md, "The pairing").
     """
     return moe_op.combine(h, w2, topk_weights, handle, axis_name=axis_name, config=config)
