@@ -1,12 +1,15 @@
 # entwine_jax: fused, overlapped GEMM + ReduceScatter (gemm_rs) and AllGather + GEMM (ag_gemm) for
 # tensor-parallel JAX on Hopper GPUs; each is the other's backward. Both run the fused CUDA kernels
-# where they can run and the XLA reference everywhere else. Importing the package loads the ops and
-# their configs only: no tuner loop, benchmark or command line; entwine_jax.census and entwine_jax.layers
-# load on first use (flax is slow to import).
+# where they can run and the XLA reference everywhere else. The MoE pair (moe_dispatch_gemm,
+# moe_gemm_combine), also each the other's backward, has its XLA reference only so far. Importing the
+# package loads the ops and their configs only: no tuner loop, benchmark or command line;
+# entwine_jax.census and entwine_jax.layers load on first use (flax is slow to import).
 from entwine_jax._extension import status as extension_status
 from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config
-from entwine_jax.api import ag_gemm, gemm_rs
+from entwine_jax.api import ag_gemm, gemm_rs, moe_dispatch_gemm, moe_gemm_combine
 from entwine_jax.gemm_rs.config import GemmRsConfig, heuristic_config, set_default_config, using_config
+from entwine_jax.moe.config import MoeConfig
+from entwine_jax.moe.reference import MoeHandle
 
 __version__ = "0.1.0"
 
@@ -44,7 +47,8 @@ def tune(mesh, axis_name, shapes, **kwargs) -> dict:
     return run_tuner(mesh, axis_name, shapes, **kwargs)
 
 
-__all__ = ["gemm_rs", "ag_gemm", "GemmRsConfig", "AgGemmConfig", "ag_heuristic_config", "set_default_config",
+__all__ = ["gemm_rs", "ag_gemm", "moe_dispatch_gemm", "moe_gemm_combine", "MoeConfig", "MoeHandle", "GemmRsConfig",
+           "AgGemmConfig", "ag_heuristic_config", "set_default_config",
            "using_config", "heuristic_config", "extension_status", "setup", "check_errors", "reserve", "tune", "__version__"]
 
 

@@ -1,14 +1,20 @@
-# The two ops as users call them: entwine_jax.gemm_rs and entwine_jax.ag_gemm (bf16/fp16, fp32 on the
-# XLA path, FP8 with scales; ag_gemm also on a group of weights). Each checks what only its public form
-# takes and hands the call to entwine_jax.pairing, which runs the op with its backward.
+# The ops as users call them: entwine_jax.gemm_rs and entwine_jax.ag_gemm (bf16/fp16, fp32 on the
+# XLA path, FP8 with scales; ag_gemm also on a group of weights), and the MoE pair moe_dispatch_gemm /
+# moe_gemm_combine. Each checks what only its public form takes and hands the call to
+# entwine_jax.pairing, which runs the op with its backward (the MoE ops: to entwine_jax.moe.op, which
+# pairs the two routed ops itself).
+import dataclasses
 from typing import Optional
 
 import jax.numpy as jnp
+import numpy as np
 
 from entwine_jax import callsite, fp8, pairing
 from entwine_jax.ag_gemm import op as ag_op
 from entwine_jax.ag_gemm.config import AgGemmConfig
 from entwine_jax.gemm_rs.config import GemmRsConfig
+from entwine_jax.moe import op as moe_op
+from entwine_jax.moe.config import MoeConfig
 
 
 def gemm_rs(x, w, *, axis_name, scatter_dimension: int = 0, config: Optional[GemmRsConfig] = None,
@@ -111,3 +117,49 @@ def _ag_gemm_fp8(x, w, *, axis_name, gather_dimension, config, return_gathered, 
     starts = [sum(widths[:i]) for i in range(len(widths))]
     ys = tuple(ys[..., start:start + n] for start, n in zip(starts, kept))
     return (ys, g) if return_gathered else ys
+
+
+def moe_dispatch_gemm(x, topk_idx, w1, *, axis_name, capacity=None, num_experts: Optional[int] = None,
+                      config: Optional[MoeConfig] = None):
+    """Each token's rows sent to its top-k experts' ranks, times the expert's w1; called inside
+    jax.shard_map over the expert axis (size W; E = W * E_local experts, expert e on rank e // E_local).
+
+    x [T, H]; topk_idx [T, k] int32: global expert ids, -1 (or any id outside [0, E)): no expert;
+    w1 [E_local, H, N] (e.g. gate and up concatenated over N). Returns (y [E_local, W*C, N], handle):
+    y[l, q*C + i] is source rank q's i-th slot routed to local expert l (in its token, slot order),
+    times w1[l]; rows no slot took are zero; fp32 accumulation, y in x.dtype (DeepEP low-latency's
+    receive layout). handle (a MoeHandle of int32 arrays) is what moe_gemm_combine and the backward
+    need; its `dropped` counts this rank's slots lost to the capacity.
+    capacity: C, the static rows per (source, expert), is round_up(T, 128) (None: dropless; a token
+    naming one expert twice takes two rows, so even then rows past C can drop) or, with a factor f,
+    max(128, round_up(ceil(f*T*k/E), 128)) (entwine_jax.moe.config.MoeConfig). A slot past C is
+    dropped: never sent, zero in the output, zero gradient.
+    num_experts: E, checked against W * w1.shape[0] when given.
+    Differentiable in x and w1; the backward is a moe_gemm_combine (docs/design.md, "The pairing").
+    """
+    if capacity is not None:
+        config = dataclasses.replace(config or MoeConfig(), capacity=capacity)
+    if num_experts is not None:
+        size = callsite.axis_size("moe_dispatch_gemm", callsite.hashable_axis(axis_name))
+        e_local = w1.shape[0] if hasattr(w1, "shape") and w1.ndim == 3 else None
+        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts % size:
+            raise ValueError(f"moe_dispatch_gemm: num_experts must be an int divisible by the size of axis "
+                             f"{axis_name!r} ({size}), got {num_experts!r}")
+        if e_local is not None and num_experts != size * e_local:
+            raise ValueError(f"moe_dispatch_gemm: w1.shape[0] must be num_experts / W = {num_experts // size} "
+                             f"(the local experts), got w1 shape {tuple(w1.shape)}")
+    return moe_op.dispatch(x, topk_idx, w1, axis_name=axis_name, config=config)
+
+
+def moe_gemm_combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfig] = None):
+    """The experts' rows times their expert's w2, sent back to their tokens and summed with the router
+    weights; called inside jax.shard_map with the handle of the moe_dispatch_gemm whose layout h has.
+
+    h [E_local, W*C, F] in y's layout (e.g. the activation of moe_dispatch_gemm's y), w2 [E_local, F, H],
+    topk_weights [T, k] (float). Returns out [T, H] in h.dtype: out[t] = sum_j topk_weights[t, j] *
+    (h[row(t, j)] @ w2[expert(t, j)]) over the slots that were sent (-1 and dropped slots contribute
+    zero); the rows travel in h.dtype and are summed in fp32, in j order. Differentiable in h, w2 and
+    topk_weights; the backward is a moe_dispatch_gemm of the cotangent in the handle's layout
+    (docs/design.md, "The pairing").
+    """
+    return moe_op.combine(h, w2, topk_weights, handle, axis_name=axis_name, config=config)

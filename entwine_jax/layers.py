@@ -62,7 +62,8 @@ Parameters are created at global shape (outside shard_map) with logical-axis met
 (``nnx.with_partitioning`` / ``nn.with_logical_partitioning``): row kernel ``("mlp", "embed")``,
 column kernel ``("embed", "mlp")`` by default. ``partition_specs(params, rules)`` turns the
 metadata into the PartitionSpecs of the shard_map's ``in_specs`` with ``DEFAULT_LOGICAL_AXIS_RULES``
-(``"mlp"``, ``"heads"`` -> ``"tp"``; ``"embed"`` -> replicated; ``"batch"`` -> ``"dp"``) or your rules.
+(``"mlp"``, ``"heads"`` -> ``"tp"``; ``"exp"`` -> ``"ep"``; ``"embed"`` -> replicated; ``"batch"`` ->
+``"dp"``) or your rules.
 
 Flax NNX creates annotated parameters eagerly sharded (``nnx.use_eager_sharding``, on by default):
 create NNX layers under ``jax.set_mesh(mesh)`` and ``nnx.logical_axis_rules(rules)`` (then the
@@ -103,6 +104,7 @@ DEFAULT_LOGICAL_AXIS_RULES: tuple = (
     ("mlp", "tp"),
     ("heads", "tp"),
     ("kv_heads", "tp"),
+    ("exp", "ep"),  # the MoE layers' experts (entwine_jax.moe_layers)
     ("embed", None),
     ("kv", None),
     ("vocab", None),
@@ -133,28 +135,28 @@ def _features(where: str, name: str, value) -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
-def _feature(where: str, name: str, value) -> int:
+def positive_int(where: str, name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
     return int(value)
 
 
-def _check_choice(where: str, name: str, value, choices) -> None:
+def check_choice(where: str, name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{where}: {name} must be one of {choices}, got {value!r}")
 
 
-def _check_dtype(where: str, name: str, dtype) -> None:
+def check_dtype(where: str, name: str, dtype) -> None:
     if dtype is not None and jnp.dtype(dtype) not in _DTYPES:
         raise ValueError(f"{where}: {name} must be bfloat16, float16, float32 or None, got {jnp.dtype(dtype).name}")
 
 
-def _check_param_dtype(where: str, dtype) -> None:
+def check_param_dtype(where: str, dtype) -> None:
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"{where}: param_dtype must be a floating dtype, got {jnp.dtype(dtype).name}")
 
 
-def _check_config(where: str, config, cls=GemmRsConfig) -> None:
+def check_config(where: str, config, cls=GemmRsConfig) -> None:
     if config is not None and not isinstance(config, cls):
         raise ValueError(f"{where}: config must be an entwine_jax.{cls.__name__} or None, got {type(config).__name__}")
 
@@ -165,7 +167,7 @@ def _check_axes(where: str, name: str, axes, n: int) -> tuple:
     return tuple(axes)
 
 
-def _check_axis_name(where: str, axis_name) -> Any:
+def check_axis_name(where: str, axis_name) -> Any:
     names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if not names or not all(isinstance(a, str) for a in names):
         raise ValueError(f"{where}: axis_name must be a mesh axis name (str) or a tuple of them, got {axis_name!r}")
@@ -174,20 +176,20 @@ def _check_axis_name(where: str, axis_name) -> Any:
 
 def _check_layer_args(where: str, axis_name, mode_name: str, mode, modes, use_bias, dtype, param_dtype) -> Any:
     """The checks every layer shares (NNX constructors, Linen calls); returns the normalised axis_name."""
-    axis_name = _check_axis_name(where, axis_name)
-    _check_choice(where, mode_name, mode, modes)
-    _check_choice(where, "use_bias", use_bias, (True, False))
-    _check_dtype(where, "dtype", dtype)
-    _check_param_dtype(where, param_dtype)
+    axis_name = check_axis_name(where, axis_name)
+    check_choice(where, mode_name, mode, modes)
+    check_choice(where, "use_bias", use_bias, (True, False))
+    check_dtype(where, "dtype", dtype)
+    check_param_dtype(where, param_dtype)
     return axis_name
 
 
-def _check_array(where: str, name: str, v) -> None:
+def check_array(where: str, name: str, v) -> None:
     if not (hasattr(v, "shape") and hasattr(v, "dtype")):
         raise ValueError(f"{where}: {name} must be an array, got {type(v).__name__}")
 
 
-def _axis_size(axis_name) -> Optional[int]:
+def axis_size_if_bound(axis_name) -> Optional[int]:
     """The size of axis_name in the enclosing shard_map, or None when no shard_map binds it."""
     try:
         return jax.lax.axis_size(axis_name)
@@ -195,15 +197,15 @@ def _axis_size(axis_name) -> Optional[int]:
         return None
 
 
-def _bound_axis_size(where: str, axis_name) -> int:
-    size = _axis_size(axis_name)
+def bound_axis_size(where: str, axis_name) -> int:
+    size = axis_size_if_bound(axis_name)
     if size is None:
         raise ValueError(f"{where}: axis_name {axis_name!r} is not bound; call the layer inside jax.shard_map over a "
                          "mesh with that axis")
     return size
 
 
-def _compute_dtype(where: str, dtype, *arrays) -> jnp.dtype:
+def compute_dtype(where: str, dtype, *arrays) -> jnp.dtype:
     # Flax's rule: no dtype given -> the promoted dtype of inputs and parameters.
     out = jnp.dtype(dtype) if dtype is not None else jnp.result_type(*[a.dtype for a in arrays])
     if out not in _DTYPES:
@@ -241,13 +243,13 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
     or a delayed-scaling state (``fp8_meta()``, Flax's
     names), whose gradient is its next value (see the module docstring).
     """
-    _check_choice(where, "scatter", scatter, _SCATTER)
+    check_choice(where, "scatter", scatter, _SCATTER)
     check_fp8(where, fp8)
-    _check_dtype(where, "dtype", dtype)
-    _check_config(where, config)
-    axis_name = _check_axis_name(where, axis_name)
-    _check_array(where, "x", x)
-    _check_array(where, "kernel", kernel)
+    check_dtype(where, "dtype", dtype)
+    check_config(where, config)
+    axis_name = check_axis_name(where, axis_name)
+    check_array(where, "x", x)
+    check_array(where, "kernel", kernel)
     if kernel.ndim < 2:
         raise ValueError(f"{where}: kernel must have rank >= 2 ([*in_local, out]), got shape {tuple(kernel.shape)}")
     n_in = kernel.ndim - 1
@@ -258,9 +260,9 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
         raise ValueError(f"{where}: the last {n_in} dim(s) of x must equal the kernel's contracted dims "
                          f"{tuple(kernel.shape[:n_in])}, got x shape {tuple(x.shape)} (inside shard_map both are "
                          f"local shards: x [..., in/W], kernel [in/W, out])")
-    world = _bound_axis_size(where, axis_name)
+    world = bound_axis_size(where, axis_name)
     n_out = kernel.shape[-1]
-    dtype = _compute_dtype(where, dtype, x, kernel)
+    dtype = compute_dtype(where, dtype, x, kernel)
     if scatter == "rows" and x.shape[0] % world:
         raise ValueError(f"{where}: scatter='rows' splits x's leading dim over {axis_name!r} (size {world}); it must "
                          f"be divisible by {world}, got x shape {tuple(x.shape)} (flatten [B, S, ...] to [B*S, ...] to "
@@ -273,7 +275,7 @@ def row_parallel_linear(x, kernel, bias=None, *, axis_name="tp", scatter: str = 
         raise ValueError(f"{where}: scatter='hidden' splits the output features ({n_out}) over {axis_name!r}; they "
                          f"must be divisible by its size {world}")
     if bias is not None:
-        _check_array(where, "bias", bias)
+        check_array(where, "bias", bias)
         if tuple(bias.shape) != (n_out,):
             raise ValueError(f"{where}: bias must have shape ({n_out},) (all output features, replicated over "
                              f"{axis_name!r}), got {tuple(bias.shape)}")
@@ -335,31 +337,31 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
 
 def _check_column(x, kernel, bias, *, axis_name, gather, dtype, config, fp8=None, where):
     """ValueError for a column-parallel call that cannot run; (axis_name, compute dtype) otherwise."""
-    _check_choice(where, "gather", gather, _GATHER)
+    check_choice(where, "gather", gather, _GATHER)
     check_fp8(where, fp8)
     if fp8 is not None and gather is None:
         raise ValueError(f"{where}: fp8={fp8 if isinstance(fp8, str) else 'a delayed-scaling state'} runs the FP8 "
                          "ag_gemm, which needs a sharded input: set gather ('rows', 'sequence' or 'hidden')")
-    _check_dtype(where, "dtype", dtype)
-    _check_config(where, config, AgGemmConfig)
-    axis_name = _check_axis_name(where, axis_name)
-    _check_array(where, "x", x)
-    _check_array(where, "kernel", kernel)
+    check_dtype(where, "dtype", dtype)
+    check_config(where, config, AgGemmConfig)
+    axis_name = check_axis_name(where, axis_name)
+    check_array(where, "x", x)
+    check_array(where, "kernel", kernel)
     if kernel.ndim < 2:
         raise ValueError(f"{where}: kernel must have rank >= 2 ([in, *out_local]), got shape {tuple(kernel.shape)}")
     min_rank = {"rows": 2, "sequence": 3}.get(gather, 1)
     if x.ndim < min_rank:
         raise ValueError(f"{where}: x must have rank >= {min_rank}{f' for gather={gather!r}' if gather else ''}, got "
                          f"shape {tuple(x.shape)}")
-    dtype = _compute_dtype(where, dtype, x, kernel)
+    dtype = compute_dtype(where, dtype, x, kernel)
     gathered = list(x.shape)
     if gather is not None:
-        gathered[_SPLIT_DIM[gather]] *= _bound_axis_size(where, axis_name)
+        gathered[_SPLIT_DIM[gather]] *= bound_axis_size(where, axis_name)
     if gathered[-1] != kernel.shape[0]:
         raise ValueError(f"{where}: x.shape[-1] must equal kernel.shape[0] ({kernel.shape[0]}), got x shape "
                          f"{tuple(gathered)}{' after the all-gather' if gather else ''}")
     if bias is not None:
-        _check_array(where, "bias", bias)
+        check_array(where, "bias", bias)
         if tuple(bias.shape) != tuple(kernel.shape[1:]):
             raise ValueError(f"{where}: bias must have the kernel's output shape {tuple(kernel.shape[1:])} (local "
                              f"shard), got {tuple(bias.shape)}")
@@ -368,7 +370,7 @@ def _check_column(x, kernel, bias, *, axis_name, gather, dtype, config, fp8=None
 
 def _check_local_shards(where: str, axis_name, kernel_shape, expected_global, sharded_dim: int, what: str):
     """Inside shard_map: the kernel must arrive with dim `sharded_dim` split over axis_name."""
-    world = _bound_axis_size(where, axis_name)
+    world = bound_axis_size(where, axis_name)
     expected = list(expected_global)
     if expected[sharded_dim] % world:
         raise ValueError(f"{where}: {what} ({expected[sharded_dim]}) must be divisible by the size of {axis_name!r} "
@@ -407,9 +409,9 @@ class RowParallelLinear(nnx.Module):
         where = type(self).__name__
         self.fp8 = _nnx_fp8(self, where, fp8, amax_history_length)
         self.in_features = _features(where, "in_features", in_features)
-        self.out_features = _feature(where, "out_features", out_features)
+        self.out_features = positive_int(where, "out_features", out_features)
         self.axis_name = _check_layer_args(where, axis_name, "scatter", scatter, _SCATTER, use_bias, dtype, param_dtype)
-        _check_config(where, config)
+        check_config(where, config)
         n_in = len(self.in_features)
         if kernel_axes is None and n_in != 1:
             raise ValueError(f"{where}: kernel_axes is required when in_features is a tuple ({self.in_features}); "
@@ -437,9 +439,9 @@ class RowParallelLinear(nnx.Module):
 
 def _nnx_fp8(module, where: str, fp8, amax_history_length: int) -> Optional[str]:
     """Checks an NNX layer's fp8 mode; "delayed" gives the module its state as Fp8Meta variables."""
-    _check_choice(where, "fp8", fp8, FP8_MODES)
+    check_choice(where, "fp8", fp8, FP8_MODES)
     if fp8 == "delayed":
-        for name, value in fp8_meta(_feature(where, "amax_history_length", amax_history_length)).items():
+        for name, value in fp8_meta(positive_int(where, "amax_history_length", amax_history_length)).items():
             setattr(module, name, Fp8Meta(value))
     return fp8
 
@@ -464,7 +466,7 @@ def _column_parallel_group(x, kernels: tuple, biases, *, axis_name, gather, dtyp
                          f"(each None or the kernel's output shape), got {type(biases).__name__}")
     biases = tuple(biases) if biases is not None else (None,) * len(kernels)
     for i, k in enumerate(kernels):
-        _check_array(where, f"kernel[{i}]", k)
+        check_array(where, f"kernel[{i}]", k)
         if k.ndim < 2 or k.shape[0] != kernels[0].shape[0]:
             raise ValueError(f"{where}: the kernels of a group must be [in, *out_local] with one `in`: kernel[0] "
                              f"{tuple(kernels[0].shape)}, kernel[{i}] {tuple(k.shape)}")
@@ -476,7 +478,7 @@ def _column_parallel_group(x, kernels: tuple, biases, *, axis_name, gather, dtyp
     for k, b in zip(kernels, biases):
         axis_name, _ = _check_column(x, k, b, axis_name=axis_name, gather=gather, dtype=dtype, config=config,
                                      fp8=fp8, where=where)
-    dtype = _compute_dtype(where, dtype, x, *kernels)
+    dtype = compute_dtype(where, dtype, x, *kernels)
     x = x.astype(dtype)
     group = tuple(k.astype(dtype).reshape(k.shape[0], -1) for k in kernels)
     # The group's outputs are cast to dtype below: the call's finishing function is that cast.
@@ -539,10 +541,10 @@ class ColumnParallelLinear(nnx.Module):
                  rngs: nnx.Rngs):
         where = type(self).__name__
         self.fp8 = _nnx_fp8(self, where, fp8, amax_history_length)
-        self.in_features = _feature(where, "in_features", in_features)
+        self.in_features = positive_int(where, "in_features", in_features)
         self.out_features = _features(where, "out_features", out_features)
         self.axis_name = _check_layer_args(where, axis_name, "gather", gather, _GATHER, use_bias, dtype, param_dtype)
-        _check_config(where, config, AgGemmConfig)
+        check_config(where, config, AgGemmConfig)
         n_out = len(self.out_features)
         if kernel_axes is None and n_out != 1:
             raise ValueError(f"{where}: kernel_axes is required when out_features is a tuple ({self.out_features}); "
@@ -572,7 +574,7 @@ class ColumnParallelLinear(nnx.Module):
 # Flax Linen
 # ----------------------------------------------------------------------------------------------
 
-def _linen_param(module: nn.Module, name: str, init: Initializer, axes, shape, param_dtype, where: str):
+def linen_param(module: nn.Module, name: str, init: Initializer, axes, shape, param_dtype, where: str):
     """self.param with logical partitioning; says which shard was expected when the stored one differs."""
     if module.has_variable("params", name):
         stored = flax_meta.unbox(module.get_variable("params", name))
@@ -616,12 +618,12 @@ class RowParallelDense(_LinenLinear):
     def __call__(self, x):
         where = type(self).__name__
         fp8 = _linen_fp8(self, where)
-        features = _feature(where, "features", self.features)
-        n_in = _feature(where, "contract_dims", self.contract_dims)
+        features = positive_int(where, "features", self.features)
+        n_in = positive_int(where, "contract_dims", self.contract_dims)
         axis_name = _check_layer_args(where, self.axis_name, "scatter", self.scatter, _SCATTER, self.use_bias,
                                       self.dtype, self.param_dtype)
-        _check_config(where, self.config)
-        _check_array(where, "x", x)
+        check_config(where, self.config)
+        check_array(where, "x", x)
         if x.ndim < n_in + 1:
             raise ValueError(f"{where}: x must have rank >= {n_in + 1} (contract_dims={n_in}), got shape "
                              f"{tuple(x.shape)}")
@@ -631,11 +633,11 @@ class RowParallelDense(_LinenLinear):
         kernel_axes = _check_axes(where, "kernel_axes", self.kernel_axes or ("mlp", "embed"), n_in + 1)
         bias_axes = _check_axes(where, "bias_axes", self.bias_axes or kernel_axes[-1:], 1)
         # The kernel's declared shape follows x: global at init (outside shard_map), local inside.
-        kernel = _linen_param(self, "kernel", _flat_init(self.kernel_init, n_in), kernel_axes,
+        kernel = linen_param(self, "kernel", _flat_init(self.kernel_init, n_in), kernel_axes,
                               tuple(x.shape[-n_in:]) + (features,), self.param_dtype, where)
-        bias = (_linen_param(self, "bias", self.bias_init, bias_axes, (features,), self.param_dtype, where)
+        bias = (linen_param(self, "bias", self.bias_init, bias_axes, (features,), self.param_dtype, where)
                 if self.use_bias else None)
-        if self.is_initializing() and _axis_size(axis_name) is None:
+        if self.is_initializing() and axis_size_if_bound(axis_name) is None:
             # init outside shard_map: the unsharded math (W = 1), only to give init an output.
             flat_x = x.reshape(tuple(x.shape[:-n_in]) + (-1,))
             y = column_parallel_linear(flat_x, kernel.reshape(-1, features), bias, dtype=self.dtype, where=where)
@@ -647,10 +649,10 @@ class RowParallelDense(_LinenLinear):
 def _linen_fp8(module: nn.Module, where: str):
     """Checks a Linen layer's fp8 mode; "delayed" declares its state in Flax's OVERWRITE_WITH_GRADIENT
     collection (Flax's names and initial values) and returns the state's values."""
-    _check_choice(where, "fp8", module.fp8, FP8_MODES)
+    check_choice(where, "fp8", module.fp8, FP8_MODES)
     if module.fp8 != "delayed":
         return module.fp8
-    initial = fp8_meta(_feature(where, "amax_history_length", module.amax_history_length))
+    initial = fp8_meta(positive_int(where, "amax_history_length", module.amax_history_length))
     return {name: module.variable(OVERWRITE_WITH_GRADIENT, name, lambda v=value: v).value
             for name, value in initial.items()}
 
@@ -674,14 +676,14 @@ class ColumnParallelDense(_LinenLinear):
         features = _features(where, "features", self.features)
         axis_name = _check_layer_args(where, self.axis_name, "gather", self.gather, _GATHER, self.use_bias,
                                       self.dtype, self.param_dtype)
-        _check_config(where, self.config, AgGemmConfig)
-        _check_array(where, "x", x)
+        check_config(where, self.config, AgGemmConfig)
+        check_array(where, "x", x)
         if self.kernel_axes is None and len(features) != 1:
             raise ValueError(f"{where}: kernel_axes is required when features is a tuple ({features}); e.g. "
                              "('embed', 'heads', 'kv')")
         kernel_axes = _check_axes(where, "kernel_axes", self.kernel_axes or ("embed", "mlp"), len(features) + 1)
         bias_axes = _check_axes(where, "bias_axes", self.bias_axes or kernel_axes[1:], len(features))
-        world = _axis_size(axis_name)
+        world = axis_size_if_bound(axis_name)
         gather = self.gather
         if world is None and self.is_initializing():
             world, gather, fp8 = 1, None, None  # init outside shard_map: global shapes, nothing to gather
@@ -693,9 +695,9 @@ class ColumnParallelDense(_LinenLinear):
                              f"({world})")
         local = (features[0] // world,) + features[1:]
         in_features = x.shape[-1] * (world if gather == "hidden" else 1)
-        kernel = _linen_param(self, "kernel", _flat_init(self.kernel_init, 1), kernel_axes, (in_features,) + local,
+        kernel = linen_param(self, "kernel", _flat_init(self.kernel_init, 1), kernel_axes, (in_features,) + local,
                               self.param_dtype, where)
-        bias = (_linen_param(self, "bias", _flat_init(self.bias_init, 0), bias_axes, local, self.param_dtype, where)
+        bias = (linen_param(self, "bias", _flat_init(self.bias_init, 0), bias_axes, local, self.param_dtype, where)
                 if self.use_bias else None)
         return column_parallel_linear(x, kernel, bias, axis_name=axis_name, gather=gather, dtype=self.dtype,
                                       config=self.config, fp8=fp8, where=where)

@@ -5,7 +5,7 @@
 # kernels move that data on a GPU.
 import dataclasses
 import re
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,27 +50,45 @@ class OpSpec:
            rule, tuning/crossover.py), from what that cost depends on for the op (nothing for one,
            the transfer engine for another); the op's why_not_fused passes it on.
     What a fused call needs of the communicator's heap each op asks for itself (its fused.prepare,
-    through comm.acquire_comm)."""
+    through comm.acquire_comm).
+
+    An op with routing operands (routed=True: a mixture-of-experts op) takes a RoutedInput in place of
+    x in plan, forward, why_not_fused and default_config; its dimension is 0, it gathers nothing, and
+    its forward returns what its public function returns (a dispatch: its output and its routing handle).
+    entwine_jax.pairing runs the dense ops only (its rule, dx = backward op on (dy, w.T), is theirs):
+    a routed op's package pairs its ops with their backward itself. moved and fixed_us are None and
+    targets empty while an op has no kernels; forward_fp8 is None while it has no FP8 call."""
     name: str
     kind: str
     targets: tuple
-    moved: Callable
+    moved: Optional[Callable]
     backward: str
     gathers: bool
     reference_backward: Optional[Callable]
     config_type: type
     plan: Callable
     forward: Callable
-    forward_fp8: Callable
+    forward_fp8: Optional[Callable]
     why_not_fused: Callable
     default_config: Callable
-    fixed_us: Callable
+    fixed_us: Optional[Callable]
+    routed: bool = False
 
     @property
     def scope(self) -> str:
         """The name scope of every operation of a call (forward and backward): how the census tells
         the op's collectives from XLA's own."""
         return f"entwine_{self.name}"
+
+
+class RoutedInput(NamedTuple):
+    """The operands of a routed op in place of x: the rows (tokens, or the rows the experts received),
+    each token's experts [T, k] (int32, -1: none), its router weights [T, k], and the routing handle a
+    previous call returned (None where the op computes it)."""
+    x: Any
+    topk_idx: Any = None
+    weights: Any = None
+    handle: Any = None
 
 
 def attribute_is(attrs: str, name: str, value: str) -> bool:

@@ -20,6 +20,8 @@ def call(name: str, x, w, *, axis_name, dimension, config, return_gathered: bool
     type its operands, and run it under the op's name scope. w: one weight, or for an op that
     gathers a tuple of weights (a group: a tuple of outputs)."""
     op = registry.OPS[name]
+    if op.routed:  # its operands are not (x, w): its own package pairs it (opspec.OpSpec)
+        raise ValueError(f"pairing.call: {name} is a routed op; call it through its public function")
     plan = op.plan(x, w, axis_name=axis_name, dimension=dimension, config=config, return_gathered=return_gathered)
     names = callsite.varying_over(x, w, axis_name=plan.axis_name)
     # The scope names every operation of the call (forward and backward) in the program's metadata,

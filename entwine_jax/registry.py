@@ -3,10 +3,13 @@
 from entwine_jax import opspec
 from entwine_jax.ag_gemm.op import SPEC as _AG_GEMM
 from entwine_jax.gemm_rs.op import SPEC as _GEMM_RS
+from entwine_jax.moe.op import COMBINE_SPEC as _MOE_COMBINE
+from entwine_jax.moe.op import DISPATCH_SPEC as _MOE_DISPATCH
 
 OPS: dict[str, opspec.OpSpec] = {spec.name: spec for spec in (
     _GEMM_RS,
     _AG_GEMM,
+    _MOE_DISPATCH, _MOE_COMBINE,
 )}
 
 

@@ -16,6 +16,7 @@ from entwine_jax import _log  # noqa: E402
 from entwine_jax.ag_gemm import op as ag_gemm_op  # noqa: E402
 from entwine_jax.gemm_rs import config  # noqa: E402
 from entwine_jax.gemm_rs import op as gemm_rs_op  # noqa: E402
+from entwine_jax.moe import op as moe_op  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -67,6 +68,7 @@ def _fresh_reports():
     _log.reset_once()
     gemm_rs_op.printed.clear()
     ag_gemm_op.printed.clear()
+    moe_op.printed.clear()
     previous = config.set_default_config(None)
     yield
     config.set_default_config(previous)

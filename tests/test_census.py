@@ -237,7 +237,8 @@ def test_bad_inputs(mesh):
                                          r"positional and \[\] keyword"):
         census.collectives(lowered, args[0])
     c = census.collectives(lowered)
-    with pytest.raises(ValueError, match=r"owner must be one of \('gemm_rs', 'ag_gemm', 'xla'\).*got 'rs'"):
+    with pytest.raises(ValueError, match=r"owner must be one of \('gemm_rs', 'ag_gemm', 'moe_dispatch_gemm', "
+                                         r"'moe_gemm_combine', 'xla'\).*got 'rs'"):
         c.select(owner="rs")
     with pytest.raises(ValueError, match=r"kind must be one of .*got 'allgather'"):
         c.select(kind="allgather")

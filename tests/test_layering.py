@@ -20,10 +20,11 @@ LAYER = {
     "entwine_jax.tuning": CORE, "entwine_jax.tuning.crossover": CORE, "entwine_jax.tuning.timing": CORE,
     "entwine_jax": COMPOSITION, "entwine_jax.__main__": COMPOSITION, "entwine_jax.registry": COMPOSITION,
     "entwine_jax.pairing": COMPOSITION, "entwine_jax.api": COMPOSITION, "entwine_jax.census": COMPOSITION,
-    "entwine_jax.layers": COMPOSITION, "entwine_jax.layers_fp8": COMPOSITION, "entwine_jax.maxtext": COMPOSITION,
+    "entwine_jax.layers": COMPOSITION, "entwine_jax.layers_fp8": COMPOSITION, "entwine_jax.moe_layers": COMPOSITION,
+    "entwine_jax.maxtext": COMPOSITION,
     "entwine_jax.maxtext_site.sitecustomize": COMPOSITION, "entwine_jax.tuning.tune": COMPOSITION,
 }
-OP_PACKAGES = ("entwine_jax.gemm_rs", "entwine_jax.ag_gemm")
+OP_PACKAGES = ("entwine_jax.gemm_rs", "entwine_jax.ag_gemm", "entwine_jax.moe")
 # The compiled extension: a module without a .py file.
 COMPILED = ("entwine_jax._entwine",)
 

@@ -10,7 +10,7 @@ import pytest
 import entwine_jax
 
 PACKAGE = pathlib.Path(entwine_jax.__file__).parent
-OPS = ("gemm_rs", "ag_gemm")
+OPS = ("gemm_rs", "ag_gemm", "moe_dispatch_gemm", "moe_gemm_combine")
 # Shared modules: the communicator, the call-site pipeline, the FFI call, the op contract, the pairing
 # of each op with its backward (bf16 and FP8), FP8's helpers, the census, the small-call rule, timing.
 # The registry (one line per op), the public API (__init__.py, api.py), gemm_rs's tuner (tuning/tune.py),
