@@ -356,7 +356,7 @@ def test_reason_is_logged_once(caplog):
         run(moe_mlp, mesh, args, (EP, EP), jit=False)
     msgs = [r.getMessage() for r in caplog.records if ": XLA reference path: " in r.getMessage()]
     assert len(msgs) == 2, msgs  # one per op's call site, not per call
-    assert all("MoE kernels not built yet" in m for m in msgs)
+    assert all("not on a CUDA GPU" in m for m in msgs)
     assert {m.split()[0] for m in msgs} == {"moe_dispatch_gemm", "moe_gemm_combine"}
 
 
@@ -513,4 +513,34 @@ def test_config_path_and_printed_choice(monkeypatch, capsys):
     assert out.shape == (4, 2 * 128, 8)
     err = capsys.readouterr().err
     assert ("entwine_jax.moe_dispatch_gemm x=float32[4, 8] topk_idx[4, 2] w1=float32[2, 8, 8] axis='ep' (size 2) "
-            "C=128: path=xla MoeConfig(capacity=0.5, path=xla) source=the call reason: config.path='xla'") in err
+            "C=128: path=xla MoeConfig(capacity=0.5, path=xla, block_n=0, gemm_sms=0, raster_rows=8, push_sms=0) "
+            "source=the call reason: config.path='xla'") in err
+
+
+def test_config_kernel_fields_are_checked():
+    assert "push_sms=4" in str(MoeConfig(push_sms=4))
+    for kwargs, match in (({"block_n": 64}, "block_n must be 0, 128 or 256"), ({"push_sms": 65}, "push_sms in"),
+                          ({"raster_rows": 0}, "raster_rows >= 1"), ({"gemm_sms": 1.5}, "gemm_sms must be an int"),
+                          ({"push_sms": True}, "push_sms must be an int")):
+        with pytest.raises(ValueError, match=match):
+            MoeConfig(**kwargs)
+
+
+def test_kernel_plans_state_their_rules():
+    """The extension's plans (where it is built): the dispatch kernel's and moe_transfer's rules, as
+    entwine_jax.moe.fused asks them."""
+    from entwine_jax import _extension
+    from entwine_jax.moe import fused
+
+    if _extension.module()[0] is None or fused.kernels_reason() is not None:
+        pytest.skip("the CUDA extension with the MoE kernels is not built here")
+    plan = fused.moe_plan(2, 8, 256, 1024, 2048, jnp.bfloat16, MoeConfig(gemm_sms=64))
+    assert (plan.e_local, plan.grid, plan.flags_per_source, plan.push_grid) == (4, 64, 4, 0)
+    assert plan.inbox_bytes == 4 * 2 * 256 * 1024 * 2
+    with pytest.raises(_extension.PlanError, match="capacity % 128 == 0"):
+        fused.moe_plan(2, 8, 200, 1024, 2048, jnp.bfloat16, MoeConfig(gemm_sms=64))
+    with pytest.raises(_extension.PlanError, match="multiple of config.block_n"):
+        fused.moe_plan(2, 8, 256, 1024, 200, jnp.bfloat16, MoeConfig(gemm_sms=64, block_n=128))
+    # A float32 [E, C] of router weights: 4-byte rows, any dtype moves.
+    d = fused._transfer_plan(3, jax.ShapeDtypeStruct((6, 128), jnp.float32))
+    assert (d["e_local"], d["inbox_bytes"], d["push_grid"]) == (2, 2 * 3 * 128 * 4, 0)

@@ -1,7 +1,9 @@
-# The MoE ops' printable config: the static capacity factor and the path. No kernel fields yet (no
-# kernels are built); the fused schedule's knobs (push_sms, consumer_grid, combine_groups) come with them.
+# The MoE ops' printable config: the static capacity factor, the path, and the dispatch kernel's
+# knobs (its GEMM block and grid, the SM push).
 import dataclasses
 from typing import Optional
+
+import numpy as np
 
 from entwine_jax._config import PATHS
 
@@ -15,12 +17,21 @@ class MoeConfig:
               so rows past C can still drop); a factor f > 0: C = max(128, round_up(ceil(f*T*k/E),
               128)), f times the balanced share. A slot past C is dropped (docs/design.md,
               "Capacity, dropless and overflow").
-    path:     "auto" / "fused" / "xla", as for GemmRsConfig; the kernels are not built yet, so every
-              call runs the XLA reference (logged once per call site).
+    path:     "auto" / "fused" / "xla", as for GemmRsConfig (an axis of size 1 or float32 operands
+              take the XLA path under "auto"; the reason is logged once per call site).
+    block_n:  the dispatch GEMM's block width, 128 or 256; 0: 256 where N allows it, else 128.
+    gemm_sms: the dispatch GEMM's persistent grid; 0: every SM the push leaves.
+    raster_rows: a segment's GEMM blocks run in groups of this many tile rows (L2 reuse of w).
+    push_sms: 0: the copy engines move the tokens (no SM); n > 0: an SM push of n CTAs ahead of the
+              dispatch GEMM (the moves without a GEMM always take the copy engines).
     """
 
     capacity: Optional[float] = None
     path: str = "auto"
+    block_n: int = 0
+    gemm_sms: int = 0
+    raster_rows: int = 8
+    push_sms: int = 0
 
     def __post_init__(self):
         c = self.capacity
@@ -28,6 +39,17 @@ class MoeConfig:
             raise ValueError(f"MoeConfig: capacity must be None (dropless) or a number > 0, got {c!r}")
         if self.path not in PATHS:
             raise ValueError(f"MoeConfig: path must be one of {PATHS}, got {self.path!r}")
+        for name, allowed in (("block_n", "0, 128 or 256"), ("gemm_sms", ">= 0"), ("raster_rows", ">= 1"),
+                              ("push_sms", "in [0, 64]")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"MoeConfig: {name} must be an int ({allowed}), got {v!r}")
+        if self.block_n not in (0, 128, 256):
+            raise ValueError(f"MoeConfig: block_n must be 0, 128 or 256, got {self.block_n}")
+        if self.gemm_sms < 0 or self.raster_rows < 1 or not 0 <= self.push_sms <= 64:
+            raise ValueError(f"MoeConfig: gemm_sms must be >= 0, raster_rows >= 1 and push_sms in [0, 64], got "
+                             f"{self.gemm_sms}, {self.raster_rows}, {self.push_sms}")
 
     def __str__(self) -> str:
-        return f"MoeConfig(capacity={self.capacity}, path={self.path})"
+        return (f"MoeConfig(capacity={self.capacity}, path={self.path}, block_n={self.block_n}, "
+                f"gemm_sms={self.gemm_sms}, raster_rows={self.raster_rows}, push_sms={self.push_sms})")

@@ -1,9 +1,9 @@
 # moe_dispatch_gemm and moe_gemm_combine at a call site: argument checks (ValueErrors naming the
-# argument, the expected and the actual value), the static capacity, the plan (every call takes the
-# XLA reference until the kernels exist, said once per call site), dispatch_pool / combine_pool (where
-# the kernels plug in), and the custom VJP that pairs each op with the other (docs/design.md, "Mixture
-# of experts (planned)", "The pairing"). Their SPECs declare them to shared code as routed ops
-# (entwine_jax.opspec).
+# argument, the expected and the actual value), the static capacity, the plan (the kernels or the
+# XLA reference, said once per call site), the moves and GEMMs that the kernels replace (dispatch_pool,
+# combine_pool, to_experts, to_sources), and the custom VJP that pairs each op with the other
+# (docs/design.md, "Mixture of experts", "The pairing"). Their SPECs declare them to shared code as
+# routed ops (entwine_jax.opspec).
 import dataclasses
 import functools
 import math
@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from entwine_jax import callsite, opspec
-from entwine_jax.moe import reference
+from entwine_jax.moe import fused, reference
 from entwine_jax.moe.config import MoeConfig
 from entwine_jax.moe.reference import COMBINE, DISPATCH, F32, TILE, MoeHandle, round_up
 
 printed: set = set()  # call sites printed under ENTWINE_PRINT_CONFIG=1
-NOT_BUILT = "MoE kernels not built yet (docs/design.md, \"Mixture of experts (planned)\"): the XLA reference runs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,9 +26,13 @@ class Plan:
     axis_name: Any
     axis_size: int
     config: MoeConfig
-    reason: Optional[str]  # why the XLA reference runs (always, until the kernels exist)
+    reason: Optional[str]  # why the XLA reference runs the op's moves (None: the kernels, on CUDA)
     e_local: int
     capacity: int  # C, the rows of one (source, expert) segment
+    # The dispatch kernel's fused.MoeCall (moves and GEMM in one), for a dispatch's forward or a
+    # combine's backward (its cotangent dispatched, times w2^T), or None; and why not.
+    gemm_call: Any = None
+    gemm_reason: Optional[str] = None
     dimension: ClassVar[int] = 0
     return_gathered: ClassVar[bool] = False
 
@@ -71,10 +74,43 @@ def _config(op: str, config: Optional[MoeConfig]) -> tuple[MoeConfig, str]:
     return (config, "the call") if config is not None else default_config(None, None, 0, 0)
 
 
+def _early_reason(config: MoeConfig, axis_name, size: int, dtype) -> Optional[str]:
+    """Why no move of this call can take the kernels, whatever its shape."""
+    if config.path == "xla":
+        return "config.path='xla'"
+    if reason := callsite.platform_reason(axis_name):
+        return reason
+    if size == 1 and config.path == "auto":
+        return "axis size 1: nothing to move (path='fused' runs the kernels anyway)"
+    if jnp.dtype(dtype) == jnp.float32:
+        return "float32 inputs (the fused kernels take bfloat16/float16)"
+    return None
+
+
 def why_not_fused(x, w, *, axis_name, axis_size: int, dimension: int, config: MoeConfig, out_dtype=None,
                   shared_scale: bool = False) -> Optional[str]:
-    """Why a call takes the XLA path: the user asked, or (every other call) no kernels yet."""
-    return "config.path='xla'" if config.path == "xla" else NOT_BUILT
+    """Why a call's moves take the XLA path (the user asked, not on CUDA, the kernels cannot move its
+    rows), or None. x: a RoutedInput (a dispatch's tokens and ids, or a combine's h and handle)."""
+    if reason := _early_reason(config, axis_name, axis_size, x.x.dtype):
+        return reason
+    if x.topk_idx is not None:  # a dispatch: its tokens' segments [E, C, H]
+        t, k = x.topk_idx.shape
+        capacity = capacity_rows(t, k, axis_size * w.shape[0], config.capacity)
+        send = jax.ShapeDtypeStruct((axis_size * w.shape[0], capacity, x.x.shape[1]), x.x.dtype)
+    else:  # a combine: its output rows [E, C, H], sent home
+        e_local, rows, _ = x.x.shape
+        send = jax.ShapeDtypeStruct((axis_size * e_local, rows // axis_size, w.shape[2]), x.x.dtype)
+    return fused.transfer_unavailable_reason(send, axis_name=axis_name, axis_size=axis_size, config=config)
+
+
+def _prepare_gemm(plan: Plan, h: int, n: int, dtype) -> tuple[Any, Optional[str]]:
+    """(the fused.MoeCall of the dispatch kernel on x_send [E, C, h] and w [E_local, h, n], None), or
+    (None, why that GEMM is XLA's)."""
+    x_send = jax.ShapeDtypeStruct((plan.num_experts, plan.capacity, h), dtype)
+    w_aval = jax.ShapeDtypeStruct((plan.e_local, h, n), dtype)
+    kw = dict(axis_name=plan.axis_name, axis_size=plan.axis_size, config=plan.config)
+    return callsite.prepare(DISPATCH, lambda: plan.reason or fused.unavailable_reason(x_send, w_aval, **kw),
+                            lambda: fused.prepare(x_send, w_aval, **kw))
 
 
 def default_config(x, w, size: int, dimension: int) -> tuple[MoeConfig, str]:
@@ -112,12 +148,17 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     size = callsite.axis_size(DISPATCH, axis_name)
     capacity = capacity_rows(t, k, size * e_local, config.capacity)
     reason = why_not_fused(x, w1, axis_name=axis_name, axis_size=size, dimension=0, config=config)
+    plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
+                capacity=capacity)
+    gemm_call, gemm_reason = _prepare_gemm(plan, h, n, xs.dtype)
+    plan = dataclasses.replace(plan, gemm_call=gemm_call, gemm_reason=gemm_reason)
     site = (f"x={xs.dtype}{list(xs.shape)} topk_idx{list(topk_idx.shape)} w1={w1.dtype}{list(w1.shape)} "
             f"axis={axis_name!r} (size {size}) C={capacity}")
     key = (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, capacity)
-    callsite.report(DISPATCH, key, site, config, reason, source, printed)
-    return Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
-                capacity=capacity)
+    # The moves' path is the call's; a GEMM that XLA runs beside fused moves is said as a note.
+    note = f" (its GEMM by XLA: {gemm_reason})" if reason is None and gemm_reason is not None else ""
+    callsite.report(DISPATCH, key, site, config, reason, source, printed, note)
+    return plan
 
 
 def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] = None,
@@ -151,11 +192,17 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
         raise ValueError(f"{COMBINE}: topk_weights must have shape [T, k] = {(t, k)} (the dispatch's topk_idx), "
                          f"got {tuple(weights.shape)}")
     reason = why_not_fused(x, w2, axis_name=axis_name, axis_size=size, dimension=0, config=config)
+    plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
+                capacity=rows // size)
+    # The backward dispatches dout [T, H] and multiplies by w2^T [E_local, H, F]: the dispatch kernel.
+    gemm_call, gemm_reason = _prepare_gemm(plan, w2.shape[2], f, h.dtype)
+    plan = dataclasses.replace(plan, gemm_call=gemm_call, gemm_reason=gemm_reason)
     site = f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
     key = (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name)
-    callsite.report(COMBINE, key, site, config, reason, source, printed)
-    return Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
-                capacity=rows // size)
+    # Its GEMM runs on XLA before the rows are sent home (no overlap yet): said with the path.
+    note = " (its GEMM by XLA, then the rows sent home)" if reason is None else ""
+    callsite.report(COMBINE, key, site, config, reason, source, printed, note)
+    return plan
 
 
 # --- Where the kernels plug in ---------------------------------------------------------------------
@@ -163,17 +210,63 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
 # of both ops (layout, send buffer, weighted sum) is XLA on the token side and stays.
 
 
+def _transfer_call(send, plan: Plan):
+    """The fused.MoeCall of moe_transfer for send (an array [E, C, ...]), or None where the XLA
+    reference moves it (the plan's reason, or the kernels cannot move these rows)."""
+    if plan.reason is not None:
+        return None
+    kw = dict(axis_name=plan.axis_name, axis_size=plan.axis_size)
+    call, _ = callsite.prepare(DISPATCH, lambda: fused.transfer_unavailable_reason(send, config=plan.config, **kw),
+                               lambda: fused.prepare_transfer(send, **kw))
+    return call
+
+
+def to_experts(send, plan: Plan, op: str):
+    """send [E, C, ...] -> pool [E_local, W*C, ...] (reference.to_experts): moe_transfer where it can
+    move the rows, on CUDA; the XLA reference elsewhere. Counted as `op`'s."""
+    reference_move = functools.partial(reference.to_experts, axis_name=plan.axis_name, world=plan.axis_size, op=op)
+    call = _transfer_call(send, plan)
+    if call is None:
+        return reference_move(send)
+    names = callsite.varying_over(send, axis_name=plan.axis_name)
+    return callsite.dispatch(None, reference_move,
+                             lambda v: callsite.typed_like(names, fused.transfer(v, call, plan.axis_size)), send)
+
+
+def to_sources(pool, plan: Plan, op: str):
+    """pool [E_local, W*C, ...] -> [E, C, ...] at the sources (reference.to_sources): the rows laid out
+    as a send buffer, one to_experts, and the received [E_local, W, C, ...] read back expert-major."""
+    e_local, wc = pool.shape[:2]
+    rest, world = pool.shape[2:], plan.axis_size
+    c = wc // world
+    send = jnp.swapaxes(pool.reshape((e_local, world, c) + rest), 0, 1).reshape((world * e_local, c) + rest)
+    got = to_experts(send, plan, op)  # [E_local, W expert rank, C, ...]: rank r's expert l at (l, r)
+    return jnp.swapaxes(got.reshape((e_local, world, c) + rest), 0, 1).reshape((world * e_local, c) + rest)
+
+
 def dispatch_pool(x_send, w1, plan: Plan):
     """(y [E_local, W*C, N] in x_send.dtype, pool [E_local, W*C, H]) of x_send [E, C, H] and w1: the
-    fused lowering of moe_dispatch_gemm plugs in here, for a plan without a reason; today every plan
-    has one (NOT_BUILT) and the XLA reference runs."""
-    return reference.dispatch_pool(x_send, w1, axis_name=plan.axis_name, world=plan.axis_size)
+    dispatch kernel (the moves and the GEMM, which starts on each source's rows as they arrive) where
+    the plan has one, on CUDA; else the moves (to_experts) and XLA's GEMM."""
+    def apart(x_send, w1):
+        pool = to_experts(x_send, plan, DISPATCH)
+        return reference.expert_dot(pool, w1).astype(x_send.dtype), pool
+
+    if plan.gemm_call is None:
+        return apart(x_send, w1)
+    names = callsite.varying_over(x_send, w1, axis_name=plan.axis_name)
+
+    def kernel(x_send, w1):
+        return callsite.typed_like(names, *fused.call(x_send, w1, plan.gemm_call, return_pool=True))
+
+    reference_pool = functools.partial(reference.dispatch_pool, axis_name=plan.axis_name, world=plan.axis_size)
+    return callsite.dispatch(None, reference_pool, kernel, x_send, w1)
 
 
 def combine_pool(h, w2, plan: Plan):
-    """o_recv [E, C, H] in h.dtype of h [E_local, W*C, F] and w2: the fused lowering of
-    moe_gemm_combine plugs in here, as dispatch_pool's; today the XLA reference runs."""
-    return reference.combine_pool(h, w2, axis_name=plan.axis_name, world=plan.axis_size)
+    """o_recv [E, C, H] in h.dtype of h [E_local, W*C, F] and w2: XLA's GEMM on the expert side, then
+    the rows sent home (to_sources: moe_transfer on CUDA). The GEMM does not overlap the move yet."""
+    return to_sources(reference.expert_dot(h, w2).astype(h.dtype), plan, COMBINE)
 
 
 def _layout(topk_idx, plan: Plan) -> MoeHandle:
@@ -236,17 +329,16 @@ def _combine_fwd(h, w2, weights, handle, plan):
 
 def _combine_bwd(plan, res, dout):
     h, w2, weights, handle = res
-    kw = dict(axis_name=plan.axis_name, world=plan.axis_size)
     # dout's rows dispatched in the handle's layout, times w2^T: g = dout row @ w2^T on the expert side.
     g, dy_pool = dispatch_pool(_send(dout, handle, plan), jnp.swapaxes(w2, 1, 2), plan)
     # The router weights travel beside them (a dispatch's transfer): [E, C] -> [E_local, W*C, 1].
     w_send = reference.to_segments(weights.astype(F32), handle, num_experts=plan.num_experts, capacity=plan.capacity)
-    w_pool = reference.to_experts(w_send, op=DISPATCH, **kw)[..., None]
+    w_pool = to_experts(w_send, plan, DISPATCH)[..., None]
     g = g.astype(F32)
     dh = (w_pool * g).astype(h.dtype)
     dw2 = reference.expert_weight_grad(h.astype(F32), w_pool * dy_pool.astype(F32)).astype(w2.dtype)
     # The router weights' gradient <dout[t], o row> = <g, h> per row, sent home (the combine's transfer).
-    dw_recv = reference.to_sources(jnp.sum(g * h.astype(F32), axis=-1), op=COMBINE, **kw)  # [E, C]
+    dw_recv = to_sources(jnp.sum(g * h.astype(F32), axis=-1), plan, COMBINE)  # [E, C]
     sent = handle.expert >= 0
     dweights = jnp.where(sent, dw_recv[jnp.maximum(handle.expert, 0), jnp.maximum(handle.place, 0)], 0.0)
     return dh, dw2, dweights.astype(weights.dtype), None
