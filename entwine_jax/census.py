@@ -752,14 +752,18 @@ def _custom_call(instr: _Instr, shapes: dict, axes: _Axes) -> Optional[tuple]:
     if target not in FUSED_TARGETS:
         return None
     spec = FUSED_TARGETS[target]
+    # A target that several ops call (a routed op's moves) is counted as the op whose moves() scope
+    # encloses the call, as their references' collectives are.
+    scoped = opspec.moved_by(_attr(instr.attrs, "op_name") or "")
+    owner = scoped[0] if scoped is not None and scoped[0] in OWNERS else spec.name
     ins = [_arrays(shapes.get(n, "")) for n in instr.operands]
     outs = _arrays(instr.shape)
-    if len(ins) < 2 or not ins[0] or not ins[1] or not outs:
-        return spec.name, spec.kind, None, 0, outs, 0
+    if len(ins) < 1 or not ins[0] or not outs:
+        return owner, spec.kind, None, 0, outs, 0
     world, arrays = spec.moved(target, ins, outs, instr.attrs)
     named = [n for n, s in zip(axes.names, axes.sizes) if s == world]
     found = (named[0],) if len(named) == 1 else None
-    return spec.name, spec.kind, found, world, arrays, (world - 1) * _nbytes(arrays)
+    return owner, spec.kind, found, world, arrays, (world - 1) * _nbytes(arrays)
 
 
 def _census(text: str, mesh, notes: tuple) -> Census:

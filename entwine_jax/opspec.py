@@ -56,8 +56,10 @@ class OpSpec:
     x in plan, forward, why_not_fused and default_config; its dimension is 0, it gathers nothing, and
     its forward returns what its public function returns (a dispatch: its output and its routing handle).
     entwine_jax.pairing runs the dense ops only (its rule, dx = backward op on (dy, w.T), is theirs):
-    a routed op's package pairs its ops with their backward itself. moved and fixed_us are None and
-    targets empty while an op has no kernels; forward_fp8 is None while it has no FP8 call."""
+    a routed op's package pairs its ops with their backward itself. A target several ops call is
+    listed by one of them; the census counts each call as the op whose moves() scope encloses it.
+    fixed_us is None where the op has no measured fixed cost; forward_fp8 is None while it has no
+    FP8 call."""
     name: str
     kind: str
     targets: tuple

@@ -229,8 +229,12 @@ def to_experts(send, plan: Plan, op: str):
     if call is None:
         return reference_move(send)
     names = callsite.varying_over(send, axis_name=plan.axis_name)
-    return callsite.dispatch(None, reference_move,
-                             lambda v: callsite.typed_like(names, fused.transfer(v, call, plan.axis_size)), send)
+
+    def kernel(v):
+        with opspec.moves(op, v.dtype):  # the census counts the call as `op`'s
+            return callsite.typed_like(names, fused.transfer(v, call, plan.axis_size))
+
+    return callsite.dispatch(None, reference_move, kernel, send)
 
 
 def to_sources(pool, plan: Plan, op: str):
@@ -369,13 +373,22 @@ def combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfi
         return _combine(h, w2, topk_weights, handle, plan)
 
 
-# The op contracts (entwine_jax.opspec), listed in entwine_jax/registry.py: routed ops, no kernels yet
-# (no targets, moved, forward_fp8 or fixed cost); each one's backward is the other.
-DISPATCH_SPEC = opspec.OpSpec(name=DISPATCH, kind="all-to-all", targets=(), moved=None, backward=COMBINE,
-                              gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_dispatch,
+def _moved(target: str, ins: list, outs: list, attrs: str) -> tuple:
+    """(W, what one rank sends W - 1 times) of a custom call: one destination's share of the send
+    buffer [E, C, ...] (the first operand); W from the output [E_local, W*C, ...]."""
+    (_, send), (_, out) = ins[0][0], outs[0]
+    world = out[1] // send[1]
+    return world, [(ins[0][0][0], (send[0] // world,) + tuple(send[1:]))]
+
+
+# The op contracts (entwine_jax.opspec), listed in entwine_jax/registry.py: routed ops (no FP8 or
+# fixed cost yet); each one's backward is the other. moe_transfer is the combine's target; where the
+# dispatch's moves call it, its moves() scope counts them as the dispatch's.
+DISPATCH_SPEC = opspec.OpSpec(name=DISPATCH, kind="all-to-all", targets=("entwine_moe_dispatch_gemm",), moved=_moved,
+                              backward=COMBINE, gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_dispatch,
                               forward=forward_dispatch, forward_fp8=None, why_not_fused=why_not_fused,
                               default_config=default_config, fixed_us=None, routed=True)
-COMBINE_SPEC = opspec.OpSpec(name=COMBINE, kind="all-to-all", targets=(), moved=None, backward=DISPATCH,
-                             gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_combine,
+COMBINE_SPEC = opspec.OpSpec(name=COMBINE, kind="all-to-all", targets=("entwine_moe_transfer",), moved=_moved,
+                             backward=DISPATCH, gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_combine,
                              forward=forward_combine, forward_fp8=None, why_not_fused=why_not_fused,
                              default_config=default_config, fixed_us=None, routed=True)
