@@ -101,3 +101,85 @@ class MoeSuites(Rank):
                                                              @ w1s[r * e_local + e].astype(np.float64))
         self.log(f"{what}: checked")
         return self.check(y, ref, what)
+
+    def moemlp(self):
+        """The MoE MLP (moe_layers.moe_mlp: router, top-k, gate|up through moe_dispatch_gemm, SwiGLU,
+        moe_gemm_combine) forward and backward on the kernels: y and the vector-Jacobian product with a
+        given cotangent (x, router, wi_0, wi_1, wo) against the dense float32 model on the host's CPU
+        backend (every expert computed, the top-k weights zero elsewhere); dropless, fp16 and bf16; the
+        compiled program must hold no XLA collective (every move is a fused call)."""
+        import jax.numpy as jnp
+
+        worst, cases = 0.0, 0
+        for t, h, f, e_local, k, dtype in ((256, 256, 256, 2, 2, jnp.float16), (128, 384, 128, 1, 2, jnp.bfloat16),
+                                            (384, 256, 256, 3, 4, jnp.float16)):
+            worst = max(worst, self.moe_mlp_case(t, h, f, e_local, k, dtype, seed=1800 + cases))
+            cases += 1
+        return f"moemlp: {cases} cases ok, worst rel error {worst:.2e}"
+
+    def moe_mlp_case(self, t, h, f, e_local, k, dtype, seed):
+        import functools
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        from entwine_jax import comm, moe_layers
+        from entwine_jax.moe.config import MoeConfig
+
+        r, w_ = self.rank, self.world
+        experts = w_ * e_local
+        rng = np.random.default_rng(seed)
+        xs = [rng.standard_normal((t, h), np.float32).astype(dtype) for _ in range(w_)]
+        cs = [rng.standard_normal((t, h), np.float32).astype(dtype) for _ in range(w_)]
+        router = rng.standard_normal((h, experts), np.float32).astype(dtype)
+        wi_0, wi_1 = (rng.standard_normal((experts, h, f), np.float32).astype(dtype) / np.sqrt(h) for _ in range(2))
+        wo = rng.standard_normal((experts, f, h), np.float32).astype(dtype) / np.sqrt(f)
+        config = MoeConfig(path="fused")
+        mlp = functools.partial(moe_layers.moe_mlp, num_experts_per_tok=k, axis_name="tp", config=config)
+
+        def body(x, router, wi_0, wi_1, wo, c):
+            # The router enters as each rank's own copy ([1, H, E] of a stacked [W, H, E]): its
+            # gradient is then this rank's tokens' share. A replicated router's gradient would be summed
+            # over ranks by an XLA all-reduce (NCCL, which cannot run two ranks on one GPU).
+            y, pullback = jax.vjp(mlp, x, router[0], wi_0, wi_1, wo)
+            dx, drouter, d0, d1, do = pullback(c)
+            return y, dx, drouter[None], d0, d1, do
+
+        ep = P("tp")
+        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(ep,) * 6, out_specs=(ep,) * 6))
+        args = (self.place(xs[r], 0, (w_ * t, h)), self.place(router[None], 0, (w_, h, experts)),
+                self.place(wi_0[r * e_local:(r + 1) * e_local], 0, (experts, h, f)),
+                self.place(wi_1[r * e_local:(r + 1) * e_local], 0, (experts, h, f)),
+                self.place(wo[r * e_local:(r + 1) * e_local], 0, (experts, f, h)), self.place(cs[r], 0, (w_ * t, h)))
+        what = f"moe_mlp T={t} H={h} F={f} E={experts} k={k} {jnp.dtype(dtype).name}"
+        census = self.census(fn, *args)
+        fused = census.select(custom_call=True).counts("owner")
+        others = census.select(custom_call=False).counts("owner")
+        if not fused.get("moe_dispatch_gemm") or others:
+            raise AssertionError(f"{what}: fused calls {fused}, XLA collectives {others} (expected none)")
+        with jax.set_mesh(self.mesh):
+            outs = [self.local(v) for v in fn(*args)]
+        comm.check_errors()
+        # The reference: the dense model on every rank's tokens, float32 on the host's CPU backend.
+        cpu = jax.devices("cpu")[0]
+        dense = functools.partial(moe_layers._dense_moe_mlp, num_experts_per_tok=k, norm_topk_prob=True,
+                                  dtype=jnp.float32, where="reference")
+        f32 = lambda a: jax.device_put(np.asarray(a, np.float32), cpu)  # noqa: E731
+        rows = slice(r * t, (r + 1) * t)
+        # This rank's share of the router's gradient: the cotangent of the other ranks' tokens zeroed.
+        c_mine = np.zeros((w_ * t, h), np.float32)
+        c_mine[rows] = cs[r]
+        with jax.default_device(cpu):
+            y_ref, pullback = jax.vjp(dense, f32(np.concatenate(xs)), f32(router), f32(wi_0), f32(wi_1), f32(wo))
+            grads = pullback(f32(np.concatenate(cs)))
+            router_share = pullback(f32(c_mine))[1]
+        mine = slice(r * e_local, (r + 1) * e_local)
+        refs = [np.asarray(y_ref)[rows], np.asarray(grads[0])[rows], np.asarray(router_share)[None],
+                np.asarray(grads[2])[mine], np.asarray(grads[3])[mine], np.asarray(grads[4])[mine]]
+        worst = 0.0
+        for name, got, ref in zip(("y", "dx", "drouter", "dwi_0", "dwi_1", "dwo"), outs, refs):
+            worst = max(worst, self.check(got, np.asarray(ref, np.float64), f"{what}: {name}"))
+        self.log(f"{what}: ok")
+        return worst

@@ -78,6 +78,10 @@ Suites:
            GEMM starting on each source's rows as they arrive): dropless and dropping capacities,
            tokens routed nowhere, an expert nobody picks, bf16 and fp16, SM push and copy engines,
            repeated calls bitwise equal, no XLA collective left in the program; against float64.
+  moemlp   the MoE MLP (moe_layers.moe_mlp) forward and vector-Jacobian product on the kernels (the
+           dispatch fused with its GEMM, every other move by moe_transfer): y and the gradients of
+           x, router (this rank's share), wi_0, wi_1 and wo against the dense float32 model on the
+           host's CPU backend; no XLA collective left in the program.
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
            gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time, also by phase; then the host
            time per step of a lax.scan over an 8-layer MLP block (ag_gemm -> silu -> gemm_rs);
@@ -148,6 +152,7 @@ SUITES = {
     "fp8half": Suite(Fp8Suites),
     "fp8block": Suite(Fp8BlockSuites),
     "moe": Suite(MoeSuites),
+    "moemlp": Suite(MoeSuites),
     # The SMs that rank 0's held kernel takes (read once per process).
     "forward": Suite(ProtocolSuites, env={"ENTWINE_SM_RESERVE": str(FORWARD_HELD_SMS)}),
     "hostcost": Suite(CostSuites, checking=False),
