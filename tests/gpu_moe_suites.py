@@ -62,7 +62,7 @@ class MoeSuites(Rank):
             if experts > 2:
                 idx[idx == experts - 1] = -1
             ids.append(idx)
-        w1s = rng.standard_normal((experts, h, n), np.float32).astype(dtype) / np.sqrt(h)
+        w1s = (rng.standard_normal((experts, h, n), np.float32) / np.sqrt(h)).astype(dtype)
         config = MoeConfig(capacity=capacity, path="fused", push_sms=8 if push == "sm" else 0)
 
         def body(x, idx, w1):
@@ -134,8 +134,8 @@ class MoeSuites(Rank):
         xs = [rng.standard_normal((t, h), np.float32).astype(dtype) for _ in range(w_)]
         cs = [rng.standard_normal((t, h), np.float32).astype(dtype) for _ in range(w_)]
         router = rng.standard_normal((h, experts), np.float32).astype(dtype)
-        wi_0, wi_1 = (rng.standard_normal((experts, h, f), np.float32).astype(dtype) / np.sqrt(h) for _ in range(2))
-        wo = rng.standard_normal((experts, f, h), np.float32).astype(dtype) / np.sqrt(f)
+        wi_0, wi_1 = ((rng.standard_normal((experts, h, f), np.float32) / np.sqrt(h)).astype(dtype) for _ in range(2))
+        wo = (rng.standard_normal((experts, f, h), np.float32) / np.sqrt(f)).astype(dtype)
         config = MoeConfig(path="fused")
         mlp = functools.partial(moe_layers.moe_mlp, num_experts_per_tok=k, axis_name="tp", config=config)
 
