@@ -125,13 +125,15 @@ def moe_dispatch_gemm(x, topk_idx, w1, *, axis_name, capacity=None, num_experts:
     jax.shard_map over the expert axis (size W; E = W * E_local experts, expert e on rank e // E_local).
 
     x [T, H]; topk_idx [T, k] int32: global expert ids, -1 (or any id outside [0, E)): no expert;
-    w1 [E_local, H, N] (e.g. gate and up concatenated over N). Returns (y [cap, N], handle): y holds the
-    rows this rank's experts received, expert-major (then source rank, token, slot), each expert's
-    segment starting on a 128-row boundary, padding rows zero; fp32 accumulation, y in x.dtype.
-    handle (a MoeHandle of int32 arrays) is what moe_gemm_combine and the backward need; its
-    `dropped` counts this rank's slots lost to the capacity.
-    capacity: None (dropless) or a factor f: the pool's rows are static (entwine_jax.moe.config.MoeConfig);
-    a row past them is dropped: never sent, zero in the output, zero gradient.
+    w1 [E_local, H, N] (e.g. gate and up concatenated over N). Returns (y [E_local, W*C, N], handle):
+    y[l, q*C + i] is source rank q's i-th slot routed to local expert l (in its token, slot order),
+    times w1[l]; rows no slot took are zero; fp32 accumulation, y in x.dtype (DeepEP low-latency's
+    receive layout). handle (a MoeHandle of int32 arrays) is what moe_gemm_combine and the backward
+    need; its `dropped` counts this rank's slots lost to the capacity.
+    capacity: C, the static rows per (source, expert), is round_up(T, 128) (None: dropless; a token
+    naming one expert twice takes two rows, so even then rows past C can drop) or, with a factor f,
+    max(128, round_up(ceil(f*T*k/E), 128)) (entwine_jax.moe.config.MoeConfig). A slot past C is
+    dropped: never sent, zero in the output, zero gradient.
     num_experts: E, checked against W * w1.shape[0] when given.
     Differentiable in x and w1; the backward is a moe_gemm_combine (docs/design.md, "The pairing").
     """
@@ -153,10 +155,11 @@ def moe_gemm_combine(h, w2, topk_weights, handle, *, axis_name, config: Optional
     """The experts' rows times their expert's w2, sent back to their tokens and summed with the router
     weights; called inside jax.shard_map with the handle of the moe_dispatch_gemm whose layout h has.
 
-    h [cap, F] (e.g. the activation of moe_dispatch_gemm's y), w2 [E_local, F, H], topk_weights [T, k]
-    (float). Returns out [T, H] in h.dtype: out[t] = sum_j topk_weights[t, j] * (h[row(t, j)] @
-    w2[expert(t, j)]) over the slots that were sent (-1 and dropped slots contribute zero); the rows
-    travel in h.dtype and are summed in fp32. Differentiable in h, w2 and topk_weights; the backward is
-    a moe_dispatch_gemm of the cotangent in the handle's layout (docs/design.md, "The pairing").
+    h [E_local, W*C, F] in y's layout (e.g. the activation of moe_dispatch_gemm's y), w2 [E_local, F, H],
+    topk_weights [T, k] (float). Returns out [T, H] in h.dtype: out[t] = sum_j topk_weights[t, j] *
+    (h[row(t, j)] @ w2[expert(t, j)]) over the slots that were sent (-1 and dropped slots contribute
+    zero); the rows travel in h.dtype and are summed in fp32, in j order. Differentiable in h, w2 and
+    topk_weights; the backward is a moe_dispatch_gemm of the cotangent in the handle's layout
+    (docs/design.md, "The pairing").
     """
     return moe_op.combine(h, w2, topk_weights, handle, axis_name=axis_name, config=config)

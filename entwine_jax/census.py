@@ -50,9 +50,7 @@ gemm_rs custom call      (W-1) x output bytes (its reduce-scatter; the output is
 ag_gemm custom call      (W-1) x input bytes of x (its all-gather; padded)
 =======================  ==========================================================
 
-(An op's custom call: what its spec's ``moved`` says one rank sends, W - 1 times. An op's reference
-collective: these rules, unless its spec's ``reference_bytes`` counts what its kernels would move
-instead, as the MoE ops do: their reference sends each rank W padded per-pair blocks.)
+(An op's custom call: what its spec's ``moved`` says one rank sends, W - 1 times.)
 
 **Mesh axes**: from ``replica_groups=mesh['dp'=2,'tp'=4] {'tp'}`` where XLA prints the mesh with the
 program's axis names; otherwise the groups (explicit ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]`` or
@@ -796,11 +794,8 @@ def _census(text: str, mesh, notes: tuple) -> Census:
                     # An op's reference: counted in the dtype its kernels move (module docstring).
                     program, arrays = _fmt_shape(arrays), [(moved, dims) for _, dims in arrays]
                 group_axes, w = _axes_of(instr, axes)
-                # An op whose reference moves more than its kernels would says what they move instead.
-                counted = OPS[owner].reference_bytes if owner in OPS else None
-                nbytes = counted(kind, _nbytes(arrays), w) if counted else _bytes(kind, _nbytes(arrays), w)
                 found.append(Collective(kind=kind, owner=owner, custom_call=False, axes=group_axes,
-                                        group_size=w, shape=_fmt_shape(arrays), bytes=nbytes,
+                                        group_size=w, shape=_fmt_shape(arrays), bytes=_bytes(kind, _nbytes(arrays), w),
                                         count=count, loops=stack, name=instr.name, op_name=op_name,
                                         program_shape=program))
             elif instr.opcode == "custom-call":

@@ -66,8 +66,9 @@ def route(x, router, k: int, norm_topk_prob: bool = True):
 
 
 def _swiglu(y, f: int, dtype):
+    """silu(gate) * up over the last dim of y [..., 2F] (the dispatch's [E_local, W*C, 2F])."""
     y = y.astype(jnp.float32)
-    return (jax.nn.silu(y[:, :f]) * y[:, f:]).astype(dtype)
+    return (jax.nn.silu(y[..., :f]) * y[..., f:]).astype(dtype)
 
 
 def _check_moe_args(where: str, axis_name, num_experts, num_experts_per_tok, norm_topk_prob, dtype, param_dtype,

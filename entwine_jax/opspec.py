@@ -23,10 +23,7 @@ class OpSpec:
     The census: name (the op, its name scope "entwine_<name>" and its moves() label), kind (the
     collective its kernels perform, an HLO opcode: "reduce-scatter"), targets (its custom-call
     targets), moved(target, operand arrays, result arrays, backend_config text) -> (W, the arrays one
-    rank sends W - 1 times) of one custom call, arrays as [(HLO element type, dims)];
-    reference_bytes(kind, bytes of the operands, W) -> the bytes per device the census counts for a
-    collective of the op's XLA reference (in its moves() scope), where the reference moves more than
-    the kernels would (None: the collective's own count).
+    rank sends W - 1 times) of one custom call, arrays as [(HLO element type, dims)].
 
     The pairing (entwine_jax.pairing): backward, the op (by name) whose call on (dy, w.T) in the same
     layout (the same dimension) is this op's dx; gathers, whether the op can return the operand it
@@ -76,7 +73,6 @@ class OpSpec:
     default_config: Callable
     fixed_us: Optional[Callable]
     routed: bool = False
-    reference_bytes: Optional[Callable] = None
 
     @property
     def scope(self) -> str:

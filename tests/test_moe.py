@@ -1,8 +1,10 @@
 # moe_dispatch_gemm and moe_gemm_combine on fake CPU devices (the XLA reference, the only path so far):
 # a hand-computed layout and output, seeded random MoE MLPs at W = 2, 3, 4 against a float64 NumPy
-# model that implements the layout and capacity rule on its own (loops over ranks, experts, sources,
-# tokens), -1 slots, empty experts and ranks, capacity overflow, gradients (against autodiff of a dense
-# per-slot reference, and check_grads), the fallback reason, the census attribution, and bad input.
+# model that implements the static layout and capacity rule on its own (loops over sources, tokens,
+# slots), y's [E_local, W*C, N] rows against a float64 pool, -1 and out-of-range ids, empty experts and
+# ranks, capacity drops (a factor, and dropless with a token naming one expert twice), gradients
+# (against float64 autodiff of a dense per-slot reference, and check_grads), the fallback reason, the
+# census attribution, and bad input.
 import logging
 
 import jax
@@ -14,6 +16,7 @@ from jax.test_util import check_grads
 
 import entwine_jax
 from entwine_jax import MoeConfig, census, moe_dispatch_gemm, moe_gemm_combine
+from entwine_jax.moe.op import capacity_rows
 
 from test_gemm_rs import make_mesh, rel_err
 
@@ -32,7 +35,7 @@ def run(fn, mesh, args, out_specs, *, jit=True, check_vma=True):
 
 
 def swiglu(y, f):
-    return jax.nn.silu(y[:, :f]) * y[:, f:]
+    return jax.nn.silu(y[..., :f]) * y[..., f:]
 
 
 def moe_mlp(x, topk_idx, weights, w1, w2, *, capacity=None, act=swiglu):
@@ -42,30 +45,35 @@ def moe_mlp(x, topk_idx, weights, w1, w2, *, capacity=None, act=swiglu):
     return out, jax.tree.map(lambda a: a[None], handle)
 
 
-def model_layout(idx, world, e_local, cap):
-    """The layout rule as loops: (kept [W*T, k], pos [W*T, k], counts [W, E], group sizes [W, E_local],
-    dropped [W]). Rank r's pool: experts in order, each at a 128-row boundary computed from the counts
-    before the capacity; inside, sources in order, then tokens and slots; a row is kept iff below cap."""
+def model_layout(idx, world, num_experts, c):
+    """The layout rule as loops over the global idx [W*T, k]: (kept, place [W*T, k] (-1 where not
+    kept), dropped [W]). On each source rank, slot (t, j) of expert e takes the next row of its
+    (source, e) segment in (t, j) order; it is kept iff that row is below c."""
     wt, k = idx.shape
     t = wt // world
-    kept, pos = np.zeros(idx.shape, bool), np.full(idx.shape, -1)
-    counts, sizes = np.zeros((world, world * e_local), int), np.zeros((world, e_local), int)
-    for r in range(world):
-        base = 0
-        for l in range(e_local):
-            e, n = r * e_local + l, 0
-            for q in range(world):
-                for tok in range(q * t, (q + 1) * t):
-                    for j in range(k):
-                        if idx[tok, j] == e:
-                            if base + n < cap:
-                                kept[tok, j], pos[tok, j] = True, base + n
-                                counts[q, e] += 1
-                            n += 1
-            sizes[r, l] = -(-counts[:, e].sum() // 128) * 128
-            base += -(-n // 128) * 128
-    dropped = ((idx >= 0) & ~kept).reshape(world, t * k).sum(axis=1)
-    return kept, pos, counts, sizes, dropped
+    kept, place = np.zeros(idx.shape, bool), np.full(idx.shape, -1)
+    for q in range(world):
+        used = np.zeros(num_experts, int)
+        for tok in range(q * t, (q + 1) * t):
+            for j in range(k):
+                e = idx[tok, j]
+                if 0 <= e < num_experts:
+                    if used[e] < c:
+                        kept[tok, j], place[tok, j] = True, used[e]
+                    used[e] += 1
+    dropped = ((idx >= 0) & (idx < num_experts) & ~kept).reshape(world, t * k).sum(axis=1)
+    return kept, place, dropped
+
+
+def model_pools(idx, x, world, e_local, c):
+    """float64 pool [E, W*C, H] of every expert (expert-major over ranks): row q*C + i of expert e is
+    source q's token whose slot took row i of segment (q, e); zeros elsewhere."""
+    kept, place, _ = model_layout(idx, world, world * e_local, c)
+    t = idx.shape[0] // world
+    pool = np.zeros((world * e_local, world * c, x.shape[1]))
+    for tok, j in zip(*np.nonzero(kept)):
+        pool[idx[tok, j], (tok // t) * c + place[tok, j]] = np.asarray(x[tok], np.float64)
+    return pool
 
 
 def model_mlp(x, idx, weights, w1, w2, kept, act=True):
@@ -82,14 +90,15 @@ def model_mlp(x, idx, weights, w1, w2, kept, act=True):
     return out
 
 
-def dense_mlp(x, weights, w1, w2, idx, kept):
-    """The same MLP in JAX without any routing (every slot gathers its expert's weights), for autodiff."""
+def dense_mlp(x, weights, w1, w2, idx, kept, dtype=jnp.float32):
+    """The same MLP in JAX without any routing (every slot gathers its expert's weights), for autodiff
+    (in float64 under jax.enable_x64)."""
     f = w2.shape[1]
     e = jnp.asarray(np.maximum(idx, 0))
-    y = jnp.einsum("th,tkhn->tkn", x.astype(jnp.float32), w1[e].astype(jnp.float32))
+    y = jnp.einsum("th,tkhn->tkn", x.astype(dtype), w1[e].astype(dtype))
     h = jax.nn.silu(y[..., :f]) * y[..., f:]
-    o = jnp.einsum("tkf,tkfh->tkh", h, w2[e].astype(jnp.float32))
-    return jnp.einsum("tk,tkh->th", jnp.where(kept, weights.astype(jnp.float32), 0.0), o)
+    o = jnp.einsum("tkf,tkfh->tkh", h, w2[e].astype(dtype))
+    return jnp.einsum("tk,tkh->th", jnp.where(kept, weights.astype(dtype), 0.0), o)
 
 
 def random_case(seed, world, e_local, t, k, h, f, dtype, routing):
@@ -112,12 +121,20 @@ def random_case(seed, world, e_local, t, k, h, f, dtype, routing):
     return cast(x), idx, jnp.asarray(weights), cast(w1), cast(w2)
 
 
+def test_capacity_rows():
+    # C: dropless round_up(T, 128); a factor f: max(128, round_up(ceil(f * T * k / E), 128)).
+    assert [capacity_rows(t, 2, 8, None) for t in (1, 128, 129, 300)] == [128, 128, 256, 384]
+    assert capacity_rows(160, 2, 4, 1.0) == 128  # ceil(80): at least one tile
+    assert capacity_rows(1024, 8, 16, 1.25) == 640  # ceil(640)
+    assert capacity_rows(1000, 8, 16, 1.0) == 512  # ceil(500) -> 512
+
+
 def test_hand_computed():
-    # W = 2, E = 4 (experts 0, 1 on rank 0; 2, 3 on rank 1), T = 3, k = 2, H = N = F = 2.
+    # W = 2, E = 4 (experts 0, 1 on rank 0; 2, 3 on rank 1), T = 3, k = 2, H = N = F = 2, C = 128.
     # w1[e] = (e + 1) I, w2[e] = I, weights 0.5: out[t] = 0.5 * sum over its experts of (e + 1) x[t].
     mesh = make_mesh((2,), ("ep",))
-    idx = np.array([[1, 2], [2, -1], [0, 2],    # rank 0's tokens
-                    [3, 0], [-1, -1], [2, 3]],  # rank 1's
+    idx = np.array([[1, 2], [2, -1], [0, 2],    # rank 0's tokens (x = 1, 2, 3)
+                    [3, 0], [-1, -1], [2, 3]],  # rank 1's (x = 4, 5, 6)
                    np.int32)
     x = jnp.asarray(np.repeat(np.arange(1.0, 7.0)[:, None], 2, axis=1) * [1, -1], jnp.float32)
     w1 = jnp.asarray(np.arange(1.0, 5.0)[:, None, None] * np.eye(2), jnp.float32)
@@ -130,26 +147,20 @@ def test_hand_computed():
         return y, out, jax.tree.map(lambda a: a[None], handle)
 
     y, out, handle = run(fn, mesh, (x, idx, weights, w1, w2), (EP, EP, EP))
-    np.testing.assert_array_equal(np.asarray(out)[:, 0], [2.5 * 1, 1.5 * 2, 2.0 * 3, 2.5 * 4, 0.0, 3.5 * 6])
-    # Dropless cap: round_up(W*T*min(k, E_local) + 127*E_local, 128) = round_up(12 + 254, 128) = 384.
-    assert y.shape == (2 * 384, 2)
-    np.testing.assert_array_equal(handle.counts[0], [[1, 1, 3, 0], [1, 0, 1, 2]])
-    np.testing.assert_array_equal(handle.counts[1], handle.counts[0])
-    np.testing.assert_array_equal(handle.group_sizes, [[128, 128], [128, 128]])
-    np.testing.assert_array_equal(handle.dropped, [0, 0])
-    # src = q*T*k + t*k + j. Rank 0: expert 0 gets (q0, t2, j0) then (q1, t0, j1); expert 1 at row 128
-    # gets (q0, t0, j0). Rank 1: expert 2 gets q0's t0 j1, t1 j0, t2 j1, then q1's t2 j0; expert 3 q1's
-    # t0 j0 and t2 j1.
-    src = np.asarray(handle.src)
-    assert {i: s for i, s in enumerate(src[0]) if s >= 0} == {0: 4, 1: 7, 128: 0}
-    assert {i: s for i, s in enumerate(src[1]) if s >= 0} == {0: 1, 1: 2, 2: 5, 3: 10, 128: 6, 129: 11}
-    np.testing.assert_array_equal(handle.pos.reshape(6, 2), [[128, 0], [1, -1], [0, 2], [128, 1], [-1, -1], [3, 129]])
+    np.testing.assert_array_equal(out[:, 0], [2.5 * 1, 1.5 * 2, 2.0 * 3, 2.5 * 4, 0.0, 3.5 * 6])
+    # y: [E_local, W*C, N] per rank, [E, W*C, N] over the mesh.
+    assert y.shape == (4, 2 * 128, 2)
+    # place: each slot's index among its rank's slots of its expert, in (t, j) order.
+    np.testing.assert_array_equal(handle.place.reshape(6, 2), [[0, 0], [1, -1], [0, 2], [0, 0], [-1, -1], [0, 1]])
     np.testing.assert_array_equal(handle.expert.reshape(6, 2), idx)
-    # y rows: (e + 1) x[token]; padding rows zero.
-    y = np.asarray(y)
-    np.testing.assert_array_equal(y[[0, 1, 128]], [[3.0, -3.0], [4.0, -4.0], [2.0, -2.0]])
-    np.testing.assert_array_equal(y[384 + np.array([0, 3, 128, 129])], [[3, -3], [18, -18], [16, -16], [24, -24]])
-    assert np.count_nonzero(y) == 2 * 9
+    np.testing.assert_array_equal(handle.dropped, [0, 0])
+    # Expert 0: source 0's row 0 (x 3), source 1's row 0 at 128 (x 4); expert 1: source 0's x 1;
+    # expert 2: source 0's x 1, 2, 3, source 1's x 6; expert 3: source 1's x 4, 6. Times e + 1.
+    want = {(0, 0): 3, (0, 128): 4, (1, 0): 2, (2, 0): 3, (2, 1): 6, (2, 2): 9, (2, 128): 18, (3, 128): 16,
+            (3, 129): 24}
+    for (e, row), v in want.items():
+        np.testing.assert_array_equal(y[e, row], [v, -v])
+    assert np.count_nonzero(y) == 2 * len(want)  # every other row zero
 
 
 CASES = [  # (W, E_local, T, k, routing)
@@ -172,14 +183,26 @@ def test_mlp_matches_float64_model(case, dtype):
     x, idx, weights, w1, w2 = random_case(CASES.index(case), world, e_local, t, k, 8, 4, dtype, routing)
     out, handle = run(moe_mlp, mesh, (x, idx, weights, w1, w2), (EP, EP))
     assert out.dtype == dtype and out.shape == x.shape
-    cap = handle.src.shape[1]
-    kept, pos, counts, sizes, dropped = model_layout(idx, world, e_local, cap)
+    kept, place, dropped = model_layout(idx, world, world * e_local, 128)
     assert kept.sum() == (idx >= 0).sum()  # dropless
-    np.testing.assert_array_equal(handle.pos.reshape(pos.shape), pos)
-    np.testing.assert_array_equal(handle.counts[0], counts)
-    np.testing.assert_array_equal(handle.group_sizes, sizes)
+    np.testing.assert_array_equal(handle.place.reshape(place.shape), place)
     np.testing.assert_array_equal(handle.dropped, dropped)
     assert rel_err(out, model_mlp(x, idx, weights, w1, w2, kept)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_dispatch_pool_layout(world):
+    # y [E_local, W*C, N]: row q*C + i of local expert l is source q's slot in row i of segment
+    # (q, rank*E_local + l), times w1[l]; rows no slot took are zero (checked against float64).
+    e_local, t, k = 2, 5, 2
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, _, w1, _ = random_case(11 + world, world, e_local, t, k, 8, 4, jnp.float32, "skewed")
+    y = run(lambda x, idx, w1: moe_dispatch_gemm(x, idx, w1, axis_name="ep")[0], mesh, (x, idx, w1), EP)
+    pool = model_pools(idx, x, world, e_local, 128)
+    want = np.einsum("erh,ehn->ern", pool, np.asarray(w1, np.float64))
+    assert y.shape == want.shape
+    np.testing.assert_array_equal(y[np.all(pool == 0, axis=2)], 0.0)
+    assert rel_err(y, want) < TOL[jnp.float32]
 
 
 def test_eager_equals_jit_and_no_vma():
@@ -203,14 +226,14 @@ def test_ids_outside_the_experts_route_nowhere():
     out_none, handle_none = run(moe_mlp, mesh, (x, none, weights, w1, w2), (EP, EP))
     np.testing.assert_array_equal(out_bad, out_none)
     np.testing.assert_array_equal(handle_bad.expert, handle_none.expert)
+    np.testing.assert_array_equal(handle_bad.place, handle_none.place)
     np.testing.assert_array_equal(handle_bad.dropped, [0, 0])
 
 
 def overflow_case(t=160):
-    # W = 2, E_local = 2, every token: slot 0 -> expert 0, slot 1 -> expert 1 (both on rank 0).
-    # capacity 0.005: cap = round_up(ceil(0.005 * 320) + 254, 128) = 256. Expert 0 gets 320 rows
-    # (rank 0's 160, then rank 1's 160): rows 256.. are dropped, i.e. rank 1's last 64 tokens' slot 0;
-    # expert 1's segment would start at 384 > cap: all its rows are dropped.
+    # W = 2, E = 4, every token: slot 0 -> expert 0, slot 1 -> expert 1 (both on rank 0).
+    # capacity 1.0: C = max(128, round_up(ceil(1.0 * 160 * 2 / 4), 128)) = 128 rows per (source,
+    # expert): on each rank, tokens 128..159 lose both slots (64 dropped slots per rank).
     rng = np.random.default_rng(5)
     idx = np.tile(np.array([[0, 1]], np.int32), (2 * t, 1))
     x = jnp.asarray(rng.normal(size=(2 * t, 4)), jnp.float32)
@@ -220,27 +243,52 @@ def overflow_case(t=160):
     return x, idx, weights, w1, w2
 
 
+def lost(t=160):
+    """The tokens of overflow_case whose slots are all dropped: 128..159 of each rank."""
+    return np.r_[128:t, t + 128:2 * t]
+
+
 def test_capacity_overflow_is_deterministic_and_counted():
     mesh = make_mesh((2,), ("ep",))
     x, idx, weights, w1, w2 = overflow_case()
-    out, handle = run(lambda *a: moe_mlp(*a, capacity=0.005), mesh, (x, idx, weights, w1, w2), (EP, EP))
-    assert handle.src.shape == (2, 256)
-    np.testing.assert_array_equal(handle.dropped, [160, 64 + 160])
-    np.testing.assert_array_equal(handle.counts[0], [[160, 0, 0, 0], [96, 0, 0, 0]])
-    np.testing.assert_array_equal(handle.group_sizes, [[256, 0], [0, 0]])
-    kept = model_layout(idx, 2, 2, 256)[0]
-    assert kept[:, 1].sum() == 0 and kept[:, 0].sum() == 256
+    out, handle = run(lambda *a: moe_mlp(*a, capacity=1.0), mesh, (x, idx, weights, w1, w2), (EP, EP))
+    np.testing.assert_array_equal(handle.dropped, [64, 64])
+    kept, place, _ = model_layout(idx, 2, 4, 128)
+    np.testing.assert_array_equal(handle.place.reshape(place.shape), place)
+    np.testing.assert_array_equal(np.nonzero(~kept.all(axis=1))[0], lost())
     assert rel_err(out, model_mlp(x, idx, weights, w1, w2, kept)) < 1e-5
-    np.testing.assert_array_equal(np.asarray(out)[2 * 160 - 64:], 0.0)
+    np.testing.assert_array_equal(out[lost()], 0.0)
+    again, _ = run(lambda *a: moe_mlp(*a, capacity=1.0), mesh, (x, idx, weights, w1, w2), (EP, EP))
+    np.testing.assert_array_equal(again, out)
+    # Dropless: C = round_up(160, 128) = 256, nothing lost.
+    out, handle = run(moe_mlp, mesh, (x, idx, weights, w1, w2), (EP, EP))
+    np.testing.assert_array_equal(handle.dropped, [0, 0])
+    assert rel_err(out, model_mlp(x, idx, weights, w1, w2, np.ones(idx.shape, bool))) < 1e-5
+
+
+def test_dropless_token_naming_an_expert_twice():
+    # Dropless C = round_up(T, 128) holds one row per token: T = 130 tokens each naming expert 0 in
+    # both slots need 260 rows of segment (q, 0), 256 exist; slot (t, j) takes row 2t + j, so tokens
+    # 128 and 129 of each rank lose both slots (4 dropped per rank), and the rest count twice.
+    mesh = make_mesh((2,), ("ep",))
+    x, _, weights, w1, w2 = random_case(12, 2, 1, 130, 2, 8, 4, jnp.float32, "uniform")
+    idx = np.zeros((260, 2), np.int32)
+    out, handle = run(moe_mlp, mesh, (x, idx, weights, w1, w2), (EP, EP))
+    np.testing.assert_array_equal(handle.dropped, [4, 4])
+    np.testing.assert_array_equal(handle.place[0, :3], [[0, 1], [2, 3], [4, 5]])
+    kept, _, dropped = model_layout(idx, 2, 2, 256)
+    np.testing.assert_array_equal(dropped, [4, 4])
+    np.testing.assert_array_equal(out[[128, 129, 258, 259]], 0.0)
+    assert rel_err(out, model_mlp(x, idx, weights, w1, w2, kept)) < 1e-5
 
 
 def test_dropped_slots_get_zero_gradient():
     mesh = make_mesh((2,), ("ep",))
     x, idx, weights, w1, w2 = overflow_case()
-    kept = model_layout(idx, 2, 2, 256)[0]
+    kept = model_layout(idx, 2, 4, 128)[0]
 
     def loss(x, weights, w1, w2):
-        f = jax.shard_map(lambda *a: moe_mlp(a[0], a[1], a[2], a[3], a[4], capacity=0.005)[0], mesh=mesh,
+        f = jax.shard_map(lambda *a: moe_mlp(a[0], a[1], a[2], a[3], a[4], capacity=1.0)[0], mesh=mesh,
                           in_specs=(EP,) * 5, out_specs=EP)
         return jnp.sum(f(x, jax.device_put(idx, EP), weights, w1, w2) ** 2)
 
@@ -249,8 +297,9 @@ def test_dropped_slots_get_zero_gradient():
     dx, dweights, dw1, dw2 = (np.asarray(g) for g in grads)
     np.testing.assert_array_equal(dweights[~kept], 0.0)
     assert np.all(dweights[kept] != 0.0)
-    np.testing.assert_array_equal(dx[2 * 160 - 64:], 0.0)  # tokens with every slot dropped
-    np.testing.assert_array_equal(dw1[1], 0.0)  # expert 1 received nothing
+    np.testing.assert_array_equal(dx[lost()], 0.0)  # tokens with every slot dropped
+    np.testing.assert_array_equal(dw1[2:], 0.0)  # experts 2 and 3 received nothing
+    np.testing.assert_array_equal(dw2[2:], 0.0)
     dense = jax.grad(lambda *a: jnp.sum(dense_mlp(*a, idx, kept) ** 2), argnums=(0, 1, 2, 3))(x, weights, w1, w2)
     for got, want in zip((dx, dweights, dw1, dw2), dense):
         assert rel_err(got, want) < 1e-5
@@ -261,7 +310,7 @@ GRAD_CASES = [(2, 2, 6, 2, "uniform"), (3, 2, 5, 2, "skewed"), (4, 3, 4, 3, "uni
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: "W{}-El{}-T{}-k{}-{}".format(*c))
-def test_grads_match_dense_autodiff(case, dtype):
+def test_grads_match_float64(case, dtype):
     world, e_local, t, k, routing = case
     mesh = make_mesh((world,), ("ep",))
     x, idx, weights, w1, w2 = random_case(7, world, e_local, t, k, 8, 4, dtype, routing)
@@ -274,8 +323,11 @@ def test_grads_match_dense_autodiff(case, dtype):
     with jax.set_mesh(mesh):
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*[jax.device_put(a, EP) for a in (x, weights, w1, w2)])
     kept = idx >= 0
-    dense = jax.grad(lambda *a: jnp.sum(dense_mlp(*a, idx, kept) * cot), argnums=(0, 1, 2, 3))(
-        x.astype(jnp.float32), weights, w1.astype(jnp.float32), w2.astype(jnp.float32))
+    with jax.enable_x64():
+        wide = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, weights, w1, w2)]
+        dense = jax.grad(lambda *a: jnp.sum(dense_mlp(*a, idx, kept, jnp.float64) * jnp.asarray(cot, jnp.float64)),
+                         argnums=(0, 1, 2, 3))(*wide)
+        dense = [np.asarray(g) for g in dense]
     for name, got, want, arg in zip(("x", "weights", "w1", "w2"), grads, dense, (x, weights, w1, w2)):
         assert got.dtype == arg.dtype, name
         assert rel_err(got, want) < 3 * TOL[dtype], name
@@ -322,27 +374,23 @@ def test_census_attributes_the_collectives():
         forward = census.collectives(jax.jit(loss), *args)
         # value_and_grad: with grad alone the forward combine's result is dead code.
         backward = census.collectives(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))), *args)
-    # Forward: dispatch's counts (all-gather) and positions and rows (all-to-all, int32 and bf16);
-    # combine's rows back (bf16). Nothing of theirs is XLA's.
+    # Forward: one all-to-all each, the static segments (no counts phase); nothing of theirs is XLA's.
     assert not forward.select(owner="xla", kind=("all-to-all", "all-gather")), forward.table()
     dispatch, combine = forward.select(owner="moe_dispatch_gemm"), forward.select(owner="moe_gemm_combine")
-    assert dispatch.counts("kind") == {"all-gather": 1, "all-to-all": 2}, forward.table()
+    assert dispatch.counts("kind") == {"all-to-all": 1}, forward.table()
     assert combine.counts("kind") == {"all-to-all": 1}, forward.table()
     assert all(c.axes == ("ep",) for c in dispatch.collectives + combine.collectives)
-    # Bytes by the ops' formula (docs/design.md, "Census"), not the reference's W per-pair blocks:
-    # rows (W-1)/W x T*k x H x 2 = 1/2 x 16 x 8 x 2; counts (W-1) x E x 4.
-    rows, = combine.collectives
-    assert (rows.shape.split("[")[0], rows.bytes) == ("bf16", 128)
-    assert dispatch.select(kind="all-gather").bytes == 16
-    assert dispatch.select(kind="all-to-all").bytes == 128 + 16 * 4 // 2  # rows, then the slots' int32 positions
-    # Backward adds: dispatch's dx (a combine), combine's dout and weights (dispatches) and the router
-    # weights' gradient home (the combine's).
+    # Bytes: (W-1)/W of [W, E_local, C, H] bf16 = 1/2 x 2 x 2 x 128 x 8 x 2, the rows the kernels send.
+    for c in dispatch.collectives + combine.collectives:
+        assert (c.shape.split("[")[0], c.bytes) == ("bf16", 4096), forward.table()
+    # Backward adds: dispatch's dx (a combine); combine's dout (a dispatch), its router weights (f32,
+    # the dispatch's) and the router weights' gradient home (f32, the combine's).
     assert not backward.select(owner="xla", kind=("all-to-all", "all-gather")), backward.table()
     assert backward.select(owner="moe_gemm_combine").counts("kind") == {"all-to-all": 3}, backward.table()
-    assert backward.select(owner="moe_dispatch_gemm").counts("kind") == {"all-gather": 1, "all-to-all": 4}
-    # The router weights' gradient travels home as f32 [T*k, 1] per pair, labelled the combine's.
-    assert [c.shape.split(", ")[0] for c in backward.select(owner="moe_gemm_combine").collectives if
-            c.shape.startswith("f32")] == ["f32[1,16,1]"], backward.table()
+    assert backward.select(owner="moe_dispatch_gemm").counts("kind") == {"all-to-all": 3}, backward.table()
+    for owner in ("moe_dispatch_gemm", "moe_gemm_combine"):
+        f32 = [c for c in backward.select(owner=owner).collectives if c.shape.startswith("f32")]
+        assert [c.bytes for c in f32] == [1024], backward.table()  # 1/2 x 2 x 2 x 128 x 4
 
 
 def _trace(fn, mesh, args):
@@ -358,9 +406,9 @@ def _dispatch_only(**kw):
 ERRORS = {  # (x, topk_idx, w1) of the global arrays, the call's keywords, the message
     "topk-dtype": ((8, 4), ("f32", (8, 2)), (4, 4, 6), {}, "topk_idx.dtype must be int32"),
     "topk-rows": ((8, 4), ("i32", (6, 2)), (4, 4, 6), {}, r"topk_idx.shape\[0\] must equal x.shape\[0\] \(T = 4\)"),
+    "x-rank": ((8, 4, 1), ("i32", (8, 2)), (4, 4, 6), {}, r"x must have rank 2 \(\[T, H\]\), got rank 3"),
     "w1-rank": ((8, 4), ("i32", (8, 2)), (4, 24), {}, r"w1 must have rank 3 \(\[E_local, H, N\]\), got rank 2"),
     "w1-hidden": ((8, 4), ("i32", (8, 2)), (4, 5, 6), {}, r"w1.shape\[1\] must equal x.shape\[1\] \(H = 4\)"),
-    "capacity": ((8, 4), ("i32", (8, 2)), (400, 4, 6), {"capacity": 0.01}, r"fewer than 128 \* E_local = 25600"),
     "num-experts": ((8, 4), ("i32", (8, 2)), (4, 4, 6), {"num_experts": 5}, "num_experts must be an int divisible"),
     "e-local": ((8, 4), ("i32", (8, 2)), (4, 4, 6), {"num_experts": 6}, r"w1.shape\[0\] must be num_experts / W = 3"),
 }
@@ -389,10 +437,14 @@ def test_dtype_mismatch_and_config_errors():
         moe_dispatch_gemm(*args[:2], args[2].astype(jnp.bfloat16), axis_name="nope")
 
 
-COMBINE_ERRORS = {  # what to change in a good combine call, the message
-    "h-rows": (lambda h, w2, wt: (h[:-1], w2, wt), r"h.shape\[0\] must equal the dispatch's pool rows \(cap = 384\)"),
+COMBINE_ERRORS = {  # what to change in a good combine call (h [E_local = 2, W*C = 256, F = 3]), the message
+    "h-rank": (lambda h, w2, wt: (h[0], w2, wt), r"h must have rank 3 \(\[E_local, W\*C, F\]\), got rank 2"),
+    "h-rows": (lambda h, w2, wt: (h[:, :-1], w2, wt),
+               r"h must have shape \[E_local, W\*C, F\] with W = 2 \(axis 'ep'\) and C a multiple of 128 \(the "
+               r"dispatch's y\), got \(2, 255, 3\)"),
     "w2-shape": (lambda h, w2, wt: (h, w2[:, :2], wt),
                  r"w2 must have shape \[E_local = 2, F = 3, H\], got \(2, 2, 4\)"),
+    "w2-experts": (lambda h, w2, wt: (h, w2[:1], wt), r"w2 must have shape \[E_local = 2, F = 3, H\], got \(1, 3, 4\)"),
     "weights-shape": (lambda h, w2, wt: (h, w2, wt[:, :1]), r"topk_weights must have shape \[T, k\] = \(4, 2\)"),
     "weights-dtype": (lambda h, w2, wt: (h, w2, wt.astype(jnp.int32)), "topk_weights.dtype must be a float type"),
 }
@@ -405,7 +457,7 @@ def test_combine_errors(name):
 
     def fn(x, idx, w1, w2, weights):
         y, handle = moe_dispatch_gemm(x, idx, w1, axis_name="ep")
-        return moe_gemm_combine(*change(y[:, :3], w2, weights), handle, axis_name="ep")
+        return moe_gemm_combine(*change(y[..., :3], w2, weights), handle, axis_name="ep")
 
     args = (jnp.zeros((8, 4)), jnp.zeros((8, 2), jnp.int32), jnp.zeros((4, 4, 6)), jnp.zeros((4, 3, 4)),
             jnp.zeros((8, 2)))
@@ -417,7 +469,7 @@ def test_combine_needs_the_handle():
     mesh = make_mesh((2,), ("ep",))
     fn = lambda h, w2, wt: moe_gemm_combine(h, w2, wt, (1, 2), axis_name="ep")
     with pytest.raises(ValueError, match="handle must be the MoeHandle moe_dispatch_gemm returned, got tuple"):
-        _trace(fn, mesh, (jnp.zeros((512, 3)), jnp.zeros((4, 3, 4)), jnp.zeros((8, 2))))
+        _trace(fn, mesh, (jnp.zeros((4, 256, 3)), jnp.zeros((4, 3, 4)), jnp.zeros((8, 2))))
 
 
 def test_routed_ops_are_not_run_by_the_dense_pairing():
@@ -427,14 +479,14 @@ def test_routed_ops_are_not_run_by_the_dense_pairing():
     with pytest.raises(ValueError, match="is a routed op"):
         pairing.call("moe_gemm_combine", jnp.zeros((4, 4)), jnp.zeros((4, 4)), axis_name="ep", dimension=0,
                      config=None)
-    assert entwine_jax.MoeHandle._fields[:4] == ("counts", "src", "group_sizes", "dropped")
+    assert entwine_jax.MoeHandle._fields == ("expert", "place", "dropped")
 
 
 def test_specs_plan_and_forward_match_the_public_ops():
     # The contract's plan / forward (opspec.RoutedInput in place of x) compute what the public ops do.
     from entwine_jax import opspec, registry
     dispatch_spec, combine_spec = registry.OPS["moe_dispatch_gemm"], registry.OPS["moe_gemm_combine"]
-    assert dispatch_spec.routed and combine_spec.routed and dispatch_spec.kind == "ragged-all-to-all"
+    assert dispatch_spec.routed and combine_spec.routed and dispatch_spec.kind == "all-to-all"
     mesh = make_mesh((2,), ("ep",))
     x, idx, weights, w1, w2 = random_case(6, 2, 2, 5, 2, 8, 4, jnp.float32, "skewed")
 
@@ -457,8 +509,8 @@ def test_config_path_and_printed_choice(monkeypatch, capsys):
     config = MoeConfig(capacity=0.5, path="xla")
     out = run(lambda x, idx, w1: moe_dispatch_gemm(x, idx, w1, axis_name="ep", config=config)[0], mesh, (x, idx, w1),
               EP)
-    # capacity 0.5: cap = round_up(ceil(0.5 * 4 * 2) + 254, 128) = 384 rows per rank.
-    assert out.shape == (2 * 384, 8)
+    # capacity 0.5: C = max(128, round_up(ceil(0.5 * 4 * 2 / 4), 128)) = 128; y [E_local, W*C, N] per rank.
+    assert out.shape == (4, 2 * 128, 8)
     err = capsys.readouterr().err
     assert ("entwine_jax.moe_dispatch_gemm x=float32[4, 8] topk_idx[4, 2] w1=float32[2, 8, 8] axis='ep' (size 2) "
-            "cap=384: path=xla MoeConfig(capacity=0.5, path=xla) source=the call reason: config.path='xla'") in err
+            "C=128: path=xla MoeConfig(capacity=0.5, path=xla) source=the call reason: config.path='xla'") in err

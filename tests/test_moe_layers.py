@@ -127,15 +127,15 @@ def test_full_softmax_weights(world):
 
 
 def test_capacity_drops():
-    # Every token picks experts 0 and 1 (rank 0's): 256 rows each into rank 0's pool. capacity=0.5
-    # gives a pool of 384 rows, so expert 1 keeps only rank 0's 128 rows; the dropped slots add nothing.
-    world, tokens_per_rank = 2, 128
+    # Every token picks experts 0 and 1 (rank 0's). capacity=0.5 gives C = max(128, round_up(ceil(0.5 *
+    # 160 * 2 / 4), 128)) = 128 rows per (source, expert), so each rank's tokens 128..159 lose both
+    # slots (their output is zero); the slots kept are summed as without the config.
+    world, tokens_per_rank = 2, 160
     mesh = make_mesh((world,), ("ep",))
     config = MoeConfig(capacity=0.5)
     graphdef, state, specs = nnx_moe(mesh, config=config)
     p = params_of(state)
-    # Feature 0 (set to 3 below) makes experts 0 and 1 the top two, with comparable weights (the other
-    # features decide their order), so the dropped slots would show in the output.
+    # Feature 0 (set to 3 below) makes experts 0 and 1 the top two.
     p["router"][0] += np.array([30.0, 30.0, 0.0, 0.0], np.float32)
     nnx.replace_by_pure_dict(state, {**nnx.to_pure_dict(state), "router": jnp.asarray(p["router"])})
     with jax.set_mesh(mesh):
@@ -146,13 +146,13 @@ def test_capacity_drops():
         y = sharded(mesh, lambda s, x: nnx.merge(graphdef, s)(x), specs)(state, jax.device_put(jnp.asarray(x), EP))
     _, idx = model(x, p, K)
     assert (np.sort(idx, axis=1) == [0, 1]).all()
-    cap = capacity_rows(world, tokens_per_rank, K, 2, config.capacity)
-    kept, *_ = model_layout(idx, world, 2, cap)
-    second = idx[tokens_per_rank:] == 1
-    assert cap == 384 and kept[:tokens_per_rank].all() and kept[tokens_per_rank:][~second].all()
-    assert not kept[tokens_per_rank:][second].any()
+    c = capacity_rows(tokens_per_rank, K, experts(world), config.capacity)
+    kept, *_ = model_layout(idx, world, experts(world), c)
+    lost = np.r_[128:tokens_per_rank, tokens_per_rank + 128:2 * tokens_per_rank]
+    assert c == 128 and kept.sum() == world * 128 * K and not kept[lost].any()
     ref, _ = model(x, p, K, kept=kept)
     assert rel_err(y, ref) <= TOL[jnp.float32]
+    np.testing.assert_array_equal(np.asarray(y)[lost], 0.0)
     assert rel_err(y, model(x, p, K)[0]) > 1e-2  # without the drops the output would differ
 
 

@@ -10,10 +10,11 @@ from entwine_jax._config import PATHS
 class MoeConfig:
     """Configuration of one moe_dispatch_gemm call (moe_gemm_combine takes the dispatch's layout).
 
-    capacity: None: dropless, the pool has round_up(W*T*min(k, E_local) + 127*E_local, 128) rows;
-              a factor f > 0: round_up(ceil(f*T*k) + 127*E_local, 128) rows (MaxText's
-              ragged_buffer_factor); rows past the pool are dropped (docs/design.md, "Capacity,
-              dropless and overflow").
+    capacity: C, the static rows per (source rank, expert), a multiple of 128. None: dropless,
+              C = round_up(T, 128), one row per token (a token naming one expert twice takes two,
+              so rows past C can still drop); a factor f > 0: C = max(128, round_up(ceil(f*T*k/E),
+              128)), f times the balanced share. A slot past C is dropped (docs/design.md,
+              "Capacity, dropless and overflow").
     path:     "auto" / "fused" / "xla", as for GemmRsConfig; the kernels are not built yet, so every
               call runs the XLA reference (logged once per call site).
     """

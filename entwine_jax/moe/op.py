@@ -1,8 +1,9 @@
 # moe_dispatch_gemm and moe_gemm_combine at a call site: argument checks (ValueErrors naming the
 # argument, the expected and the actual value), the static capacity, the plan (every call takes the
-# XLA reference until the kernels exist, said once per call site), and the custom VJP that pairs each
-# op with the other (docs/design.md, "Mixture of experts (planned)", "The pairing"). Their SPECs declare
-# them to shared code as routed ops (entwine_jax.opspec).
+# XLA reference until the kernels exist, said once per call site), dispatch_pool / combine_pool (where
+# the kernels plug in), and the custom VJP that pairs each op with the other (docs/design.md, "Mixture
+# of experts (planned)", "The pairing"). Their SPECs declare them to shared code as routed ops
+# (entwine_jax.opspec).
 import dataclasses
 import functools
 import math
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from entwine_jax import callsite, opspec
 from entwine_jax.moe import reference
 from entwine_jax.moe.config import MoeConfig
-from entwine_jax.moe.reference import COMBINE, DISPATCH, TILE, MoeHandle, round_up
+from entwine_jax.moe.reference import COMBINE, DISPATCH, F32, TILE, MoeHandle, round_up
 
 printed: set = set()  # call sites printed under ENTWINE_PRINT_CONFIG=1
 NOT_BUILT = "MoE kernels not built yet (docs/design.md, \"Mixture of experts (planned)\"): the XLA reference runs"
@@ -28,17 +29,23 @@ class Plan:
     config: MoeConfig
     reason: Optional[str]  # why the XLA reference runs (always, until the kernels exist)
     e_local: int
-    cap: int
+    capacity: int  # C, the rows of one (source, expert) segment
     dimension: ClassVar[int] = 0
     return_gathered: ClassVar[bool] = False
 
+    @property
+    def num_experts(self) -> int:
+        return self.axis_size * self.e_local
 
-def capacity_rows(world: int, tokens: int, k: int, e_local: int, capacity: Optional[float]) -> int:
-    """The pool's static rows (docs/design.md, "Capacity, dropless and overflow"): dropless, the worst
-    case W*T*min(k, E_local) plus each expert's padding; with a factor f, f*T*k plus the padding."""
+
+def capacity_rows(tokens: int, k: int, num_experts: int, capacity: Optional[float]) -> int:
+    """C, the static rows of one (source, expert) segment (docs/design.md, "Capacity, dropless and
+    overflow"), a multiple of 128: dropless, round_up(T, 128) (every token once; a token naming one
+    expert twice needs two rows and can overflow); with a factor f, f times the balanced share
+    T*k/E, at least 128."""
     if capacity is None:
-        return round_up(world * tokens * min(k, e_local) + (TILE - 1) * e_local, TILE)
-    return round_up(math.ceil(capacity * tokens * k) + (TILE - 1) * e_local, TILE)
+        return round_up(tokens, TILE)
+    return max(TILE, round_up(math.ceil(capacity * tokens * k / num_experts), TILE))
 
 
 def _check_array(op: str, name: str, v, shape_words: str, ndim: int) -> None:
@@ -103,71 +110,92 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     config, source = _config(DISPATCH, config)
     axis_name = callsite.hashable_axis(axis_name)
     size = callsite.axis_size(DISPATCH, axis_name)
-    cap = capacity_rows(size, t, k, e_local, config.capacity)
-    if cap < TILE * e_local:
-        raise ValueError(f"{DISPATCH}: capacity {config.capacity} gives {cap} pool rows, fewer than 128 * E_local "
-                         f"= {TILE * e_local} (one tile per local expert); use a larger factor")
+    capacity = capacity_rows(t, k, size * e_local, config.capacity)
     reason = why_not_fused(x, w1, axis_name=axis_name, axis_size=size, dimension=0, config=config)
     site = (f"x={xs.dtype}{list(xs.shape)} topk_idx{list(topk_idx.shape)} w1={w1.dtype}{list(w1.shape)} "
-            f"axis={axis_name!r} (size {size}) cap={cap}")
-    key = (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, cap)
+            f"axis={axis_name!r} (size {size}) C={capacity}")
+    key = (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, capacity)
     callsite.report(DISPATCH, key, site, config, reason, source, printed)
-    return Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local, cap=cap)
+    return Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
+                capacity=capacity)
 
 
 def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] = None,
                  return_gathered: bool = False, out_dtype=None, shared_scale: bool = False) -> Plan:
-    """Check a moe_gemm_combine call (x: an opspec.RoutedInput of h [cap, F], topk_weights [T, k] and
-    the dispatch's handle; w2 [E_local, F, H]) against the handle's layout; report its path once."""
+    """Check a moe_gemm_combine call (x: an opspec.RoutedInput of h [E_local, W*C, F], topk_weights
+    [T, k] and the dispatch's handle; w2 [E_local, F, H]) against the handle; report its path once.
+    E_local and C come from h's shape, which is the dispatch's y's."""
     h, weights, handle = x.x, x.weights, x.handle
     if return_gathered or out_dtype is not None:
         raise ValueError(f"{COMBINE}: return_gathered and out_dtype (FP8) are not supported yet")
     if not isinstance(handle, MoeHandle):
         raise ValueError(f"{COMBINE}: handle must be the MoeHandle moe_dispatch_gemm returned, got "
                          f"{type(handle).__name__}")
-    _check_array(COMBINE, "h", h, "[cap, F]", 2)
+    _check_array(COMBINE, "h", h, "[E_local, W*C, F]", 3)
     _check_array(COMBINE, "w2", w2, "[E_local, F, H]", 3)
     _check_array(COMBINE, "topk_weights", weights, "[T, k]", 2)
     _check_float(COMBINE, "h", h)
     _check_float(COMBINE, "w2", w2, ("h", h))
     if not jnp.issubdtype(weights.dtype, jnp.floating):
         raise ValueError(f"{COMBINE}: topk_weights.dtype must be a float type, got {weights.dtype}")
-    cap, (t, k), e_local = handle.src.shape[0], handle.pos.shape, handle.group_sizes.shape[0]
-    if h.shape[0] != cap:
-        raise ValueError(f"{COMBINE}: h.shape[0] must equal the dispatch's pool rows (cap = {cap}), got h shape "
-                         f"{tuple(h.shape)}")
-    if w2.shape[0] != e_local or w2.shape[1] != h.shape[1]:
-        raise ValueError(f"{COMBINE}: w2 must have shape [E_local = {e_local}, F = {h.shape[1]}, H], got "
-                         f"{tuple(w2.shape)}")
-    if tuple(weights.shape) != (t, k):
-        raise ValueError(f"{COMBINE}: topk_weights must have shape [T, k] = {(t, k)} (the dispatch's topk_idx), "
-                         f"got {tuple(weights.shape)}")
     config, source = _config(COMBINE, config)
     axis_name = callsite.hashable_axis(axis_name)
     size = callsite.axis_size(COMBINE, axis_name)
-    if handle.counts.shape != (size, size * e_local):
-        raise ValueError(f"{COMBINE}: handle.counts must have shape [W, E] = {(size, size * e_local)} on axis "
-                         f"{axis_name!r}, got {tuple(handle.counts.shape)} (a handle of another axis?)")
+    (e_local, rows, f), (t, k) = h.shape, handle.expert.shape
+    if rows % (size * TILE) or min(e_local, f) == 0:
+        raise ValueError(f"{COMBINE}: h must have shape [E_local, W*C, F] with W = {size} (axis {axis_name!r}) and "
+                         f"C a multiple of 128 (the dispatch's y), got {tuple(h.shape)}")
+    if tuple(w2.shape[:2]) != (e_local, f):
+        raise ValueError(f"{COMBINE}: w2 must have shape [E_local = {e_local}, F = {f}, H], got {tuple(w2.shape)}")
+    if tuple(weights.shape) != (t, k):
+        raise ValueError(f"{COMBINE}: topk_weights must have shape [T, k] = {(t, k)} (the dispatch's topk_idx), "
+                         f"got {tuple(weights.shape)}")
     reason = why_not_fused(x, w2, axis_name=axis_name, axis_size=size, dimension=0, config=config)
     site = f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
     key = (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name)
     callsite.report(COMBINE, key, site, config, reason, source, printed)
-    return Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local, cap=cap)
+    return Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
+                capacity=rows // size)
 
 
-def _where(plan: Plan) -> dict:
-    return dict(axis_name=plan.axis_name, world=plan.axis_size, e_local=plan.e_local)
+# --- Where the kernels plug in ---------------------------------------------------------------------
+# Each op's transfer and GEMM is one function of the plan with the kernel's exact boundary; the rest
+# of both ops (layout, send buffer, weighted sum) is XLA on the token side and stays.
+
+
+def dispatch_pool(x_send, w1, plan: Plan):
+    """(y [E_local, W*C, N] in x_send.dtype, pool [E_local, W*C, H]) of x_send [E, C, H] and w1: the
+    fused lowering of moe_dispatch_gemm plugs in here, for a plan without a reason; today every plan
+    has one (NOT_BUILT) and the XLA reference runs."""
+    return reference.dispatch_pool(x_send, w1, axis_name=plan.axis_name, world=plan.axis_size)
+
+
+def combine_pool(h, w2, plan: Plan):
+    """o_recv [E, C, H] in h.dtype of h [E_local, W*C, F] and w2: the fused lowering of
+    moe_gemm_combine plugs in here, as dispatch_pool's; today the XLA reference runs."""
+    return reference.combine_pool(h, w2, axis_name=plan.axis_name, world=plan.axis_size)
+
+
+def _layout(topk_idx, plan: Plan) -> MoeHandle:
+    return reference.layout(topk_idx, num_experts=plan.num_experts, capacity=plan.capacity)
+
+
+def _send(rows, handle: MoeHandle, plan: Plan):
+    """rows [T, ...] -> the send buffer [E, C, ...] (each token's row at each of its sent slots)."""
+    t, k = handle.expert.shape
+    slot_rows = jnp.broadcast_to(rows[:, None], (t, k) + rows.shape[1:])
+    return reference.to_segments(slot_rows, handle, num_experts=plan.num_experts, capacity=plan.capacity)
 
 
 def forward_dispatch(x, w1, plan: Plan, gathered: bool = False):
     """(y, handle) of a planned dispatch (x: a RoutedInput); no differentiation rule (dispatch() has it)."""
-    handle = reference.layout(x.topk_idx, cap=plan.cap, **_where(plan))
-    return reference.dispatch_reference(x.x, w1, handle, **_where(plan))[0], handle
+    handle = _layout(x.topk_idx, plan)
+    return dispatch_pool(_send(x.x, handle, plan), w1, plan)[0], handle
 
 
 def forward_combine(x, w2, plan: Plan, gathered: bool = False):
     """out of a planned combine (x: a RoutedInput with h, the weights and the handle)."""
-    return reference.combine_reference(x.x, w2, x.weights, x.handle, **_where(plan))
+    return reference.from_segments(combine_pool(x.x, w2, plan), x.weights, x.handle).astype(x.x.dtype)
 
 
 # --- The pairing: each op's backward is the other (docs/design.md, "The pairing") ------------------
@@ -175,18 +203,22 @@ def forward_combine(x, w2, plan: Plan, gathered: bool = False):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dispatch(x, w1, handle, plan):
-    return reference.dispatch_reference(x, w1, handle, **_where(plan))[0]
+    return dispatch_pool(_send(x, handle, plan), w1, plan)[0]
 
 
 def _dispatch_fwd(x, w1, handle, plan):
-    y, pool = reference.dispatch_reference(x, w1, handle, **_where(plan))
+    y, pool = dispatch_pool(_send(x, handle, plan), w1, plan)
     return y, (pool, w1, handle)
 
 
 def _dispatch_bwd(plan, res, dy):
     pool, w1, handle = res
-    # dy has y's dtype, x's.
-    dx, dw1 = reference.dispatch_backward(pool, w1, handle, dy, x_dtype=dy.dtype, **_where(plan))
+    # dx: a combine of dy with w1^T and unit weights (copying x[t] to k rows sums their gradients);
+    # dy has y's dtype, x's. Rows no slot sent come back too and are never read.
+    o_recv = combine_pool(dy, jnp.swapaxes(w1, 1, 2), plan)
+    dx = reference.from_segments(o_recv, jnp.ones(handle.expert.shape, F32), handle).astype(dy.dtype)
+    # dw1[e] = pool[e]^T dy[e]: the pool's unused rows are zero and add nothing.
+    dw1 = reference.expert_weight_grad(pool, dy).astype(w1.dtype)
     return dx, dw1, None  # the handle is integers: no cotangent
 
 
@@ -195,30 +227,42 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _combine(h, w2, weights, handle, plan):
-    return reference.combine_reference(h, w2, weights, handle, **_where(plan))
+    return forward_combine(opspec.RoutedInput(h, weights=weights, handle=handle), w2, plan)
 
 
 def _combine_fwd(h, w2, weights, handle, plan):
-    return reference.combine_reference(h, w2, weights, handle, **_where(plan)), (h, w2, weights, handle)
+    return _combine.fun(h, w2, weights, handle, plan), (h, w2, weights, handle)
 
 
 def _combine_bwd(plan, res, dout):
     h, w2, weights, handle = res
-    dh, dw2, dweights = reference.combine_backward(h, w2, weights, handle, dout, **_where(plan))
-    return dh, dw2, dweights, None
+    kw = dict(axis_name=plan.axis_name, world=plan.axis_size)
+    # dout's rows dispatched in the handle's layout, times w2^T: g = dout row @ w2^T on the expert side.
+    g, dy_pool = dispatch_pool(_send(dout, handle, plan), jnp.swapaxes(w2, 1, 2), plan)
+    # The router weights travel beside them (a dispatch's transfer): [E, C] -> [E_local, W*C, 1].
+    w_send = reference.to_segments(weights.astype(F32), handle, num_experts=plan.num_experts, capacity=plan.capacity)
+    w_pool = reference.to_experts(w_send, op=DISPATCH, **kw)[..., None]
+    g = g.astype(F32)
+    dh = (w_pool * g).astype(h.dtype)
+    dw2 = reference.expert_weight_grad(h.astype(F32), w_pool * dy_pool.astype(F32)).astype(w2.dtype)
+    # The router weights' gradient <dout[t], o row> = <g, h> per row, sent home (the combine's transfer).
+    dw_recv = reference.to_sources(jnp.sum(g * h.astype(F32), axis=-1), op=COMBINE, **kw)  # [E, C]
+    sent = handle.expert >= 0
+    dweights = jnp.where(sent, dw_recv[jnp.maximum(handle.expert, 0), jnp.maximum(handle.place, 0)], 0.0)
+    return dh, dw2, dweights.astype(weights.dtype), None
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def dispatch(x, topk_idx, w1, *, axis_name, config: Optional[MoeConfig]):
-    """moe_dispatch_gemm, differentiable in x and w1, inside jax.shard_map: (y [cap, N], handle)."""
+    """moe_dispatch_gemm, differentiable in x and w1, inside jax.shard_map: (y [E_local, W*C, N], handle)."""
     plan = plan_dispatch(opspec.RoutedInput(x, topk_idx), w1, axis_name=axis_name, config=config)
     names = callsite.varying_over(x, topk_idx, w1, axis_name=plan.axis_name)
     x, topk_idx, w1 = (callsite.make_varying(v, names) for v in (x, topk_idx, w1))
     # The scope names every operation of the call, forward and backward (the census's owner).
     with jax.named_scope(DISPATCH_SPEC.scope):
-        handle = reference.layout(topk_idx, cap=plan.cap, **_where(plan))
+        handle = _layout(topk_idx, plan)
         return _dispatch(x, w1, handle, plan), handle
 
 
@@ -233,24 +277,13 @@ def combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfi
         return _combine(h, w2, topk_weights, handle, plan)
 
 
-def reference_bytes(kind: str, operand_bytes: int, world: int) -> int:
-    """What the census counts for a collective of the reference (docs/design.md, "Census"): each slot's
-    data crosses once, (W-1)/W of it to another rank; the reference's all-to-all operand is W per-pair
-    blocks of T*k rows each, W times that. The counts' all-gather is counted as it is."""
-    if kind == "all-to-all":
-        return (world - 1) * operand_bytes // (world * world)
-    return (world - 1) * operand_bytes if kind == "all-gather" else operand_bytes
-
-
 # The op contracts (entwine_jax.opspec), listed in entwine_jax/registry.py: routed ops, no kernels yet
 # (no targets, moved, forward_fp8 or fixed cost); each one's backward is the other.
-DISPATCH_SPEC = opspec.OpSpec(name=DISPATCH, kind="ragged-all-to-all", targets=(), moved=None, backward=COMBINE,
+DISPATCH_SPEC = opspec.OpSpec(name=DISPATCH, kind="all-to-all", targets=(), moved=None, backward=COMBINE,
                               gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_dispatch,
                               forward=forward_dispatch, forward_fp8=None, why_not_fused=why_not_fused,
-                              default_config=default_config, fixed_us=None, routed=True,
-                              reference_bytes=reference_bytes)
-COMBINE_SPEC = opspec.OpSpec(name=COMBINE, kind="ragged-all-to-all", targets=(), moved=None, backward=DISPATCH,
+                              default_config=default_config, fixed_us=None, routed=True)
+COMBINE_SPEC = opspec.OpSpec(name=COMBINE, kind="all-to-all", targets=(), moved=None, backward=DISPATCH,
                              gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_combine,
                              forward=forward_combine, forward_fp8=None, why_not_fused=why_not_fused,
-                             default_config=default_config, fixed_us=None, routed=True,
-                             reference_bytes=reference_bytes)
+                             default_config=default_config, fixed_us=None, routed=True)
