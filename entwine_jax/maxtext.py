@@ -1107,8 +1107,9 @@ def _moe_local(x, logits, pre_bias_logits, w0, w1, wo, *, module, plan: _MoePlan
     y, handle = entwine_jax.moe_dispatch_gemm(tokens, experts.reshape(b * s, k).astype(jnp.int32),
                                               jnp.concatenate([w0, w1], axis=-1).astype(module.dtype),
                                               axis_name=plan.axis, config=config)
-    layer_w0 = adc.checkpoint_name(adc.checkpoint_name(y[:, :f], "mlpwi_0"), "moe_mlpwi_0")
-    layer_w1 = adc.checkpoint_name(y[:, f:], "moe_mlpwi_1")
+    # y's rows in the ops' layout (whatever it is), each row's gate then up columns.
+    layer_w0 = adc.checkpoint_name(adc.checkpoint_name(y[..., :f], "mlpwi_0"), "moe_mlpwi_0")
+    layer_w1 = adc.checkpoint_name(y[..., f:], "moe_mlpwi_1")
     hidden = module.apply_ffn_activation(layer_w0, layer_w1)
     out = entwine_jax.moe_gemm_combine(hidden, wo.astype(module.dtype), weights, handle, axis_name=plan.axis,
                                        config=config)
