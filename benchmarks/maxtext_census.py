@@ -1,7 +1,7 @@
 # The collective census of one MaxText training step, stock MaxText against entwine_jax.maxtext.enable(),
 # per decoder layer and per step: lowered from abstract shapes (no weights allocated) and compiled on
 # fake CPU devices, the way MaxText's own train_compile.py compiles for hardware it does not have.
-"""Census of MaxText's train step, stock vs routed through gemm_rs / ag_gemm.
+"""Census of MaxText's train step, stock vs routed through gemm_rs / ag_gemm (and the MoE ops).
 
 Run (a MaxText venv as .ci/maxtext.sh builds it; docs/maxtext.md, "Collective census")::
 
@@ -10,7 +10,10 @@ Run (a MaxText venv as .ci/maxtext.sh builds it; docs/maxtext.md, "Collective ce
 Configs: ``tiny4`` / ``tiny8``: MaxText's tiny llama2 decoder of tests/test_maxtext.py with GQA (16
 query heads, 8 KV heads of 32) at tensor 4 x fsdp 2 / tensor 8; ``70b``: a Llama-3-70B-like decoder
 (emb 8192, 64 query heads, 8 KV heads of 128, MLP 28672, vocab 128256, 80 layers scanned) at tensor 8,
-2048 tokens x batch 8 = 16384 tokens per tensor group. ``--layers N`` compiles N scanned layers
+2048 tokens x batch 8 = 16384 tokens per tensor group; ``moe``: tests/test_maxtext_moe.py's Mixtral-like
+decoder (4 experts of 128, 2 per token) at expert 4 x fsdp 2, its routed experts through
+moe_dispatch_gemm / moe_gemm_combine, against stock's dense MoE path (stock's sparse_matmul does not
+compile with expert parallelism on CPU). ``--layers N`` compiles N scanned layers
 instead of the config's; the per-step line then also gives per layer x the config's layers.
 
 What a line means: bytes per device (census module docstring: ring accounting), per decoder layer

@@ -945,12 +945,11 @@ def _moe_plan(module, inputs, kernels, input_ids, forced_routed_experts):
     """The island's layout, or the reason (a str) to keep MaxText's sparse_matmul. Each rule keeps a
     configuration whose math or layout the ops do not reproduce exactly (docs/maxtext.md, "MoE")."""
     from maxtext.common import common_types
-    from maxtext.layers import quantizations
     cfg, mesh = module.config, module.mesh
     if not _state.moe:
         return "moe=False"
     # Quantised experts (AQT, qwix, FP8 weights with scales, serve mode) run MaxText's quantised GEMMs.
-    if module.quant is not None or quantizations.in_serve_mode(module.quant):
+    if module.quant is not None:
         return f"quantised experts (quant={type(module.quant).__name__})"
     if getattr(cfg, "use_qwix_quantization", False) and getattr(cfg, "quantization", ""):
         return f"qwix quantization {cfg.quantization!r}"
