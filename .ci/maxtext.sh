@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CI step for the MaxText integration (entwine_jax.maxtext, tests/test_maxtext.py): a venv of its own
+# CI step for the MaxText integration (entwine_jax.maxtext, tests/test_maxtext.py and
+# tests/test_maxtext_moe.py): a venv of its own
 # with the pinned MaxText and the jax, flax and optax it resolves (apart from .ci/run's venv),
 # entwine_jax from this checkout on PYTHONPATH (the integration is pure Python; on CPU the ops run
 # their XLA references),
@@ -39,11 +40,11 @@ fi
 "$VENV/bin/python" -c 'import jax, flax, maxtext; print("jax", jax.__version__, "flax", flax.__version__)'
 echo "=== install: $((SECONDS - T0)) s"
 
-echo "=== tests/test_maxtext.py"
+echo "=== tests/test_maxtext.py tests/test_maxtext_moe.py"
 T1=$SECONDS
 # JAX_PLATFORMS=cpu: the [tpu] extra brings libtpu, which would otherwise probe for a TPU first.
 # The conftest forces 8 CPU host devices.
 (cd "$REPO" && JAX_PLATFORMS=cpu PYTHONPATH="$REPO" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  -W ignore::DeprecationWarning tests/test_maxtext.py)
+  -W ignore::DeprecationWarning tests/test_maxtext.py tests/test_maxtext_moe.py)
 echo "=== test: $((SECONDS - T1)) s"
 echo "=== total: $((SECONDS - T0)) s"

@@ -1,7 +1,7 @@
 # The collective census of one MaxText training step, stock MaxText against entwine_jax.maxtext.enable(),
 # per decoder layer and per step: lowered from abstract shapes (no weights allocated) and compiled on
 # fake CPU devices, the way MaxText's own train_compile.py compiles for hardware it does not have.
-"""Census of MaxText's train step, stock vs routed through gemm_rs / ag_gemm.
+"""Census of MaxText's train step, stock vs routed through gemm_rs / ag_gemm (and the MoE ops).
 
 Run (a MaxText venv as .ci/maxtext.sh builds it; docs/maxtext.md, "Collective census")::
 
@@ -10,7 +10,10 @@ Run (a MaxText venv as .ci/maxtext.sh builds it; docs/maxtext.md, "Collective ce
 Configs: ``tiny4`` / ``tiny8``: MaxText's tiny llama2 decoder of tests/test_maxtext.py with GQA (16
 query heads, 8 KV heads of 32) at tensor 4 x fsdp 2 / tensor 8; ``70b``: a Llama-3-70B-like decoder
 (emb 8192, 64 query heads, 8 KV heads of 128, MLP 28672, vocab 128256, 80 layers scanned) at tensor 8,
-2048 tokens x batch 8 = 16384 tokens per tensor group. ``--layers N`` compiles N scanned layers
+2048 tokens x batch 8 = 16384 tokens per tensor group; ``moe``: tests/test_maxtext_moe.py's Mixtral-like
+decoder (4 experts of 128, 2 per token) at expert 4 x fsdp 2, its routed experts through
+moe_dispatch_gemm / moe_gemm_combine, against stock's dense MoE path (stock's sparse_matmul does not
+compile with expert parallelism on CPU). ``--layers N`` compiles N scanned layers
 instead of the config's; the per-step line then also gives per layer x the config's layers.
 
 What a line means: bytes per device (census module docstring: ring accounting), per decoder layer
@@ -48,7 +51,17 @@ CONFIGS = {
     "70b": (["per_device_batch_size=1", "max_target_length=2048", "base_emb_dim=8192", "base_num_query_heads=64",
              "base_num_kv_heads=8", "head_dim=128", "base_mlp_dim=28672", "base_num_decoder_layers=80",
              "vocab_size=128256", "ici_tensor_parallelism=8", "ici_fsdp_parallelism=1"], 80),
+    # tests/test_maxtext_moe.py's Mixtral-like decoder (4 experts of 128, 2 per token) at expert 4 x fsdp 2.
+    "moe": (["per_device_batch_size=1", "max_target_length=128", "model_name=mixtral-8x7b",
+             "override_model_config=true", "base_emb_dim=256", "base_num_query_heads=8", "base_num_kv_heads=4",
+             "head_dim=32", "base_mlp_dim=128", "base_moe_mlp_dim=128", "num_experts=4", "num_experts_per_tok=2",
+             "base_num_decoder_layers=2", "vocab_size=512", "megablox=false", "ici_expert_parallelism=4",
+             "ici_fsdp_parallelism=2"], 2),
 }
+# Stock MaxText's overrides where its own path does not compile on CPU: sparse_matmul's
+# ragged_all_to_all is not implemented on XLA:CPU, so the MoE config's stock census is the dense path
+# (sparse_matmul=false: the GPU presets mixtral_8x1b / 8x2b's), its expert all-to-alls the partitioner's.
+STOCK_ONLY = {"moe": ["sparse_matmul=false"]}
 
 
 def lower_train_step(argv: list):
@@ -97,7 +110,8 @@ def run(name: str, layers: int, routed: bool) -> tuple:
     overrides, full_layers = CONFIGS[name]
     layers = layers or full_layers
     base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
-    argv = ["census", str(base), *COMMON, *overrides, f"base_num_decoder_layers={layers}"]
+    stock_only = [] if routed else STOCK_ONLY.get(name, [])
+    argv = ["census", str(base), *COMMON, *overrides, *stock_only, f"base_num_decoder_layers={layers}"]
     t0 = time.monotonic()
     with entwine_maxtext.enabled() if routed else contextlib.nullcontext():
         entwine_maxtext.reset_stats()

@@ -1,9 +1,11 @@
 # MaxText integration: entwine_jax.maxtext.enable() routes MaxText's tensor-parallel projections
-# (MLP wo / wi_*, attention out / query / key / value, MLA's) through gemm_rs and ag_gemm by patching
+# (MLP wo / wi_*, attention out / query / key / value, MLA's) through gemm_rs and ag_gemm, and its
+# routed experts (RoutedMoE.sparse_matmul) through moe_dispatch_gemm / moe_gemm_combine, by patching
 # MaxText methods at runtime; disable() puts them back. Parameters, their paths and MaxText's
 # checkpoint_name tags are untouched. Written against MaxText 0.2.5 (docs/maxtext.md).
-"""Route MaxText's row-parallel projections through ``entwine_jax.gemm_rs`` and its column-parallel
-ones through ``entwine_jax.ag_gemm``.
+"""Route MaxText's row-parallel projections through ``entwine_jax.gemm_rs``, its column-parallel
+ones through ``entwine_jax.ag_gemm`` and its routed experts through ``entwine_jax.moe_dispatch_gemm``
+and ``entwine_jax.moe_gemm_combine``.
 
 Call :func:`enable` once at startup, before the train step is traced (e.g. before
 ``train.main``); nothing in MaxText's files or configs changes::
@@ -24,6 +26,16 @@ What is patched (all restored by :func:`disable`):
   mesh calling ``gemm_rs`` / ``ag_gemm`` on the module's own kernel; any other ``DenseGeneral``
   call, and every marked one this module cannot serve, runs MaxText's code (the reason is logged
   once per projection at INFO on the ``entwine_jax`` logger, and kept in :func:`stats`).
+
+* ``RoutedMoE.__call__`` (``maxtext.layers.moe``) reports the MoE paths that never reach
+  ``sparse_matmul`` (the dense einsum path under ``sparse_matmul=false``, TransformerEngine's block,
+  vLLM's fused MoE) as kept; ``RoutedMoE.sparse_matmul`` (MaxText's default MoE path, the one its
+  GPU configs take) runs, where the configuration allows, one ``jax.shard_map`` island over the mesh
+  with MaxText's own in_specs in which each rank runs MaxText's router on its tokens (``get_topk``:
+  top-k, softmax or sigmoid scores, DeepSeek's bias and group limit, ``norm_topk_prob``,
+  ``routed_scaling_factor``), ``moe_dispatch_gemm`` on wi_0|wi_1 over the expert axis, MaxText's
+  activation and ``moe_gemm_combine`` with MaxText's weights, in place of its sort,
+  ``ragged_all_to_all``, grouped GEMMs and unsort. Shared experts are ``MlpBlock``s (above).
 
 Layouts come from MaxText's logical-axis rules (the Flax rule context MaxText's train step runs
 under, else ``config.logical_axis_rules``), resolved on the layer's mesh with MaxText's own
@@ -49,6 +61,12 @@ routed, and the island runs with qwix's interceptions off. Under a float32 (or a
 compute dtype the FP8 projections stay MaxText's: the FP8 ops write only bf16 or fp16, and a
 float32 model rounded to bf16 at every projection drifts from stock FP8.
 
+Routed experts kept as MaxText's (logged once, the reason in :func:`stats` under ``"moe/experts"``):
+quantised experts, ``mlp_bias``, ring of experts, embedding chunks, random or hash routing, forced
+expert ids, Llama 4 with more than one expert per token, ``ragged_buffer_factor > 0`` (MaxText drops
+other tokens than the ops' capacity would), no expert parallelism, expert tensor parallelism, MaxText's
+special expert layouts (``shard_exp_on_fsdp``, ...), tokens not sharded over the expert axis.
+
 Kept as MaxText's own layer (logged once): other quantised ``DenseGeneral`` (``quant``: AQT, other
 qwix recipes, fp8 or scaled weights, which includes TransformerEngine's ``te_comm_gemm_overlap``), a bias, host-offloaded
 parameters, a non-default ``matmul_precision``, kernel axes other than MaxText's, context
@@ -68,6 +86,7 @@ import math
 from typing import Any, Optional
 
 import jax
+import jax.ad_checkpoint as adc
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -78,6 +97,7 @@ from entwine_jax import fp8 as fp8_ops
 from entwine_jax.ag_gemm.config import AgGemmConfig
 from entwine_jax.gemm_rs.config import GemmRsConfig
 from entwine_jax.layers import FP8_META_NAMES, fp8_call_arguments
+from entwine_jax.moe.config import MoeConfig
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "stats", "reset_stats", "TESTED_MAXTEXT_VERSIONS"]
 
@@ -114,6 +134,12 @@ _KERNEL_AXES = {
 # MLA's low-rank activations (attention_mla.py: KV_BATCH, LENGTH, Q_LORA_UP_PROJ / KV_LORA_UP_PROJ).
 _MLA_LOW_RANK = {"q": ("activation_kv_batch", "activation_length", "q_lora_up_proj"),
                  "kv": ("activation_kv_batch", "activation_length", "kv_lora_up_proj")}
+# RoutedMoE's routed experts (router, dispatch, the experts' GEMMs, combine): one site.
+MOE_SITE = "moe/experts"
+# The logical axes RoutedMoE.sparse_matmul gives its shard_map: tokens and router logits (batch over
+# activation_batch, which holds 'expert'), and its output.
+_MOE_TOKENS = ("activation_batch", "activation_norm_length", None)
+_MOE_OUT = ("activation_batch", "activation_norm_length", "activation_embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +171,8 @@ class _State:
     gemm_rs_config: Optional[GemmRsConfig] = None
     ag_gemm_config: Optional[AgGemmConfig] = None
     column_parallel: bool = True
+    moe: bool = True
+    moe_config: Optional[MoeConfig] = None
     # What the traces did, by where they ran: True, MaxText's train step; False, any other trace
     # (the model's initialisation, qwix's dummy forward, an evaluation step, a call by hand).
     reports: dict = dataclasses.field(default_factory=lambda: {True: _Report(), False: _Report()})
@@ -181,7 +209,7 @@ def _report() -> _Report:
 # ----------------------------------------------------------------------------------------------
 
 def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Optional[AgGemmConfig] = None,
-           column_parallel: bool = True) -> None:
+           column_parallel: bool = True, moe: bool = True, moe_config: Optional[MoeConfig] = None) -> None:
     """Route MaxText's tensor-parallel projections through entwine_jax (see the module docstring).
 
     Call before MaxText traces its train step (building the model before or after does not
@@ -191,6 +219,9 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Opt
     ag_gemm_config: an ``entwine_jax.AgGemmConfig``, passed to every ``ag_gemm`` call (default:
     ``ag_heuristic_config``).
     column_parallel: False keeps MaxText's own wi_* / query / key / value projections.
+    moe: False keeps MaxText's own routed experts (RoutedMoE.sparse_matmul).
+    moe_config: an ``entwine_jax.MoeConfig``, passed to every ``moe_dispatch_gemm`` / ``moe_gemm_combine``
+    call (default: dropless, as MaxText's sparse_matmul without ragged_buffer_factor).
     """
     if gemm_rs_config is not None and not isinstance(gemm_rs_config, GemmRsConfig):
         raise ValueError(f"entwine_jax.maxtext.enable: gemm_rs_config must be an entwine_jax.GemmRsConfig or None, "
@@ -200,16 +231,23 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Opt
                          f"got {type(ag_gemm_config).__name__}")
     if column_parallel not in (True, False):
         raise ValueError(f"entwine_jax.maxtext.enable: column_parallel must be a bool, got {column_parallel!r}")
-    linears, attentions, moe, maxtext_utils = _maxtext_modules()
+    if moe not in (True, False):
+        raise ValueError(f"entwine_jax.maxtext.enable: moe must be a bool, got {moe!r}")
+    if moe_config is not None and not isinstance(moe_config, MoeConfig):
+        raise ValueError(f"entwine_jax.maxtext.enable: moe_config must be an entwine_jax.MoeConfig or None, "
+                         f"got {type(moe_config).__name__}")
+    linears, attentions, moe_module, maxtext_utils = _maxtext_modules()
     _state.gemm_rs_config, _state.ag_gemm_config, _state.column_parallel = (
         gemm_rs_config, ag_gemm_config, column_parallel)
+    _state.moe, _state.moe_config = moe, moe_config
     if _state.originals:
         return  # already patched; the settings above apply from the next trace on
     patches = {
         (linears.DenseGeneral, "__call__"): _dense_general_call,
         (linears.MlpBlock, "__call__"): _mlp_block_call,
         (attentions.Attention, "__call__"): _attention_call,
-        (moe.RoutedMoE, "__call__"): _moe_call,
+        (moe_module.RoutedMoE, "__call__"): _moe_call,
+        (moe_module.RoutedMoE, "sparse_matmul"): _sparse_matmul,
         (maxtext_utils, "get_functional_train_with_signature"): _train_signature,
     }
     # Attention subclasses with a __call__ of their own bypass _attention_call: MLA's projections are
@@ -286,6 +324,7 @@ def _maxtext_modules():
         raise ImportError(f"entwine_jax.maxtext needs MaxText (pip install 'maxtext[tpu]==0.2.5'): {e}") from e
     for cls, attr in ((linears.DenseGeneral, "__call__"), (linears.MlpBlock, "__call__"),
                       (attentions.Attention, "__call__"), (moe.RoutedMoE, "__call__"),
+                      (moe.RoutedMoE, "sparse_matmul"),
                       (maxtext_utils, "get_functional_train_with_signature")):
         if attr not in vars(cls):
             raise RuntimeError(f"entwine_jax.maxtext: {getattr(cls, '__module__', None) or ''}.{cls.__name__} has no "
@@ -456,10 +495,17 @@ def _own_attention_call(original, self, *args, **kwargs):
 
 
 def _moe_call(original, self, *args, **kwargs):
-    # The experts' GEMMs are not DenseGenerals: say that they stay MaxText's instead of passing over
-    # them in silence (an all-to-all GEMM would serve them).
+    # RoutedMoE.__call__: the paths that never reach sparse_matmul are reported here; sparse_matmul's
+    # own patch (_sparse_matmul) routes or keeps the rest.
     _announce()
-    _keep("moe/experts", "routed experts (MoE: all-to-all dispatch and grouped GEMMs) are left to MaxText")
+    cfg = self.config
+    if cfg.te_moe_block:
+        _keep(MOE_SITE, "te_moe_block=true: TransformerEngine's MoE block is left to MaxText")
+    elif cfg.attention in ("vllm_rpa", "vllm_batched_rpa") and not self.is_hash_routing:
+        _keep(MOE_SITE, f"attention={cfg.attention!r}: vLLM's fused MoE (inference) is left to MaxText")
+    elif not cfg.sparse_matmul:
+        _keep(MOE_SITE, "sparse_matmul=false: MaxText's dense path (einsums with dispatch/combine masks, "
+              "capacity_factor) is left to MaxText; the MoE ops replace sparse_matmul")
     return original(self, *args, **kwargs)
 
 
@@ -491,8 +537,9 @@ def _announce() -> None:
     """Say once, when MaxText first calls a patched layer (absl's logging is set up by then, which it
     may not have been when enable() ran), that the integration is on."""
     _log.log_once("maxtext-enabled", logging.INFO, "entwine_jax.maxtext: enabled (MaxText %s; row-parallel -> "
-                  "gemm_rs, column-parallel -> %s)", _maxtext_version(),
-                  "ag_gemm" if _state.column_parallel else "MaxText (column_parallel=False)")
+                  "gemm_rs, column-parallel -> %s, routed experts -> %s)", _maxtext_version(),
+                  "ag_gemm" if _state.column_parallel else "MaxText (column_parallel=False)",
+                  "moe_dispatch_gemm / moe_gemm_combine" if _state.moe else "MaxText (moe=False)")
 
 
 def _keep(name: str, reason: str) -> None:
@@ -502,7 +549,8 @@ def _keep(name: str, reason: str) -> None:
     # nothing about the train step: DEBUG, so that the INFO lines do not contradict what the step runs.
     level = logging.DEBUG if reason.startswith(_QWIX_FIRST_CALL) else logging.INFO
     _log.log_once(("maxtext-keep", name, reason, in_step), level,
-                  "entwine_jax.maxtext: %s keeps MaxText's DenseGeneral%s: %s", name,
+                  "entwine_jax.maxtext: %s keeps MaxText's %s%s: %s", name,
+                  "RoutedMoE" if name == MOE_SITE else "DenseGeneral",
                   "" if in_step else " outside the train step", reason)
 
 
@@ -613,7 +661,8 @@ def _plan(dense, site: _Site, inputs, out_sharding, slice_bounds):
     return plan
 
 
-def _explicit(site: _Site) -> bool:
+def _explicit(site) -> bool:
+    """Whether a site's (or a MaxText module's) config runs under explicit sharding."""
     from maxtext.common.common_types import ShardMode
     return site.config.shard_mode == ShardMode.EXPLICIT
 
@@ -865,3 +914,204 @@ def _setup_fused(mesh, axis) -> None:
     _state.setup_done.add(key)
     if entwine_jax.extension_status()[0]:
         entwine_jax.setup(mesh, axis)
+
+
+# ----------------------------------------------------------------------------------------------
+# The routed experts: RoutedMoE.sparse_matmul through moe_dispatch_gemm / moe_gemm_combine
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _MoePlan:
+    axis: str          # the expert axis EP
+    x_spec: P          # tokens and router logits [batch, sequence, *]: MaxText's own in_specs
+    w_spec: P          # every expert kernel [E, *, *]: the experts over EP, the rest whole
+    out_spec: P
+    batch_axes: tuple  # the mesh axes of the tokens' batch and sequence dims (the bias update's psum)
+    flag_axes: tuple   # every mesh axis the in_specs name: moe_has_overflow's layout, as MaxText's
+
+
+def _sparse_matmul(original, self, inputs, gate_logits, pre_bias_logits, w0_kernel, w1_kernel, wo_kernel, w0_bias,
+                   w1_bias, wo_bias, input_ids=None, forced_routed_experts=None):
+    plan = _moe_plan(self, inputs, (w0_kernel, w1_kernel, wo_kernel), input_ids, forced_routed_experts)
+    if isinstance(plan, str):
+        _keep(MOE_SITE, plan)
+        return original(self, inputs, gate_logits, pre_bias_logits, w0_kernel, w1_kernel, wo_kernel, w0_bias,
+                        w1_bias, wo_bias, input_ids=input_ids, forced_routed_experts=forced_routed_experts)
+    _report().routed[MOE_SITE] += 1
+    return _moe_island(self, plan, inputs, gate_logits, pre_bias_logits, w0_kernel, w1_kernel, wo_kernel)
+
+
+def _moe_plan(module, inputs, kernels, input_ids, forced_routed_experts):
+    """The island's layout, or the reason (a str) to keep MaxText's sparse_matmul. Each rule keeps a
+    configuration whose math or layout the ops do not reproduce exactly (docs/maxtext.md, "MoE")."""
+    from maxtext.common import common_types
+    cfg, mesh = module.config, module.mesh
+    if not _state.moe:
+        return "moe=False"
+    # Quantised experts (AQT, qwix, FP8 weights with scales, serve mode) run MaxText's quantised GEMMs.
+    if module.quant is not None:
+        return f"quantised experts (quant={type(module.quant).__name__})"
+    if getattr(cfg, "use_qwix_quantization", False) and getattr(cfg, "quantization", ""):
+        return f"qwix quantization {cfg.quantization!r}"
+    if any(getattr(module, name, None) is not None for name in ("wi_scale", "wi_0_scale", "wo_scale")) or any(
+            not isinstance(k, jax.Array) for k in kernels):
+        return "quantised expert weights (scales or a quantised array)"
+    if cfg.mlp_bias:
+        return "mlp_bias: the MoE ops take no bias"
+    if cfg.use_ring_of_experts:
+        return ("use_ring_of_experts: MaxText's all-gather / psum_scatter schedule of the experts, not an "
+                "all-to-all dispatch")
+    if cfg.num_moe_emb_chunks > 0:
+        return f"num_moe_emb_chunks={cfg.num_moe_emb_chunks}: MaxText's chunked gather over the embedding"
+    if cfg.use_random_routing:
+        return "use_random_routing (a debug router)"
+    if module.is_hash_routing or input_ids is not None:
+        return "hash routing (token ids pick the experts: DeepSeek-V4's first layers)"
+    if forced_routed_experts is not None:
+        return "forced_routed_experts (expert ids given by the caller)"
+    if cfg.decoder_block == common_types.DecoderBlockType.LLAMA4 and module.num_experts_per_tok != 1:
+        return (f"llama4 scales each copy of a token by its router score before the experts; with "
+                f"num_experts_per_tok={module.num_experts_per_tok} > 1 the copies differ, and the op sends tokens")
+    factor = module.get_ragged_buffer_factor()
+    if factor > 0 and not getattr(module, "force_dropless", False):
+        return (f"ragged_buffer_factor={factor}: MaxText drops the tokens past its buffer by source rank, the ops "
+                "by expert; the dropped tokens would differ (dropless runs are routed)")
+    axis = module._expert_parallelism_name
+    if not isinstance(axis, str):
+        return f"expert parallelism over {axis} (more than one mesh axis)"
+    width = mesh.shape.get(axis, 1)
+    if width == 1:
+        return f"no expert parallelism: the expert axis {axis!r} has size 1 (nothing to dispatch across ranks)"
+    if module.num_experts % width:
+        return f"num_experts {module.num_experts} over {axis!r} (size {width}) does not divide"
+    if cfg.shard_exp_on_fsdp or cfg.use_2d_fsdp_sharding or cfg.use_batch_split_schedule:
+        return ("shard_exp_on_fsdp / use_2d_fsdp_sharding / use_batch_split_schedule: MaxText's own layouts of the "
+                "experts")
+    # MaxText gives sparse_matmul's kernels (exp, None, mlp_no_fsdp) minus fsdp: any mesh axis of size > 1 on
+    # the hidden dim is expert tensor parallelism (a psum_scatter over 'tensor' after the experts).
+    hidden = _axes(module._logical_to_mesh_axes((None, None, "mlp_no_fsdp"))[2], mesh)
+    hidden = tuple(a for a in hidden if a != "fsdp")
+    if hidden:
+        return (f"expert tensor parallelism: the experts' hidden dim is sharded over {hidden}; the MoE ops take "
+                "whole experts")
+    if inputs.shape[0] == 1:
+        return "a batch of 1 (decoding: MaxText replicates the tokens over the experts)"
+    x_spec = module._logical_to_mesh_axes(_MOE_TOKENS)
+    x_dims = [_axes(e, mesh) for e in x_spec]
+    if axis not in x_dims[0]:
+        return f"tokens not sharded over {axis!r} (their batch is over {x_dims[0]}): nothing to dispatch"
+    if x_dims[2]:
+        return f"the tokens' embed dim is sharded over {x_dims[2]}"
+    out_spec = module._logical_to_mesh_axes(_MOE_OUT)
+    out_dims = [_axes(e, mesh) for e in out_spec]
+    if out_dims[:2] != x_dims[:2] or out_dims[2]:
+        return f"output layout {_fmt(out_dims)} is not the tokens' {_fmt(x_dims)}"
+    batch, seq = inputs.shape[0], inputs.shape[1]
+    if batch % _size(mesh, x_dims[0]) or seq % _size(mesh, x_dims[1]):
+        return (f"shapes: batch {batch} over {x_dims[0]} or sequence {seq} over {x_dims[1]} does not divide")
+    from maxtext.layers.moe import _batch_axis_names
+    flag_axes = tuple(a for a in mesh.axis_names if any(a in _axes_all(e) for e in tuple(x_spec)) or a == axis)
+    return _MoePlan(axis=axis, x_spec=x_spec, w_spec=P(axis, None, None), out_spec=out_spec,
+                    batch_axes=_batch_axis_names(x_spec), flag_axes=flag_axes)
+
+
+def _axes_all(entry) -> tuple:
+    """Every mesh axis a PartitionSpec entry names, size 1 included."""
+    if entry is None or entry == P.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _moe_island(module, plan: _MoePlan, inputs, gate_logits, pre_bias_logits, w0, w1, wo):
+    """sparse_matmul's contract (output, load-balance loss, bias updates) from one shard_map over the
+    whole mesh, as MaxText's own: per rank, MaxText's router (get_topk) on this rank's tokens, then
+    moe_dispatch_gemm on wi_0|wi_1, MaxText's activation (apply_ffn_activation), moe_gemm_combine
+    with MaxText's weights, over the expert axis."""
+    from maxtext.layers import moe as mt_moe
+    cfg, mesh = module.config, module.mesh
+    use_megatron = (cfg.load_balance_loss_weight > 0.0 and not module.is_hash_routing
+                    and mt_moe.uses_megatron_seq_aux_loss(cfg))
+    logical = _MOE_TOKENS
+    inputs = module._maybe_shard_with_pspec(inputs, plan.x_spec, logical_axes=logical)
+    gate_logits = module._maybe_shard_with_pspec(gate_logits, plan.x_spec, logical_axes=logical)
+    pre_spec = None if pre_bias_logits is None else plan.x_spec
+    if pre_bias_logits is not None:
+        pre_bias_logits = module._maybe_shard_with_pspec(pre_bias_logits, plan.x_spec, logical_axes=logical)
+    # The experts whole on each EP rank (MaxText's in_specs gather them over fsdp the same way), cast first.
+    w0, w1, wo = (module._maybe_shard_with_pspec(_expert_kernel(module, w, axes), plan.w_spec)
+                  for w, axes in ((w0, module.wi_kernel_axes), (w1, module.wi_kernel_axes), (wo, module.wo_kernel_axes)))
+    _setup_fused(mesh, plan.axis)
+    local = functools.partial(_moe_local, module=module, plan=plan, compute_lb=not use_megatron,
+                              config=_state.moe_config)
+    island = jax.shard_map(local, mesh=mesh, in_specs=(plan.x_spec, plan.x_spec, pre_spec, plan.w_spec, plan.w_spec,
+                                                       plan.w_spec),
+                           out_specs=(plan.out_spec, P(), P(), P(plan.flag_axes)), check_vma=cfg.check_vma)
+    output, lb_loss, bias_updates, overflow = island(inputs, gate_logits, pre_bias_logits, w0, w1, wo)
+    if use_megatron:
+        # MaxText computes the sigmoid router's sequence-wise loss once on the global logits, after its shard_map.
+        lb_loss = module.megatron_seq_aux_loss(pre_bias_logits if pre_bias_logits is not None else gate_logits)
+    from flax import nnx
+    # MaxText's sparse_matmul sows each device's overflow flag (its train step reads them under
+    # moe_dropless_fallback=step); dropless, the ops drop nothing.
+    module.sow(nnx.Intermediate, "moe_has_overflow", overflow)
+    return output, lb_loss, bias_updates
+
+
+def _expert_kernel(module, kernel, kernel_axes):
+    """An expert kernel in the compute dtype, still in its parameter layout (as _compute_kernel): without the
+    constraint the partitioner casts after the FSDP gather and moves the float32 parameter (twice the bytes)."""
+    kernel = jnp.asarray(kernel, module.dtype)
+    if _explicit(module):
+        return kernel  # explicit sharding: the cast keeps the parameter's sharding by construction
+    from maxtext.utils.sharding import logical_to_mesh_axes
+    import flax.linen as nn
+    rules = None if nn.get_logical_axis_rules() else module.config.logical_axis_rules
+    spec = logical_to_mesh_axes(tuple(kernel_axes), module.mesh, rules=rules)
+    return jax.lax.with_sharding_constraint(kernel, NamedSharding(module.mesh, spec))
+
+
+def _moe_local(x, logits, pre_bias_logits, w0, w1, wo, *, module, plan: _MoePlan, compute_lb: bool, config):
+    """One rank of the island: MaxText's permute's router half (top-k, load-balance loss, bias-update
+    counts), then the two ops in place of its sort, ragged_all_to_all, ragged_dot and unpermute."""
+    from maxtext.common import common_types
+    from maxtext.layers import moe as mt_moe
+    cfg = module.config
+    b, s, h = x.shape
+    # MaxText's router, unchanged: softmax / sigmoid scores, DeepSeek's bias and group limit, norm_topk_prob,
+    # routed_scaling_factor, per-expert scales.
+    weights, experts = module.get_topk(logits, pre_bias_logits)
+    lb_loss = None
+    if compute_lb and cfg.load_balance_loss_weight > 0.0 and not module.is_hash_routing:
+        probs = pre_bias_logits if pre_bias_logits is not None else logits
+        lb_loss = module.load_balance_loss(experts, jax.nn.softmax(probs.astype(jnp.float32), axis=-1).astype(
+            module.dtype))
+    bias_updates = None
+    if module.should_update_load_balance():
+        counts = mt_moe.calculate_expert_counts(experts, cfg.num_experts, axis_names=plan.batch_axes)
+        # As sparse_matmul's finalize_bias_updates: raw counts under gradient accumulation, else the sign update.
+        bias_updates = counts if getattr(cfg, "gradient_accumulation_steps", 1) > 1 else (
+            mt_moe.load_balance_updates_from_counts(counts, cfg.num_experts, cfg.routed_bias_update_rate))
+    tokens = x.reshape(b * s, h)
+    k = experts.shape[-1]
+    weights = weights.reshape(b * s, k)
+    if cfg.decoder_block == common_types.DecoderBlockType.LLAMA4:
+        # Llama 4 (one expert per token): the token times the sigmoid of its score goes in, weight 1 comes out.
+        tokens = tokens * jax.nn.sigmoid(weights.astype(jnp.float32))
+        weights = jnp.ones_like(weights)
+    tokens = tokens.astype(module.dtype)
+    if cfg.float32_weight_sum:
+        weights = weights.astype(jnp.float32)
+    f = w0.shape[-1]
+    # gate|up as one dispatch weight: one transfer of the tokens for both GEMMs.
+    y, handle = entwine_jax.moe_dispatch_gemm(tokens, experts.reshape(b * s, k).astype(jnp.int32),
+                                              jnp.concatenate([w0, w1], axis=-1).astype(module.dtype),
+                                              axis_name=plan.axis, config=config)
+    # y's rows in the ops' layout (whatever it is), each row's gate then up columns.
+    layer_w0 = adc.checkpoint_name(adc.checkpoint_name(y[..., :f], "mlpwi_0"), "moe_mlpwi_0")
+    layer_w1 = adc.checkpoint_name(y[..., f:], "moe_mlpwi_1")
+    hidden = module.apply_ffn_activation(layer_w0, layer_w1)
+    out = entwine_jax.moe_gemm_combine(hidden, wo.astype(module.dtype), weights, handle, axis_name=plan.axis,
+                                       config=config)
+    dropped = getattr(handle, "dropped", None)
+    overflow = jnp.zeros((1,), jnp.bool_) if dropped is None else jnp.reshape(dropped > 0, (1,))
+    return out.reshape(b, s, h).astype(module.dtype), lb_loss, bias_updates, overflow

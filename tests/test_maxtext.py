@@ -181,14 +181,14 @@ def test_kept_layouts_are_logged(train_main, tmp_path, caplog):
 def test_enable_disable_restores_maxtext():
     from maxtext.layers import attentions, linears, moe
     before = (linears.DenseGeneral.__call__, linears.MlpBlock.__call__, attentions.Attention.__call__,
-              moe.RoutedMoE.__call__)
+              moe.RoutedMoE.__call__, moe.RoutedMoE.sparse_matmul)
     entwine_maxtext.enable()
     entwine_maxtext.enable()  # idempotent
     assert linears.DenseGeneral.__call__ is not before[0] and entwine_maxtext.is_enabled()
     assert linears.DenseGeneral.__call__.__wrapped__ is before[0]
     entwine_maxtext.disable()
     assert (linears.DenseGeneral.__call__, linears.MlpBlock.__call__, attentions.Attention.__call__,
-            moe.RoutedMoE.__call__) == before
+            moe.RoutedMoE.__call__, moe.RoutedMoE.sparse_matmul) == before
     assert not entwine_maxtext.is_enabled()
     with pytest.raises(ValueError, match=r"gemm_rs_config must be an entwine_jax.GemmRsConfig or None, got dict"):
         entwine_maxtext.enable(gemm_rs_config={})
@@ -254,13 +254,15 @@ def test_explicit_sharding_out_sharding_is_honoured(train_main):
     assert stats["kept"].get("attention/query", "").startswith("out_sharding"), stats
 
 
-def test_moe_experts_are_reported_as_kept(caplog):
+def test_moe_dense_path_is_reported_as_kept(caplog):
+    # MaxText's dense MoE path stays MaxText's (sparse_matmul is routed: tests/test_maxtext_moe.py).
+    import types
     entwine_maxtext.reset_stats()
     entwine_maxtext._log.reset_key("maxtext-enabled")
+    config = types.SimpleNamespace(te_moe_block=False, attention="dot_product", sparse_matmul=False)
     with caplog.at_level(logging.INFO, logger="entwine_jax"):
-        assert entwine_maxtext._moe_call(lambda self, x: x + 1, None, 1) == 2
-    assert entwine_maxtext.stats()["kept"] == {
-        "moe/experts": "routed experts (MoE: all-to-all dispatch and grouped GEMMs) are left to MaxText"}
+        assert entwine_maxtext._moe_call(lambda self, x: x + 1, types.SimpleNamespace(config=config), 1) == 2
+    assert set(entwine_maxtext.stats()["kept"]) == {"moe/experts"}
     # The first patched call says the integration is on (absl's logging is set up by then).
     assert "entwine_jax.maxtext: enabled" in caplog.text and "moe/experts keeps MaxText's" in caplog.text
 
