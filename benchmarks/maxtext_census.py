@@ -113,7 +113,7 @@ def run(name: str, layers: int, routed: bool) -> tuple:
     stock_only = [] if routed else STOCK_ONLY.get(name, [])
     argv = ["census", str(base), *COMMON, *overrides, *stock_only, f"base_num_decoder_layers={layers}"]
     t0 = time.monotonic()
-    with entwine_maxtext.enabled() if routed else contextlib.nullcontext():
+    with entwine_maxtext.enabled(moe=True) if routed else contextlib.nullcontext():
         entwine_maxtext.reset_stats()
         lowered, mesh, _ = lower_train_step(argv)
         routed_sites = entwine_maxtext.stats()

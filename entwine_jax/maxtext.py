@@ -171,7 +171,7 @@ class _State:
     gemm_rs_config: Optional[GemmRsConfig] = None
     ag_gemm_config: Optional[AgGemmConfig] = None
     column_parallel: bool = True
-    moe: bool = True
+    moe: bool = False
     moe_config: Optional[MoeConfig] = None
     # What the traces did, by where they ran: True, MaxText's train step; False, any other trace
     # (the model's initialisation, qwix's dummy forward, an evaluation step, a call by hand).
@@ -209,7 +209,7 @@ def _report() -> _Report:
 # ----------------------------------------------------------------------------------------------
 
 def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Optional[AgGemmConfig] = None,
-           column_parallel: bool = True, moe: bool = True, moe_config: Optional[MoeConfig] = None) -> None:
+           column_parallel: bool = True, moe: bool = False, moe_config: Optional[MoeConfig] = None) -> None:
     """Route MaxText's tensor-parallel projections through entwine_jax (see the module docstring).
 
     Call before MaxText traces its train step (building the model before or after does not
@@ -219,7 +219,10 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Opt
     ag_gemm_config: an ``entwine_jax.AgGemmConfig``, passed to every ``ag_gemm`` call (default:
     ``ag_heuristic_config``).
     column_parallel: False keeps MaxText's own wi_* / query / key / value projections.
-    moe: False keeps MaxText's own routed experts (RoutedMoE.sparse_matmul).
+    moe: True routes MaxText's routed experts (RoutedMoE.sparse_matmul) through the MoE ops; off by
+    default: their static layout moves C = round_up(T, 128) rows per (source, expert) when dropless,
+    E/k times the rows MaxText's ragged all-to-all moves, and their fused path has not passed its GPU
+    suites yet (docs/maxtext.md, "Routed experts (MoE)").
     moe_config: an ``entwine_jax.MoeConfig``, passed to every ``moe_dispatch_gemm`` / ``moe_gemm_combine``
     call (default: dropless, as MaxText's sparse_matmul without ragged_buffer_factor).
     """
@@ -947,7 +950,7 @@ def _moe_plan(module, inputs, kernels, input_ids, forced_routed_experts):
     from maxtext.common import common_types
     cfg, mesh = module.config, module.mesh
     if not _state.moe:
-        return "moe=False"
+        return "moe=False (the default; enable(moe=True) routes the routed experts)"
     # Quantised experts (AQT, qwix, FP8 weights with scales, serve mode) run MaxText's quantised GEMMs.
     if module.quant is not None:
         return f"quantised experts (quant={type(module.quant).__name__})"

@@ -1,6 +1,6 @@
 # The expert-parallel MoE MLP for Flax (NNX and Linen), used inside jax.shard_map over the expert
 # axis: a router (linear, top-k, softmax weights), then moe_dispatch_gemm on gate|up, SwiGLU, and
-# moe_gemm_combine (docs/design.md, "Mixture of experts (planned)", "Flax and MaxText"). Written like
+# moe_gemm_combine (docs/design.md, "Mixture of experts", "Flax and MaxText"). Written like
 # entwine_jax.layers (its checks, logical-axis metadata and partition_specs); needs flax.
 """Expert-parallel SwiGLU MoE MLP over entwine_jax.moe_dispatch_gemm and moe_gemm_combine.
 

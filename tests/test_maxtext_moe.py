@@ -71,7 +71,7 @@ def _train(train_main, tmp_path, run, overrides, routed: bool):
     jax.config.update("jax_dump_ir_to", str(ir_dir))
     try:
         if routed:
-            with entwine_maxtext.enabled():
+            with entwine_maxtext.enabled(moe=True):
                 train_main(argv)
         else:
             train_main(argv)
@@ -151,7 +151,7 @@ def test_moe_expert_tensor_parallelism_is_kept(train_main):
     argv = ["census", str(base), *program.COMMON, "per_device_batch_size=1", "max_target_length=128", "vocab_size=512",
             "override_model_config=true", *MIXTRAL, "ici_tensor_parallelism=2",
             "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "dtype=float32"]
-    with entwine_maxtext.enabled():
+    with entwine_maxtext.enabled(moe=True):
         entwine_maxtext.reset_stats()
         program.lower_train_step(argv)
         stats = entwine_maxtext.stats()
@@ -192,6 +192,6 @@ def test_enable_checks_the_moe_arguments():
     assert not entwine_maxtext.is_enabled()
     from maxtext.layers import moe
     before = moe.RoutedMoE.sparse_matmul
-    with entwine_maxtext.enabled(moe_config=entwine_jax.MoeConfig(path="xla")):
+    with entwine_maxtext.enabled(moe=True, moe_config=entwine_jax.MoeConfig(path="xla")):
         assert moe.RoutedMoE.sparse_matmul.__wrapped__ is before
     assert moe.RoutedMoE.sparse_matmul is before

@@ -544,3 +544,15 @@ def test_kernel_plans_state_their_rules():
     # A float32 [E, C] of router weights: 4-byte rows, any dtype moves.
     d = fused._transfer_plan(3, jax.ShapeDtypeStruct((6, 128), jnp.float32))
     assert (d["e_local"], d["inbox_bytes"], d["push_grid"]) == (2, 2 * 3 * 128 * 4, 0)
+
+
+def test_auto_path_keeps_the_reference_until_the_gpu_suites_pass(monkeypatch):
+    """path 'auto' on a CUDA mesh does not take the unproven kernels: the reason says how to ask."""
+    from entwine_jax.moe import op as moe_op
+
+    monkeypatch.setattr(moe_op.callsite, "platform_reason", lambda axis_name: None)
+    assert moe_op._early_reason(MoeConfig(), "ep", 2, jnp.bfloat16) == moe_op.UNPROVEN
+    assert "path='fused'" in moe_op.UNPROVEN
+    assert moe_op._early_reason(MoeConfig(path="fused"), "ep", 2, jnp.bfloat16) is None
+    assert moe_op._early_reason(MoeConfig(path="xla"), "ep", 2, jnp.bfloat16) == "config.path='xla'"
+    assert "float32" in moe_op._early_reason(MoeConfig(path="fused"), "ep", 2, jnp.float32)

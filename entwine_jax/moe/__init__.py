@@ -2,4 +2,4 @@
 # [E_local, W*C] segments, times w1) and moe_gemm_combine (times w2, back to the tokens, weighted by
 # the router), each the other's backward. op.py checks and plans a call and pairs the two in one
 # custom VJP; reference.py is the XLA reference (the only path until the kernels exist); config.py
-# its config. docs/design.md, "Mixture of experts (planned)".
+# its config. docs/design.md, "Mixture of experts".

@@ -1,4 +1,4 @@
-# The MoE ops' XLA reference (docs/design.md, "Mixture of experts (planned)"): the static layout (each
+# The MoE ops' XLA reference (docs/design.md, "Mixture of experts"): the static layout (each
 # slot's row in its (source, expert) segment of C rows, computed locally: no counts phase), the two
 # kernel-boundary functions dispatch_pool and combine_pool (one all_to_all and one batched GEMM each),
 # and the token-side pieces around them (the send buffer, the weighted gather-sum); entwine_jax.moe.op

@@ -1,6 +1,6 @@
 // Host-side contract of moe_dispatch_gemm with static capacity: the config, one rank's problem, its
 // plan (the kernels run exactly this), the GEMM's and the transfers' arguments and launchers. No
-// kernel syntax. Protocol: docs/design.md, "Mixture of experts (planned)"; this is its static
+// kernel syntax. Protocol: docs/design.md, "Mixture of experts"; this is its static
 // capacity form (a fixed C rows per (source, expert), so no counts phase and no prefix sums).
 #pragma once
 
