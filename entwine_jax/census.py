@@ -758,7 +758,8 @@ def _custom_call(instr: _Instr, shapes: dict, axes: _Axes) -> Optional[tuple]:
     owner = scoped[0] if scoped is not None and scoped[0] in OWNERS else spec.name
     ins = [_arrays(shapes.get(n, "")) for n in instr.operands]
     outs = _arrays(instr.shape)
-    if len(ins) < 1 or not ins[0] or not outs:
+    # Operands whose shapes the text does not give (moe_transfer has one operand, the others two or more).
+    if not ins or not ins[0] or not outs or (len(ins) > 1 and not ins[1]):
         return owner, spec.kind, None, 0, outs, 0
     world, arrays = spec.moved(target, ins, outs, instr.attrs)
     named = [n for n, s in zip(axes.names, axes.sizes) if s == world]

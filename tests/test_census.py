@@ -209,6 +209,31 @@ ENTRY %main (x: f8e4m3fn[64,32], w: f8e4m3fn[64,32], a: f8e4m3fn[64,32], b: f8e4
     assert (ag.kind, ag.group_size, ag.axes, ag.bytes) == ("all-gather", 4, ("tp",), 3 * 64 * 32 * 1 + 3 * 4)
 
 
+def test_moe_custom_calls_are_read_from_text():
+    """The MoE targets over W = 4 (E_local 2, C 128): the dispatch kernel sends 3/4 of x_send [8, 128, 32]
+    (one destination's share, 2 x 128 x 32 bf16, to each of 3 peers); moe_transfer is the combine's
+    unless a moves() scope of the dispatch encloses it (the backward's router weights, f32 [8, 128])."""
+    text = """HloModule jit_step, num_partitions=8
+ENTRY %main (x: bf16[8,128,32], w: bf16[2,32,64], o: bf16[8,128,16], r: f32[8,128]) -> bf16[2,512,64] {
+  %x = bf16[8,128,32]{2,1,0} parameter(0)
+  %w = bf16[2,32,64]{2,1,0} parameter(1)
+  %o = bf16[8,128,16]{2,1,0} parameter(2)
+  %r = f32[8,128]{1,0} parameter(3)
+  %d = (bf16[2,512,64]{2,1,0}, bf16[2,512,32]{2,1,0}) custom-call(%x, %w), custom_call_target="entwine_moe_dispatch_gemm", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_dispatch_gemm/ffi_call"}, backend_config={comm_id = 7 : i64}
+  %t = bf16[2,512,16]{2,1,0} custom-call(%o), custom_call_target="entwine_moe_transfer", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/entwine_moves.moe_gemm_combine.bfloat16/ffi_call"}, backend_config={comm_id = 7 : i64}
+  %u = f32[2,512]{1,0} custom-call(%r), custom_call_target="entwine_moe_transfer", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/entwine_moves.moe_dispatch_gemm.float32/ffi_call"}, backend_config={comm_id = 7 : i64}
+  ROOT %y = bf16[2,512,64]{2,1,0} get-tuple-element(%d), index=0
+}
+"""
+    c = census.collectives(text, mesh=jax.sharding.AbstractMesh((2, 4), ("dp", "tp")))
+    calls = c.select(custom_call=True)
+    assert calls.counts("owner") == {"moe_dispatch_gemm": 2, "moe_gemm_combine": 1}
+    by_bytes = sorted((x.owner, x.kind, x.group_size, x.axes, x.bytes) for x in calls)
+    assert by_bytes == sorted([("moe_dispatch_gemm", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 32 * 2),
+                               ("moe_gemm_combine", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 16 * 2),
+                               ("moe_dispatch_gemm", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 4)])
+
+
 def test_iota_and_explicit_groups():
     mesh = jax.sharding.AbstractMesh((2, 4), ("dp", "tp"))
     line = "  %{n} = f32[8]{{0}} all-reduce(%p), channel_id=1, replica_groups={g}, to_apply=%add\n"
