@@ -60,31 +60,37 @@ constexpr const char* kOp = "entwine moe_dispatch_gemm";
 using handler::DeviceGuard;
 using handler::dims_string;
 
-// The plan's rules and what the call needs of the GPU and of the communicator.
-ffi::Error check_plan(MoePlan const& plan, MoeProblem const& problem, MoeConfig const& config,
-                      comm::DeviceComm const& dc) {
-  auto const call = [&] {
-    return " (E=" + std::to_string(problem.experts) + ", C=" + std::to_string(problem.capacity) + ", K=" +
-           std::to_string(problem.k) + ", N=" + std::to_string(problem.n) + ", W=" + std::to_string(problem.world) +
-           ", config " + ENTWINE_CONFIG_STRING(config, ENTWINE_MOE_CONFIG_FIELDS) + ")";
-  };
-  if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string(kOp) + ": " + plan.error + call());
+// What a call of either target needs of the GPU (the SMs its waiting kernels and releases hold at
+// once) and of the communicator (the pool and one flag per (source, expert)).
+ffi::Error check_room(const char* op, MoePlan const& plan, comm::DeviceComm const& dc) {
   if (plan.sms_needed > dc.sm_count) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": the GEMM's " + std::to_string(plan.grid) +
-                                       " CTAs and the push's " + std::to_string(plan.push_grid) +
-                                       " (or one SM for the segment releases) need " +
-                                       std::to_string(plan.sms_needed) + " SMs, this GPU has " +
-                                       std::to_string(dc.sm_count) + call());
+    return ffi::Error::InvalidArgument(std::string(op) + ": the call's kernels need " +
+                                       std::to_string(plan.sms_needed) + " SMs at once (the GEMM's " +
+                                       std::to_string(plan.grid) + " CTAs, the push's " +
+                                       std::to_string(plan.push_grid) + " or one for the releases), this GPU has " +
+                                       std::to_string(dc.sm_count));
   }
   size_t const has_bytes = dc.capacity.bytes[moe::inbox_region];
   if (size_t(plan.inbox_bytes) > has_bytes || plan.e_local > dc.capacity.flags_per_source) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      std::string(kOp) + ": call needs a pool of " + std::to_string(plan.inbox_bytes) + " bytes and " +
+                      std::string(op) + ": call needs a pool of " + std::to_string(plan.inbox_bytes) + " bytes and " +
                           std::to_string(plan.e_local) + " flags per source, communicator has " +
                           std::to_string(has_bytes) + " bytes and " + std::to_string(dc.capacity.flags_per_source) +
                           " flags per source");
   }
   return ffi::Error::Success();
+}
+
+// The plan's rules, then check_room.
+ffi::Error check_plan(MoePlan const& plan, MoeProblem const& problem, MoeConfig const& config,
+                      comm::DeviceComm const& dc) {
+  if (plan.error != nullptr) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": " + plan.error + " (E=" + std::to_string(problem.experts) +
+                                       ", C=" + std::to_string(problem.capacity) + ", K=" + std::to_string(problem.k) +
+                                       ", N=" + std::to_string(problem.n) + ", W=" + std::to_string(problem.world) +
+                                       ", config " + ENTWINE_CONFIG_STRING(config, ENTWINE_MOE_CONFIG_FIELDS) + ")");
+  }
+  return check_room(kOp, plan, dc);
 }
 
 // The config the kernels run (docs/design.md, "Forward progress"): the GEMM's CTAs wait, holding
@@ -349,18 +355,7 @@ ffi::Error MoeTransferImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuff
     int64_t const row_bytes = int64_t(send.size_bytes()) / (sd[0] * sd[1]);
     MoePlan const plan = moe_transfer_plan(dc->world, dc->rank, int32_t(sd[0]), int32_t(sd[1]), row_bytes, push_sms);
     if (plan.error != nullptr) return ffi::Error::InvalidArgument(std::string(kTransferOp) + ": " + plan.error);
-    if (plan.sms_needed > dc->sm_count) {
-      return ffi::Error::InvalidArgument(std::string(kTransferOp) + ": the push needs " +
-                                         std::to_string(plan.sms_needed) + " SMs, this GPU has " +
-                                         std::to_string(dc->sm_count));
-    }
-    size_t const has_bytes = dc->capacity.bytes[moe::inbox_region];
-    if (size_t(plan.inbox_bytes) > has_bytes || plan.e_local > dc->capacity.flags_per_source) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        std::string(kTransferOp) + ": call needs a pool of " + std::to_string(plan.inbox_bytes) +
-                            " bytes and " + std::to_string(plan.e_local) + " flags per source, communicator has " +
-                            std::to_string(has_bytes) + " bytes and " + std::to_string(dc->capacity.flags_per_source));
-    }
+    if (ffi::Error e = check_room(kTransferOp, plan, *dc); e.failure()) return e;
     bool capturing = false;
     if (ffi::Error e = handler::is_capturing(kTransferOp, xla_stream, &capturing); e.failure()) return e;
     DeviceGuard guard;
