@@ -74,6 +74,7 @@ class MoeSuites(Rank):
                 self.place(w1s[r * e_local:(r + 1) * e_local], 0, (experts, h, n)))
         what = (f"moe_dispatch_gemm T={t} H={h} N={n} E={experts} k={k} capacity={capacity} push={push} "
                 f"{jnp.dtype(dtype).name}")
+        self.log(f"{what}: compiling")
         census = self.census(fn, *args)
         fused = census.select(custom_call=True).counts("owner")
         if not fused.get("moe_dispatch_gemm"):
@@ -81,6 +82,7 @@ class MoeSuites(Rank):
         others = census.select(custom_call=False).counts("owner")
         if others:
             raise AssertionError(f"{what}: XLA collectives left in the program: {others}")
+        self.log(f"{what}: running")
         with jax.set_mesh(self.mesh):
             y = self.local(fn(*args))
             again = self.local(fn(*args))
@@ -154,11 +156,13 @@ class MoeSuites(Rank):
                 self.place(wi_1[r * e_local:(r + 1) * e_local], 0, (experts, h, f)),
                 self.place(wo[r * e_local:(r + 1) * e_local], 0, (experts, f, h)), self.place(cs[r], 0, (w_ * t, h)))
         what = f"moe_mlp T={t} H={h} F={f} E={experts} k={k} {jnp.dtype(dtype).name}"
+        self.log(f"{what}: compiling")
         census = self.census(fn, *args)
         fused = census.select(custom_call=True).counts("owner")
         others = census.select(custom_call=False).counts("owner")
         if not fused.get("moe_dispatch_gemm") or others:
             raise AssertionError(f"{what}: fused calls {fused}, XLA collectives {others} (expected none)")
+        self.log(f"{what}: running")
         with jax.set_mesh(self.mesh):
             outs = [self.local(v) for v in fn(*args)]
         comm.check_errors()
