@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
-from entwine_jax import callsite, opspec
+from entwine_jax import _log, callsite, opspec
 from entwine_jax.moe import fused, reference
 from entwine_jax.moe.config import MoeConfig
 from entwine_jax.moe.reference import COMBINE, DISPATCH, F32, TILE, MoeHandle, round_up
@@ -216,14 +216,17 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
 # of both ops (layout, send buffer, weighted sum) is XLA on the token side and stays.
 
 
-def _transfer_call(send, plan: Plan):
+def _transfer_call(send, plan: Plan, op: str):
     """The fused.MoeCall of moe_transfer for send (an array [E, C, ...]), or None where the XLA
     reference moves it (the plan's reason, or the kernels cannot move these rows)."""
     if plan.reason is not None:
         return None
     kw = dict(axis_name=plan.axis_name, axis_size=plan.axis_size)
-    call, _ = callsite.prepare(DISPATCH, lambda: fused.transfer_unavailable_reason(send, config=plan.config, **kw),
-                               lambda: fused.prepare_transfer(send, **kw))
+    call, reason = callsite.prepare(op, lambda: fused.transfer_unavailable_reason(send, config=plan.config, **kw),
+                                    lambda: fused.prepare_transfer(send, **kw))
+    if reason is not None:  # the call's other moves may be fused: this one is said once
+        _log.log_once((op, "move", tuple(send.shape), str(send.dtype)), _log.fallback_level(plan.config.path),
+                      "%s: rows %s %s move by XLA's all_to_all: %s", op, send.dtype, list(send.shape), reason)
     return call
 
 
@@ -231,7 +234,7 @@ def to_experts(send, plan: Plan, op: str):
     """send [E, C, ...] -> pool [E_local, W*C, ...] (reference.to_experts): moe_transfer where it can
     move the rows, on CUDA; the XLA reference elsewhere. Counted as `op`'s."""
     reference_move = functools.partial(reference.to_experts, axis_name=plan.axis_name, world=plan.axis_size, op=op)
-    call = _transfer_call(send, plan)
+    call = _transfer_call(send, plan, op)
     if call is None:
         return reference_move(send)
     names = callsite.varying_over(send, axis_name=plan.axis_name)
