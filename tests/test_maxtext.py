@@ -68,19 +68,20 @@ def train_main():
     return train.main
 
 
-def _train(train_main, tmp_path, name, overrides, routed: bool):
-    """Runs MaxText's train.main; returns (losses, StableHLO text of the train step, stats)."""
+def _train(train_main, tmp_path, name, overrides, routed: bool, common=None, **enable):
+    """Runs MaxText's train.main on `common` (default TINY) and `overrides`, with enable(**enable) if
+    routed; returns (losses, StableHLO text of the train step, stats)."""
     run = f"{name}_{'entwine' if routed else 'stock'}"
     metrics, ir_dir = tmp_path / f"{run}.jsonl", tmp_path / f"{run}_ir"
     base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
     argv = ["train", str(base), f"run_name={run}", f"base_output_directory={tmp_path / 'out'}",
-            f"metrics_file={metrics}", *TINY, *overrides]
+            f"metrics_file={metrics}", *(TINY if common is None else common), *overrides]
     entwine_maxtext.reset_stats()
     previous = os.environ.get("JAX_DUMP_IR_TO", "")  # the flag's value unless updated
     jax.config.update("jax_dump_ir_to", str(ir_dir))
     try:
         if routed:
-            with entwine_maxtext.enabled():
+            with entwine_maxtext.enabled(**enable):
                 train_main(argv)
         else:
             train_main(argv)

@@ -2,20 +2,18 @@
 # CPU devices: MaxText's own train loop on a tiny Mixtral-like and a tiny DeepSeek-like decoder, stock and
 # routed, same losses; stats() and the census name the MoE ops; the configurations left to MaxText say why.
 # Skipped without MaxText (pip install "maxtext[tpu]==0.2.5"; .ci/maxtext.sh); ~4 min on 2 cores.
-import json
 import logging
-import os
 import pathlib
 import sys
 import types
 
-import jax
 import pytest
 
 maxtext = pytest.importorskip("maxtext", reason="MaxText is not installed (pip install 'maxtext[tpu]==0.2.5'; "
                                                   "see .ci/maxtext.sh)")
 
 from entwine_jax import maxtext as entwine_maxtext  # noqa: E402
+from test_maxtext import _train as train_loop, train_main  # noqa: E402,F401  (train_main: the fixture)
 
 MOE = entwine_maxtext.MOE_SITE
 COMMON = ["hardware=cpu", "dataset_type=synthetic", "steps=3", "enable_checkpointing=false",
@@ -51,35 +49,9 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def train_main():
-    if len(jax.devices()) < 8:
-        pytest.skip(f"needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8), found "
-                    f"{len(jax.devices())}")
-    from maxtext.trainers.pre_train import train
-    return train.main
-
-
 def _train(train_main, tmp_path, run, overrides, routed: bool):
-    """MaxText's train.main: (losses, StableHLO text of the train step, stats())."""
-    metrics, ir_dir = tmp_path / f"{run}.jsonl", tmp_path / f"{run}_ir"
-    base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
-    argv = ["train", str(base), f"run_name={run}", f"base_output_directory={tmp_path / 'out'}",
-            f"metrics_file={metrics}", *COMMON, *overrides]
-    entwine_maxtext.reset_stats()
-    previous = os.environ.get("JAX_DUMP_IR_TO", "")  # the flag's value unless updated
-    jax.config.update("jax_dump_ir_to", str(ir_dir))
-    try:
-        if routed:
-            with entwine_maxtext.enabled(moe=True):
-                train_main(argv)
-        else:
-            train_main(argv)
-    finally:
-        jax.config.update("jax_dump_ir_to", previous)
-    losses = [json.loads(line)["learning/loss"] for line in metrics.read_text().splitlines()]
-    (step,) = sorted(ir_dir.glob("*jit_train_step*.mlir"))
-    return losses, step.read_text(), entwine_maxtext.stats()
+    """MaxText's train.main on COMMON, routed with the MoE ops: (losses, StableHLO of the step, stats())."""
+    return train_loop(train_main, tmp_path, run, overrides, routed, common=COMMON, moe=True)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

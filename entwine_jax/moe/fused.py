@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -83,17 +83,18 @@ def _heap_need(plan: MoePlan) -> tuple[int, dict[str, int]]:
     return plan.flags_per_source, {INBOX_REGION: plan.inbox_bytes}
 
 
-def _unavailable(x_send, w1, axis_name, axis_size, config) -> Optional[str]:
+def _platform(axis_name, axis_size, config) -> tuple[Optional[str], Any, Any]:
+    """(reason, mesh, ext) of both targets' first checks: the path, the build, the axis, the platform."""
     if config.path == "xla":
-        return "config.path='xla'"
-    if reason := kernels_reason():
-        return reason
-    if reason := callsite.kernel_dtype_reason(x_send.dtype, w1.dtype):
-        return reason
-    if reason := comm.world_reason(axis_size):
-        return reason
-    reason, mesh, ext = comm.platform_reason(axis_name)
-    if reason:
+        return "config.path='xla'", None, None
+    if reason := kernels_reason() or comm.world_reason(axis_size):
+        return reason, None, None
+    return comm.platform_reason(axis_name)
+
+
+def _unavailable(x_send, w1, axis_name, axis_size, config) -> Optional[str]:
+    reason, mesh, ext = _platform(axis_name, axis_size, config)
+    if reason := reason or callsite.kernel_dtype_reason(x_send.dtype, w1.dtype):
         return reason
     (experts, capacity, k), n = x_send.shape, w1.shape[2]
     try:
@@ -187,13 +188,7 @@ def _transfer_plan(world: int, send) -> dict:
 
 
 def _transfer_unavailable(send, axis_name, axis_size, config) -> Optional[str]:
-    if config.path == "xla":
-        return "config.path='xla'"
-    if reason := kernels_reason():
-        return reason
-    if reason := comm.world_reason(axis_size):
-        return reason
-    reason, mesh, ext = comm.platform_reason(axis_name)
+    reason, mesh, ext = _platform(axis_name, axis_size, config)
     if reason:
         return reason
     try:

@@ -32,9 +32,8 @@ class Plan:
     e_local: int
     capacity: int  # C, the rows of one (source, expert) segment
     # The dispatch kernel's fused.MoeCall (moves and GEMM in one), for a dispatch's forward or a
-    # combine's backward (its cotangent dispatched, times w2^T), or None; and why not.
+    # combine's backward (its cotangent dispatched, times w2^T), or None.
     gemm_call: Any = None
-    gemm_reason: Optional[str] = None
     dimension: ClassVar[int] = 0
     return_gathered: ClassVar[bool] = False
 
@@ -157,7 +156,7 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
                 capacity=capacity)
     gemm_call, gemm_reason = _prepare_gemm(plan, h, n, xs.dtype)
-    plan = dataclasses.replace(plan, gemm_call=gemm_call, gemm_reason=gemm_reason)
+    plan = dataclasses.replace(plan, gemm_call=gemm_call)
     site = (f"x={xs.dtype}{list(xs.shape)} topk_idx{list(topk_idx.shape)} w1={w1.dtype}{list(w1.shape)} "
             f"axis={axis_name!r} (size {size}) C={capacity}")
     key = (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, capacity)
@@ -201,8 +200,7 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
     plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
                 capacity=rows // size)
     # The backward dispatches dout [T, H] and multiplies by w2^T [E_local, H, F]: the dispatch kernel.
-    gemm_call, gemm_reason = _prepare_gemm(plan, w2.shape[2], f, h.dtype)
-    plan = dataclasses.replace(plan, gemm_call=gemm_call, gemm_reason=gemm_reason)
+    plan = dataclasses.replace(plan, gemm_call=_prepare_gemm(plan, w2.shape[2], f, h.dtype)[0])
     site = f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
     key = (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name)
     # Its GEMM runs on XLA before the rows are sent home (no overlap yet): said with the path.

@@ -148,21 +148,9 @@ ffi::Error check_plan(AgPlan const& plan, AgProblem const& problem, AgGemmConfig
   return ffi::Error::Success();
 }
 
-// The config the kernels run (docs/design.md, "Forward progress"). The GEMM's CTAs wait, holding
-// their SMs, for chunks that peers' pushes release: an SM push that waits for its receivers to
-// start the call, or the copy engines' one-warp release kernels, which need an SM of their own.
-// So the GEMM leaves SMs: the push's CTAs (or one for the release kernels), the reserve
-// (comm::sm_reserve), and, where processes share this GPU, enough that all of them waiting at once
-// (GEMM and push) still leave one SM for the release kernels and the pushes still to start.
+// The config the kernels run: the GEMM's grid leaves the SMs the pushes need (handler::waiting_gemm_sms).
 AgGemmConfig run_config(AgGemmConfig cfg, comm::DeviceComm const& dc) {
-  int64_t const push = cfg.push_sms > 0 ? cfg.push_sms : 1;
-  int64_t const free = int64_t(dc.sm_count) - comm::sm_reserve();
-  int64_t limit = free - push;
-  if (dc.gpu_sharers > 1) {
-    int64_t const share = (free - 1) / dc.gpu_sharers - push;
-    if (share < limit) limit = share;
-  }
-  if (cfg.gemm_sms > limit) cfg.gemm_sms = limit > 1 ? limit : 1;
+  cfg.gemm_sms = handler::waiting_gemm_sms(cfg.gemm_sms, cfg.push_sms, dc);
   return cfg;
 }
 

@@ -1,8 +1,9 @@
 // What every FFI handler does alike before it launches: a CUDA-error-to-ffi::Error macro, the
 // decoding of an op's config attribute, a printable buffer shape, the communicator entry a call
 // may use, the kernels' element types (FP8 operands and their scales), the body that turns
-// exceptions into errors, the capture test and the call's epoch arguments, a host timer, a guard
-// that restores XLA's current device, and the memo of what a call site derives. Host-only.
+// exceptions into errors, the capture test and the call's epoch arguments, the grid of a GEMM that
+// waits on pushes, a host timer, a guard that restores XLA's current device, and the memo of what a
+// call site derives. Host-only.
 #pragma once
 
 #include <chrono>
@@ -170,6 +171,24 @@ inline ffi::Error fp8_scales(const char* op, ffi::AnyBuffer const& x_scale, ffi:
     return e;
   }
   return block_scale_operand(op, "w_scale", w_scale, blocks(w_n), blocks(w_k), "[ceil(N/128), ceil(K/128)]", ws);
+}
+
+// The grid of a GEMM whose CTAs wait, holding their SMs, for data that peers' pushes release
+// (docs/design.md, "Forward progress"): an SM push of push_sms CTAs that waits for its receivers to
+// start the call, or (push_sms 0) the copy engines' one-warp release kernels, which need an SM of
+// their own. So the GEMM leaves SMs: the push's CTAs (or one for the release kernels), the reserve
+// (comm::sm_reserve), and, where processes share this GPU, enough that all of them waiting at once
+// (GEMM and push) still leave one SM for the release kernels and the pushes still to start.
+inline int64_t waiting_gemm_sms(int64_t gemm_sms, int64_t push_sms, const comm::DeviceComm& dc) {
+  int64_t const push = push_sms > 0 ? push_sms : 1;
+  int64_t const free = int64_t(dc.sm_count) - comm::sm_reserve();
+  int64_t limit = free - push;
+  if (dc.gpu_sharers > 1) {
+    int64_t const share = (free - 1) / dc.gpu_sharers - push;
+    if (share < limit) limit = share;
+  }
+  if (gemm_sms > limit) return limit > 1 ? limit : 1;
+  return gemm_sms;
 }
 
 // Runs a handler's body: nothing but an ffi::Error may leave a handler (std::string and the

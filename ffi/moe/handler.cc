@@ -93,19 +93,9 @@ ffi::Error check_plan(MoePlan const& plan, MoeProblem const& problem, MoeConfig 
   return check_room(kOp, plan, dc);
 }
 
-// The config the kernels run (docs/design.md, "Forward progress"): the GEMM's CTAs wait, holding
-// their SMs, for segments that peers' pushes release, so the GEMM leaves the push's SMs (or one for
-// the copy engines' release kernels), the reserve, and, where processes share this GPU, enough that
-// all of them waiting at once still leave one SM for the releases (ag_gemm's rule).
+// The config the kernels run: the GEMM's grid leaves the SMs the pushes need (handler::waiting_gemm_sms).
 MoeConfig run_config(MoeConfig cfg, comm::DeviceComm const& dc) {
-  int64_t const push = cfg.push_sms > 0 ? cfg.push_sms : 1;
-  int64_t const free = int64_t(dc.sm_count) - comm::sm_reserve();
-  int64_t limit = free - push;
-  if (dc.gpu_sharers > 1) {
-    int64_t const share = (free - 1) / dc.gpu_sharers - push;
-    if (share < limit) limit = share;
-  }
-  if (cfg.gemm_sms > limit) cfg.gemm_sms = limit > 1 ? limit : 1;
+  cfg.gemm_sms = handler::waiting_gemm_sms(cfg.gemm_sms, cfg.push_sms, dc);
   return cfg;
 }
 
