@@ -13,6 +13,7 @@ from entwine_jax import callsite, fp8, pairing
 from entwine_jax.ag_gemm import op as ag_op
 from entwine_jax.ag_gemm.config import AgGemmConfig
 from entwine_jax.gemm_rs.config import GemmRsConfig
+from entwine_jax.moe import fp8_op as moe_fp8
 from entwine_jax.moe import op as moe_op
 from entwine_jax.moe.config import MoeConfig
 
@@ -120,7 +121,8 @@ def _ag_gemm_fp8(x, w, *, axis_name, gather_dimension, config, return_gathered, 
 
 
 def moe_dispatch_gemm(x, topk_idx, w1, *, axis_name, capacity=None, num_experts: Optional[int] = None,
-                      config: Optional[MoeConfig] = None):
+                      config: Optional[MoeConfig] = None, x_scale=None, w_scale=None, out_dtype=None, grad_dtype=None,
+                      grad_scale=None):
     """Each token's rows sent to its top-k experts' ranks, times the expert's w1; called inside
     jax.shard_map over the expert axis (size W; E = W * E_local experts, expert e on rank e // E_local).
 
@@ -136,6 +138,12 @@ def moe_dispatch_gemm(x, topk_idx, w1, *, axis_name, capacity=None, num_experts:
     dropped: never sent, zero in the output, zero gradient.
     num_experts: E, checked against W * w1.shape[0] when given.
     Differentiable in x and w1; the backward is a moe_gemm_combine (docs/design.md, "The pairing").
+    FP8 (entwine_jax.fp8, per-tensor scales only): with x_scale and w_scale (float32 scalars; w_scale
+    one for this rank's experts) computes (x * x_scale) rows times (w1 * w_scale) on float8_e4m3fn
+    operands (or higher-precision ones the op quantises) in out_dtype: the e4m3 rows travel, each
+    rank's x_scale beside them; the backward quantises dy to grad_dtype (float8_e5m2 by default, with
+    grad_scale or each rank's current scale). Its GEMM is XLA's (the dispatch kernel takes 16-bit
+    operands); the moves are the kernels' where the bf16 call's are.
     """
     if capacity is not None:
         config = dataclasses.replace(config or MoeConfig(), capacity=capacity)
@@ -148,10 +156,14 @@ def moe_dispatch_gemm(x, topk_idx, w1, *, axis_name, capacity=None, num_experts:
         if e_local is not None and num_experts != size * e_local:
             raise ValueError(f"moe_dispatch_gemm: w1.shape[0] must be num_experts / W = {num_experts // size} "
                              f"(the local experts), got w1 shape {tuple(w1.shape)}")
+    if fp8.requested(x, w1, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
+        return moe_fp8.dispatch(x, topk_idx, w1, axis_name=axis_name, config=config, x_scale=x_scale,
+                                w_scale=w_scale, out_dtype=out_dtype, grad_dtype=grad_dtype, grad_scale=grad_scale)
     return moe_op.dispatch(x, topk_idx, w1, axis_name=axis_name, config=config)
 
 
-def moe_gemm_combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfig] = None):
+def moe_gemm_combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfig] = None, x_scale=None,
+                     w_scale=None, out_dtype=None, grad_dtype=None, grad_scale=None):
     """The experts' rows times their expert's w2, sent back to their tokens and summed with the router
     weights; called inside jax.shard_map with the handle of the moe_dispatch_gemm whose layout h has.
 
@@ -161,5 +173,10 @@ def moe_gemm_combine(h, w2, topk_weights, handle, *, axis_name, config: Optional
     zero); the rows travel in h.dtype and are summed in fp32, in j order. Differentiable in h, w2 and
     topk_weights; the backward is a moe_dispatch_gemm of the cotangent in the handle's layout
     (docs/design.md, "The pairing").
+    FP8 (per-tensor scales): x_scale scales h and w_scale w2, as for moe_dispatch_gemm; the rows travel
+    in out_dtype; the backward dispatches the cotangent in grad_dtype (e5m2 by default).
     """
+    if fp8.requested(h, w2, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
+        return moe_fp8.combine(h, w2, topk_weights, handle, axis_name=axis_name, config=config, x_scale=x_scale,
+                               w_scale=w_scale, out_dtype=out_dtype, grad_dtype=grad_dtype, grad_scale=grad_scale)
     return moe_op.combine(h, w2, topk_weights, handle, axis_name=axis_name, config=config)

@@ -127,6 +127,11 @@ def launch_suite(args, suite, spec, mps_env=None) -> str:
             timed_out = True
             break
     if timed_out:
+        # Each straggler prints its Python stack first (rank_main registers SIGUSR1): where it hung.
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(2)
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -145,7 +150,11 @@ def launch_suite(args, suite, spec, mps_env=None) -> str:
 
 
 def rank_main(args, table) -> int:
+    import faulthandler
+
     import jax
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=args.world,
                                process_id=args.rank, local_device_ids=[args.rank % args.gpus])

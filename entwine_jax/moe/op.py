@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
-from entwine_jax import _log, callsite, opspec
+from entwine_jax import _log, callsite, fp8, opspec
 from entwine_jax.moe import fused, reference
 from entwine_jax.moe.config import MoeConfig
 from entwine_jax.moe.reference import COMBINE, DISPATCH, F32, TILE, MoeHandle, round_up
@@ -126,16 +126,18 @@ def default_config(x, w, size: int, dimension: int) -> tuple[MoeConfig, str]:
 def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] = None,
                   return_gathered: bool = False, out_dtype=None, shared_scale: bool = False) -> Plan:
     """Check a moe_dispatch_gemm call (x: an opspec.RoutedInput of x [T, H] and topk_idx [T, k]; w1
-    [E_local, H, N]), fix its capacity, report its path once. return_gathered and out_dtype (FP8) must
-    be the defaults (neither is built); shared_scale changes nothing."""
+    [E_local, H, N]), fix its capacity, report its path once. out_dtype given: an FP8 call (its
+    operands' dtypes checked by entwine_jax.fp8.check), whose e4m3 rows move and whose GEMM is XLA's.
+    return_gathered must be False (not built); shared_scale changes nothing."""
     xs, topk_idx = x.x, x.topk_idx
-    if return_gathered or out_dtype is not None:
-        raise ValueError(f"{DISPATCH}: return_gathered and out_dtype (FP8) are not supported yet")
+    if return_gathered:
+        raise ValueError(f"{DISPATCH}: return_gathered is not supported")
     _check_array(DISPATCH, "x", xs, "[T, H]", 2)
     _check_array(DISPATCH, "topk_idx", topk_idx, "[T, k]", 2)
     _check_array(DISPATCH, "w1", w1, "[E_local, H, N]", 3)
-    _check_float(DISPATCH, "x", xs)
-    _check_float(DISPATCH, "w1", w1, ("x", xs))
+    if out_dtype is None:
+        _check_float(DISPATCH, "x", xs)
+        _check_float(DISPATCH, "w1", w1, ("x", xs))
     if topk_idx.dtype != jnp.int32:
         raise ValueError(f"{DISPATCH}: topk_idx.dtype must be int32 (global expert ids, -1: none), got "
                          f"{topk_idx.dtype}")
@@ -152,14 +154,18 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     axis_name = callsite.hashable_axis(axis_name)
     size = callsite.axis_size(DISPATCH, axis_name)
     capacity = capacity_rows(t, k, size * e_local, config.capacity)
-    reason = why_not_fused(x, w1, axis_name=axis_name, axis_size=size, dimension=0, config=config)
+    moved = x if out_dtype is None else opspec.RoutedInput(jax.ShapeDtypeStruct(xs.shape, fp8.E4M3), topk_idx)
+    reason = why_not_fused(moved, w1, axis_name=axis_name, axis_size=size, dimension=0, config=config)
     plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
                 capacity=capacity)
-    gemm_call, gemm_reason = _prepare_gemm(plan, h, n, xs.dtype)
+    if out_dtype is None:
+        gemm_call, gemm_reason = _prepare_gemm(plan, h, n, xs.dtype)
+    else:
+        gemm_call, gemm_reason = None, "FP8 (the dispatch kernel takes 16-bit operands)"
     plan = dataclasses.replace(plan, gemm_call=gemm_call)
     site = (f"x={xs.dtype}{list(xs.shape)} topk_idx{list(topk_idx.shape)} w1={w1.dtype}{list(w1.shape)} "
-            f"axis={axis_name!r} (size {size}) C={capacity}")
-    key = (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, capacity)
+            f"axis={axis_name!r} (size {size}) C={capacity}" + ("" if out_dtype is None else f" FP8 -> {out_dtype}"))
+    key = (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, capacity, str(out_dtype))
     # The moves' path is the call's; a GEMM that XLA runs beside fused moves is said as a note.
     note = f" (its GEMM by XLA: {gemm_reason})" if reason is None and gemm_reason is not None else ""
     callsite.report(DISPATCH, key, site, config, reason, source, printed, note)
@@ -170,18 +176,20 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
                  return_gathered: bool = False, out_dtype=None, shared_scale: bool = False) -> Plan:
     """Check a moe_gemm_combine call (x: an opspec.RoutedInput of h [E_local, W*C, F], topk_weights
     [T, k] and the dispatch's handle; w2 [E_local, F, H]) against the handle; report its path once.
-    E_local and C come from h's shape, which is the dispatch's y's."""
+    E_local and C come from h's shape, which is the dispatch's y's. out_dtype given: an FP8 call
+    (entwine_jax.fp8.check checked the dtypes), whose rows travel in out_dtype."""
     h, weights, handle = x.x, x.weights, x.handle
-    if return_gathered or out_dtype is not None:
-        raise ValueError(f"{COMBINE}: return_gathered and out_dtype (FP8) are not supported yet")
+    if return_gathered:
+        raise ValueError(f"{COMBINE}: return_gathered is not supported")
     if not isinstance(handle, MoeHandle):
         raise ValueError(f"{COMBINE}: handle must be the MoeHandle moe_dispatch_gemm returned, got "
                          f"{type(handle).__name__}")
     _check_array(COMBINE, "h", h, "[E_local, W*C, F]", 3)
     _check_array(COMBINE, "w2", w2, "[E_local, F, H]", 3)
     _check_array(COMBINE, "topk_weights", weights, "[T, k]", 2)
-    _check_float(COMBINE, "h", h)
-    _check_float(COMBINE, "w2", w2, ("h", h))
+    if out_dtype is None:
+        _check_float(COMBINE, "h", h)
+        _check_float(COMBINE, "w2", w2, ("h", h))
     if not jnp.issubdtype(weights.dtype, jnp.floating):
         raise ValueError(f"{COMBINE}: topk_weights.dtype must be a float type, got {weights.dtype}")
     config, source = _config(COMBINE, config)
@@ -196,13 +204,16 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
     if tuple(weights.shape) != (t, k):
         raise ValueError(f"{COMBINE}: topk_weights must have shape [T, k] = {(t, k)} (the dispatch's topk_idx), "
                          f"got {tuple(weights.shape)}")
-    reason = why_not_fused(x, w2, axis_name=axis_name, axis_size=size, dimension=0, config=config)
+    moved = x if out_dtype is None else x._replace(x=jax.ShapeDtypeStruct(h.shape, out_dtype))
+    reason = why_not_fused(moved, w2, axis_name=axis_name, axis_size=size, dimension=0, config=config)
     plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
                 capacity=rows // size)
-    # The backward dispatches dout [T, H] and multiplies by w2^T [E_local, H, F]: the dispatch kernel.
-    plan = dataclasses.replace(plan, gemm_call=_prepare_gemm(plan, w2.shape[2], f, h.dtype)[0])
-    site = f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
-    key = (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name)
+    if out_dtype is None:
+        # The backward dispatches dout [T, H] and multiplies by w2^T [E_local, H, F]: the dispatch kernel.
+        plan = dataclasses.replace(plan, gemm_call=_prepare_gemm(plan, w2.shape[2], f, h.dtype)[0])
+    site = (f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
+            + ("" if out_dtype is None else f" FP8 -> {out_dtype}"))
+    key = (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name, str(out_dtype))
     # Its GEMM runs on XLA before the rows are sent home (no overlap yet): said with the path.
     note = " (its GEMM by XLA, then the rows sent home)" if reason is None else ""
     callsite.report(COMBINE, key, site, config, reason, source, printed, note)
@@ -280,11 +291,11 @@ def combine_pool(h, w2, plan: Plan):
     return to_sources(reference.expert_dot(h, w2).astype(h.dtype), plan, COMBINE)
 
 
-def _layout(topk_idx, plan: Plan) -> MoeHandle:
+def layout(topk_idx, plan: Plan) -> MoeHandle:
     return reference.layout(topk_idx, num_experts=plan.num_experts, capacity=plan.capacity)
 
 
-def _send(rows, handle: MoeHandle, plan: Plan):
+def send_rows(rows, handle: MoeHandle, plan: Plan):
     """rows [T, ...] -> the send buffer [E, C, ...] (each token's row at each of its sent slots)."""
     t, k = handle.expert.shape
     slot_rows = jnp.broadcast_to(rows[:, None], (t, k) + rows.shape[1:])
@@ -293,8 +304,8 @@ def _send(rows, handle: MoeHandle, plan: Plan):
 
 def forward_dispatch(x, w1, plan: Plan, gathered: bool = False):
     """(y, handle) of a planned dispatch (x: a RoutedInput); no differentiation rule (dispatch() has it)."""
-    handle = _layout(x.topk_idx, plan)
-    return dispatch_pool(_send(x.x, handle, plan), w1, plan)[0], handle
+    handle = layout(x.topk_idx, plan)
+    return dispatch_pool(send_rows(x.x, handle, plan), w1, plan)[0], handle
 
 
 def forward_combine(x, w2, plan: Plan, gathered: bool = False):
@@ -307,11 +318,11 @@ def forward_combine(x, w2, plan: Plan, gathered: bool = False):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dispatch(x, w1, handle, plan):
-    return dispatch_pool(_send(x, handle, plan), w1, plan)[0]
+    return dispatch_pool(send_rows(x, handle, plan), w1, plan)[0]
 
 
 def _dispatch_fwd(x, w1, handle, plan):
-    y, pool = dispatch_pool(_send(x, handle, plan), w1, plan)
+    y, pool = dispatch_pool(send_rows(x, handle, plan), w1, plan)
     return y, (pool, w1, handle)
 
 
@@ -341,7 +352,7 @@ def _combine_fwd(h, w2, weights, handle, plan):
 def _combine_bwd(plan, res, dout):
     h, w2, weights, handle = res
     # dout's rows dispatched in the handle's layout, times w2^T: g = dout row @ w2^T on the expert side.
-    g, dy_pool = dispatch_pool(_send(dout, handle, plan), jnp.swapaxes(w2, 1, 2), plan)
+    g, dy_pool = dispatch_pool(send_rows(dout, handle, plan), jnp.swapaxes(w2, 1, 2), plan)
     # The router weights travel beside them (a dispatch's transfer): [E, C] -> [E_local, W*C, 1].
     w_send = reference.to_segments(weights.astype(F32), handle, num_experts=plan.num_experts, capacity=plan.capacity)
     w_pool = to_experts(w_send, plan, DISPATCH)[..., None]
@@ -365,7 +376,7 @@ def dispatch(x, topk_idx, w1, *, axis_name, config: Optional[MoeConfig]):
     x, topk_idx, w1 = (callsite.make_varying(v, names) for v in (x, topk_idx, w1))
     # The scope names every operation of the call, forward and backward (the census's owner).
     with jax.named_scope(DISPATCH_SPEC.scope):
-        handle = _layout(topk_idx, plan)
+        handle = layout(topk_idx, plan)
         return _dispatch(x, w1, handle, plan), handle
 
 

@@ -384,9 +384,11 @@ int producer_main(int argc, char** argv);
 int energy_main(bool suite, std::vector<std::array<int, 3>> const& shapes, double seconds, bool names_only);
 // ag_gemm.cu
 int ag_test_main();
-int moe_test_main();
 int ag_bench_main();
 int ag_push_main();
+// moe.cu
+int moe_test_main();
+int moe_bench_main();
 // fp8.cu
 int fp8_test_main();
 int fp8_bench_main();

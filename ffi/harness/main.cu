@@ -54,6 +54,7 @@ int main(int argc, char** argv) {
   if (mode == "ag" && argc > 2 && std::string(argv[2]) == "push") return ag_push_main();
   if (mode == "ag" && argc > 2 && std::string(argv[2]) == "sanitize") return ag_sanitize_main();
   if (mode == "moe" && argc > 2 && std::string(argv[2]) == "test") return moe_test_main();
+  if (mode == "moe" && argc > 2 && std::string(argv[2]) == "bench") return moe_bench_main();
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "test") return fp8_test_main();
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "bench") return fp8_bench_main();
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "accuracy") return fp8_accuracy_main();
@@ -73,7 +74,7 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
-               "       entwine_harness ag test | ag sanitize | ag bench | ag push | moe test | fp8 test | fp8 bench | fp8 accuracy | api\n"
+               "       entwine_harness ag test | ag sanitize | ag bench | ag push | moe test | moe bench | fp8 test | fp8 bench | fp8 accuracy | api\n"
                "       entwine_harness fp8block test | fp8block bench\n"
                "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n"
                "       entwine_harness energy M N K [seconds] [names] | energy suite [seconds] [shapes]\n");

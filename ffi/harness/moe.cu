@@ -1,7 +1,8 @@
 // moe_dispatch_gemm (static capacity) on W virtual ranks of one GPU: `moe test` runs every rank's
 // transfers (copy engines or the SM push) and expert GEMM as a handler would, over several epochs (flags never reset),
 // checks y against float64 on the host, and checks that a rank that never takes part ends its
-// peers' waits with the deadline error naming it (plain launches and a CUDA graph).
+// peers' waits with the deadline error naming it (plain launches and a CUDA graph). `moe bench`
+// times the fused call against the same kernels one after the other.
 #include <cstring>
 
 #include "harness/harness.h"
@@ -57,7 +58,10 @@ struct MoeWorld {
   uint64_t epoch = 0;              // the last call's epoch, as the host counts it
   uint64_t* epoch_word = nullptr;  // the next call's epoch, on the device (one word for all ranks)
   uint64_t timeout_ns = 3'000'000'000ull;
-  bool transfer_only = false;  // moe_transfer: the pushes and the receivers' wait kernel, no GEMM
+  // What enqueue launches: the whole call (transfers and the GEMMs that wait on them), the
+  // transfers alone with the receivers' wait kernel (moe_transfer), or the GEMMs alone.
+  enum class Part { kCall, kTransfers, kGemms };
+  Part part = Part::kCall;
 
   explicit MoeWorld(MoeCase const& c_) : c(c_), plan(moe_plan(c_.problem(0), c_.config)), ranks(c_.world) {
     for (int r = 0; r < c.world; ++r) plans.push_back(moe_plan(c.problem(r), c.config));
@@ -151,13 +155,13 @@ struct MoeWorld {
   // Every rank's GEMM (after its SM push, if the plan has one), then its copy-engine transfers to
   // rank + 1, rank + 2, ... each on its own stream; skip_rank neither pushes nor runs its GEMM.
   void enqueue(int skip_rank) {
-    bool const sm_push = plan.push_grid > 0;
+    bool const sm_push = plan.push_grid > 0 && part != Part::kGemms;
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
       MoeGemmArgs const a{ranks[r].x_send, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr,
                           call_epoch(r), timeout_ns};
       if (sm_push) enqueue_sm_push(r);
-      if (transfer_only) {
+      if (part == Part::kTransfers) {
         MoeWaitArgs const wa{ranks[r].flags, plan.e_local, r, c.world, error, nullptr, call_epoch(r), timeout_ns};
         CHECK_CUDA(moe::launch_wait_segments(wa, ranks[r].gemm));
         continue;
@@ -166,7 +170,7 @@ struct MoeWorld {
       CHECK_CUDA(moe::prepare_gemm(c.dtype(), c.dtype(), plans[r], a, &gemm));
       CHECK_CUDA(gemm.enqueue(ranks[r].gemm, sm_push));
     }
-    for (int r = 0; r < c.world && !sm_push; ++r) {
+    for (int r = 0; r < c.world && plan.push_grid == 0 && part != Part::kGemms; ++r) {
       if (r == skip_rank) continue;
       for (int d = 1; d < c.world; ++d) {
         int const q = (r + d) % c.world;
@@ -186,13 +190,17 @@ struct MoeWorld {
     CHECK_CUDA(cudaDeviceSynchronize());
   }
 
-  cudaGraphExec_t capture(cudaStream_t origin, int skip_rank = -1) {
-    std::vector<cudaStream_t> streams;
+  std::vector<cudaStream_t> streams() const {
+    std::vector<cudaStream_t> all;
     for (auto& r : ranks) {
-      streams.push_back(r.gemm);
-      for (int d = 1; d < c.world; ++d) streams.push_back(r.transfer[d]);
+      all.push_back(r.gemm);
+      for (int d = 1; d < c.world; ++d) all.push_back(r.transfer[d]);
     }
-    return capture_call(origin, streams, epoch_word, [&] { enqueue(skip_rank); });
+    return all;
+  }
+
+  cudaGraphExec_t capture(cudaStream_t origin, int skip_rank = -1) {
+    return capture_call(origin, streams(), epoch_word, [&] { enqueue(skip_rank); });
   }
 
   std::vector<uint16_t> download(uint16_t const* ptr, size_t count) {
@@ -289,7 +297,7 @@ void run_moe_case(MoeCase const& c, int epochs) {
 void run_moe_transfer(int world_size, int experts, int push_sms) {
   MoeCase c{world_size, experts, 128, 256, 256, moe_config_for(world_size, 128, 8, push_sms)};
   MoeWorld world(c);
-  world.transfer_only = true;
+  world.part = MoeWorld::Part::kTransfers;
   bool same = true;
   for (int epoch = 0; epoch < 3; ++epoch) {
     world.fill_inputs(700 + epoch);
@@ -341,6 +349,78 @@ void run_moe_deadline(int world_size, int experts, int push_sms = 0) {
                 world_size, experts, push_sms, e.code, e.site, e.rank, e.source, e.tile, (unsigned long long)e.expected, secs);
   bool const site_ok = e.site == kMoeWaitSegment || e.site == kMoeWaitInboxReady;
   expect(e.code == kErrorDeadline && site_ok && e.source == missing && stamp_epoch(e.expected) == 2 && secs < 5, buf);
+}
+
+// Every rank's call as one CUDA graph, replayed in interleaved rounds: fused (each GEMM takes a
+// segment as soon as it has landed), the same kernels in sequence (every transfer and the receiver's
+// wait, then the GEMM), the GEMMs alone (every segment already in place: flags at the largest stamp)
+// and the transfers alone. All W ranks share this GPU, so a call's time is every rank's work on one
+// GPU, and a push is HBM to HBM: the overlap measured is of GEMM and copy on shared SMs and memory,
+// not of GEMM and NVLink.
+int moe_bench_main() {
+  CHECK_CUDA(moe::prepare_kernels());
+  CHECK_CUDA(comm::prepare_epoch_kernel());
+  std::printf("# moe_dispatch_gemm, W ranks on one H200, bf16; median ms of one call of every rank (graph replays)\n");
+  std::printf("%-52s %9s %9s %9s %9s %8s %8s\n", "case", "fused_ms", "seq_ms", "gemm_ms", "xfer_ms", "seq/fus",
+              "fus/gemm");
+  struct Shape {
+    int world, experts, capacity, k, n;
+  };
+  // Mixtral-8x7B's gate|up (H 4096, 2 x F 14336) at capacity factor 1 of 4096 tokens per rank,
+  // DeepSeek-V3-like experts (H 7168, 2 x 2048) scaled to 16 experts, and W = 4.
+  Shape const shapes[] = {{2, 8, 1024, 4096, 28672}, {2, 16, 256, 7168, 4096}, {4, 8, 512, 4096, 8192}};
+  int bad = 0;
+  for (Shape const sh : shapes) {
+    for (int push_sms : {0, 8}) {
+      MoeCase const c{sh.world, sh.experts, sh.capacity, sh.k, sh.n, moe_config_for(sh.world, 256, 8, push_sms)};
+      MoeWorld world(c);
+      world.fill_inputs(21);
+      cudaStream_t origin;
+      CHECK_CUDA(cudaStreamCreateWithFlags(&origin, cudaStreamNonBlocking));
+      cudaGraphExec_t const fused = world.capture(origin);
+      cudaGraphExec_t const sequence = capture_call(origin, world.streams(), world.epoch_word, [&] {
+        world.part = MoeWorld::Part::kTransfers;
+        world.enqueue(-1);
+        world.part = MoeWorld::Part::kGemms;
+        world.enqueue(-1);
+      });
+      world.part = MoeWorld::Part::kTransfers;
+      cudaGraphExec_t const transfers = world.capture(origin);
+      world.part = MoeWorld::Part::kGemms;
+      cudaGraphExec_t const gemms = world.capture(origin);
+      world.part = MoeWorld::Part::kCall;
+      auto replay = [&](cudaGraphExec_t exec) {
+        return [&, exec]() {
+          CHECK_CUDA(cudaGraphLaunch(exec, origin));
+          ++world.epoch;
+        };
+      };
+      std::vector<float> const ms = interleaved_median_ms({replay(fused), replay(sequence), replay(transfers)}, origin, 3, 10, 3);
+      // The GEMMs alone last: flags at the largest stamp pass every later wait, whatever its epoch.
+      for (auto& r : world.ranks) CHECK_CUDA(cudaMemset(r.flags, 0xFF, 2 * world.plan.flags * sizeof(uint64_t)));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      float const gemm_ms = median_ms(replay(gemms), origin, 3, 20);
+      for (auto& r : world.ranks) CHECK_CUDA(cudaMemset(r.flags, 0, 2 * world.plan.flags * sizeof(uint64_t)));
+      // What was timed computed the same y: the fused call's bitwise the sequence's (same GEMM, same
+      // order; `moe test` holds the kernels to float64).
+      auto run = [&](cudaGraphExec_t exec) {
+        world.poison_outputs();
+        CHECK_CUDA(cudaGraphLaunch(exec, origin));
+        CHECK_CUDA(cudaStreamSynchronize(origin));
+        ++world.epoch;
+        return world.outputs();
+      };
+      bool const same = run(sequence) == run(fused);
+      DeviceError const e = world.read_error();
+      bool const ok = same && e.code == 0;
+      bad += !ok;
+      std::printf("%-52s %9.3f %9.3f %9.3f %9.3f %8.3f %8.3f%s\n", describe(c).c_str(), ms[0], ms[1], gemm_ms, ms[2],
+                  ms[1] / ms[0], ms[0] / gemm_ms, ok ? "" : "  FUSED != SEQUENCE OR DEVICE ERROR");
+      for (cudaGraphExec_t g : {fused, sequence, transfers, gemms}) CHECK_CUDA(cudaGraphExecDestroy(g));
+      CHECK_CUDA(cudaStreamDestroy(origin));
+    }
+  }
+  return bad == 0 ? 0 : 1;
 }
 
 int moe_test_main() {

@@ -1,0 +1,190 @@
+# The FP8 calls (per-tensor scales) of moe_dispatch_gemm and moe_gemm_combine: the rows travel in
+# FP8 (half the bytes of bf16), each source's x_scale beside them; the expert GEMMs multiply the FP8
+# values exactly (e4m3 and e5m2 are subsets of bf16) with fp32 accumulation and apply the scales to
+# the fp32 sums, as one alpha per 128-row tile would (docs/design.md, "Mixture of experts", "FP8,
+# per tensor"). The custom VJPs keep the pairing: each op's backward is the other on the cotangent
+# quantised to e5m2 (or in bf16/fp16 when the caller asks).
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from entwine_jax import callsite, fp8, opspec
+from entwine_jax.moe import op, reference
+from entwine_jax.moe.config import MoeConfig
+from entwine_jax.moe.reference import COMBINE, DISPATCH, F32, MoeHandle
+
+# The smallest segment moe_transfer moves is 16 bytes: a scale travels as 4 float32 copies.
+_SCALE_WORDS = 4
+
+
+def check(name: str, x, w, x_scale, w_scale, out_dtype, grad_dtype, grad_scale) -> tuple:
+    """(x_scale, w_scale, grad_scale, Fp8Call) of an FP8 call of op `name` (fp8.check's rules), per
+    tensor only: a scale of any other shape is a ValueError that says so."""
+    for arg, s in (("x_scale", x_scale), ("w_scale", w_scale), ("grad_scale", grad_scale)):
+        if s is not None and hasattr(s, "shape") and not fp8.is_scalar(s):
+            raise ValueError(f"{name}: {arg} must be a float32 scalar (shape () or (1,)): the MoE ops take "
+                             f"per-tensor scales only (no block scaling yet), got shape {tuple(s.shape)}")
+    return fp8.check(name, x, (w,), x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
+
+
+def _bf16(v8):
+    """FP8 values in bf16, exactly (the barrier keeps XLA from folding a quantise-convert pair away,
+    fp8.dequantize's reason)."""
+    return jax.lax.optimization_barrier(v8).astype(jnp.bfloat16)
+
+
+def source_scales(x_scale, plan: op.Plan, shared: bool, name: str):
+    """[W] fp32: the x_scale of every source rank, as this rank's experts see them (a shared scale
+    is everyone's; else each rank's travels beside its rows: moe_transfer on CUDA)."""
+    world = plan.axis_size
+    if shared or world == 1:
+        return jnp.broadcast_to(x_scale.astype(F32), (world,))
+    send = jnp.broadcast_to(x_scale.astype(F32), (plan.num_experts, _SCALE_WORDS))
+    got = op.to_experts(send, plan, name)  # [E_local, W * 4], every local expert the same
+    return got[0].reshape(world, _SCALE_WORDS)[:, 0]
+
+
+def _scaled_expert_dot(a8, row_scales, w8, w_scale):
+    """fp32 [E_local, R, N] = (a8 [E_local, R, K] @ w8 [E_local, K, N]) * row_scales[R] * w_scale:
+    the FP8 operands multiplied exactly, the scales applied to the fp32 sums."""
+    acc = reference.expert_dot(_bf16(a8), _bf16(w8))
+    return acc * row_scales[None, :, None] * w_scale
+
+
+def _rows_of_sources(scales, rows: int):
+    """[W] per-source scales -> one per pool row [W * C] (source-major)."""
+    return jnp.repeat(scales, rows // scales.shape[0])
+
+
+def _dequantized(v8, row_scales):
+    """[E_local, R, K] FP8 -> fp32 times each row's scale."""
+    return _bf16(v8).astype(F32) * row_scales[None, :, None]
+
+
+def _cotangent(dy, gs, call: fp8.Fp8Call):
+    """(dy in the backward's dtype, its scale): e5m2 with gs or this rank's current scale, or dy as
+    it is (scale 1) when the caller asked for a bf16/fp16 backward."""
+    if call.fp8_grads:
+        return fp8.quantized_cotangent(dy, gs)
+    return dy.astype(call.grad_dtype), jnp.float32(1.0)
+
+
+def _no_scale_grads(*scales) -> tuple:
+    """The scales' cotangents: zero (a scale is a constant of the recipe, as in Flax's FP8)."""
+    return tuple(None if s is None else jnp.zeros_like(s) for s in scales)
+
+
+# --- moe_dispatch_gemm ------------------------------------------------------------------------------
+
+
+def _dispatch_forward(x, w1, xs, ws, handle, plan, call, shared):
+    x8, w8 = fp8.quantize(x, xs), fp8.quantize(w1, ws)
+    pool8 = op.to_experts(op.send_rows(x8, handle, plan), plan, DISPATCH)  # e4m3 rows move
+    src = source_scales(xs, plan, shared, DISPATCH)
+    rows = _rows_of_sources(src, pool8.shape[1])
+    y = _scaled_expert_dot(pool8, rows, w8, ws).astype(call.out_dtype)
+    return y, (pool8, rows, w8, ws)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _dispatch(x, w1, xs, ws, gs, handle, plan, call, shared):
+    return _dispatch_forward(x, w1, xs, ws, handle, plan, call, shared)[0]
+
+
+def _dispatch_fwd(x, w1, xs, ws, gs, handle, plan, call, shared):
+    y, (pool8, rows, w8, ws_) = _dispatch_forward(x, w1, xs, ws, handle, plan, call, shared)
+    return y, (pool8, rows, w8, ws_, xs, gs, handle)
+
+
+def _dispatch_bwd(plan, call, shared, res, dy):
+    pool8, rows, w8, ws, xs, gs, handle = res
+    g8, g_scale = _cotangent(dy, gs, call)
+    # dx: a combine of dy with w1^T on the expert side (the FP8 product, scaled), rows home in the
+    # backward's dtype, summed with unit weights (copying x[t] to k rows sums their gradients).
+    dx_rows = _scaled_expert_dot(g8, jnp.broadcast_to(g_scale, (g8.shape[1],)), jnp.swapaxes(w8, 1, 2), ws)
+    o_recv = op.to_sources(dx_rows.astype(call.backward_dtype), plan, COMBINE)
+    dx = reference.from_segments(o_recv, jnp.ones(handle.expert.shape, F32), handle)
+    # dw1[e] = pool[e]^T dy[e] in fp32 from the dequantised operands (rows no slot took are zero).
+    dw1 = reference.expert_weight_grad(_dequantized(pool8, rows), _bf16(g8).astype(F32) * g_scale)
+    return (fp8.cotangent(dx, call.x_dtype), fp8.cotangent(dw1, call.w_dtype)) + _no_scale_grads(xs, ws, gs) + (None,)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def dispatch(x, topk_idx, w1, *, axis_name, config: Optional[MoeConfig], x_scale, w_scale, out_dtype, grad_dtype,
+             grad_scale):
+    """moe_dispatch_gemm's FP8 call: (y [E_local, W*C, N] in out_dtype, handle)."""
+    xs, ws, gs, call = check(DISPATCH, x, w1, x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
+    fp8.check_scales(DISPATCH, (("x", x, xs), ("w1", w1, ws)))
+    plan = op.plan_dispatch(opspec.RoutedInput(x, topk_idx), w1, axis_name=axis_name, config=config,
+                            out_dtype=call.out_dtype)
+    shared = fp8.shared_over(xs, x, plan.axis_name)
+    names = callsite.varying_over(x, topk_idx, w1, axis_name=plan.axis_name)
+    x, topk_idx, w1 = (callsite.make_varying(v, names) for v in (x, topk_idx, w1))
+    with jax.named_scope(op.DISPATCH_SPEC.scope):
+        handle = op.layout(topk_idx, plan)
+        return _dispatch(x, w1, xs, ws, gs, handle, plan, call, shared), handle
+
+
+# --- moe_gemm_combine -------------------------------------------------------------------------------
+
+
+def _combine_forward(h, w2, weights, hs, ws, handle, plan, call):
+    h8, w8 = fp8.quantize(h, hs), fp8.quantize(w2, ws)
+    rows = jnp.broadcast_to(hs.astype(F32), (h8.shape[1],))
+    o = _scaled_expert_dot(h8, rows, w8, ws).astype(call.out_dtype)  # the rows travel in out_dtype
+    out = reference.from_segments(op.to_sources(o, plan, COMBINE), weights, handle).astype(call.out_dtype)
+    return out, (h8, rows, w8)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _combine(h, w2, weights, hs, ws, gs, handle, plan, call):
+    return _combine_forward(h, w2, weights, hs, ws, handle, plan, call)[0]
+
+
+def _combine_fwd(h, w2, weights, hs, ws, gs, handle, plan, call):
+    out, (h8, rows, w8) = _combine_forward(h, w2, weights, hs, ws, handle, plan, call)
+    return out, (h8, rows, w8, weights, hs, ws, gs, handle)
+
+
+def _combine_bwd(plan, call, res, dout):
+    h8, rows, w8, weights, hs, ws, gs, handle = res
+    # dout quantised where the tokens are (each rank its own scale), its rows dispatched in the
+    # handle's layout (FP8 rows move, their scale beside them), times w2^T on the expert side.
+    d8, d_scale = _cotangent(dout, gs, call)
+    pool8 = op.to_experts(op.send_rows(d8, handle, plan), plan, DISPATCH)
+    shared = fp8.shared_over(d_scale, dout, plan.axis_name)  # e.g. 1 for a bf16 backward
+    d_rows = _rows_of_sources(source_scales(d_scale, plan, shared, DISPATCH), pool8.shape[1])
+    g = _scaled_expert_dot(pool8, d_rows, jnp.swapaxes(w8, 1, 2), ws)  # [E_local, W*C, F] fp32
+    # The router weights travel beside the rows (a dispatch's transfer): [E, C] -> [E_local, W*C, 1].
+    w_send = reference.to_segments(weights.astype(F32), handle, num_experts=plan.num_experts, capacity=plan.capacity)
+    w_pool = op.to_experts(w_send, plan, DISPATCH)[..., None]
+    h32 = _dequantized(h8, rows)
+    dh = w_pool * g
+    dw2 = reference.expert_weight_grad(h32, w_pool * _dequantized(pool8, d_rows))
+    # The router weights' gradient <dout[t], o row> = <g, h> per row, sent home (the combine's transfer).
+    dw_recv = op.to_sources(jnp.sum(g * h32, axis=-1), plan, COMBINE)  # [E, C]
+    sent = handle.expert >= 0
+    dweights = jnp.where(sent, dw_recv[jnp.maximum(handle.expert, 0), jnp.maximum(handle.place, 0)], 0.0)
+    return ((fp8.cotangent(dh, call.x_dtype), fp8.cotangent(dw2, call.w_dtype), dweights.astype(weights.dtype))
+            + _no_scale_grads(hs, ws, gs) + (None,))
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfig], x_scale, w_scale, out_dtype,
+            grad_dtype, grad_scale):
+    """moe_gemm_combine's FP8 call (x_scale scales h): out [T, H] in out_dtype."""
+    hs, ws, gs, call = check(COMBINE, h, w2, x_scale, w_scale, out_dtype, grad_dtype, grad_scale)
+    fp8.check_scales(COMBINE, (("h", h, hs), ("w2", w2, ws)))
+    plan = op.plan_combine(opspec.RoutedInput(h, weights=topk_weights, handle=handle), w2, axis_name=axis_name,
+                           config=config, out_dtype=call.out_dtype)
+    names = callsite.varying_over(h, w2, topk_weights, axis_name=plan.axis_name)
+    h, w2, topk_weights = (callsite.make_varying(v, names) for v in (h, w2, topk_weights))
+    handle = MoeHandle(*(callsite.make_varying(v, names) for v in handle))
+    with jax.named_scope(op.COMBINE_SPEC.scope):
+        return _combine(h, w2, topk_weights, hs, ws, gs, handle, plan, call)

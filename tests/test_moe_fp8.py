@@ -1,0 +1,250 @@
+# The MoE ops' FP8 calls (per-tensor scales) on fake CPU devices, against the float32 op on the
+# dequantised operands: per-rank x scales (each rank's travels beside its rows), quantised and
+# high-precision operands, out_dtype, the e5m2 backward (against the float32 op's gradients with the
+# cotangent quantised as the recipe does, per rank) and a bf16 backward, the FP8 rows moved (the
+# census), bad scales.
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from entwine_jax import census, fp8, moe_dispatch_gemm, moe_gemm_combine
+
+from test_gemm_rs import make_mesh
+from test_moe import EP, run
+
+F32 = jnp.float32
+
+
+def inputs(world, t=64, h=64, n=96, e_local=2, k=2, seed=0):
+    rng = np.random.default_rng(seed)
+    experts = world * e_local
+    # Each rank's tokens at its own magnitude: the ranks' current scales differ.
+    x = np.concatenate([rng.standard_normal((t, h)) * (1 + 3 * r) for r in range(world)]).astype(np.float32)
+    idx = np.stack([rng.permutation(experts)[:k] for _ in range(world * t)]).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.05] = -1
+    w1 = (rng.standard_normal((experts, h, n)) / 8).astype(np.float32)
+    return x, idx, w1
+
+
+def per_rank(fn, a, world):
+    """fn applied to each rank's shard of a (split over dim 0), joined again."""
+    return np.concatenate([np.asarray(fn(s)) for s in np.split(a, world)])
+
+
+def deq(v, dtype=fp8.E4M3):
+    """v quantised with its own current scale and dequantised: what an FP8 call computes with."""
+    s = fp8.current_scale(v, dtype)
+    return np.asarray(fp8.dequantize(fp8.quantize(v, s, dtype), s))
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def dispatch_fp8(x, idx, w1, **kw):
+    xs, ws = fp8.current_scale(x), fp8.current_scale(w1)
+    return moe_dispatch_gemm(x, idx, w1, axis_name="ep", x_scale=xs, w_scale=ws, **kw)[0]
+
+
+def dispatch_f32(x, idx, w1):
+    return moe_dispatch_gemm(x, idx, w1, axis_name="ep")[0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("operands", ["high", "e4m3"])
+def test_dispatch_matches_float32_of_the_dequantised_operands(world, operands):
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, w1 = inputs(world)
+    if operands == "high":
+        y = run(lambda x, i, w: dispatch_fp8(x.astype(jnp.bfloat16), i, w.astype(jnp.bfloat16)), mesh, (x, idx, w1), EP)
+    else:
+        def body(x, i, w):
+            xs, ws = fp8.current_scale(x), fp8.current_scale(w)
+            return moe_dispatch_gemm(fp8.quantize(x, xs), i, fp8.quantize(w, ws), axis_name="ep", x_scale=xs,
+                                     w_scale=ws)[0]
+        y = run(body, mesh, (x, idx, w1), EP)
+    assert y.dtype == jnp.bfloat16
+    # The operands as the call quantised them: from bf16 ("high"), or from float32 by the body.
+    high = jnp.bfloat16 if operands == "high" else F32
+    xq = per_rank(lambda s: deq(jnp.asarray(s, high).astype(F32)), x, world)
+    wq = per_rank(lambda s: deq(jnp.asarray(s, high).astype(F32)), w1, world)
+    ref = run(dispatch_f32, mesh, (xq, idx, wq), EP)
+    # Only y's rounding to bf16 separates them (2^-9 relative).
+    assert rel(y.astype(np.float32), ref) < 4e-3
+    # The scales matter: each rank's x is at its own magnitude, so ignoring the sources' scales is far off.
+    assert rel(ref, run(dispatch_f32, mesh, (x, idx, w1), EP)) < 0.1
+
+
+def test_out_dtype_and_shared_scale():
+    world = 2
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, w1 = inputs(world, seed=3)
+
+    def body(x, i, w):
+        # One scale for every rank (delayed scaling's shape): nothing travels beside the rows.
+        xs = jnp.float32(0.05)
+        return moe_dispatch_gemm(x, i, w, axis_name="ep", x_scale=xs, w_scale=fp8.current_scale(w),
+                                 out_dtype=jnp.float16)[0]
+
+    y = run(body, mesh, (x, idx, w1), EP)
+    assert y.dtype == jnp.float16
+    xq = np.asarray(fp8.dequantize(fp8.quantize(x, jnp.float32(0.05)), jnp.float32(0.05)))
+    wq = per_rank(lambda s: deq(jnp.asarray(s)), w1, world)
+    assert rel(y.astype(np.float32), run(dispatch_f32, mesh, (xq, idx, wq), EP)) < 2e-3
+
+
+def test_combine_matches_float32_of_the_dequantised_operands():
+    """moe_gemm_combine's FP8 call: h and w2 quantised with each rank's own scales, the rows home in
+    bf16, summed in fp32: the float32 combine of the dequantised h and w2 to bf16's rounding."""
+    world = 3
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, w1 = inputs(world, seed=11)
+    rng = np.random.default_rng(12)
+    w2 = (rng.standard_normal((w1.shape[0], w1.shape[2], w1.shape[1])) / 8).astype(np.float32)
+    weights = rng.random(idx.shape).astype(np.float32)
+    h = run(dispatch_f32, mesh, (x, idx, w1), EP)  # [W*E_local, W*C, N]: a combine's h, rows of every rank
+    hq, wq = per_rank(lambda s: deq(jnp.asarray(s)), h, world), per_rank(lambda s: deq(jnp.asarray(s)), w2, world)
+
+    def body(fp8_call):
+        def f(x, i, w1, h, w2, weights):
+            handle = moe_dispatch_gemm(x, i, w1, axis_name="ep")[1]
+            if fp8_call:
+                return moe_gemm_combine(h, w2, weights, handle, axis_name="ep", x_scale=fp8.current_scale(h),
+                                        w_scale=fp8.current_scale(w2))
+            return moe_gemm_combine(h, w2, weights, handle, axis_name="ep")
+        return f
+
+    out8 = run(body(True), mesh, (x, idx, w1, h, w2, weights), EP)
+    ref = run(body(False), mesh, (x, idx, w1, hq, wq, weights), EP)
+    assert out8.dtype == jnp.bfloat16
+    assert rel(out8.astype(np.float32), ref) < 8e-3
+
+
+def mlp_loss(x, idx, w1, w2, weights, c, fp8_call, grad_dtype=None, output=False):
+    """sum(out * c) of dispatch -> gelu -> combine, FP8 or float32 (output: out itself)."""
+    def body(x, idx, w1, w2, weights, c):
+        if fp8_call:
+            y, handle = moe_dispatch_gemm(x, idx, w1, axis_name="ep", x_scale=fp8.current_scale(x),
+                                          w_scale=fp8.current_scale(w1),
+                                          grad_dtype=grad_dtype)
+            h = jax.nn.gelu(y.astype(F32))
+            out = moe_gemm_combine(h, w2, weights, handle, axis_name="ep", x_scale=fp8.current_scale(h),
+                                   w_scale=fp8.current_scale(w2), grad_dtype=grad_dtype)
+        else:
+            y, handle = moe_dispatch_gemm(x, idx, w1, axis_name="ep")
+            out = moe_gemm_combine(jax.nn.gelu(y), w2, weights, handle, axis_name="ep")
+        return out.astype(F32) if output else jnp.sum(out.astype(F32) * c, keepdims=True)
+    return body
+
+
+@pytest.mark.parametrize("grad_dtype", [None, jnp.bfloat16])
+def test_mlp_forward_and_gradients(grad_dtype):
+    """An MLP through both FP8 calls: its output near the float32 MLP's, its gradients (x, w1, w2, the
+    router weights) near the float32 ones (FP8's rounding of every operand and cotangent), finite."""
+    world = 2
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, w1 = inputs(world, seed=5)
+    rng = np.random.default_rng(6)
+    w2 = (rng.standard_normal((w1.shape[0], w1.shape[2], w1.shape[1])) / 8).astype(np.float32)
+    weights = rng.random(idx.shape).astype(np.float32)
+    c = rng.standard_normal(x.shape).astype(np.float32)
+    grads = {}
+    for fp8_call in (True, False):
+        f = jax.shard_map(mlp_loss(x, idx, w1, w2, weights, c, fp8_call, grad_dtype), mesh=mesh,
+                          in_specs=(EP,) * 6, out_specs=EP)
+        with jax.set_mesh(mesh):
+            args = [jax.device_put(a, EP) for a in (x, idx, w1, w2, weights, c)]
+            loss = lambda x, w1, w2, weights: jnp.sum(f(x, args[1], w1, w2, weights, args[5]))
+            grads[fp8_call] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(*[args[i] for i in (0, 2, 3, 4)])
+    (_, g8), (_, g32) = grads[True], grads[False]
+    out8, out32 = (run(mlp_loss(x, idx, w1, w2, weights, c, f, output=True), mesh, (x, idx, w1, w2, weights, c), EP)
+                   for f in (True, False))
+    assert np.linalg.norm(out8 - out32) / np.linalg.norm(out32) < 0.06
+    tol = 0.15 if grad_dtype is None else 0.08  # e5m2 keeps 2 mantissa bits, bf16 7
+    for name, a, b in zip(("x", "w1", "w2", "weights"), g8, g32):
+        a = np.asarray(a)
+        assert a.dtype == np.float32 and np.all(np.isfinite(a)), name
+        err = np.linalg.norm(a - np.asarray(b)) / np.linalg.norm(np.asarray(b))
+        assert err < tol, (name, err)
+
+
+def test_dispatch_gradient_follows_the_recipe():
+    """dx and dw1 of an FP8 dispatch equal the float32 op's gradients on the dequantised operands with
+    the cotangent quantised to e5m2 by each rank's own current scale (the recipe, to bf16's rounding
+    of the rows sent home)."""
+    world = 2
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, w1 = inputs(world, seed=7)
+    xq, wq = per_rank(lambda s: deq(jnp.asarray(s)), x, world), per_rank(lambda s: deq(jnp.asarray(s)), w1, world)
+    probe = run(dispatch_f32, mesh, (xq, idx, wq), EP)
+    # bf16 values: the cotangent reaches the op in y's dtype, bf16, before its quantisation.
+    c = np.asarray(jnp.asarray(np.random.default_rng(8).standard_normal(probe.shape), jnp.bfloat16), np.float32)
+    cq = per_rank(lambda s: deq(jnp.asarray(s), fp8.E5M2), c, world)
+
+    def grads(fn, x, w, c):
+        f = jax.shard_map(lambda x, i, w, c: jnp.sum(fn(x, i, w).astype(F32) * c, keepdims=True), mesh=mesh,
+                          in_specs=(EP,) * 4, out_specs=EP)
+        with jax.set_mesh(mesh):
+            a = [jax.device_put(v, EP) for v in (x, idx, w, c)]
+            return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, a[1], w, a[3])), argnums=(0, 1)))(a[0], a[2])
+
+    dx8, dw8 = grads(dispatch_fp8, x, w1, c)
+    dx, dw = grads(dispatch_f32, xq, wq, cq)
+    assert rel(dx8, dx) < 8e-3  # dx's rows travel home in bf16
+    assert rel(dw8, dw) < 1e-5
+
+
+def test_census_counts_the_fp8_rows():
+    """The census counts an FP8 MLP's forward moves as the ops': the dispatch's rows in e4m3 (one byte
+    an element, half of bf16's) and each rank's x scale beside them, the combine's rows in bf16."""
+    world = 2
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, w1 = inputs(world)
+    rng = np.random.default_rng(1)
+    w2 = (rng.standard_normal((4, 96, 64)) / 8).astype(np.float32)
+    weights = rng.random(idx.shape).astype(np.float32)
+    c = rng.standard_normal(x.shape).astype(np.float32)
+    f = jax.jit(jax.shard_map(mlp_loss(x, idx, w1, w2, weights, c, True), mesh=mesh, in_specs=(EP,) * 6,
+                              out_specs=EP))
+    with jax.set_mesh(mesh):
+        report = census.collectives(f, *[jax.device_put(a, EP) for a in (x, idx, w1, w2, weights, c)])
+    assert not report.select(owner="xla", kind=("all-to-all", "all-gather")), report.table()
+    dispatch = sorted((m.shape.split("[")[0], m.bytes) for m in report.select(owner="moe_dispatch_gemm").collectives)
+    combine = [(m.shape.split("[")[0], m.bytes) for m in report.select(owner="moe_gemm_combine").collectives]
+    # (W-1)/W of [W, E_local, C, H]: 1/2 x 2 x 2 x 128 x 64 elements; the scales 1/2 x 4 x 4 f32.
+    assert dispatch == [("f32", 32), ("f8e4m3fn", 16384)], report.table()
+    assert combine == [("bf16", 32768)], report.table()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(x_scale=None), "needs both x_scale and w_scale"),
+    (dict(w_scale=np.ones((1, 1), np.float32)), "per-tensor scales only"),
+    (dict(x_scale=np.ones((64, 1), np.float32)), "per-tensor scales only"),
+    (dict(grad_dtype=jnp.float32), "grad_dtype must be"),
+    (dict(out_dtype=jnp.float32), "out_dtype must be"),
+])
+def test_bad_fp8_arguments(kwargs, match):
+    mesh = make_mesh((2,), ("ep",))
+    x, idx, w1 = inputs(2)
+    args = dict(x_scale=np.float32(1.0), w_scale=np.float32(1.0))
+    args.update(kwargs)
+
+    def body(x, i, w):
+        return moe_dispatch_gemm(x, i, w, axis_name="ep", **args)[0]
+
+    with pytest.raises(ValueError, match=match):
+        run(body, mesh, (x, idx, w1), EP)
+
+
+def test_e5m2_operand_is_refused():
+    mesh = make_mesh((2,), ("ep",))
+    x, idx, w1 = inputs(2)
+
+    def body(x, i, w):
+        return moe_dispatch_gemm(x.astype(fp8.E5M2), i, w.astype(fp8.E5M2), axis_name="ep", x_scale=jnp.float32(1),
+                                 w_scale=jnp.float32(1))[0]
+
+    with pytest.raises(ValueError, match="float8_e5m2"):
+        run(body, mesh, (x, idx, w1), EP)
