@@ -27,6 +27,13 @@ def inputs(world, t=64, h=64, n=96, e_local=2, k=2, seed=0):
     return x, idx, w1
 
 
+def combine_inputs(w1, idx, seed):
+    """(w2 [E, N, H] for w1 [E, H, N], router weights [T, k] for idx) of a combine after a dispatch."""
+    rng = np.random.default_rng(seed)
+    w2 = (rng.standard_normal((w1.shape[0], w1.shape[2], w1.shape[1])) / 8).astype(np.float32)
+    return w2, rng.random(idx.shape).astype(np.float32)
+
+
 def per_rank(fn, a, world):
     """fn applied to each rank's shard of a (split over dim 0), joined again."""
     return np.concatenate([np.asarray(fn(s)) for s in np.split(a, world)])
@@ -101,9 +108,7 @@ def test_combine_matches_float32_of_the_dequantised_operands():
     world = 3
     mesh = make_mesh((world,), ("ep",))
     x, idx, w1 = inputs(world, seed=11)
-    rng = np.random.default_rng(12)
-    w2 = (rng.standard_normal((w1.shape[0], w1.shape[2], w1.shape[1])) / 8).astype(np.float32)
-    weights = rng.random(idx.shape).astype(np.float32)
+    w2, weights = combine_inputs(w1, idx, seed=12)
     h = run(dispatch_f32, mesh, (x, idx, w1), EP)  # [W*E_local, W*C, N]: a combine's h, rows of every rank
     hq, wq = per_rank(lambda s: deq(jnp.asarray(s)), h, world), per_rank(lambda s: deq(jnp.asarray(s)), w2, world)
 
@@ -146,10 +151,8 @@ def test_mlp_forward_and_gradients(grad_dtype):
     world = 2
     mesh = make_mesh((world,), ("ep",))
     x, idx, w1 = inputs(world, seed=5)
-    rng = np.random.default_rng(6)
-    w2 = (rng.standard_normal((w1.shape[0], w1.shape[2], w1.shape[1])) / 8).astype(np.float32)
-    weights = rng.random(idx.shape).astype(np.float32)
-    c = rng.standard_normal(x.shape).astype(np.float32)
+    w2, weights = combine_inputs(w1, idx, seed=6)
+    c = np.random.default_rng(6).standard_normal(x.shape).astype(np.float32)
     grads = {}
     for fp8_call in (True, False):
         f = jax.shard_map(mlp_loss(x, idx, w1, w2, weights, c, fp8_call, grad_dtype), mesh=mesh,
@@ -202,10 +205,8 @@ def test_census_counts_the_fp8_rows():
     world = 2
     mesh = make_mesh((world,), ("ep",))
     x, idx, w1 = inputs(world)
-    rng = np.random.default_rng(1)
-    w2 = (rng.standard_normal((4, 96, 64)) / 8).astype(np.float32)
-    weights = rng.random(idx.shape).astype(np.float32)
-    c = rng.standard_normal(x.shape).astype(np.float32)
+    w2, weights = combine_inputs(w1, idx, seed=1)
+    c = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
     f = jax.jit(jax.shard_map(mlp_loss(x, idx, w1, w2, weights, c, True), mesh=mesh, in_specs=(EP,) * 6,
                               out_specs=EP))
     with jax.set_mesh(mesh):
