@@ -40,6 +40,7 @@ from entwine_jax.api import moe_dispatch_gemm, moe_gemm_combine
 from entwine_jax.layers import (axis_size_if_bound, bound_axis_size, check_array, check_axis_name, check_choice,
                                 check_config, check_dtype, check_param_dtype, compute_dtype, linen_param, nn, nnx,
                                 positive_int)
+from entwine_jax.layers_fp8 import fp8_call_arguments
 from entwine_jax.moe.config import MoeConfig
 
 __all__ = ["moe_mlp", "route", "MoeMlp", "MoeMlpDense", "ROUTER_AXES", "WI_AXES", "WO_AXES"]
@@ -47,6 +48,8 @@ __all__ = ["moe_mlp", "route", "MoeMlp", "MoeMlpDense", "ROUTER_AXES", "WI_AXES"
 ROUTER_AXES = ("embed", None)
 WI_AXES = ("exp", "embed", None)
 WO_AXES = ("exp", None, "embed")
+# The layers' FP8 modes: the MoE ops take per-tensor scales only.
+MOE_FP8_MODES = (None, "current")
 # fan-in is the expert's input dim alone: dim 0 counts experts, not inputs.
 default_expert_init = nnx.initializers.lecun_normal(batch_axis=(0,))
 default_router_init = nnx.initializers.lecun_normal()
@@ -87,13 +90,17 @@ def _check_moe_args(where: str, axis_name, num_experts, num_experts_per_tok, nor
 
 
 def moe_mlp(x, router, wi_0, wi_1, wo, *, num_experts_per_tok: int, axis_name="ep", norm_topk_prob: bool = True,
-            dtype=None, config: Optional[MoeConfig] = None, where: str = "moe_mlp"):
+            dtype=None, config: Optional[MoeConfig] = None, fp8: Optional[str] = None, where: str = "moe_mlp"):
     """The MoE MLP on local shards inside jax.shard_map over ``axis_name`` (see the module docstring).
 
     x ``[..., H]``; router ``[H, E]`` (whole); wi_0, wi_1 ``[E/W, H, F]``; wo ``[E/W, F, H]``.
     dtype: compute and output dtype (default: promoted from x and the parameters); the router's
     logits and weights are fp32. config: the ops' MoeConfig (its capacity), None for the default.
+    fp8: None, or "current": both expert GEMMs in FP8 with each rank's current per-tensor scales of
+    its tokens, its activations and its experts' weights, e5m2 gradients (the ops take per-tensor
+    scales only: no "block" or delayed scaling yet); the router stays in dtype.
     """
+    check_choice(where, "fp8", fp8, MOE_FP8_MODES)
     for name, v in (("x", x), ("router", router), ("wi_0", wi_0), ("wi_1", wi_1), ("wo", wo)):
         check_array(where, name, v)
     if x.ndim < 2:
@@ -120,10 +127,13 @@ def moe_mlp(x, router, wi_0, wi_1, wo, *, num_experts_per_tok: int, axis_name="e
     topk_idx, weights = route(tokens, router.astype(dtype), k, norm_topk_prob)
     # gate|up as one dispatch weight: one transfer of the tokens, one grouped GEMM for both.
     w1 = jnp.concatenate([wi_0, wi_1], axis=2).astype(dtype)
-    y, handle = moe_dispatch_gemm(tokens, topk_idx, w1, axis_name=axis_name, config=config)
-    out = moe_gemm_combine(_swiglu(y, f, dtype), wo.astype(dtype), weights, handle, axis_name=axis_name,
-                           config=config)
-    return out.reshape(x.shape)
+    wo = wo.astype(dtype)
+    dispatch_fp8, finish = fp8_call_arguments(where, fp8, tokens, w1, axis_name, dtype)
+    y, handle = moe_dispatch_gemm(tokens, topk_idx, w1, axis_name=axis_name, config=config, **dispatch_fp8)
+    h = _swiglu(y, f, dtype)
+    combine_fp8, _ = fp8_call_arguments(where, fp8, h, wo, axis_name, dtype)
+    out = moe_gemm_combine(h, wo, weights, handle, axis_name=axis_name, config=config, **combine_fp8)
+    return finish(out).reshape(x.shape)
 
 
 def _dense_moe_mlp(x, router, wi_0, wi_1, wo, *, num_experts_per_tok, norm_topk_prob, dtype, where):
@@ -149,19 +159,22 @@ class MoeMlp(nnx.Module):
     with the logical axes ROUTER_AXES, WI_AXES, WO_AXES. Called inside shard_map over ``axis_name``
     with the experts split over it (``partition_specs(state, rules)``) on this rank's tokens
     ``[..., in_features]``. kernel_init draws an ``[E, in, out]`` kernel (default: LeCun normal per
-    expert); config: an entwine_jax.MoeConfig for both ops (its capacity).
+    expert); config: an entwine_jax.MoeConfig for both ops (its capacity); fp8: None or "current"
+    (moe_mlp's).
     """
 
     def __init__(self, in_features: int, mlp_features: int, num_experts: int, num_experts_per_tok: int, *,
                  axis_name="ep", norm_topk_prob: bool = True, dtype=None, param_dtype=jnp.float32,
                  kernel_init: Initializer = default_expert_init, router_init: Initializer = default_router_init,
-                 config: Optional[MoeConfig] = None, rngs: nnx.Rngs):
+                 config: Optional[MoeConfig] = None, fp8: Optional[str] = None, rngs: nnx.Rngs):
         where = type(self).__name__
+        check_choice(where, "fp8", fp8, MOE_FP8_MODES)
         self.in_features = positive_int(where, "in_features", in_features)
         self.mlp_features = positive_int(where, "mlp_features", mlp_features)
         self.axis_name, self.num_experts, self.num_experts_per_tok = _check_moe_args(
             where, axis_name, num_experts, num_experts_per_tok, norm_topk_prob, dtype, param_dtype, config)
         self.norm_topk_prob, self.dtype, self.param_dtype, self.config = norm_topk_prob, dtype, param_dtype, config
+        self.fp8 = fp8
         h, f, e = self.in_features, self.mlp_features, self.num_experts
         self.router = nnx.Param(nnx.with_partitioning(router_init, ROUTER_AXES)(rngs.params(), (h, e), param_dtype))
         expert = nnx.with_partitioning(kernel_init, WI_AXES)
@@ -184,7 +197,8 @@ class MoeMlp(nnx.Module):
                                  "the shard_map in_specs with partition_specs(params, rules)")
         return moe_mlp(x, self.router[...], self.wi_0[...], self.wi_1[...], self.wo[...],
                        num_experts_per_tok=self.num_experts_per_tok, axis_name=self.axis_name,
-                       norm_topk_prob=self.norm_topk_prob, dtype=self.dtype, config=self.config, where=where)
+                       norm_topk_prob=self.norm_topk_prob, dtype=self.dtype, config=self.config, fp8=self.fp8,
+                       where=where)
 
 
 class MoeMlpDense(nn.Module):
@@ -204,6 +218,7 @@ class MoeMlpDense(nn.Module):
     kernel_init: Initializer = default_expert_init
     router_init: Initializer = default_router_init
     config: Optional[MoeConfig] = None
+    fp8: Optional[str] = None
 
     @nn.compact
     def __call__(self, x):
@@ -211,6 +226,7 @@ class MoeMlpDense(nn.Module):
         f = positive_int(where, "mlp_features", self.mlp_features)
         axis_name, e, k = _check_moe_args(where, self.axis_name, self.num_experts, self.num_experts_per_tok,
                                           self.norm_topk_prob, self.dtype, self.param_dtype, self.config)
+        check_choice(where, "fp8", self.fp8, MOE_FP8_MODES)
         check_array(where, "x", x)
         if x.ndim < 2:
             raise ValueError(f"{where}: x must have rank >= 2 ([..., tokens, H]), got shape {tuple(x.shape)}")
@@ -232,4 +248,5 @@ class MoeMlpDense(nn.Module):
             return _dense_moe_mlp(x, router, wi_0, wi_1, wo, num_experts_per_tok=k,
                                   norm_topk_prob=self.norm_topk_prob, dtype=self.dtype, where=where)
         return moe_mlp(x, router, wi_0, wi_1, wo, num_experts_per_tok=k, axis_name=axis_name,
-                       norm_topk_prob=self.norm_topk_prob, dtype=self.dtype, config=self.config, where=where)
+                       norm_topk_prob=self.norm_topk_prob, dtype=self.dtype, config=self.config, fp8=self.fp8,
+                       where=where)
