@@ -313,13 +313,13 @@ class Rank:
             return str(e)
         raise AssertionError(absence)
 
-    def check(self, y, ref, what):
+    def check(self, y, ref, what, tol=1e-2):
         import numpy as np
 
         y = y.astype(np.float64)
         err, norm = np.linalg.norm(y - ref), np.linalg.norm(ref)
-        if not err <= 1e-2 * norm:
-            raise AssertionError(f"{what}: rel error {err / norm:.3g} > 1e-2")
+        if not err <= tol * norm:
+            raise AssertionError(f"{what}: rel error {err / norm:.3g} > {tol:g}")
         return err / max(norm, 1e-30)
 
     def handler_executions(self):
