@@ -34,7 +34,11 @@ set(ENTWINE_GEMM_TABLE
   "moe bf16 bf16 128"
   "moe bf16 bf16 256"
   "moe fp16 fp16 128"
-  "moe fp16 fp16 256")
+  "moe fp16 fp16 256"
+  "moe e4m3 bf16 128"
+  "moe e4m3 fp16 128"
+  "moe e5m2 bf16 128"
+  "moe e5m2 fp16 128")
 
 # Sets ENTWINE_GEMM_SOURCES to the generated files (instances and dispatches).
 function(entwine_generate_gemm_kernels out_dir)

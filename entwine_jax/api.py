@@ -142,8 +142,8 @@ def moe_dispatch_gemm(x, topk_idx, w1, *, axis_name, capacity=None, num_experts:
     one for this rank's experts) computes (x * x_scale) rows times (w1 * w_scale) on float8_e4m3fn
     operands (or higher-precision ones the op quantises) in out_dtype: the e4m3 rows travel, each
     rank's x_scale beside them; the backward quantises dy to grad_dtype (float8_e5m2 by default, with
-    grad_scale or each rank's current scale). Its GEMM is XLA's (the dispatch kernel takes 16-bit
-    operands); the moves are the kernels' where the bf16 call's are.
+    grad_scale or each rank's current scale). Where the kernels run, the FP8 dispatch kernel does (w1
+    read K-major: a transposed copy per call).
     """
     if capacity is not None:
         config = dataclasses.replace(config or MoeConfig(), capacity=capacity)

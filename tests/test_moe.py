@@ -541,6 +541,15 @@ def test_kernel_plans_state_their_rules():
         fused.moe_plan(2, 8, 200, 1024, 2048, jnp.bfloat16, MoeConfig(gemm_sms=64))
     with pytest.raises(_extension.PlanError, match="multiple of config.block_n"):
         fused.moe_plan(2, 8, 256, 1024, 200, jnp.bfloat16, MoeConfig(gemm_sms=64, block_n=128))
+    # FP8 (x_send e4m3, or e5m2 for a gradient): one byte an element, 128-wide blocks only.
+    if fused.kernels_reason(fp8=True) is None:
+        plan = fused.moe_plan(2, 8, 256, 1024, 2048, jnp.float8_e4m3fn, MoeConfig(gemm_sms=64))
+        assert plan.inbox_bytes == 4 * 2 * 256 * 1024 and plan.num_blocks == 4 * 2 * 2 * 2048 // 128
+        assert fused.moe_plan(2, 8, 256, 1024, 2048, jnp.float8_e5m2, MoeConfig(gemm_sms=64)).grid == 64
+        with pytest.raises(_extension.PlanError, match="128-wide blocks"):
+            fused.moe_plan(2, 8, 256, 1024, 2048, jnp.float8_e4m3fn, MoeConfig(gemm_sms=64, block_n=256))
+        with pytest.raises(_extension.PlanError, match="% 16 for FP8"):
+            fused.moe_plan(2, 8, 256, 1000, 2048, jnp.float8_e4m3fn, MoeConfig(gemm_sms=64))
     # A float32 [E, C] of router weights: 4-byte rows, any dtype moves.
     d = fused._transfer_plan(3, jax.ShapeDtypeStruct((6, 128), jnp.float32))
     assert (d["e_local"], d["inbox_bytes"], d["push_grid"]) == (2, 2 * 3 * 128 * 4, 0)

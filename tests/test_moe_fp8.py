@@ -249,3 +249,68 @@ def test_e5m2_operand_is_refused():
 
     with pytest.raises(ValueError, match="float8_e5m2"):
         run(body, mesh, (x, idx, w1), EP)
+
+
+def test_fp8_kernel_call_traces_its_operands():
+    """The FP8 dispatch kernel's call as the op makes it on CUDA (traced and lowered here, no GPU): x_send
+    and w_t in FP8, every source's scale [W] and w's, y in out_dtype and the pool in x_send's dtype,
+    the config as int64 attributes."""
+    from jax.sharding import PartitionSpec as P
+
+    from entwine_jax.moe import fused
+
+    mesh = make_mesh((2,), ("ep",))
+    site = fused.MoeCall(comm_id=5, attributes=(("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8),
+                                                ("push_sms", 0)), target="entwine_moe_dispatch_gemm_fp8")
+
+    def body(x_send, w_t, xs, ws):
+        return fused.call_fp8(x_send, w_t, xs, ws, site, jnp.bfloat16)
+
+    args = (jax.ShapeDtypeStruct((4, 128, 64), fp8.E5M2), jax.ShapeDtypeStruct((2, 96, 64), fp8.E4M3),
+            jax.ShapeDtypeStruct((2,), F32), jax.ShapeDtypeStruct((), F32))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 4, out_specs=(P(), P()), check_vma=False)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(f)(*args)
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "ffi_call")
+    assert call.params["target_name"] == "entwine_moe_dispatch_gemm_fp8"
+    assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.invars] == [
+        ((4, 128, 64), fp8.E5M2), ((2, 96, 64), fp8.E4M3), ((2,), F32), ((), F32)]
+    assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars] == [
+        ((2, 256, 96), jnp.dtype(jnp.bfloat16)), ((2, 256, 64), fp8.E5M2)]
+    line = next(line for line in text.splitlines() if "entwine_moe_dispatch_gemm_fp8" in line)
+    for attr in ("comm_id = 5 : i64", "block_n = 128 : i64", "gemm_sms = 64 : i64", "push_sms = 0 : i64"):
+        assert attr in line, (attr, line)
+
+
+def test_fp8_mlp_lowers_to_the_fp8_kernel_on_cuda(monkeypatch):
+    """Where the plans have the FP8 dispatch kernel (faked here: no GPU), an FP8 MLP's forward dispatch
+    (e4m3 rows) and its combine's backward dispatch (e5m2 rows) lower to it for CUDA."""
+    from jax.sharding import PartitionSpec as P
+
+    from entwine_jax.moe import fused
+    from entwine_jax.moe import op as moe_op
+
+    asked = []
+
+    def fake_prepare(plan, h, n, dtype, out_dtype=None):
+        asked.append((jnp.dtype(dtype).name, None if out_dtype is None else jnp.dtype(out_dtype).name))
+        attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
+        target = "entwine_moe_dispatch_gemm" + ("" if out_dtype is None else "_fp8")
+        return fused.MoeCall(comm_id=3, attributes=attrs, target=target), None
+
+    monkeypatch.setattr(moe_op, "prepare_gemm", fake_prepare)
+    world = 2
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, w1 = inputs(world)
+    w2, weights = combine_inputs(w1, idx, seed=2)
+    c = np.ones(x.shape, np.float32)
+    f = jax.shard_map(mlp_loss(x, idx, w1, w2, weights, c, True), mesh=mesh, in_specs=(EP,) * 6, out_specs=EP)
+    loss = lambda *a: jnp.sum(f(*a))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, EP) for a in (x, idx, w1, w2, weights, c)]
+        text = jax.jit(jax.grad(loss, argnums=(0, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("float8_e4m3fn", "bfloat16") in asked and ("float8_e5m2", "bfloat16") in asked, asked
+    calls = [line for line in text.splitlines() if "entwine_moe_dispatch_gemm_fp8" in line]
+    assert len(calls) == 2, calls
+    assert any("f8E4M3FN" in line for line in calls) and any("f8E5M2" in line for line in calls), calls

@@ -2,7 +2,8 @@
 # FP8 (half the bytes of bf16), each source's x_scale beside them; the expert GEMMs multiply the FP8
 # values exactly (e4m3 and e5m2 are subsets of bf16) with fp32 accumulation and apply the scales to
 # the fp32 sums, as one alpha per 128-row tile would (docs/design.md, "Mixture of experts", "FP8,
-# per tensor"). The custom VJPs keep the pairing: each op's backward is the other on the cotangent
+# per tensor"); on CUDA the FP8 dispatch kernel does that for a dispatch (dispatch_pool) where the
+# plan has it. The custom VJPs keep the pairing: each op's backward is the other on the cotangent
 # quantised to e5m2 (or in bf16/fp16 when the caller asks).
 import functools
 from typing import Optional
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from entwine_jax import callsite, fp8, opspec
-from entwine_jax.moe import op, reference
+from entwine_jax.moe import fused, op, reference
 from entwine_jax.moe.config import MoeConfig
 from entwine_jax.moe.reference import COMBINE, DISPATCH, F32, MoeHandle
 
@@ -63,6 +64,27 @@ def _dequantized(v8, row_scales):
     return _bf16(v8).astype(F32) * row_scales[None, :, None]
 
 
+def dispatch_pool(x_send8, scales, w_t8, w_scale, plan: op.Plan, out_dtype, name: str):
+    """(y [E_local, W*C, N] in out_dtype, pool [E_local, W*C, K] in x_send8's dtype) of x_send8 [E, C, K]
+    (e4m3, or e5m2 for a gradient) with every source's scale `scales` [W], times w_t8 [E_local, N, K]
+    (e4m3) and w_scale: the FP8 dispatch kernel where the plan has one, on CUDA; else the moves
+    (op.to_experts) and XLA's GEMM."""
+    def apart(x_send8, scales, w_t8, w_scale, move):
+        pool8 = move(x_send8)
+        rows = _rows_of_sources(scales, pool8.shape[1])
+        return _scaled_expert_dot(pool8, rows, jnp.swapaxes(w_t8, 1, 2), w_scale).astype(out_dtype), pool8
+
+    if plan.gemm_call is None:
+        return apart(x_send8, scales, w_t8, w_scale, lambda v: op.to_experts(v, plan, name))
+    names = callsite.varying_over(x_send8, scales, w_t8, w_scale, axis_name=plan.axis_name)
+
+    def kernel(x_send8, scales, w_t8, w_scale):
+        return callsite.typed_like(names, *fused.call_fp8(x_send8, w_t8, scales, w_scale, plan.gemm_call, out_dtype))
+
+    xla_move = functools.partial(reference.to_experts, axis_name=plan.axis_name, world=plan.axis_size, op=name)
+    return callsite.dispatch(None, lambda *a: apart(*a, xla_move), kernel, x_send8, scales, w_t8, w_scale)
+
+
 def _cotangent(dy, gs, call: fp8.Fp8Call):
     """(dy in the backward's dtype, its scale): e5m2 with gs or this rank's current scale, or dy as
     it is (scale 1) when the caller asked for a bf16/fp16 backward."""
@@ -81,11 +103,11 @@ def _no_scale_grads(*scales) -> tuple:
 
 def _dispatch_forward(x, w1, xs, ws, handle, plan, call, shared):
     x8, w8 = fp8.quantize(x, xs), fp8.quantize(w1, ws)
-    pool8 = op.to_experts(op.send_rows(x8, handle, plan), plan, DISPATCH)  # e4m3 rows move
     src = source_scales(xs, plan, shared, DISPATCH)
-    rows = _rows_of_sources(src, pool8.shape[1])
-    y = _scaled_expert_dot(pool8, rows, w8, ws).astype(call.out_dtype)
-    return y, (pool8, rows, w8, ws)
+    # The e4m3 rows move; the kernel reads w K-major (w_t, a transposed copy per call).
+    y, pool8 = dispatch_pool(op.send_rows(x8, handle, plan), src, jnp.swapaxes(w8, 1, 2), ws, plan, call.out_dtype,
+                             DISPATCH)
+    return y, (pool8, _rows_of_sources(src, pool8.shape[1]), w8, ws)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -155,10 +177,17 @@ def _combine_bwd(plan, call, res, dout):
     # dout quantised where the tokens are (each rank its own scale), its rows dispatched in the
     # handle's layout (FP8 rows move, their scale beside them), times w2^T on the expert side.
     d8, d_scale = _cotangent(dout, gs, call)
-    pool8 = op.to_experts(op.send_rows(d8, handle, plan), plan, DISPATCH)
     shared = fp8.shared_over(d_scale, dout, plan.axis_name)  # e.g. 1 for a bf16 backward
-    d_rows = _rows_of_sources(source_scales(d_scale, plan, shared, DISPATCH), pool8.shape[1])
-    g = _scaled_expert_dot(pool8, d_rows, jnp.swapaxes(w8, 1, 2), ws)  # [E_local, W*C, F] fp32
+    d_src = source_scales(d_scale, plan, shared, DISPATCH)
+    send = op.send_rows(d8, handle, plan)
+    if call.fp8_grads:
+        # The FP8 dispatch (kernel) of e5m2 rows times w2^T: w2 [E_local, F, H] is that GEMM's w_t.
+        g, pool8 = dispatch_pool(send, d_src, w8, ws, plan, call.out_dtype, DISPATCH)
+        g = g.astype(F32)
+    else:
+        pool8 = op.to_experts(send, plan, DISPATCH)
+        g = _scaled_expert_dot(pool8, _rows_of_sources(d_src, pool8.shape[1]), jnp.swapaxes(w8, 1, 2), ws)
+    d_rows = _rows_of_sources(d_src, pool8.shape[1])
     # The router weights travel beside the rows (a dispatch's transfer): [E, C] -> [E_local, W*C, 1].
     w_send = reference.to_segments(weights.astype(F32), handle, num_experts=plan.num_experts, capacity=plan.capacity)
     w_pool = op.to_experts(w_send, plan, DISPATCH)[..., None]

@@ -21,18 +21,22 @@ from entwine_jax.comm import Unavailable
 INBOX_REGION = "moe.inbox"
 
 
-def target() -> str:
-    """The XLA FFI target name of moe_dispatch_gemm (spelled once, in the extension)."""
-    return _extension.ext().MOE_DISPATCH_GEMM_TARGET
+def target(fp8: bool = False) -> str:
+    """The XLA FFI target name of moe_dispatch_gemm, or of its FP8 twin (spelled once, in the extension)."""
+    ext = _extension.ext()
+    return ext.MOE_DISPATCH_GEMM_FP8_TARGET if fp8 else ext.MOE_DISPATCH_GEMM_TARGET
 
 
-def kernels_reason() -> Optional[str]:
-    """Why the extension has no moe_dispatch_gemm kernels (not built, or a build without them), or None."""
+def kernels_reason(fp8: bool = False) -> Optional[str]:
+    """Why the extension has no moe_dispatch_gemm kernels (not built, or a build without them; fp8: the
+    FP8 ones), or None."""
     ext, reason = _extension.module()
     if ext is None:
         return reason
     if not hasattr(ext, "MOE_DISPATCH_GEMM_TARGET") or not hasattr(ext, "moe_plan"):
         return "the CUDA extension was built without the MoE kernels"
+    if fp8 and getattr(ext, "MOE_DISPATCH_GEMM_FP8_TARGET", None) not in _extension.fp8_targets():
+        return "the CUDA extension was built without the MoE FP8 kernels"
     return None
 
 
@@ -50,9 +54,13 @@ class MoePlan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _asked(world, experts, capacity, k, n, fp16, block_n, gemm_sms, raster_rows, push_sms) -> dict:
-    return dict(_extension.ext().moe_plan(world, experts, capacity, k, n, fp16, block_n, gemm_sms, raster_rows,
+def _asked(world, experts, capacity, k, n, x_dtype, block_n, gemm_sms, raster_rows, push_sms) -> dict:
+    return dict(_extension.ext().moe_plan(world, experts, capacity, k, n, x_dtype, block_n, gemm_sms, raster_rows,
                                           push_sms))
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def launch_sms(config) -> tuple[int, int]:
@@ -62,18 +70,21 @@ def launch_sms(config) -> tuple[int, int]:
     return int(config.gemm_sms) or _extension.sm_count() - max(push_sms, 1), push_sms
 
 
-def block_n(config, n: int) -> int:
-    """The GEMM block's width: config's, or 256 where N allows it (fewer, wider blocks), else 128."""
-    return int(config.block_n) if config.block_n else (256 if n % 256 == 0 else 128)
+def block_n(config, n: int, dtype) -> int:
+    """The GEMM block's width: config's, or 256 where N allows it (fewer, wider blocks), else 128; FP8
+    blocks are 128 wide."""
+    if config.block_n:
+        return int(config.block_n)
+    return 128 if is_fp8(dtype) or n % 256 else 256
 
 
 def moe_plan(world: int, experts: int, capacity: int, k: int, n: int, dtype, config) -> MoePlan:
-    """The kernels' plan; PlanError with the C++ rule when they cannot run the call."""
-    if (reason := kernels_reason()) is not None:
+    """The kernels' plan for x_send of `dtype`; PlanError with the C++ rule when they cannot run the call."""
+    if (reason := kernels_reason(is_fp8(dtype))) is not None:
         raise NoExtension(reason)
     gemm_sms, push_sms = launch_sms(config)
-    d = _asked(int(world), int(experts), int(capacity), int(k), int(n), jnp.dtype(dtype) == jnp.float16,
-               block_n(config, n), gemm_sms, int(config.raster_rows), push_sms)
+    d = _asked(int(world), int(experts), int(capacity), int(k), int(n), jnp.dtype(dtype).name,
+               block_n(config, n, dtype), gemm_sms, int(config.raster_rows), push_sms)
     if d["error"] is not None:
         raise PlanError(d["error"], False)
     return MoePlan(**{f.name: int(d[f.name]) for f in dataclasses.fields(MoePlan)})
@@ -92,9 +103,9 @@ def _platform(axis_name, axis_size, config) -> tuple[Optional[str], Any, Any]:
     return comm.platform_reason(axis_name)
 
 
-def _unavailable(x_send, w1, axis_name, axis_size, config) -> Optional[str]:
+def _unavailable(x_send, w1, axis_name, axis_size, config, out_dtype) -> Optional[str]:
     reason, mesh, ext = _platform(axis_name, axis_size, config)
-    if reason := reason or callsite.kernel_dtype_reason(x_send.dtype, w1.dtype):
+    if reason := reason or callsite.kernel_dtype_reason(x_send.dtype, w1.dtype, out_dtype):
         return reason
     (experts, capacity, k), n = x_send.shape, w1.shape[2]
     try:
@@ -109,16 +120,17 @@ def _unavailable(x_send, w1, axis_name, axis_size, config) -> Optional[str]:
     return comm.heap_reason(ext, mesh, axis_name, axis_size, *_heap_need(plan))
 
 
-def unavailable_reason(x_send, w1, *, axis_name, axis_size: int, config) -> Optional[str]:
+def unavailable_reason(x_send, w1, *, axis_name, axis_size: int, config, out_dtype=None) -> Optional[str]:
     """None when the kernels can run dispatch_pool on x_send [E, C, H] and w1 [E_local, H, N]
-    (abstract values), else a short reason. Only answers (prepare acquires)."""
+    (abstract values; out_dtype given: an FP8 call writing it), else a short reason. Only answers
+    (prepare acquires)."""
     try:
         mesh = comm.find_mesh(axis_name)
-        key = ("moe", tuple(x_send.shape), str(x_send.dtype), tuple(w1.shape), str(w1.dtype),
+        key = ("moe", tuple(x_send.shape), str(x_send.dtype), tuple(w1.shape), str(w1.dtype), str(out_dtype),
                comm.axis_tuple(axis_name), axis_size, repr(config), mesh)
     except Exception as e:
         return f"cannot inspect the call ({type(e).__name__}: {e})"
-    return comm.cached_reason(key, mesh, lambda: _unavailable(x_send, w1, axis_name, axis_size, config))
+    return comm.cached_reason(key, mesh, lambda: _unavailable(x_send, w1, axis_name, axis_size, config, out_dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +156,9 @@ def prepare(x_send, w1, *, axis_name, axis_size: int, config) -> MoeCall:
         raise Unavailable(f"the kernels cannot run this call: {e.rule}") from None
     cid = comm.acquire_comm(mesh, axis_name, *_heap_need(plan))
     gemm_sms, push_sms = launch_sms(config)
-    attributes = (("block_n", block_n(config, n)), ("gemm_sms", gemm_sms), ("raster_rows", int(config.raster_rows)),
-                  ("push_sms", push_sms))
-    return MoeCall(comm_id=cid, attributes=attributes, target=target())
+    attributes = (("block_n", block_n(config, n, x_send.dtype)), ("gemm_sms", gemm_sms),
+                  ("raster_rows", int(config.raster_rows)), ("push_sms", push_sms))
+    return MoeCall(comm_id=cid, attributes=attributes, target=target(is_fp8(x_send.dtype)))
 
 
 def call(x_send, w1, site: MoeCall, return_pool: bool):
@@ -165,6 +177,24 @@ def call(x_send, w1, site: MoeCall, return_pool: bool):
                               x_send, w1, comm_id=np.int64(site.comm_id), signature=np.int64(signature),
                               config=attributes)
     return y, (pool if return_pool else None)
+
+
+def call_fp8(x_send, w_t, x_scales, w_scale, site: MoeCall, out_dtype):
+    """One rank's FP8 dispatch and expert GEMM inside shard_map: x_send [E, C, K] e4m3 or e5m2, w_t
+    [E_local, N, K] e4m3, x_scales [W] (every source's), w_scale -> (y [E_local, W * C, N] in out_dtype,
+    the pool [E_local, W * C, K] in x_send's dtype)."""
+    experts, capacity, k = x_send.shape
+    e_local, n = w_t.shape[0], w_t.shape[1]
+    world = experts // e_local
+    attributes = {name: np.int64(v) for name, v in site.attributes}
+    signature = comm.call_signature(f"moe_dispatch_gemm fp8 {x_send.dtype} x_send {list(x_send.shape)} w_t "
+                                    f"{list(w_t.shape)} -> {jnp.dtype(out_dtype).name}, config "
+                                    f"{comm.attributes_text(attributes)}, from {comm.call_site()}")
+    y, pool = _ffi.fused_call(site.target, [jax.ShapeDtypeStruct((e_local, world * capacity, n), out_dtype),
+                                            jax.ShapeDtypeStruct((e_local, world * capacity, k), x_send.dtype)],
+                              x_send, w_t, x_scales.astype(jnp.float32), jnp.reshape(w_scale, ()).astype(jnp.float32),
+                              comm_id=np.int64(site.comm_id), signature=np.int64(signature), config=attributes)
+    return y, pool
 
 
 # -- moe_transfer: the same moves without the GEMM (the combine's return, the backward's moves) --

@@ -108,13 +108,15 @@ def why_not_fused(x, w, *, axis_name, axis_size: int, dimension: int, config: Mo
     return fused.transfer_unavailable_reason(send, axis_name=axis_name, axis_size=axis_size, config=config)
 
 
-def _prepare_gemm(plan: Plan, h: int, n: int, dtype) -> tuple[Any, Optional[str]]:
-    """(the fused.MoeCall of the dispatch kernel on x_send [E, C, h] and w [E_local, h, n], None), or
-    (None, why that GEMM is XLA's)."""
+def prepare_gemm(plan: Plan, h: int, n: int, dtype, out_dtype=None) -> tuple[Any, Optional[str]]:
+    """(the fused.MoeCall of the dispatch kernel on x_send [E, C, h] of `dtype` and w [E_local, h, n],
+    None), or (None, why that GEMM is XLA's). out_dtype given: the FP8 kernel (x_send e4m3 or e5m2, w
+    e4m3), writing out_dtype."""
     x_send = jax.ShapeDtypeStruct((plan.num_experts, plan.capacity, h), dtype)
-    w_aval = jax.ShapeDtypeStruct((plan.e_local, h, n), dtype)
+    w_aval = jax.ShapeDtypeStruct((plan.e_local, h, n), dtype if out_dtype is None else fp8.E4M3)
     kw = dict(axis_name=plan.axis_name, axis_size=plan.axis_size, config=plan.config)
-    return callsite.prepare(DISPATCH, lambda: plan.reason or fused.unavailable_reason(x_send, w_aval, **kw),
+    return callsite.prepare(DISPATCH, lambda: plan.reason or fused.unavailable_reason(x_send, w_aval, out_dtype=out_dtype,
+                                                                                      **kw),
                             lambda: fused.prepare(x_send, w_aval, **kw))
 
 
@@ -158,10 +160,7 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     reason = why_not_fused(moved, w1, axis_name=axis_name, axis_size=size, dimension=0, config=config)
     plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
                 capacity=capacity)
-    if out_dtype is None:
-        gemm_call, gemm_reason = _prepare_gemm(plan, h, n, xs.dtype)
-    else:
-        gemm_call, gemm_reason = None, "FP8 (the dispatch kernel takes 16-bit operands)"
+    gemm_call, gemm_reason = prepare_gemm(plan, h, n, xs.dtype if out_dtype is None else fp8.E4M3, out_dtype)
     plan = dataclasses.replace(plan, gemm_call=gemm_call)
     site = (f"x={xs.dtype}{list(xs.shape)} topk_idx{list(topk_idx.shape)} w1={w1.dtype}{list(w1.shape)} "
             f"axis={axis_name!r} (size {size}) C={capacity}" + ("" if out_dtype is None else f" FP8 -> {out_dtype}"))
@@ -208,9 +207,10 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
     reason = why_not_fused(moved, w2, axis_name=axis_name, axis_size=size, dimension=0, config=config)
     plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
                 capacity=rows // size)
-    if out_dtype is None:
-        # The backward dispatches dout [T, H] and multiplies by w2^T [E_local, H, F]: the dispatch kernel.
-        plan = dataclasses.replace(plan, gemm_call=_prepare_gemm(plan, w2.shape[2], f, h.dtype)[0])
+    # The backward dispatches dout [T, H] and multiplies by w2^T [E_local, H, F]: the dispatch kernel
+    # (an FP8 call's, dout in e5m2; entwine_jax.moe.fp8_op uses it when its gradients are FP8).
+    backward = (h.dtype, None) if out_dtype is None else (fp8.E5M2, out_dtype)
+    plan = dataclasses.replace(plan, gemm_call=prepare_gemm(plan, w2.shape[2], f, *backward)[0])
     site = (f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
             + ("" if out_dtype is None else f" FP8 -> {out_dtype}"))
     key = (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name, str(out_dtype))
@@ -402,7 +402,8 @@ def _moved(target: str, ins: list, outs: list, attrs: str) -> tuple:
 # The op contracts (entwine_jax.opspec), listed in entwine_jax/registry.py: routed ops (no FP8 or
 # fixed cost yet); each one's backward is the other. moe_transfer is the combine's target; where the
 # dispatch's moves call it, its moves() scope counts them as the dispatch's.
-DISPATCH_SPEC = opspec.OpSpec(name=DISPATCH, kind="all-to-all", targets=("entwine_moe_dispatch_gemm",), moved=_moved,
+DISPATCH_SPEC = opspec.OpSpec(name=DISPATCH, kind="all-to-all",
+                              targets=("entwine_moe_dispatch_gemm", "entwine_moe_dispatch_gemm_fp8"), moved=_moved,
                               backward=COMBINE, gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_dispatch,
                               forward=forward_dispatch, forward_fp8=None, why_not_fused=why_not_fused,
                               default_config=default_config, fixed_us=None, routed=True)

@@ -1,8 +1,9 @@
 // moe_dispatch_gemm (static capacity) on W virtual ranks of one GPU: `moe test` runs every rank's
-// transfers (copy engines or the SM push) and expert GEMM as a handler would, over several epochs (flags never reset),
-// checks y against float64 on the host, and checks that a rank that never takes part ends its
-// peers' waits with the deadline error naming it (plain launches and a CUDA graph). `moe bench`
-// times the fused call against the same kernels one after the other.
+// transfers (copy engines or the SM push) and expert GEMM (16-bit, or FP8 per tensor) as a handler
+// would, over several epochs (flags never reset), checks y against float64 on the host, and checks
+// that a rank that never takes part ends its peers' waits with the deadline error naming it (plain
+// launches and a CUDA graph). `moe bench` times the fused call against the same kernels one after
+// the other.
 #include <cstring>
 
 #include "harness/harness.h"
@@ -13,9 +14,14 @@ namespace entwine::harness {
 struct MoeCase {
   int world, experts, capacity, k, n;
   MoeConfig config;
-  bool bf16 = true;  // the operands' and output's type: bf16, else fp16
+  bool bf16 = true;  // the output's type (and the 16-bit operands'): bf16, else fp16
+  // FP8 per tensor: x_send in e4m3 (1) or e5m2 (2, a gradient), w_t [E_local, n, k] in e4m3, each
+  // rank's scales fp8_scales(rank); 0: 16-bit operands.
+  int fp8 = 0;
   DType dtype() const { return bf16 ? DType::kBF16 : DType::kFP16; }
-  MoeProblem problem(int rank) const { return MoeProblem{world, rank, experts, capacity, k, n, dtype()}; }
+  DType input() const { return fp8 == 0 ? dtype() : fp8 == 1 ? DType::kE4M3 : DType::kE5M2; }
+  int in_bytes() const { return element_bytes(input()); }
+  MoeProblem problem(int rank) const { return MoeProblem{world, rank, experts, capacity, k, n, input()}; }
   int e_local() const { return experts / world; }
   int64_t send_elems() const { return int64_t(experts) * capacity * k; }
   int64_t w_elems() const { return int64_t(e_local()) * k * n; }
@@ -24,8 +30,9 @@ struct MoeCase {
 
 std::string describe(MoeCase const& c) {
   char buf[192];
-  std::snprintf(buf, sizeof buf, "moe W=%d E=%d C=%d K=%d N=%d %s block_n=%d gemm_sms=%d r=%d push_sms=%d", c.world,
-                c.experts, c.capacity, c.k, c.n, c.bf16 ? "bf16" : "fp16", int(c.config.block_n),
+  std::snprintf(buf, sizeof buf, "moe W=%d E=%d C=%d K=%d N=%d %s%s block_n=%d gemm_sms=%d r=%d push_sms=%d", c.world,
+                c.experts, c.capacity, c.k, c.n, c.fp8 == 0 ? "" : c.fp8 == 1 ? "e4m3->" : "e5m2->",
+                c.bf16 ? "bf16" : "fp16", int(c.config.block_n),
                 int(c.config.gemm_sms), int(c.config.raster_rows), int(c.config.push_sms));
   return buf;
 }
@@ -42,7 +49,9 @@ MoeConfig moe_config_for(int world, int block_n, int raster_rows = 8, int push_s
 // runs on the GEMM's stream ahead of the GEMM, which is launched as its programmatic dependent.
 struct MoeWorld {
   struct Rank {
-    uint16_t *x_send = nullptr, *w = nullptr, *y = nullptr;
+    void *x_send = nullptr, *w = nullptr;  // x_send's and w's type: MoeCase::input()
+    uint16_t* y = nullptr;
+    float* x_scales = nullptr;  // FP8: every source's x scale [world]; then w's
     char* inbox = nullptr;
     uint64_t* flags = nullptr;  // two parities of plan.flags words
     uint64_t* ready = nullptr;  // kMaxWorld words: ready[s] = the last call rank s announced
@@ -68,8 +77,9 @@ struct MoeWorld {
     int lo, hi;
     CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     for (auto& r : ranks) {
-      CHECK_CUDA(cudaMalloc(&r.x_send, size_t(c.send_elems()) * 2));
-      CHECK_CUDA(cudaMalloc(&r.w, size_t(c.w_elems()) * 2));
+      CHECK_CUDA(cudaMalloc(&r.x_send, size_t(c.send_elems()) * c.in_bytes()));
+      CHECK_CUDA(cudaMalloc(&r.w, size_t(c.w_elems()) * c.in_bytes()));
+      CHECK_CUDA(cudaMalloc(&r.x_scales, (c.world + 1) * sizeof(float)));
       CHECK_CUDA(cudaMalloc(&r.y, size_t(c.y_rows()) * c.n * 2));
       CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
       // Stale rows a wrong wait would read show as NaN in y.
@@ -93,6 +103,7 @@ struct MoeWorld {
     for (auto& r : ranks) {
       cudaFree(r.x_send);
       cudaFree(r.w);
+      cudaFree(r.x_scales);
       cudaFree(r.y);
       cudaFree(r.inbox);
       cudaFree(r.flags);
@@ -119,9 +130,19 @@ struct MoeWorld {
   }
 
   void fill_inputs(uint64_t seed) {
+    std::vector<float> scales(c.world + 1);
+    for (int q = 0; q < c.world; ++q) scales[q] = fp8_scales(q)[0];
     for (int r = 0; r < c.world; ++r) {
-      fill_random<<<264, 256>>>(ranks[r].x_send, c.send_elems(), seed * 131 + 2 * r, c.bf16);
-      fill_random<<<264, 256>>>(ranks[r].w, c.w_elems(), seed * 131 + 2 * r + 1, c.bf16);
+      if (c.fp8 == 0) {
+        fill_random<<<264, 256>>>(static_cast<uint16_t*>(ranks[r].x_send), c.send_elems(), seed * 131 + 2 * r, c.bf16);
+        fill_random<<<264, 256>>>(static_cast<uint16_t*>(ranks[r].w), c.w_elems(), seed * 131 + 2 * r + 1, c.bf16);
+      } else {
+        fill_random_fp8<<<264, 256>>>(static_cast<uint8_t*>(ranks[r].x_send), c.send_elems(), seed * 131 + 2 * r,
+                                      c.fp8 == 2);
+        fill_random_fp8<<<264, 256>>>(static_cast<uint8_t*>(ranks[r].w), c.w_elems(), seed * 131 + 2 * r + 1);
+      }
+      scales[c.world] = fp8_scales(r)[1];
+      CHECK_CUDA(cudaMemcpy(ranks[r].x_scales, scales.data(), scales.size() * sizeof(float), cudaMemcpyHostToDevice));
     }
     CHECK_CUDA(cudaGetLastError());
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -159,7 +180,7 @@ struct MoeWorld {
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
       MoeGemmArgs const a{ranks[r].x_send, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr,
-                          call_epoch(r), timeout_ns};
+                          call_epoch(r), timeout_ns, ranks[r].x_scales, ranks[r].x_scales + c.world};
       if (sm_push) enqueue_sm_push(r);
       if (part == Part::kTransfers) {
         MoeWaitArgs const wa{ranks[r].flags, plan.e_local, r, c.world, error, nullptr, call_epoch(r), timeout_ns};
@@ -167,7 +188,7 @@ struct MoeWorld {
         continue;
       }
       PreparedGemm gemm;
-      CHECK_CUDA(moe::prepare_gemm(c.dtype(), c.dtype(), plans[r], a, &gemm));
+      CHECK_CUDA(moe::prepare_gemm(c.input(), c.dtype(), plans[r], a, &gemm));
       CHECK_CUDA(gemm.enqueue(ranks[r].gemm, sm_push));
     }
     for (int r = 0; r < c.world && plan.push_grid == 0 && part != Part::kGemms; ++r) {
@@ -208,24 +229,40 @@ struct MoeWorld {
     CHECK_CUDA(cudaMemcpy(h.data(), ptr, count * 2, cudaMemcpyDeviceToHost));
     return h;
   }
-  std::vector<double> download_double(uint16_t const* ptr, size_t count) {
-    auto const bits = download(ptr, count);
+  // An operand as doubles: 16-bit, or FP8 (e5m2: x_send of an e5m2 case) times `scale`.
+  std::vector<double> download_double(void const* ptr, size_t count, bool e5m2 = false, double scale = 1.0) {
     std::vector<double> v(count);
-    for (size_t i = 0; i < count; ++i) v[i] = to_double(bits[i], c.bf16);
+    if (c.fp8 == 0) {
+      auto const bits = download(static_cast<uint16_t const*>(ptr), count);
+      for (size_t i = 0; i < count; ++i) v[i] = to_double(bits[i], c.bf16);
+      return v;
+    }
+    std::vector<uint8_t> bits(count);
+    CHECK_CUDA(cudaMemcpy(bits.data(), ptr, count, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < count; ++i) v[i] = fp8_to_double(bits[i], e5m2) * scale;
     return v;
   }
 
   // Relative error of every rank's y against float64, over every (expert, source) segment's rows i
   // with i % 16 == (e + q) % 16 (every tile row of every segment, 8 or more rows each):
-  // y[e, q * C + i, :] = x_send_q[r * E_local + e, i, :] @ w_r[e].
+  // y[e, q * C + i, :] = x_send_q[r * E_local + e, i, :] @ w_r[e] (FP8: each operand times its rank's
+  // scale, w_r[e] = w_t_r[e]^T).
   double check() {
     std::vector<std::vector<double>> xs;
-    for (int q = 0; q < c.world; ++q) xs.push_back(download_double(ranks[q].x_send, size_t(c.send_elems())));
+    for (int q = 0; q < c.world; ++q) {
+      xs.push_back(download_double(ranks[q].x_send, size_t(c.send_elems()), c.fp8 == 2, fp8_scales(q)[0]));
+    }
     int const el = c.e_local(), cap = c.capacity, k = c.k, n = c.n;
     double err2 = 0, ref2 = 0;
     std::vector<double> ref(n);
     for (int r = 0; r < c.world; ++r) {
-      std::vector<double> const w = download_double(ranks[r].w, size_t(c.w_elems()));
+      std::vector<double> w = download_double(ranks[r].w, size_t(c.w_elems()), false, fp8_scales(r)[1]);
+      if (c.fp8 != 0) {  // w_t [E_local, n, k] -> w [E_local, k, n]
+        std::vector<double> const w_t = w;
+        for (int e = 0; e < c.e_local(); ++e)
+          for (int j = 0; j < c.n; ++j)
+            for (int kk = 0; kk < c.k; ++kk) w[(size_t(e) * c.k + kk) * c.n + j] = w_t[(size_t(e) * c.n + j) * c.k + kk];
+      }
       auto const y = download(ranks[r].y, size_t(c.y_rows()) * n);
       for (int e = 0; e < el; ++e) {
         double const* we = w.data() + size_t(e) * k * n;
@@ -454,6 +491,14 @@ int moe_test_main() {
   }
   run_moe_case(MoeCase{2, 6, 128, 200, 384, moe_config_for(2, 128, 2, 1)}, 2);
   run_moe_case(MoeCase{4, 4, 384, 1024, 512, moe_config_for(4, 256, 8, 16)}, 2);
+  // FP8 per tensor (128-wide blocks; each source's rows scaled by its own x scale): e4m3 into bf16
+  // and fp16, e5m2 x (a gradient's dispatch), both pushes, a K tail inside a k-tile.
+  for (int world : {2, 3, 4}) {
+    MoeCase f8{world, 2 * world, 128, world == 2 ? 272 : 256, 384, moe_config_for(world, 128, 8, world == 3 ? 4 : 0)};
+    f8.fp8 = world == 4 ? 2 : 1;
+    f8.bf16 = world != 3;
+    run_moe_case(f8, 2);
+  }
   for (int world : {2, 3, 4}) {
     run_moe_transfer(world, 2 * world, 0);
     run_moe_transfer(world, world, 4);

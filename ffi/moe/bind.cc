@@ -1,7 +1,10 @@
 // moe's part of the nanobind module (see bind.h): the FFI targets of moe_dispatch_gemm and
-// moe_transfer (MOE_DISPATCH_GEMM_TARGET, MOE_TRANSFER_TARGET), their plans, which Python asks instead of restating the kernels' shape
+// moe_transfer (MOE_DISPATCH_GEMM_TARGET, its FP8 twin MOE_DISPATCH_GEMM_FP8_TARGET, MOE_TRANSFER_TARGET), their plans, which Python asks instead of restating the kernels' shape
 // rules, and its communicator hooks.
+#include <string>
+
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include "bind.h"
 #include "comm/comm.h"
@@ -12,22 +15,37 @@ namespace nb = nanobind;
 
 // Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in moe/handler.cc.
 extern "C" XLA_FFI_Error* MoeDispatchGemm(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* MoeDispatchGemmFp8(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* MoeTransfer(XLA_FFI_CallFrame* call_frame);
 
 namespace entwine::moe {
 
+namespace {
+
+// The kernels' type of x_send from its numpy dtype name.
+DType input_dtype(std::string const& name) {
+  if (name == "bfloat16") return DType::kBF16;
+  if (name == "float16") return DType::kFP16;
+  return fp8_input_dtype(name);
+}
+
+}  // namespace
+
 void bind(nb::module_& m, FfiTargets& targets) {
   constexpr const char* kTarget = "entwine_moe_dispatch_gemm";
   m.attr("MOE_DISPATCH_GEMM_TARGET") = kTarget;
+  constexpr const char* kFp8Target = "entwine_moe_dispatch_gemm_fp8";
+  m.attr("MOE_DISPATCH_GEMM_FP8_TARGET") = kFp8Target;
   constexpr const char* kTransferTarget = "entwine_moe_transfer";
   m.attr("MOE_TRANSFER_TARGET") = kTransferTarget;
   targets.push_back({kTarget, reinterpret_cast<void*>(MoeDispatchGemm), false});
+  targets.push_back({kFp8Target, reinterpret_cast<void*>(MoeDispatchGemmFp8), true});
   targets.push_back({kTransferTarget, reinterpret_cast<void*>(MoeTransfer), false});
   comm::register_op(&kHooks);
   m.def("moe_plan",
-        [](int world, int experts, int capacity, int k, int n, bool fp16, int block_n, int gemm_sms, int raster_rows,
-           int push_sms) {
-          MoePlan const p = moe_plan(MoeProblem{world, 0, experts, capacity, k, n, fp16 ? DType::kFP16 : DType::kBF16},
+        [](int world, int experts, int capacity, int k, int n, std::string const& x_dtype, int block_n, int gemm_sms,
+           int raster_rows, int push_sms) {
+          MoePlan const p = moe_plan(MoeProblem{world, 0, experts, capacity, k, n, input_dtype(x_dtype)},
                                      MoeConfig{block_n, gemm_sms, raster_rows, push_sms});
           nb::dict d;
           d["error"] = rule_or_none(p.error);
@@ -40,11 +58,11 @@ void bind(nb::module_& m, FfiTargets& targets) {
           d["sms_needed"] = p.sms_needed;
           return d;
         },
-        nb::arg("world"), nb::arg("experts"), nb::arg("capacity"), nb::arg("k"), nb::arg("n"), nb::arg("fp16"),
+        nb::arg("world"), nb::arg("experts"), nb::arg("capacity"), nb::arg("k"), nb::arg("n"), nb::arg("x_dtype"),
         nb::arg("block_n"), nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("push_sms"),
-        "moe_dispatch_gemm's plan of one call (ffi/moe/moe.h) of x_send [experts, capacity, k] and w [experts/world, "
-        "k, n]: {error: None or the violated rule, e_local, num_blocks, grid, inbox_bytes, flags_per_source, "
-        "push_grid, sms_needed}.");
+        "moe_dispatch_gemm's plan of one call (ffi/moe/moe.h) of x_send [experts, capacity, k] (x_dtype: bfloat16, "
+        "float16, float8_e4m3fn or float8_e5m2) and w [experts/world, k, n]: {error: None or the violated rule, "
+        "e_local, num_blocks, grid, inbox_bytes, flags_per_source, push_grid, sms_needed}.");
   m.def("moe_transfer_plan",
         [](int world, int experts, int capacity, int64_t row_bytes, int push_sms) {
           MoePlan const p = moe_transfer_plan(world, 0, experts, capacity, row_bytes, push_sms);

@@ -24,6 +24,8 @@ struct GemmSchedule {
     DeviceError* error;
     DeviceError* error_mirror;
     uint64_t timeout_ns;
+    const float* x_scales;  // FP8: every source's x_scale [world]
+    const float* w_scale;   // FP8: w's scale
   };
 
   // Position p -> (segment, tile row inside it, block column). A segment is (expert e, source s),
@@ -98,7 +100,7 @@ struct GemmSchedule {
     mainloop.load_tail(pipeline, write_state);
   }
 
-  // 16-bit operands only: no scale loads (block-scaled kernels are not in the table for this op).
+  // No scale loads: the op's FP8 is per tensor (block-scaled kernels are not in the table for it).
   template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
   static __device__ void load_scales(typename Kernel::Params const&, Mainloop&, Pipeline&, State&, Inputs const&,
                                      Inputs const&, Storage&) {}
@@ -110,18 +112,20 @@ struct GemmSchedule {
   template <class Kernel>
   static __device__ void finish(typename Kernel::Params const&, int) {}
 
-  // FP8 per tensor is not planned yet (moe_plan refuses FP8): the factor of a 16-bit sum is never read.
+  // FP8 per tensor: block c's factor, its source's x scale times w's (a block lies in one source's
+  // segment). The scales are inputs of the call, written before it (stream order).
   template <class Kernel>
-  static __device__ float alpha(typename Kernel::Params const&, BlockCoord const&) {
-    return 1.0f;
+  static __device__ float alpha(typename Kernel::Params const& params, BlockCoord const& c) {
+    Params const& op = params.op;
+    return op.x_scales[c.owner % op.world] * *op.w_scale;
   }
 
   // A = the inbox as E_local batches of [world * C, k] (batch stride world * C * k), or for the
   // local source x_send's slice of this rank's experts as E_local batches of [C, k] (stride C * k);
-  // B = w as E_local batches of [k, n] (stride k * n) for both.
+  // B = w as E_local batches of [k, n] (16-bit, pitch n) or w_t's of [n, k] (FP8, pitch k), batch
+  // stride k * n, for both.
   template <class Kernel>
   static typename Kernel::Params make_params(Plan const& plan, Args const& args) {
-    static_assert(!Kernel::kFp8, "moe_dispatch_gemm: 16-bit operands only (moe_plan)");
     using Element = typename Kernel::Element;
     using ElementA = typename Kernel::ElementA;
     using ElementB = typename Kernel::ElementB;
@@ -137,9 +141,10 @@ struct GemmSchedule {
     p.l = plan.e_local;
     p.m_local = pr.capacity;
     p.l_local = plan.e_local;
-    p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, inbox, int64_t(pr.world) * seg, w, pr.n,
+    int64_t const ldb = Kernel::kFp8 ? pr.k : pr.n;
+    p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, inbox, int64_t(pr.world) * seg, w, ldb,
                                          int64_t(pr.k) * pr.n);
-    p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, p.l_local, local, seg, w, pr.n,
+    p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, p.l_local, local, seg, w, ldb,
                                                int64_t(pr.k) * pr.n);
     p.world = pr.world;
     p.rank = pr.rank;
@@ -162,6 +167,8 @@ struct GemmSchedule {
     p.op.error = args.error;
     p.op.error_mirror = args.error_mirror;
     p.op.timeout_ns = args.timeout_ns;
+    p.op.x_scales = args.x_scales;
+    p.op.w_scale = args.w_scale;
     return p;
   }
 };

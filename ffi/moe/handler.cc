@@ -99,24 +99,41 @@ MoeConfig run_config(MoeConfig cfg, comm::DeviceComm const& dc) {
   return cfg;
 }
 
-// The problem from x_send [E, C, K], w [E_local, K, N], y [E_local, W * C, N] and the pool output
-// [E_local, W * C, K] (or empty).
-ffi::Error problem_of(DType input, ffi::AnyBuffer const& x_send, ffi::AnyBuffer const& w, ffi::AnyBuffer const& y,
-                      ffi::AnyBuffer const& pool, comm::DeviceComm const& dc, MoeProblem* problem) {
+// A call's operands: 16-bit (x_send, w and y of one dtype) or FP8 (x_send e4m3/e5m2, w_t e4m3, y
+// bf16/fp16, and the scales).
+struct Operands {
+  DType input, output;
+  ffi::AnyBuffer x_send, w;
+  const float* x_scales = nullptr;  // FP8: every source's x_scale [W]
+  const float* w_scale = nullptr;   // FP8
+  int64_t x_scale_count = 0;        // FP8: x_scales' length, W
+};
+
+// The problem from x_send [E, C, K], w [E_local, K, N] (FP8: w_t [E_local, N, K]), y [E_local, W * C, N]
+// and the pool output [E_local, W * C, K] (or empty).
+ffi::Error problem_of(Operands const& ops, ffi::AnyBuffer const& y, ffi::AnyBuffer const& pool,
+                      comm::DeviceComm const& dc, MoeProblem* problem) {
   int64_t const world = dc.world;
-  auto xd = x_send.dimensions(), wd = w.dimensions(), yd = y.dimensions(), pd = pool.dimensions();
+  bool const fp8 = is_fp8(ops.input);
+  auto xd = ops.x_send.dimensions(), wd = ops.w.dimensions(), yd = y.dimensions(), pd = pool.dimensions();
   bool ok = xd.size() == 3 && wd.size() == 3 && yd.size() == 3 && xd[0] % world == 0;
+  int64_t n = 0;
   if (ok) {
-    int64_t const e_local = xd[0] / world, c = xd[1], k = xd[2], n = wd[2];
-    ok = wd[0] == e_local && wd[1] == k && yd[0] == e_local && yd[1] == world * c && yd[2] == n;
+    int64_t const e_local = xd[0] / world, c = xd[1], k = xd[2];
+    n = fp8 ? wd[1] : wd[2];
+    ok = wd[0] == e_local && (fp8 ? wd[2] : wd[1]) == k && yd[0] == e_local && yd[1] == world * c && yd[2] == n;
     ok = ok && (pool.element_count() == 0 ||
                 (pd.size() == 3 && pd[0] == e_local && pd[1] == world * c && pd[2] == k));
+    ok = ok && (!fp8 || ops.x_scale_count == world);
   }
   if (!ok) {
-    return ffi::Error::InvalidArgument(std::string(kOp) +
-                                       ": expected x_send [E, C, K] (E a multiple of W), w [E/W, K, N], y [E/W, W*C, N] "
-                                       "and pool [E/W, W*C, K] or empty; got x_send " + dims_string(xd) + ", w " +
-                                       dims_string(wd) + ", y " + dims_string(yd) + ", pool " + dims_string(pd) +
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": expected x_send [E, C, K] (E a multiple of W), " +
+                                       (fp8 ? "w_t [E/W, N, K]" : "w [E/W, K, N]") +
+                                       ", y [E/W, W*C, N], pool [E/W, W*C, K] or empty" + (fp8 ? " and x_scales [W]" : "") +
+                                       "; got x_send " +
+                                       dims_string(xd) + ", w " + dims_string(wd) + ", y " + dims_string(yd) +
+                                       ", pool " + dims_string(pd) +
+                                       (fp8 ? ", x_scales [" + std::to_string(ops.x_scale_count) + "]" : "") +
                                        " with W = " + std::to_string(world));
   }
   problem->world = dc.world;
@@ -124,8 +141,8 @@ ffi::Error problem_of(DType input, ffi::AnyBuffer const& x_send, ffi::AnyBuffer 
   problem->experts = int32_t(xd[0]);
   problem->capacity = int32_t(xd[1]);
   problem->k = int32_t(xd[2]);
-  problem->n = int32_t(wd[2]);
-  problem->input = input;
+  problem->n = int32_t(n);
+  problem->input = ops.input;
   return ffi::Error::Success();
 }
 
@@ -135,11 +152,12 @@ struct Derived {
 };
 
 // Derived once per call site and buffers, then found in a memo keyed by every value it reads.
-ffi::Error derive(MoeProblem const& problem, MoeGemmArgs const& args, bool capturing, MoeConfig const& config,
-                  comm::DeviceComm const& dc, Derived const** derived) {
+ffi::Error derive(MoeProblem const& problem, DType output, MoeGemmArgs const& args, bool capturing,
+                  MoeConfig const& config, comm::DeviceComm const& dc, Derived const** derived) {
   static thread_local handler::CallMemo<48, Derived> memo;
   handler::MemoKey<48> key;
-  for (int64_t v : {int64_t(problem.input), int64_t(problem.experts), int64_t(problem.capacity), int64_t(problem.k),
+  for (int64_t v : {int64_t(problem.input), int64_t(output), int64_t(problem.experts), int64_t(problem.capacity),
+                    int64_t(problem.k),
                     int64_t(problem.n), int64_t(problem.world), int64_t(problem.rank), int64_t(capturing),
                     args.call.slot_stride, args.call.flags_stride, int64_t(args.timeout_ns)}) {
     key.add(uint64_t(v));
@@ -149,7 +167,8 @@ ffi::Error derive(MoeProblem const& problem, MoeGemmArgs const& args, bool captu
 #undef ENTWINE_MEMO_FIELD
   for (const void* p : {args.x_send, args.inbox, args.w, static_cast<const void*>(args.y),
                         static_cast<const void*>(args.flags), static_cast<const void*>(args.error),
-                        static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch)}) {
+                        static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch),
+                        static_cast<const void*>(args.x_scales), static_cast<const void*>(args.w_scale)}) {
     key.add(p);
   }
   handler::add_call(key, args.call);
@@ -158,7 +177,7 @@ ffi::Error derive(MoeProblem const& problem, MoeGemmArgs const& args, bool captu
   MoeConfig const run = run_config(config, dc);
   Derived fresh{moe_plan(problem, run), {}};
   if (ffi::Error e = check_plan(fresh.plan, problem, run, dc); e.failure()) return e;
-  ENTWINE_RETURN_IF_CUDA(kOp, moe::prepare_gemm(problem.input, problem.input, fresh.plan, args, &fresh.gemm));
+  ENTWINE_RETURN_IF_CUDA(kOp, moe::prepare_gemm(problem.input, output, fresh.plan, args, &fresh.gemm));
   Derived* entry = memo.insert(key);
   *entry = fresh;
   *derived = entry;
@@ -242,79 +261,114 @@ ffi::Error copy_pool(comm::DeviceComm const& dc, MoePlan const& plan, const void
 // The inbox is single for ag_gemm's reason (ffi/ag_gemm/handler.cc, RunAgGemm): a source's transfer
 // to rank r opens with a wait for r's announcement of the call, which r makes only after its
 // previous call, every read of the pool included, completed on r's XLA stream.
+ffi::Error RunMoeDispatch(cudaStream_t xla_stream, int32_t device, Operands const& ops, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::AnyBuffer> pool, int64_t comm_id, int64_t signature, MoeConfig config) {
+  comm::DeviceComm* dc = nullptr;
+  if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
+  handler::ExclusiveDispatch const exclusive(*dc);
+  if (ffi::Error e = exclusive.check(kOp); e.failure()) return e;
+  handler::HostTimer timer{dc};
+  MoeProblem problem;
+  if (ffi::Error e = problem_of(ops, *y, *pool, *dc, &problem); e.failure()) return e;
+  bool capturing = false;
+  if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
+
+  DeviceGuard guard;
+  ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
+  char* const own = static_cast<char*>(dc->heap);
+  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
+  MoeGemmArgs args{};
+  args.x_send = ops.x_send.untyped_data();
+  args.inbox = own + dc->layout.region_offset(moe::inbox_region);
+  args.w = ops.w.untyped_data();
+  args.x_scales = ops.x_scales;
+  args.w_scale = ops.w_scale;
+  args.y = y->untyped_data();
+  args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
+  args.error = dc->error_local;
+  args.error_mirror = dc->error_device;
+  args.call = epoch_args;
+  args.timeout_ns = comm::timeout_ms() * 1000000ull;
+  Derived const* derived = nullptr;
+  if (ffi::Error e = derive(problem, ops.output, args, capturing, config, *dc, &derived); e.failure()) return e;
+  MoePlan const& plan = derived->plan;
+
+  timer.lap(comm::kPhaseChecks);
+  bool const sm_push = plan.push_grid > 0 && dc->world > 1;
+  // As ag_gemm: the SM push and the GEMM chained on XLA's stream (the GEMM its programmatic
+  // dependent), unless ENTWINE_PROFILE=1 forks the push so that events time the GEMM alone.
+  bool const chained = sm_push && !comm::profiling();
+  if (!chained) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
+  timer.lap(comm::kPhaseFork);
+  int const side_streams = chained ? 0 : sm_push ? 1 : dc->world - 1;
+  if (chained) {
+    if (ffi::Error e = enqueue_sm_push(*dc, plan, args.x_send, epoch_args, xla_stream); e.failure()) return e;
+    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
+  } else {
+    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
+    if (sm_push) {
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->side[0], dc->start, 0));
+      if (ffi::Error e = enqueue_sm_push(*dc, plan, args.x_send, epoch_args, dc->side[0]); e.failure()) return e;
+      ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->side_done[0], dc->side[0]));
+    } else if (ffi::Error e = enqueue_copy_engine_pushes(*dc, plan, args.x_send, epoch_args); e.failure()) {
+      return e;
+    }
+  }
+  if (ffi::Error e = copy_pool(*dc, plan, args.x_send, *pool, xla_stream); e.failure()) return e;
+  if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
+  timer.lap(comm::kPhaseLaunch);
+  for (int d = 1; d <= side_streams; ++d) {
+    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->side_done[d - 1], 0));
+  }
+  timer.lap(comm::kPhaseJoin);
+  // The next call's epoch, once this whole call is done (outputs poisoned if it failed anywhere).
+  comm::CallEnd end = handler::call_end(*dc, epoch_args);
+  end.add_output(y->untyped_data(), int64_t(y->size_bytes()));
+  end.add_output(pool->untyped_data(), int64_t(pool->size_bytes()));
+  ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(end, xla_stream));
+  timer.lap(comm::kPhaseEnd);
+  return ffi::Error::Success();
+}
+
 ffi::Error MoeDispatchGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x_send, ffi::AnyBuffer w,
                                ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> pool, int64_t comm_id,
                                int64_t signature, MoeConfig config) {
   return handler::guarded(kOp, [&]() -> ffi::Error {
-    DType input = DType::kBF16;
-    if (ffi::Error e = handler::element_type(kOp, "x_send", x_send, &input); e.failure()) return e;
+    Operands ops{DType::kBF16, DType::kBF16, x_send, w};
+    if (ffi::Error e = handler::element_type(kOp, "x_send", x_send, &ops.input); e.failure()) return e;
     if (w.element_type() != x_send.element_type() || y->element_type() != x_send.element_type() ||
         pool->element_type() != x_send.element_type()) {
       return ffi::Error::InvalidArgument(std::string(kOp) + ": x_send, w, y and pool must share one dtype");
     }
-    comm::DeviceComm* dc = nullptr;
-    if (ffi::Error e = handler::usable_comm(kOp, comm_id, device, &dc); e.failure()) return e;
-    handler::ExclusiveDispatch const exclusive(*dc);
-    if (ffi::Error e = exclusive.check(kOp); e.failure()) return e;
-    handler::HostTimer timer{dc};
-    MoeProblem problem;
-    if (ffi::Error e = problem_of(input, x_send, w, *y, *pool, *dc, &problem); e.failure()) return e;
-    bool capturing = false;
-    if (ffi::Error e = handler::is_capturing(kOp, xla_stream, &capturing); e.failure()) return e;
+    ops.output = ops.input;
+    return RunMoeDispatch(xla_stream, device, ops, y, pool, comm_id, signature, config);
+  });
+}
 
-    DeviceGuard guard;
-    ENTWINE_RETURN_IF_CUDA(kOp, guard.set(device));
-    char* const own = static_cast<char*>(dc->heap);
-    CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
-    MoeGemmArgs args{};
-    args.x_send = x_send.untyped_data();
-    args.inbox = own + dc->layout.region_offset(moe::inbox_region);
-    args.w = w.untyped_data();
-    args.y = y->untyped_data();
-    args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
-    args.error = dc->error_local;
-    args.error_mirror = dc->error_device;
-    args.call = epoch_args;
-    args.timeout_ns = comm::timeout_ms() * 1000000ull;
-    Derived const* derived = nullptr;
-    if (ffi::Error e = derive(problem, args, capturing, config, *dc, &derived); e.failure()) return e;
-    MoePlan const& plan = derived->plan;
-
-    timer.lap(comm::kPhaseChecks);
-    bool const sm_push = plan.push_grid > 0 && dc->world > 1;
-    // As ag_gemm: the SM push and the GEMM chained on XLA's stream (the GEMM its programmatic
-    // dependent), unless ENTWINE_PROFILE=1 forks the push so that events time the GEMM alone.
-    bool const chained = sm_push && !comm::profiling();
-    if (!chained) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
-    timer.lap(comm::kPhaseFork);
-    int const side_streams = chained ? 0 : sm_push ? 1 : dc->world - 1;
-    if (chained) {
-      if (ffi::Error e = enqueue_sm_push(*dc, plan, args.x_send, epoch_args, xla_stream); e.failure()) return e;
-      ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
-    } else {
-      ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
-      if (sm_push) {
-        ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->side[0], dc->start, 0));
-        if (ffi::Error e = enqueue_sm_push(*dc, plan, args.x_send, epoch_args, dc->side[0]); e.failure()) return e;
-        ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->side_done[0], dc->side[0]));
-      } else if (ffi::Error e = enqueue_copy_engine_pushes(*dc, plan, args.x_send, epoch_args); e.failure()) {
-        return e;
-      }
+// FP8 per tensor: x_send in float8_e4m3fn or float8_e5m2 (a gradient), w_t [E_local, N, K] in
+// float8_e4m3fn, x_scales f32 [W] (every source's scale, gathered before the call) and w_scale f32;
+// y bf16 or fp16; the pool in x_send's dtype (or empty).
+ffi::Error MoeDispatchGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x_send, ffi::AnyBuffer w_t,
+                                  ffi::AnyBuffer x_scales, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> y,
+                                  ffi::Result<ffi::AnyBuffer> pool, int64_t comm_id, int64_t signature,
+                                  MoeConfig config) {
+  return handler::guarded(kOp, [&]() -> ffi::Error {
+    Operands ops{DType::kE4M3, DType::kBF16, x_send, w_t};
+    if (ffi::Error e = handler::fp8_input(kOp, "x_send", x_send, &ops.input); e.failure()) return e;
+    if (ffi::Error e = handler::fp8_weight(kOp, "w_t", w_t); e.failure()) return e;
+    if (ffi::Error e = handler::element_type(kOp, "y", *y, &ops.output); e.failure()) return e;
+    if (pool->element_type() != x_send.element_type()) {
+      return ffi::Error::InvalidArgument(std::string(kOp) + ": the pool must have x_send's dtype");
     }
-    if (ffi::Error e = copy_pool(*dc, plan, args.x_send, *pool, xla_stream); e.failure()) return e;
-    if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
-    timer.lap(comm::kPhaseLaunch);
-    for (int d = 1; d <= side_streams; ++d) {
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->side_done[d - 1], 0));
+    if (ffi::Error e = handler::scale_operand(kOp, "w_scale", w_scale, &ops.w_scale); e.failure()) return e;
+    auto const sd = x_scales.dimensions();
+    if (x_scales.element_type() != ffi::DataType::F32 || sd.size() != 1) {
+      return ffi::Error::InvalidArgument(std::string(kOp) + ": x_scales must be float32 [W], got dtype code " +
+                                         std::to_string(int(x_scales.element_type())) + " " + dims_string(sd));
     }
-    timer.lap(comm::kPhaseJoin);
-    // The next call's epoch, once this whole call is done (outputs poisoned if it failed anywhere).
-    comm::CallEnd end = handler::call_end(*dc, epoch_args);
-    end.add_output(y->untyped_data(), int64_t(y->size_bytes()));
-    end.add_output(pool->untyped_data(), int64_t(pool->size_bytes()));
-    ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_end_call(end, xla_stream));
-    timer.lap(comm::kPhaseEnd);
-    return ffi::Error::Success();
+    ops.x_scales = static_cast<const float*>(x_scales.untyped_data());
+    ops.x_scale_count = sd[0];
+    return RunMoeDispatch(xla_stream, device, ops, y, pool, comm_id, signature, config);
   });
 }
 
@@ -399,6 +453,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchGemm, entwine::MoeDispatchGemmImpl,
                                   .Arg<ffi::AnyBuffer>()                     // x_send [E, C, K]
                                   .Arg<ffi::AnyBuffer>()                     // w [E_local, K, N]
                                   .Ret<ffi::AnyBuffer>()                     // y [E_local, W * C, N]
+                                  .Ret<ffi::AnyBuffer>()                     // pool [E_local, W * C, K] (or empty)
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
+                                  .Attr<entwine::MoeConfig>("config"),       // config
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchGemmFp8, entwine::MoeDispatchGemmFp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // x_send [E, C, K]: e4m3 or e5m2
+                                  .Arg<ffi::AnyBuffer>()                     // w_t [E_local, N, K]: e4m3
+                                  .Arg<ffi::AnyBuffer>()                     // x_scales: f32 [W]
+                                  .Arg<ffi::AnyBuffer>()                     // w_scale: f32 [] or [1]
+                                  .Ret<ffi::AnyBuffer>()                     // y [E_local, W * C, N]: bf16 or f16
                                   .Ret<ffi::AnyBuffer>()                     // pool [E_local, W * C, K] (or empty)
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("signature")                // what the call is (stamps)

@@ -28,9 +28,12 @@ struct MoeConfig {
 // g / E_local (E_local = experts / world). Every rank holds
 //   x_send [experts, capacity, k]: the rows it sends to each global expert, `capacity` per expert
 //     (unused rows hold anything: they come back as rows of y and nothing else reads them);
-//   w [E_local, k, n]: its experts' weights (16-bit: row-major, N-major);
+//   w [E_local, k, n]: its experts' weights (16-bit: row-major, N-major; FP8: w_t [E_local, n, k],
+//     K-major, e4m3, as the FP8 wgmma reads B);
 // and computes y [E_local, world * capacity, n] with
 //   y[e, q * capacity + i, :] = x_send_q[rank * E_local + e, i, :] @ w[e]
+// (FP8 per tensor: x_send e4m3 or e5m2, each source's rows times its x_scale, w's times w_scale,
+// y bf16 or fp16: a 128-row block has one source, so one alpha per block dequantises its sum)
 // (the receive pool is expert-major: expert e's A is the world * capacity rows that every source
 // sent it, contiguous, each source's capacity rows in source order).
 struct MoeProblem {
@@ -78,13 +81,15 @@ MoePlan moe_transfer_plan(int32_t world, int32_t rank, int32_t experts, int32_t 
 struct MoeGemmArgs {
   const void* x_send;         // this rank's x_send [experts, C, k]: its own experts' slice is read in place
   const void* inbox;          // this rank's inbox [E_local][world][C][k]: the peers push into it
-  const void* w;              // [E_local, k, n]
+  const void* w;              // [E_local, k, n] (FP8: w_t [E_local, n, k])
   void* y;                    // [E_local, world * C, n]
   const uint64_t* flags;      // this rank's flags of parity 0: flags[source * E_local + expert]
   DeviceError* error;         // device memory, claimed by the first failing wait
   DeviceError* error_mirror;  // host-mapped copy written once on failure (nullptr: none)
   CallEpoch call;
   uint64_t timeout_ns;
+  const float* x_scales = nullptr;  // FP8: every source's x_scale [world] (device)
+  const float* w_scale = nullptr;   // FP8: w's scale (device, one float)
 };
 
 // One source's transfer to one destination on the copy engines (launch_push_copy): the receiver

@@ -67,13 +67,13 @@ MoePlan moe_plan(const MoeProblem& p, const MoeConfig& c) {
   if (c.gemm_sms < 1) return fail("config.gemm_sms must be >= 1");
   if (c.raster_rows < 1) return fail("config.raster_rows must be >= 1");
   if (c.push_sms < 0 || c.push_sms > 64) return fail("config.push_sms must be in [0, 64]");
-  if (is_fp8(p.input)) return fail("FP8 operands are not supported yet (16-bit inputs only)");
+  if (is_fp8(p.input) && c.block_n != kFp8BlockN) return fail("FP8 operands run 128-wide blocks: config.block_n = 128");
   if (p.experts < 1 || p.experts % p.world != 0) return fail("experts must be a positive multiple of world");
   if (p.capacity <= 0 || p.k <= 0 || p.n <= 0) return fail("capacity, K and N must be positive");
   // A block's rows must come from one source's segment of one expert: one flag per block, and a
   // block never mixes a peer's rows with the local rows read in place.
   if (p.capacity % kBlockM != 0) return fail("capacity % 128 == 0 (a GEMM block must not straddle two sources' rows)");
-  if (p.k % align_k(p.input) != 0) return fail("K must make 16-byte rows (K % 8 == 0 for 16-bit inputs; TMA)");
+  if (p.k % align_k(p.input) != 0) return fail("K must make 16-byte rows (K % 8 == 0 for 16-bit inputs, % 16 for FP8; TMA)");
   // The store warp writes whole blocks at y's row pitch n.
   if (p.n % c.block_n != 0) return fail("N must be a multiple of config.block_n");
   plan.e_local = p.experts / p.world;
