@@ -393,13 +393,16 @@ void run_moe_deadline(int world_size, int experts, int push_sms = 0) {
 // wait, then the GEMM), the GEMMs alone (every segment already in place: flags at the largest stamp)
 // and the transfers alone. All W ranks share this GPU, so a call's time is every rank's work on one
 // GPU, and a push is HBM to HBM: the overlap measured is of GEMM and copy on shared SMs and memory,
-// not of GEMM and NVLink.
+// not of GEMM and NVLink. cuBLASLt times the same expert GEMMs, one after another (LD_LIBRARY_PATH
+// must find libcublasLt.so.13; the column is NaN otherwise).
 int moe_bench_main() {
   CHECK_CUDA(moe::prepare_kernels());
   CHECK_CUDA(comm::prepare_epoch_kernel());
-  std::printf("# moe_dispatch_gemm, W ranks on one H200, bf16; median ms of one call of every rank (graph replays)\n");
-  std::printf("%-52s %9s %9s %9s %9s %8s %8s\n", "case", "fused_ms", "seq_ms", "gemm_ms", "xfer_ms", "seq/fus",
-              "fus/gemm");
+  CublasLt* lt = CublasLt::load();
+  std::printf("# moe_dispatch_gemm, W ranks on one H200, bf16; median ms of one call of every rank (graph replays);\n"
+              "# cublas_ms: cuBLASLt's fastest algorithm on every rank's expert GEMMs [W*C, K] x [K, N], one after another\n");
+  std::printf("%-52s %9s %9s %9s %9s %9s %8s %8s %8s\n", "case", "fused_ms", "seq_ms", "gemm_ms", "xfer_ms",
+              "cublas_ms", "seq/fus", "fus/gemm", "cub/gemm");
   struct Shape {
     int world, experts, capacity, k, n;
   };
@@ -438,6 +441,23 @@ int moe_bench_main() {
       CHECK_CUDA(cudaDeviceSynchronize());
       float const gemm_ms = median_ms(replay(gemms), origin, 3, 20);
       for (auto& r : world.ranks) CHECK_CUDA(cudaMemset(r.flags, 0, 2 * world.plan.flags * sizeof(uint64_t)));
+      // The same GEMMs by cuBLASLt (XLA's library): expert e's A is its inbox block [W*C, K] (the
+      // inbox is expert-major), B its weight, into one scratch output.
+      float cublas_ms = NAN;
+      if (lt) {
+        int const rows = sh.world * sh.capacity;
+        uint16_t* scratch = nullptr;
+        CHECK_CUDA(cudaMalloc(&scratch, size_t(rows) * sh.n * 2));
+        std::vector<std::function<void()>> gemms_lt;
+        for (auto& r : world.ranks) {
+          for (int e = 0; e < c.e_local(); ++e) {
+            gemms_lt.push_back(lt->gemm(rows, sh.n, sh.k, r.inbox + int64_t(e) * rows * sh.k * 2,
+                                        static_cast<char*>(r.w) + int64_t(e) * sh.k * sh.n * 2, scratch, origin));
+          }
+        }
+        cublas_ms = median_ms([&] { for (auto const& g : gemms_lt) g(); }, origin, 3, 20);
+        CHECK_CUDA(cudaFree(scratch));
+      }
       // What was timed computed the same y: the fused call's bitwise the sequence's (same GEMM, same
       // order; `moe test` holds the kernels to float64).
       auto run = [&](cudaGraphExec_t exec) {
@@ -451,8 +471,9 @@ int moe_bench_main() {
       DeviceError const e = world.read_error();
       bool const ok = same && e.code == 0;
       bad += !ok;
-      std::printf("%-52s %9.3f %9.3f %9.3f %9.3f %8.3f %8.3f%s\n", describe(c).c_str(), ms[0], ms[1], gemm_ms, ms[2],
-                  ms[1] / ms[0], ms[0] / gemm_ms, ok ? "" : "  FUSED != SEQUENCE OR DEVICE ERROR");
+      std::printf("%-52s %9.3f %9.3f %9.3f %9.3f %9.3f %8.3f %8.3f %8.3f%s\n", describe(c).c_str(), ms[0], ms[1],
+                  gemm_ms, ms[2], cublas_ms, ms[1] / ms[0], ms[0] / gemm_ms, cublas_ms / gemm_ms,
+                  ok ? "" : "  FUSED != SEQUENCE OR DEVICE ERROR");
       for (cudaGraphExec_t g : {fused, sequence, transfers, gemms}) CHECK_CUDA(cudaGraphExecDestroy(g));
       CHECK_CUDA(cudaStreamDestroy(origin));
     }
