@@ -43,6 +43,8 @@ def source_scales(x_scale, plan: op.Plan, shared: bool, name: str):
     if shared or world == 1:
         return jnp.broadcast_to(x_scale.astype(F32), (world,))
     send = jnp.broadcast_to(x_scale.astype(F32), (plan.num_experts, _SCALE_WORDS))
+    # Typed as varying over the axis: a scale the types cannot tell apart moves as each rank's own.
+    send = callsite.make_varying(send, callsite.axis_names(plan.axis_name))
     got = op.to_experts(send, plan, name)  # [E_local, W * 4], every local expert the same
     return got[0].reshape(world, _SCALE_WORDS)[:, 0]
 
