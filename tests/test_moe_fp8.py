@@ -314,3 +314,24 @@ def test_fp8_mlp_lowers_to_the_fp8_kernel_on_cuda(monkeypatch):
     calls = [line for line in text.splitlines() if "entwine_moe_dispatch_gemm_fp8" in line]
     assert len(calls) == 2, calls
     assert any("f8E4M3FN" in line for line in calls) and any("f8E5M2" in line for line in calls), calls
+
+
+@pytest.mark.parametrize("world, check_vma, jit", [(4, True, True), (3, False, True), (2, True, False)])
+def test_fp8_mlp_at_other_worlds_eager_and_untyped(world, check_vma, jit):
+    """The FP8 MLP's output and gradients at W = 4 and 3, without shard_map's type checks (every
+    scale then counts as each rank's own and travels) and eagerly: near the float32 MLP's."""
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, w1 = inputs(world, t=128, e_local=1, seed=20 + world)
+    w2, weights = combine_inputs(w1, idx, seed=30 + world)
+    c = np.random.default_rng(40).standard_normal(x.shape).astype(np.float32)
+    got = {}
+    for fp8_call in (True, False):
+        f = jax.shard_map(mlp_loss(x, idx, w1, w2, weights, c, fp8_call), mesh=mesh, in_specs=(EP,) * 6,
+                          out_specs=EP, check_vma=check_vma)
+        with jax.set_mesh(mesh):
+            args = [jax.device_put(a, EP) for a in (x, idx, w1, w2, weights, c)]
+            grad = jax.grad(lambda x, w1, w2: jnp.sum(f(x, args[1], w1, w2, args[4], args[5])), argnums=(0, 1, 2))
+            got[fp8_call] = (jax.jit(grad) if jit else grad)(args[0], args[2], args[3])
+    for name, a, b in zip(("x", "w1", "w2"), got[True], got[False]):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 0.15, name
