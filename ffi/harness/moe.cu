@@ -399,7 +399,7 @@ int moe_bench_main() {
   CHECK_CUDA(moe::prepare_kernels());
   CHECK_CUDA(comm::prepare_epoch_kernel());
   CublasLt* lt = CublasLt::load();
-  std::printf("# moe_dispatch_gemm, W ranks on one H200, bf16; median ms of one call of every rank (graph replays);\n"
+  std::printf("# moe_dispatch_gemm, W ranks on one H200, bf16 (and e4m3 -> bf16); median ms of one call of every rank (graph replays);\n"
               "# cublas_ms: cuBLASLt's fastest algorithm on every rank's expert GEMMs [W*C, K] x [K, N], one after another\n");
   std::printf("%-52s %9s %9s %9s %9s %9s %8s %8s %8s\n", "case", "fused_ms", "seq_ms", "gemm_ms", "xfer_ms",
               "cublas_ms", "seq/fus", "fus/gemm", "cub/gemm");
@@ -411,8 +411,12 @@ int moe_bench_main() {
   Shape const shapes[] = {{2, 8, 1024, 4096, 28672}, {2, 16, 256, 7168, 4096}, {4, 8, 512, 4096, 8192}};
   int bad = 0;
   for (Shape const sh : shapes) {
-    for (int push_sms : {0, 8}) {
-      MoeCase const c{sh.world, sh.experts, sh.capacity, sh.k, sh.n, moe_config_for(sh.world, 256, 8, push_sms)};
+    // The copy engines and the SM push in bf16, then FP8 (e4m3 x e4m3 into bf16, 128-wide blocks).
+    for (int variant : {0, 1, 2}) {
+      int const push_sms = variant == 1 ? 8 : 0;
+      MoeCase c{sh.world, sh.experts, sh.capacity, sh.k, sh.n,
+                moe_config_for(sh.world, variant == 2 ? 128 : 256, 8, push_sms)};
+      c.fp8 = variant == 2 ? 1 : 0;
       MoeWorld world(c);
       world.fill_inputs(21);
       cudaStream_t origin;
@@ -449,13 +453,18 @@ int moe_bench_main() {
         uint16_t* scratch = nullptr;
         CHECK_CUDA(cudaMalloc(&scratch, size_t(rows) * sh.n * 2));
         std::vector<std::function<void()>> gemms_lt;
+        int const bytes = c.in_bytes();
         for (auto& r : world.ranks) {
+          // FP8: cuBLASLt's per-tensor FP8 GEMM on the same e4m3 operands (w_t [N, K] per expert).
+          CublasLt::Fp8Scales const scales{r.x_scales, r.x_scales + c.world};
           for (int e = 0; e < c.e_local(); ++e) {
-            gemms_lt.push_back(lt->gemm(rows, sh.n, sh.k, r.inbox + int64_t(e) * rows * sh.k * 2,
-                                        static_cast<char*>(r.w) + int64_t(e) * sh.k * sh.n * 2, scratch, origin));
+            gemms_lt.push_back(lt->gemm(rows, sh.n, sh.k, r.inbox + int64_t(e) * rows * sh.k * bytes,
+                                        static_cast<char*>(r.w) + int64_t(e) * sh.k * sh.n * bytes, scratch, origin,
+                                        c.fp8 ? &scales : nullptr));
           }
         }
-        cublas_ms = median_ms([&] { for (auto const& g : gemms_lt) g(); }, origin, 3, 20);
+        bool const all = std::all_of(gemms_lt.begin(), gemms_lt.end(), [](auto const& g) { return bool(g); });
+        if (all) cublas_ms = median_ms([&] { for (auto const& g : gemms_lt) g(); }, origin, 3, 20);
         CHECK_CUDA(cudaFree(scratch));
       }
       // What was timed computed the same y: the fused call's bitwise the sequence's (same GEMM, same
