@@ -1,6 +1,7 @@
-// moe's part of the nanobind module (see bind.h): the FFI targets of moe_dispatch_gemm and
-// moe_transfer (MOE_DISPATCH_GEMM_TARGET, its FP8 twin MOE_DISPATCH_GEMM_FP8_TARGET, MOE_TRANSFER_TARGET), their plans, which Python asks instead of restating the kernels' shape
-// rules, and its communicator hooks.
+// moe's part of the nanobind module (see bind.h): the FFI targets of moe_dispatch_gemm, its FP8
+// twin and moe_transfer (MOE_DISPATCH_GEMM_TARGET, MOE_DISPATCH_GEMM_FP8_TARGET, MOE_TRANSFER_TARGET),
+// their plans, which Python asks instead of restating the kernels' shape rules, and its communicator
+// hooks.
 #include <string>
 
 #include <nanobind/nanobind.h>
