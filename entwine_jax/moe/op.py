@@ -115,9 +115,8 @@ def prepare_gemm(plan: Plan, h: int, n: int, dtype, out_dtype=None) -> tuple[Any
     x_send = jax.ShapeDtypeStruct((plan.num_experts, plan.capacity, h), dtype)
     w_aval = jax.ShapeDtypeStruct((plan.e_local, h, n), dtype if out_dtype is None else fp8.E4M3)
     kw = dict(axis_name=plan.axis_name, axis_size=plan.axis_size, config=plan.config)
-    return callsite.prepare(DISPATCH, lambda: plan.reason or fused.unavailable_reason(x_send, w_aval, out_dtype=out_dtype,
-                                                                                      **kw),
-                            lambda: fused.prepare(x_send, w_aval, **kw))
+    why = lambda: plan.reason or fused.unavailable_reason(x_send, w_aval, out_dtype=out_dtype, **kw)  # noqa: E731
+    return callsite.prepare(DISPATCH, why, lambda: fused.prepare(x_send, w_aval, **kw))
 
 
 def default_config(x, w, size: int, dimension: int) -> tuple[MoeConfig, str]:
@@ -129,8 +128,9 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
                   return_gathered: bool = False, out_dtype=None, shared_scale: bool = False) -> Plan:
     """Check a moe_dispatch_gemm call (x: an opspec.RoutedInput of x [T, H] and topk_idx [T, k]; w1
     [E_local, H, N]), fix its capacity, report its path once. out_dtype given: an FP8 call (its
-    operands' dtypes checked by entwine_jax.fp8.check), whose e4m3 rows move and whose GEMM is XLA's.
-    return_gathered must be False (not built); shared_scale changes nothing."""
+    operands' dtypes checked by entwine_jax.fp8.check), whose e4m3 rows move and whose GEMM is the FP8
+    kernel's where the kernels run. return_gathered must be False (not built); shared_scale changes
+    nothing."""
     xs, topk_idx = x.x, x.topk_idx
     if return_gathered:
         raise ValueError(f"{DISPATCH}: return_gathered is not supported")
