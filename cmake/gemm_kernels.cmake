@@ -3,6 +3,8 @@
 # each op's rows become its generated dispatch, <op>::prepare_gemm, launch_gemm and prepare_gemms (declared
 # in ffi/<op>/<op>.h; the schedule is entwine::<op>::GemmSchedule in ffi/<op>/gemm_schedule.cuh).
 # Adding a variant is adding a row; input and output are DTypes of ffi/comm/protocol.h, lower-case.
+# An op with a second GEMM names it "<op>.<schedule>": entwine::<op>::<schedule>::GemmSchedule in
+# ffi/<op>/<schedule>_schedule.cuh, its dispatch declared in ffi/<op>/<op>.h in that namespace.
 # FP8 inputs (e4m3: both operands e4m3; e5m2: x e5m2, w_t e4m3) run 128-wide blocks only
 # (ffi/gemm/gemm.h, kFp8BlockN). An optional fifth field is the FP8 scaling (ffi/gemm/gemm.h,
 # Scaling): "tensor" (the default) or "block".
@@ -38,7 +40,11 @@ set(ENTWINE_GEMM_TABLE
   "moe e4m3 bf16 128"
   "moe e4m3 fp16 128"
   "moe e5m2 bf16 128"
-  "moe e5m2 fp16 128")
+  "moe e5m2 fp16 128"
+  "moe.combine bf16 bf16 128"
+  "moe.combine bf16 bf16 256"
+  "moe.combine fp16 fp16 128"
+  "moe.combine fp16 fp16 256")
 
 # Sets ENTWINE_GEMM_SOURCES to the generated files (instances and dispatches).
 function(entwine_generate_gemm_kernels out_dir)
@@ -46,7 +52,22 @@ function(entwine_generate_gemm_kernels out_dir)
   set(ops "")
   foreach(row IN LISTS ENTWINE_GEMM_TABLE)
     separate_arguments(fields UNIX_COMMAND "${row}")
-    list(GET fields 0 OP)
+    list(GET fields 0 OP_FIELD)
+    # "<op>" or "<op>.<schedule>": the folder, the schedule's header and namespace, the generated files' folder.
+    string(REPLACE "." ";" op_parts "${OP_FIELD}")
+    list(GET op_parts 0 FOLDER)
+    list(LENGTH op_parts op_part_count)
+    if(op_part_count GREATER 1)
+      list(GET op_parts 1 SCHEDULE)
+      set(SCHEDULE_HEADER "${FOLDER}/${SCHEDULE}_schedule.cuh")
+      set(NAMESPACE "${FOLDER}::${SCHEDULE}")
+      set(OP "${FOLDER}_${SCHEDULE}")
+    else()
+      set(SCHEDULE_HEADER "${FOLDER}/gemm_schedule.cuh")
+      set(NAMESPACE "${FOLDER}")
+      set(OP "${FOLDER}")
+    endif()
+    set(HEADER "${FOLDER}/${FOLDER}.h")
     list(GET fields 1 INPUT)
     list(GET fields 2 OUTPUT)
     list(GET fields 3 BLOCK_N)
@@ -73,6 +94,8 @@ function(entwine_generate_gemm_kernels out_dir)
     list(APPEND sources "${out_dir}/${OP}/gemm_${NAME}.cu")
     if(NOT OP IN_LIST ops)
       list(APPEND ops "${OP}")
+      set(HEADER_${OP} "${HEADER}")
+      set(NAMESPACE_${OP} "${NAMESPACE}")
       set(DECLS_${OP} "")
       set(CASES_${OP} "")
       set(PREPARES_${OP} "")
@@ -89,6 +112,8 @@ function(entwine_generate_gemm_kernels out_dir)
     string(APPEND PREPARES_${OP} "prepare_${NAME}, ")
   endforeach()
   foreach(OP IN LISTS ops)
+    set(HEADER "${HEADER_${OP}}")
+    set(NAMESPACE "${NAMESPACE_${OP}}")
     set(DECLS "${DECLS_${OP}}")
     set(CASES "${CASES_${OP}}")
     string(REGEX REPLACE ", $" "" PREPARES "${PREPARES_${OP}}")

@@ -211,9 +211,10 @@ ENTRY %main (x: f8e4m3fn[64,32], w: f8e4m3fn[64,32], a: f8e4m3fn[64,32], b: f8e4
 
 def test_moe_custom_calls_are_read_from_text():
     """The MoE targets over W = 4 (E_local 2, C 128): the dispatch kernel (and its FP8 twin, e4m3 rows)
-    sends 3/4 of x_send [8, 128, 32]
-    (one destination's share, 2 x 128 x 32 bf16, to each of 3 peers); moe_transfer is the combine's
-    unless a moves() scope of the dispatch encloses it (the backward's router weights, f32 [8, 128])."""
+    sends 3/4 of x_send [8, 128, 32] (one destination's share, 2 x 128 x 32, to each of 3 peers); the
+    combine kernel sends each source its 2 x 128 rows of o_recv [8, 128, 16]; moe_transfer is the
+    combine's unless a moves() scope of the dispatch encloses it (the backward's router weights, f32
+    [8, 128])."""
     text = """HloModule jit_step, num_partitions=8
 ENTRY %main (x: bf16[8,128,32], w: bf16[2,32,64], o: bf16[8,128,16], r: f32[8,128]) -> bf16[2,512,64] {
   %x = bf16[8,128,32]{2,1,0} parameter(0)
@@ -228,18 +229,22 @@ ENTRY %main (x: bf16[8,128,32], w: bf16[2,32,64], o: bf16[8,128,16], r: f32[8,12
   %xs = f32[4]{0} parameter(5)
   %ws = f32[] parameter(6)
   %f = (bf16[2,512,64]{2,1,0}, f8e4m3fn[2,512,32]{2,1,0}) custom-call(%q, %wt, %xs, %ws), custom_call_target="entwine_moe_dispatch_gemm_fp8", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_dispatch_gemm/ffi_call"}, backend_config={comm_id = 7 : i64}
+  %h = bf16[2,512,32]{2,1,0} parameter(7)
+  %w2 = bf16[2,32,16]{2,1,0} parameter(8)
+  %c = bf16[8,128,16]{2,1,0} custom-call(%h, %w2), custom_call_target="entwine_moe_gemm_combine", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/ffi_call"}, backend_config={comm_id = 7 : i64}
   ROOT %y = bf16[2,512,64]{2,1,0} get-tuple-element(%d), index=0
 }
 """
     c = census.collectives(text, mesh=jax.sharding.AbstractMesh((2, 4), ("dp", "tp")))
     calls = c.select(custom_call=True)
-    assert calls.counts("owner") == {"moe_dispatch_gemm": 3, "moe_gemm_combine": 1}
+    assert calls.counts("owner") == {"moe_dispatch_gemm": 3, "moe_gemm_combine": 2}
     by_bytes = sorted((x.owner, x.kind, x.group_size, x.axes, x.bytes) for x in calls)
     # The FP8 kernel sends its e4m3 rows: one byte an element.
     assert by_bytes == sorted([("moe_dispatch_gemm", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 32 * 2),
                                ("moe_gemm_combine", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 16 * 2),
                                ("moe_dispatch_gemm", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 4),
-                               ("moe_dispatch_gemm", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 32)])
+                               ("moe_dispatch_gemm", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 32),
+                               ("moe_gemm_combine", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 16 * 2)])
 
 
 def test_iota_and_explicit_groups():

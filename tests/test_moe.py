@@ -550,6 +550,15 @@ def test_kernel_plans_state_their_rules():
             fused.moe_plan(2, 8, 256, 1024, 2048, jnp.float8_e4m3fn, MoeConfig(gemm_sms=64, block_n=256))
         with pytest.raises(_extension.PlanError, match="% 16 for FP8"):
             fused.moe_plan(2, 8, 256, 1000, 2048, jnp.float8_e4m3fn, MoeConfig(gemm_sms=64))
+    # The combine kernel: h [E_local, W*C, F] -> o_recv [E, C, H], 16-bit only.
+    if hasattr(_extension.ext(), "moe_combine_plan"):
+        h, w2 = jax.ShapeDtypeStruct((4, 512, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((4, 1024, 2048), jnp.bfloat16)
+        d = fused._combine_plan(2, h, w2, MoeConfig(gemm_sms=64))
+        assert (d["e_local"], d["grid"], d["inbox_bytes"]) == (4, 64, 8 * 256 * 2048 * 2)
+        with pytest.raises(_extension.PlanError, match="16-bit operands"):
+            fused._combine_plan(2, h.update(dtype=jnp.float8_e4m3fn), w2, MoeConfig(gemm_sms=64, block_n=128))
+        with pytest.raises(_extension.PlanError, match="capacity % 128 == 0"):
+            fused._combine_plan(2, h.update(shape=(4, 400, 1024)), w2, MoeConfig(gemm_sms=64))
     # A float32 [E, C] of router weights: 4-byte rows, any dtype moves.
     d = fused._transfer_plan(3, jax.ShapeDtypeStruct((6, 128), jnp.float32))
     assert (d["e_local"], d["inbox_bytes"], d["push_grid"]) == (2, 2 * 3 * 128 * 4, 0)
@@ -565,3 +574,29 @@ def test_auto_path_keeps_the_reference_until_the_gpu_suites_pass(monkeypatch):
     assert moe_op._early_reason(MoeConfig(path="fused"), "ep", 2, jnp.bfloat16) is None
     assert moe_op._early_reason(MoeConfig(path="xla"), "ep", 2, jnp.bfloat16) == "config.path='xla'"
     assert "float32" in moe_op._early_reason(MoeConfig(path="fused"), "ep", 2, jnp.float32)
+
+
+def test_mlp_lowers_to_the_dispatch_and_combine_kernels_on_cuda(monkeypatch):
+    """Where the plans have the kernels (faked here: no GPU), an MLP's forward and backward lower for
+    CUDA to the dispatch kernel (the dispatch's forward, the combine's backward) and the combine
+    kernel (the combine's forward, the dispatch's backward), each twice."""
+    from entwine_jax.moe import fused
+    from entwine_jax.moe import op as moe_op
+
+    attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
+    monkeypatch.setattr(moe_op, "prepare_gemm", lambda *a, **k: (fused.MoeCall(3, attrs, "entwine_moe_dispatch_gemm"),
+                                                                  None))
+    monkeypatch.setattr(moe_op, "prepare_combine", lambda *a, **k: (fused.MoeCall(3, attrs, "entwine_moe_gemm_combine"),
+                                                                     None))
+    mesh = make_mesh((2,), ("ep",))
+    x, idx, weights, w1, w2 = random_case(4, 2, 2, 64, 2, 32, 16, jnp.bfloat16, "uniform")
+    f = jax.shard_map(lambda *a: moe_mlp(*a)[0], mesh=mesh, in_specs=(EP,) * 5, out_specs=EP)
+    loss = lambda x, w1, w2: jnp.sum(f(x, idx, weights, w1, w2).astype(jnp.float32))  # noqa: E731
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, EP) for a in (x, w1, w2)]
+        idx, weights = jax.device_put(idx, EP), jax.device_put(weights, EP)
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    calls = {t: sum(f"@{t}(" in line for line in text.splitlines())
+             for t in ("entwine_moe_dispatch_gemm", "entwine_moe_gemm_combine")}
+    assert calls == {"entwine_moe_dispatch_gemm": 2, "entwine_moe_gemm_combine": 2}, calls

@@ -1,8 +1,9 @@
-# moe_dispatch_gemm's fused path: whether the kernels can run a call (a predicate that only answers),
-# its preparation once per call site at trace time (the C++ plan and the communicator, acquired with
-# the room the plan needs), and the call itself inside shard_map. The kernels replace exactly the
-# reference's dispatch_pool: x_send [E, C, H] (this rank's rows for every expert, C per expert) and
-# w1 [E_local, H, N] -> y [E_local, W * C, N] and the receive pool [E_local, W * C, H].
+# The MoE ops' fused paths (the dispatch kernel, its FP8 twin, the combine kernel, moe_transfer):
+# whether the kernels can run a call (a predicate that only answers), its preparation once per call
+# site at trace time (the C++ plan and the communicator, acquired with the room the plan needs), and
+# the call itself inside shard_map. The kernels replace exactly the reference's functions:
+# dispatch_pool (x_send [E, C, H] and w1 [E_local, H, N] -> y [E_local, W * C, N] and the receive
+# pool [E_local, W * C, H]), combine_pool (h, w2 -> o_recv [E, C, H]) and the moves.
 from __future__ import annotations
 
 import dataclasses
@@ -195,6 +196,88 @@ def call_fp8(x_send, w_t, x_scales, w_scale, site: MoeCall, out_dtype):
                               x_send, w_t, x_scales.astype(jnp.float32), jnp.reshape(w_scale, ()).astype(jnp.float32),
                               comm_id=np.int64(site.comm_id), signature=np.int64(signature), config=attributes)
     return y, pool
+
+
+# -- moe_gemm_combine's GEMM and the return of its rows, one kernel (each block sent as it is done) --
+
+
+def combine_target() -> str:
+    """The XLA FFI target name of the combine kernel (spelled once, in the extension)."""
+    return _extension.ext().MOE_GEMM_COMBINE_TARGET
+
+
+def _combine_plan(world: int, h, w2, config) -> dict:
+    """The combine kernel's plan of h [E_local, W*C, F] and w2 [E_local, F, H] (abstract values);
+    PlanError with the C++ rule when it cannot run them."""
+    if (reason := kernels_reason()) is not None:
+        raise NoExtension(reason)
+    ext = _extension.ext()
+    if not hasattr(ext, "moe_combine_plan"):
+        raise NoExtension("the CUDA extension was built without the MoE combine kernel")
+    (e_local, rows, f), n = h.shape, w2.shape[2]
+    gemm_sms, _ = launch_sms(config)
+    d = dict(ext.moe_combine_plan(int(world), int(e_local * world), int(rows // world), int(f), int(n),
+                                  jnp.dtype(h.dtype).name, block_n(config, n, h.dtype), gemm_sms,
+                                  int(config.raster_rows)))
+    if d["error"] is not None:
+        raise PlanError(d["error"], False)
+    return d
+
+
+def _combine_unavailable(h, w2, axis_name, axis_size, config) -> Optional[str]:
+    reason, mesh, ext = _platform(axis_name, axis_size, config)
+    if reason := reason or callsite.kernel_dtype_reason(h.dtype, w2.dtype):
+        return reason
+    try:
+        d = _combine_plan(axis_size, h, w2, config)
+    except PlanError as e:
+        return f"the kernels cannot run this combine: {e.rule}"
+    if d["sms_needed"] > _extension.sm_count():
+        return f"the combine's {d['grid']} CTAs need {d['sms_needed']} SMs at once, the GPU has {_extension.sm_count()}"
+    if reason := comm.mesh_reason(ext, mesh, axis_name, axis_size):
+        return reason
+    return comm.heap_reason(ext, mesh, axis_name, axis_size, d["flags_per_source"], {INBOX_REGION: d["inbox_bytes"]})
+
+
+def combine_unavailable_reason(h, w2, *, axis_name, axis_size: int, config) -> Optional[str]:
+    """None when the combine kernel can run combine_pool on h [E_local, W*C, F] and w2 [E_local, F, H]
+    (abstract values), else a short reason. Only answers."""
+    try:
+        mesh = comm.find_mesh(axis_name)
+        key = ("moe combine", tuple(h.shape), str(h.dtype), tuple(w2.shape), str(w2.dtype),
+               comm.axis_tuple(axis_name), axis_size, repr(config), mesh)
+    except Exception as e:
+        return f"cannot inspect the call ({type(e).__name__}: {e})"
+    return comm.cached_reason(key, mesh, lambda: _combine_unavailable(h, w2, axis_name, axis_size, config))
+
+
+def prepare_combine(h, w2, *, axis_name, axis_size: int, config) -> MoeCall:
+    """The combine kernel's communicator, acquired now (after combine_unavailable_reason said None)."""
+    mesh = comm.mesh_for(axis_name)
+    try:
+        d = _combine_plan(axis_size, h, w2, config)
+    except NoExtension as e:
+        raise Unavailable(str(e)) from None
+    except PlanError as e:
+        raise Unavailable(f"the kernels cannot run this combine: {e.rule}") from None
+    cid = comm.acquire_comm(mesh, axis_name, d["flags_per_source"], {INBOX_REGION: d["inbox_bytes"]})
+    gemm_sms, _ = launch_sms(config)
+    attributes = (("block_n", block_n(config, w2.shape[2], h.dtype)), ("gemm_sms", gemm_sms),
+                  ("raster_rows", int(config.raster_rows)), ("push_sms", 0))
+    return MoeCall(comm_id=cid, attributes=attributes, target=combine_target())
+
+
+def call_combine(h, w2, site: MoeCall, world: int):
+    """One rank's combine kernel inside shard_map: h [E_local, W*C, F] times w2 [E_local, F, H] ->
+    o_recv [E, C, H] at the sources (reference.combine_pool's result)."""
+    e_local, rows, _ = h.shape
+    out = jax.ShapeDtypeStruct((e_local * world, rows // world, w2.shape[2]), h.dtype)
+    attributes = {name: np.int64(v) for name, v in site.attributes}
+    signature = comm.call_signature(f"moe_gemm_combine {h.dtype} h {list(h.shape)} w2 {list(w2.shape)}, config "
+                                    f"{comm.attributes_text(attributes)}, from {comm.call_site()}")
+    (o_recv,) = _ffi.fused_call(site.target, [out], h, w2, comm_id=np.int64(site.comm_id),
+                                signature=np.int64(signature), config=attributes)
+    return o_recv
 
 
 # -- moe_transfer: the same moves without the GEMM (the combine's return, the backward's moves) --

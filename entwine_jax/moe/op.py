@@ -34,6 +34,9 @@ class Plan:
     # The dispatch kernel's fused.MoeCall (moves and GEMM in one), for a dispatch's forward or a
     # combine's backward (its cotangent dispatched, times w2^T), or None.
     gemm_call: Any = None
+    # The combine kernel's, for a combine's forward or a dispatch's backward (dy times w1^T sent
+    # home), or None.
+    combine_call: Any = None
     dimension: ClassVar[int] = 0
     return_gathered: ClassVar[bool] = False
 
@@ -119,6 +122,16 @@ def prepare_gemm(plan: Plan, h: int, n: int, dtype, out_dtype=None) -> tuple[Any
     return callsite.prepare(DISPATCH, why, lambda: fused.prepare(x_send, w_aval, **kw))
 
 
+def prepare_combine(plan: Plan, f: int, h: int, dtype) -> tuple[Any, Optional[str]]:
+    """(the fused.MoeCall of the combine kernel on rows [E_local, W*C, f] of `dtype` and w [E_local, f,
+    h], None), or (None, why that GEMM is XLA's and its rows move apart)."""
+    rows = jax.ShapeDtypeStruct((plan.e_local, plan.axis_size * plan.capacity, f), dtype)
+    w_aval = jax.ShapeDtypeStruct((plan.e_local, f, h), dtype)
+    kw = dict(axis_name=plan.axis_name, axis_size=plan.axis_size, config=plan.config)
+    why = lambda: plan.reason or fused.combine_unavailable_reason(rows, w_aval, **kw)  # noqa: E731
+    return callsite.prepare(COMBINE, why, lambda: fused.prepare_combine(rows, w_aval, **kw))
+
+
 def default_config(x, w, size: int, dimension: int) -> tuple[MoeConfig, str]:
     """(config, source) of a call without one: dropless, path auto."""
     return MoeConfig(), "default"
@@ -161,7 +174,9 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
                 capacity=capacity)
     gemm_call, gemm_reason = prepare_gemm(plan, h, n, xs.dtype if out_dtype is None else fp8.E4M3, out_dtype)
-    plan = dataclasses.replace(plan, gemm_call=gemm_call)
+    # The backward's dx: dy [E_local, W*C, N] times w1^T, sent home (the combine kernel; 16-bit calls).
+    combine_call = prepare_combine(plan, n, h, xs.dtype)[0] if out_dtype is None else None
+    plan = dataclasses.replace(plan, gemm_call=gemm_call, combine_call=combine_call)
     site = (f"x={xs.dtype}{list(xs.shape)} topk_idx{list(topk_idx.shape)} w1={w1.dtype}{list(w1.shape)} "
             f"axis={axis_name!r} (size {size}) C={capacity}" + ("" if out_dtype is None else f" FP8 -> {out_dtype}"))
     key = (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, capacity, str(out_dtype))
@@ -211,11 +226,18 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
     # (an FP8 call's, dout in e5m2; entwine_jax.moe.fp8_op uses it when its gradients are FP8).
     backward = (h.dtype, None) if out_dtype is None else (fp8.E5M2, out_dtype)
     plan = dataclasses.replace(plan, gemm_call=prepare_gemm(plan, w2.shape[2], f, *backward)[0])
+    combine_reason = None
+    if out_dtype is None:
+        combine_call, combine_reason = prepare_combine(plan, f, w2.shape[2], h.dtype)
+        plan = dataclasses.replace(plan, combine_call=combine_call)
     site = (f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
             + ("" if out_dtype is None else f" FP8 -> {out_dtype}"))
     key = (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name, str(out_dtype))
-    # Its GEMM runs on XLA before the rows are sent home (no overlap yet): said with the path.
-    note = " (its GEMM by XLA, then the rows sent home)" if reason is None else ""
+    # Where the combine kernel cannot run, its GEMM runs on XLA before the rows are sent home (no
+    # overlap): said with the path.
+    note = ""
+    if reason is None and plan.combine_call is None:
+        note = " (its GEMM by XLA, then the rows sent home" + (f": {combine_reason})" if combine_reason else ")")
     callsite.report(COMBINE, key, site, config, reason, source, printed, note)
     return plan
 
@@ -286,9 +308,21 @@ def dispatch_pool(x_send, w1, plan: Plan):
 
 
 def combine_pool(h, w2, plan: Plan):
-    """o_recv [E, C, H] in h.dtype of h [E_local, W*C, F] and w2: XLA's GEMM on the expert side, then
-    the rows sent home (to_sources: moe_transfer on CUDA). The GEMM does not overlap the move yet."""
-    return to_sources(reference.expert_dot(h, w2).astype(h.dtype), plan, COMBINE)
+    """o_recv [E, C, H] in h.dtype of h [E_local, W*C, F] and w2: the combine kernel (each finished
+    block sent home as it is done) where the plan has one, on CUDA; else XLA's GEMM on the expert
+    side, then the rows sent home (to_sources: moe_transfer on CUDA)."""
+    def apart(h, w2):
+        return to_sources(reference.expert_dot(h, w2).astype(h.dtype), plan, COMBINE)
+
+    if plan.combine_call is None:
+        return apart(h, w2)
+    names = callsite.varying_over(h, w2, axis_name=plan.axis_name)
+
+    def kernel(h, w2):
+        return callsite.typed_like(names, fused.call_combine(h, w2, plan.combine_call, plan.axis_size))
+
+    reference_pool = functools.partial(reference.combine_pool, axis_name=plan.axis_name, world=plan.axis_size)
+    return callsite.dispatch(None, reference_pool, kernel, h, w2)
 
 
 def layout(topk_idx, plan: Plan) -> MoeHandle:
@@ -393,10 +427,13 @@ def combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfi
 
 def _moved(target: str, ins: list, outs: list, attrs: str) -> tuple:
     """(W, what one rank sends W - 1 times) of a custom call: one destination's share of the send
-    buffer [E, C, ...] (the first operand); W from the output [E_local, W*C, ...]."""
-    (_, send), (_, out) = ins[0][0], outs[0]
-    world = out[1] // send[1]
-    return world, [(ins[0][0][0], (send[0] // world,) + tuple(send[1:]))]
+    buffer [E, C, ...] (the first operand); W from the output [E_local, W*C, ...]. The combine kernel
+    (h [E_local, W*C, F] -> o_recv [E, C, H]) sends each source its E_local segments [C, H]."""
+    (dtype, first), (_, out) = ins[0][0], outs[0]
+    if target == "entwine_moe_gemm_combine":
+        return out[0] // first[0], [(dtype, (first[0],) + tuple(out[1:]))]
+    world = out[1] // first[1]
+    return world, [(dtype, (first[0] // world,) + tuple(first[1:]))]
 
 
 # The op contracts (entwine_jax.opspec), listed in entwine_jax/registry.py: routed ops (no FP8 or
@@ -407,7 +444,8 @@ DISPATCH_SPEC = opspec.OpSpec(name=DISPATCH, kind="all-to-all",
                               backward=COMBINE, gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_dispatch,
                               forward=forward_dispatch, forward_fp8=None, why_not_fused=why_not_fused,
                               default_config=default_config, fixed_us=None, routed=True)
-COMBINE_SPEC = opspec.OpSpec(name=COMBINE, kind="all-to-all", targets=("entwine_moe_transfer",), moved=_moved,
+COMBINE_SPEC = opspec.OpSpec(name=COMBINE, kind="all-to-all", targets=("entwine_moe_gemm_combine", "entwine_moe_transfer"),
+                             moved=_moved,
                              backward=DISPATCH, gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_combine,
                              forward=forward_combine, forward_fp8=None, why_not_fused=why_not_fused,
                              default_config=default_config, fixed_us=None, routed=True)

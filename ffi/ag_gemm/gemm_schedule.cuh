@@ -15,6 +15,7 @@ struct GemmSchedule {
   using Args = GemmArgs;
   static constexpr bool kLocalOperand = true;  // A: the local shard (x) or the gathered inbox
   static constexpr int kMaxGroup = kMaxWeights;  // B: w, or a group of weights (AgGemmArgs)
+  static constexpr bool kStoresToPeers = false;  // the kernel's output is this rank's
 
   struct Params {
     const uint64_t* gather_flags;   // flags[source * chunks + chunk] of this rank, parity 0

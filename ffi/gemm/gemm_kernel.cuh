@@ -48,11 +48,13 @@ struct ElementOf<DType::kE5M2> {
 // its Schedule (gemm_rs/gemm_schedule.cuh, ag_gemm/gemm_schedule.cuh), a type with:
 //   Params                 what only the schedule reads (Params::op)
 //   kMaxGroup              how many operands side by side B may be (Params::group; 1: one)
+//   kStoresToPeers         true: destination() places each block (moe.combine: in peers' memory)
 //   Plan, Args             the op's plan and launch arguments (host)
 //   block_coord(p, op, order)        block p of the call's order -> (owner, tile row, block column)
 //   start<Kernel>(params)            first thing of every CTA (ag_gemm: announce the call)
 //   load<Kernel>(params, ...)        the TMA warp's loop over its units (ag_gemm: waits on chunks)
 //   release<Kernel>(params, c, e, parity)  after the store warp's copies of block c completed
+//   destination<Kernel>(params, c, e, &ld)  where block c's rows go, pitch ld (kStoresToPeers only)
 //   finish<Kernel>(params, lane)     the store warp's last act, every lane (gemm_rs: the folded end)
 //   alpha<Kernel>(params, c)         FP8 per tensor: the factor that dequantises block c's fp32 sum
 //   load_scales<Kernel>(params, ...) FP8 per block: the scale-load warp's loop over the TMA warp's units
@@ -548,9 +550,14 @@ struct GemmKernel {
       int n_block = c.n_block;
       int const g = group_operand(params, n_block);
       // A group operand's block goes to that operand's own output, at its row pitch.
-      int64_t const ld = params.group.count > 1 ? params.group.ld[g] : int64_t(params.n);
+      int64_t ld = params.group.count > 1 ? params.group.ld[g] : int64_t(params.n);
       Element* const base = params.group.count > 1 ? params.group.out_of[g] : partial;
       Element* dst = base + row0 * ld + c.owner * params.part_col_step + int64_t(n_block) * BLOCK_N;
+      // A schedule that stores into peers' memory picks each block's destination (lane 0 alone
+      // stores; it may wait there, bounded, for the peer to take the call).
+      if constexpr (Schedule::kStoresToPeers) {
+        if (lane == 0) dst = Schedule::template destination<GemmKernel>(params, c, epoch, &ld);
+      }
       ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
       bool const skip = ptx::load_shared_word(skip_word) != 0;
       if (lane == 0 && !skip) {

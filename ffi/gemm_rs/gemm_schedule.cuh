@@ -17,6 +17,7 @@ struct GemmSchedule {
   using Args = GemmArgs;
   static constexpr bool kLocalOperand = false;  // A is x alone
   static constexpr int kMaxGroup = 1;           // B is w alone
+  static constexpr bool kStoresToPeers = false;  // the kernel's output is this rank's
 
   struct Params {
     uint64_t* flags[kMaxWorld];  // parity 0 of each owner's flag array

@@ -367,6 +367,146 @@ void run_moe_transfer(int world_size, int experts, int push_sms) {
   expect(same && ok.code == 0 && e.code == kErrorDeadline && site_ok && e.source == world_size - 1, buf);
 }
 
+// moe_gemm_combine's GEMM on W virtual ranks: each rank's h [E_local, W*C, F] times w2 [E_local, F, H]
+// stored block by block into every source's inbox [E, C, H], each segment released by a flag; each
+// rank's wait kernel then acquires its peers' segments. Over several epochs every inbox row against
+// float64 (o_recv_q[r*E_local + e, i] = h_r[e, q*C + i] @ w2_r[e]); then a rank that never takes part:
+// its peers' waits end with the deadline naming it.
+void run_moe_combine(int world_size, int experts, int capacity, int f, int h, int block_n, bool bf16 = true) {
+  MoeConfig const cfg = moe_config_for(world_size, block_n);
+  DType const dt = bf16 ? DType::kBF16 : DType::kFP16;
+  MoePlan const plan = moe_combine_plan(MoeProblem{world_size, 0, experts, capacity, f, h, dt}, cfg);
+  char name[160];
+  std::snprintf(name, sizeof name, "moe combine W=%d E=%d C=%d F=%d H=%d %s block_n=%d", world_size, experts, capacity,
+                f, h, bf16 ? "bf16" : "fp16", block_n);
+  if (plan.error) {
+    expect(false, std::string(name) + ": " + plan.error);
+    return;
+  }
+  int const el = plan.e_local, rows = world_size * capacity;
+  struct Rank {
+    uint16_t *h = nullptr, *w = nullptr;
+    char* inbox = nullptr;
+    uint64_t *flags = nullptr, *ready = nullptr;
+    uint32_t* arrivals = nullptr;
+    cudaStream_t stream = nullptr;
+  };
+  std::vector<Rank> ranks(world_size);
+  DeviceError* error = nullptr;
+  uint64_t* epoch_word = nullptr;
+  for (auto& r : ranks) {
+    CHECK_CUDA(cudaMalloc(&r.h, size_t(el) * rows * f * 2));
+    CHECK_CUDA(cudaMalloc(&r.w, size_t(el) * f * h * 2));
+    CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
+    CHECK_CUDA(cudaMalloc(&r.flags, 2 * plan.flags * sizeof(uint64_t)));
+    CHECK_CUDA(cudaMemset(r.flags, 0, 2 * plan.flags * sizeof(uint64_t)));
+    CHECK_CUDA(cudaMalloc(&r.ready, kMaxWorld * sizeof(uint64_t)));
+    CHECK_CUDA(cudaMemset(r.ready, 0, kMaxWorld * sizeof(uint64_t)));
+    CHECK_CUDA(cudaMalloc(&r.arrivals, kMoePushArrivalsBytes));
+    CHECK_CUDA(cudaMemset(r.arrivals, 0, kMoePushArrivalsBytes));
+    CHECK_CUDA(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking));
+  }
+  CHECK_CUDA(cudaMalloc(&error, sizeof(DeviceError)));
+  CHECK_CUDA(cudaMemset(error, 0, sizeof(DeviceError)));
+  CHECK_CUDA(cudaMalloc(&epoch_word, sizeof(uint64_t)));
+  uint64_t const first = 1;
+  CHECK_CUDA(cudaMemcpy(epoch_word, &first, sizeof first, cudaMemcpyHostToDevice));
+  uint64_t timeout_ns = 3'000'000'000ull;
+  // Every rank's call (skip: one that never comes), then the epoch advance.
+  auto call = [&](int skip) {
+    for (int r = 0; r < world_size; ++r) {
+      if (r == skip) continue;
+      MoeCombineArgs a{};
+      a.h = ranks[r].h;
+      a.w = ranks[r].w;
+      for (int q = 0; q < world_size; ++q) {
+        a.inbox[q] = ranks[q].inbox;
+        a.flags[q] = ranks[q].flags;
+      }
+      a.ready = ranks[r].ready;
+      a.arrivals = ranks[r].arrivals;
+      a.error = error;
+      a.call = CallEpoch{epoch_word, 0, plan.flags, false};
+      for (int q = 0; q < world_size; ++q) a.call.announce[q] = q == r ? nullptr : ranks[q].ready + r;
+      a.timeout_ns = timeout_ns;
+      MoePlan const mine = moe_combine_plan(MoeProblem{world_size, r, experts, capacity, f, h, dt}, cfg);
+      PreparedGemm gemm;
+      CHECK_CUDA(moe::combine::prepare_gemm(dt, dt, mine, a, &gemm));
+      CHECK_CUDA(gemm.enqueue(ranks[r].stream));
+      MoeWaitArgs const wa{ranks[r].flags, el, r, world_size, error, nullptr, a.call, timeout_ns};
+      CHECK_CUDA(moe::launch_wait_segments(wa, ranks[r].stream));
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(comm::launch_end_call(comm::CallEnd{epoch_word}, 0));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  };
+  auto download = [&](void const* p, size_t n) {
+    std::vector<uint16_t> v(n);
+    CHECK_CUDA(cudaMemcpy(v.data(), p, n * 2, cudaMemcpyDeviceToHost));
+    return v;
+  };
+  double worst = 0;
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    for (int r = 0; r < world_size; ++r) {
+      fill_random<<<264, 256>>>(ranks[r].h, int64_t(el) * rows * f, 900 + 10 * epoch + 2 * r, bf16);
+      fill_random<<<264, 256>>>(ranks[r].w, int64_t(el) * f * h, 901 + 10 * epoch + 2 * r, bf16);
+      CHECK_CUDA(cudaMemset(ranks[r].inbox, 0xFF, plan.inbox_bytes));  // stale rows show as NaN
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    call(-1);
+    // Rows i % 16 == (e + q) % 16 of every segment.
+    double err2 = 0, ref2 = 0;
+    for (int r = 0; r < world_size; ++r) {
+      auto const hh = download(ranks[r].h, size_t(el) * rows * f);
+      auto const ww = download(ranks[r].w, size_t(el) * f * h);
+      for (int q = 0; q < world_size; ++q) {
+        auto const got = download(ranks[q].inbox, plan.inbox_bytes / 2);
+        for (int e = 0; e < el; ++e) {
+          for (int i = (e + q) % 16; i < capacity; i += 16) {
+            uint16_t const* out = got.data() + (size_t(r * el + e) * capacity + i) * h;
+            for (int j = 0; j < h; ++j) {
+              double ref = 0;
+              for (int kk = 0; kk < f; ++kk) {
+                ref += to_double(hh[(size_t(e) * rows + q * capacity + i) * f + kk], bf16) *
+                       to_double(ww[(size_t(e) * f + kk) * h + j], bf16);
+              }
+              double const o = to_double(out[j], bf16);
+              err2 += std::isnan(o) ? INFINITY : (o - ref) * (o - ref);
+              ref2 += ref * ref;
+            }
+          }
+        }
+      }
+    }
+    worst = std::max(worst, std::sqrt(err2 / std::max(ref2, 1e-30)));
+  }
+  DeviceError healthy;
+  CHECK_CUDA(cudaMemcpy(&healthy, error, sizeof healthy, cudaMemcpyDeviceToHost));
+  timeout_ns = 200'000'000ull;
+  int const missing = world_size - 1;
+  call(missing);
+  DeviceError e;
+  CHECK_CUDA(cudaMemcpy(&e, error, sizeof e, cudaMemcpyDeviceToHost));
+  double const tol = bf16 ? 1e-2 : 2e-3;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, ": 3 epochs, rel err %.2e (tol %.0e), error %u; missing rank: code=%u site=%d source=%d",
+                worst, tol, healthy.code, e.code, e.site, e.source);
+  bool const site_ok = world_size == 1 || e.site == kMoeWaitTransfer || e.site == kMoeWaitCombineReady;
+  bool const missing_ok = world_size == 1 || (e.code == kErrorDeadline && site_ok && e.source == missing);
+  expect(worst <= tol && healthy.code == 0 && missing_ok, name + std::string(buf));
+  for (auto& r : ranks) {
+    cudaFree(r.h);
+    cudaFree(r.w);
+    cudaFree(r.inbox);
+    cudaFree(r.flags);
+    cudaFree(r.ready);
+    cudaFree(r.arrivals);
+    cudaStreamDestroy(r.stream);
+  }
+  cudaFree(error);
+  cudaFree(epoch_word);
+}
+
 // A rank that never takes part: a peer's GEMM waiting on its segments, or a peer's transfer waiting
 // for its announcement, must record the deadline naming it, within seconds.
 void run_moe_deadline(int world_size, int experts, int push_sms = 0) {
@@ -533,6 +673,12 @@ int moe_test_main() {
     run_moe_transfer(world, 2 * world, 0);
     run_moe_transfer(world, world, 4);
   }
+  // moe_gemm_combine's GEMM: W = 1-4, several experts per rank, three tile rows per segment, both
+  // block widths, a K (F) tail inside a k-tile, fp16.
+  run_moe_combine(1, 2, 128, 256, 256, 128);
+  run_moe_combine(2, 4, 128, 256, 512, 256);
+  run_moe_combine(3, 6, 384, 200, 256, 128);
+  run_moe_combine(4, 4, 256, 512, 384, 128, false);
   run_moe_deadline(2, 4);
   run_moe_deadline(3, 3);
   run_moe_deadline(4, 8);

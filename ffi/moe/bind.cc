@@ -1,5 +1,6 @@
 // moe's part of the nanobind module (see bind.h): the FFI targets of moe_dispatch_gemm, its FP8
-// twin and moe_transfer (MOE_DISPATCH_GEMM_TARGET, MOE_DISPATCH_GEMM_FP8_TARGET, MOE_TRANSFER_TARGET),
+// twin, moe_gemm_combine and moe_transfer (MOE_DISPATCH_GEMM_TARGET, MOE_DISPATCH_GEMM_FP8_TARGET,
+// MOE_GEMM_COMBINE_TARGET, MOE_TRANSFER_TARGET),
 // their plans, which Python asks instead of restating the kernels' shape rules, and its communicator
 // hooks.
 #include <string>
@@ -17,6 +18,7 @@ namespace nb = nanobind;
 // Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in moe/handler.cc.
 extern "C" XLA_FFI_Error* MoeDispatchGemm(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* MoeDispatchGemmFp8(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* MoeGemmCombine(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* MoeTransfer(XLA_FFI_CallFrame* call_frame);
 
 namespace entwine::moe {
@@ -30,6 +32,22 @@ DType input_dtype(std::string const& name) {
   return fp8_input_dtype(name);
 }
 
+// A plan as Python reads it: {error: None or the violated rule, e_local, num_blocks, grid,
+// inbox_bytes, flags_per_source, push_grid, sms_needed} (moe_transfer's: no GEMM, num_blocks and
+// grid 0).
+nb::dict plan_dict(MoePlan const& p) {
+  nb::dict d;
+  d["error"] = rule_or_none(p.error);
+  d["e_local"] = p.e_local;
+  d["num_blocks"] = p.num_blocks;
+  d["grid"] = p.grid;
+  d["inbox_bytes"] = p.inbox_bytes;
+  d["flags_per_source"] = p.e_local;
+  d["push_grid"] = p.push_grid;
+  d["sms_needed"] = p.sms_needed;
+  return d;
+}
+
 }  // namespace
 
 void bind(nb::module_& m, FfiTargets& targets) {
@@ -37,10 +55,13 @@ void bind(nb::module_& m, FfiTargets& targets) {
   m.attr("MOE_DISPATCH_GEMM_TARGET") = kTarget;
   constexpr const char* kFp8Target = "entwine_moe_dispatch_gemm_fp8";
   m.attr("MOE_DISPATCH_GEMM_FP8_TARGET") = kFp8Target;
+  constexpr const char* kCombineTarget = "entwine_moe_gemm_combine";
+  m.attr("MOE_GEMM_COMBINE_TARGET") = kCombineTarget;
   constexpr const char* kTransferTarget = "entwine_moe_transfer";
   m.attr("MOE_TRANSFER_TARGET") = kTransferTarget;
   targets.push_back({kTarget, reinterpret_cast<void*>(MoeDispatchGemm), false});
   targets.push_back({kFp8Target, reinterpret_cast<void*>(MoeDispatchGemmFp8), true});
+  targets.push_back({kCombineTarget, reinterpret_cast<void*>(MoeGemmCombine), false});
   targets.push_back({kTransferTarget, reinterpret_cast<void*>(MoeTransfer), false});
   comm::register_op(&kHooks);
   m.def("moe_plan",
@@ -48,37 +69,32 @@ void bind(nb::module_& m, FfiTargets& targets) {
            int raster_rows, int push_sms) {
           MoePlan const p = moe_plan(MoeProblem{world, 0, experts, capacity, k, n, input_dtype(x_dtype)},
                                      MoeConfig{block_n, gemm_sms, raster_rows, push_sms});
-          nb::dict d;
-          d["error"] = rule_or_none(p.error);
-          d["e_local"] = p.e_local;
-          d["num_blocks"] = p.num_blocks;
-          d["grid"] = p.grid;
-          d["inbox_bytes"] = p.inbox_bytes;
-          d["flags_per_source"] = p.e_local;
-          d["push_grid"] = p.push_grid;
-          d["sms_needed"] = p.sms_needed;
-          return d;
+          return plan_dict(p);
         },
         nb::arg("world"), nb::arg("experts"), nb::arg("capacity"), nb::arg("k"), nb::arg("n"), nb::arg("x_dtype"),
         nb::arg("block_n"), nb::arg("gemm_sms"), nb::arg("raster_rows"), nb::arg("push_sms"),
         "moe_dispatch_gemm's plan of one call (ffi/moe/moe.h) of x_send [experts, capacity, k] (x_dtype: bfloat16, "
         "float16, float8_e4m3fn or float8_e5m2) and w [experts/world, k, n]: {error: None or the violated rule, "
         "e_local, num_blocks, grid, inbox_bytes, flags_per_source, push_grid, sms_needed}.");
+  m.def("moe_combine_plan",
+        [](int world, int experts, int capacity, int k, int n, std::string const& x_dtype, int block_n, int gemm_sms,
+           int raster_rows) {
+          MoePlan const p = moe_combine_plan(MoeProblem{world, 0, experts, capacity, k, n, input_dtype(x_dtype)},
+                                             MoeConfig{block_n, gemm_sms, raster_rows, 0});
+          return plan_dict(p);
+        },
+        nb::arg("world"), nb::arg("experts"), nb::arg("capacity"), nb::arg("k"), nb::arg("n"), nb::arg("x_dtype"),
+        nb::arg("block_n"), nb::arg("gemm_sms"), nb::arg("raster_rows"),
+        "moe_gemm_combine's plan (ffi/moe/moe.h) of h [experts/world, world * capacity, k] (bfloat16 or float16) "
+        "and w2 [experts/world, k, n], as moe_plan's.");
   m.def("moe_transfer_plan",
         [](int world, int experts, int capacity, int64_t row_bytes, int push_sms) {
           MoePlan const p = moe_transfer_plan(world, 0, experts, capacity, row_bytes, push_sms);
-          nb::dict d;
-          d["error"] = rule_or_none(p.error);
-          d["e_local"] = p.e_local;
-          d["inbox_bytes"] = p.inbox_bytes;
-          d["flags_per_source"] = p.e_local;
-          d["push_grid"] = p.push_grid;
-          d["sms_needed"] = p.sms_needed;
-          return d;
+          return plan_dict(p);
         },
         nb::arg("world"), nb::arg("experts"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("push_sms"),
-        "moe_transfer's plan (ffi/moe/moe.h) of send [experts, capacity, ...] with row_bytes bytes per row: {error, "
-        "e_local, inbox_bytes, flags_per_source, push_grid, sms_needed}.");
+        "moe_transfer's plan (ffi/moe/moe.h) of send [experts, capacity, ...] with row_bytes bytes per row, as "
+        "moe_plan's (no GEMM).");
 }
 
 }  // namespace entwine::moe

@@ -16,6 +16,7 @@ struct GemmSchedule {
   using Args = GemmArgs;
   static constexpr bool kLocalOperand = true;  // A: the local source's x_send slice, or the inbox
   static constexpr int kMaxGroup = 1;
+  static constexpr bool kStoresToPeers = false;  // the kernel's output is this rank's
 
   struct Params {
     const uint64_t* flags;  // flags[source * e_local + expert] of this rank, parity 0

@@ -42,6 +42,10 @@ const comm::OpHooks kHooks{
         return "entwine moe_dispatch_gemm: " + waited + "for rank " + std::to_string(e.source) +
                " to start the call (before pushing tokens into rank " + std::to_string(e.source) + "'s pool)";
       }
+      if (e.site == kMoeWaitCombineReady) {
+        return "entwine moe_gemm_combine: " + waited + "for rank " + std::to_string(e.source) +
+               " to start the call (before storing its tokens' rows into its inbox)";
+      }
       std::string const op = e.site == kMoeWaitTransfer ? "moe_transfer" : "moe_dispatch_gemm";
       return "entwine " + op + ": " + waited + "for the rows of rank " + std::to_string(e.source) +
              " for local expert " + std::to_string(e.tile);
@@ -146,38 +150,83 @@ ffi::Error problem_of(Operands const& ops, ffi::AnyBuffer const& y, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// A plan and its prepared GEMM, derived once per call site and buffers, then found in a memo keyed
+// by every value it reads.
 struct Derived {
   MoePlan plan;
   PreparedGemm gemm;
 };
 
-// Derived once per call site and buffers, then found in a memo keyed by every value it reads.
-ffi::Error derive(MoeProblem const& problem, DType output, MoeGemmArgs const& args, bool capturing,
-                  MoeConfig const& config, comm::DeviceComm const& dc, Derived const** derived) {
-  static thread_local handler::CallMemo<48, Derived> memo;
-  handler::MemoKey<48> key;
-  for (int64_t v : {int64_t(problem.input), int64_t(output), int64_t(problem.experts), int64_t(problem.capacity),
-                    int64_t(problem.k),
+// The key words both GEMMs' memos share: the problem, capture, the call's strides and deadline, the
+// config; the call's own words (handler::add_call) too.
+template <size_t kWords>
+void add_problem(handler::MemoKey<kWords>& key, MoeProblem const& problem, bool capturing, CallEpoch const& call,
+                 uint64_t timeout_ns, MoeConfig const& config) {
+  for (int64_t v : {int64_t(problem.input), int64_t(problem.experts), int64_t(problem.capacity), int64_t(problem.k),
                     int64_t(problem.n), int64_t(problem.world), int64_t(problem.rank), int64_t(capturing),
-                    args.call.slot_stride, args.call.flags_stride, int64_t(args.timeout_ns)}) {
+                    call.slot_stride, call.flags_stride, int64_t(timeout_ns)}) {
     key.add(uint64_t(v));
   }
 #define ENTWINE_MEMO_FIELD(type, name, value) key.add(uint64_t(config.name));
   ENTWINE_MOE_CONFIG_FIELDS(ENTWINE_MEMO_FIELD)
 #undef ENTWINE_MEMO_FIELD
+  handler::add_call(key, call);
+}
+
+ffi::Error derive(MoeProblem const& problem, DType output, MoeGemmArgs const& args, bool capturing,
+                  MoeConfig const& config, comm::DeviceComm const& dc, Derived const** derived) {
+  static thread_local handler::CallMemo<48, Derived> memo;
+  handler::MemoKey<48> key;
+  add_problem(key, problem, capturing, args.call, args.timeout_ns, config);
+  key.add(uint64_t(output));
   for (const void* p : {args.x_send, args.inbox, args.w, static_cast<const void*>(args.y),
                         static_cast<const void*>(args.flags), static_cast<const void*>(args.error),
                         static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch),
                         static_cast<const void*>(args.x_scales), static_cast<const void*>(args.w_scale)}) {
     key.add(p);
   }
-  handler::add_call(key, args.call);
   *derived = memo.find(key);
   if (*derived != nullptr) return ffi::Error::Success();
   MoeConfig const run = run_config(config, dc);
   Derived fresh{moe_plan(problem, run), {}};
   if (ffi::Error e = check_plan(fresh.plan, problem, run, dc); e.failure()) return e;
   ENTWINE_RETURN_IF_CUDA(kOp, moe::prepare_gemm(problem.input, output, fresh.plan, args, &fresh.gemm));
+  Derived* entry = memo.insert(key);
+  *entry = fresh;
+  *derived = entry;
+  return ffi::Error::Success();
+}
+
+// The combine's plan and prepared GEMM, memoised as derive's.
+ffi::Error derive_combine(MoeProblem const& problem, MoeCombineArgs const& args, bool capturing,
+                          MoeConfig const& config, comm::DeviceComm const& dc, Derived const** derived) {
+  constexpr const char* kCombineOp = "entwine moe_gemm_combine";
+  // Every rank's inbox and flags are in the key: room for 8 ranks' (16 words) beyond derive's.
+  static thread_local handler::CallMemo<72, Derived> memo;
+  handler::MemoKey<72> key;
+  add_problem(key, problem, capturing, args.call, args.timeout_ns, config);
+  for (const void* p : {args.h, args.w, static_cast<const void*>(args.ready), static_cast<const void*>(args.arrivals),
+                        static_cast<const void*>(args.error), static_cast<const void*>(args.error_mirror),
+                        static_cast<const void*>(args.call.epoch)}) {
+    key.add(p);
+  }
+  for (int q = 0; q < dc.world; ++q) {
+    key.add(static_cast<const void*>(args.inbox[q]));
+    key.add(static_cast<const void*>(args.flags[q]));
+  }
+  *derived = memo.find(key);
+  if (*derived != nullptr) return ffi::Error::Success();
+  MoeConfig const run = run_config(config, dc);
+  Derived fresh{moe_combine_plan(problem, run), {}};
+  if (fresh.plan.error != nullptr) {
+    return ffi::Error::InvalidArgument(std::string(kCombineOp) + ": " + fresh.plan.error + " (E=" +
+                                       std::to_string(problem.experts) + ", C=" + std::to_string(problem.capacity) +
+                                       ", F=" + std::to_string(problem.k) + ", H=" + std::to_string(problem.n) +
+                                       ", config " + ENTWINE_CONFIG_STRING(run, ENTWINE_MOE_CONFIG_FIELDS) + ")");
+  }
+  if (ffi::Error e = check_room(kCombineOp, fresh.plan, dc); e.failure()) return e;
+  ENTWINE_RETURN_IF_CUDA(kCombineOp,
+                         moe::combine::prepare_gemm(problem.input, problem.input, fresh.plan, args, &fresh.gemm));
   Derived* entry = memo.insert(key);
   *entry = fresh;
   *derived = entry;
@@ -236,6 +285,20 @@ ffi::Error enqueue_copy_engine_pushes(comm::DeviceComm& dc, MoePlan const& plan,
     ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc.side_done[d - 1], stream));
   }
   return ffi::Error::Success();
+}
+
+// The receiver's wait for every peer's segments of this call (moe_transfer's, the combine's).
+MoeWaitArgs wait_args(comm::DeviceComm const& dc, MoePlan const& plan, CallEpoch const& epoch) {
+  MoeWaitArgs wait{};
+  wait.flags = reinterpret_cast<const uint64_t*>(static_cast<char*>(dc.heap) + dc.layout.flags_offset());
+  wait.e_local = plan.e_local;
+  wait.rank = dc.rank;
+  wait.world = dc.world;
+  wait.error = dc.error_local;
+  wait.error_mirror = dc.error_device;
+  wait.call = epoch;
+  wait.timeout_ns = comm::timeout_ms() * 1000000ull;
+  return wait;
 }
 
 // The receive pool as an output [E_local, W * C, K], on XLA's stream after the GEMM (which acquired
@@ -372,6 +435,80 @@ ffi::Error MoeDispatchGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::
   });
 }
 
+// moe_gemm_combine's GEMM and return: h [E_local, W * C, F] times w2 [E_local, F, H] (16-bit, one
+// dtype) -> o_recv [E, C, H] at every source: the GEMM (XLA's stream) stores each finished block into
+// its source's inbox and releases each segment (moe/combine_schedule.cuh); then this rank waits for
+// every peer's segments of its own rows and copies its inbox out. The inbox is the dispatch's, under
+// the same announcement rule (the GEMM announces the call as it starts; its stores into a source wait
+// for that source's announcement).
+ffi::Error MoeGemmCombineImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer h, ffi::AnyBuffer w2,
+                              ffi::Result<ffi::AnyBuffer> o_recv, int64_t comm_id, int64_t signature,
+                              MoeConfig config) {
+  constexpr const char* kCombineOp = "entwine moe_gemm_combine";
+  return handler::guarded(kCombineOp, [&]() -> ffi::Error {
+    DType input = DType::kBF16;
+    if (ffi::Error e = handler::element_type(kCombineOp, "h", h, &input); e.failure()) return e;
+    if (w2.element_type() != h.element_type() || o_recv->element_type() != h.element_type()) {
+      return ffi::Error::InvalidArgument(std::string(kCombineOp) + ": h, w2 and o_recv must share one dtype");
+    }
+    comm::DeviceComm* dc = nullptr;
+    if (ffi::Error e = handler::usable_comm(kCombineOp, comm_id, device, &dc); e.failure()) return e;
+    handler::ExclusiveDispatch const exclusive(*dc);
+    if (ffi::Error e = exclusive.check(kCombineOp); e.failure()) return e;
+    handler::HostTimer timer{dc};
+    int64_t const world = dc->world;
+    auto hd = h.dimensions(), wd = w2.dimensions(), od = o_recv->dimensions();
+    bool ok = hd.size() == 3 && wd.size() == 3 && od.size() == 3 && hd[1] % world == 0;
+    ok = ok && wd[0] == hd[0] && wd[1] == hd[2] && od[0] == world * hd[0] && od[1] == hd[1] / world && od[2] == wd[2];
+    if (!ok) {
+      return ffi::Error::InvalidArgument(std::string(kCombineOp) +
+                                         ": expected h [E/W, W*C, F], w2 [E/W, F, H] and o_recv [E, C, H]; got h " +
+                                         dims_string(hd) + ", w2 " + dims_string(wd) + ", o_recv " + dims_string(od) +
+                                         " with W = " + std::to_string(world));
+    }
+    MoeProblem const problem{dc->world, dc->rank, int32_t(od[0]), int32_t(od[1]), int32_t(hd[2]), int32_t(wd[2]),
+                             input};
+    bool capturing = false;
+    if (ffi::Error e = handler::is_capturing(kCombineOp, xla_stream, &capturing); e.failure()) return e;
+    DeviceGuard guard;
+    ENTWINE_RETURN_IF_CUDA(kCombineOp, guard.set(device));
+    CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
+    size_t const inbox_offset = dc->layout.region_offset(moe::inbox_region);
+    MoeCombineArgs args{};
+    args.h = h.untyped_data();
+    args.w = w2.untyped_data();
+    for (int q = 0; q < dc->world; ++q) {
+      char* const heap = static_cast<char*>(q == dc->rank ? dc->heap : dc->peer_heap[q]);
+      args.inbox[q] = heap + inbox_offset;
+      args.flags[q] = reinterpret_cast<uint64_t*>(heap + dc->layout.flags_offset());
+    }
+    char* const own = static_cast<char*>(dc->heap);
+    args.ready = reinterpret_cast<const uint64_t*>(own + dc->layout.ready_offset());
+    args.arrivals = static_cast<uint32_t*>(dc->workspace(&moe::kHooks));
+    args.error = dc->error_local;
+    args.error_mirror = dc->error_device;
+    args.call = epoch_args;
+    args.timeout_ns = comm::timeout_ms() * 1000000ull;
+    Derived const* derived = nullptr;
+    if (ffi::Error e = derive_combine(problem, args, capturing, config, *dc, &derived); e.failure()) return e;
+    MoePlan const& plan = derived->plan;
+    timer.lap(comm::kPhaseChecks);
+    timer.lap(comm::kPhaseFork);
+    ENTWINE_RETURN_IF_CUDA(kCombineOp, derived->gemm.enqueue(xla_stream));
+    // This rank's rows from every peer (its own segments are the GEMM's, complete in stream order).
+    ENTWINE_RETURN_IF_CUDA(kCombineOp, moe::launch_wait_segments(wait_args(*dc, plan, epoch_args), xla_stream));
+    ENTWINE_RETURN_IF_CUDA(kCombineOp, cudaMemcpyAsync(o_recv->untyped_data(), own + inbox_offset, plan.inbox_bytes,
+                                                       cudaMemcpyDeviceToDevice, xla_stream));
+    timer.lap(comm::kPhaseLaunch);
+    timer.lap(comm::kPhaseJoin);
+    comm::CallEnd end = handler::call_end(*dc, epoch_args);
+    end.add_output(o_recv->untyped_data(), int64_t(o_recv->size_bytes()));
+    ENTWINE_RETURN_IF_CUDA(kCombineOp, comm::launch_end_call(end, xla_stream));
+    timer.lap(comm::kPhaseEnd);
+    return ffi::Error::Success();
+  });
+}
+
 // moe_transfer: send [E, C, ...] (rank d's rows of expert e at d * E_local + e) -> recv [E_local,
 // W * C, ...] (every source's rows of this rank's expert e, source-major), any dtype: the pushes as in
 // moe_dispatch_gemm, then on XLA's stream the wait for every peer's segments and the copies of recv.
@@ -414,16 +551,7 @@ ffi::Error MoeTransferImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuff
     } else if (ffi::Error e = enqueue_copy_engine_pushes(*dc, plan, send.untyped_data(), epoch_args); e.failure()) {
       return e;
     }
-    MoeWaitArgs wait{};
-    wait.flags = reinterpret_cast<const uint64_t*>(static_cast<char*>(dc->heap) + dc->layout.flags_offset());
-    wait.e_local = plan.e_local;
-    wait.rank = dc->rank;
-    wait.world = dc->world;
-    wait.error = dc->error_local;
-    wait.error_mirror = dc->error_device;
-    wait.call = epoch_args;
-    wait.timeout_ns = comm::timeout_ms() * 1000000ull;
-    ENTWINE_RETURN_IF_CUDA(kTransferOp, moe::launch_wait_segments(wait, xla_stream));
+    ENTWINE_RETURN_IF_CUDA(kTransferOp, moe::launch_wait_segments(wait_args(*dc, plan, epoch_args), xla_stream));
     if (ffi::Error e = copy_pool(*dc, plan, send.untyped_data(), *recv, xla_stream); e.failure()) return e;
     timer.lap(comm::kPhaseLaunch);
     for (int d = 1; !sm_push && d < dc->world; ++d) {
@@ -469,6 +597,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchGemmFp8, entwine::MoeDispatchGemmFp8Imp
                                   .Arg<ffi::AnyBuffer>()                     // w_scale: f32 [] or [1]
                                   .Ret<ffi::AnyBuffer>()                     // y [E_local, W * C, N]: bf16 or f16
                                   .Ret<ffi::AnyBuffer>()                     // pool [E_local, W * C, K] (or empty)
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
+                                  .Attr<entwine::MoeConfig>("config"),       // config
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGemmCombine, entwine::MoeGemmCombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // h [E_local, W * C, F]
+                                  .Arg<ffi::AnyBuffer>()                     // w2 [E_local, F, H]
+                                  .Ret<ffi::AnyBuffer>()                     // o_recv [E, C, H]
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("signature")                // what the call is (stamps)
                                   .Attr<entwine::MoeConfig>("config"),       // config

@@ -134,6 +134,7 @@ constexpr int32_t kMoeWaitSiteBase = 3 * kWaitSitesPerOp;
 constexpr int32_t kMoeWaitSegment = kMoeWaitSiteBase + 0;     // the GEMM: a source's rows of an expert
 constexpr int32_t kMoeWaitInboxReady = kMoeWaitSiteBase + 1;  // a transfer: the receiver has not started the call
 constexpr int32_t kMoeWaitTransfer = kMoeWaitSiteBase + 2;    // moe_transfer's receiver: a source's rows of an expert
+constexpr int32_t kMoeWaitCombineReady = kMoeWaitSiteBase + 3;  // the combine GEMM: a source has not started the call
 
 // moe_transfer's receiver: one kernel on XLA's stream announces the call, then waits for every
 // peer's segments (a warp per segment at a time), so that the copies of recv after it read them.
@@ -145,6 +146,25 @@ struct MoeWaitArgs {
   CallEpoch call;
   uint64_t timeout_ns;
 };
+
+// moe_gemm_combine's GEMM (moe/combine_schedule.cuh): o[e] = h[e] @ w2[e] for this rank's experts,
+// h [E_local, world * C, k] (every source's rows, source-major), w2 [E_local, k, n] (16-bit), each
+// block stored into its source's inbox, o_recv [experts, C, n], at the rows of expert rank * E_local +
+// e; the segment's flag (word rank * E_local + e of the source's flags) once its last block landed.
+// MoeProblem: experts, capacity C, k = F, n = H (the plan: moe_combine_plan).
+struct MoeCombineArgs {
+  const void* h;               // [E_local, world * C, k]
+  const void* w;               // [E_local, k, n]
+  char* inbox[kMaxWorld];      // every rank's inbox, this rank's included
+  uint64_t* flags[kMaxWorld];  // every rank's flags of parity 0 (the release adds the parity)
+  const uint64_t* ready;       // ready[0 .. world) in this rank's heap: the sources' announcements
+  uint32_t* arrivals;          // kMoePushCounters counters, zero between calls (the op's workspace)
+  DeviceError* error;
+  DeviceError* error_mirror;
+  CallEpoch call;
+  uint64_t timeout_ns;
+};
+MoePlan moe_combine_plan(const MoeProblem& problem, const MoeConfig& config);
 
 namespace comm {
 struct OpHooks;
@@ -178,6 +198,15 @@ cudaError_t prepare_gemms();
 
 // Loads every kernel module of the op on the current device (once per device at setup).
 cudaError_t prepare_kernels();
+
+// The combine's GEMM (moe/combine_schedule.cuh), from the kernel table's "moe.combine" rows.
+namespace combine {
+using GemmPlan = MoePlan;
+using GemmArgs = MoeCombineArgs;
+cudaError_t launch_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
+cudaError_t prepare_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
+cudaError_t prepare_gemms();
+}  // namespace combine
 
 }  // namespace moe
 

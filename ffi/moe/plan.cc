@@ -51,6 +51,48 @@ MoePlan moe_transfer_plan(int32_t world, int32_t rank, int32_t experts, int32_t 
   return plan;
 }
 
+namespace {
+
+// The rules and the GEMM's geometry both GEMMs share (the dispatch's over the pool, the combine's
+// over h): every block's rows lie in one (source, expert) segment of C rows, a multiple of 128. Sets
+// the plan's GEMM fields; returns the violated rule, or nullptr.
+const char* plan_gemm(const MoeProblem& p, const MoeConfig& c, MoePlan* plan) {
+  if (p.world < 1 || p.world > kMaxWorld) return "world size must be in [1, 8]";
+  if (p.rank < 0 || p.rank >= p.world) return "rank must be in [0, world)";
+  if (c.block_n != 128 && c.block_n != 256) return "config.block_n must be 128 or 256";
+  // Every GEMM CTA may wait (a segment, or a source's announcement) holding its SM: the grid is
+  // persistent, and the caller checks that plan.sms_needed fits the GPU.
+  if (c.gemm_sms < 1) return "config.gemm_sms must be >= 1";
+  if (c.raster_rows < 1) return "config.raster_rows must be >= 1";
+  if (p.experts < 1 || p.experts % p.world != 0) return "experts must be a positive multiple of world";
+  if (p.capacity <= 0 || p.k <= 0 || p.n <= 0) return "capacity, K and N must be positive";
+  // One flag (or one destination) per block: a block never straddles two sources' rows.
+  if (p.capacity % kBlockM != 0) return "capacity % 128 == 0 (a GEMM block must not straddle two sources' rows)";
+  if (p.k % align_k(p.input) != 0) return "K must make 16-byte rows (K % 8 == 0 for 16-bit inputs, % 16 for FP8; TMA)";
+  // The store warp writes whole blocks at the output's row pitch n.
+  if (p.n % c.block_n != 0) return "N must be a multiple of config.block_n";
+  plan->e_local = p.experts / p.world;
+  // int32 coordinates in the kernels (rows of one expert's A, w's rows and columns).
+  if (int64_t(p.world) * p.capacity >= (int64_t(1) << 31) || int64_t(p.experts) * p.capacity >= (int64_t(1) << 31)) {
+    return "world * capacity (or experts * capacity) is 2^31 rows or more";
+  }
+  plan->seg_tiles = p.capacity / kBlockM;
+  plan->n_blocks = int32_t(p.n / c.block_n);
+  plan->k_tiles = (p.k + block_k(p.input) - 1) / block_k(p.input);
+  int64_t const blocks = int64_t(plan->e_local) * p.world * plan->seg_tiles * plan->n_blocks;
+  if (blocks >= (int64_t(1) << 31)) return "the GEMM has 2^31 blocks or more";
+  plan->num_blocks = int32_t(blocks);
+  plan->grid = c.gemm_sms < plan->num_blocks ? int32_t(c.gemm_sms) : plan->num_blocks;
+  plan->flags = int64_t(p.world) * plan->e_local;
+  plan->order = TileOrder{plan->seg_tiles, plan->n_blocks,
+                          c.raster_rows < plan->seg_tiles ? int32_t(c.raster_rows) : plan->seg_tiles};
+  plan->schedule = WorkSchedule{plan->num_blocks, plan->grid, plan->k_tiles, plan->num_blocks};
+  plan->scaling = Scaling::kTensor;
+  return nullptr;
+}
+
+}  // namespace
+
 MoePlan moe_plan(const MoeProblem& p, const MoeConfig& c) {
   MoePlan plan{};
   plan.config = c;
@@ -59,47 +101,37 @@ MoePlan moe_plan(const MoeProblem& p, const MoeConfig& c) {
     plan.error = rule;
     return plan;
   };
-  if (p.world < 1 || p.world > kMaxWorld) return fail("world size must be in [1, 8]");
-  if (p.rank < 0 || p.rank >= p.world) return fail("rank must be in [0, world)");
-  if (c.block_n != 128 && c.block_n != 256) return fail("config.block_n must be 128 or 256");
-  // Every GEMM CTA may wait for a segment whose release kernel then needs an SM: the grid is
-  // persistent, and the caller checks that plan.sms_needed fits the GPU.
-  if (c.gemm_sms < 1) return fail("config.gemm_sms must be >= 1");
-  if (c.raster_rows < 1) return fail("config.raster_rows must be >= 1");
   if (c.push_sms < 0 || c.push_sms > 64) return fail("config.push_sms must be in [0, 64]");
   if (is_fp8(p.input) && c.block_n != kFp8BlockN) return fail("FP8 operands run 128-wide blocks: config.block_n = 128");
-  if (p.experts < 1 || p.experts % p.world != 0) return fail("experts must be a positive multiple of world");
-  if (p.capacity <= 0 || p.k <= 0 || p.n <= 0) return fail("capacity, K and N must be positive");
-  // A block's rows must come from one source's segment of one expert: one flag per block, and a
-  // block never mixes a peer's rows with the local rows read in place.
-  if (p.capacity % kBlockM != 0) return fail("capacity % 128 == 0 (a GEMM block must not straddle two sources' rows)");
-  if (p.k % align_k(p.input) != 0) return fail("K must make 16-byte rows (K % 8 == 0 for 16-bit inputs, % 16 for FP8; TMA)");
-  // The store warp writes whole blocks at y's row pitch n.
-  if (p.n % c.block_n != 0) return fail("N must be a multiple of config.block_n");
-  plan.e_local = p.experts / p.world;
-  int64_t const rows = int64_t(p.world) * p.capacity;  // A's rows per expert
-  // int32 coordinates in the kernels (rows of one expert's A, w's rows and columns).
-  if (rows >= (int64_t(1) << 31) || int64_t(p.experts) * p.capacity >= (int64_t(1) << 31)) {
-    return fail("world * capacity (or experts * capacity) is 2^31 rows or more");
-  }
-  plan.seg_tiles = p.capacity / kBlockM;
-  plan.n_blocks = int32_t(p.n / c.block_n);
-  plan.k_tiles = (p.k + block_k(p.input) - 1) / block_k(p.input);
-  int64_t const blocks = int64_t(plan.e_local) * p.world * plan.seg_tiles * plan.n_blocks;
-  if (blocks >= (int64_t(1) << 31)) return fail("the GEMM has 2^31 blocks or more");
-  plan.num_blocks = int32_t(blocks);
-  plan.grid = c.gemm_sms < plan.num_blocks ? int32_t(c.gemm_sms) : plan.num_blocks;
+  if (const char* rule = plan_gemm(p, c, &plan)) return fail(rule);
   plan.slice_bytes = int64_t(p.capacity) * p.k * element_bytes(p.input);
   plan.inbox_bytes = int64_t(plan.e_local) * p.world * plan.slice_bytes;
-  plan.flags = int64_t(p.world) * plan.e_local;
   if (const char* rule = plan_push(p.world, c.push_sms, &plan)) return fail(rule);
   // Every GEMM CTA may wait for a segment that only a running push CTA (or, on the copy engines, a
   // one-warp release kernel) releases: they all must be resident at once.
   plan.sms_needed = plan.grid + (plan.push_grid > 0 ? plan.push_grid : 1);
-  plan.order = TileOrder{plan.seg_tiles, plan.n_blocks,
-                         c.raster_rows < plan.seg_tiles ? int32_t(c.raster_rows) : plan.seg_tiles};
-  plan.schedule = WorkSchedule{plan.num_blocks, plan.grid, plan.k_tiles, plan.num_blocks};
-  plan.scaling = Scaling::kTensor;
+  return plan;
+}
+
+MoePlan moe_combine_plan(const MoeProblem& p, const MoeConfig& c) {
+  MoePlan plan{};
+  plan.config = c;
+  plan.shape = p;
+  auto fail = [&](const char* rule) {
+    plan.error = rule;
+    return plan;
+  };
+  if (is_fp8(p.input)) return fail("the combine's GEMM takes 16-bit operands");
+  if (const char* rule = plan_gemm(p, c, &plan)) return fail(rule);
+  if (int64_t(plan.e_local) * p.world > kMoePushCounters) {
+    return fail("the combine counts arrivals per (local expert, source): E_local * world <= 1024");
+  }
+  // One segment of the output, and o_recv [E, C, H] at every source.
+  plan.slice_bytes = int64_t(p.capacity) * p.n * element_bytes(p.input);
+  plan.inbox_bytes = int64_t(p.experts) * plan.slice_bytes;
+  // The GEMM's store warps wait for sources' announcements, which their own GEMMs make as they
+  // start; the receiver's wait kernel follows the GEMM on its stream.
+  plan.sms_needed = plan.grid;
   return plan;
 }
 
@@ -107,6 +139,7 @@ namespace moe {
 
 cudaError_t prepare_kernels() {
   cudaError_t err = prepare_gemms();
+  if (err == cudaSuccess) err = combine::prepare_gemms();
   return err != cudaSuccess ? err : prepare_transfer_kernels();
 }
 

@@ -1,0 +1,182 @@
+// moe_gemm_combine's schedule of the shared GEMM (gemm/gemm_kernel.cuh): o[e] = h[e] @ w2[e] for
+// this rank's experts (CUTLASS's L mode, as the dispatch's), each finished block stored by the store
+// warp straight into its source rank's inbox, at the rows of expert rank * E_local + e, and each
+// (expert, source) segment released by one flag in that source's memory once its last block landed.
+// The peers' segments come first (from rank + 1), the local ones last: remote ranks wait for theirs.
+//
+//   rank r, h [E_local, W*C, F]                 source s's inbox, o_recv [E, C, H]
+//   expert e: | s=0: C rows | s=1: C rows | ..   ---->  rows (r*E_local + e)*C .. + C
+//
+// Pitfalls: a block's stores go to a peer only after that peer announced the call (its inbox is
+// free: it finished reading its last call's); every block of a segment arrives at the segment's
+// counter, even after a failed wait (the stores land anyway, the outputs are poisoned), or the
+// counters stop returning to zero.
+#pragma once
+
+#include "comm/flag.cuh"
+#include "comm/wait.cuh"
+#include "gemm/gemm_kernel.cuh"
+#include "moe/moe.h"
+
+namespace entwine::moe::combine {
+
+struct GemmSchedule {
+  using Plan = GemmPlan;
+  using Args = GemmArgs;
+  static constexpr bool kLocalOperand = false;  // A is h alone
+  static constexpr int kMaxGroup = 1;
+  static constexpr bool kStoresToPeers = true;  // each block goes to its source's inbox
+
+  struct Params {
+    char* inbox[kMaxWorld];      // every rank's inbox (this rank's too): o_recv [E, C, H]
+    uint64_t* flags[kMaxWorld];  // every rank's flags, parity 0: word source * E_local + expert
+    const uint64_t* ready;       // this rank's ready words: ready[s] = rank s's announcement
+    uint32_t* arrivals;          // one counter per (local expert, source), zero between calls
+    int world, rank, e_local, capacity, n;
+    int seg_tiles, blocks_per_segment, k_tiles;
+    DeviceError* error;
+    DeviceError* error_mirror;
+    uint64_t timeout_ns;
+  };
+
+  // Position p -> (segment, tile row inside it, block column). Segment (expert e, source s), owner
+  // e * world + s; sources from rank + 1 round to rank (the local segments last), experts inside.
+  static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order) {
+    int const per_seg = op.blocks_per_segment, per_source = op.e_local * per_seg;
+    int const d = p / per_source, expert = (p % per_source) / per_seg;
+    int const source = (op.rank + 1 + d) % op.world;
+    BlockCoord c{expert * op.world + source, 0, 0};
+    order.block(p % per_seg, c.tile_m, c.n_block);
+    return c;
+  }
+
+  // Announce the call to every peer first: their stores into this rank's inbox wait for it. This
+  // kernel starts after this rank's earlier calls completed (stream order), their reads of the inbox
+  // included.
+  template <class Kernel>
+  static __device__ void start(typename Kernel::Params const& params) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) wait::announce(params.call);
+  }
+
+  // The TMA warp: A is batch `expert` of h at tile row source * seg_tiles + tile (all local: no
+  // wait), B batch `expert` of w2.
+  template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
+  static __device__ void load(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
+                              State& write_state, Inputs const& load_inputs, Inputs const&, Storage& smem) {
+    Params const& op = params.op;
+    int const lane = cutlass::canonical_lane_idx();
+    auto k_shape = cute::shape<3>(cute::get<0>(load_inputs));
+    typename Kernel::WorkIter work(params);
+    for (typename Kernel::Unit u; work.next(u);) {
+      BlockCoord const c = block_coord(u.p, op, params.order);
+      int const expert = c.owner / op.world, source = c.owner % op.world;
+      auto k_iter = cute::make_coord_iterator(cute::idx2crd(0, k_shape), k_shape);
+      mainloop.load(params.mainloop, pipeline, write_state, load_inputs,
+                    cute::make_coord(source * op.seg_tiles + c.tile_m, c.n_block, cute::_, expert), k_iter,
+                    op.k_tiles, lane, 0u, smem);
+      write_state.advance(op.k_tiles);
+    }
+    mainloop.load_tail(pipeline, write_state);
+  }
+
+  // 16-bit operands only (the plan refuses FP8): no scales.
+  template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
+  static __device__ void load_scales(typename Kernel::Params const&, Mainloop&, Pipeline&, State&, Inputs const&,
+                                     Inputs const&, Storage&) {}
+
+  template <class Kernel>
+  static __device__ float alpha(typename Kernel::Params const&, BlockCoord const&) {
+    return 1.0f;
+  }
+
+  // Block c's rows in its source's inbox (pitch n), once that source announced the call (lane 0 of
+  // the store warp; a repeated poll of an announced source passes at its first load). A failed wait
+  // is recorded and the rows are stored anyway (see the pitfalls above).
+  template <class Kernel>
+  static __device__ typename Kernel::Element* destination(typename Kernel::Params const& params, BlockCoord const& c,
+                                                          uint64_t epoch, int64_t* ld) {
+    Params const& op = params.op;
+    int const expert = c.owner / op.world, source = c.owner % op.world;
+    if (source != op.rank) {
+      wait::poll_flag(op.ready + source, epoch, params.call, op.timeout_ns, op.error, op.error_mirror, op.rank, source,
+                      0, kMoeWaitCombineReady, 64);
+    }
+    *ld = op.n;
+    int64_t const row = (int64_t(op.rank) * op.e_local + expert) * op.capacity + int64_t(c.tile_m) * Kernel::BLOCK_M;
+    return reinterpret_cast<typename Kernel::Element*>(op.inbox[source]) + row * op.n +
+           int64_t(c.n_block) * Kernel::BLOCK_N;
+  }
+
+  // After block c's stores completed: count it at its segment; the segment's last block releases
+  // the segment's flag in the source's memory (one system fence orders every block's stores, each
+  // made visible by its own CTA's fence before its arrival, before the flag) and zeroes the counter.
+  template <class Kernel>
+  static __device__ void release(typename Kernel::Params const& params, BlockCoord const& c, uint64_t epoch,
+                                 int64_t) {
+    Params const& op = params.op;
+    int const expert = c.owner / op.world, source = c.owner % op.world;
+    ptx::fence_proxy_async_global();
+    ptx::fence_acq_rel_sys();
+    uint32_t* const counter = op.arrivals + expert * op.world + source;
+    if (atomicAdd(counter, 1u) == uint32_t(op.blocks_per_segment - 1)) {
+      *counter = 0;
+      ptx::fence_acq_rel_sys();
+      flag::store(op.flags[source] + int64_t(op.rank) * op.e_local + expert, params.call, epoch);
+    }
+  }
+
+  template <class Kernel>
+  static __device__ void finish(typename Kernel::Params const&, int) {}
+
+  // A = h as E_local batches of [world * C, F] (batch stride world * C * F); B = w2 as E_local batches
+  // of [F, H] (pitch H, batch stride F * H). The output pointer is unused: destination() places blocks.
+  template <class Kernel>
+  static typename Kernel::Params make_params(Plan const& plan, Args const& args) {
+    static_assert(!Kernel::kFp8, "moe_gemm_combine: 16-bit operands only (moe_combine_plan)");
+    using Element = typename Kernel::Element;
+    using ElementA = typename Kernel::ElementA;
+    using ElementB = typename Kernel::ElementB;
+    MoeProblem const& pr = plan.shape;
+    int64_t const rows = int64_t(pr.world) * pr.capacity;
+    typename Kernel::Params p{};
+    p.n = pr.n;
+    p.k = pr.k;
+    p.m = int32_t(rows);
+    p.l = plan.e_local;
+    p.m_local = p.m;
+    p.l_local = p.l;
+    p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, static_cast<ElementA const*>(args.h), rows * pr.k,
+                                         static_cast<ElementB const*>(args.w), pr.n, int64_t(pr.k) * pr.n);
+    p.mainloop_local = p.mainloop;
+    p.world = pr.world;
+    p.rank = pr.rank;
+    p.part_row_step = 0;
+    p.part_col_step = 0;
+    p.order = plan.order;
+    p.schedule = plan.schedule;
+    p.split_workspace = nullptr;
+    p.out = static_cast<Element*>(static_cast<void*>(args.inbox[pr.rank]));
+    p.call = args.call;
+    p.call.slot_stride = 0;
+    for (int q = 0; q < kMaxWorld; ++q) {
+      p.op.inbox[q] = args.inbox[q];
+      p.op.flags[q] = args.flags[q];
+    }
+    p.op.ready = args.ready;
+    p.op.arrivals = args.arrivals;
+    p.op.world = pr.world;
+    p.op.rank = pr.rank;
+    p.op.e_local = plan.e_local;
+    p.op.capacity = pr.capacity;
+    p.op.n = pr.n;
+    p.op.seg_tiles = plan.seg_tiles;
+    p.op.blocks_per_segment = plan.seg_tiles * plan.n_blocks;
+    p.op.k_tiles = plan.k_tiles;
+    p.op.error = args.error;
+    p.op.error_mirror = args.error_mirror;
+    p.op.timeout_ns = args.timeout_ns;
+    return p;
+  }
+};
+
+}  // namespace entwine::moe::combine
