@@ -181,6 +181,7 @@ def _combine_bwd(plan, call, res, dout):
     d8, d_scale = _cotangent(dout, gs, call)
     shared = fp8.shared_over(d_scale, dout, plan.axis_name)  # e.g. 1 for a bf16 backward
     d_src = source_scales(d_scale, plan, shared, DISPATCH)
+    d_rows = _rows_of_sources(d_src, plan.axis_size * plan.capacity)
     send = op.send_rows(d8, handle, plan)
     if call.fp8_grads:
         # The FP8 dispatch (kernel) of e5m2 rows times w2^T: w2 [E_local, F, H] is that GEMM's w_t.
@@ -188,8 +189,7 @@ def _combine_bwd(plan, call, res, dout):
         g = g.astype(F32)
     else:
         pool8 = op.to_experts(send, plan, DISPATCH)
-        g = _scaled_expert_dot(pool8, _rows_of_sources(d_src, pool8.shape[1]), jnp.swapaxes(w8, 1, 2), ws)
-    d_rows = _rows_of_sources(d_src, pool8.shape[1])
+        g = _scaled_expert_dot(pool8, d_rows, jnp.swapaxes(w8, 1, 2), ws)
     # The router weights travel beside the rows (a dispatch's transfer): [E, C] -> [E_local, W*C, 1].
     w_send = reference.to_segments(weights.astype(F32), handle, num_experts=plan.num_experts, capacity=plan.capacity)
     w_pool = op.to_experts(w_send, plan, DISPATCH)[..., None]

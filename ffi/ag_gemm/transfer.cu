@@ -13,6 +13,7 @@
 #include "ag_gemm/ag_gemm.h"
 #include "comm/flag.cuh"
 #include "comm/ptx.cuh"
+#include "comm/push.cuh"
 #include "comm/wait.cuh"
 
 namespace entwine {
@@ -36,9 +37,6 @@ __global__ void __launch_bounds__(32) release_chunk(uint64_t* flag, CallEpoch ca
   }
 }
 
-// Vectors each thread keeps in flight: the loads of a batch are issued before its stores.
-constexpr int kPushUnroll = 4;
-
 // The CTAs form min(W-1, grid) groups, group g serving the peers rank + d with (d - 1) % groups == g,
 // so that every link carries a push from the start. A group's CTAs copy their shares of each (chunk,
 // peer) unit, chunk-major, so that chunk c reaches the group's peers before chunk c + 1 goes anywhere
@@ -59,27 +57,17 @@ __global__ void __launch_bounds__(kPushThreads) push_shard(PushArgs a) {
   if (blockIdx.x == 0 && threadIdx.x == 0) wait::announce(a.call);
   ptx::launch_dependents();
   uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
-  int const peers = a.world - 1, grid = int(gridDim.x);
-  int const groups = peers < grid ? peers : grid, group = int(blockIdx.x) % groups;
-  int const members = grid / groups + (group < grid % groups ? 1 : 0), member = int(blockIdx.x) / groups;
-  // Warp d - 1 waits for the announcement of peer rank + d, if that peer is the group's: its inbox
-  // is free for this call.
-  int const warp = threadIdx.x / 32;
-  if (warp < peers && warp % groups == group) {
-    int const peer = (a.rank + 1 + warp) % a.world;
-    bool const ok = wait::wait_flag_warp(a.ready + peer, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank,
-                                         peer, 0, kWaitInboxReady);
-    if (threadIdx.x % 32 == 0) peer_ok[peer] = ok;
-  }
-  __syncthreads();
+  push::Group const g = push::group_of(a.world);
+  push::wait_destinations(g, peer_ok, a.ready, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, a.world,
+                          kWaitInboxReady);
 
   int64_t const chunk_vectors = a.shard_bytes / a.chunks / 16;
-  int64_t const stride = int64_t(members) * kPushThreads;
+  int64_t const stride = int64_t(g.members) * kPushThreads;
   auto const* shard = static_cast<const uint4*>(a.shard);
   for (int chunk = 0; chunk < a.chunks; ++chunk) {
-    for (int d = 1 + group; d <= peers; d += groups) {
+    for (int d = 1 + g.group; d <= g.peers; d += g.groups) {
       int const peer = (a.rank + d) % a.world;
-      if (peer_ok[peer] && chunk == 0 && member == 0 && a.scale != nullptr) {
+      if (peer_ok[peer] && chunk == 0 && g.member == 0 && a.scale != nullptr) {
         // The FP8 shard's scale, before this CTA's fenced arrival at chunk 0 (the barrier below
         // orders every thread's stores before thread 0's fence): every release of a chunk to this
         // peer reads an arrival chain that follows it, so each publishes the scale. Block-scaled:
@@ -100,27 +88,14 @@ __global__ void __launch_bounds__(kPushThreads) push_shard(PushArgs a) {
         }
       }
       if (peer_ok[peer]) {
-        uint4 const* from = shard + chunk * chunk_vectors;
         uint4* to = reinterpret_cast<uint4*>(a.inbox[peer] + a.rank * a.shard_bytes) + chunk * chunk_vectors;
-        int64_t i = int64_t(member) * kPushThreads + threadIdx.x;
-        for (; i + (kPushUnroll - 1) * stride < chunk_vectors; i += kPushUnroll * stride) {
-          uint4 v[kPushUnroll];
-#pragma unroll
-          for (int j = 0; j < kPushUnroll; ++j) v[j] = __ldg(from + i + j * stride);
-#pragma unroll
-          for (int j = 0; j < kPushUnroll; ++j) to[i + j * stride] = v[j];
-        }
-        for (; i < chunk_vectors; i += stride) to[i] = __ldg(from + i);
+        push::copy_vectors(shard + chunk * chunk_vectors, to, chunk_vectors, int64_t(g.member) * kPushThreads + threadIdx.x,
+                           stride);
       }
       __syncthreads();
       if (threadIdx.x == 0) {
-        uint32_t* const arrivals = a.arrivals + chunk * peers + (d - 1);
-        ptx::fence_acq_rel_sys();
-        if (atomicAdd(arrivals, 1u) == uint32_t(members - 1)) {
-          *arrivals = 0;
-          ptx::fence_acq_rel_sys();
-          if (peer_ok[peer]) flag::store(a.flags[peer] + a.rank * a.chunks + chunk, a.call, epoch);
-        }
+        push::arrive(a.arrivals + chunk * g.peers + (d - 1), g.members, a.flags[peer] + a.rank * a.chunks + chunk,
+                     peer_ok[peer], a.call, epoch);
       }
     }
   }

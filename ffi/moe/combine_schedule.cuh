@@ -13,7 +13,7 @@
 // counters stop returning to zero.
 #pragma once
 
-#include "comm/flag.cuh"
+#include "comm/push.cuh"
 #include "comm/wait.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "moe/moe.h"
@@ -116,13 +116,8 @@ struct GemmSchedule {
     Params const& op = params.op;
     int const expert = c.owner / op.world, source = c.owner % op.world;
     ptx::fence_proxy_async_global();
-    ptx::fence_acq_rel_sys();
-    uint32_t* const counter = op.arrivals + expert * op.world + source;
-    if (atomicAdd(counter, 1u) == uint32_t(op.blocks_per_segment - 1)) {
-      *counter = 0;
-      ptx::fence_acq_rel_sys();
-      flag::store(op.flags[source] + int64_t(op.rank) * op.e_local + expert, params.call, epoch);
-    }
+    push::arrive(op.arrivals + expert * op.world + source, op.blocks_per_segment,
+                 op.flags[source] + int64_t(op.rank) * op.e_local + expert, true, params.call, epoch);
   }
 
   template <class Kernel>

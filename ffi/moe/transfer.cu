@@ -6,6 +6,7 @@
 // the reason ag_gemm's transfers give (a stream write could be seen before the copy's data).
 #include "comm/flag.cuh"
 #include "comm/ptx.cuh"
+#include "comm/push.cuh"
 #include "comm/wait.cuh"
 #include "moe/moe.h"
 
@@ -53,21 +54,13 @@ __global__ void __launch_bounds__(kWaitThreads) wait_segments(MoeWaitArgs a) {
   }
 }
 
-// Vectors each thread keeps in flight: the loads of a batch are issued before its stores.
-constexpr int kPushUnroll = 4;
-
-// The SM push. The CTAs form min(W-1, grid) groups, group g serving the destinations rank + d with
-// (d - 1) % groups == g, so that every link carries a push from the start. A group's CTAs copy their
-// shares of each (expert, destination) segment, expert-major, so that expert e's segments reach the
-// group's destinations before expert e + 1's go anywhere (the receivers' GEMMs take the peers'
-// segments expert by expert), then count themselves done with the segment; the last to arrive
-// releases it. Release across CTAs: each CTA's stores, its barrier, its thread 0's system fence and
-// relaxed arrival; the last arrival reads every earlier one (one RMW chain), fences and stores the
-// flag, so every CTA's stores are visible to a reader that acquired the flag. The last CTA also
-// zeroes the counter for the next call, which starts after this kernel ends (stream order).
-// Pitfalls: every CTA of a group arrives at every segment of the group, even with nothing to copy
-// or after a failed wait, or the counters stop returning to zero; no flag of a destination whose
-// announcement never came is written.
+// The SM push, ag_gemm's (ag_gemm/transfer.cu, push_shard: the groups, the release across CTAs;
+// comm/push.cuh) with segments for chunks: a group's CTAs copy their shares of each (expert,
+// destination) segment, expert-major, so that expert e's segments reach the group's destinations
+// before expert e + 1's go anywhere (the receivers' GEMMs take the peers' segments expert by expert),
+// then arrive at the segment; the last to arrive releases it. Pitfalls: every CTA of a group
+// arrives at every segment of the group, even with nothing to copy or after a failed wait, or the
+// counters stop returning to zero; no flag of a destination whose announcement never came is written.
 __global__ void __launch_bounds__(kMoePushThreads) push_segments(MoePushArgs a) {
   __shared__ int dest_ok[kMaxWorld];
   // The GEMM, launched after this grid as its programmatic dependent, may start once every CTA of
@@ -76,49 +69,26 @@ __global__ void __launch_bounds__(kMoePushThreads) push_segments(MoePushArgs a) 
   if (blockIdx.x == 0 && threadIdx.x == 0) wait::announce(a.call);
   ptx::launch_dependents();
   uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
-  int const peers = a.world - 1, grid = int(gridDim.x);
-  int const groups = peers < grid ? peers : grid, group = int(blockIdx.x) % groups;
-  int const members = grid / groups + (group < grid % groups ? 1 : 0), member = int(blockIdx.x) / groups;
-  // Warp d - 1 waits for the announcement of destination rank + d, if it is the group's: its inbox
-  // is free for this call.
-  int const warp = threadIdx.x / 32;
-  if (warp < peers && warp % groups == group) {
-    int const dest = (a.rank + 1 + warp) % a.world;
-    bool const ok = wait::wait_flag_warp(a.ready + dest, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank,
-                                         dest, 0, kMoeWaitInboxReady);
-    if (threadIdx.x % 32 == 0) dest_ok[dest] = ok;
-  }
-  __syncthreads();
+  push::Group const g = push::group_of(a.world);
+  push::wait_destinations(g, dest_ok, a.ready, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, a.world,
+                          kMoeWaitInboxReady);
 
   int64_t const vectors = a.slice_bytes / 16;
-  int64_t const stride = int64_t(members) * kMoePushThreads;
+  int64_t const stride = int64_t(g.members) * kMoePushThreads;
   for (int e = 0; e < a.e_local; ++e) {
-    for (int d = 1 + group; d <= peers; d += groups) {
+    for (int d = 1 + g.group; d <= g.peers; d += g.groups) {
       int const dest = (a.rank + d) % a.world;
       if (dest_ok[dest]) {
         // Rows x_send[dest * E_local + e] into source slot `rank` of the destination's expert e.
         auto const* from = reinterpret_cast<const uint4*>(static_cast<const char*>(a.x_send) +
                                                           (int64_t(dest) * a.e_local + e) * a.slice_bytes);
         auto* to = reinterpret_cast<uint4*>(a.inbox[dest] + (int64_t(e) * a.world + a.rank) * a.slice_bytes);
-        int64_t i = int64_t(member) * kMoePushThreads + threadIdx.x;
-        for (; i + (kPushUnroll - 1) * stride < vectors; i += kPushUnroll * stride) {
-          uint4 v[kPushUnroll];
-#pragma unroll
-          for (int j = 0; j < kPushUnroll; ++j) v[j] = __ldg(from + i + j * stride);
-#pragma unroll
-          for (int j = 0; j < kPushUnroll; ++j) to[i + j * stride] = v[j];
-        }
-        for (; i < vectors; i += stride) to[i] = __ldg(from + i);
+        push::copy_vectors(from, to, vectors, int64_t(g.member) * kMoePushThreads + threadIdx.x, stride);
       }
       __syncthreads();
       if (threadIdx.x == 0) {
-        uint32_t* const arrivals = a.arrivals + e * peers + (d - 1);
-        ptx::fence_acq_rel_sys();
-        if (atomicAdd(arrivals, 1u) == uint32_t(members - 1)) {
-          *arrivals = 0;
-          ptx::fence_acq_rel_sys();
-          if (dest_ok[dest]) flag::store(a.flags[dest] + int64_t(a.rank) * a.e_local + e, a.call, epoch);
-        }
+        push::arrive(a.arrivals + e * g.peers + (d - 1), g.members, a.flags[dest] + int64_t(a.rank) * a.e_local + e,
+                     dest_ok[dest], a.call, epoch);
       }
     }
   }
