@@ -44,7 +44,11 @@ set(ENTWINE_GEMM_TABLE
   "moe.combine bf16 bf16 128"
   "moe.combine bf16 bf16 256"
   "moe.combine fp16 fp16 128"
-  "moe.combine fp16 fp16 256")
+  "moe.combine fp16 fp16 256"
+  "moe.combine e4m3 bf16 128"
+  "moe.combine e4m3 fp16 128"
+  "moe.combine e5m2 bf16 128"
+  "moe.combine e5m2 fp16 128")
 
 # Sets ENTWINE_GEMM_SOURCES to the generated files (instances and dispatches).
 function(entwine_generate_gemm_kernels out_dir)

@@ -212,7 +212,8 @@ ENTRY %main (x: f8e4m3fn[64,32], w: f8e4m3fn[64,32], a: f8e4m3fn[64,32], b: f8e4
 def test_moe_custom_calls_are_read_from_text():
     """The MoE targets over W = 4 (E_local 2, C 128): the dispatch kernel (and its FP8 twin, e4m3 rows)
     sends 3/4 of x_send [8, 128, 32] (one destination's share, 2 x 128 x 32, to each of 3 peers); the
-    combine kernel sends each source its 2 x 128 rows of o_recv [8, 128, 16]; moe_transfer is the
+    combine kernel (and its FP8 twin, rows in its f16 output) sends each source its 2 x 128 rows of
+    o_recv [8, 128, 16]; moe_transfer is the
     combine's unless a moves() scope of the dispatch encloses it (the backward's router weights, f32
     [8, 128])."""
     text = """HloModule jit_step, num_partitions=8
@@ -232,18 +233,23 @@ ENTRY %main (x: bf16[8,128,32], w: bf16[2,32,64], o: bf16[8,128,16], r: f32[8,12
   %h = bf16[2,512,32]{2,1,0} parameter(7)
   %w2 = bf16[2,32,16]{2,1,0} parameter(8)
   %c = bf16[8,128,16]{2,1,0} custom-call(%h, %w2), custom_call_target="entwine_moe_gemm_combine", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/ffi_call"}, backend_config={comm_id = 7 : i64}
+  %h8 = f8e4m3fn[2,512,32]{2,1,0} parameter(9)
+  %w2t = f8e4m3fn[2,16,32]{2,1,0} parameter(10)
+  %c8 = f16[8,128,16]{2,1,0} custom-call(%h8, %w2t, %ws, %ws), custom_call_target="entwine_moe_gemm_combine_fp8", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/ffi_call"}, backend_config={comm_id = 7 : i64}
   ROOT %y = bf16[2,512,64]{2,1,0} get-tuple-element(%d), index=0
 }
 """
     c = census.collectives(text, mesh=jax.sharding.AbstractMesh((2, 4), ("dp", "tp")))
     calls = c.select(custom_call=True)
-    assert calls.counts("owner") == {"moe_dispatch_gemm": 3, "moe_gemm_combine": 2}
+    assert calls.counts("owner") == {"moe_dispatch_gemm": 3, "moe_gemm_combine": 3}
     by_bytes = sorted((x.owner, x.kind, x.group_size, x.axes, x.bytes) for x in calls)
-    # The FP8 kernel sends its e4m3 rows: one byte an element.
+    # The FP8 dispatch kernel sends its e4m3 rows: one byte an element; the FP8 combine kernel its
+    # rows in its 16-bit output type.
     assert by_bytes == sorted([("moe_dispatch_gemm", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 32 * 2),
                                ("moe_gemm_combine", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 16 * 2),
                                ("moe_dispatch_gemm", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 4),
                                ("moe_dispatch_gemm", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 32),
+                               ("moe_gemm_combine", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 16 * 2),
                                ("moe_gemm_combine", "all-to-all", 4, ("tp",), 3 * 2 * 128 * 16 * 2)])
 
 

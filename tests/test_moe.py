@@ -550,13 +550,18 @@ def test_kernel_plans_state_their_rules():
             fused.moe_plan(2, 8, 256, 1024, 2048, jnp.float8_e4m3fn, MoeConfig(gemm_sms=64, block_n=256))
         with pytest.raises(_extension.PlanError, match="% 16 for FP8"):
             fused.moe_plan(2, 8, 256, 1000, 2048, jnp.float8_e4m3fn, MoeConfig(gemm_sms=64))
-    # The combine kernel: h [E_local, W*C, F] -> o_recv [E, C, H], 16-bit only.
+    # The combine kernel: h [E_local, W*C, F] -> o_recv [E, C, H]; FP8 h (e4m3 or e5m2) in 128-wide
+    # blocks, its rows in the 16-bit output type (two bytes an element, as bf16's).
     if hasattr(_extension.ext(), "moe_combine_plan"):
         h, w2 = jax.ShapeDtypeStruct((4, 512, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((4, 1024, 2048), jnp.bfloat16)
         d = fused._combine_plan(2, h, w2, MoeConfig(gemm_sms=64))
         assert (d["e_local"], d["grid"], d["inbox_bytes"]) == (4, 64, 8 * 256 * 2048 * 2)
-        with pytest.raises(_extension.PlanError, match="16-bit operands"):
-            fused._combine_plan(2, h.update(dtype=jnp.float8_e4m3fn), w2, MoeConfig(gemm_sms=64, block_n=128))
+        if fused.kernels_reason(fp8=True) is None:
+            h8, w8 = h.update(dtype=jnp.float8_e5m2), w2.update(dtype=jnp.float8_e4m3fn)
+            d8 = fused._combine_plan(2, h8, w8, MoeConfig(gemm_sms=64))
+            assert (d8["inbox_bytes"], d8["num_blocks"]) == (8 * 256 * 2048 * 2, 4 * 2 * 2 * 2048 // 128)
+            with pytest.raises(_extension.PlanError, match="128-wide blocks"):
+                fused._combine_plan(2, h8, w8, MoeConfig(gemm_sms=64, block_n=256))
         with pytest.raises(_extension.PlanError, match="capacity % 128 == 0"):
             fused._combine_plan(2, h.update(shape=(4, 400, 1024)), w2, MoeConfig(gemm_sms=64))
     # A float32 [E, C] of router weights: 4-byte rows, any dtype moves.

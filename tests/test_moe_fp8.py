@@ -283,9 +283,40 @@ def test_fp8_kernel_call_traces_its_operands():
         assert attr in line, (attr, line)
 
 
-def test_fp8_mlp_lowers_to_the_fp8_kernel_on_cuda(monkeypatch):
-    """Where the plans have the FP8 dispatch kernel (faked here: no GPU), an FP8 MLP's forward dispatch
-    (e4m3 rows) and its combine's backward dispatch (e5m2 rows) lower to it for CUDA."""
+def test_fp8_combine_kernel_call_traces_its_operands():
+    """The FP8 combine kernel's call as the op makes it on CUDA (traced and lowered here, no GPU): h and
+    w2_t [E_local, H, F] in FP8, this rank's two scales, o_recv [E, C, H] in out_dtype."""
+    from jax.sharding import PartitionSpec as P
+
+    from entwine_jax.moe import fused
+
+    mesh = make_mesh((2,), ("ep",))
+    site = fused.MoeCall(comm_id=6, attributes=(("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8),
+                                                ("push_sms", 0)), target="entwine_moe_gemm_combine_fp8")
+
+    def body(h, w_t, hs, ws):
+        return fused.call_combine_fp8(h, w_t, hs, ws, site, 2, jnp.float16)
+
+    args = (jax.ShapeDtypeStruct((2, 256, 64), fp8.E4M3), jax.ShapeDtypeStruct((2, 128, 64), fp8.E4M3),
+            jax.ShapeDtypeStruct((1,), F32), jax.ShapeDtypeStruct((), F32))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 4, out_specs=P(), check_vma=False)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(f)(*args)
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "ffi_call")
+    assert call.params["target_name"] == "entwine_moe_gemm_combine_fp8"
+    assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.invars] == [
+        ((2, 256, 64), fp8.E4M3), ((2, 128, 64), fp8.E4M3), ((), F32), ((), F32)]
+    assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars] == [((4, 128, 128), jnp.dtype(jnp.float16))]
+    line = next(line for line in text.splitlines() if "entwine_moe_gemm_combine_fp8" in line)
+    for attr in ("comm_id = 6 : i64", "block_n = 128 : i64", "gemm_sms = 64 : i64"):
+        assert attr in line, (attr, line)
+
+
+def test_fp8_mlp_lowers_to_the_fp8_kernels_on_cuda(monkeypatch):
+    """Where the plans have the FP8 kernels (faked here: no GPU), an FP8 MLP's forward dispatch (e4m3
+    rows) and its combine's backward dispatch (e5m2 rows) lower to the FP8 dispatch kernel, and its
+    forward combine (e4m3 h) and its dispatch's backward dx (e5m2 dy) to the FP8 combine kernel."""
     from jax.sharding import PartitionSpec as P
 
     from entwine_jax.moe import fused
@@ -299,7 +330,15 @@ def test_fp8_mlp_lowers_to_the_fp8_kernel_on_cuda(monkeypatch):
         target = "entwine_moe_dispatch_gemm" + ("" if out_dtype is None else "_fp8")
         return fused.MoeCall(comm_id=3, attributes=attrs, target=target), None
 
+    def fake_prepare_combine(plan, f, h, dtype, out_dtype=None):
+        asked_combine.append((jnp.dtype(dtype).name, None if out_dtype is None else jnp.dtype(out_dtype).name))
+        attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
+        target = "entwine_moe_gemm_combine" + ("" if out_dtype is None else "_fp8")
+        return fused.MoeCall(comm_id=3, attributes=attrs, target=target), None
+
+    asked_combine = []
     monkeypatch.setattr(moe_op, "prepare_gemm", fake_prepare)
+    monkeypatch.setattr(moe_op, "prepare_combine", fake_prepare_combine)
     world = 2
     mesh = make_mesh((world,), ("ep",))
     x, idx, w1 = inputs(world)
@@ -309,11 +348,15 @@ def test_fp8_mlp_lowers_to_the_fp8_kernel_on_cuda(monkeypatch):
     loss = lambda *a: jnp.sum(f(*a))
     with jax.set_mesh(mesh):
         args = [jax.device_put(a, EP) for a in (x, idx, w1, w2, weights, c)]
-        text = jax.jit(jax.grad(loss, argnums=(0, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3))).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
     assert ("float8_e4m3fn", "bfloat16") in asked and ("float8_e5m2", "bfloat16") in asked, asked
-    calls = [line for line in text.splitlines() if "entwine_moe_dispatch_gemm_fp8" in line]
-    assert len(calls) == 2, calls
-    assert any("f8E4M3FN" in line for line in calls) and any("f8E5M2" in line for line in calls), calls
+    assert ("float8_e4m3fn", "bfloat16") in asked_combine and ("float8_e5m2", "bfloat16") in asked_combine, asked_combine
+    for target in ("entwine_moe_dispatch_gemm_fp8", "entwine_moe_gemm_combine_fp8"):
+        calls = [line for line in text.splitlines() if f"@{target}(" in line]
+        assert len(calls) == 2, (target, calls)
+        # one forward call (e4m3 operands only), one backward call (the e5m2 cotangent)
+        assert sorted("f8E5M2" in line for line in calls) == [False, True], calls
 
 
 @pytest.mark.parametrize("world, check_vma, jit", [(4, True, True), (3, False, True), (2, True, False)])

@@ -2,8 +2,8 @@
 # FP8 (half the bytes of bf16), each source's x_scale beside them; the expert GEMMs multiply the FP8
 # values exactly (e4m3 and e5m2 are subsets of bf16) with fp32 accumulation and apply the scales to
 # the fp32 sums, as one alpha per 128-row tile would (docs/design.md, "Mixture of experts", "FP8,
-# per tensor"); on CUDA the FP8 dispatch kernel does that for a dispatch (dispatch_pool) where the
-# plan has it. The custom VJPs keep the pairing: each op's backward is the other on the cotangent
+# per tensor"); on CUDA the FP8 dispatch and combine kernels do that (dispatch_pool, combine_pool)
+# where the plan has them. The custom VJPs keep the pairing: each op's backward is the other on the cotangent
 # quantised to e5m2 (or in bf16/fp16 when the caller asks).
 import functools
 from typing import Optional
@@ -87,6 +87,27 @@ def dispatch_pool(x_send8, scales, w_t8, w_scale, plan: op.Plan, out_dtype, name
     return callsite.dispatch(None, lambda *a: apart(*a, xla_move), kernel, x_send8, scales, w_t8, w_scale)
 
 
+def combine_pool(h8, h_scale, w_t8, w_scale, plan: op.Plan, out_dtype, name: str):
+    """o_recv [E, C, H] in out_dtype at the sources of h8 [E_local, W*C, F] (e4m3, or e5m2 for a
+    gradient) with this rank's scale h_scale, times w_t8 [E_local, H, F] (e4m3) and w_scale: the FP8
+    combine kernel where the plan has one, on CUDA; else XLA's GEMM, then the rows sent home
+    (op.to_sources)."""
+    def apart(h8, h_scale, w_t8, w_scale, move):
+        rows = jnp.broadcast_to(h_scale.astype(F32), (h8.shape[1],))
+        return move(_scaled_expert_dot(h8, rows, jnp.swapaxes(w_t8, 1, 2), w_scale).astype(out_dtype))
+
+    if plan.combine_call is None:
+        return apart(h8, h_scale, w_t8, w_scale, lambda v: op.to_sources(v, plan, name))
+    names = callsite.varying_over(h8, h_scale, w_t8, w_scale, axis_name=plan.axis_name)
+
+    def kernel(h8, h_scale, w_t8, w_scale):
+        return callsite.typed_like(names, fused.call_combine_fp8(h8, w_t8, h_scale, w_scale, plan.combine_call,
+                                                                 plan.axis_size, out_dtype))
+
+    xla_move = functools.partial(reference.to_sources, axis_name=plan.axis_name, world=plan.axis_size, op=name)
+    return callsite.dispatch(None, lambda *a: apart(*a, xla_move), kernel, h8, h_scale, w_t8, w_scale)
+
+
 def _cotangent(dy, gs, call: fp8.Fp8Call):
     """(dy in the backward's dtype, its scale): e5m2 with gs or this rank's current scale, or dy as
     it is (scale 1) when the caller asked for a bf16/fp16 backward."""
@@ -127,8 +148,12 @@ def _dispatch_bwd(plan, call, shared, res, dy):
     g8, g_scale = _cotangent(dy, gs, call)
     # dx: a combine of dy with w1^T on the expert side (the FP8 product, scaled), rows home in the
     # backward's dtype, summed with unit weights (copying x[t] to k rows sums their gradients).
-    dx_rows = _scaled_expert_dot(g8, jnp.broadcast_to(g_scale, (g8.shape[1],)), jnp.swapaxes(w8, 1, 2), ws)
-    o_recv = op.to_sources(dx_rows.astype(call.backward_dtype), plan, COMBINE)
+    if call.fp8_grads:
+        # The FP8 combine (kernel) of e5m2 rows times w1^T: w1 [E_local, H, N] is that GEMM's w_t.
+        o_recv = combine_pool(g8, g_scale, w8, ws, plan, call.backward_dtype, COMBINE)
+    else:
+        dx_rows = _scaled_expert_dot(g8, jnp.broadcast_to(g_scale, (g8.shape[1],)), jnp.swapaxes(w8, 1, 2), ws)
+        o_recv = op.to_sources(dx_rows.astype(call.backward_dtype), plan, COMBINE)
     dx = reference.from_segments(o_recv, jnp.ones(handle.expert.shape, F32), handle)
     # dw1[e] = pool[e]^T dy[e] in fp32 from the dequantised operands (rows no slot took are zero).
     dw1 = reference.expert_weight_grad(_dequantized(pool8, rows), _bf16(g8).astype(F32) * g_scale)
@@ -159,8 +184,9 @@ def dispatch(x, topk_idx, w1, *, axis_name, config: Optional[MoeConfig], x_scale
 def _combine_forward(h, w2, weights, hs, ws, handle, plan, call):
     h8, w8 = fp8.quantize(h, hs), fp8.quantize(w2, ws)
     rows = jnp.broadcast_to(hs.astype(F32), (h8.shape[1],))
-    o = _scaled_expert_dot(h8, rows, w8, ws).astype(call.out_dtype)  # the rows travel in out_dtype
-    out = reference.from_segments(op.to_sources(o, plan, COMBINE), weights, handle).astype(call.out_dtype)
+    # The rows travel in out_dtype; the kernel reads w2 K-major (w2_t, a transposed copy per call).
+    o_recv = combine_pool(h8, hs, jnp.swapaxes(w8, 1, 2), ws, plan, call.out_dtype, COMBINE)
+    out = reference.from_segments(o_recv, weights, handle).astype(call.out_dtype)
     return out, (h8, rows, w8)
 
 

@@ -1,4 +1,4 @@
-# The MoE ops' fused paths (the dispatch kernel, its FP8 twin, the combine kernel, moe_transfer):
+# The MoE ops' fused paths (the dispatch and combine kernels, their FP8 twins, moe_transfer):
 # whether the kernels can run a call (a predicate that only answers), its preparation once per call
 # site at trace time (the C++ plan and the communicator, acquired with the room the plan needs), and
 # the call itself inside shard_map. The kernels replace exactly the reference's functions:
@@ -201,19 +201,22 @@ def call_fp8(x_send, w_t, x_scales, w_scale, site: MoeCall, out_dtype):
 # -- moe_gemm_combine's GEMM and the return of its rows, one kernel (each block sent as it is done) --
 
 
-def combine_target() -> str:
-    """The XLA FFI target name of the combine kernel (spelled once, in the extension)."""
-    return _extension.ext().MOE_GEMM_COMBINE_TARGET
+def combine_target(fp8: bool = False) -> str:
+    """The XLA FFI target name of the combine kernel, or of its FP8 twin (spelled once, in the extension)."""
+    ext = _extension.ext()
+    return ext.MOE_GEMM_COMBINE_FP8_TARGET if fp8 else ext.MOE_GEMM_COMBINE_TARGET
 
 
 def _combine_plan(world: int, h, w2, config) -> dict:
-    """The combine kernel's plan of h [E_local, W*C, F] and w2 [E_local, F, H] (abstract values);
-    PlanError with the C++ rule when it cannot run them."""
+    """The combine kernel's plan of h [E_local, W*C, F] (16-bit, or FP8) and w2 [E_local, F, H]
+    (abstract values); PlanError with the C++ rule when it cannot run them."""
     if (reason := kernels_reason()) is not None:
         raise NoExtension(reason)
     ext = _extension.ext()
     if not hasattr(ext, "moe_combine_plan"):
         raise NoExtension("the CUDA extension was built without the MoE combine kernel")
+    if is_fp8(h.dtype) and getattr(ext, "MOE_GEMM_COMBINE_FP8_TARGET", None) not in _extension.fp8_targets():
+        raise NoExtension("the CUDA extension was built without the MoE FP8 combine kernel")
     (e_local, rows, f), n = h.shape, w2.shape[2]
     gemm_sms, _ = launch_sms(config)
     d = dict(ext.moe_combine_plan(int(world), int(e_local * world), int(rows // world), int(f), int(n),
@@ -224,12 +227,14 @@ def _combine_plan(world: int, h, w2, config) -> dict:
     return d
 
 
-def _combine_unavailable(h, w2, axis_name, axis_size, config) -> Optional[str]:
+def _combine_unavailable(h, w2, axis_name, axis_size, config, out_dtype) -> Optional[str]:
     reason, mesh, ext = _platform(axis_name, axis_size, config)
-    if reason := reason or callsite.kernel_dtype_reason(h.dtype, w2.dtype):
+    if reason := reason or callsite.kernel_dtype_reason(h.dtype, w2.dtype, out_dtype):
         return reason
     try:
         d = _combine_plan(axis_size, h, w2, config)
+    except NoExtension as e:
+        return str(e)
     except PlanError as e:
         return f"the kernels cannot run this combine: {e.rule}"
     if d["sms_needed"] > _extension.sm_count():
@@ -239,16 +244,17 @@ def _combine_unavailable(h, w2, axis_name, axis_size, config) -> Optional[str]:
     return comm.heap_reason(ext, mesh, axis_name, axis_size, d["flags_per_source"], {INBOX_REGION: d["inbox_bytes"]})
 
 
-def combine_unavailable_reason(h, w2, *, axis_name, axis_size: int, config) -> Optional[str]:
+def combine_unavailable_reason(h, w2, *, axis_name, axis_size: int, config, out_dtype=None) -> Optional[str]:
     """None when the combine kernel can run combine_pool on h [E_local, W*C, F] and w2 [E_local, F, H]
-    (abstract values), else a short reason. Only answers."""
+    (abstract values; out_dtype given: an FP8 call, h e4m3 or e5m2 and w2 e4m3, writing out_dtype),
+    else a short reason. Only answers."""
     try:
         mesh = comm.find_mesh(axis_name)
-        key = ("moe combine", tuple(h.shape), str(h.dtype), tuple(w2.shape), str(w2.dtype),
+        key = ("moe combine", tuple(h.shape), str(h.dtype), tuple(w2.shape), str(w2.dtype), str(out_dtype),
                comm.axis_tuple(axis_name), axis_size, repr(config), mesh)
     except Exception as e:
         return f"cannot inspect the call ({type(e).__name__}: {e})"
-    return comm.cached_reason(key, mesh, lambda: _combine_unavailable(h, w2, axis_name, axis_size, config))
+    return comm.cached_reason(key, mesh, lambda: _combine_unavailable(h, w2, axis_name, axis_size, config, out_dtype))
 
 
 def prepare_combine(h, w2, *, axis_name, axis_size: int, config) -> MoeCall:
@@ -264,7 +270,7 @@ def prepare_combine(h, w2, *, axis_name, axis_size: int, config) -> MoeCall:
     gemm_sms, _ = launch_sms(config)
     attributes = (("block_n", block_n(config, w2.shape[2], h.dtype)), ("gemm_sms", gemm_sms),
                   ("raster_rows", int(config.raster_rows)), ("push_sms", 0))
-    return MoeCall(comm_id=cid, attributes=attributes, target=combine_target())
+    return MoeCall(comm_id=cid, attributes=attributes, target=combine_target(is_fp8(h.dtype)))
 
 
 def call_combine(h, w2, site: MoeCall, world: int):
@@ -276,6 +282,21 @@ def call_combine(h, w2, site: MoeCall, world: int):
     signature = comm.call_signature(f"moe_gemm_combine {h.dtype} h {list(h.shape)} w2 {list(w2.shape)}, config "
                                     f"{comm.attributes_text(attributes)}, from {comm.call_site()}")
     (o_recv,) = _ffi.fused_call(site.target, [out], h, w2, comm_id=np.int64(site.comm_id),
+                                signature=np.int64(signature), config=attributes)
+    return o_recv
+
+
+def call_combine_fp8(h, w2_t, x_scale, w_scale, site: MoeCall, world: int, out_dtype):
+    """One rank's FP8 combine kernel inside shard_map: h [E_local, W*C, F] e4m3 or e5m2 with its scale,
+    w2_t [E_local, H, F] e4m3 with w_scale -> o_recv [E, C, H] in out_dtype at the sources."""
+    e_local, rows, _ = h.shape
+    out = jax.ShapeDtypeStruct((e_local * world, rows // world, w2_t.shape[1]), out_dtype)
+    attributes = {name: np.int64(v) for name, v in site.attributes}
+    signature = comm.call_signature(f"moe_gemm_combine fp8 {h.dtype} h {list(h.shape)} w2_t {list(w2_t.shape)} -> "
+                                    f"{jnp.dtype(out_dtype).name}, config {comm.attributes_text(attributes)}, from "
+                                    f"{comm.call_site()}")
+    (o_recv,) = _ffi.fused_call(site.target, [out], h, w2_t, jnp.reshape(x_scale, ()).astype(jnp.float32),
+                                jnp.reshape(w_scale, ()).astype(jnp.float32), comm_id=np.int64(site.comm_id),
                                 signature=np.int64(signature), config=attributes)
     return o_recv
 

@@ -122,13 +122,14 @@ def prepare_gemm(plan: Plan, h: int, n: int, dtype, out_dtype=None) -> tuple[Any
     return callsite.prepare(DISPATCH, why, lambda: fused.prepare(x_send, w_aval, **kw))
 
 
-def prepare_combine(plan: Plan, f: int, h: int, dtype) -> tuple[Any, Optional[str]]:
+def prepare_combine(plan: Plan, f: int, h: int, dtype, out_dtype=None) -> tuple[Any, Optional[str]]:
     """(the fused.MoeCall of the combine kernel on rows [E_local, W*C, f] of `dtype` and w [E_local, f,
-    h], None), or (None, why that GEMM is XLA's and its rows move apart)."""
+    h], None), or (None, why that GEMM is XLA's and its rows move apart). out_dtype given: the FP8
+    kernel (rows e4m3 or e5m2, w e4m3), writing out_dtype."""
     rows = jax.ShapeDtypeStruct((plan.e_local, plan.axis_size * plan.capacity, f), dtype)
-    w_aval = jax.ShapeDtypeStruct((plan.e_local, f, h), dtype)
+    w_aval = jax.ShapeDtypeStruct((plan.e_local, f, h), dtype if out_dtype is None else fp8.E4M3)
     kw = dict(axis_name=plan.axis_name, axis_size=plan.axis_size, config=plan.config)
-    why = lambda: plan.reason or fused.combine_unavailable_reason(rows, w_aval, **kw)  # noqa: E731
+    why = lambda: plan.reason or fused.combine_unavailable_reason(rows, w_aval, out_dtype=out_dtype, **kw)  # noqa: E731
     return callsite.prepare(COMBINE, why, lambda: fused.prepare_combine(rows, w_aval, **kw))
 
 
@@ -174,8 +175,10 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
                 capacity=capacity)
     gemm_call, gemm_reason = prepare_gemm(plan, h, n, xs.dtype if out_dtype is None else fp8.E4M3, out_dtype)
-    # The backward's dx: dy [E_local, W*C, N] times w1^T, sent home (the combine kernel; 16-bit calls).
-    combine_call = prepare_combine(plan, n, h, xs.dtype)[0] if out_dtype is None else None
+    # The backward's dx: dy [E_local, W*C, N] times w1^T, sent home (the combine kernel; an FP8 call's
+    # with dy in e5m2, which entwine_jax.moe.fp8_op uses when its gradients are FP8).
+    backward = (xs.dtype, None) if out_dtype is None else (fp8.E5M2, out_dtype)
+    combine_call = prepare_combine(plan, n, h, *backward)[0]
     plan = dataclasses.replace(plan, gemm_call=gemm_call, combine_call=combine_call)
     site = (f"x={xs.dtype}{list(xs.shape)} topk_idx{list(topk_idx.shape)} w1={w1.dtype}{list(w1.shape)} "
             f"axis={axis_name!r} (size {size}) C={capacity}" + ("" if out_dtype is None else f" FP8 -> {out_dtype}"))
@@ -226,10 +229,9 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
     # (an FP8 call's, dout in e5m2; entwine_jax.moe.fp8_op uses it when its gradients are FP8).
     backward = (h.dtype, None) if out_dtype is None else (fp8.E5M2, out_dtype)
     plan = dataclasses.replace(plan, gemm_call=prepare_gemm(plan, w2.shape[2], f, *backward)[0])
-    combine_reason = None
-    if out_dtype is None:
-        combine_call, combine_reason = prepare_combine(plan, f, w2.shape[2], h.dtype)
-        plan = dataclasses.replace(plan, combine_call=combine_call)
+    forward = (h.dtype, None) if out_dtype is None else (fp8.E4M3, out_dtype)
+    combine_call, combine_reason = prepare_combine(plan, f, w2.shape[2], *forward)
+    plan = dataclasses.replace(plan, combine_call=combine_call)
     site = (f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
             + ("" if out_dtype is None else f" FP8 -> {out_dtype}"))
     key = (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name, str(out_dtype))
@@ -428,10 +430,11 @@ def combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfi
 def _moved(target: str, ins: list, outs: list, attrs: str) -> tuple:
     """(W, what one rank sends W - 1 times) of a custom call: one destination's share of the send
     buffer [E, C, ...] (the first operand); W from the output [E_local, W*C, ...]. The combine kernel
-    (h [E_local, W*C, F] -> o_recv [E, C, H]) sends each source its E_local segments [C, H]."""
-    (dtype, first), (_, out) = ins[0][0], outs[0]
-    if target == "entwine_moe_gemm_combine":
-        return out[0] // first[0], [(dtype, (first[0],) + tuple(out[1:]))]
+    (h [E_local, W*C, F] -> o_recv [E, C, H]) sends each source its E_local segments [C, H], in o_recv's
+    dtype (an FP8 call's rows travel in its 16-bit output type)."""
+    (dtype, first), (out_dtype, out) = ins[0][0], outs[0]
+    if target.startswith("entwine_moe_gemm_combine"):
+        return out[0] // first[0], [(out_dtype, (first[0],) + tuple(out[1:]))]
     world = out[1] // first[1]
     return world, [(dtype, (first[0] // world,) + tuple(first[1:]))]
 
@@ -444,7 +447,8 @@ DISPATCH_SPEC = opspec.OpSpec(name=DISPATCH, kind="all-to-all",
                               backward=COMBINE, gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_dispatch,
                               forward=forward_dispatch, forward_fp8=None, why_not_fused=why_not_fused,
                               default_config=default_config, fixed_us=None, routed=True)
-COMBINE_SPEC = opspec.OpSpec(name=COMBINE, kind="all-to-all", targets=("entwine_moe_gemm_combine", "entwine_moe_transfer"),
+COMBINE_SPEC = opspec.OpSpec(name=COMBINE, kind="all-to-all",
+                             targets=("entwine_moe_gemm_combine", "entwine_moe_gemm_combine_fp8", "entwine_moe_transfer"),
                              moved=_moved,
                              backward=DISPATCH, gathers=False, reference_backward=None, config_type=MoeConfig, plan=plan_combine,
                              forward=forward_combine, forward_fp8=None, why_not_fused=why_not_fused,

@@ -14,13 +14,14 @@ namespace entwine::push {
 
 // This CTA's place among min(W - 1, grid) groups: group g serves the destinations rank + d with
 // (d - 1) % groups == g, so that every link carries a push from the start; `members` CTAs per group.
+// (One rank has no peer: one group of every CTA, which serves nothing.)
 struct Group {
   int peers, groups, group, members, member;
 };
 
 __device__ inline Group group_of(int world) {
   int const peers = world - 1, grid = int(gridDim.x);
-  int const groups = peers < grid ? peers : grid, group = int(blockIdx.x) % groups;
+  int const groups = peers < 1 ? 1 : peers < grid ? peers : grid, group = int(blockIdx.x) % groups;
   return Group{peers, groups, group, grid / groups + (group < grid % groups ? 1 : 0), int(blockIdx.x) / groups};
 }
 

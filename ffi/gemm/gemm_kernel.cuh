@@ -554,13 +554,15 @@ struct GemmKernel {
       Element* const base = params.group.count > 1 ? params.group.out_of[g] : partial;
       Element* dst = base + row0 * ld + c.owner * params.part_col_step + int64_t(n_block) * BLOCK_N;
       // A schedule that stores into peers' memory picks each block's destination (lane 0 alone
-      // stores; it may wait there, bounded, for the peer to take the call).
+      // stores; it may wait there, bounded, for the peer to take the call; nullptr: the wait failed,
+      // the block is not stored but still released, which counts it).
       if constexpr (Schedule::kStoresToPeers) {
         if (lane == 0) dst = Schedule::template destination<GemmKernel>(params, c, epoch, &ld);
+        __syncwarp();
       }
       ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
       bool const skip = ptx::load_shared_word(skip_word) != 0;
-      if (lane == 0 && !skip) {
+      if (lane == 0 && !skip && dst != nullptr) {
         for (int row = 0; row < BLOCK_M; ++row) {
           SM90_BULK_COPY_S2G::copy(stage + row * kStagePitch, dst + int64_t(row) * ld, kRowBytes);
         }

@@ -369,24 +369,31 @@ void run_moe_transfer(int world_size, int experts, int push_sms) {
 
 // moe_gemm_combine's GEMM on W virtual ranks: each rank's h [E_local, W*C, F] times w2 [E_local, F, H]
 // stored block by block into every source's inbox [E, C, H], each segment released by a flag; each
-// rank's wait kernel then acquires its peers' segments. Over several epochs every inbox row against
-// float64 (o_recv_q[r*E_local + e, i] = h_r[e, q*C + i] @ w2_r[e]); then a rank that never takes part:
-// its peers' waits end with the deadline naming it.
-void run_moe_combine(int world_size, int experts, int capacity, int f, int h, int block_n, bool bf16 = true) {
+// rank's wait kernel then acquires its peers' segments and the rank's stream copies its inbox out, as
+// the handler does (a flag released before its rows landed shows). Over several epochs every copied
+// row against float64 (o_recv_q[r*E_local + e, i] = h_r[e, q*C + i] @ w2_r[e]); then a rank that never takes part:
+// its peers' waits end with the deadline naming it. fp8: h in e4m3 (1) or e5m2 (2, a gradient's),
+// w2_t [E_local, H, F] in e4m3, each rank's fp8_scales(rank); the rows in bf16 or fp16.
+void run_moe_combine(int world_size, int experts, int capacity, int f, int h, int block_n, bool bf16 = true,
+                     int fp8 = 0) {
   MoeConfig const cfg = moe_config_for(world_size, block_n);
-  DType const dt = bf16 ? DType::kBF16 : DType::kFP16;
+  DType const out_type = bf16 ? DType::kBF16 : DType::kFP16;
+  DType const dt = fp8 == 0 ? out_type : fp8 == 1 ? DType::kE4M3 : DType::kE5M2;
+  int const in_bytes = element_bytes(dt);
   MoePlan const plan = moe_combine_plan(MoeProblem{world_size, 0, experts, capacity, f, h, dt}, cfg);
   char name[160];
-  std::snprintf(name, sizeof name, "moe combine W=%d E=%d C=%d F=%d H=%d %s block_n=%d", world_size, experts, capacity,
-                f, h, bf16 ? "bf16" : "fp16", block_n);
+  std::snprintf(name, sizeof name, "moe combine W=%d E=%d C=%d F=%d H=%d %s%s block_n=%d", world_size, experts,
+                capacity, f, h, fp8 == 0 ? "" : fp8 == 1 ? "e4m3->" : "e5m2->", bf16 ? "bf16" : "fp16", block_n);
   if (plan.error) {
     expect(false, std::string(name) + ": " + plan.error);
     return;
   }
   int const el = plan.e_local, rows = world_size * capacity;
   struct Rank {
-    uint16_t *h = nullptr, *w = nullptr;
+    void *h = nullptr, *w = nullptr;
+    float* scales = nullptr;  // FP8: h's and w2's
     char* inbox = nullptr;
+    char* o_recv = nullptr;  // the inbox copied out after the wait (the handler's copy)
     uint64_t *flags = nullptr, *ready = nullptr;
     uint32_t* arrivals = nullptr;
     cudaStream_t stream = nullptr;
@@ -395,9 +402,11 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
   DeviceError* error = nullptr;
   uint64_t* epoch_word = nullptr;
   for (auto& r : ranks) {
-    CHECK_CUDA(cudaMalloc(&r.h, size_t(el) * rows * f * 2));
-    CHECK_CUDA(cudaMalloc(&r.w, size_t(el) * f * h * 2));
+    CHECK_CUDA(cudaMalloc(&r.h, size_t(el) * rows * f * in_bytes));
+    CHECK_CUDA(cudaMalloc(&r.w, size_t(el) * f * h * in_bytes));
+    CHECK_CUDA(cudaMalloc(&r.scales, 2 * sizeof(float)));
     CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
+    CHECK_CUDA(cudaMalloc(&r.o_recv, plan.inbox_bytes));
     CHECK_CUDA(cudaMalloc(&r.flags, 2 * plan.flags * sizeof(uint64_t)));
     CHECK_CUDA(cudaMemset(r.flags, 0, 2 * plan.flags * sizeof(uint64_t)));
     CHECK_CUDA(cudaMalloc(&r.ready, kMaxWorld * sizeof(uint64_t)));
@@ -419,6 +428,8 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
       MoeCombineArgs a{};
       a.h = ranks[r].h;
       a.w = ranks[r].w;
+      a.x_scale = ranks[r].scales;
+      a.w_scale = ranks[r].scales + 1;
       for (int q = 0; q < world_size; ++q) {
         a.inbox[q] = ranks[q].inbox;
         a.flags[q] = ranks[q].flags;
@@ -431,10 +442,12 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
       a.timeout_ns = timeout_ns;
       MoePlan const mine = moe_combine_plan(MoeProblem{world_size, r, experts, capacity, f, h, dt}, cfg);
       PreparedGemm gemm;
-      CHECK_CUDA(moe::combine::prepare_gemm(dt, dt, mine, a, &gemm));
+      CHECK_CUDA(moe::combine::prepare_gemm(dt, out_type, mine, a, &gemm));
       CHECK_CUDA(gemm.enqueue(ranks[r].stream));
       MoeWaitArgs const wa{ranks[r].flags, el, r, world_size, error, nullptr, a.call, timeout_ns};
       CHECK_CUDA(moe::launch_wait_segments(wa, ranks[r].stream));
+      CHECK_CUDA(cudaMemcpyAsync(ranks[r].o_recv, ranks[r].inbox, plan.inbox_bytes, cudaMemcpyDeviceToDevice,
+                                 ranks[r].stream));
     }
     CHECK_CUDA(cudaDeviceSynchronize());
     CHECK_CUDA(comm::launch_end_call(comm::CallEnd{epoch_word}, 0));
@@ -445,30 +458,53 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
     CHECK_CUDA(cudaMemcpy(v.data(), p, n * 2, cudaMemcpyDeviceToHost));
     return v;
   };
+  // An operand as doubles: 16-bit, or FP8 (e5m2 for h of an e5m2 case) times `scale`.
+  auto operand = [&](void const* p, size_t n, bool e5m2, double scale) {
+    std::vector<double> v(n);
+    if (fp8 == 0) {
+      auto const bits = download(p, n);
+      for (size_t i = 0; i < n; ++i) v[i] = to_double(bits[i], bf16);
+      return v;
+    }
+    std::vector<uint8_t> bits(n);
+    CHECK_CUDA(cudaMemcpy(bits.data(), p, n, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; ++i) v[i] = fp8_to_double(bits[i], e5m2) * scale;
+    return v;
+  };
   double worst = 0;
   for (int epoch = 0; epoch < 3; ++epoch) {
     for (int r = 0; r < world_size; ++r) {
-      fill_random<<<264, 256>>>(ranks[r].h, int64_t(el) * rows * f, 900 + 10 * epoch + 2 * r, bf16);
-      fill_random<<<264, 256>>>(ranks[r].w, int64_t(el) * f * h, 901 + 10 * epoch + 2 * r, bf16);
+      uint64_t const seed = 900 + 10 * epoch + 2 * r;
+      if (fp8 == 0) {
+        fill_random<<<264, 256>>>(static_cast<uint16_t*>(ranks[r].h), int64_t(el) * rows * f, seed, bf16);
+        fill_random<<<264, 256>>>(static_cast<uint16_t*>(ranks[r].w), int64_t(el) * f * h, seed + 1, bf16);
+      } else {
+        fill_random_fp8<<<264, 256>>>(static_cast<uint8_t*>(ranks[r].h), int64_t(el) * rows * f, seed, fp8 == 2);
+        fill_random_fp8<<<264, 256>>>(static_cast<uint8_t*>(ranks[r].w), int64_t(el) * f * h, seed + 1);
+      }
+      std::array<float, 2> const scales = fp8_scales(r);
+      CHECK_CUDA(cudaMemcpy(ranks[r].scales, scales.data(), sizeof scales, cudaMemcpyHostToDevice));
       CHECK_CUDA(cudaMemset(ranks[r].inbox, 0xFF, plan.inbox_bytes));  // stale rows show as NaN
+      CHECK_CUDA(cudaMemset(ranks[r].o_recv, 0xFF, plan.inbox_bytes));
     }
     CHECK_CUDA(cudaDeviceSynchronize());
     call(-1);
     // Rows i % 16 == (e + q) % 16 of every segment.
     double err2 = 0, ref2 = 0;
     for (int r = 0; r < world_size; ++r) {
-      auto const hh = download(ranks[r].h, size_t(el) * rows * f);
-      auto const ww = download(ranks[r].w, size_t(el) * f * h);
+      auto const hh = operand(ranks[r].h, size_t(el) * rows * f, fp8 == 2, fp8_scales(r)[0]);
+      auto const ww = operand(ranks[r].w, size_t(el) * f * h, false, fp8_scales(r)[1]);
       for (int q = 0; q < world_size; ++q) {
-        auto const got = download(ranks[q].inbox, plan.inbox_bytes / 2);
+        auto const got = download(ranks[q].o_recv, plan.inbox_bytes / 2);
         for (int e = 0; e < el; ++e) {
           for (int i = (e + q) % 16; i < capacity; i += 16) {
             uint16_t const* out = got.data() + (size_t(r * el + e) * capacity + i) * h;
             for (int j = 0; j < h; ++j) {
               double ref = 0;
               for (int kk = 0; kk < f; ++kk) {
-                ref += to_double(hh[(size_t(e) * rows + q * capacity + i) * f + kk], bf16) *
-                       to_double(ww[(size_t(e) * f + kk) * h + j], bf16);
+                // w2 [E_local, F, H], or FP8 w2_t [E_local, H, F].
+                size_t const wi = fp8 == 0 ? (size_t(e) * f + kk) * h + j : (size_t(e) * h + j) * f + kk;
+                ref += hh[(size_t(e) * rows + q * capacity + i) * f + kk] * ww[wi];
               }
               double const o = to_double(out[j], bf16);
               err2 += std::isnan(o) ? INFINITY : (o - ref) * (o - ref);
@@ -497,7 +533,9 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
   for (auto& r : ranks) {
     cudaFree(r.h);
     cudaFree(r.w);
+    cudaFree(r.scales);
     cudaFree(r.inbox);
+    cudaFree(r.o_recv);
     cudaFree(r.flags);
     cudaFree(r.ready);
     cudaFree(r.arrivals);
@@ -679,6 +717,11 @@ int moe_test_main() {
   run_moe_combine(2, 4, 128, 256, 512, 256);
   run_moe_combine(3, 6, 384, 200, 256, 128);
   run_moe_combine(4, 4, 256, 512, 384, 128, false);
+  // FP8 per tensor (128-wide blocks, one alpha from the rank's two scales): e4m3 into bf16 and fp16,
+  // e5m2 h (the dispatch's backward), a K (F) tail.
+  run_moe_combine(2, 4, 128, 256, 384, 128, true, 1);
+  run_moe_combine(3, 6, 256, 272, 256, 128, false, 1);
+  run_moe_combine(4, 8, 128, 256, 512, 128, true, 2);
   run_moe_deadline(2, 4);
   run_moe_deadline(3, 3);
   run_moe_deadline(4, 8);

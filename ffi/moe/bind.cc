@@ -1,6 +1,6 @@
-// moe's part of the nanobind module (see bind.h): the FFI targets of moe_dispatch_gemm, its FP8
-// twin, moe_gemm_combine and moe_transfer (MOE_DISPATCH_GEMM_TARGET, MOE_DISPATCH_GEMM_FP8_TARGET,
-// MOE_GEMM_COMBINE_TARGET, MOE_TRANSFER_TARGET),
+// moe's part of the nanobind module (see bind.h): the FFI targets of moe_dispatch_gemm,
+// moe_gemm_combine, their FP8 twins and moe_transfer (MOE_DISPATCH_GEMM_TARGET,
+// MOE_DISPATCH_GEMM_FP8_TARGET, MOE_GEMM_COMBINE_TARGET, MOE_GEMM_COMBINE_FP8_TARGET, MOE_TRANSFER_TARGET),
 // their plans, which Python asks instead of restating the kernels' shape rules, and its communicator
 // hooks.
 #include <string>
@@ -19,6 +19,7 @@ namespace nb = nanobind;
 extern "C" XLA_FFI_Error* MoeDispatchGemm(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* MoeDispatchGemmFp8(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* MoeGemmCombine(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* MoeGemmCombineFp8(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* MoeTransfer(XLA_FFI_CallFrame* call_frame);
 
 namespace entwine::moe {
@@ -57,11 +58,14 @@ void bind(nb::module_& m, FfiTargets& targets) {
   m.attr("MOE_DISPATCH_GEMM_FP8_TARGET") = kFp8Target;
   constexpr const char* kCombineTarget = "entwine_moe_gemm_combine";
   m.attr("MOE_GEMM_COMBINE_TARGET") = kCombineTarget;
+  constexpr const char* kCombineFp8Target = "entwine_moe_gemm_combine_fp8";
+  m.attr("MOE_GEMM_COMBINE_FP8_TARGET") = kCombineFp8Target;
   constexpr const char* kTransferTarget = "entwine_moe_transfer";
   m.attr("MOE_TRANSFER_TARGET") = kTransferTarget;
   targets.push_back({kTarget, reinterpret_cast<void*>(MoeDispatchGemm), false});
   targets.push_back({kFp8Target, reinterpret_cast<void*>(MoeDispatchGemmFp8), true});
   targets.push_back({kCombineTarget, reinterpret_cast<void*>(MoeGemmCombine), false});
+  targets.push_back({kCombineFp8Target, reinterpret_cast<void*>(MoeGemmCombineFp8), true});
   targets.push_back({kTransferTarget, reinterpret_cast<void*>(MoeTransfer), false});
   comm::register_op(&kHooks);
   m.def("moe_plan",
@@ -85,8 +89,8 @@ void bind(nb::module_& m, FfiTargets& targets) {
         },
         nb::arg("world"), nb::arg("experts"), nb::arg("capacity"), nb::arg("k"), nb::arg("n"), nb::arg("x_dtype"),
         nb::arg("block_n"), nb::arg("gemm_sms"), nb::arg("raster_rows"),
-        "moe_gemm_combine's plan (ffi/moe/moe.h) of h [experts/world, world * capacity, k] (bfloat16 or float16) "
-        "and w2 [experts/world, k, n], as moe_plan's.");
+        "moe_gemm_combine's plan (ffi/moe/moe.h) of h [experts/world, world * capacity, k] (bfloat16, float16, "
+        "float8_e4m3fn or float8_e5m2) and w2 [experts/world, k, n] (FP8: w2_t [experts/world, n, k]), as moe_plan's.");
   m.def("moe_transfer_plan",
         [](int world, int experts, int capacity, int64_t row_bytes, int push_sms) {
           MoePlan const p = moe_transfer_plan(world, 0, experts, capacity, row_bytes, push_sms);

@@ -3,14 +3,18 @@
 // warp straight into its source rank's inbox, at the rows of expert rank * E_local + e, and each
 // (expert, source) segment released by one flag in that source's memory once its last block landed.
 // The peers' segments come first (from rank + 1), the local ones last: remote ranks wait for theirs.
+// FP8 per tensor: h (e4m3, or e5m2 for a gradient) and w2_t (e4m3, K-major) with this rank's two
+// scales, one alpha for every block; the rows travel in the 16-bit output type.
 //
 //   rank r, h [E_local, W*C, F]                 source s's inbox, o_recv [E, C, H]
 //   expert e: | s=0: C rows | s=1: C rows | ..   ---->  rows (r*E_local + e)*C .. + C
 //
 // Pitfalls: a block's stores go to a peer only after that peer announced the call (its inbox is
-// free: it finished reading its last call's); every block of a segment arrives at the segment's
-// counter, even after a failed wait (the stores land anyway, the outputs are poisoned), or the
-// counters stop returning to zero.
+// free: it finished reading its last call's); after a failed wait the block is not stored and no
+// flag is released (the outputs are poisoned), but every block of a peer's segment still arrives at
+// the segment's counter, or the counters stop returning to zero. Every CTA announces the call
+// before it may wait: a CTA that waits for a peer's announcement may hold the last free SM while
+// this grid's first CTA has not started.
 #pragma once
 
 #include "comm/push.cuh"
@@ -37,6 +41,8 @@ struct GemmSchedule {
     DeviceError* error;
     DeviceError* error_mirror;
     uint64_t timeout_ns;
+    const float* x_scale;  // FP8: h's scale (this rank's, one float)
+    const float* w_scale;  // FP8: w2's scale
   };
 
   // Position p -> (segment, tile row inside it, block column). Segment (expert e, source s), owner
@@ -50,12 +56,12 @@ struct GemmSchedule {
     return c;
   }
 
-  // Announce the call to every peer first: their stores into this rank's inbox wait for it. This
-  // kernel starts after this rank's earlier calls completed (stream order), their reads of the inbox
-  // included.
+  // Announce the call to every peer first, from every CTA (the pitfalls above; the stamp is the same
+  // each time): their stores into this rank's inbox wait for it. This kernel starts after this rank's
+  // earlier calls completed (stream order), their reads of the inbox included.
   template <class Kernel>
   static __device__ void start(typename Kernel::Params const& params) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) wait::announce(params.call);
+    if (threadIdx.x == 0) wait::announce(params.call);
   }
 
   // The TMA warp: A is batch `expert` of h at tile row source * seg_tiles + tile (all local: no
@@ -79,27 +85,33 @@ struct GemmSchedule {
     mainloop.load_tail(pipeline, write_state);
   }
 
-  // 16-bit operands only (the plan refuses FP8): no scales.
+  // Per-tensor scales only (no block-scaled rows in the table for this schedule): no scale loads.
   template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
   static __device__ void load_scales(typename Kernel::Params const&, Mainloop&, Pipeline&, State&, Inputs const&,
                                      Inputs const&, Storage&) {}
 
+  // FP8 per tensor: every block's factor is h's scale times w2's (both this rank's, inputs of the
+  // call written before it in stream order). Not called for 16-bit operands.
   template <class Kernel>
-  static __device__ float alpha(typename Kernel::Params const&, BlockCoord const&) {
-    return 1.0f;
+  static __device__ float alpha(typename Kernel::Params const& params, BlockCoord const&) {
+    return *params.op.x_scale * *params.op.w_scale;
   }
 
   // Block c's rows in its source's inbox (pitch n), once that source announced the call (lane 0 of
-  // the store warp; a repeated poll of an announced source passes at its first load). A failed wait
-  // is recorded and the rows are stored anyway (see the pitfalls above).
+  // the store warp; a repeated poll of an announced source passes at its first load), or nullptr
+  // when that wait failed (recorded; the block is not stored).
   template <class Kernel>
   static __device__ typename Kernel::Element* destination(typename Kernel::Params const& params, BlockCoord const& c,
                                                           uint64_t epoch, int64_t* ld) {
     Params const& op = params.op;
     int const expert = c.owner / op.world, source = c.owner % op.world;
     if (source != op.rank) {
-      wait::poll_flag(op.ready + source, epoch, params.call, op.timeout_ns, op.error, op.error_mirror, op.rank, source,
-                      0, kMoeWaitCombineReady, 64);
+      if (!wait::poll_flag(op.ready + source, epoch, params.call, op.timeout_ns, op.error, op.error_mirror, op.rank,
+                           source, 0, kMoeWaitCombineReady, 64)) {
+        return nullptr;
+      }
+      // The bulk copies (async proxy) write what the acquire of the announcement ordered them after.
+      ptx::fence_proxy_async_global();
     }
     *ld = op.n;
     int64_t const row = (int64_t(op.rank) * op.e_local + expert) * op.capacity + int64_t(c.tile_m) * Kernel::BLOCK_M;
@@ -109,25 +121,29 @@ struct GemmSchedule {
 
   // After block c's stores completed: count it at its segment; the segment's last block releases
   // the segment's flag in the source's memory (one system fence orders every block's stores, each
-  // made visible by its own CTA's fence before its arrival, before the flag) and zeroes the counter.
+  // made visible by its own CTA's fence before its arrival, before the flag) and zeroes the counter;
+  // not once this rank's call failed (a wait ran out). The local segments need no flag: this rank
+  // reads them after the GEMM in stream order.
   template <class Kernel>
   static __device__ void release(typename Kernel::Params const& params, BlockCoord const& c, uint64_t epoch,
                                  int64_t) {
     Params const& op = params.op;
     int const expert = c.owner / op.world, source = c.owner % op.world;
+    if (source == op.rank) return;
     ptx::fence_proxy_async_global();
     push::arrive(op.arrivals + expert * op.world + source, op.blocks_per_segment,
-                 op.flags[source] + int64_t(op.rank) * op.e_local + expert, true, params.call, epoch);
+                 op.flags[source] + int64_t(op.rank) * op.e_local + expert, !wait::stopped(params.call, op.error),
+                 params.call, epoch);
   }
 
   template <class Kernel>
   static __device__ void finish(typename Kernel::Params const&, int) {}
 
   // A = h as E_local batches of [world * C, F] (batch stride world * C * F); B = w2 as E_local batches
-  // of [F, H] (pitch H, batch stride F * H). The output pointer is unused: destination() places blocks.
+  // of [F, H] (16-bit: pitch H) or w2_t's of [H, F] (FP8, K-major: pitch F), batch stride F * H. The
+  // output pointer is unused: destination() places blocks.
   template <class Kernel>
   static typename Kernel::Params make_params(Plan const& plan, Args const& args) {
-    static_assert(!Kernel::kFp8, "moe_gemm_combine: 16-bit operands only (moe_combine_plan)");
     using Element = typename Kernel::Element;
     using ElementA = typename Kernel::ElementA;
     using ElementB = typename Kernel::ElementB;
@@ -141,7 +157,8 @@ struct GemmSchedule {
     p.m_local = p.m;
     p.l_local = p.l;
     p.mainloop = Kernel::mainloop_params(p.m, p.n, p.k, p.l, static_cast<ElementA const*>(args.h), rows * pr.k,
-                                         static_cast<ElementB const*>(args.w), pr.n, int64_t(pr.k) * pr.n);
+                                         static_cast<ElementB const*>(args.w), Kernel::kFp8 ? pr.k : pr.n,
+                                         int64_t(pr.k) * pr.n);
     p.mainloop_local = p.mainloop;
     p.world = pr.world;
     p.rank = pr.rank;
@@ -170,6 +187,8 @@ struct GemmSchedule {
     p.op.error = args.error;
     p.op.error_mirror = args.error_mirror;
     p.op.timeout_ns = args.timeout_ns;
+    p.op.x_scale = args.x_scale;
+    p.op.w_scale = args.w_scale;
     return p;
   }
 };

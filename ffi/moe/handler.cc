@@ -198,16 +198,18 @@ ffi::Error derive(MoeProblem const& problem, DType output, MoeGemmArgs const& ar
 }
 
 // The combine's plan and prepared GEMM, memoised as derive's.
-ffi::Error derive_combine(MoeProblem const& problem, MoeCombineArgs const& args, bool capturing,
+ffi::Error derive_combine(MoeProblem const& problem, DType output, MoeCombineArgs const& args, bool capturing,
                           MoeConfig const& config, comm::DeviceComm const& dc, Derived const** derived) {
   constexpr const char* kCombineOp = "entwine moe_gemm_combine";
   // Every rank's inbox and flags are in the key: room for 8 ranks' (16 words) beyond derive's.
   static thread_local handler::CallMemo<72, Derived> memo;
   handler::MemoKey<72> key;
   add_problem(key, problem, capturing, args.call, args.timeout_ns, config);
+  key.add(uint64_t(output));
   for (const void* p : {args.h, args.w, static_cast<const void*>(args.ready), static_cast<const void*>(args.arrivals),
                         static_cast<const void*>(args.error), static_cast<const void*>(args.error_mirror),
-                        static_cast<const void*>(args.call.epoch)}) {
+                        static_cast<const void*>(args.call.epoch), static_cast<const void*>(args.x_scale),
+                        static_cast<const void*>(args.w_scale)}) {
     key.add(p);
   }
   for (int q = 0; q < dc.world; ++q) {
@@ -226,7 +228,7 @@ ffi::Error derive_combine(MoeProblem const& problem, MoeCombineArgs const& args,
   }
   if (ffi::Error e = check_room(kCombineOp, fresh.plan, dc); e.failure()) return e;
   ENTWINE_RETURN_IF_CUDA(kCombineOp,
-                         moe::combine::prepare_gemm(problem.input, problem.input, fresh.plan, args, &fresh.gemm));
+                         moe::combine::prepare_gemm(problem.input, output, fresh.plan, args, &fresh.gemm));
   Derived* entry = memo.insert(key);
   *entry = fresh;
   *derived = entry;
@@ -435,77 +437,118 @@ ffi::Error MoeDispatchGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::
   });
 }
 
-// moe_gemm_combine's GEMM and return: h [E_local, W * C, F] times w2 [E_local, F, H] (16-bit, one
-// dtype) -> o_recv [E, C, H] at every source: the GEMM (XLA's stream) stores each finished block into
-// its source's inbox and releases each segment (moe/combine_schedule.cuh); then this rank waits for
-// every peer's segments of its own rows and copies its inbox out. The inbox is the dispatch's, under
-// the same announcement rule (the GEMM announces the call as it starts; its stores into a source wait
-// for that source's announcement).
+// moe_gemm_combine's operands once its target's type checks passed: h [E_local, W * C, F] and w2
+// [E_local, F, H] of one 16-bit dtype, or FP8 per tensor (h e4m3 or e5m2, w2_t [E_local, H, F] e4m3,
+// each with its scale; the rows in the 16-bit output type).
+struct CombineOperands {
+  DType input, output;
+  ffi::AnyBuffer h, w;
+  const float* x_scale = nullptr;  // FP8 only
+  const float* w_scale = nullptr;
+};
+
+// moe_gemm_combine's GEMM and return -> o_recv [E, C, H] at every source: the GEMM (XLA's stream)
+// stores each finished block into its source's inbox and releases each segment
+// (moe/combine_schedule.cuh); then this rank waits for every peer's segments of its own rows and
+// copies its inbox out. The inbox is the dispatch's, under the same announcement rule (the GEMM
+// announces the call as it starts; its stores into a source wait for that source's announcement).
+ffi::Error RunMoeCombine(cudaStream_t xla_stream, int32_t device, CombineOperands const& ops,
+                         ffi::Result<ffi::AnyBuffer> o_recv, int64_t comm_id, int64_t signature, MoeConfig config) {
+  constexpr const char* kCombineOp = "entwine moe_gemm_combine";
+  comm::DeviceComm* dc = nullptr;
+  if (ffi::Error e = handler::usable_comm(kCombineOp, comm_id, device, &dc); e.failure()) return e;
+  handler::ExclusiveDispatch const exclusive(*dc);
+  if (ffi::Error e = exclusive.check(kCombineOp); e.failure()) return e;
+  handler::HostTimer timer{dc};
+  int64_t const world = dc->world;
+  bool const fp8 = is_fp8(ops.input);
+  auto hd = ops.h.dimensions(), wd = ops.w.dimensions(), od = o_recv->dimensions();
+  bool ok = hd.size() == 3 && wd.size() == 3 && od.size() == 3 && hd[1] % world == 0;
+  // w2 [E_local, F, H], or FP8 w2_t [E_local, H, F].
+  int64_t const f = ok ? (fp8 ? wd[2] : wd[1]) : 0, n = ok ? (fp8 ? wd[1] : wd[2]) : 0;
+  ok = ok && wd[0] == hd[0] && f == hd[2] && od[0] == world * hd[0] && od[1] == hd[1] / world && od[2] == n;
+  if (!ok) {
+    return ffi::Error::InvalidArgument(std::string(kCombineOp) + ": expected h [E/W, W*C, F], " +
+                                       (fp8 ? "w2_t [E/W, H, F]" : "w2 [E/W, F, H]") + " and o_recv [E, C, H]; got h " +
+                                       dims_string(hd) + ", w2 " + dims_string(wd) + ", o_recv " + dims_string(od) +
+                                       " with W = " + std::to_string(world));
+  }
+  MoeProblem const problem{dc->world, dc->rank, int32_t(od[0]), int32_t(od[1]), int32_t(hd[2]), int32_t(n),
+                           ops.input};
+  bool capturing = false;
+  if (ffi::Error e = handler::is_capturing(kCombineOp, xla_stream, &capturing); e.failure()) return e;
+  DeviceGuard guard;
+  ENTWINE_RETURN_IF_CUDA(kCombineOp, guard.set(device));
+  CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
+  size_t const inbox_offset = dc->layout.region_offset(moe::inbox_region);
+  MoeCombineArgs args{};
+  args.h = ops.h.untyped_data();
+  args.w = ops.w.untyped_data();
+  args.x_scale = ops.x_scale;
+  args.w_scale = ops.w_scale;
+  for (int q = 0; q < dc->world; ++q) {
+    char* const heap = static_cast<char*>(q == dc->rank ? dc->heap : dc->peer_heap[q]);
+    args.inbox[q] = heap + inbox_offset;
+    args.flags[q] = reinterpret_cast<uint64_t*>(heap + dc->layout.flags_offset());
+  }
+  char* const own = static_cast<char*>(dc->heap);
+  args.ready = reinterpret_cast<const uint64_t*>(own + dc->layout.ready_offset());
+  args.arrivals = static_cast<uint32_t*>(dc->workspace(&moe::kHooks));
+  args.error = dc->error_local;
+  args.error_mirror = dc->error_device;
+  args.call = epoch_args;
+  args.timeout_ns = comm::timeout_ms() * 1000000ull;
+  Derived const* derived = nullptr;
+  if (ffi::Error e = derive_combine(problem, ops.output, args, capturing, config, *dc, &derived); e.failure()) {
+    return e;
+  }
+  MoePlan const& plan = derived->plan;
+  timer.lap(comm::kPhaseChecks);
+  timer.lap(comm::kPhaseFork);
+  ENTWINE_RETURN_IF_CUDA(kCombineOp, derived->gemm.enqueue(xla_stream));
+  // This rank's rows from every peer (its own segments are the GEMM's, complete in stream order).
+  ENTWINE_RETURN_IF_CUDA(kCombineOp, moe::launch_wait_segments(wait_args(*dc, plan, epoch_args), xla_stream));
+  ENTWINE_RETURN_IF_CUDA(kCombineOp, cudaMemcpyAsync(o_recv->untyped_data(), own + inbox_offset, plan.inbox_bytes,
+                                                     cudaMemcpyDeviceToDevice, xla_stream));
+  timer.lap(comm::kPhaseLaunch);
+  timer.lap(comm::kPhaseJoin);
+  comm::CallEnd end = handler::call_end(*dc, epoch_args);
+  end.add_output(o_recv->untyped_data(), int64_t(o_recv->size_bytes()));
+  ENTWINE_RETURN_IF_CUDA(kCombineOp, comm::launch_end_call(end, xla_stream));
+  timer.lap(comm::kPhaseEnd);
+  return ffi::Error::Success();
+}
+
+// 16-bit: h, w2 and o_recv of one dtype.
 ffi::Error MoeGemmCombineImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer h, ffi::AnyBuffer w2,
                               ffi::Result<ffi::AnyBuffer> o_recv, int64_t comm_id, int64_t signature,
                               MoeConfig config) {
   constexpr const char* kCombineOp = "entwine moe_gemm_combine";
   return handler::guarded(kCombineOp, [&]() -> ffi::Error {
-    DType input = DType::kBF16;
-    if (ffi::Error e = handler::element_type(kCombineOp, "h", h, &input); e.failure()) return e;
+    CombineOperands ops{DType::kBF16, DType::kBF16, h, w2};
+    if (ffi::Error e = handler::element_type(kCombineOp, "h", h, &ops.input); e.failure()) return e;
     if (w2.element_type() != h.element_type() || o_recv->element_type() != h.element_type()) {
       return ffi::Error::InvalidArgument(std::string(kCombineOp) + ": h, w2 and o_recv must share one dtype");
     }
-    comm::DeviceComm* dc = nullptr;
-    if (ffi::Error e = handler::usable_comm(kCombineOp, comm_id, device, &dc); e.failure()) return e;
-    handler::ExclusiveDispatch const exclusive(*dc);
-    if (ffi::Error e = exclusive.check(kCombineOp); e.failure()) return e;
-    handler::HostTimer timer{dc};
-    int64_t const world = dc->world;
-    auto hd = h.dimensions(), wd = w2.dimensions(), od = o_recv->dimensions();
-    bool ok = hd.size() == 3 && wd.size() == 3 && od.size() == 3 && hd[1] % world == 0;
-    ok = ok && wd[0] == hd[0] && wd[1] == hd[2] && od[0] == world * hd[0] && od[1] == hd[1] / world && od[2] == wd[2];
-    if (!ok) {
-      return ffi::Error::InvalidArgument(std::string(kCombineOp) +
-                                         ": expected h [E/W, W*C, F], w2 [E/W, F, H] and o_recv [E, C, H]; got h " +
-                                         dims_string(hd) + ", w2 " + dims_string(wd) + ", o_recv " + dims_string(od) +
-                                         " with W = " + std::to_string(world));
-    }
-    MoeProblem const problem{dc->world, dc->rank, int32_t(od[0]), int32_t(od[1]), int32_t(hd[2]), int32_t(wd[2]),
-                             input};
-    bool capturing = false;
-    if (ffi::Error e = handler::is_capturing(kCombineOp, xla_stream, &capturing); e.failure()) return e;
-    DeviceGuard guard;
-    ENTWINE_RETURN_IF_CUDA(kCombineOp, guard.set(device));
-    CallEpoch const epoch_args = handler::call_epoch(*dc, capturing, signature);
-    size_t const inbox_offset = dc->layout.region_offset(moe::inbox_region);
-    MoeCombineArgs args{};
-    args.h = h.untyped_data();
-    args.w = w2.untyped_data();
-    for (int q = 0; q < dc->world; ++q) {
-      char* const heap = static_cast<char*>(q == dc->rank ? dc->heap : dc->peer_heap[q]);
-      args.inbox[q] = heap + inbox_offset;
-      args.flags[q] = reinterpret_cast<uint64_t*>(heap + dc->layout.flags_offset());
-    }
-    char* const own = static_cast<char*>(dc->heap);
-    args.ready = reinterpret_cast<const uint64_t*>(own + dc->layout.ready_offset());
-    args.arrivals = static_cast<uint32_t*>(dc->workspace(&moe::kHooks));
-    args.error = dc->error_local;
-    args.error_mirror = dc->error_device;
-    args.call = epoch_args;
-    args.timeout_ns = comm::timeout_ms() * 1000000ull;
-    Derived const* derived = nullptr;
-    if (ffi::Error e = derive_combine(problem, args, capturing, config, *dc, &derived); e.failure()) return e;
-    MoePlan const& plan = derived->plan;
-    timer.lap(comm::kPhaseChecks);
-    timer.lap(comm::kPhaseFork);
-    ENTWINE_RETURN_IF_CUDA(kCombineOp, derived->gemm.enqueue(xla_stream));
-    // This rank's rows from every peer (its own segments are the GEMM's, complete in stream order).
-    ENTWINE_RETURN_IF_CUDA(kCombineOp, moe::launch_wait_segments(wait_args(*dc, plan, epoch_args), xla_stream));
-    ENTWINE_RETURN_IF_CUDA(kCombineOp, cudaMemcpyAsync(o_recv->untyped_data(), own + inbox_offset, plan.inbox_bytes,
-                                                       cudaMemcpyDeviceToDevice, xla_stream));
-    timer.lap(comm::kPhaseLaunch);
-    timer.lap(comm::kPhaseJoin);
-    comm::CallEnd end = handler::call_end(*dc, epoch_args);
-    end.add_output(o_recv->untyped_data(), int64_t(o_recv->size_bytes()));
-    ENTWINE_RETURN_IF_CUDA(kCombineOp, comm::launch_end_call(end, xla_stream));
-    timer.lap(comm::kPhaseEnd);
-    return ffi::Error::Success();
+    ops.output = ops.input;
+    return RunMoeCombine(xla_stream, device, ops, o_recv, comm_id, signature, config);
+  });
+}
+
+// FP8 per tensor: h in float8_e4m3fn or float8_e5m2 (a gradient), w2_t [E_local, H, F] in
+// float8_e4m3fn, x_scale and w_scale f32 (this rank's); o_recv bf16 or fp16.
+ffi::Error MoeGemmCombineFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer h, ffi::AnyBuffer w2_t,
+                                 ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> o_recv,
+                                 int64_t comm_id, int64_t signature, MoeConfig config) {
+  constexpr const char* kCombineOp = "entwine moe_gemm_combine";
+  return handler::guarded(kCombineOp, [&]() -> ffi::Error {
+    CombineOperands ops{DType::kE4M3, DType::kBF16, h, w2_t};
+    if (ffi::Error e = handler::fp8_input(kCombineOp, "h", h, &ops.input); e.failure()) return e;
+    if (ffi::Error e = handler::fp8_weight(kCombineOp, "w2_t", w2_t); e.failure()) return e;
+    if (ffi::Error e = handler::element_type(kCombineOp, "o_recv", *o_recv, &ops.output); e.failure()) return e;
+    if (ffi::Error e = handler::scale_operand(kCombineOp, "x_scale", x_scale, &ops.x_scale); e.failure()) return e;
+    if (ffi::Error e = handler::scale_operand(kCombineOp, "w_scale", w_scale, &ops.w_scale); e.failure()) return e;
+    return RunMoeCombine(xla_stream, device, ops, o_recv, comm_id, signature, config);
   });
 }
 
@@ -609,6 +652,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGemmCombine, entwine::MoeGemmCombineImpl,
                                   .Arg<ffi::AnyBuffer>()                     // h [E_local, W * C, F]
                                   .Arg<ffi::AnyBuffer>()                     // w2 [E_local, F, H]
                                   .Ret<ffi::AnyBuffer>()                     // o_recv [E, C, H]
+                                  .Attr<int64_t>("comm_id")                  // comm_id
+                                  .Attr<int64_t>("signature")                // what the call is (stamps)
+                                  .Attr<entwine::MoeConfig>("config"),       // config
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGemmCombineFp8, entwine::MoeGemmCombineFp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // h [E_local, W * C, F]: e4m3 or e5m2
+                                  .Arg<ffi::AnyBuffer>()                     // w2_t [E_local, H, F]: e4m3
+                                  .Arg<ffi::AnyBuffer>()                     // x_scale: f32 [] or [1] (h's)
+                                  .Arg<ffi::AnyBuffer>()                     // w_scale: f32 [] or [1]
+                                  .Ret<ffi::AnyBuffer>()                     // o_recv [E, C, H]: bf16 or f16
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("signature")                // what the call is (stamps)
                                   .Attr<entwine::MoeConfig>("config"),       // config

@@ -148,13 +148,14 @@ struct MoeWaitArgs {
 };
 
 // moe_gemm_combine's GEMM (moe/combine_schedule.cuh): o[e] = h[e] @ w2[e] for this rank's experts,
-// h [E_local, world * C, k] (every source's rows, source-major), w2 [E_local, k, n] (16-bit), each
+// h [E_local, world * C, k] (every source's rows, source-major), w2 [E_local, k, n] (16-bit; FP8 per
+// tensor: h e4m3 or e5m2, w2_t [E_local, n, k] e4m3, o = (h @ w2) * x_scale * w_scale in bf16/fp16), each
 // block stored into its source's inbox, o_recv [experts, C, n], at the rows of expert rank * E_local +
 // e; the segment's flag (word rank * E_local + e of the source's flags) once its last block landed.
 // MoeProblem: experts, capacity C, k = F, n = H (the plan: moe_combine_plan).
 struct MoeCombineArgs {
   const void* h;               // [E_local, world * C, k]
-  const void* w;               // [E_local, k, n]
+  const void* w;               // [E_local, k, n] (FP8: w2_t [E_local, n, k])
   char* inbox[kMaxWorld];      // every rank's inbox, this rank's included
   uint64_t* flags[kMaxWorld];  // every rank's flags of parity 0 (the release adds the parity)
   const uint64_t* ready;       // ready[0 .. world) in this rank's heap: the sources' announcements
@@ -163,6 +164,8 @@ struct MoeCombineArgs {
   DeviceError* error_mirror;
   CallEpoch call;
   uint64_t timeout_ns;
+  const float* x_scale = nullptr;  // FP8: h's scale (device, one float)
+  const float* w_scale = nullptr;  // FP8: w2's scale (device, one float)
 };
 MoePlan moe_combine_plan(const MoeProblem& problem, const MoeConfig& config);
 

@@ -60,6 +60,7 @@ const char* plan_gemm(const MoeProblem& p, const MoeConfig& c, MoePlan* plan) {
   if (p.world < 1 || p.world > kMaxWorld) return "world size must be in [1, 8]";
   if (p.rank < 0 || p.rank >= p.world) return "rank must be in [0, world)";
   if (c.block_n != 128 && c.block_n != 256) return "config.block_n must be 128 or 256";
+  if (is_fp8(p.input) && c.block_n != kFp8BlockN) return "FP8 operands run 128-wide blocks: config.block_n = 128";
   // Every GEMM CTA may wait (a segment, or a source's announcement) holding its SM: the grid is
   // persistent, and the caller checks that plan.sms_needed fits the GPU.
   if (c.gemm_sms < 1) return "config.gemm_sms must be >= 1";
@@ -102,7 +103,6 @@ MoePlan moe_plan(const MoeProblem& p, const MoeConfig& c) {
     return plan;
   };
   if (c.push_sms < 0 || c.push_sms > 64) return fail("config.push_sms must be in [0, 64]");
-  if (is_fp8(p.input) && c.block_n != kFp8BlockN) return fail("FP8 operands run 128-wide blocks: config.block_n = 128");
   if (const char* rule = plan_gemm(p, c, &plan)) return fail(rule);
   plan.slice_bytes = int64_t(p.capacity) * p.k * element_bytes(p.input);
   plan.inbox_bytes = int64_t(plan.e_local) * p.world * plan.slice_bytes;
@@ -121,13 +121,13 @@ MoePlan moe_combine_plan(const MoeProblem& p, const MoeConfig& c) {
     plan.error = rule;
     return plan;
   };
-  if (is_fp8(p.input)) return fail("the combine's GEMM takes 16-bit operands");
   if (const char* rule = plan_gemm(p, c, &plan)) return fail(rule);
   if (int64_t(plan.e_local) * p.world > kMoePushCounters) {
     return fail("the combine counts arrivals per (local expert, source): E_local * world <= 1024");
   }
-  // One segment of the output, and o_recv [E, C, H] at every source.
-  plan.slice_bytes = int64_t(p.capacity) * p.n * element_bytes(p.input);
+  // One segment of the output, and o_recv [E, C, H] at every source; the rows are 16-bit (an FP8
+  // call's output type is bf16 or fp16).
+  plan.slice_bytes = int64_t(p.capacity) * p.n * 2;
   plan.inbox_bytes = int64_t(p.experts) * plan.slice_bytes;
   // The GEMM's store warps wait for sources' announcements, which their own GEMMs make as they
   // start; the receiver's wait kernel follows the GEMM on its stream.
