@@ -91,6 +91,11 @@ def mps_server(args):
         shutil.rmtree(root, ignore_errors=True)
 
 
+# Seconds the other ranks get to finish after one rank failed, before their stacks are printed and
+# they are killed.
+STRAGGLE_S = 20
+
+
 def launch_suite(args, suite, spec, mps_env=None) -> str:
     """Runs one suite on W fresh processes; returns 'PASS (...)' or 'FAIL (...)'."""
     port = _free_port()
@@ -118,14 +123,17 @@ def launch_suite(args, suite, spec, mps_env=None) -> str:
         procs.append(proc)
         pumps.append(threading.Thread(target=pump, args=(rank, proc), daemon=True))
         pumps[-1].start()
-    timed_out = False
-    for proc in procs:
-        left = args.timeout - (time.monotonic() - start)
-        try:
-            proc.wait(timeout=max(left, 0.1))
-        except subprocess.TimeoutExpired:
+    # Wait for every rank, until the timeout, or until STRAGGLE_S after a rank failed: its peers may
+    # then wait on it in host code with long deadlines (jax.distributed's barriers, the KV store).
+    timed_out, failed_at = False, None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = now
+        if now - start > args.timeout or (failed_at is not None and now - failed_at > STRAGGLE_S):
             timed_out = True
             break
+        time.sleep(0.2)
     if timed_out:
         # Each straggler prints its Python stack first (rank_main registers SIGUSR1): where it hung.
         for proc in procs:
@@ -142,8 +150,12 @@ def launch_suite(args, suite, spec, mps_env=None) -> str:
     passed = [r for r in range(args.world) if results.get(r) == "PASS" and procs[r].returncode == 0]
     ok = len(passed) == args.world and not timed_out
     codes = ",".join(str(p.returncode) for p in procs)
-    return (f"{'PASS' if ok else 'FAIL'} ({len(passed)}/{args.world} ranks passed, exit codes {codes}"
-            f"{', killed after the timeout' if timed_out else ''}, {time.monotonic() - start:.1f} s)")
+    killed = ""
+    if timed_out:
+        killed = (f", stragglers killed {STRAGGLE_S} s after a rank failed" if failed_at is not None
+                  else ", killed after the timeout")
+    return (f"{'PASS' if ok else 'FAIL'} ({len(passed)}/{args.world} ranks passed, exit codes {codes}{killed}, "
+            f"{time.monotonic() - start:.1f} s)")
 
 
 # --- One rank -------------------------------------------------------------------------------------------
@@ -178,13 +190,14 @@ class Rank:
         from jax.sharding import Mesh
 
         self.args, self.rank, self.world = args, args.rank, args.world
+        self.started = time.monotonic()
         # Rank r is process r: the mesh orders the devices by process.
         devices = sorted(jax.devices(), key=lambda d: d.process_index)
         self.mesh = Mesh(np.array(devices), ("tp",))
         self.device = jax.local_devices()[0]
 
     def log(self, msg):
-        print(f"rank {self.rank}: {msg}", flush=True)
+        print(f"rank {self.rank} +{time.monotonic() - self.started:.1f}s: {msg}", flush=True)
 
     # -- inputs and reference, from the shared seeds --
 

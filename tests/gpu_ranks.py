@@ -132,6 +132,11 @@ from gpu_protocol_suites import FORWARD_HELD_SMS, ProtocolSuites  # noqa: E402
 MISSING_ENV = {"ENTWINE_TIMEOUT_MS": str(MISSING_TIMEOUT_MS)}
 # A mismatch fails at once; the longer deadline covers a first compile.
 MISMATCH_ENV = {"ENTWINE_TIMEOUT_MS": str(10 * MISSING_TIMEOUT_MS)}
+# The MoE suites: a 20 s device deadline; a heap exchange that gives up in 30 s; XLA's autotuning
+# unsharded (sharded, each process waits in the KV store for the others' results, without a deadline
+# of ours, so one rank that failed early would hold its peers in their next compile).
+MOE_ENV = {"ENTWINE_TIMEOUT_MS": "20000", "ENTWINE_SETUP_TIMEOUT_MS": "30000",
+           "XLA_FLAGS": "--xla_gpu_shard_autotuning=false"}
 
 # Every suite by name, in the order `--suite all` runs the checking ones.
 SUITES = {
@@ -152,8 +157,8 @@ SUITES = {
     "fp8half": Suite(Fp8Suites),
     "fp8block": Suite(Fp8BlockSuites),
     # A deadline well inside the suite's time limit: a wait that never ends reports its peer.
-    "moe": Suite(MoeSuites, env={"ENTWINE_TIMEOUT_MS": "20000"}),
-    "moemlp": Suite(MoeSuites, env={"ENTWINE_TIMEOUT_MS": "20000"}),
+    "moe": Suite(MoeSuites, env=MOE_ENV),
+    "moemlp": Suite(MoeSuites, env=MOE_ENV),
     # The SMs that rank 0's held kernel takes (read once per process).
     "forward": Suite(ProtocolSuites, env={"ENTWINE_SM_RESERVE": str(FORWARD_HELD_SMS)}),
     "hostcost": Suite(CostSuites, checking=False),
