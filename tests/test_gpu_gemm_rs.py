@@ -201,10 +201,19 @@ def test_heap_cap_gives_the_xla_path(monkeypatch):
     assert reason is not None and "ENTWINE_HEAP_MAX_BYTES" in reason
 
 
-def _ranks(*args, timeout=900):
-    cmd = [sys.executable, str(RANKS), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+# The launcher's limit per suite, below this test's limit for the whole command: the launcher, not
+# pytest, kills a suite that runs too long, after its ranks printed their stacks.
+SUITE_TIMEOUT_S = 600
+
+
+def _ranks(*args, timeout=3600):
+    cmd = [sys.executable, str(RANKS), "--timeout", str(SUITE_TIMEOUT_S), *args]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    except subprocess.TimeoutExpired as e:
+        shown = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{shown[-6000:]}")
     assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
     return out.stdout
 
