@@ -2,7 +2,12 @@
 # their XLA reference): the NNX and Linen MoE MLP against a float64 NumPy model of router, top-k,
 # SwiGLU experts and weighted combine (bf16 and f32, both router weightings, a capacity that drops),
 # gradients of every parameter against jax.grad of a dense JAX reference, NNX and Linen on the same
-# parameters, the ValueErrors for bad arguments, and a few optax SGD steps.
+# parameters, the ValueErrors for bad arguments, and a few optax SGD steps. Then MaxText's routing
+# options (sigmoid scores, routed bias, group limit, scaling, the capacity factor's drops) and the
+# load-balance loss against a float64 model of MaxText 0.2.5's rules (the loss the same on every
+# rank, its gradients against jax.grad of a dense JAX model), hand-computed drops and group choices.
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -353,3 +358,402 @@ def test_functional_errors():
         moe_layers.moe_mlp([1.0], router, wi, wi, wo, num_experts_per_tok=K)
     with pytest.raises(ValueError, match=r"moe_mlp: x must have rank >= 2"):
         moe_layers.moe_mlp(jnp.ones(H), router, wi, wi, wo, num_experts_per_tok=K)
+
+
+# ---------------------------------------------------------------- routing options, capacity factor, load-balance loss
+
+def softmax64(a):
+    a = np.exp(a - a.max(1, keepdims=True))
+    return a / a.sum(1, keepdims=True)
+
+
+def routed_model(x, p, k, *, seq_len=None, score_func="softmax", bias=None, groups=None, scale=1.0,
+                 norm_topk_prob=True, capacity_factor=None):
+    """float64 NumPy MoE MLP under MaxText 0.2.5's routing on global tokens x [N, H], in sequences of
+    seq_len tokens (None: one sequence of all N): (out, topk_idx with dropped slots -1, aux)."""
+    f64 = lambda a: np.asarray(a, np.float64)
+    x, router, wi_0, wi_1, wo = (f64(x), f64(p["router"]), f64(p["wi_0"]), f64(p["wi_1"]), f64(p["wo"]))
+    logits = x @ router
+    n, e = logits.shape
+    scores = softmax64(logits) if score_func == "softmax" else 1 / (1 + np.exp(-logits))
+    choice = scores + (0.0 if bias is None else f64(bias))
+    idx = np.zeros((n, k), np.int64)
+    for t in range(n):
+        c = choice[t].copy()
+        if groups is not None:  # (n_routing_groups, topk_routing_group): groups scored by their best two
+            g, top_groups = groups
+            best_two = np.sort(c.reshape(g, e // g), axis=1)[:, -2:].sum(1)
+            allowed = np.zeros(g, bool)
+            allowed[np.argsort(-best_two, kind="stable")[:top_groups]] = True
+            c[~np.repeat(allowed, e // g)] = -np.inf
+        idx[t] = np.argsort(-c, kind="stable")[:k]
+    w = np.take_along_axis(scores, idx, 1)
+    if norm_topk_prob:
+        w = w / (w.sum(1, keepdims=True) + 1e-20)
+    w = w * scale
+    s = n if seq_len is None else seq_len
+    # MaxText: softmax of the pre-bias gate output (logits for softmax, sigmoid scores for sigmoid).
+    probs = softmax64(logits if score_func == "softmax" else scores)
+    losses, kept = [], np.ones((n, k), bool)
+    for b in range(n // s):
+        seq = range(b * s, (b + 1) * s)
+        fraction = np.zeros(e)
+        for t in seq:
+            fraction[idx[t]] += 1
+        losses.append(e * np.sum(fraction / (s * k) * probs[list(seq)].mean(0)))
+        if capacity_factor is not None:
+            cap = max(1, int(max(math.ceil(s * k / e) * capacity_factor, capacity_factor)))
+            used = np.zeros(e, int)
+            for t in seq:
+                for j in range(k):
+                    used[idx[t, j]] += 1
+                    kept[t, j] = used[idx[t, j]] <= cap
+    out = np.zeros_like(x)
+    for t in range(n):
+        for j in range(k):
+            if kept[t, j]:
+                g, u = x[t] @ wi_0[idx[t, j]], x[t] @ wi_1[idx[t, j]]
+                out[t] += w[t, j] * ((g / (1 + np.exp(-g)) * u) @ wo[idx[t, j]])
+    aux = {"load_balance_loss": np.mean(losses), "expert_counts": np.bincount(idx.ravel(), minlength=e),
+           "dropped": int((~kept).sum())}
+    return out, np.where(kept, idx, -1), aux
+
+
+def with_values(mesh, state, specs, **values):
+    """state with the given entries (global NumPy arrays) replaced, placed by specs."""
+    nnx.replace_by_pure_dict(state, {**nnx.to_pure_dict(state), **{n: jnp.asarray(v) for n, v in values.items()}})
+    with jax.set_mesh(mesh):
+        return jax.device_put(state, specs)
+
+
+def captured(graphdef):
+    """fn(state, x) -> (y, {sown name: its value with a leading axis of 1}) of the NNX MoeMlp: out_specs
+    EP gives each rank's value."""
+    def fn(s, x):
+        y, inter = nnx.capture(nnx.merge(graphdef, s), nnx.Intermediate)(x)
+        return y, {name: v[0][None] for name, v in nnx.to_pure_dict(inter).items()}
+    return fn
+
+
+def layout_tokens(seed, world, layout):
+    """Global tokens, "tokens" [W*T, H] (one sequence over the ranks) or "sequences" [2W, T/2, H]."""
+    x = tokens(seed, world)
+    return x if layout == "tokens" else x.reshape(2 * world, T // 2, H)
+
+
+# (id, layer kwargs, experts per rank, layout)
+ROUTING_CASES = [
+    ("sigmoid-bias-scale", dict(score_func="sigmoid", use_routed_bias=True, routed_scaling_factor=2.5), 2,
+     "sequences"),
+    ("sigmoid-unnormalised", dict(score_func="sigmoid", norm_topk_prob=False), 2, "tokens"),
+    ("softmax-bias-full", dict(use_routed_bias=True, norm_topk_prob=False, routed_scaling_factor=0.5), 2, "tokens"),
+    ("groups", dict(score_func="sigmoid", use_routed_bias=True, n_routing_groups=4, topk_routing_group=2), 4,
+     "sequences"),
+    ("capacity-tokens", dict(capacity_factor=0.5), 2, "tokens"),
+    ("capacity-sequences", dict(capacity_factor=1.0, score_func="sigmoid", use_routed_bias=True), 2, "sequences"),
+]
+
+
+@pytest.mark.parametrize("case", ROUTING_CASES, ids=[c[0] for c in ROUTING_CASES])
+@pytest.mark.parametrize("world", [2, 3])
+def test_routing_options_against_model(world, case):
+    # Each option through the sharded NNX layer against the float64 model: output, and the sown
+    # load-balance loss, expert counts and drops, the same on every rank and equal to the model's
+    # (single-device) values.
+    _, kwargs, per_rank, layout = case
+    mesh = make_mesh((world,), ("ep",))
+    e = per_rank * world
+    graphdef, state, specs = nnx_moe(mesh, num_experts=e, load_balance_loss_weight=0.25, **kwargs)
+    bias = None
+    if kwargs.get("use_routed_bias"):
+        assert isinstance(state["router_bias"], moe_layers.RouterBias) and specs["router_bias"] == P()
+        bias = 0.3 * np.array(jax.random.normal(jax.random.key(20), (e,)), np.float32)
+        state = with_values(mesh, state, specs, router_bias=bias)
+    x = layout_tokens(21, world, layout)
+    with jax.set_mesh(mesh):
+        f = jax.jit(jax.shard_map(captured(graphdef), mesh=mesh, in_specs=(specs, EP), out_specs=(EP, EP)))
+        y, sown = f(state, jax.device_put(x, EP))
+    p = params_of(state)
+    opts = dict(score_func=kwargs.get("score_func", "softmax"), bias=bias, scale=kwargs.get("routed_scaling_factor", 1),
+                norm_topk_prob=kwargs.get("norm_topk_prob", True), capacity_factor=kwargs.get("capacity_factor"),
+                groups=(kwargs["n_routing_groups"], kwargs["topk_routing_group"]) if "n_routing_groups" in kwargs
+                else None)
+    ref, idx, aux = routed_model(x.reshape(-1, H), p, K, seq_len=None if layout == "tokens" else T // 2, **opts)
+    assert y.shape == x.shape and rel_err(y.reshape(-1, H), ref) <= TOL[jnp.float32]
+    lb = np.asarray(sown["moe_lb_loss"])
+    assert lb.shape == (world,) and (lb == lb[0]).all()  # every rank the same value
+    np.testing.assert_allclose(lb[0], 0.25 * aux["load_balance_loss"], rtol=1e-5)
+    if bias is not None:
+        np.testing.assert_array_equal(np.asarray(sown["moe_expert_counts"]), np.tile(aux["expert_counts"], (world, 1)))
+        # The bias moved the choice of some tokens.
+        assert (routed_model(x.reshape(-1, H), p, K, **{**opts, "bias": None, "capacity_factor": None})[1] !=
+                routed_model(x.reshape(-1, H), p, K, **{**opts, "capacity_factor": None})[1]).any()
+    if opts["groups"] is not None:  # the group limit changed some tokens' experts
+        assert (routed_model(x.reshape(-1, H), p, K, **{**opts, "groups": None})[1] != idx).any()
+    if opts["capacity_factor"] is not None:
+        assert aux["dropped"] > 0
+        np.testing.assert_array_equal(np.asarray(sown["moe_dropped"]), aux["dropped"])
+    else:
+        assert "moe_dropped" not in sown
+
+
+@pytest.mark.parametrize("layout", ["tokens", "sequences"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_functional_aux(world, layout):
+    # moe_mlp(return_aux=True) on its own: every aux entry on every rank equals the model's.
+    mesh = make_mesh((world,), ("ep",))
+    e = 2 * world
+    _, state, specs = nnx_moe(mesh)
+    x = layout_tokens(22, world, layout)
+    bias = 0.2 * np.array(jax.random.normal(jax.random.key(23), (e,)), np.float32)
+
+    def fn(s, x):
+        y, aux = moe_layers.moe_mlp(x, s["router"][...], s["wi_0"][...], s["wi_1"][...], s["wo"][...],
+                                    num_experts_per_tok=K, score_func="sigmoid", routed_bias=jnp.asarray(bias),
+                                    capacity_factor=0.75, return_aux=True)
+        return y, jax.tree.map(lambda v: v[None], aux)
+
+    with jax.set_mesh(mesh):
+        y, aux = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, EP), out_specs=(EP, EP)))(
+            state, jax.device_put(x, EP))
+    ref, _, ref_aux = routed_model(x.reshape(-1, H), params_of(state), K, score_func="sigmoid", bias=bias,
+                                   capacity_factor=0.75, seq_len=None if layout == "tokens" else T // 2)
+    assert rel_err(np.asarray(y).reshape(-1, H), ref) <= TOL[jnp.float32]
+    assert aux["expert_counts"].dtype == jnp.int32 and aux["dropped"].dtype == jnp.int32
+    np.testing.assert_allclose(np.asarray(aux["load_balance_loss"]), ref_aux["load_balance_loss"], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(aux["expert_counts"]), np.tile(ref_aux["expert_counts"], (world, 1)))
+    np.testing.assert_array_equal(np.asarray(aux["dropped"]), ref_aux["dropped"])
+    assert ref_aux["dropped"] > 0
+
+
+def test_capacity_factor_drops_later_tokens():
+    # Every token picks experts 0 and 1 (logits [3, 2, 0, 0]); E = 4, k = 2.
+    # One sequence of the W*T = 16 tokens over the ranks, f = 0.3: C = int(ceil(16*2/4) * 0.3) = 2,
+    # so global tokens 0 and 1 (rank 0's first two) keep both slots, all later ones (rank 1's
+    # included) lose them: 28 slots dropped. (ceil(16 * 0.3 * 2 / 4) would be 3.)
+    # Sequences [4, 4, H] (2 per rank), f = 0.5: C = int(ceil(4*2/4) * 0.5) = 1: each sequence's
+    # first token only; 4 * 3 * 2 = 24 dropped.
+    world = 2
+    mesh = make_mesh((world,), ("ep",))
+    _, state, specs = nnx_moe(mesh)
+    p = params_of(state)
+    p["router"][:] = 0.0
+    p["router"][0] = [3.0, 2.0, 0.0, 0.0]
+    state = with_values(mesh, state, specs, router=p["router"])
+    x = np.array(jax.random.normal(jax.random.key(24), (world * T, H)), np.float32)
+    x[:, 0] = 1.0
+    for shape, factor, kept_tokens, dropped in (((world * T, H), 0.3, [0, 1], 28),
+                                                ((4, 4, H), 0.5, [0, 4, 8, 12], 24)):
+        def fn(s, x, factor=factor):
+            y, aux = moe_layers.moe_mlp(x, s["router"][...], s["wi_0"][...], s["wi_1"][...], s["wo"][...],
+                                        num_experts_per_tok=K, capacity_factor=factor, return_aux=True)
+            return y, aux["dropped"]
+
+        with jax.set_mesh(mesh):
+            y, n_dropped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, EP), out_specs=(EP, P())))(
+                state, jax.device_put(jnp.asarray(x.reshape(shape)), EP))
+        y = np.asarray(y).reshape(-1, H)
+        kept = np.zeros((world * T, K), bool)
+        kept[kept_tokens] = True
+        full = model(x, p, K)[0]
+        np.testing.assert_allclose(y[kept_tokens], full[kept_tokens], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.delete(y, kept_tokens, axis=0), 0.0)
+        assert int(n_dropped) == dropped
+
+
+def test_group_limited_routing_by_hand():
+    # E = 8 in 4 groups of 2; router = I, so each token's logits are x. Sigmoid scores of
+    # [5, -5 | 4, 4 | 3, 3 | -9, -9]: groups (their best two) 1.0, 1.96, 1.90, 0.0002, so the best two
+    # groups are 1 and 2 and the top 2 experts 2 and 3 (expert 0, the best overall, is in group 0).
+    x = jnp.array([[5.0, -5.0, 4.0, 4.0, 3.0, 3.0, -9.0, -9.0]])
+    eye = jnp.eye(8)
+    sig = lambda v: 1 / (1 + np.exp(-v))
+    idx, w = moe_layers.route(x, eye, 2, score_func="sigmoid")
+    assert sorted(np.asarray(idx)[0]) == [0, 2]  # no group limit
+    idx, w = moe_layers.route(x, eye, 2, score_func="sigmoid", n_routing_groups=4, topk_routing_group=2)
+    assert sorted(np.asarray(idx)[0]) == [2, 3]
+    np.testing.assert_allclose(np.asarray(w), [[0.5, 0.5]], rtol=1e-6)
+    # A bias of 2 on group 3 makes it the best group and its experts the choice; the weights stay
+    # the unbiased scores (norm_topk_prob=False), times routed_scaling_factor.
+    bias = jnp.array([0, 0, 0, 0, 0, 0, 2.0, 2.0])
+    idx, w = moe_layers.route(x, eye, 2, False, score_func="sigmoid", routed_bias=bias, n_routing_groups=4,
+                              topk_routing_group=2, routed_scaling_factor=2.0)
+    assert sorted(np.asarray(idx)[0]) == [6, 7]
+    np.testing.assert_allclose(np.asarray(w), [[2 * sig(-9.0)] * 2], rtol=1e-5)
+    # softmax scores, one group: group 0 (p(5) + p(-5) beats 2 p(4)) holds experts 0 and 1.
+    idx, w = moe_layers.route(x, eye, 2, score_func="softmax", n_routing_groups=4, topk_routing_group=1)
+    assert list(np.asarray(idx)[0]) == [0, 1]
+    np.testing.assert_allclose(np.asarray(w), [[sig(10.0), sig(-10.0)]], rtol=1e-5)
+
+
+def test_routed_bias_update():
+    counts = jnp.array([3, 1, 2, 2], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(moe_layers.routed_bias_update(counts, 0.25)), [-0.25, 0.25, 0.0, 0.0])
+
+
+# ---------------------------------------------------------------- the load-balance loss's gradients
+
+def dense_routed(p, x, k, seq_len, *, score_func, bias, scale, weight):
+    """JAX MoE MLP with MaxText's routing and load-balance loss, no routing op, for jax.grad:
+    (out [N, H], weight * loss)."""
+    logits = x @ p["router"]
+    scores = jax.nn.softmax(logits, axis=-1) if score_func == "softmax" else jax.nn.sigmoid(logits)
+    _, idx = jax.lax.top_k(scores + bias, k)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    w = w / w.sum(-1, keepdims=True) * scale
+    g = jnp.einsum("th,tkhf->tkf", x, p["wi_0"][idx])
+    u = jnp.einsum("th,tkhf->tkf", x, p["wi_1"][idx])
+    out = jnp.einsum("tk,tkh->th", w, jnp.einsum("tkf,tkfh->tkh", jax.nn.silu(g) * u, p["wo"][idx]))
+    e = logits.shape[-1]
+    probs = jax.nn.softmax(logits if score_func == "softmax" else scores, axis=-1).reshape(-1, seq_len, e)
+    fraction = jax.nn.one_hot(idx, e).sum(1).reshape(-1, seq_len, e).mean(1) / k
+    return out, weight * e * jnp.mean(jnp.sum(fraction * probs.mean(1), axis=-1))
+
+
+GRAD_CASES = [("softmax-tokens", dict(), "tokens"),
+              ("sigmoid-bias-sequences", dict(score_func="sigmoid", use_routed_bias=True, routed_scaling_factor=2.0),
+               "sequences")]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
+@pytest.mark.parametrize("world", [2, 3])
+def test_load_balance_loss_gradients(world, case):
+    # The sown loss alone, and the output's loss plus it: every parameter's gradient (the router's
+    # through the loss's probabilities) finite and equal to jax.grad of the dense model; the routed
+    # bias gets none.
+    _, kwargs, layout = case
+    mesh = make_mesh((world,), ("ep",))
+    e = 2 * world
+    graphdef, state, specs = nnx_moe(mesh, load_balance_loss_weight=0.5, **kwargs)
+    bias = np.zeros(e, np.float32)
+    if kwargs.get("use_routed_bias"):
+        bias = 0.3 * np.array(jax.random.normal(jax.random.key(25), (e,)), np.float32)
+        state = with_values(mesh, state, specs, router_bias=bias)
+    x, cot = layout_tokens(26, world, layout), layout_tokens(27, world, layout)
+    seq_len = world * T if layout == "tokens" else T // 2
+
+    def fn(s, x):
+        y, inter = nnx.capture(nnx.merge(graphdef, s), nnx.Intermediate)(x)
+        return y, nnx.to_pure_dict(inter)["moe_lb_loss"][0]
+
+    f = jax.shard_map(fn, mesh=mesh, in_specs=(specs, EP), out_specs=(EP, P()))
+    losses = {"lb": lambda s, x: f(s, x)[1], "total": lambda s, x: (lambda y, lb: jnp.sum(y * cot) + lb)(*f(s, x))}
+    p = {name: jnp.asarray(v) for name, v in params_of(state).items()}
+    opts = dict(score_func=kwargs.get("score_func", "softmax"), bias=jnp.asarray(bias),
+                scale=kwargs.get("routed_scaling_factor", 1.0), weight=0.5)
+    flat = x.reshape(-1, H)
+    refs = {"lb": lambda p: dense_routed(p, flat, K, seq_len, **opts)[1],
+            "total": lambda p: (lambda o, lb: jnp.sum(o * cot.reshape(-1, H)) + lb)(
+                *dense_routed(p, flat, K, seq_len, **opts))}
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, EP)
+        for which in ("lb", "total"):
+            grads = jax.jit(jax.grad(losses[which]))(state, xs)
+            g, g_ref = params_of(grads), jax.grad(refs[which])(p)
+            assert np.isfinite(g["router"]).all() and np.abs(g["router"]).max() > 0, which
+            names = ("router",) if which == "lb" else NAMES
+            for name in names:
+                assert rel_err(g[name], g_ref[name]) <= 1e-4, (which, name)
+            if which == "lb":  # the loss reaches the router only
+                assert all(np.abs(g[name]).max() == 0 for name in ("wi_0", "wi_1", "wo"))
+            if kwargs.get("use_routed_bias"):
+                np.testing.assert_array_equal(np.asarray(nnx.to_pure_dict(grads)["router_bias"]), 0.0)
+
+
+# ---------------------------------------------------------------- Linen with the routing options
+
+def test_linen_routing_options_equal_nnx():
+    # Linen's init (the dense W = 1 MLP) and its apply inside shard_map against the model and the NNX
+    # layer on the same parameters and bias; the bias in the "moe_bias" collection, not "params".
+    world = 2
+    mesh = make_mesh((world,), ("ep",))
+    opts = dict(score_func="sigmoid", use_routed_bias=True, n_routing_groups=4, topk_routing_group=2,
+                routed_scaling_factor=1.5, capacity_factor=1.0, load_balance_loss_weight=0.1)
+    e = 8
+    x = layout_tokens(28, world, "sequences")
+    module = MoeMlpDense(F, e, K, **opts)
+    # init: the dense MLP (W = 1) with the same routing, on its fresh parameters and zero bias.
+    init_out, init_vars = module.init_with_output(jax.random.key(3), x, mutable=True)
+    assert set(init_vars) == {"params", "moe_bias", "intermediates"}
+    np.testing.assert_array_equal(init_vars["moe_bias"]["router_bias"], np.zeros(e))
+    init_ref, _, init_aux = routed_model(x.reshape(-1, H), params_of(init_vars), K, seq_len=T // 2,
+                                         score_func="sigmoid", scale=1.5, groups=(4, 2), capacity_factor=1.0)
+    assert rel_err(np.asarray(init_out).reshape(-1, H), init_ref) <= TOL[jnp.float32]
+    np.testing.assert_allclose(init_vars["intermediates"]["moe_lb_loss"][0], 0.1 * init_aux["load_balance_loss"],
+                               rtol=1e-5)
+    bias = 0.3 * np.array(jax.random.normal(jax.random.key(29), (e,)), np.float32)
+    variables = {"params": init_vars["params"], "moe_bias": {"router_bias": jnp.asarray(bias)}}
+    p = params_of(variables)
+    ref, _, aux = routed_model(x.reshape(-1, H), p, K, seq_len=T // 2, score_func="sigmoid", bias=bias, scale=1.5,
+                               groups=(4, 2), capacity_factor=1.0)
+    linen_specs = partition_specs(variables, RULES)
+    assert linen_specs["moe_bias"]["router_bias"] == P()
+    graphdef, state, specs = nnx_moe(mesh, num_experts=e, **opts)
+    nnx.replace_by_pure_dict(state, {**{n: jnp.asarray(v) for n, v in p.items()}, "router_bias": jnp.asarray(bias)})
+    apply = lambda v, x: module.apply(v, x, mutable=["intermediates"])
+    with jax.set_mesh(mesh):
+        state = jax.device_put(state, specs)
+        xs = jax.device_put(x, EP)
+        y_linen, mutated = jax.jit(jax.shard_map(apply, mesh=mesh, in_specs=(linen_specs, EP), out_specs=(EP, P())))(
+            jax.device_put(variables, linen_specs), xs)
+        y_nnx, sown = jax.jit(jax.shard_map(captured(graphdef), mesh=mesh, in_specs=(specs, EP),
+                                            out_specs=(EP, EP)))(state, xs)
+    np.testing.assert_array_equal(np.asarray(y_linen), np.asarray(y_nnx))
+    assert rel_err(np.asarray(y_linen).reshape(-1, H), ref) <= TOL[jnp.float32]
+    inter = mutated["intermediates"]
+    np.testing.assert_allclose(inter["moe_lb_loss"][0], 0.1 * aux["load_balance_loss"], rtol=1e-5)
+    np.testing.assert_array_equal(inter["moe_expert_counts"][0], aux["expert_counts"])
+    np.testing.assert_array_equal(inter["moe_dropped"][0], aux["dropped"])
+    np.testing.assert_array_equal(np.asarray(sown["moe_lb_loss"])[0], inter["moe_lb_loss"][0])
+
+
+# ---------------------------------------------------------------- bad routing arguments
+
+ROUTING_ERRORS = [
+    (dict(score_func="relu"), r"score_func must be one of \('softmax', 'sigmoid'\), got 'relu'"),
+    (dict(n_routing_groups=2), r"n_routing_groups and topk_routing_group must both be -1 \(no group limit\) or both "
+                               r"be set, got 2 and -1"),
+    (dict(n_routing_groups=3, topk_routing_group=1), r"n_routing_groups must be -1 or a positive int dividing "
+                                                     r"num_experts \(8\) into groups of at least 2 experts, got 3"),
+    (dict(n_routing_groups=8, topk_routing_group=1), r"n_routing_groups must be -1 or a positive int dividing "
+                                                     r"num_experts \(8\) into groups of at least 2 experts, got 8"),
+    (dict(n_routing_groups=2, topk_routing_group=3), r"topk_routing_group must be -1 or an int in "
+                                                     r"\[1, n_routing_groups = 2\], got 3"),
+    (dict(n_routing_groups=4, topk_routing_group=1, num_experts_per_tok=3),
+     r"topk_routing_group \(1\) groups of 2 experts must hold at least num_experts_per_tok \(3\) experts, got 2"),
+    (dict(routed_scaling_factor=0), r"routed_scaling_factor must be a positive number, got 0"),
+    (dict(capacity_factor=-1.0), r"capacity_factor must be a positive number or None, got -1.0"),
+    (dict(capacity_factor=float("nan")), r"capacity_factor must be a positive number or None, got nan"),
+    (dict(load_balance_loss_weight=-0.1), r"load_balance_loss_weight must be a number >= 0, got -0.1"),
+    (dict(use_routed_bias="yes"), r"use_routed_bias must be one of \(True, False\), got 'yes'"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", ROUTING_ERRORS, ids=[f"{i}" for i in range(len(ROUTING_ERRORS))])
+def test_routing_argument_errors(kwargs, match):
+    kwargs = {"num_experts": 8, "num_experts_per_tok": K, **kwargs}
+    with nnx.use_eager_sharding(False), pytest.raises(ValueError, match="MoeMlp: " + match):
+        MoeMlp(H, F, **kwargs, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="MoeMlpDense: " + match):
+        MoeMlpDense(F, **kwargs).init(jax.random.key(0), jnp.ones((T, H)))
+
+
+def test_functional_routing_errors():
+    mesh = make_mesh((2,), ("ep",))
+    router, wi, wo = jnp.ones((H, 4)), jnp.ones((2, H, F)), jnp.ones((2, F, H))
+
+    def call(**kwargs):
+        trace(mesh, lambda _, x: moe_layers.moe_mlp(x, router, wi, wi, wo, num_experts_per_tok=K, **kwargs), {}, {},
+              (2 * T, H))
+
+    with pytest.raises(ValueError, match=r"moe_mlp: routed_bias must have shape \[E\] = \(4,\) \(whole, not split\), "
+                                         r"got \(2,\)"):
+        call(routed_bias=jnp.zeros(2))
+    with pytest.raises(ValueError, match=r"moe_mlp: routed_bias must be an array, got list"):
+        call(routed_bias=[0.0] * 4)
+    with pytest.raises(ValueError, match=r"moe_mlp: return_aux must be one of \(True, False\), got 'yes'"):
+        call(return_aux="yes")
+    with pytest.raises(ValueError, match=r"moe_mlp: capacity_factor must be a positive number or None, got 0"):
+        call(capacity_factor=0)
+    with pytest.raises(ValueError, match=r"moe_mlp: score_func must be one of \('softmax', 'sigmoid'\), got None"):
+        call(score_func=None)
