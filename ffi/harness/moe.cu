@@ -472,6 +472,7 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
     return v;
   };
   double worst = 0;
+  bool repeat_same = true;
   for (int epoch = 0; epoch < 3; ++epoch) {
     for (int r = 0; r < world_size; ++r) {
       uint64_t const seed = 900 + 10 * epoch + 2 * r;
@@ -515,6 +516,18 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
       }
     }
     worst = std::max(worst, std::sqrt(err2 / std::max(ref2, 1e-30)));
+    // The same inputs again (the inboxes poisoned): every rank's copied rows bitwise equal.
+    std::vector<std::vector<uint16_t>> first_rows;
+    for (auto& r : ranks) first_rows.push_back(download(r.o_recv, plan.inbox_bytes / 2));
+    for (auto& r : ranks) {
+      CHECK_CUDA(cudaMemset(r.inbox, 0xFF, plan.inbox_bytes));
+      CHECK_CUDA(cudaMemset(r.o_recv, 0xFF, plan.inbox_bytes));
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    call(-1);
+    for (int r = 0; r < world_size; ++r) {
+      repeat_same = repeat_same && download(ranks[r].o_recv, plan.inbox_bytes / 2) == first_rows[r];
+    }
   }
   DeviceError healthy;
   CHECK_CUDA(cudaMemcpy(&healthy, error, sizeof healthy, cudaMemcpyDeviceToHost));
@@ -525,11 +538,11 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
   CHECK_CUDA(cudaMemcpy(&e, error, sizeof e, cudaMemcpyDeviceToHost));
   double const tol = bf16 ? 1e-2 : 2e-3;
   char buf[256];
-  std::snprintf(buf, sizeof buf, ": 3 epochs, rel err %.2e (tol %.0e), error %u; missing rank: code=%u site=%d source=%d",
-                worst, tol, healthy.code, e.code, e.site, e.source);
+  std::snprintf(buf, sizeof buf, ": 3 epochs, rel err %.2e (tol %.0e), repeats %s, error %u; missing rank: code=%u site=%d source=%d",
+                worst, tol, repeat_same ? "bitwise equal" : "DIFFER", healthy.code, e.code, e.site, e.source);
   bool const site_ok = world_size == 1 || e.site == kMoeWaitTransfer || e.site == kMoeWaitCombineReady;
   bool const missing_ok = world_size == 1 || (e.code == kErrorDeadline && site_ok && e.source == missing);
-  expect(worst <= tol && healthy.code == 0 && missing_ok, name + std::string(buf));
+  expect(worst <= tol && repeat_same && healthy.code == 0 && missing_ok, name + std::string(buf));
   for (auto& r : ranks) {
     cudaFree(r.h);
     cudaFree(r.w);
