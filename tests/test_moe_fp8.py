@@ -378,3 +378,74 @@ def test_fp8_mlp_at_other_worlds_eager_and_untyped(world, check_vma, jit):
     for name, a, b in zip(("x", "w1", "w2"), got[True], got[False]):
         a, b = np.asarray(a), np.asarray(b)
         assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 0.15, name
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp8_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, world):
+    """The FP8 MLP with the kernels' branch taken on CPU and each FP8 kernel replaced by its contract
+    written in XLA (the dispatch kernel: y = moved x_send times w_t^T, each row times its source's
+    scale and w's; the combine kernel: o_recv = h times w2_t^T times this rank's two scales, sent
+    home): values and gradients equal the reference path's, so the ops hand the kernels w_t K-major
+    (w1 and w2 transposed per call in the forward, w2 and w1 themselves in the backward), every
+    source's scales [W] and the rank's own h scale. F != H != N, so a weight in the wrong layout fails
+    on its shape."""
+    from entwine_jax import callsite
+    from entwine_jax.moe import fused, reference
+    from entwine_jax.moe import op as moe_op
+
+    attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
+    calls = []
+
+    def fake_dispatch(x_send, w_t, x_scales, w_scale, site, out_dtype):
+        calls.append(("dispatch", jnp.dtype(x_send.dtype).name))
+        pool = reference.to_experts(x_send, axis_name="ep", world=world, op="moe_dispatch_gemm")
+        rows = jnp.repeat(x_scales, pool.shape[1] // world)[None, :, None]
+        y = jnp.einsum("erk,enk->ern", pool.astype(F32), w_t.astype(F32)) * rows * jnp.reshape(w_scale, ())
+        return y.astype(out_dtype), pool
+
+    def fake_combine(h, w2_t, x_scale, w_scale, site, world_, out_dtype):
+        calls.append(("combine", jnp.dtype(h.dtype).name))
+        o = jnp.einsum("erf,ehf->erh", h.astype(F32), w2_t.astype(F32)) * jnp.reshape(x_scale * w_scale, ())
+        return reference.to_sources(o.astype(out_dtype), axis_name="ep", world=world_, op="moe_gemm_combine")
+
+    def site(target):
+        def prepare(plan, rows, cols, dtype, out_dtype=None):
+            return fused.MoeCall(3, attrs, target + ("" if out_dtype is None else "_fp8")), None
+        return prepare
+
+    outs = {}
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, w1 = inputs(world, t=64, h=64, n=96, seed=11)
+    w2, weights = combine_inputs(w1, idx, seed=12)
+    w2 = w2[:, :, :48].copy()  # F = 96, H = 48 out: the combine's output width differs from x's
+    c = np.random.default_rng(13).standard_normal((x.shape[0], 48)).astype(np.float32)
+
+    def body(x, idx, w1, w2, weights, c):
+        y, handle = moe_dispatch_gemm(x, idx, w1, axis_name="ep", x_scale=fp8.current_scale(x),
+                                      w_scale=fp8.current_scale(w1))
+        h = jax.nn.gelu(y.astype(F32))
+        out = moe_gemm_combine(h, w2, weights, handle, axis_name="ep", x_scale=fp8.current_scale(h),
+                               w_scale=fp8.current_scale(w2))
+        return jnp.sum(out.astype(F32) * c, keepdims=True)
+
+    for emulated in (False, True):
+        if emulated:
+            monkeypatch.setattr(moe_op, "prepare_gemm", site("entwine_moe_dispatch_gemm"))
+            monkeypatch.setattr(moe_op, "prepare_combine", site("entwine_moe_gemm_combine"))
+            monkeypatch.setattr(fused, "call_fp8", fake_dispatch)
+            monkeypatch.setattr(fused, "call_combine_fp8", fake_combine)
+            # The kernels' branch on this platform (it is CUDA's alone otherwise).
+            monkeypatch.setattr(callsite, "dispatch", lambda reason, ref, kernel, *a: kernel(*a) if reason is None
+                                else ref(*a))
+        f = jax.shard_map(body, mesh=mesh, in_specs=(EP,) * 6, out_specs=EP)
+        with jax.set_mesh(mesh):
+            args = [jax.device_put(a, EP) for a in (x, idx, w1, w2, weights, c)]
+            loss = lambda x, w1, w2, weights: jnp.sum(f(x, args[1], w1, w2, weights, args[5]))  # noqa: E731
+            outs[emulated] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(*[args[i] for i in (0, 2, 3, 4)])
+    # Each kernel twice: the forward's e4m3 and the backward's e5m2 (the other op's gradient).
+    assert sorted(calls) == [("combine", "float8_e4m3fn"), ("combine", "float8_e5m2"),
+                             ("dispatch", "float8_e4m3fn"), ("dispatch", "float8_e5m2")], calls
+    (l_ref, g_ref), (l_emu, g_emu) = outs[False], outs[True]
+    assert rel(l_emu, l_ref) < 1e-5
+    for name, a, b in zip(("x", "w1", "w2", "weights"), g_emu, g_ref):
+        assert rel(a, b) < 1e-4, (name, rel(a, b))
