@@ -605,3 +605,55 @@ def test_mlp_lowers_to_the_dispatch_and_combine_kernels_on_cuda(monkeypatch):
     calls = {t: sum(f"@{t}(" in line for line in text.splitlines())
              for t in ("entwine_moe_dispatch_gemm", "entwine_moe_gemm_combine")}
     assert calls == {"entwine_moe_dispatch_gemm": 2, "entwine_moe_gemm_combine": 2}, calls
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, world):
+    """The bf16 MLP with the kernels' branch taken on CPU and each kernel replaced by its contract in
+    XLA (the dispatch kernel: y = the moved x_send times w, and the moved pool; the combine kernel:
+    o_recv = h times w, sent home): values and gradients equal the reference path's, each kernel
+    called for its forward and the other op's backward. F, H and 2F differ, so a weight in the wrong
+    layout fails on its shape."""
+    from entwine_jax import callsite
+    from entwine_jax.moe import fused, reference
+    from entwine_jax.moe import op as moe_op
+
+    attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
+    calls = []
+
+    def fake_dispatch(x_send, w, site, return_pool):
+        calls.append("dispatch")
+        pool = reference.to_experts(x_send, axis_name="ep", world=world, op="moe_dispatch_gemm")
+        return reference.expert_dot(pool, w).astype(x_send.dtype), pool
+
+    def fake_combine(h, w, site, world_):
+        calls.append("combine")
+        o = reference.expert_dot(h, w).astype(h.dtype)
+        return reference.to_sources(o, axis_name="ep", world=world_, op="moe_gemm_combine")
+
+    mesh = make_mesh((world,), ("ep",))
+    x, idx, weights, w1, w2 = random_case(21, world, 2, 48, 2, 40, 24, jnp.bfloat16, "uniform")
+    c = np.random.default_rng(22).standard_normal(x.shape).astype(np.float32)
+    outs = {}
+    for emulated in (False, True):
+        if emulated:
+            monkeypatch.setattr(moe_op, "prepare_gemm",
+                                lambda *a, **k: (fused.MoeCall(3, attrs, "entwine_moe_dispatch_gemm"), None))
+            monkeypatch.setattr(moe_op, "prepare_combine",
+                                lambda *a, **k: (fused.MoeCall(3, attrs, "entwine_moe_gemm_combine"), None))
+            monkeypatch.setattr(fused, "call", fake_dispatch)
+            monkeypatch.setattr(fused, "call_combine", fake_combine)
+            # The kernels' branch on this platform (it is CUDA's alone otherwise).
+            monkeypatch.setattr(callsite, "dispatch", lambda reason, ref, kernel, *a: kernel(*a) if reason is None
+                                else ref(*a))
+        f = jax.shard_map(lambda *a: moe_mlp(*a)[0], mesh=mesh, in_specs=(EP,) * 5, out_specs=EP)
+        with jax.set_mesh(mesh):
+            args = [jax.device_put(a, EP) for a in (x, idx, weights, w1, w2)]
+            cc = jax.device_put(c, EP)
+            loss = lambda x, weights, w1, w2: jnp.sum(f(x, args[1], weights, w1, w2).astype(jnp.float32) * cc)  # noqa
+            outs[emulated] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(*[args[i] for i in (0, 2, 3, 4)])
+    assert sorted(calls) == ["combine", "combine", "dispatch", "dispatch"], calls
+    (l_ref, g_ref), (l_emu, g_emu) = outs[False], outs[True]
+    assert rel_err(np.asarray(l_emu, np.float32), np.asarray(l_ref, np.float32)) < 1e-6
+    for name, a, b in zip(("x", "weights", "w1", "w2"), g_emu, g_ref):
+        assert rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 1e-6, name
