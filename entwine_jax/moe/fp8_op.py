@@ -5,6 +5,7 @@
 # per tensor"); on CUDA the FP8 dispatch and combine kernels do that (dispatch_pool, combine_pool)
 # where the plan has them. The custom VJPs keep the pairing: each op's backward is the other on the cotangent
 # quantised to e5m2 (or in bf16/fp16 when the caller asks).
+import dataclasses
 import functools
 from typing import Optional
 
@@ -148,12 +149,10 @@ def _dispatch_bwd(plan, call, shared, res, dy):
     g8, g_scale = _cotangent(dy, gs, call)
     # dx: a combine of dy with w1^T on the expert side (the FP8 product, scaled), rows home in the
     # backward's dtype, summed with unit weights (copying x[t] to k rows sums their gradients).
-    if call.fp8_grads:
-        # The FP8 combine (kernel) of e5m2 rows times w1^T: w1 [E_local, H, N] is that GEMM's w_t.
-        o_recv = combine_pool(g8, g_scale, w8, ws, plan, call.backward_dtype, COMBINE)
-    else:
-        dx_rows = _scaled_expert_dot(g8, jnp.broadcast_to(g_scale, (g8.shape[1],)), jnp.swapaxes(w8, 1, 2), ws)
-        o_recv = op.to_sources(dx_rows.astype(call.backward_dtype), plan, COMBINE)
+    # The FP8 combine (kernel) of e5m2 rows times w1^T (w1 [E_local, H, N] is that GEMM's w_t); a
+    # bf16/fp16 backward has no kernel of its own here (the plan's combine call is the FP8 one).
+    kernel_plan = plan if call.fp8_grads else dataclasses.replace(plan, combine_call=None)
+    o_recv = combine_pool(g8, g_scale, w8, ws, kernel_plan, call.backward_dtype, COMBINE)
     dx = reference.from_segments(o_recv, jnp.ones(handle.expert.shape, F32), handle)
     # dw1[e] = pool[e]^T dy[e] in fp32 from the dequantised operands (rows no slot took are zero).
     dw1 = reference.expert_weight_grad(_dequantized(pool8, rows), _bf16(g8).astype(F32) * g_scale)

@@ -104,6 +104,17 @@ def _platform(axis_name, axis_size, config) -> tuple[Optional[str], Any, Any]:
     return comm.platform_reason(axis_name)
 
 
+def _answer(key: tuple, axis_name, compute) -> Optional[str]:
+    """A predicate's answer for the call `key` describes on `axis_name`'s mesh: compute() once per
+    key and mesh (comm.cached_reason), or why the call cannot be inspected."""
+    try:
+        mesh = comm.find_mesh(axis_name)
+        key = key + (comm.axis_tuple(axis_name), mesh)
+    except Exception as e:
+        return f"cannot inspect the call ({type(e).__name__}: {e})"
+    return comm.cached_reason(key, mesh, compute)
+
+
 def _unavailable(x_send, w1, axis_name, axis_size, config, out_dtype) -> Optional[str]:
     reason, mesh, ext = _platform(axis_name, axis_size, config)
     if reason := reason or callsite.kernel_dtype_reason(x_send.dtype, w1.dtype, out_dtype):
@@ -111,6 +122,8 @@ def _unavailable(x_send, w1, axis_name, axis_size, config, out_dtype) -> Optiona
     (experts, capacity, k), n = x_send.shape, w1.shape[2]
     try:
         plan = moe_plan(axis_size, experts, capacity, k, n, x_send.dtype, config)
+    except NoExtension as e:
+        return str(e)
     except PlanError as e:
         return f"the kernels cannot run this call: {e.rule}"
     if plan.sms_needed > _extension.sm_count():
@@ -125,13 +138,9 @@ def unavailable_reason(x_send, w1, *, axis_name, axis_size: int, config, out_dty
     """None when the kernels can run dispatch_pool on x_send [E, C, H] and w1 [E_local, H, N]
     (abstract values; out_dtype given: an FP8 call writing it), else a short reason. Only answers
     (prepare acquires)."""
-    try:
-        mesh = comm.find_mesh(axis_name)
-        key = ("moe", tuple(x_send.shape), str(x_send.dtype), tuple(w1.shape), str(w1.dtype), str(out_dtype),
-               comm.axis_tuple(axis_name), axis_size, repr(config), mesh)
-    except Exception as e:
-        return f"cannot inspect the call ({type(e).__name__}: {e})"
-    return comm.cached_reason(key, mesh, lambda: _unavailable(x_send, w1, axis_name, axis_size, config, out_dtype))
+    key = ("moe", tuple(x_send.shape), str(x_send.dtype), tuple(w1.shape), str(w1.dtype), str(out_dtype), axis_size,
+           repr(config))
+    return _answer(key, axis_name, lambda: _unavailable(x_send, w1, axis_name, axis_size, config, out_dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,13 +257,9 @@ def combine_unavailable_reason(h, w2, *, axis_name, axis_size: int, config, out_
     """None when the combine kernel can run combine_pool on h [E_local, W*C, F] and w2 [E_local, F, H]
     (abstract values; out_dtype given: an FP8 call, h e4m3 or e5m2 and w2 e4m3, writing out_dtype),
     else a short reason. Only answers."""
-    try:
-        mesh = comm.find_mesh(axis_name)
-        key = ("moe combine", tuple(h.shape), str(h.dtype), tuple(w2.shape), str(w2.dtype), str(out_dtype),
-               comm.axis_tuple(axis_name), axis_size, repr(config), mesh)
-    except Exception as e:
-        return f"cannot inspect the call ({type(e).__name__}: {e})"
-    return comm.cached_reason(key, mesh, lambda: _combine_unavailable(h, w2, axis_name, axis_size, config, out_dtype))
+    key = ("moe combine", tuple(h.shape), str(h.dtype), tuple(w2.shape), str(w2.dtype), str(out_dtype), axis_size,
+           repr(config))
+    return _answer(key, axis_name, lambda: _combine_unavailable(h, w2, axis_name, axis_size, config, out_dtype))
 
 
 def prepare_combine(h, w2, *, axis_name, axis_size: int, config) -> MoeCall:
@@ -336,13 +341,8 @@ def _transfer_unavailable(send, axis_name, axis_size, config) -> Optional[str]:
 
 def transfer_unavailable_reason(send, *, axis_name, axis_size: int, config) -> Optional[str]:
     """None when moe_transfer can move send [E, C, ...] (an abstract value, any dtype), else why not."""
-    try:
-        mesh = comm.find_mesh(axis_name)
-        key = ("moe transfer", tuple(send.shape), str(send.dtype), comm.axis_tuple(axis_name), axis_size,
-               config.path, mesh)
-    except Exception as e:
-        return f"cannot inspect the call ({type(e).__name__}: {e})"
-    return comm.cached_reason(key, mesh, lambda: _transfer_unavailable(send, axis_name, axis_size, config))
+    key = ("moe transfer", tuple(send.shape), str(send.dtype), axis_size, config.path)
+    return _answer(key, axis_name, lambda: _transfer_unavailable(send, axis_name, axis_size, config))
 
 
 def prepare_transfer(send, *, axis_name, axis_size: int) -> MoeCall:

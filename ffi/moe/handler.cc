@@ -61,6 +61,7 @@ const comm::OpHooks kHooks{
 namespace {
 
 constexpr const char* kOp = "entwine moe_dispatch_gemm";
+constexpr const char* kCombineOp = "entwine moe_gemm_combine";
 using handler::DeviceGuard;
 using handler::dims_string;
 
@@ -200,7 +201,6 @@ ffi::Error derive(MoeProblem const& problem, DType output, MoeGemmArgs const& ar
 // The combine's plan and prepared GEMM, memoised as derive's.
 ffi::Error derive_combine(MoeProblem const& problem, DType output, MoeCombineArgs const& args, bool capturing,
                           MoeConfig const& config, comm::DeviceComm const& dc, Derived const** derived) {
-  constexpr const char* kCombineOp = "entwine moe_gemm_combine";
   // Every rank's inbox and flags are in the key: room for 8 ranks' (16 words) beyond derive's.
   static thread_local handler::CallMemo<72, Derived> memo;
   handler::MemoKey<72> key;
@@ -454,7 +454,6 @@ struct CombineOperands {
 // announces the call as it starts; its stores into a source wait for that source's announcement).
 ffi::Error RunMoeCombine(cudaStream_t xla_stream, int32_t device, CombineOperands const& ops,
                          ffi::Result<ffi::AnyBuffer> o_recv, int64_t comm_id, int64_t signature, MoeConfig config) {
-  constexpr const char* kCombineOp = "entwine moe_gemm_combine";
   comm::DeviceComm* dc = nullptr;
   if (ffi::Error e = handler::usable_comm(kCombineOp, comm_id, device, &dc); e.failure()) return e;
   handler::ExclusiveDispatch const exclusive(*dc);
@@ -523,7 +522,6 @@ ffi::Error RunMoeCombine(cudaStream_t xla_stream, int32_t device, CombineOperand
 ffi::Error MoeGemmCombineImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer h, ffi::AnyBuffer w2,
                               ffi::Result<ffi::AnyBuffer> o_recv, int64_t comm_id, int64_t signature,
                               MoeConfig config) {
-  constexpr const char* kCombineOp = "entwine moe_gemm_combine";
   return handler::guarded(kCombineOp, [&]() -> ffi::Error {
     CombineOperands ops{DType::kBF16, DType::kBF16, h, w2};
     if (ffi::Error e = handler::element_type(kCombineOp, "h", h, &ops.input); e.failure()) return e;
@@ -540,7 +538,6 @@ ffi::Error MoeGemmCombineImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyB
 ffi::Error MoeGemmCombineFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer h, ffi::AnyBuffer w2_t,
                                  ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> o_recv,
                                  int64_t comm_id, int64_t signature, MoeConfig config) {
-  constexpr const char* kCombineOp = "entwine moe_gemm_combine";
   return handler::guarded(kCombineOp, [&]() -> ffi::Error {
     CombineOperands ops{DType::kE4M3, DType::kBF16, h, w2_t};
     if (ffi::Error e = handler::fp8_input(kCombineOp, "h", h, &ops.input); e.failure()) return e;
