@@ -569,16 +569,19 @@ def test_kernel_plans_state_their_rules():
     assert (d["e_local"], d["inbox_bytes"], d["push_grid"]) == (2, 2 * 3 * 128 * 4, 0)
 
 
-def test_auto_path_keeps_the_reference_until_the_gpu_suites_pass(monkeypatch):
-    """path 'auto' on a CUDA mesh does not take the unproven kernels: the reason says how to ask."""
+def test_auto_path_takes_the_kernels_on_cuda(monkeypatch):
+    """path 'auto' on a CUDA mesh takes the kernels for 16-bit inputs; it keeps the reference where
+    the user asks, for float32, and at axis size 1 (path 'fused' still runs them there)."""
     from entwine_jax.moe import op as moe_op
 
     monkeypatch.setattr(moe_op.callsite, "platform_reason", lambda axis_name: None)
-    assert moe_op._early_reason(MoeConfig(), "ep", 2, jnp.bfloat16) == moe_op.UNPROVEN
-    assert "path='fused'" in moe_op.UNPROVEN
-    assert moe_op._early_reason(MoeConfig(path="fused"), "ep", 2, jnp.bfloat16) is None
+    for dtype in (jnp.bfloat16, jnp.float16):
+        assert moe_op._early_reason(MoeConfig(), "ep", 2, dtype) is None
+        assert moe_op._early_reason(MoeConfig(path="fused"), "ep", 3, dtype) is None
     assert moe_op._early_reason(MoeConfig(path="xla"), "ep", 2, jnp.bfloat16) == "config.path='xla'"
-    assert "float32" in moe_op._early_reason(MoeConfig(path="fused"), "ep", 2, jnp.float32)
+    assert "float32" in moe_op._early_reason(MoeConfig(), "ep", 2, jnp.float32)
+    assert "axis size 1" in moe_op._early_reason(MoeConfig(), "ep", 1, jnp.bfloat16)
+    assert moe_op._early_reason(MoeConfig(path="fused"), "ep", 1, jnp.bfloat16) is None
 
 
 def test_mlp_lowers_to_the_dispatch_and_combine_kernels_on_cuda(monkeypatch):

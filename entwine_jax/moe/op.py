@@ -18,8 +18,6 @@ from entwine_jax.moe.config import MoeConfig
 from entwine_jax.moe.reference import COMBINE, DISPATCH, F32, TILE, MoeHandle, round_up
 
 printed: set = set()  # call sites printed under ENTWINE_PRINT_CONFIG=1
-UNPROVEN = ("path 'auto' keeps the XLA reference: the MoE kernels have not passed the ops' GPU suites yet "
-            "(tests/gpu_ranks.py moe, moemlp); MoeConfig(path='fused') runs them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +86,6 @@ def _early_reason(config: MoeConfig, axis_name, size: int, dtype) -> Optional[st
         return "axis size 1: nothing to move (path='fused' runs the kernels anyway)"
     if jnp.dtype(dtype) == jnp.float32:
         return "float32 inputs (the fused kernels take bfloat16/float16)"
-    if config.path == "auto":
-        # The kernels pass the harness (entwine_harness moe test), not yet the ops' multi-process GPU
-        # suites (gpu_ranks moe, moemlp): until they do, a user asks for them.
-        return UNPROVEN
     return None
 
 
