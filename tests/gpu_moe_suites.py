@@ -126,9 +126,9 @@ class MoeSuites(Rank):
     def moemlp(self):
         """The MoE MLP (moe_layers.moe_mlp: router, top-k, gate|up through moe_dispatch_gemm, SwiGLU,
         moe_gemm_combine) forward and backward on the kernels: y and the vector-Jacobian product with a
-        given cotangent (x, router, wi_0, wi_1, wo) against the dense float32 model on the host's CPU
+        given cotangent (x, router, wi_0, wi_1, wo) against the dense float64 model on the host's CPU
         backend (every expert computed, the top-k weights zero elsewhere); dropless, fp16 and bf16, and
-        bf16 with fp8="current" (FP8 rows and scales on the kernels' moves, the GEMMs XLA's; 15%); the
+        bf16 with fp8="current" (the FP8 dispatch and combine kernels; 15%); the
         compiled program must hold no XLA collective (every move is a fused call)."""
         import jax.numpy as jnp
 
@@ -189,26 +189,40 @@ class MoeSuites(Rank):
         with jax.set_mesh(self.mesh):
             outs = [self.local(v) for v in fn(*args)]
         comm.check_errors()
-        # The reference: the dense model on every rank's tokens, float32 on the host's CPU backend.
+        # The reference: the dense model on every rank's tokens, float64 on the host's CPU backend.
         cpu = jax.local_devices(backend="cpu")[0]
-        dense = functools.partial(moe_layers._dense_moe_mlp, num_experts_per_tok=k, norm_topk_prob=True,
-                                  dtype=jnp.float32, where="reference")
-        f32 = lambda a: jax.device_put(np.asarray(a, np.float32), cpu)  # noqa: E731
         rows = slice(r * t, (r + 1) * t)
         # This rank's share of the router's gradient: the cotangent of the other ranks' tokens zeroed.
-        c_mine = np.zeros((w_ * t, h), np.float32)
+        c_mine = np.zeros((w_ * t, h), np.float64)
         c_mine[rows] = cs[r]
-        with jax.default_device(cpu):
-            y_ref, pullback = jax.vjp(dense, f32(np.concatenate(xs)), f32(router), f32(wi_0), f32(wi_1), f32(wo))
-            grads = pullback(f32(np.concatenate(cs)))
-            router_share = pullback(f32(c_mine))[1]
+        with jax.enable_x64(True), jax.default_device(cpu):
+            f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+            y_ref, pullback = jax.vjp(functools.partial(dense_moe_mlp_f64, k=k), f64(np.concatenate(xs)), f64(router),
+                                      f64(wi_0), f64(wi_1), f64(wo))
+            grads = [np.asarray(g) for g in pullback(f64(np.concatenate(cs)))]
+            router_share = np.asarray(pullback(f64(c_mine))[1])
+            y_ref = np.asarray(y_ref)
         mine = slice(r * e_local, (r + 1) * e_local)
-        refs = [np.asarray(y_ref)[rows], np.asarray(grads[0])[rows], np.asarray(router_share)[None],
-                np.asarray(grads[2])[mine], np.asarray(grads[3])[mine], np.asarray(grads[4])[mine]]
+        refs = [y_ref[rows], grads[0][rows], router_share[None], grads[2][mine], grads[3][mine], grads[4][mine]]
         worst = 0.0
         for name, got, ref in zip(("y", "dx", "drouter", "dwi_0", "dwi_1", "dwo"), outs, refs):
             # FP8 rounds four operands (and e5m2 the cotangents) on the way: ~3-6% each.
             tol = 0.15 if fp8 else 1e-2
-            worst = max(worst, self.check(got, np.asarray(ref, np.float64), f"{what}: {name}", tol=tol))
+            worst = max(worst, self.check(got, ref, f"{what}: {name}", tol=tol))
         self.log(f"{what}: ok")
         return worst
+
+
+def dense_moe_mlp_f64(x, router, wi_0, wi_1, wo, *, k):
+    """The MoE MLP with every expert computed (softmax router, top k, weights renormalised, SwiGLU),
+    in the inputs' dtype (float64 under jax.enable_x64): x [T, H], router [H, E], wi_0 / wi_1
+    [E, H, F], wo [E, F, H]."""
+    import jax
+    import jax.numpy as jnp
+
+    probs = jax.nn.softmax(x @ router, axis=-1)
+    top, idx = jax.lax.top_k(probs, k)
+    weights = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], idx].add(top / top.sum(-1, keepdims=True))
+    g = jnp.einsum("th,ehf->etf", x, wi_0)
+    u = jnp.einsum("th,ehf->etf", x, wi_1)
+    return jnp.einsum("te,etf,efh->th", weights, jax.nn.silu(g) * u, wo)

@@ -11,6 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import entwine_jax
 from entwine_jax import _log
@@ -222,3 +223,31 @@ def test_parse_configs_empty_item_is_the_selected_config():
     assert bench.parse_configs("raster_rows=1;") == [{"raster_rows": 1}, {}]
     with pytest.raises(argparse.ArgumentTypeError, match="no config given"):
         bench.parse_configs(" ; ")
+
+
+def test_bench_moe_needs_a_gpu_and_its_step_is_the_mlps_vjp(capsys):
+    """benchmarks/bench_moe.py: without a GPU it says so (exit 2); its step program is the MoE MLP's
+    output and vector-Jacobian product, the same on both paths (here both XLA's: no CUDA)."""
+    import numpy as np
+
+    import bench_moe
+    from entwine_jax import moe_layers
+
+    assert bench_moe.main(["--iters", "1"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+    mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+    t, h, f, e, k = 256, 32, 64, 4, 2
+    keys = jax.random.split(jax.random.key(3), 6)
+    ops = (jax.random.normal(keys[0], (t, h)), jax.random.normal(keys[1], (h, e)),
+           jax.random.normal(keys[2], (e, h, f)) / 6, jax.random.normal(keys[3], (e, h, f)) / 6,
+           jax.random.normal(keys[4], (e, f, h)) / 8, jax.random.normal(keys[5], (t, h)))
+    config = entwine_jax.MoeConfig(capacity=1.0, path="xla")
+    with jax.set_mesh(mesh):
+        placed = tuple(jax.device_put(v, spec) for v, spec in zip(ops, bench_moe.SPECS))
+        got = bench_moe.step_program(mesh, k, config, None)(*placed)
+        mlp = lambda *a: moe_layers.moe_mlp(*a, num_experts_per_tok=k, axis_name="ep", config=config)  # noqa: E731
+        y, pullback = jax.vjp(jax.shard_map(mlp, mesh=mesh, in_specs=bench_moe.SPECS[:5], out_specs=P("ep")),
+                              *placed[:5])
+        want = (y, *pullback(placed[5]))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,90 @@
+# The MoE MLP's training step (forward and backward) on the kernels against XLA's own ops, on one GPU:
+# an expert axis of size 1, so that XLA's path (its all-to-all, trivial at one rank, and its batched
+# expert GEMMs) runs in the same process; path="fused" runs the kernels, which still move every
+# row through their inboxes. What it measures is the kernels' GEMMs and moves against XLA's GEMMs
+# and copies, not NVLink (ranks sharing one GPU cannot run XLA's all-to-all: NCCL).
+"""MoE MLP step, kernels (path="fused") against XLA (path="xla"), one GPU, expert axis of size 1.
+
+    python benchmarks/bench_moe.py [--iters 50] [--fp8]
+
+Shapes (T tokens, H, F, E experts, top k, capacity factor): Mixtral-8x7B's MLP at 4096 tokens,
+and a DeepSeek-V3-like layer (H 7168, F 2048) with 32 experts. One line per shape: median ms of a
+step (y and the gradients of sum(y * c) w.r.t. x, router, wi_0, wi_1, wo), the two paths' relative
+difference on y and on d wo, and the step of XLA over the kernels'.
+"""
+import argparse
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import entwine_jax
+from entwine_jax import moe_layers
+from entwine_jax.tuning.timing import rel_err, time_interleaved
+
+# name: (T, H, F, E, k, capacity factor)
+SHAPES = {"mixtral-8x7b": (4096, 4096, 14336, 8, 2, 1.0),
+          "deepseek-like": (4096, 7168, 2048, 32, 8, 1.0)}
+
+
+SPECS = (P("ep"), P(), P("ep"), P("ep"), P("ep"), P("ep"))  # x, router, wi_0, wi_1, wo, c
+
+
+def step_program(mesh, k: int, config, fp8):
+    mlp = functools.partial(moe_layers.moe_mlp, num_experts_per_tok=k, axis_name="ep", config=config, fp8=fp8)
+
+    def body(x, router, wi_0, wi_1, wo, c):
+        y, pullback = jax.vjp(mlp, x, router, wi_0, wi_1, wo)
+        return (y, *pullback(c))
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPECS, out_specs=SPECS[-1:] + SPECS[:-1],
+                                 check_vma=False))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--fp8", action="store_true", help='fp8="current" (both expert GEMMs in FP8)')
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("bench_moe: needs a GPU (the fused kernels)", file=sys.stderr)
+        return 2
+    mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+    fp8 = "current" if args.fp8 else None
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, bf16{' fp8=current' if fp8 else ''}, expert "
+          f"axis of size 1, median of {args.iters} steps (ms)")
+    print(f"{'shape':>14} {'T':>5} {'H':>5} {'F':>6} {'E':>3} {'k':>2} {'C':>5} | {'kernels':>8} {'xla':>8} | "
+          f"{'xla/kernels':>11} {'rel y':>8} {'rel dwo':>8}")
+    bad = 0
+    for name, (t, h, f, e, k, factor) in SHAPES.items():
+        keys = jax.random.split(jax.random.key(0), 6)
+        x = jax.random.normal(keys[0], (t, h), jnp.bfloat16)
+        router = jax.random.normal(keys[1], (h, e), jnp.bfloat16)
+        wi_0, wi_1 = (jax.random.normal(kk, (e, h, f), jnp.bfloat16) / h ** 0.5 for kk in keys[2:4])
+        wo = jax.random.normal(keys[4], (e, f, h), jnp.bfloat16) / f ** 0.5
+        c = jax.random.normal(keys[5], (t, h), jnp.bfloat16)
+        fused = step_program(mesh, k, entwine_jax.MoeConfig(capacity=factor, path="fused"), fp8)
+        xla = step_program(mesh, k, entwine_jax.MoeConfig(capacity=factor, path="xla"), fp8)
+        with jax.set_mesh(mesh):
+            operands = tuple(jax.device_put(v, spec) for v, spec in zip((x, router, wi_0, wi_1, wo, c), SPECS))
+            # Both must be what they say: the kernels' program holds the fused calls, XLA's none.
+            if "entwine_moe" not in fused.lower(*operands).as_text() or "entwine_" in xla.lower(*operands).as_text():
+                print(f"{name}: the programs do not take the paths they are named for", file=sys.stderr)
+                return 1
+            got, ref = fused(*operands), xla(*operands)
+            err_y, err_dwo = float(rel_err(got[0], ref[0])), float(rel_err(got[5], ref[5]))
+            # Same routing, same capacity, GEMMs of the same operands: only summation order differs.
+            bound = 0.15 if fp8 else 2e-2
+            ok = err_y < bound and err_dwo < bound
+            bad += not ok
+            ms = time_interleaved({"kernels": (fused, operands), "xla": (xla, operands)}, args.iters, 5, 5)
+        capacity = entwine_jax.moe.op.capacity_rows(t, k, e, factor)
+        print(f"{name:>14} {t:>5} {h:>5} {f:>6} {e:>3} {k:>2} {capacity:>5} | {ms['kernels']:8.3f} {ms['xla']:8.3f} | "
+              f"{ms['xla'] / ms['kernels']:11.3f} {err_y:8.1e} {err_dwo:8.1e}{'' if ok else '  PATHS DISAGREE'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
