@@ -14,6 +14,7 @@ difference on y and on d wo, and the step of XLA over the kernels'.
 """
 import argparse
 import functools
+import re
 import sys
 
 import jax
@@ -69,9 +70,13 @@ def main(argv=None) -> int:
         xla = step_program(mesh, k, entwine_jax.MoeConfig(capacity=factor, path="xla"), fp8)
         with jax.set_mesh(mesh):
             operands = tuple(jax.device_put(v, spec) for v, spec in zip((x, router, wi_0, wi_1, wo, c), SPECS))
-            # Both must be what they say: the kernels' program holds the fused calls, XLA's none.
-            if "entwine_moe" not in fused.lower(*operands).as_text() or "entwine_" in xla.lower(*operands).as_text():
-                print(f"{name}: the programs do not take the paths they are named for", file=sys.stderr)
+            # Both must be what they say: the kernels' compiled program holds both GEMM kernels, XLA's
+            # no call of ours.
+            held = set(re.findall(r'custom_call_target="(entwine_[a-z0-9_]+)"', fused.lower(*operands).compile().as_text()))
+            want = {f"entwine_moe_dispatch_gemm{'_fp8' if fp8 else ''}", f"entwine_moe_gemm_combine{'_fp8' if fp8 else ''}"}
+            if not want <= held or "entwine_" in xla.lower(*operands).compile().as_text():
+                print(f"{name}: the kernels' program holds {sorted(held)}, not {sorted(want)} (ENTWINE_PRINT_CONFIG=1 "
+                      "says why), or XLA's holds a call of ours", file=sys.stderr)
                 return 1
             got, ref = fused(*operands), xla(*operands)
             err_y, err_dwo = float(rel_err(got[0], ref[0])), float(rel_err(got[5], ref[5]))

@@ -221,8 +221,7 @@ def enable(*, gemm_rs_config: Optional[GemmRsConfig] = None, ag_gemm_config: Opt
     column_parallel: False keeps MaxText's own wi_* / query / key / value projections.
     moe: True routes MaxText's routed experts (RoutedMoE.sparse_matmul) through the MoE ops; off by
     default: their static layout moves C = round_up(T, 128) rows per (source, expert) when dropless,
-    E/k times the rows MaxText's ragged all-to-all moves, and their fused path has not passed its GPU
-    suites yet (docs/maxtext.md, "Routed experts (MoE)").
+    E/k times the rows MaxText's ragged all-to-all moves (docs/maxtext.md, "Routed experts (MoE)").
     moe_config: an ``entwine_jax.MoeConfig``, passed to every ``moe_dispatch_gemm`` / ``moe_gemm_combine``
     call (default: dropless, as MaxText's sparse_matmul without ragged_buffer_factor).
     """

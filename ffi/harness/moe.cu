@@ -2,8 +2,8 @@
 // transfers (copy engines or the SM push) and expert GEMM (16-bit, or FP8 per tensor) as a handler
 // would, over several epochs (flags never reset), checks y against float64 on the host, and checks
 // that a rank that never takes part ends its peers' waits with the deadline error naming it (plain
-// launches and a CUDA graph). `moe bench` times the fused call against the same kernels one after
-// the other.
+// launches and a CUDA graph); likewise moe_gemm_combine's GEMM (CombineWorld). `moe bench` times
+// each fused call against the same kernels one after the other.
 #include <cstring>
 
 #include "harness/harness.h"
@@ -35,6 +35,50 @@ std::string describe(MoeCase const& c) {
                 c.bf16 ? "bf16" : "fp16", int(c.config.block_n),
                 int(c.config.gemm_sms), int(c.config.raster_rows), int(c.config.push_sms));
   return buf;
+}
+
+std::vector<uint16_t> download_u16(void const* ptr, size_t count) {
+  std::vector<uint16_t> h(count);
+  CHECK_CUDA(cudaMemcpy(h.data(), ptr, count * 2, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// An operand as doubles: 16-bit (fp8 == 0; bf16 or fp16), else FP8 bytes (e5m2 or e4m3) times `scale`.
+std::vector<double> download_operand(void const* ptr, size_t count, int fp8, bool bf16, bool e5m2, double scale) {
+  std::vector<double> v(count);
+  if (fp8 == 0) {
+    auto const bits = download_u16(ptr, count);
+    for (size_t i = 0; i < count; ++i) v[i] = to_double(bits[i], bf16);
+    return v;
+  }
+  std::vector<uint8_t> bits(count);
+  CHECK_CUDA(cudaMemcpy(bits.data(), ptr, count, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < count; ++i) v[i] = fp8_to_double(bits[i], e5m2) * scale;
+  return v;
+}
+
+// One rank's synchronisation words, zeroed: flags (two parities of `flag_words`), ready words
+// (kMaxWorld) and the arrival counters (the op's workspace).
+void alloc_sync_words(int64_t flag_words, uint64_t** flags, uint64_t** ready, uint32_t** arrivals) {
+  CHECK_CUDA(cudaMalloc(flags, 2 * flag_words * sizeof(uint64_t)));
+  CHECK_CUDA(cudaMemset(*flags, 0, 2 * flag_words * sizeof(uint64_t)));
+  CHECK_CUDA(cudaMalloc(ready, kMaxWorld * sizeof(uint64_t)));
+  CHECK_CUDA(cudaMemset(*ready, 0, kMaxWorld * sizeof(uint64_t)));
+  CHECK_CUDA(cudaMalloc(arrivals, kMoePushArrivalsBytes));
+  CHECK_CUDA(cudaMemset(*arrivals, 0, kMoePushArrivalsBytes));
+}
+
+// After a call's work was enqueued: wait for it, then advance the epoch.
+void finish_call(uint64_t* epoch_word) {
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(comm::launch_end_call(comm::CallEnd{epoch_word}, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+}
+
+DeviceError read_device_error(DeviceError const* error) {
+  DeviceError e;
+  CHECK_CUDA(cudaMemcpy(&e, error, sizeof e, cudaMemcpyDeviceToHost));
+  return e;
 }
 
 // W ranks' GEMMs share this GPU: each gets a grid that leaves SMs for the others and for the
@@ -84,12 +128,7 @@ struct MoeWorld {
       CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
       // Stale rows a wrong wait would read show as NaN in y.
       CHECK_CUDA(cudaMemset(r.inbox, 0xFF, plan.inbox_bytes));
-      CHECK_CUDA(cudaMalloc(&r.flags, 2 * plan.flags * sizeof(uint64_t)));
-      CHECK_CUDA(cudaMemset(r.flags, 0, 2 * plan.flags * sizeof(uint64_t)));
-      CHECK_CUDA(cudaMalloc(&r.ready, kMaxWorld * sizeof(uint64_t)));
-      CHECK_CUDA(cudaMemset(r.ready, 0, kMaxWorld * sizeof(uint64_t)));
-      CHECK_CUDA(cudaMalloc(&r.arrivals, kMoePushArrivalsBytes));
-      CHECK_CUDA(cudaMemset(r.arrivals, 0, kMoePushArrivalsBytes));
+      alloc_sync_words(plan.flags, &r.flags, &r.ready, &r.arrivals);
       CHECK_CUDA(cudaStreamCreateWithPriority(&r.gemm, cudaStreamNonBlocking, lo));
       for (int d = 1; d < c.world; ++d) CHECK_CUDA(cudaStreamCreateWithPriority(&r.transfer[d], cudaStreamNonBlocking, hi));
     }
@@ -206,9 +245,7 @@ struct MoeWorld {
   void call(int skip_rank = -1) {
     ++epoch;
     enqueue(skip_rank);
-    CHECK_CUDA(cudaDeviceSynchronize());
-    CHECK_CUDA(comm::launch_end_call(comm::CallEnd{epoch_word}, 0));
-    CHECK_CUDA(cudaDeviceSynchronize());
+    finish_call(epoch_word);
   }
 
   std::vector<cudaStream_t> streams() const {
@@ -224,25 +261,6 @@ struct MoeWorld {
     return capture_call(origin, streams(), epoch_word, [&] { enqueue(skip_rank); });
   }
 
-  std::vector<uint16_t> download(uint16_t const* ptr, size_t count) {
-    std::vector<uint16_t> h(count);
-    CHECK_CUDA(cudaMemcpy(h.data(), ptr, count * 2, cudaMemcpyDeviceToHost));
-    return h;
-  }
-  // An operand as doubles: 16-bit, or FP8 (e5m2: x_send of an e5m2 case) times `scale`.
-  std::vector<double> download_double(void const* ptr, size_t count, bool e5m2 = false, double scale = 1.0) {
-    std::vector<double> v(count);
-    if (c.fp8 == 0) {
-      auto const bits = download(static_cast<uint16_t const*>(ptr), count);
-      for (size_t i = 0; i < count; ++i) v[i] = to_double(bits[i], c.bf16);
-      return v;
-    }
-    std::vector<uint8_t> bits(count);
-    CHECK_CUDA(cudaMemcpy(bits.data(), ptr, count, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < count; ++i) v[i] = fp8_to_double(bits[i], e5m2) * scale;
-    return v;
-  }
-
   // Relative error of every rank's y against float64, over every (expert, source) segment's rows i
   // with i % 16 == (e + q) % 16 (every tile row of every segment, 8 or more rows each):
   // y[e, q * C + i, :] = x_send_q[r * E_local + e, i, :] @ w_r[e] (FP8: each operand times its rank's
@@ -250,20 +268,20 @@ struct MoeWorld {
   double check() {
     std::vector<std::vector<double>> xs;
     for (int q = 0; q < c.world; ++q) {
-      xs.push_back(download_double(ranks[q].x_send, size_t(c.send_elems()), c.fp8 == 2, fp8_scales(q)[0]));
+      xs.push_back(download_operand(ranks[q].x_send, size_t(c.send_elems()), c.fp8, c.bf16, c.fp8 == 2, fp8_scales(q)[0]));
     }
     int const el = c.e_local(), cap = c.capacity, k = c.k, n = c.n;
     double err2 = 0, ref2 = 0;
     std::vector<double> ref(n);
     for (int r = 0; r < c.world; ++r) {
-      std::vector<double> w = download_double(ranks[r].w, size_t(c.w_elems()), false, fp8_scales(r)[1]);
+      std::vector<double> w = download_operand(ranks[r].w, size_t(c.w_elems()), c.fp8, c.bf16, false, fp8_scales(r)[1]);
       if (c.fp8 != 0) {  // w_t [E_local, n, k] -> w [E_local, k, n]
         std::vector<double> const w_t = w;
         for (int e = 0; e < c.e_local(); ++e)
           for (int j = 0; j < c.n; ++j)
             for (int kk = 0; kk < c.k; ++kk) w[(size_t(e) * c.k + kk) * c.n + j] = w_t[(size_t(e) * c.n + j) * c.k + kk];
       }
-      auto const y = download(ranks[r].y, size_t(c.y_rows()) * n);
+      auto const y = download_u16(ranks[r].y, size_t(c.y_rows()) * n);
       for (int e = 0; e < el; ++e) {
         double const* we = w.data() + size_t(e) * k * n;
         for (int q = 0; q < c.world; ++q) {
@@ -291,15 +309,11 @@ struct MoeWorld {
 
   std::vector<std::vector<uint16_t>> outputs() {
     std::vector<std::vector<uint16_t>> o;
-    for (auto& r : ranks) o.push_back(download(r.y, size_t(c.y_rows()) * c.n));
+    for (auto& r : ranks) o.push_back(download_u16(r.y, size_t(c.y_rows()) * c.n));
     return o;
   }
 
-  DeviceError read_error() {
-    DeviceError e;
-    CHECK_CUDA(cudaMemcpy(&e, error, sizeof e, cudaMemcpyDeviceToHost));
-    return e;
-  }
+  DeviceError read_error() const { return read_device_error(error); }
 };
 
 void run_moe_case(MoeCase const& c, int epochs) {
@@ -367,144 +381,208 @@ void run_moe_transfer(int world_size, int experts, int push_sms) {
   expect(same && ok.code == 0 && e.code == kErrorDeadline && site_ok && e.source == world_size - 1, buf);
 }
 
-// moe_gemm_combine's GEMM on W virtual ranks: each rank's h [E_local, W*C, F] times w2 [E_local, F, H]
-// stored block by block into every source's inbox [E, C, H], each segment released by a flag; each
-// rank's wait kernel then acquires its peers' segments and the rank's stream copies its inbox out, as
-// the handler does (a flag released before its rows landed shows). Over several epochs every copied
-// row against float64 (o_recv_q[r*E_local + e, i] = h_r[e, q*C + i] @ w2_r[e]); then a rank that never takes part:
-// its peers' waits end with the deadline naming it. fp8: h in e4m3 (1) or e5m2 (2, a gradient's),
-// w2_t [E_local, H, F] in e4m3, each rank's fp8_scales(rank); the rows in bf16 or fp16.
-void run_moe_combine(int world_size, int experts, int capacity, int f, int h, int block_n, bool bf16 = true,
-                     int fp8 = 0) {
-  MoeConfig const cfg = moe_config_for(world_size, block_n);
-  DType const out_type = bf16 ? DType::kBF16 : DType::kFP16;
-  DType const dt = fp8 == 0 ? out_type : fp8 == 1 ? DType::kE4M3 : DType::kE5M2;
-  int const in_bytes = element_bytes(dt);
-  MoePlan const plan = moe_combine_plan(MoeProblem{world_size, 0, experts, capacity, f, h, dt}, cfg);
-  char name[160];
-  std::snprintf(name, sizeof name, "moe combine W=%d E=%d C=%d F=%d H=%d %s%s block_n=%d", world_size, experts,
-                capacity, f, h, fp8 == 0 ? "" : fp8 == 1 ? "e4m3->" : "e5m2->", bf16 ? "bf16" : "fp16", block_n);
-  if (plan.error) {
-    expect(false, std::string(name) + ": " + plan.error);
-    return;
-  }
-  int const el = plan.e_local, rows = world_size * capacity;
+// moe_gemm_combine on W virtual ranks of one GPU: every rank's h [E_local, W*C, F] and w2
+// [E_local, F, H] (FP8: h in e4m3 (1) or e5m2 (2, a gradient's), w2_t [E_local, H, F] in e4m3, the
+// rank's fp8_scales), inbox (o_recv [E, C, H] as the GEMMs store it), o_recv (the inbox copied out
+// after the wait), flags (two parities), ready words and arrival counters; one stream per rank.
+struct CombineWorld {
   struct Rank {
     void *h = nullptr, *w = nullptr;
     float* scales = nullptr;  // FP8: h's and w2's
     char* inbox = nullptr;
-    char* o_recv = nullptr;  // the inbox copied out after the wait (the handler's copy)
+    char* o_recv = nullptr;
     uint64_t *flags = nullptr, *ready = nullptr;
     uint32_t* arrivals = nullptr;
     cudaStream_t stream = nullptr;
   };
-  std::vector<Rank> ranks(world_size);
+  int world, experts, capacity, f, n;  // n: H
+  bool bf16;
+  int fp8;
+  DType out_type, input;
+  MoePlan plan;                // rank 0's: the sizes every rank shares (plan.error: nothing allocated)
+  std::vector<MoePlan> plans;  // each rank's
+  std::vector<Rank> ranks;
+  // What enqueue launches: the op as the handler runs it (each GEMM stores into the sources'
+  // inboxes and releases the segments, then each rank's wait and copy out), or the same GEMMs
+  // storing into `stage` alone, or followed by each rank's copies of its rows into every o_recv.
+  enum class Part { kCall, kLocalGemms, kLocalGemmsThenMove };
+  Part part = Part::kCall;
+  // stage + q * inbox_bytes: destination q's rows [E, C, H], whose block of rank r's experts only
+  // rank r writes (its send buffer); allocated by allocate_stage().
+  char* stage = nullptr;
   DeviceError* error = nullptr;
-  uint64_t* epoch_word = nullptr;
-  for (auto& r : ranks) {
-    CHECK_CUDA(cudaMalloc(&r.h, size_t(el) * rows * f * in_bytes));
-    CHECK_CUDA(cudaMalloc(&r.w, size_t(el) * f * h * in_bytes));
-    CHECK_CUDA(cudaMalloc(&r.scales, 2 * sizeof(float)));
-    CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
-    CHECK_CUDA(cudaMalloc(&r.o_recv, plan.inbox_bytes));
-    CHECK_CUDA(cudaMalloc(&r.flags, 2 * plan.flags * sizeof(uint64_t)));
-    CHECK_CUDA(cudaMemset(r.flags, 0, 2 * plan.flags * sizeof(uint64_t)));
-    CHECK_CUDA(cudaMalloc(&r.ready, kMaxWorld * sizeof(uint64_t)));
-    CHECK_CUDA(cudaMemset(r.ready, 0, kMaxWorld * sizeof(uint64_t)));
-    CHECK_CUDA(cudaMalloc(&r.arrivals, kMoePushArrivalsBytes));
-    CHECK_CUDA(cudaMemset(r.arrivals, 0, kMoePushArrivalsBytes));
-    CHECK_CUDA(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking));
-  }
-  CHECK_CUDA(cudaMalloc(&error, sizeof(DeviceError)));
-  CHECK_CUDA(cudaMemset(error, 0, sizeof(DeviceError)));
-  CHECK_CUDA(cudaMalloc(&epoch_word, sizeof(uint64_t)));
-  uint64_t const first = 1;
-  CHECK_CUDA(cudaMemcpy(epoch_word, &first, sizeof first, cudaMemcpyHostToDevice));
+  uint64_t* epoch_word = nullptr;  // the next call's epoch (one word for all ranks)
   uint64_t timeout_ns = 3'000'000'000ull;
-  // Every rank's call (skip: one that never comes), then the epoch advance.
-  auto call = [&](int skip) {
-    for (int r = 0; r < world_size; ++r) {
-      if (r == skip) continue;
-      MoeCombineArgs a{};
-      a.h = ranks[r].h;
-      a.w = ranks[r].w;
-      a.x_scale = ranks[r].scales;
-      a.w_scale = ranks[r].scales + 1;
-      for (int q = 0; q < world_size; ++q) {
-        a.inbox[q] = ranks[q].inbox;
-        a.flags[q] = ranks[q].flags;
-      }
-      a.ready = ranks[r].ready;
-      a.arrivals = ranks[r].arrivals;
-      a.error = error;
-      a.call = CallEpoch{epoch_word, 0, plan.flags, false};
-      for (int q = 0; q < world_size; ++q) a.call.announce[q] = q == r ? nullptr : ranks[q].ready + r;
-      a.timeout_ns = timeout_ns;
-      MoePlan const mine = moe_combine_plan(MoeProblem{world_size, r, experts, capacity, f, h, dt}, cfg);
+
+  CombineWorld(int world_, int experts_, int capacity_, int f_, int n_, int block_n, bool bf16_, int fp8_)
+      : world(world_), experts(experts_), capacity(capacity_), f(f_), n(n_), bf16(bf16_), fp8(fp8_),
+        out_type(bf16_ ? DType::kBF16 : DType::kFP16),
+        input(fp8_ == 0 ? out_type : fp8_ == 1 ? DType::kE4M3 : DType::kE5M2) {
+    MoeConfig const cfg = moe_config_for(world, block_n);
+    for (int r = 0; r < world; ++r) plans.push_back(moe_combine_plan(MoeProblem{world, r, experts, capacity, f, n, input}, cfg));
+    plan = plans[0];
+    if (plan.error) return;
+    ranks.resize(world);
+    for (auto& r : ranks) {
+      CHECK_CUDA(cudaMalloc(&r.h, size_t(h_elems()) * element_bytes(input)));
+      CHECK_CUDA(cudaMalloc(&r.w, size_t(w_elems()) * element_bytes(input)));
+      CHECK_CUDA(cudaMalloc(&r.scales, 2 * sizeof(float)));
+      CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
+      CHECK_CUDA(cudaMalloc(&r.o_recv, plan.inbox_bytes));
+      alloc_sync_words(plan.flags, &r.flags, &r.ready, &r.arrivals);
+      CHECK_CUDA(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking));
+    }
+    CHECK_CUDA(cudaMalloc(&error, sizeof(DeviceError)));
+    CHECK_CUDA(cudaMemset(error, 0, sizeof(DeviceError)));
+    CHECK_CUDA(cudaMalloc(&epoch_word, sizeof(uint64_t)));
+    uint64_t const first = 1;
+    CHECK_CUDA(cudaMemcpy(epoch_word, &first, sizeof first, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+  ~CombineWorld() {
+    for (auto& r : ranks) {
+      cudaFree(r.h);
+      cudaFree(r.w);
+      cudaFree(r.scales);
+      cudaFree(r.inbox);
+      cudaFree(r.o_recv);
+      cudaFree(r.flags);
+      cudaFree(r.ready);
+      cudaFree(r.arrivals);
+      cudaStreamDestroy(r.stream);
+    }
+    cudaFree(stage);
+    cudaFree(error);
+    cudaFree(epoch_word);
+  }
+
+  int64_t h_elems() const { return int64_t(plan.e_local) * world * capacity * f; }
+  int64_t w_elems() const { return int64_t(plan.e_local) * f * n; }
+
+  std::string name() const {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "moe combine W=%d E=%d C=%d F=%d H=%d %s%s block_n=%d", world, experts, capacity,
+                  f, n, fp8 == 0 ? "" : fp8 == 1 ? "e4m3->" : "e5m2->", bf16 ? "bf16" : "fp16",
+                  int(plan.config.block_n));
+    return buf;
+  }
+
+  void allocate_stage() {
+    if (!stage) CHECK_CUDA(cudaMalloc(&stage, size_t(world) * plan.inbox_bytes));
+  }
+
+  // Rank r's call; its GEMM stores into every rank's inbox, or with `local` into `stage`.
+  MoeCombineArgs args(int r, bool local) const {
+    MoeCombineArgs a{};
+    a.h = ranks[r].h;
+    a.w = ranks[r].w;
+    a.x_scale = ranks[r].scales;
+    a.w_scale = ranks[r].scales + 1;
+    for (int q = 0; q < world; ++q) {
+      a.inbox[q] = local ? stage + q * plan.inbox_bytes : ranks[q].inbox;
+      a.flags[q] = ranks[q].flags;
+    }
+    a.ready = ranks[r].ready;
+    a.arrivals = ranks[r].arrivals;
+    a.error = error;
+    a.call = CallEpoch{epoch_word, 0, plan.flags, false};
+    for (int q = 0; q < world; ++q) a.call.announce[q] = q == r ? nullptr : ranks[q].ready + r;
+    a.timeout_ns = timeout_ns;
+    return a;
+  }
+
+  // Every rank's part on its stream, but skip_rank's (a rank that never comes).
+  void enqueue(int skip_rank = -1) {
+    bool const local = part != Part::kCall;
+    if (local && !stage) {
+      std::fprintf(stderr, "CombineWorld: the local parts need allocate_stage()\n");
+      std::exit(2);
+    }
+    for (int r = 0; r < world; ++r) {
+      if (r == skip_rank) continue;
+      MoeCombineArgs const a = args(r, local);
       PreparedGemm gemm;
-      CHECK_CUDA(moe::combine::prepare_gemm(dt, out_type, mine, a, &gemm));
+      CHECK_CUDA(moe::combine::prepare_gemm(input, out_type, plans[r], a, &gemm));
       CHECK_CUDA(gemm.enqueue(ranks[r].stream));
-      MoeWaitArgs const wa{ranks[r].flags, el, r, world_size, error, nullptr, a.call, timeout_ns};
-      CHECK_CUDA(moe::launch_wait_segments(wa, ranks[r].stream));
-      CHECK_CUDA(cudaMemcpyAsync(ranks[r].o_recv, ranks[r].inbox, plan.inbox_bytes, cudaMemcpyDeviceToDevice,
-                                 ranks[r].stream));
+      if (part == Part::kCall) {
+        MoeWaitArgs const wa{ranks[r].flags, plan.e_local, r, world, error, nullptr, a.call, timeout_ns};
+        CHECK_CUDA(moe::launch_wait_segments(wa, ranks[r].stream));
+        CHECK_CUDA(cudaMemcpyAsync(ranks[r].o_recv, ranks[r].inbox, plan.inbox_bytes, cudaMemcpyDeviceToDevice,
+                                   ranks[r].stream));
+      } else if (part == Part::kLocalGemmsThenMove) {
+        // Rank r's rows of every destination, one copy each, to rank + 1 first (its own last).
+        int64_t const block = plan.inbox_bytes / world, at = r * block;
+        for (int d = 1; d <= world; ++d) {
+          int const q = (r + d) % world;
+          CHECK_CUDA(cudaMemcpyAsync(ranks[q].o_recv + at, stage + q * plan.inbox_bytes + at, block,
+                                     cudaMemcpyDeviceToDevice, ranks[r].stream));
+        }
+      }
     }
-    CHECK_CUDA(cudaDeviceSynchronize());
-    CHECK_CUDA(comm::launch_end_call(comm::CallEnd{epoch_word}, 0));
-    CHECK_CUDA(cudaDeviceSynchronize());
-  };
-  auto download = [&](void const* p, size_t n) {
-    std::vector<uint16_t> v(n);
-    CHECK_CUDA(cudaMemcpy(v.data(), p, n * 2, cudaMemcpyDeviceToHost));
-    return v;
-  };
-  // An operand as doubles: 16-bit, or FP8 (e5m2 for h of an e5m2 case) times `scale`.
-  auto operand = [&](void const* p, size_t n, bool e5m2, double scale) {
-    std::vector<double> v(n);
-    if (fp8 == 0) {
-      auto const bits = download(p, n);
-      for (size_t i = 0; i < n; ++i) v[i] = to_double(bits[i], bf16);
-      return v;
-    }
-    std::vector<uint8_t> bits(n);
-    CHECK_CUDA(cudaMemcpy(bits.data(), p, n, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < n; ++i) v[i] = fp8_to_double(bits[i], e5m2) * scale;
-    return v;
-  };
-  double worst = 0;
-  bool repeat_same = true;
-  for (int epoch = 0; epoch < 3; ++epoch) {
-    for (int r = 0; r < world_size; ++r) {
-      uint64_t const seed = 900 + 10 * epoch + 2 * r;
+  }
+
+  // One call of every rank (but skip_rank), then the epoch advance.
+  void call(int skip_rank = -1) {
+    enqueue(skip_rank);
+    finish_call(epoch_word);
+  }
+
+  std::vector<cudaStream_t> streams() const {
+    std::vector<cudaStream_t> all;
+    for (auto& r : ranks) all.push_back(r.stream);
+    return all;
+  }
+
+  // enqueue's part of every rank as one graph; its last node advances the epoch.
+  cudaGraphExec_t capture(cudaStream_t origin) {
+    return capture_call(origin, streams(), epoch_word, [&] { enqueue(); });
+  }
+
+  void fill_inputs(uint64_t seed) {
+    for (int r = 0; r < world; ++r) {
+      uint64_t const s = seed + 2 * r;
       if (fp8 == 0) {
-        fill_random<<<264, 256>>>(static_cast<uint16_t*>(ranks[r].h), int64_t(el) * rows * f, seed, bf16);
-        fill_random<<<264, 256>>>(static_cast<uint16_t*>(ranks[r].w), int64_t(el) * f * h, seed + 1, bf16);
+        fill_random<<<264, 256>>>(static_cast<uint16_t*>(ranks[r].h), h_elems(), s, bf16);
+        fill_random<<<264, 256>>>(static_cast<uint16_t*>(ranks[r].w), w_elems(), s + 1, bf16);
       } else {
-        fill_random_fp8<<<264, 256>>>(static_cast<uint8_t*>(ranks[r].h), int64_t(el) * rows * f, seed, fp8 == 2);
-        fill_random_fp8<<<264, 256>>>(static_cast<uint8_t*>(ranks[r].w), int64_t(el) * f * h, seed + 1);
+        fill_random_fp8<<<264, 256>>>(static_cast<uint8_t*>(ranks[r].h), h_elems(), s, fp8 == 2);
+        fill_random_fp8<<<264, 256>>>(static_cast<uint8_t*>(ranks[r].w), w_elems(), s + 1);
       }
       std::array<float, 2> const scales = fp8_scales(r);
       CHECK_CUDA(cudaMemcpy(ranks[r].scales, scales.data(), sizeof scales, cudaMemcpyHostToDevice));
-      CHECK_CUDA(cudaMemset(ranks[r].inbox, 0xFF, plan.inbox_bytes));  // stale rows show as NaN
-      CHECK_CUDA(cudaMemset(ranks[r].o_recv, 0xFF, plan.inbox_bytes));
     }
+    CHECK_CUDA(cudaGetLastError());
     CHECK_CUDA(cudaDeviceSynchronize());
-    call(-1);
-    // Rows i % 16 == (e + q) % 16 of every segment.
+  }
+
+  // Stale rows show as NaN.
+  void poison() {
+    for (auto& r : ranks) {
+      CHECK_CUDA(cudaMemset(r.inbox, 0xFF, plan.inbox_bytes));
+      CHECK_CUDA(cudaMemset(r.o_recv, 0xFF, plan.inbox_bytes));
+    }
+    if (stage) CHECK_CUDA(cudaMemset(stage, 0xFF, size_t(world) * plan.inbox_bytes));
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  // Every rank's o_recv against float64, over rows i % 16 == (e + q) % 16 of every segment:
+  // o_recv_q[r*E_local + e, i] = h_r[e, q*C + i] @ w2_r[e]. The relative error (inf: a NaN row).
+  double check() {
+    int const el = plan.e_local, rows = world * capacity;
     double err2 = 0, ref2 = 0;
-    for (int r = 0; r < world_size; ++r) {
-      auto const hh = operand(ranks[r].h, size_t(el) * rows * f, fp8 == 2, fp8_scales(r)[0]);
-      auto const ww = operand(ranks[r].w, size_t(el) * f * h, false, fp8_scales(r)[1]);
-      for (int q = 0; q < world_size; ++q) {
-        auto const got = download(ranks[q].o_recv, plan.inbox_bytes / 2);
+    for (int r = 0; r < world; ++r) {
+      auto const hh = download_operand(ranks[r].h, size_t(h_elems()), fp8, bf16, fp8 == 2, fp8_scales(r)[0]);
+      auto const ww = download_operand(ranks[r].w, size_t(w_elems()), fp8, bf16, false, fp8_scales(r)[1]);
+      for (int q = 0; q < world; ++q) {
+        auto const got = download_u16(ranks[q].o_recv, plan.inbox_bytes / 2);
         for (int e = 0; e < el; ++e) {
           for (int i = (e + q) % 16; i < capacity; i += 16) {
-            uint16_t const* out = got.data() + (size_t(r * el + e) * capacity + i) * h;
-            for (int j = 0; j < h; ++j) {
+            uint16_t const* out = got.data() + (size_t(r * el + e) * capacity + i) * n;
+            for (int j = 0; j < n; ++j) {
               double ref = 0;
               for (int kk = 0; kk < f; ++kk) {
                 // w2 [E_local, F, H], or FP8 w2_t [E_local, H, F].
-                size_t const wi = fp8 == 0 ? (size_t(e) * f + kk) * h + j : (size_t(e) * h + j) * f + kk;
+                size_t const wi = fp8 == 0 ? (size_t(e) * f + kk) * n + j : (size_t(e) * n + j) * f + kk;
                 ref += hh[(size_t(e) * rows + q * capacity + i) * f + kk] * ww[wi];
               }
               double const o = to_double(out[j], bf16);
@@ -515,47 +593,56 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
         }
       }
     }
-    worst = std::max(worst, std::sqrt(err2 / std::max(ref2, 1e-30)));
-    // The same inputs again (the inboxes poisoned): every rank's copied rows bitwise equal.
-    std::vector<std::vector<uint16_t>> first_rows;
-    for (auto& r : ranks) first_rows.push_back(download(r.o_recv, plan.inbox_bytes / 2));
-    for (auto& r : ranks) {
-      CHECK_CUDA(cudaMemset(r.inbox, 0xFF, plan.inbox_bytes));
-      CHECK_CUDA(cudaMemset(r.o_recv, 0xFF, plan.inbox_bytes));
-    }
-    CHECK_CUDA(cudaDeviceSynchronize());
-    call(-1);
-    for (int r = 0; r < world_size; ++r) {
-      repeat_same = repeat_same && download(ranks[r].o_recv, plan.inbox_bytes / 2) == first_rows[r];
-    }
+    return std::sqrt(err2 / std::max(ref2, 1e-30));
   }
-  DeviceError healthy;
-  CHECK_CUDA(cudaMemcpy(&healthy, error, sizeof healthy, cudaMemcpyDeviceToHost));
-  timeout_ns = 200'000'000ull;
+
+  std::vector<std::vector<uint16_t>> outputs() {
+    std::vector<std::vector<uint16_t>> o;
+    for (auto& r : ranks) o.push_back(download_u16(r.o_recv, plan.inbox_bytes / 2));
+    return o;
+  }
+
+  DeviceError read_error() const { return read_device_error(error); }
+};
+
+// moe_gemm_combine's GEMM on W virtual ranks (CombineWorld, Part::kCall): each rank's GEMM stores
+// block by block into every source's inbox, each segment released by a flag; each rank's wait kernel
+// then acquires its peers' segments and the rank's stream copies its inbox out, as the handler does
+// (a flag released before its rows landed shows). Over several epochs every copied row against
+// float64, and a repeat bitwise; then a rank that never takes part: its peers' waits end with the
+// deadline naming it.
+void run_moe_combine(int world_size, int experts, int capacity, int f, int h, int block_n, bool bf16 = true,
+                     int fp8 = 0) {
+  CombineWorld world(world_size, experts, capacity, f, h, block_n, bf16, fp8);
+  if (world.plan.error) {
+    expect(false, world.name() + ": " + world.plan.error);
+    return;
+  }
+  double worst = 0;
+  bool repeat_same = true;
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    world.fill_inputs(900 + 10 * epoch);
+    world.poison();
+    world.call();
+    worst = std::max(worst, world.check());
+    // The same inputs again (the inboxes poisoned): every rank's copied rows bitwise equal.
+    auto const first_rows = world.outputs();
+    world.poison();
+    world.call();
+    repeat_same = repeat_same && world.outputs() == first_rows;
+  }
+  DeviceError const healthy = world.read_error();
+  world.timeout_ns = 200'000'000ull;
   int const missing = world_size - 1;
-  call(missing);
-  DeviceError e;
-  CHECK_CUDA(cudaMemcpy(&e, error, sizeof e, cudaMemcpyDeviceToHost));
+  world.call(missing);
+  DeviceError const e = world.read_error();
   double const tol = bf16 ? 1e-2 : 2e-3;
   char buf[256];
   std::snprintf(buf, sizeof buf, ": 3 epochs, rel err %.2e (tol %.0e), repeats %s, error %u; missing rank: code=%u site=%d source=%d",
                 worst, tol, repeat_same ? "bitwise equal" : "DIFFER", healthy.code, e.code, e.site, e.source);
   bool const site_ok = world_size == 1 || e.site == kMoeWaitTransfer || e.site == kMoeWaitCombineReady;
   bool const missing_ok = world_size == 1 || (e.code == kErrorDeadline && site_ok && e.source == missing);
-  expect(worst <= tol && repeat_same && healthy.code == 0 && missing_ok, name + std::string(buf));
-  for (auto& r : ranks) {
-    cudaFree(r.h);
-    cudaFree(r.w);
-    cudaFree(r.scales);
-    cudaFree(r.inbox);
-    cudaFree(r.o_recv);
-    cudaFree(r.flags);
-    cudaFree(r.ready);
-    cudaFree(r.arrivals);
-    cudaStreamDestroy(r.stream);
-  }
-  cudaFree(error);
-  cudaFree(epoch_word);
+  expect(worst <= tol && repeat_same && healthy.code == 0 && missing_ok, world.name() + buf);
 }
 
 // A rank that never takes part: a peer's GEMM waiting on its segments, or a peer's transfer waiting
@@ -579,13 +666,116 @@ void run_moe_deadline(int world_size, int experts, int push_sms = 0) {
   expect(e.code == kErrorDeadline && site_ok && e.source == missing && stamp_epoch(e.expected) == 2 && secs < 5, buf);
 }
 
+// One rank's operands of its E_local expert GEMMs for cuBLASLt: A [E_local][rows, k], B
+// [E_local][k, n] (FP8: w_t [E_local][n, k], e4m3) and its FP8 per-tensor scales.
+struct ExpertOperands {
+  void const* a;
+  void const* w;
+  CublasLt::Fp8Scales scales;
+};
+
+// cuBLASLt (XLA's GEMM library) on every rank's expert GEMMs, one after another into one scratch
+// output: median ms, NaN where it is not loaded or refuses a GEMM.
+float cublas_experts_ms(CublasLt const* lt, std::vector<ExpertOperands> const& ranks, int e_local, int rows, int n,
+                        int k, int in_bytes, bool fp8, cudaStream_t stream) {
+  if (!lt) return NAN;
+  uint16_t* scratch = nullptr;
+  CHECK_CUDA(cudaMalloc(&scratch, size_t(rows) * n * 2));
+  std::vector<std::function<void()>> gemms;
+  for (ExpertOperands const& r : ranks) {
+    for (int e = 0; e < e_local; ++e) {
+      gemms.push_back(lt->gemm(rows, n, k, static_cast<char const*>(r.a) + int64_t(e) * rows * k * in_bytes,
+                               static_cast<char const*>(r.w) + int64_t(e) * k * n * in_bytes, scratch, stream,
+                               fp8 ? &r.scales : nullptr));
+    }
+  }
+  bool const all = std::all_of(gemms.begin(), gemms.end(), [](auto const& g) { return bool(g); });
+  float const ms = all ? median_ms([&] { for (auto const& g : gemms) g(); }, stream, 3, 20) : NAN;
+  CHECK_CUDA(cudaFree(scratch));
+  return ms;
+}
+
+// moe_gemm_combine's rows of `moe bench` (the down projection of the dispatch's shapes), each a
+// CUDA graph of every rank's work, replayed in interleaved rounds (each replay advances the epoch):
+//   fused_ms: the op as run_moe_combine runs it: each rank's GEMM stores its blocks into the
+//     sources' inboxes and releases each segment, then its wait kernel and the copy of its inbox
+//     into o_recv;
+//   seq_ms: the same GEMM kernel storing into a local staging buffer (flags released as in the op,
+//     nobody waits for them), then on the rank's stream one cudaMemcpyAsync per destination (its
+//     own included) of its rows into that destination's o_recv: the GEMM, then the all-to-all;
+//   gemm_ms: those GEMMs alone (no move).
+// All ranks share this GPU: a peer's inbox is this GPU's HBM, so the fused stores move nothing over
+// NVLink, and both columns copy the same bytes per rank (the copy out, or the move).
+int moe_combine_bench(CublasLt const* lt) {
+  std::printf("# moe_gemm_combine (h [E/W, W*C, F] x w2 [E/W, F, H] -> o_recv [E, C, H] at every source), W ranks on one H200,\n"
+              "# bf16 and e4m3 -> bf16; median ms of one call of every rank (graph replays): fused_ms: GEMM storing into the\n"
+              "# sources' inboxes + wait + copy out; seq_ms: the GEMM storing locally, then its rows copied to every o_recv;\n"
+              "# gemm_ms: that GEMM alone; cublas_ms: cuBLASLt on every rank's expert GEMMs [W*C, F] x [F, H], one after another\n");
+  std::printf("%-64s %9s %9s %9s %9s %8s %8s\n", "case", "fused_ms", "seq_ms", "gemm_ms", "cublas_ms", "seq/fus",
+              "cub/fus");
+  struct Shape {
+    int world, experts, capacity, f, n;
+  };
+  // Mixtral-8x7B's down projection (F 14336, H 4096), the DeepSeek-V3-like experts (F 2048, H 7168)
+  // and W = 4, at the dispatch rows' capacities.
+  Shape const shapes[] = {{2, 8, 1024, 14336, 4096}, {2, 16, 256, 2048, 7168}, {4, 8, 512, 4096, 4096}};
+  int bad = 0;
+  for (Shape const sh : shapes) {
+    for (int fp8 : {0, 1}) {
+      CombineWorld world(sh.world, sh.experts, sh.capacity, sh.f, sh.n, fp8 ? 128 : 256, true, fp8);
+      if (world.plan.error) {
+        std::printf("%-64s plan refused: %s\n", world.name().c_str(), world.plan.error);
+        ++bad;
+        continue;
+      }
+      world.allocate_stage();
+      world.fill_inputs(31);
+      cudaStream_t origin;
+      CHECK_CUDA(cudaStreamCreateWithFlags(&origin, cudaStreamNonBlocking));
+      using Part = CombineWorld::Part;
+      cudaGraphExec_t graphs[3];
+      Part const parts[3] = {Part::kCall, Part::kLocalGemmsThenMove, Part::kLocalGemms};
+      for (int i = 0; i < 3; ++i) {
+        world.part = parts[i];
+        graphs[i] = world.capture(origin);
+      }
+      world.part = Part::kCall;
+      std::vector<std::function<void()>> replays;
+      for (cudaGraphExec_t g : graphs) replays.push_back([&origin, g] { CHECK_CUDA(cudaGraphLaunch(g, origin)); });
+      std::vector<float> const ms = interleaved_median_ms(replays, origin, 3, 10, 3);
+      std::vector<ExpertOperands> operands;
+      for (auto& r : world.ranks) operands.push_back({r.h, r.w, {r.scales, r.scales + 1}});
+      float const cublas_ms = cublas_experts_ms(lt, operands, world.plan.e_local, sh.world * sh.capacity, sh.n,
+                                                sh.f, element_bytes(world.input), fp8 != 0, origin);
+      // What was timed computed the same rows: the fused call's o_recv (inboxes poisoned first, so a
+      // missing wait or store shows) bitwise the sequence's (same GEMM, same order); `moe test`
+      // holds the kernels to float64.
+      auto run = [&](cudaGraphExec_t exec) {
+        world.poison();
+        CHECK_CUDA(cudaGraphLaunch(exec, origin));
+        CHECK_CUDA(cudaStreamSynchronize(origin));
+        return world.outputs();
+      };
+      bool const same = run(graphs[1]) == run(graphs[0]);
+      DeviceError const e = world.read_error();
+      bool const ok = same && e.code == 0;
+      bad += !ok;
+      std::printf("%-64s %9.3f %9.3f %9.3f %9.3f %8.3f %8.3f%s\n", world.name().c_str(), ms[0], ms[1], ms[2], cublas_ms,
+                  ms[1] / ms[0], cublas_ms / ms[0], ok ? "" : "  FUSED != SEQUENCE OR DEVICE ERROR");
+      for (cudaGraphExec_t g : graphs) CHECK_CUDA(cudaGraphExecDestroy(g));
+      CHECK_CUDA(cudaStreamDestroy(origin));
+    }
+  }
+  return bad;
+}
+
 // Every rank's call as one CUDA graph, replayed in interleaved rounds: fused (each GEMM takes a
 // segment as soon as it has landed), the same kernels in sequence (every transfer and the receiver's
 // wait, then the GEMM), the GEMMs alone (every segment already in place: flags at the largest stamp)
 // and the transfers alone. All W ranks share this GPU, so a call's time is every rank's work on one
 // GPU, and a push is HBM to HBM: the overlap measured is of GEMM and copy on shared SMs and memory,
 // not of GEMM and NVLink. cuBLASLt times the same expert GEMMs, one after another (LD_LIBRARY_PATH
-// must find libcublasLt.so.13; the column is NaN otherwise).
+// must find libcublasLt.so.13; the column is NaN otherwise). Then moe_combine_bench's rows.
 int moe_bench_main() {
   CHECK_CUDA(moe::prepare_kernels());
   CHECK_CUDA(comm::prepare_epoch_kernel());
@@ -636,28 +826,12 @@ int moe_bench_main() {
       CHECK_CUDA(cudaDeviceSynchronize());
       float const gemm_ms = median_ms(replay(gemms), origin, 3, 20);
       for (auto& r : world.ranks) CHECK_CUDA(cudaMemset(r.flags, 0, 2 * world.plan.flags * sizeof(uint64_t)));
-      // The same GEMMs by cuBLASLt (XLA's library): expert e's A is its inbox block [W*C, K] (the
-      // inbox is expert-major), B its weight, into one scratch output.
-      float cublas_ms = NAN;
-      if (lt) {
-        int const rows = sh.world * sh.capacity;
-        uint16_t* scratch = nullptr;
-        CHECK_CUDA(cudaMalloc(&scratch, size_t(rows) * sh.n * 2));
-        std::vector<std::function<void()>> gemms_lt;
-        int const bytes = c.in_bytes();
-        for (auto& r : world.ranks) {
-          // FP8: cuBLASLt's per-tensor FP8 GEMM on the same e4m3 operands (w_t [N, K] per expert).
-          CublasLt::Fp8Scales const scales{r.x_scales, r.x_scales + c.world};
-          for (int e = 0; e < c.e_local(); ++e) {
-            gemms_lt.push_back(lt->gemm(rows, sh.n, sh.k, r.inbox + int64_t(e) * rows * sh.k * bytes,
-                                        static_cast<char*>(r.w) + int64_t(e) * sh.k * sh.n * bytes, scratch, origin,
-                                        c.fp8 ? &scales : nullptr));
-          }
-        }
-        bool const all = std::all_of(gemms_lt.begin(), gemms_lt.end(), [](auto const& g) { return bool(g); });
-        if (all) cublas_ms = median_ms([&] { for (auto const& g : gemms_lt) g(); }, origin, 3, 20);
-        CHECK_CUDA(cudaFree(scratch));
-      }
+      // The same GEMMs by cuBLASLt: expert e's A is its inbox block [W*C, K] (the inbox is
+      // expert-major).
+      std::vector<ExpertOperands> operands;
+      for (auto& r : world.ranks) operands.push_back({r.inbox, r.w, {r.x_scales, r.x_scales + c.world}});
+      float const cublas_ms = cublas_experts_ms(lt, operands, c.e_local(), sh.world * sh.capacity, sh.n, sh.k,
+                                                c.in_bytes(), c.fp8 != 0, origin);
       // What was timed computed the same y: the fused call's bitwise the sequence's (same GEMM, same
       // order; `moe test` holds the kernels to float64).
       auto run = [&](cudaGraphExec_t exec) {
@@ -678,6 +852,7 @@ int moe_bench_main() {
       CHECK_CUDA(cudaStreamDestroy(origin));
     }
   }
+  bad += moe_combine_bench(lt);
   return bad == 0 ? 0 : 1;
 }
 
