@@ -449,3 +449,25 @@ def test_fp8_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, wo
     assert rel(l_emu, l_ref) < 1e-5
     for name, a, b in zip(("x", "w1", "w2", "weights"), g_emu, g_ref):
         assert rel(a, b) < 1e-4, (name, rel(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_the_reference_paths_fp8_gemm_is_exact_on_the_gpu(k):
+    """The XLA path multiplies the FP8 values exactly (in bf16, fp32 sums) on the GPU too, where XLA
+    could rewrite a dot of converted FP8 operands into an FP8 GEMM of its own: positive e4m3 operands
+    (sums that only grow, so truncation in an FP8 accumulator adds up) against float64, at the K of
+    Mixtral's gate|up and down projections."""
+    from entwine_jax.moe import fp8_op
+
+    kx, kw = jax.random.split(jax.random.key(k))
+    a8 = jax.random.uniform(kx, (2, 256, k), minval=0.5, maxval=2.0).astype(fp8.E4M3)
+    w8 = jax.random.uniform(kw, (2, k, 256), minval=0.5, maxval=2.0).astype(fp8.E4M3)
+    rows, w_scale = jnp.full((256,), 0.5, jnp.float32), jnp.float32(0.25)
+    with jax.default_device(jax.devices("cuda")[0]):
+        got = np.asarray(jax.jit(fp8_op._scaled_expert_dot)(a8, rows, w8, w_scale), np.float64)
+    exact = np.einsum("erk,ekn->ern", np.asarray(a8.astype(jnp.float32), np.float64),
+                      np.asarray(w8.astype(jnp.float32), np.float64)) * 0.5 * 0.25
+    rel = np.abs(got - exact) / exact
+    # fp32 sums of exact products: ~1e-6; an FP8 tensor-core accumulator: ~1e-3 (docs/performance.md).
+    assert rel.mean() < 1e-5 and rel.max() < 1e-4, (rel.mean(), rel.max())
