@@ -205,8 +205,3 @@ class CmdbufSuites(Rank):
              False),
         ]
 
-    def device_epoch(self):
-        from entwine_jax import comm
-
-        (_, epoch), = comm.device_epochs(self.mesh, "tp")
-        return epoch

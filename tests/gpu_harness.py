@@ -335,6 +335,12 @@ class Rank:
             raise AssertionError(f"{what}: rel error {err / norm:.3g} > {tol:g}")
         return err / max(norm, 1e-30)
 
+    def device_epoch(self):
+        from entwine_jax import comm
+
+        (_, epoch), = comm.device_epochs(self.mesh, "tp")
+        return epoch
+
     def handler_executions(self):
         from entwine_jax import comm
 

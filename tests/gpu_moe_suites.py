@@ -213,6 +213,143 @@ class MoeSuites(Rank):
         return worst
 
 
+    def moestack(self, runs=3):
+        """Two MoE layers under lax.scan (stacked weights, a residual each) and an independent MoE call
+        site of other shapes in the same program, on the default config (path 'auto'): the outputs and
+        vector-Jacobian products against float64 of the dense model, `runs` times with fresh inputs;
+        no XLA collective in the program. Launched again under XLA's command buffers
+        (moestack_cmdbuf): then also the device epoch advances by the same number of fused calls every
+        run, and later runs execute fewer handlers than that (the rest were replays)."""
+        import os
+
+        import jax
+
+        from entwine_jax import comm
+        from gpu_cmdbuf_suites import CMDBUF_XLA_FLAGS
+
+        recorded = CMDBUF_XLA_FLAGS in os.environ.get("XLA_FLAGS", "")
+        sites = ((256, 256, 256, 2, 2, 2), (128, 384, 128, 1, 2, 1))  # (T, H, F, E_local, k, layers)
+        fn, args_of, refs_of = self.moe_stack_program(sites)
+        worst, epochs, executions = 0.0, [], []
+        for i in range(runs):
+            seed = 1900 + 10 * i
+            args = args_of(seed)
+            if i == 0:
+                census = self.census(fn, *args)
+                fused = census.select(custom_call=True).counts("owner")
+                others = census.select(custom_call=False).counts("owner")
+                if not fused.get("moe_dispatch_gemm") or not fused.get("moe_gemm_combine") or others:
+                    raise AssertionError(f"moestack: fused calls {fused}, XLA collectives {others} (expected none)")
+            epoch0, exec0 = self.device_epoch(), self.handler_executions()
+            with jax.set_mesh(self.mesh):
+                outs = [self.local(v) for v in fn(*args)]
+            comm.check_errors()
+            epochs.append(self.device_epoch() - epoch0)
+            executions.append(self.handler_executions() - exec0)
+            for (name, ref), got in zip(refs_of(seed), outs):
+                worst = max(worst, self.check(got, ref, f"moestack run {i}: {name}"))
+        if len(set(epochs)) != 1 or epochs[0] == 0:
+            raise AssertionError(f"moestack: fused calls per run (device epoch) {epochs}, expected the same every run")
+        detail = f"{runs} runs, {epochs[0]} fused calls each, handler executions {executions}"
+        if recorded and min(executions[1:]) >= epochs[0]:
+            raise AssertionError(f"moestack under command buffers: no call was replayed ({detail})")
+        return f"moestack{' (command buffers)' if recorded else ''}: worst rel error {worst:.2e}; {detail}"
+
+    def moestack_cmdbuf(self):
+        import os
+
+        from gpu_cmdbuf_suites import CMDBUF_XLA_FLAGS
+
+        if CMDBUF_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+            raise AssertionError("moestack_cmdbuf runs with command buffers enabled (launch it as --suite moestack)")
+        return self.moestack()
+
+    def moe_stack_program(self, sites):
+        """(jit program, args_of(seed), refs_of(seed)) of moestack: per site, a scan of `layers` MoE MLPs
+        with a residual, its output and its VJP (x, router, wi_0, wi_1, wo stacked over layers); refs
+        are [(name, float64 array of this rank's part)]."""
+        import functools
+
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import PartitionSpec as P
+
+        from entwine_jax import moe_layers
+
+        # fp16: the second layer routes the first one's output, rounded; in bf16 its rounding flips
+        # enough near-tie top-k choices against float64 to move the gradients by 2-4% (on CPU).
+        r, w_, dtype = self.rank, self.world, jnp.float16
+
+        def stack(mlp, x, router, wi_0, wi_1, wo):
+            def layer(h, p):
+                return h + mlp(h, *p), None
+            if router.shape[0] == 1:  # one layer: no loop, so its calls can sit in a command buffer
+                return layer(x, (router[0], wi_0[0], wi_1[0], wo[0]))[0]
+            return jax.lax.scan(layer, x, (router, wi_0, wi_1, wo))[0]
+
+        def body(*args):
+            outs = []
+            for i, (t, h, f, e_local, k, layers) in enumerate(sites):
+                x, router, wi_0, wi_1, wo, c = args[6 * i:6 * i + 6]
+                mlp = functools.partial(moe_layers.moe_mlp, num_experts_per_tok=k, axis_name="tp")
+                # The router enters as each rank's own copy ([1, L, H, E]): its gradient is then this
+                # rank's tokens' share (a replicated one would be summed by an XLA all-reduce: NCCL).
+                y, pullback = jax.vjp(functools.partial(stack, mlp), x, router[0], wi_0, wi_1, wo)
+                dx, drouter, d0, d1, do = pullback(c)
+                outs += [y, dx, drouter[None], d0, d1, do]
+            return tuple(outs)
+
+        ep, experts = P("tp"), P(None, "tp")  # tokens and router copies; stacked experts [L, E, ...]
+        fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(ep, ep, experts, experts, experts, ep) * len(sites),
+                                   out_specs=(ep, ep, ep, experts, experts, experts) * len(sites)))
+
+        def host(seed):
+            out = []
+            for i, (t, h, f, e_local, k, layers) in enumerate(sites):
+                rng = np.random.default_rng(seed + i)
+                e = w_ * e_local
+                xs = rng.standard_normal((w_ * t, h), np.float32).astype(dtype)
+                cs = rng.standard_normal((w_ * t, h), np.float32).astype(dtype)
+                router = rng.standard_normal((layers, h, e), np.float32).astype(dtype)
+                wi_0, wi_1 = ((rng.standard_normal((layers, e, h, f), np.float32) / np.sqrt(h)).astype(dtype)
+                              for _ in range(2))
+                wo = (rng.standard_normal((layers, e, f, h), np.float32) / np.sqrt(f)).astype(dtype)
+                out.append((t, e_local, k, xs, router, wi_0, wi_1, wo, cs))
+            return out
+
+        def args_of(seed):
+            args = []
+            for t, e_local, k, xs, router, wi_0, wi_1, wo, cs in host(seed):
+                mine, rows = slice(r * e_local, (r + 1) * e_local), slice(r * t, (r + 1) * t)
+                layers, h, e = router.shape
+                args += [self.place(xs[rows], 0, xs.shape), self.place(router[None], 0, (w_, layers, h, e)),
+                         self.place(wi_0[:, mine], 1, wi_0.shape), self.place(wi_1[:, mine], 1, wi_1.shape),
+                         self.place(wo[:, mine], 1, wo.shape), self.place(cs[rows], 0, cs.shape)]
+            return args
+
+        def refs_of(seed):
+            refs = []
+            cpu = jax.local_devices(backend="cpu")[0]
+            for i, (t, e_local, k, xs, router, wi_0, wi_1, wo, cs) in enumerate(host(seed)):
+                mine, rows = slice(r * e_local, (r + 1) * e_local), slice(r * t, (r + 1) * t)
+                c_mine = np.zeros(cs.shape, np.float64)
+                c_mine[rows] = cs[rows]
+                with jax.enable_x64(True), jax.default_device(cpu):
+                    f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+                    model = functools.partial(stack, functools.partial(dense_moe_mlp_f64, k=k))
+                    y, pullback = jax.vjp(model, *(f64(a) for a in (xs, router, wi_0, wi_1, wo)))
+                    grads = [np.asarray(g) for g in pullback(f64(cs))]
+                    router_share = np.asarray(pullback(f64(c_mine))[1])
+                    y = np.asarray(y)
+                refs += [(f"site {i} y", y[rows]), (f"site {i} dx", grads[0][rows]),
+                         (f"site {i} drouter", router_share[None]), (f"site {i} dwi_0", grads[2][:, mine]),
+                         (f"site {i} dwi_1", grads[3][:, mine]), (f"site {i} dwo", grads[4][:, mine])]
+            return refs
+
+        return fn, args_of, refs_of
+
+
 def dense_moe_mlp_f64(x, router, wi_0, wi_1, wo, *, k):
     """The MoE MLP with every expert computed (softmax router, top k, weights renormalised, SwiGLU),
     in the inputs' dtype (float64 under jax.enable_x64): x [T, H], router [H, E], wi_0 / wi_1

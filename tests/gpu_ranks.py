@@ -80,8 +80,12 @@ Suites:
            repeated calls bitwise equal, no XLA collective left in the program; against float64.
   moemlp   the MoE MLP (moe_layers.moe_mlp) forward and vector-Jacobian product on the kernels (the
            dispatch fused with its GEMM, every other move by moe_transfer): y and the gradients of
-           x, router (this rank's share), wi_0, wi_1 and wo against the dense float32 model on the
+           x, router (this rank's share), wi_0, wi_1 and wo against the dense float64 model on the
            host's CPU backend; no XLA collective left in the program.
+  moestack two MoE layers under lax.scan and an independent MoE call site of other shapes in one
+           program, on the default config (path 'auto'), three runs with fresh inputs against
+           float64; then again under XLA's command buffers (moestack_cmdbuf): the device epoch
+           advances by the same count every run and later runs replay some calls.
   hostcost the handlers' host time per execution (validation, plan, TMA descriptors, launches) for
            gemm_rs and ag_gemm (both layouts), over 200 calls each, one at a time, also by phase; then the host
            time per step of a lax.scan over an 8-layer MLP block (ag_gemm -> silu -> gemm_rs);
@@ -159,6 +163,9 @@ SUITES = {
     # A deadline well inside the suite's time limit: a wait that never ends reports its peer.
     "moe": Suite(MoeSuites, env=MOE_ENV),
     "moemlp": Suite(MoeSuites, env=MOE_ENV),
+    "moestack": Suite(MoeSuites, env=MOE_ENV),
+    "moestack_cmdbuf": Suite(MoeSuites, env={**MOE_ENV, "XLA_FLAGS": f"{MOE_ENV['XLA_FLAGS']} {CMDBUF_XLA_FLAGS}"},
+                             part_of="moestack"),
     # The SMs that rank 0's held kernel takes (read once per process).
     "forward": Suite(ProtocolSuites, env={"ENTWINE_SM_RESERVE": str(FORWARD_HELD_SMS)}),
     "hostcost": Suite(CostSuites, checking=False),

@@ -220,8 +220,8 @@ def _ranks(*args, timeout=3600):
 
 # Every checking suite of gpu_ranks' table runs at W = 2 time-sliced (a new suite joins by its row);
 # these also at W = 3 (a world that no power of two hides), and these under MPS.
-AT_W3 = ["quick", "cmdbuf", "skipcall", "disagree", "fp8", "fp8half", "forward"]
-UNDER_MPS = "quick,ag,forward"
+AT_W3 = ["quick", "cmdbuf", "skipcall", "disagree", "fp8", "fp8half", "forward", "moe", "moemlp", "moestack"]
+UNDER_MPS = "quick,ag,forward,moe,moemlp,moestack"
 
 
 def test_suite_table():
