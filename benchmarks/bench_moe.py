@@ -30,7 +30,9 @@ SHAPES = {"mixtral-8x7b": (4096, 4096, 14336, 8, 2, 1.0),
           "deepseek-like": (4096, 7168, 2048, 32, 8, 1.0)}
 
 
-SPECS = (P("ep"), P(), P("ep"), P("ep"), P("ep"), P("ep"))  # x, router, wi_0, wi_1, wo, c
+# x, router, wi_0, wi_1, wo, c. The router (and its gradient, out_specs) replicated: right at an axis of
+# size 1 only, where this program runs (at W > 1 its gradient would be each rank's share).
+SPECS = (P("ep"), P(), P("ep"), P("ep"), P("ep"), P("ep"))
 
 
 def step_program(mesh, k: int, config, fp8):

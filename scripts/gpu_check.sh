@@ -16,4 +16,4 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 cd /tmp
 python3 -P -c "import entwine_jax, entwine_jax._entwine as e; print('entwine_jax from', entwine_jax.__file__)"
 SEL=${ENTWINE_GPU_TESTS:-"gpu or multigpu"}
-timeout ${ENTWINE_GPU_TIMEOUT:-540} python3 -P -m pytest -p no:cacheprovider -q -rfEs "$REPO/tests/test_gpu_gemm_rs.py" "$REPO/tests/test_gpu_layers.py" -m "$SEL" "${@:2}" 2>&1 | tail -40
+timeout ${ENTWINE_GPU_TIMEOUT:-540} python3 -P -m pytest -p no:cacheprovider -q -rfEs "$REPO/tests/test_gpu_gemm_rs.py" "$REPO/tests/test_gpu_layers.py" "$REPO/tests/test_moe_fp8.py" -m "$SEL" "${@:2}" 2>&1 | tail -40

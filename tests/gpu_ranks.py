@@ -79,7 +79,7 @@ Suites:
            tokens routed nowhere, an expert nobody picks, bf16 and fp16, SM push and copy engines,
            repeated calls bitwise equal, no XLA collective left in the program; against float64.
   moemlp   the MoE MLP (moe_layers.moe_mlp) forward and vector-Jacobian product on the kernels (the
-           dispatch fused with its GEMM, every other move by moe_transfer): y and the gradients of
+           dispatch and the combine, each fused with its GEMM): y and the gradients of
            x, router (this rank's share), wi_0, wi_1 and wo against the dense float64 model on the
            host's CPU backend; no XLA collective left in the program.
   moestack two MoE layers under lax.scan and an independent MoE call site of other shapes in one

@@ -225,7 +225,7 @@ def test_parse_configs_empty_item_is_the_selected_config():
         bench.parse_configs(" ; ")
 
 
-def test_bench_moe_needs_a_gpu_and_its_step_is_the_mlps_vjp(capsys):
+def test_bench_moe_needs_a_gpu_and_its_step_is_the_mlps_vjp(capsys, monkeypatch):
     """benchmarks/bench_moe.py: without a GPU it says so (exit 2); its step program is the MoE MLP's
     output and vector-Jacobian product, the same on both paths (here both XLA's: no CUDA)."""
     import numpy as np
@@ -233,6 +233,7 @@ def test_bench_moe_needs_a_gpu_and_its_step_is_the_mlps_vjp(capsys):
     import bench_moe
     from entwine_jax import moe_layers
 
+    monkeypatch.setattr(bench_moe.jax, "default_backend", lambda: "cpu")  # as on a machine without one
     assert bench_moe.main(["--iters", "1"]) == 2
     assert "needs a GPU" in capsys.readouterr().err
     mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
