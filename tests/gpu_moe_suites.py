@@ -31,7 +31,6 @@ class MoeSuites(Rank):
         bitwise equal; and the compiled program holds no XLA collective, only the fused calls."""
         import jax.numpy as jnp
 
-        w_ = self.world
         worst, cases = 0.0, 0
         for t, h, n, e_local, k, capacity, push, dtype, fp8 in (
                 (256, 256, 512, 2, 2, None, "copy", jnp.bfloat16, False),
@@ -193,18 +192,9 @@ class MoeSuites(Rank):
             outs = [self.local(v) for v in fn(*args)]
         comm.check_errors()
         # The reference: the dense model on every rank's tokens, float64 on the host's CPU backend.
-        cpu = jax.local_devices(backend="cpu")[0]
         rows = slice(r * t, (r + 1) * t)
-        # This rank's share of the router's gradient: the cotangent of the other ranks' tokens zeroed.
-        c_mine = np.zeros((w_ * t, h), np.float64)
-        c_mine[rows] = cs[r]
-        with jax.enable_x64(True), jax.default_device(cpu):
-            f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
-            y_ref, pullback = jax.vjp(functools.partial(dense_moe_mlp_f64, k=k), f64(np.concatenate(xs)), f64(router),
-                                      f64(wi_0), f64(wi_1), f64(wo))
-            grads = [np.asarray(g) for g in pullback(f64(np.concatenate(cs)))]
-            router_share = np.asarray(pullback(f64(c_mine))[1])
-            y_ref = np.asarray(y_ref)
+        y_ref, grads, router_share = vjp_f64(functools.partial(dense_moe_mlp_f64, k=k),
+                                             (np.concatenate(xs), router, wi_0, wi_1, wo), np.concatenate(cs), rows)
         mine = slice(r * e_local, (r + 1) * e_local)
         refs = [y_ref[rows], grads[0][rows], router_share[None], grads[2][mine], grads[3][mine], grads[4][mine]]
         worst = 0.0
@@ -339,24 +329,33 @@ class MoeSuites(Rank):
 
         def refs_of(seed):
             refs = []
-            cpu = jax.local_devices(backend="cpu")[0]
             for i, (t, e_local, k, xs, router, wi_0, wi_1, wo, cs) in enumerate(host(seed)):
                 mine, rows = slice(r * e_local, (r + 1) * e_local), slice(r * t, (r + 1) * t)
-                c_mine = np.zeros(cs.shape, np.float64)
-                c_mine[rows] = cs[rows]
-                with jax.enable_x64(True), jax.default_device(cpu):
-                    f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
-                    model = functools.partial(stack, functools.partial(dense_moe_mlp_f64, k=k))
-                    y, pullback = jax.vjp(model, *(f64(a) for a in (xs, router, wi_0, wi_1, wo)))
-                    grads = [np.asarray(g) for g in pullback(f64(cs))]
-                    router_share = np.asarray(pullback(f64(c_mine))[1])
-                    y = np.asarray(y)
+                model = functools.partial(stack, functools.partial(dense_moe_mlp_f64, k=k))
+                y, grads, router_share = vjp_f64(model, (xs, router, wi_0, wi_1, wo), cs, rows)
                 refs += [(f"site {i} y", y[rows]), (f"site {i} dx", grads[0][rows]),
                          (f"site {i} drouter", router_share[None]), (f"site {i} dwi_0", grads[2][:, mine]),
                          (f"site {i} dwi_1", grads[3][:, mine]), (f"site {i} dwo", grads[4][:, mine])]
             return refs
 
         return fn, args_of, refs_of
+
+
+def vjp_f64(model, inputs, cotangent, rows):
+    """(y, the VJP of every input, the router's share of `rows`) of model(x, router, ...) in float64
+    on the host's CPU backend, as numpy arrays. The share is the router's gradient with the cotangent
+    of every token outside `rows` (another rank's) zeroed."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    mine = np.zeros(np.shape(cotangent), np.float64)
+    mine[rows] = np.asarray(cotangent, np.float64)[rows]
+    with jax.enable_x64(True), jax.default_device(jax.local_devices(backend="cpu")[0]):
+        f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+        y, pullback = jax.vjp(model, *(f64(a) for a in inputs))
+        grads = [np.asarray(g) for g in pullback(f64(cotangent))]
+        return np.asarray(y), grads, np.asarray(pullback(f64(mine))[1])
 
 
 def dense_moe_mlp_f64(x, router, wi_0, wi_1, wo, *, k):
