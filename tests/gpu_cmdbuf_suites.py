@@ -12,6 +12,8 @@ from gpu_harness import MISSING_TIMEOUT_MS, Rank
 # Command buffers for fusions and custom calls, however small the graph.
 CMDBUF_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL "
                     "--xla_gpu_graph_min_graph_size=1")
+# No command buffers at all (XLA's defaults record custom calls and loops too).
+NO_CMDBUF_XLA_FLAGS = "--xla_gpu_enable_command_buffer="
 
 
 class CmdbufSuites(Rank):

@@ -479,7 +479,7 @@ def test_routed_ops_are_not_run_by_the_dense_pairing():
     with pytest.raises(ValueError, match="is a routed op"):
         pairing.call("moe_gemm_combine", jnp.zeros((4, 4)), jnp.zeros((4, 4)), axis_name="ep", dimension=0,
                      config=None)
-    assert entwine_jax.MoeHandle._fields == ("expert", "place", "dropped")
+    assert entwine_jax.MoeHandle._fields == ("expert", "place", "dropped", "received")
 
 
 def test_specs_plan_and_forward_match_the_public_ops():
@@ -610,13 +610,35 @@ def test_mlp_lowers_to_the_dispatch_and_combine_kernels_on_cuda(monkeypatch):
     assert calls == {"entwine_moe_dispatch_gemm": 2, "entwine_moe_gemm_combine": 2}, calls
 
 
+def past_received(received, world: int, rows: int):
+    """[E_local, W*C] bool: the pool rows in 128-row blocks wholly past their segment's received rows
+    (the kernels skip those blocks). received [E_local, W] int32, as the kernels get it."""
+    e_local, capacity = received.shape[0], rows // world
+    assert received.shape == (e_local, world) and received.dtype == jnp.int32, (received.shape, received.dtype)
+    block_start = jnp.arange(capacity) // 128 * 128  # [C]
+    return (block_start[None, None, :] >= received[:, :, None]).reshape(e_local, rows)
+
+
+def dispatch_contract(y, received, world: int):
+    """The dispatch kernel's y [E_local, W*C, N]: zeros in the blocks past the received rows."""
+    return jnp.where(past_received(received, world, y.shape[1])[..., None], jnp.zeros((), y.dtype), y)
+
+
+def combine_contract(o, received, world: int):
+    """The combine kernel's rows o [E_local, W*C, H] before they travel: the blocks past the received
+    rows are never written (NaN here: the token side must not read them)."""
+    return jnp.where(past_received(received, world, o.shape[1])[..., None], jnp.array(jnp.nan, o.dtype), o)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, world):
     """The bf16 MLP with the kernels' branch taken on CPU and each kernel replaced by its contract in
     XLA (the dispatch kernel: y = the moved x_send times w, and the moved pool; the combine kernel:
-    o_recv = h times w, sent home): values and gradients equal the reference path's, each kernel
+    o_recv = h times w, sent home; both with the blocks past the handle's received rows skipped: zeros
+    in y, NaN in the rows sent home): values and gradients equal the reference path's, each kernel
     called for its forward and the other op's backward. F, H and 2F differ, so a weight in the wrong
-    layout fails on its shape."""
+    layout fails on its shape; C = 256 with fewer than 128 rows per segment, so every segment's second
+    block is skipped, and wrong counts show."""
     from entwine_jax import callsite
     from entwine_jax.moe import fused, reference
     from entwine_jax.moe import op as moe_op
@@ -624,18 +646,18 @@ def test_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, world)
     attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
     calls = []
 
-    def fake_dispatch(x_send, w, site, return_pool):
+    def fake_dispatch(x_send, w, received, site, return_pool):
         calls.append("dispatch")
         pool = reference.to_experts(x_send, axis_name="ep", world=world, op="moe_dispatch_gemm")
-        return reference.expert_dot(pool, w).astype(x_send.dtype), pool
+        return dispatch_contract(reference.expert_dot(pool, w).astype(x_send.dtype), received, world), pool
 
-    def fake_combine(h, w, site, world_):
+    def fake_combine(h, w, received, site, world_):
         calls.append("combine")
-        o = reference.expert_dot(h, w).astype(h.dtype)
+        o = combine_contract(reference.expert_dot(h, w).astype(h.dtype), received, world_)
         return reference.to_sources(o, axis_name="ep", world=world_, op="moe_gemm_combine")
 
     mesh = make_mesh((world,), ("ep",))
-    x, idx, weights, w1, w2 = random_case(21, world, 2, 48, 2, 40, 24, jnp.bfloat16, "uniform")
+    x, idx, weights, w1, w2 = random_case(21, world, 2, 160, 2, 40, 24, jnp.bfloat16, "uniform")
     c = np.random.default_rng(22).standard_normal(x.shape).astype(np.float32)
     outs = {}
     for emulated in (False, True):
@@ -660,3 +682,38 @@ def test_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, world)
     assert rel_err(np.asarray(l_emu, np.float32), np.asarray(l_ref, np.float32)) < 1e-6
     for name, a, b in zip(("x", "weights", "w1", "w2"), g_emu, g_ref):
         assert rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 1e-6, name
+
+
+@pytest.mark.parametrize("world,routing,capacity", [(2, "skewed", 1.0), (3, "uniform", None), (4, "one-rank", 0.5)])
+def test_received_rows_count_each_sources_rows_per_expert(world, routing, capacity):
+    """Where a kernel will read them, the handle carries received [E_local, W]: the rows source s sent
+    this rank's expert l (its slots of that expert kept under the capacity), moved from every source
+    (here by the XLA reference of moe_transfer), checked against a NumPy count; empty segments
+    included. Without a kernel the handle has none."""
+    import dataclasses
+
+    from entwine_jax import opspec
+    from entwine_jax.moe import op as moe_op
+
+    e_local, t, k = 2, 150, 2
+    x, idx, _, w1, _ = random_case(31, world, e_local, t, k, 8, 8, jnp.float32, routing)
+    idx[5, 1] = world * e_local + 3  # out of range: routed nowhere
+
+    def body(x, idx, w1, with_kernel):
+        plan = moe_op.plan_dispatch(opspec.RoutedInput(x, idx), w1, axis_name="ep", config=MoeConfig(capacity=capacity))
+        if with_kernel:
+            plan = dataclasses.replace(plan, gemm_call="a kernel")
+        handle = moe_op.layout(idx, plan)
+        return handle.received if with_kernel else jnp.int32(handle.received is None)[None]
+
+    mesh = make_mesh((world,), ("ep",))
+    got = run(lambda *a: body(*a, True), mesh, (x, idx, w1), EP)
+    assert run(lambda *a: body(*a, False), mesh, (x, idx, w1), EP).tolist() == [1] * world
+    c = capacity_rows(t, k, world * e_local, capacity)
+    want = np.zeros((world * e_local, world), np.int32)  # [global expert, source]
+    for s in range(world):
+        ids = idx[s * t:(s + 1) * t].reshape(-1)
+        for g in range(world * e_local):
+            want[g, s] = min(int(np.sum(ids == g)), c)
+    assert got.tolist() == want.tolist()
+    assert (want == 0).any() or routing == "uniform"

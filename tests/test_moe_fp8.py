@@ -11,7 +11,7 @@ import pytest
 from entwine_jax import census, fp8, moe_dispatch_gemm, moe_gemm_combine
 
 from test_gemm_rs import make_mesh
-from test_moe import EP, run
+from test_moe import EP, combine_contract, dispatch_contract, run
 
 F32 = jnp.float32
 
@@ -263,19 +263,19 @@ def test_fp8_kernel_call_traces_its_operands():
     site = fused.MoeCall(comm_id=5, attributes=(("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8),
                                                 ("push_sms", 0)), target="entwine_moe_dispatch_gemm_fp8")
 
-    def body(x_send, w_t, xs, ws):
-        return fused.call_fp8(x_send, w_t, xs, ws, site, jnp.bfloat16)
+    def body(x_send, w_t, xs, ws, received):
+        return fused.call_fp8(x_send, w_t, xs, ws, received, site, jnp.bfloat16)
 
     args = (jax.ShapeDtypeStruct((4, 128, 64), fp8.E5M2), jax.ShapeDtypeStruct((2, 96, 64), fp8.E4M3),
-            jax.ShapeDtypeStruct((2,), F32), jax.ShapeDtypeStruct((), F32))
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 4, out_specs=(P(), P()), check_vma=False)
+            jax.ShapeDtypeStruct((2,), F32), jax.ShapeDtypeStruct((), F32), jax.ShapeDtypeStruct((2, 2), jnp.int32))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 5, out_specs=(P(), P()), check_vma=False)
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(f)(*args)
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     call = next(e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "ffi_call")
     assert call.params["target_name"] == "entwine_moe_dispatch_gemm_fp8"
     assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.invars] == [
-        ((4, 128, 64), fp8.E5M2), ((2, 96, 64), fp8.E4M3), ((2,), F32), ((), F32)]
+        ((4, 128, 64), fp8.E5M2), ((2, 96, 64), fp8.E4M3), ((2,), F32), ((), F32), ((2, 2), jnp.int32)]
     assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars] == [
         ((2, 256, 96), jnp.dtype(jnp.bfloat16)), ((2, 256, 64), fp8.E5M2)]
     line = next(line for line in text.splitlines() if "entwine_moe_dispatch_gemm_fp8" in line)
@@ -294,19 +294,19 @@ def test_fp8_combine_kernel_call_traces_its_operands():
     site = fused.MoeCall(comm_id=6, attributes=(("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8),
                                                 ("push_sms", 0)), target="entwine_moe_gemm_combine_fp8")
 
-    def body(h, w_t, hs, ws):
-        return fused.call_combine_fp8(h, w_t, hs, ws, site, 2, jnp.float16)
+    def body(h, w_t, hs, ws, received):
+        return fused.call_combine_fp8(h, w_t, hs, ws, received, site, 2, jnp.float16)
 
     args = (jax.ShapeDtypeStruct((2, 256, 64), fp8.E4M3), jax.ShapeDtypeStruct((2, 128, 64), fp8.E4M3),
-            jax.ShapeDtypeStruct((1,), F32), jax.ShapeDtypeStruct((), F32))
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 4, out_specs=P(), check_vma=False)
+            jax.ShapeDtypeStruct((1,), F32), jax.ShapeDtypeStruct((), F32), jax.ShapeDtypeStruct((2, 2), jnp.int32))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 5, out_specs=P(), check_vma=False)
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(f)(*args)
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     call = next(e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "ffi_call")
     assert call.params["target_name"] == "entwine_moe_gemm_combine_fp8"
     assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.invars] == [
-        ((2, 256, 64), fp8.E4M3), ((2, 128, 64), fp8.E4M3), ((), F32), ((), F32)]
+        ((2, 256, 64), fp8.E4M3), ((2, 128, 64), fp8.E4M3), ((), F32), ((), F32), ((2, 2), jnp.int32)]
     assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars] == [((4, 128, 128), jnp.dtype(jnp.float16))]
     line = next(line for line in text.splitlines() if "entwine_moe_gemm_combine_fp8" in line)
     for attr in ("comm_id = 6 : i64", "block_n = 128 : i64", "gemm_sms = 64 : i64"):
@@ -396,17 +396,18 @@ def test_fp8_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, wo
     attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
     calls = []
 
-    def fake_dispatch(x_send, w_t, x_scales, w_scale, site, out_dtype):
+    def fake_dispatch(x_send, w_t, x_scales, w_scale, received, site, out_dtype):
         calls.append(("dispatch", jnp.dtype(x_send.dtype).name))
         pool = reference.to_experts(x_send, axis_name="ep", world=world, op="moe_dispatch_gemm")
         rows = jnp.repeat(x_scales, pool.shape[1] // world)[None, :, None]
         y = jnp.einsum("erk,enk->ern", pool.astype(F32), w_t.astype(F32)) * rows * jnp.reshape(w_scale, ())
-        return y.astype(out_dtype), pool
+        return dispatch_contract(y.astype(out_dtype), received, world), pool
 
-    def fake_combine(h, w2_t, x_scale, w_scale, site, world_, out_dtype):
+    def fake_combine(h, w2_t, x_scale, w_scale, received, site, world_, out_dtype):
         calls.append(("combine", jnp.dtype(h.dtype).name))
         o = jnp.einsum("erf,ehf->erh", h.astype(F32), w2_t.astype(F32)) * jnp.reshape(x_scale * w_scale, ())
-        return reference.to_sources(o.astype(out_dtype), axis_name="ep", world=world_, op="moe_gemm_combine")
+        o = combine_contract(o.astype(out_dtype), received, world_)
+        return reference.to_sources(o, axis_name="ep", world=world_, op="moe_gemm_combine")
 
     def site(target):
         def prepare(plan, rows, cols, dtype, out_dtype=None):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from entwine_jax import callsite, fp8, opspec
 from entwine_jax.moe import fused, op, reference
 from entwine_jax.moe.config import MoeConfig
-from entwine_jax.moe.reference import COMBINE, DISPATCH, F32, MoeHandle
+from entwine_jax.moe.reference import COMBINE, DISPATCH, F32
 
 # The smallest segment moe_transfer moves is 16 bytes: a scale travels as 4 float32 copies.
 _SCALE_WORDS = 4
@@ -67,11 +67,11 @@ def _dequantized(v8, row_scales):
     return _bf16(v8).astype(F32) * row_scales[None, :, None]
 
 
-def dispatch_pool(x_send8, scales, w_t8, w_scale, plan: op.Plan, out_dtype, name: str):
+def dispatch_pool(x_send8, scales, w_t8, w_scale, plan: op.Plan, out_dtype, name: str, received=None):
     """(y [E_local, W*C, N] in out_dtype, pool [E_local, W*C, K] in x_send8's dtype) of x_send8 [E, C, K]
     (e4m3, or e5m2 for a gradient) with every source's scale `scales` [W], times w_t8 [E_local, N, K]
-    (e4m3) and w_scale: the FP8 dispatch kernel where the plan has one, on CUDA; else the moves
-    (op.to_experts) and XLA's GEMM."""
+    (e4m3) and w_scale: the FP8 dispatch kernel where the plan has one, on CUDA (skipping the blocks
+    past `received`, the handle's counts); else the moves (op.to_experts) and XLA's GEMM."""
     def apart(x_send8, scales, w_t8, w_scale, move):
         pool8 = move(x_send8)
         rows = _rows_of_sources(scales, pool8.shape[1])
@@ -81,18 +81,20 @@ def dispatch_pool(x_send8, scales, w_t8, w_scale, plan: op.Plan, out_dtype, name
         return apart(x_send8, scales, w_t8, w_scale, lambda v: op.to_experts(v, plan, name))
     names = callsite.varying_over(x_send8, scales, w_t8, w_scale, axis_name=plan.axis_name)
 
-    def kernel(x_send8, scales, w_t8, w_scale):
-        return callsite.typed_like(names, *fused.call_fp8(x_send8, w_t8, scales, w_scale, plan.gemm_call, out_dtype))
+    def kernel(x_send8, scales, w_t8, w_scale, rows):
+        return callsite.typed_like(names, *fused.call_fp8(x_send8, w_t8, scales, w_scale, rows, plan.gemm_call,
+                                                          out_dtype))
 
     xla_move = functools.partial(reference.to_experts, axis_name=plan.axis_name, world=plan.axis_size, op=name)
-    return callsite.dispatch(None, lambda *a: apart(*a, xla_move), kernel, x_send8, scales, w_t8, w_scale)
+    return callsite.dispatch(None, lambda *a: apart(*a[:-1], xla_move), kernel, x_send8, scales, w_t8, w_scale,
+                             op.kernel_rows(received, plan))
 
 
-def combine_pool(h8, h_scale, w_t8, w_scale, plan: op.Plan, out_dtype, name: str):
+def combine_pool(h8, h_scale, w_t8, w_scale, plan: op.Plan, out_dtype, name: str, received=None):
     """o_recv [E, C, H] in out_dtype at the sources of h8 [E_local, W*C, F] (e4m3, or e5m2 for a
     gradient) with this rank's scale h_scale, times w_t8 [E_local, H, F] (e4m3) and w_scale: the FP8
-    combine kernel where the plan has one, on CUDA; else XLA's GEMM, then the rows sent home
-    (op.to_sources)."""
+    combine kernel where the plan has one, on CUDA (the blocks past `received`, the handle's counts,
+    neither computed nor sent); else XLA's GEMM, then the rows sent home (op.to_sources)."""
     def apart(h8, h_scale, w_t8, w_scale, move):
         rows = jnp.broadcast_to(h_scale.astype(F32), (h8.shape[1],))
         return move(_scaled_expert_dot(h8, rows, jnp.swapaxes(w_t8, 1, 2), w_scale).astype(out_dtype))
@@ -101,12 +103,13 @@ def combine_pool(h8, h_scale, w_t8, w_scale, plan: op.Plan, out_dtype, name: str
         return apart(h8, h_scale, w_t8, w_scale, lambda v: op.to_sources(v, plan, name))
     names = callsite.varying_over(h8, h_scale, w_t8, w_scale, axis_name=plan.axis_name)
 
-    def kernel(h8, h_scale, w_t8, w_scale):
-        return callsite.typed_like(names, fused.call_combine_fp8(h8, w_t8, h_scale, w_scale, plan.combine_call,
+    def kernel(h8, h_scale, w_t8, w_scale, rows):
+        return callsite.typed_like(names, fused.call_combine_fp8(h8, w_t8, h_scale, w_scale, rows, plan.combine_call,
                                                                  plan.axis_size, out_dtype))
 
     xla_move = functools.partial(reference.to_sources, axis_name=plan.axis_name, world=plan.axis_size, op=name)
-    return callsite.dispatch(None, lambda *a: apart(*a, xla_move), kernel, h8, h_scale, w_t8, w_scale)
+    return callsite.dispatch(None, lambda *a: apart(*a[:-1], xla_move), kernel, h8, h_scale, w_t8, w_scale,
+                             op.kernel_rows(received, plan))
 
 
 def _cotangent(dy, gs, call: fp8.Fp8Call):
@@ -130,7 +133,7 @@ def _dispatch_forward(x, w1, xs, ws, handle, plan, call, shared):
     src = source_scales(xs, plan, shared, DISPATCH)
     # The e4m3 rows move; the kernel reads w K-major (w_t, a transposed copy per call).
     y, pool8 = dispatch_pool(op.send_rows(x8, handle, plan), src, jnp.swapaxes(w8, 1, 2), ws, plan, call.out_dtype,
-                             DISPATCH)
+                             DISPATCH, handle.received)
     return y, (pool8, _rows_of_sources(src, pool8.shape[1]), w8, ws)
 
 
@@ -152,7 +155,7 @@ def _dispatch_bwd(plan, call, shared, res, dy):
     # The FP8 combine (kernel) of e5m2 rows times w1^T (w1 [E_local, H, N] is that GEMM's w_t); a
     # bf16/fp16 backward has no kernel of its own here (the plan's combine call is the FP8 one).
     kernel_plan = plan if call.fp8_grads else dataclasses.replace(plan, combine_call=None)
-    o_recv = combine_pool(g8, g_scale, w8, ws, kernel_plan, call.backward_dtype, COMBINE)
+    o_recv = combine_pool(g8, g_scale, w8, ws, kernel_plan, call.backward_dtype, COMBINE, handle.received)
     dx = reference.from_segments(o_recv, jnp.ones(handle.expert.shape, F32), handle)
     # dw1[e] = pool[e]^T dy[e] in fp32 from the dequantised operands (rows no slot took are zero).
     dw1 = reference.expert_weight_grad(_dequantized(pool8, rows), _bf16(g8).astype(F32) * g_scale)
@@ -184,7 +187,7 @@ def _combine_forward(h, w2, weights, hs, ws, handle, plan, call):
     h8, w8 = fp8.quantize(h, hs), fp8.quantize(w2, ws)
     rows = jnp.broadcast_to(hs.astype(F32), (h8.shape[1],))
     # The rows travel in out_dtype; the kernel reads w2 K-major (w2_t, a transposed copy per call).
-    o_recv = combine_pool(h8, hs, jnp.swapaxes(w8, 1, 2), ws, plan, call.out_dtype, COMBINE)
+    o_recv = combine_pool(h8, hs, jnp.swapaxes(w8, 1, 2), ws, plan, call.out_dtype, COMBINE, handle.received)
     out = reference.from_segments(o_recv, weights, handle).astype(call.out_dtype)
     return out, (h8, rows, w8)
 
@@ -210,7 +213,7 @@ def _combine_bwd(plan, call, res, dout):
     send = op.send_rows(d8, handle, plan)
     if call.fp8_grads:
         # The FP8 dispatch (kernel) of e5m2 rows times w2^T: w2 [E_local, F, H] is that GEMM's w_t.
-        g, pool8 = dispatch_pool(send, d_src, w8, ws, plan, call.out_dtype, DISPATCH)
+        g, pool8 = dispatch_pool(send, d_src, w8, ws, plan, call.out_dtype, DISPATCH, handle.received)
         g = g.astype(F32)
     else:
         pool8 = op.to_experts(send, plan, DISPATCH)
@@ -241,6 +244,6 @@ def combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfi
                            config=config, out_dtype=call.out_dtype)
     names = callsite.varying_over(h, w2, topk_weights, axis_name=plan.axis_name)
     h, w2, topk_weights = (callsite.make_varying(v, names) for v in (h, w2, topk_weights))
-    handle = MoeHandle(*(callsite.make_varying(v, names) for v in handle))
+    handle = jax.tree.map(lambda v: callsite.make_varying(v, names), handle)
     with jax.named_scope(op.COMBINE_SPEC.scope):
         return _combine(h, w2, topk_weights, hs, ws, gs, handle, plan, call)

@@ -171,9 +171,18 @@ def prepare(x_send, w1, *, axis_name, axis_size: int, config) -> MoeCall:
     return MoeCall(comm_id=cid, attributes=attributes, target=target(is_fp8(x_send.dtype)))
 
 
-def call(x_send, w1, site: MoeCall, return_pool: bool):
+def _received(received, e_local: int, world: int):
+    """The kernels' received operand, int32 [E_local, W] (MoeGemmArgs::received)."""
+    if tuple(received.shape) != (e_local, world) or received.dtype != jnp.int32:
+        raise ValueError(f"received must be int32 [E_local, W] = [{e_local}, {world}], got {received.dtype}"
+                         f"{list(received.shape)}")
+    return received
+
+
+def call(x_send, w1, received, site: MoeCall, return_pool: bool):
     """One rank's fused dispatch and expert GEMM inside shard_map: (y [E_local, W * C, N], the pool
-    [E_local, W * C, H] or None)."""
+    [E_local, W * C, H] or None). received [E_local, W]: the rows each source sent each expert (the
+    blocks past them are zeros in y, never computed)."""
     experts, capacity, k = x_send.shape
     e_local, n = w1.shape[0], w1.shape[2]
     world = experts // e_local
@@ -184,15 +193,15 @@ def call(x_send, w1, site: MoeCall, return_pool: bool):
                                     f"{comm.attributes_text(attributes)}, from {comm.call_site()}")
     y, pool = _ffi.fused_call(site.target, [jax.ShapeDtypeStruct((e_local, world * capacity, n), x_send.dtype),
                                             jax.ShapeDtypeStruct(pool_shape, x_send.dtype)],
-                              x_send, w1, comm_id=np.int64(site.comm_id), signature=np.int64(signature),
-                              config=attributes)
+                              x_send, w1, _received(received, e_local, world), comm_id=np.int64(site.comm_id),
+                              signature=np.int64(signature), config=attributes)
     return y, (pool if return_pool else None)
 
 
-def call_fp8(x_send, w_t, x_scales, w_scale, site: MoeCall, out_dtype):
+def call_fp8(x_send, w_t, x_scales, w_scale, received, site: MoeCall, out_dtype):
     """One rank's FP8 dispatch and expert GEMM inside shard_map: x_send [E, C, K] e4m3 or e5m2, w_t
-    [E_local, N, K] e4m3, x_scales [W] (every source's), w_scale -> (y [E_local, W * C, N] in out_dtype,
-    the pool [E_local, W * C, K] in x_send's dtype)."""
+    [E_local, N, K] e4m3, x_scales [W] (every source's), w_scale, received (as call's) -> (y [E_local,
+    W * C, N] in out_dtype, the pool [E_local, W * C, K] in x_send's dtype)."""
     experts, capacity, k = x_send.shape
     e_local, n = w_t.shape[0], w_t.shape[1]
     world = experts // e_local
@@ -203,7 +212,8 @@ def call_fp8(x_send, w_t, x_scales, w_scale, site: MoeCall, out_dtype):
     y, pool = _ffi.fused_call(site.target, [jax.ShapeDtypeStruct((e_local, world * capacity, n), out_dtype),
                                             jax.ShapeDtypeStruct((e_local, world * capacity, k), x_send.dtype)],
                               x_send, w_t, x_scales.astype(jnp.float32), jnp.reshape(w_scale, ()).astype(jnp.float32),
-                              comm_id=np.int64(site.comm_id), signature=np.int64(signature), config=attributes)
+                              _received(received, e_local, world), comm_id=np.int64(site.comm_id),
+                              signature=np.int64(signature), config=attributes)
     return y, pool
 
 
@@ -278,22 +288,25 @@ def prepare_combine(h, w2, *, axis_name, axis_size: int, config) -> MoeCall:
     return MoeCall(comm_id=cid, attributes=attributes, target=combine_target(is_fp8(h.dtype)))
 
 
-def call_combine(h, w2, site: MoeCall, world: int):
+def call_combine(h, w2, received, site: MoeCall, world: int):
     """One rank's combine kernel inside shard_map: h [E_local, W*C, F] times w2 [E_local, F, H] ->
-    o_recv [E, C, H] at the sources (reference.combine_pool's result)."""
+    o_recv [E, C, H] at the sources (reference.combine_pool's result). received [E_local, W]: the rows
+    of each segment its source reads back (the blocks past them are neither computed nor sent, so
+    those rows of o_recv hold anything)."""
     e_local, rows, _ = h.shape
     out = jax.ShapeDtypeStruct((e_local * world, rows // world, w2.shape[2]), h.dtype)
     attributes = {name: np.int64(v) for name, v in site.attributes}
     signature = comm.call_signature(f"moe_gemm_combine {h.dtype} h {list(h.shape)} w2 {list(w2.shape)}, config "
                                     f"{comm.attributes_text(attributes)}, from {comm.call_site()}")
-    (o_recv,) = _ffi.fused_call(site.target, [out], h, w2, comm_id=np.int64(site.comm_id),
-                                signature=np.int64(signature), config=attributes)
+    (o_recv,) = _ffi.fused_call(site.target, [out], h, w2, _received(received, e_local, world),
+                                comm_id=np.int64(site.comm_id), signature=np.int64(signature), config=attributes)
     return o_recv
 
 
-def call_combine_fp8(h, w2_t, x_scale, w_scale, site: MoeCall, world: int, out_dtype):
+def call_combine_fp8(h, w2_t, x_scale, w_scale, received, site: MoeCall, world: int, out_dtype):
     """One rank's FP8 combine kernel inside shard_map: h [E_local, W*C, F] e4m3 or e5m2 with its scale,
-    w2_t [E_local, H, F] e4m3 with w_scale -> o_recv [E, C, H] in out_dtype at the sources."""
+    w2_t [E_local, H, F] e4m3 with w_scale, received (as call_combine's) -> o_recv [E, C, H] in
+    out_dtype at the sources."""
     e_local, rows, _ = h.shape
     out = jax.ShapeDtypeStruct((e_local * world, rows // world, w2_t.shape[1]), out_dtype)
     attributes = {name: np.int64(v) for name, v in site.attributes}
@@ -301,8 +314,8 @@ def call_combine_fp8(h, w2_t, x_scale, w_scale, site: MoeCall, world: int, out_d
                                     f"{jnp.dtype(out_dtype).name}, config {comm.attributes_text(attributes)}, from "
                                     f"{comm.call_site()}")
     (o_recv,) = _ffi.fused_call(site.target, [out], h, w2_t, jnp.reshape(x_scale, ()).astype(jnp.float32),
-                                jnp.reshape(w_scale, ()).astype(jnp.float32), comm_id=np.int64(site.comm_id),
-                                signature=np.int64(signature), config=attributes)
+                                jnp.reshape(w_scale, ()).astype(jnp.float32), _received(received, e_local, world),
+                                comm_id=np.int64(site.comm_id), signature=np.int64(signature), config=attributes)
     return o_recv
 
 

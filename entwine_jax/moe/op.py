@@ -284,10 +284,37 @@ def to_sources(pool, plan: Plan, op: str):
     return jnp.swapaxes(got.reshape((e_local, world, c) + rest), 0, 1).reshape((world * e_local, c) + rest)
 
 
-def dispatch_pool(x_send, w1, plan: Plan):
+# The rows each source sends each expert travel as one 16-byte segment per expert (moe_transfer's
+# smallest, as the FP8 scales do).
+_ROW_WORDS = 4
+
+
+def received_rows(handle: MoeHandle, plan: Plan):
+    """[E_local, W] int32: the rows source s sends this rank's expert l, at [l, s] (MoeHandle.received):
+    every rank's counts moved to their experts' ranks before the dispatch's kernel, which skips the
+    blocks past them, as the combine's does."""
+    counts = reference.sent_rows(handle, num_experts=plan.num_experts)
+    if plan.axis_size == 1:
+        return counts[:, None]
+    send = jnp.broadcast_to(counts[:, None], (plan.num_experts, _ROW_WORDS))
+    # Typed as varying over the axis: every rank's own counts.
+    send = callsite.make_varying(send, callsite.axis_names(plan.axis_name))
+    got = to_experts(send, plan, DISPATCH)  # [E_local, W * _ROW_WORDS]
+    return got.reshape(plan.e_local, plan.axis_size, _ROW_WORDS)[..., 0]
+
+
+def kernel_rows(received, plan: Plan):
+    """What a kernel reads as MoeGemmArgs::received: the handle's counts, or every segment full."""
+    if received is not None:
+        return received
+    return jnp.full((plan.e_local, plan.axis_size), plan.capacity, jnp.int32)
+
+
+def dispatch_pool(x_send, w1, plan: Plan, received=None):
     """(y [E_local, W*C, N] in x_send.dtype, pool [E_local, W*C, H]) of x_send [E, C, H] and w1: the
-    dispatch kernel (the moves and the GEMM, which starts on each source's rows as they arrive) where
-    the plan has one, on CUDA; else the moves (to_experts) and XLA's GEMM."""
+    dispatch kernel (the moves and the GEMM, which starts on each source's rows as they arrive, and
+    skips the blocks past `received`, the handle's counts) where the plan has one, on CUDA; else the
+    moves (to_experts) and XLA's GEMM."""
     def apart(x_send, w1):
         pool = to_experts(x_send, plan, DISPATCH)
         return reference.expert_dot(pool, w1).astype(x_send.dtype), pool
@@ -296,17 +323,19 @@ def dispatch_pool(x_send, w1, plan: Plan):
         return apart(x_send, w1)
     names = callsite.varying_over(x_send, w1, axis_name=plan.axis_name)
 
-    def kernel(x_send, w1):
-        return callsite.typed_like(names, *fused.call(x_send, w1, plan.gemm_call, return_pool=True))
+    def kernel(x_send, w1, rows):
+        return callsite.typed_like(names, *fused.call(x_send, w1, rows, plan.gemm_call, return_pool=True))
 
     reference_pool = functools.partial(reference.dispatch_pool, axis_name=plan.axis_name, world=plan.axis_size)
-    return callsite.dispatch(None, reference_pool, kernel, x_send, w1)
+    return callsite.dispatch(None, lambda x_send, w1, _: reference_pool(x_send, w1), kernel, x_send, w1,
+                             kernel_rows(received, plan))
 
 
-def combine_pool(h, w2, plan: Plan):
+def combine_pool(h, w2, plan: Plan, received=None):
     """o_recv [E, C, H] in h.dtype of h [E_local, W*C, F] and w2: the combine kernel (each finished
-    block sent home as it is done) where the plan has one, on CUDA; else XLA's GEMM on the expert
-    side, then the rows sent home (to_sources: moe_transfer on CUDA)."""
+    block sent home as it is done; the blocks past `received`, the handle's counts, neither computed
+    nor sent: those rows of o_recv hold anything) where the plan has one, on CUDA; else XLA's GEMM on
+    the expert side, then the rows sent home (to_sources: moe_transfer on CUDA)."""
     def apart(h, w2):
         return to_sources(reference.expert_dot(h, w2).astype(h.dtype), plan, COMBINE)
 
@@ -314,15 +343,19 @@ def combine_pool(h, w2, plan: Plan):
         return apart(h, w2)
     names = callsite.varying_over(h, w2, axis_name=plan.axis_name)
 
-    def kernel(h, w2):
-        return callsite.typed_like(names, fused.call_combine(h, w2, plan.combine_call, plan.axis_size))
+    def kernel(h, w2, rows):
+        return callsite.typed_like(names, fused.call_combine(h, w2, rows, plan.combine_call, plan.axis_size))
 
     reference_pool = functools.partial(reference.combine_pool, axis_name=plan.axis_name, world=plan.axis_size)
-    return callsite.dispatch(None, reference_pool, kernel, h, w2)
+    return callsite.dispatch(None, lambda h, w2, _: reference_pool(h, w2), kernel, h, w2, kernel_rows(received, plan))
 
 
 def layout(topk_idx, plan: Plan) -> MoeHandle:
-    return reference.layout(topk_idx, num_experts=plan.num_experts, capacity=plan.capacity)
+    """This rank's routing; with the counts the kernels skip by where the plan has a kernel."""
+    handle = reference.layout(topk_idx, num_experts=plan.num_experts, capacity=plan.capacity)
+    if plan.gemm_call is None and plan.combine_call is None:
+        return handle
+    return handle._replace(received=received_rows(handle, plan))
 
 
 def send_rows(rows, handle: MoeHandle, plan: Plan):
@@ -335,12 +368,13 @@ def send_rows(rows, handle: MoeHandle, plan: Plan):
 def forward_dispatch(x, w1, plan: Plan, gathered: bool = False):
     """(y, handle) of a planned dispatch (x: a RoutedInput); no differentiation rule (dispatch() has it)."""
     handle = layout(x.topk_idx, plan)
-    return dispatch_pool(send_rows(x.x, handle, plan), w1, plan)[0], handle
+    return dispatch_pool(send_rows(x.x, handle, plan), w1, plan, handle.received)[0], handle
 
 
 def forward_combine(x, w2, plan: Plan, gathered: bool = False):
     """out of a planned combine (x: a RoutedInput with h, the weights and the handle)."""
-    return reference.from_segments(combine_pool(x.x, w2, plan), x.weights, x.handle).astype(x.x.dtype)
+    o_recv = combine_pool(x.x, w2, plan, x.handle.received)
+    return reference.from_segments(o_recv, x.weights, x.handle).astype(x.x.dtype)
 
 
 # --- The pairing: each op's backward is the other (docs/design.md, "The pairing") ------------------
@@ -348,11 +382,11 @@ def forward_combine(x, w2, plan: Plan, gathered: bool = False):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dispatch(x, w1, handle, plan):
-    return dispatch_pool(send_rows(x, handle, plan), w1, plan)[0]
+    return dispatch_pool(send_rows(x, handle, plan), w1, plan, handle.received)[0]
 
 
 def _dispatch_fwd(x, w1, handle, plan):
-    y, pool = dispatch_pool(send_rows(x, handle, plan), w1, plan)
+    y, pool = dispatch_pool(send_rows(x, handle, plan), w1, plan, handle.received)
     return y, (pool, w1, handle)
 
 
@@ -360,7 +394,7 @@ def _dispatch_bwd(plan, res, dy):
     pool, w1, handle = res
     # dx: a combine of dy with w1^T and unit weights (copying x[t] to k rows sums their gradients);
     # dy has y's dtype, x's. Rows no slot sent come back too and are never read.
-    o_recv = combine_pool(dy, jnp.swapaxes(w1, 1, 2), plan)
+    o_recv = combine_pool(dy, jnp.swapaxes(w1, 1, 2), plan, handle.received)
     dx = reference.from_segments(o_recv, jnp.ones(handle.expert.shape, F32), handle).astype(dy.dtype)
     # dw1[e] = pool[e]^T dy[e]: the pool's unused rows are zero and add nothing.
     dw1 = reference.expert_weight_grad(pool, dy).astype(w1.dtype)
@@ -382,7 +416,7 @@ def _combine_fwd(h, w2, weights, handle, plan):
 def _combine_bwd(plan, res, dout):
     h, w2, weights, handle = res
     # dout's rows dispatched in the handle's layout, times w2^T: g = dout row @ w2^T on the expert side.
-    g, dy_pool = dispatch_pool(send_rows(dout, handle, plan), jnp.swapaxes(w2, 1, 2), plan)
+    g, dy_pool = dispatch_pool(send_rows(dout, handle, plan), jnp.swapaxes(w2, 1, 2), plan, handle.received)
     # The router weights travel beside them (a dispatch's transfer): [E, C] -> [E_local, W*C, 1].
     w_send = reference.to_segments(weights.astype(F32), handle, num_experts=plan.num_experts, capacity=plan.capacity)
     w_pool = to_experts(w_send, plan, DISPATCH)[..., None]
@@ -416,7 +450,7 @@ def combine(h, w2, topk_weights, handle, *, axis_name, config: Optional[MoeConfi
                         config=config)
     names = callsite.varying_over(h, w2, topk_weights, axis_name=plan.axis_name)
     h, w2, topk_weights = (callsite.make_varying(v, names) for v in (h, w2, topk_weights))
-    handle = MoeHandle(*(callsite.make_varying(v, names) for v in handle))
+    handle = jax.tree.map(lambda v: callsite.make_varying(v, names), handle)
     with jax.named_scope(COMBINE_SPEC.scope):
         return _combine(h, w2, topk_weights, handle, plan)
 

@@ -11,8 +11,10 @@
 #     row i = the i-th slot of e on q  ---->            row q*C + i
 #
 # Pitfalls: rows past a segment's valid ones are zero in the send buffer, so they are zero in y and add
-# nothing to the weight gradients; the token side reads back only the rows it sent (place < C).
-from typing import NamedTuple
+# nothing to the weight gradients; the token side reads back only the rows it sent (place < C), and
+# selects them (never multiplies a row by a zero weight): the combine kernel leaves the rows past a
+# segment's sent ones unwritten.
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +34,13 @@ class MoeHandle(NamedTuple):
     expert [T, k]: each slot's global expert where it is sent, else -1 (a -1 or out-of-range
                    topk_idx, or dropped);
     place [T, k]:  each sent slot's row i in its (this rank, expert) segment, else -1;
-    dropped []:    this rank's slots (its tokens') lost to the capacity C."""
+    dropped []:    this rank's slots (its tokens') lost to the capacity C;
+    received [E_local, W]: the rows source s sent this rank's expert l, at [l, s], where a kernel
+                   reads them (it skips the GEMM blocks past them), else None."""
     expert: jax.Array
     place: jax.Array
     dropped: jax.Array
+    received: Optional[jax.Array] = None
 
 
 def round_up(n, m: int):
@@ -62,6 +67,12 @@ def layout(topk_idx, *, num_experts: int, capacity: int) -> MoeHandle:
                      dropped=(valid & ~sent).sum().astype(jnp.int32))
 
 
+def sent_rows(handle: MoeHandle, *, num_experts: int):
+    """[E] int32: the rows this rank sends each expert (its segments' valid rows; the rest are zero)."""
+    e = jnp.where(handle.expert >= 0, handle.expert, num_experts).reshape(-1)
+    return jnp.zeros((num_experts,), jnp.int32).at[e].add(1, mode="drop")
+
+
 def to_segments(slot_rows, handle: MoeHandle, *, num_experts: int, capacity: int):
     """slot_rows [T, k, ...] (one per slot) -> the send buffer [E, C, ...]: each sent slot's row at its
     (expert, place), zeros elsewhere (local: no transfer)."""
@@ -76,9 +87,11 @@ def to_segments(slot_rows, handle: MoeHandle, *, num_experts: int, capacity: int
 
 def from_segments(o_recv, weights, handle: MoeHandle):
     """out [T, H] in fp32: sum_j weights[t, j] * o_recv[expert(t, j), place(t, j)] over the sent slots,
-    in j order (local: no transfer)."""
+    in j order (local: no transfer). o_recv's other rows may hold anything (even NaN): never read."""
+    sent = handle.expert >= 0
     rows = o_recv[jnp.maximum(handle.expert, 0), jnp.maximum(handle.place, 0)].astype(F32)  # [T, k, H]
-    w = jnp.where(handle.expert >= 0, weights.astype(F32), 0.0)
+    rows = jnp.where(sent[..., None], rows, 0.0)
+    w = jnp.where(sent, weights.astype(F32), 0.0)
     # A contraction, not a multiply and a sum: jit would fuse those into FMAs and differ from eager.
     return jnp.einsum("tk,tkh->th", w, rows)
 

@@ -150,6 +150,12 @@ struct GemmSchedule {
   template <class Kernel>
   static __device__ void finish(typename Kernel::Params const&, int) {}
 
+  // Every block has rows to multiply.
+  template <class Kernel>
+  static __device__ bool empty(typename Kernel::Params const&, BlockCoord const&) {
+    return false;
+  }
+
   // FP8 per tensor: block c's factor, its source's x scale times w's. A peer's scale was pushed before its
   // shard's first chunk, so the release of the chunk this block's rows came from published it too;
   // this thread is ordered after the TMA warp's acquire of that flag (the mbarrier of the loads it

@@ -57,6 +57,8 @@ struct ElementOf<DType::kE5M2> {
 //   destination<Kernel>(params, c, e, &ld)  where block c's rows go, pitch ld (kStoresToPeers only)
 //   finish<Kernel>(params, lane)     the store warp's last act, every lane (gemm_rs: the folded end)
 //   alpha<Kernel>(params, c)         FP8 per tensor: the factor that dequantises block c's fp32 sum
+//   empty<Kernel>(params, c)         true: block c has no rows to multiply (its sum is zero; the
+//                                    schedule's load() loads nothing for it)
 //   load_scales<Kernel>(params, ...) FP8 per block: the scale-load warp's loop over the TMA warp's units
 //   make_params<Kernel>(plan, args)  the kernel parameters of a plan (host)
 template <DType kInput, DType kOutput, int BLOCK_N_, class Schedule_, Scaling kScaling = Scaling::kTensor>
@@ -403,14 +405,17 @@ struct GemmKernel {
     WorkIter work(params);
     bool first = true;
     for (Unit u; work.next(u); first = false) {
-      int const k_count = u.k_end - u.k_begin;
+      // An empty block (the schedule's word: moe, past its segment's rows) takes no k-tile from the
+      // pipeline, as the TMA warp loads none for it; its sum is zero.
+      bool const empty = Schedule::template empty<GemmKernel>(params, Schedule::block_coord(u.p, params.op, params.order));
+      int const k_count = empty ? 0 : u.k_end - u.k_begin;
       Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       // The FP8 mainloops add their promoted (block-scaled: scaled) partial sums into accum, so
       // accum starts at zero.
-      if constexpr (kFp8) clear(accum);
+      if (kFp8 || empty) clear(accum);
       if constexpr (kFp8 && !kBlockScaled) {
         fp8_mma(pipeline, read_state, accum, k_count, warp_group - 1, storage.mainloop);
-      } else {
+      } else if (!empty) {  // CUTLASS's mma needs a k-tile
         mainloop.mma(pipeline, read_state, accum, k_count, math_idx, storage.mainloop, params.mainloop);
         mainloop.mma_tail(pipeline, read_state, k_count);
       }

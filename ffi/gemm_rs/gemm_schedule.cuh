@@ -96,6 +96,12 @@ struct GemmSchedule {
     if (lane == 0 && end.done != nullptr && comm::arrive(end.done, end.expected)) comm::advance_epoch(end);
   }
 
+  // Every block has rows to multiply.
+  template <class Kernel>
+  static __device__ bool empty(typename Kernel::Params const&, BlockCoord const&) {
+    return false;
+  }
+
   // FP8 per tensor: every block of the call has the same factor, x's scale times w's (device
   // scalars, written before the call: stream order).
   template <class Kernel>

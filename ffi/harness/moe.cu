@@ -18,6 +18,9 @@ struct MoeCase {
   // FP8 per tensor: x_send in e4m3 (1) or e5m2 (2, a gradient), w_t [E_local, n, k] in e4m3, each
   // rank's scales fp8_scales(rank); 0: 16-bit operands.
   int fp8 = 0;
+  // The rows each source sends each expert (MoeGemmArgs::received): 0, all C (no counts); > 0, that
+  // many for every segment; kMixedRows, a mix of empty, partial and full segments (mixed_rows).
+  int rows = 0;
   DType dtype() const { return bf16 ? DType::kBF16 : DType::kFP16; }
   DType input() const { return fp8 == 0 ? dtype() : fp8 == 1 ? DType::kE4M3 : DType::kE5M2; }
   int in_bytes() const { return element_bytes(input()); }
@@ -28,12 +31,24 @@ struct MoeCase {
   int64_t y_rows() const { return int64_t(e_local()) * world * capacity; }
 };
 
+constexpr int kMixedRows = -1;
+
+// Segment (expert e, source s) of rank r's mixed rows: empty, one row, a tile less or more one row,
+// half, all; different for every segment, rank and seed.
+int mixed_rows(int capacity, int r, int e, int s, uint64_t seed) {
+  int const choices[] = {0, 1, 127, 128, 129, capacity / 2 + 3, capacity - 1, capacity};
+  return std::min(capacity, choices[(seed * 7 + r * 5 + e * 3 + s) % 8]);
+}
+
 std::string describe(MoeCase const& c) {
-  char buf[192];
-  std::snprintf(buf, sizeof buf, "moe W=%d E=%d C=%d K=%d N=%d %s%s block_n=%d gemm_sms=%d r=%d push_sms=%d", c.world,
+  char buf[224];
+  char rows[32] = "";
+  if (c.rows == kMixedRows) std::snprintf(rows, sizeof rows, " rows=mixed");
+  if (c.rows > 0) std::snprintf(rows, sizeof rows, " rows=%d", c.rows);
+  std::snprintf(buf, sizeof buf, "moe W=%d E=%d C=%d K=%d N=%d %s%s block_n=%d gemm_sms=%d r=%d push_sms=%d%s", c.world,
                 c.experts, c.capacity, c.k, c.n, c.fp8 == 0 ? "" : c.fp8 == 1 ? "e4m3->" : "e5m2->",
                 c.bf16 ? "bf16" : "fp16", int(c.config.block_n),
-                int(c.config.gemm_sms), int(c.config.raster_rows), int(c.config.push_sms));
+                int(c.config.gemm_sms), int(c.config.raster_rows), int(c.config.push_sms), rows);
   return buf;
 }
 
@@ -96,6 +111,8 @@ struct MoeWorld {
     void *x_send = nullptr, *w = nullptr;  // x_send's and w's type: MoeCase::input()
     uint16_t* y = nullptr;
     float* x_scales = nullptr;  // FP8: every source's x scale [world]; then w's
+    int32_t* received = nullptr;  // [E_local, world] with MoeCase::rows, else nullptr
+    std::vector<int32_t> received_host;
     char* inbox = nullptr;
     uint64_t* flags = nullptr;  // two parities of plan.flags words
     uint64_t* ready = nullptr;  // kMaxWorld words: ready[s] = the last call rank s announced
@@ -124,6 +141,7 @@ struct MoeWorld {
       CHECK_CUDA(cudaMalloc(&r.x_send, size_t(c.send_elems()) * c.in_bytes()));
       CHECK_CUDA(cudaMalloc(&r.w, size_t(c.w_elems()) * c.in_bytes()));
       CHECK_CUDA(cudaMalloc(&r.x_scales, (c.world + 1) * sizeof(float)));
+      if (c.rows != 0) CHECK_CUDA(cudaMalloc(&r.received, size_t(c.experts) * sizeof(int32_t)));
       CHECK_CUDA(cudaMalloc(&r.y, size_t(c.y_rows()) * c.n * 2));
       CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
       // Stale rows a wrong wait would read show as NaN in y.
@@ -143,6 +161,7 @@ struct MoeWorld {
       cudaFree(r.x_send);
       cudaFree(r.w);
       cudaFree(r.x_scales);
+      cudaFree(r.received);
       cudaFree(r.y);
       cudaFree(r.inbox);
       cudaFree(r.flags);
@@ -182,6 +201,16 @@ struct MoeWorld {
       }
       scales[c.world] = fp8_scales(r)[1];
       CHECK_CUDA(cudaMemcpy(ranks[r].x_scales, scales.data(), scales.size() * sizeof(float), cudaMemcpyHostToDevice));
+      if (c.rows == 0) continue;
+      // x_send stays random past the rows sent: only a skipped block gives zeros there.
+      auto& rows = ranks[r].received_host;
+      rows.assign(c.experts, 0);
+      for (int e = 0; e < c.e_local(); ++e) {
+        for (int q = 0; q < c.world; ++q) {
+          rows[e * c.world + q] = c.rows > 0 ? std::min(c.rows, c.capacity) : mixed_rows(c.capacity, r, e, q, seed);
+        }
+      }
+      CHECK_CUDA(cudaMemcpy(ranks[r].received, rows.data(), rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     }
     CHECK_CUDA(cudaGetLastError());
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -219,7 +248,8 @@ struct MoeWorld {
     for (int r = 0; r < c.world; ++r) {
       if (r == skip_rank) continue;
       MoeGemmArgs const a{ranks[r].x_send, ranks[r].inbox, ranks[r].w, ranks[r].y, ranks[r].flags, error, nullptr,
-                          call_epoch(r), timeout_ns, ranks[r].x_scales, ranks[r].x_scales + c.world};
+                          call_epoch(r), timeout_ns, ranks[r].x_scales, ranks[r].x_scales + c.world,
+                          ranks[r].received};
       if (sm_push) enqueue_sm_push(r);
       if (part == Part::kTransfers) {
         MoeWaitArgs const wa{ranks[r].flags, plan.e_local, r, c.world, error, nullptr, call_epoch(r), timeout_ns};
@@ -264,7 +294,8 @@ struct MoeWorld {
   // Relative error of every rank's y against float64, over every (expert, source) segment's rows i
   // with i % 16 == (e + q) % 16 (every tile row of every segment, 8 or more rows each):
   // y[e, q * C + i, :] = x_send_q[r * E_local + e, i, :] @ w_r[e] (FP8: each operand times its rank's
-  // scale, w_r[e] = w_t_r[e]^T).
+  // scale, w_r[e] = w_t_r[e]^T); with MoeCase::rows, exactly zero in the tiles wholly past the rows
+  // sent (inf otherwise).
   double check() {
     std::vector<std::vector<double>> xs;
     for (int q = 0; q < c.world; ++q) {
@@ -286,6 +317,11 @@ struct MoeWorld {
         double const* we = w.data() + size_t(e) * k * n;
         for (int q = 0; q < c.world; ++q) {
           for (int i = (e + q) % 16; i < cap; i += 16) {
+            uint16_t const* yrow = y.data() + (size_t(e) * c.world * cap + size_t(q) * cap + i) * n;
+            if (c.rows != 0 && i / 128 * 128 >= ranks[r].received_host[e * c.world + q]) {
+              if (std::any_of(yrow, yrow + n, [](uint16_t v) { return v != 0; })) return INFINITY;
+              continue;
+            }
             double const* xrow = xs[q].data() + (size_t(r * el + e) * cap + i) * k;
             std::fill(ref.begin(), ref.end(), 0.0);
             for (int kk = 0; kk < k; ++kk) {
@@ -293,7 +329,6 @@ struct MoeWorld {
               double const* wr = we + size_t(kk) * n;
               for (int j = 0; j < n; ++j) ref[j] += xv * wr[j];
             }
-            uint16_t const* yrow = y.data() + (size_t(e) * c.world * cap + size_t(q) * cap + i) * n;
             for (int j = 0; j < n; ++j) {
               double const o = to_double(yrow[j], c.bf16);
               if (std::isnan(o)) return INFINITY;
@@ -393,6 +428,8 @@ struct CombineWorld {
     char* o_recv = nullptr;
     uint64_t *flags = nullptr, *ready = nullptr;
     uint32_t* arrivals = nullptr;
+    int32_t* received = nullptr;  // [E_local, world] with `rows`, else nullptr
+    std::vector<int32_t> received_host;
     cudaStream_t stream = nullptr;
   };
   int world, experts, capacity, f, n;  // n: H
@@ -407,6 +444,8 @@ struct CombineWorld {
   // storing into `stage` alone, or followed by each rank's copies of its rows into every o_recv.
   enum class Part { kCall, kLocalGemms, kLocalGemmsThenMove };
   Part part = Part::kCall;
+  // The rows of h's segments their sources read back (MoeCombineArgs::received), as MoeCase::rows.
+  int rows = 0;
   // stage + q * inbox_bytes: destination q's rows [E, C, H], whose block of rank r's experts only
   // rank r writes (its send buffer); allocated by allocate_stage().
   char* stage = nullptr;
@@ -451,6 +490,7 @@ struct CombineWorld {
       cudaFree(r.flags);
       cudaFree(r.ready);
       cudaFree(r.arrivals);
+      cudaFree(r.received);
       cudaStreamDestroy(r.stream);
     }
     cudaFree(stage);
@@ -482,6 +522,7 @@ struct CombineWorld {
     a.w = ranks[r].w;
     a.x_scale = ranks[r].scales;
     a.w_scale = ranks[r].scales + 1;
+    a.received = ranks[r].received;
     for (int q = 0; q < world; ++q) {
       a.inbox[q] = local ? stage + q * plan.inbox_bytes : ranks[q].inbox;
       a.flags[q] = ranks[q].flags;
@@ -554,6 +595,16 @@ struct CombineWorld {
       }
       std::array<float, 2> const scales = fp8_scales(r);
       CHECK_CUDA(cudaMemcpy(ranks[r].scales, scales.data(), sizeof scales, cudaMemcpyHostToDevice));
+      if (rows == 0) continue;
+      auto& got = ranks[r].received_host;
+      got.assign(experts, 0);
+      for (int e = 0; e < plan.e_local; ++e) {
+        for (int q = 0; q < world; ++q) {
+          got[e * world + q] = rows > 0 ? std::min(rows, capacity) : mixed_rows(capacity, r, e, q, seed);
+        }
+      }
+      if (!ranks[r].received) CHECK_CUDA(cudaMalloc(&ranks[r].received, got.size() * sizeof(int32_t)));
+      CHECK_CUDA(cudaMemcpy(ranks[r].received, got.data(), got.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     }
     CHECK_CUDA(cudaGetLastError());
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -570,7 +621,8 @@ struct CombineWorld {
   }
 
   // Every rank's o_recv against float64, over rows i % 16 == (e + q) % 16 of every segment:
-  // o_recv_q[r*E_local + e, i] = h_r[e, q*C + i] @ w2_r[e]. The relative error (inf: a NaN row).
+  // o_recv_q[r*E_local + e, i] = h_r[e, q*C + i] @ w2_r[e]. The relative error (inf: a NaN row). With
+  // `rows`, the tiles wholly past a segment's rows are never sent: they must still hold the poison.
   double check() {
     int const el = plan.e_local, rows = world * capacity;
     double err2 = 0, ref2 = 0;
@@ -582,6 +634,10 @@ struct CombineWorld {
         for (int e = 0; e < el; ++e) {
           for (int i = (e + q) % 16; i < capacity; i += 16) {
             uint16_t const* out = got.data() + (size_t(r * el + e) * capacity + i) * n;
+            if (rows != 0 && i / 128 * 128 >= ranks[r].received_host[e * world + q]) {
+              if (std::any_of(out, out + n, [](uint16_t v) { return v != 0xFFFF; })) return INFINITY;
+              continue;
+            }
             for (int j = 0; j < n; ++j) {
               double ref = 0;
               for (int kk = 0; kk < f; ++kk) {
@@ -616,8 +672,9 @@ struct CombineWorld {
 // float64, and a repeat bitwise; then a rank that never takes part: its peers' waits end with the
 // deadline naming it.
 void run_moe_combine(int world_size, int experts, int capacity, int f, int h, int block_n, bool bf16 = true,
-                     int fp8 = 0) {
+                     int fp8 = 0, int rows = 0) {
   CombineWorld world(world_size, experts, capacity, f, h, block_n, bf16, fp8);
+  world.rows = rows;
   if (world.plan.error) {
     expect(false, world.name() + ": " + world.plan.error);
     return;
@@ -642,8 +699,8 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
   DeviceError const e = world.read_error();
   double const tol = bf16 ? 1e-2 : 2e-3;
   char buf[256];
-  std::snprintf(buf, sizeof buf, ": 3 epochs, rel err %.2e (tol %.0e), repeats %s, error %u; missing rank: code=%u site=%d source=%d",
-                worst, tol, repeat_same ? "bitwise equal" : "DIFFER", healthy.code, e.code, e.site, e.source);
+  std::snprintf(buf, sizeof buf, "%s: 3 epochs, rel err %.2e (tol %.0e), repeats %s, error %u; missing rank: code=%u site=%d source=%d",
+                rows == 0 ? "" : " rows=mixed", worst, tol, repeat_same ? "bitwise equal" : "DIFFER", healthy.code, e.code, e.site, e.source);
   bool const site_ok = world_size == 1 || e.site == kMoeWaitTransfer || e.site == kMoeWaitCombineReady;
   bool const missing_ok = world_size == 1 || (e.code == kErrorDeadline && site_ok && e.source == missing);
   expect(worst <= tol && repeat_same && healthy.code == 0 && missing_ok, world.name() + buf);
@@ -679,16 +736,18 @@ struct ExpertOperands {
 };
 
 // cuBLASLt (XLA's GEMM library) on every rank's expert GEMMs, one after another into one scratch
-// output: median ms, NaN where it is not loaded or refuses a GEMM.
+// output: median ms, NaN where it is not loaded or refuses a GEMM. Expert e's A starts at row e *
+// rows; its GEMM multiplies the first m rows (m < rows: the rows of a packed layout's expert).
 float cublas_experts_ms(CublasLt const* lt, std::vector<ExpertOperands> const& ranks, int e_local, int rows, int n,
-                        int k, int in_bytes, bool fp8, cudaStream_t stream) {
+                        int k, int in_bytes, bool fp8, cudaStream_t stream, int m = 0) {
+  if (m == 0) m = rows;
   if (!lt) return NAN;
   uint16_t* scratch = nullptr;
   CHECK_CUDA(cudaMalloc(&scratch, size_t(rows) * n * 2));
   std::vector<std::function<void()>> gemms;
   for (ExpertOperands const& r : ranks) {
     for (int e = 0; e < e_local; ++e) {
-      gemms.push_back(lt->gemm(rows, n, k, static_cast<char const*>(r.a) + int64_t(e) * rows * k * in_bytes,
+      gemms.push_back(lt->gemm(m, n, k, static_cast<char const*>(r.a) + int64_t(e) * rows * k * in_bytes,
                                static_cast<char const*>(r.w) + int64_t(e) * k * n * in_bytes, scratch, stream,
                                fp8 ? &r.scales : nullptr));
     }
@@ -789,7 +848,8 @@ int moe_bench_main() {
   CHECK_CUDA(comm::prepare_epoch_kernel());
   CublasLt* lt = CublasLt::load();
   std::printf("# moe_dispatch_gemm, W ranks on one H200, bf16 (and e4m3 -> bf16); median ms of one call of every rank (graph replays);\n"
-              "# cublas_ms: cuBLASLt's fastest algorithm on every rank's expert GEMMs [W*C, K] x [K, N], one after another\n");
+              "# cublas_ms: cuBLASLt's fastest algorithm on every rank's expert GEMMs [W*C, K] x [K, N], one after another\n"
+              "# (rows=R: R rows of every segment sent, the rest skipped; cuBLASLt on [W*R, K] per expert, as if packed)\n");
   std::printf("%-52s %9s %9s %9s %9s %9s %8s %8s %8s\n", "case", "fused_ms", "seq_ms", "gemm_ms", "xfer_ms",
               "cublas_ms", "seq/fus", "fus/gemm", "cub/gemm");
   struct Shape {
@@ -800,12 +860,15 @@ int moe_bench_main() {
   Shape const shapes[] = {{2, 8, 1024, 4096, 28672}, {2, 16, 256, 7168, 4096}, {4, 8, 512, 4096, 8192}};
   int bad = 0;
   for (Shape const sh : shapes) {
-    // The copy engines and the SM push in bf16, then FP8 (e4m3 x e4m3 into bf16, 128-wide blocks).
-    for (int variant : {0, 1, 2}) {
+    // The copy engines and the SM push in bf16, then FP8 (e4m3 x e4m3 into bf16, 128-wide blocks);
+    // then bf16 and FP8 with a quarter of every segment's rows sent (a dropless capacity when E / k
+    // = 4, as Mixtral's: the blocks past them skipped).
+    for (int variant : {0, 1, 2, 3, 4}) {
       int const push_sms = variant == 1 ? 8 : 0;
-      MoeCase c{sh.world, sh.experts, sh.capacity, sh.k, sh.n,
-                moe_config_for(sh.world, variant == 2 ? 128 : 256, 8, push_sms)};
-      c.fp8 = variant == 2 ? 1 : 0;
+      bool const fp8 = variant == 2 || variant == 4;
+      MoeCase c{sh.world, sh.experts, sh.capacity, sh.k, sh.n, moe_config_for(sh.world, fp8 ? 128 : 256, 8, push_sms)};
+      c.fp8 = fp8 ? 1 : 0;
+      c.rows = variant >= 3 ? sh.capacity / 4 : 0;
       MoeWorld world(c);
       world.fill_inputs(21);
       cudaStream_t origin;
@@ -838,8 +901,10 @@ int moe_bench_main() {
       // expert-major).
       std::vector<ExpertOperands> operands;
       for (auto& r : world.ranks) operands.push_back({r.inbox, r.w, {r.x_scales, r.x_scales + c.world}});
+      // With c.rows: cuBLASLt on the rows sent alone, each expert's W * rows as if packed (the GEMM
+      // work a layout without per-segment padding would do).
       float const cublas_ms = cublas_experts_ms(lt, operands, c.e_local(), sh.world * sh.capacity, sh.n, sh.k,
-                                                c.in_bytes(), c.fp8 != 0, origin);
+                                                c.in_bytes(), c.fp8 != 0, origin, sh.world * (c.rows ? c.rows : sh.capacity));
       // What was timed computed the same y: the fused call's bitwise the sequence's (same GEMM, same
       // order; `moe test` holds the kernels to float64).
       auto run = [&](cudaGraphExec_t exec) {
@@ -895,6 +960,23 @@ int moe_test_main() {
   }
   run_moe_case(MoeCase{2, 6, 128, 200, 384, moe_config_for(2, 128, 2, 1)}, 2);
   run_moe_case(MoeCase{4, 4, 384, 1024, 512, moe_config_for(4, 256, 8, 16)}, 2);
+  // Ragged segments (MoeGemmArgs::received: empty, partial and full, x_send random past the rows
+  // sent): the blocks past them are zeros; W = 1-4, both pushes, both block widths, FP8 and fp16.
+  for (int world : {1, 2, 3, 4}) {
+    MoeCase rc{world, 2 * world, 384, 256, 512, moe_config_for(world, world == 3 ? 128 : 256, 8, world == 2 ? 4 : 0)};
+    rc.rows = kMixedRows;
+    run_moe_case(rc, 3);
+  }
+  {
+    MoeCase rc{3, 6, 256, 272, 384, moe_config_for(3, 128)};
+    rc.rows = kMixedRows;
+    rc.fp8 = 1;
+    run_moe_case(rc, 2);
+    MoeCase rh{2, 4, 384, 256, 256, moe_config_for(2, 128, 2)};
+    rh.rows = kMixedRows;
+    rh.bf16 = false;
+    run_moe_case(rh, 2);
+  }
   // FP8 per tensor (128-wide blocks; each source's rows scaled by its own x scale): e4m3 into bf16
   // and fp16, e5m2 x (a gradient's dispatch), both pushes, a K tail inside a k-tile.
   for (int world : {2, 3, 4}) {
@@ -918,6 +1000,12 @@ int moe_test_main() {
   run_moe_combine(2, 4, 128, 256, 384, 128, true, 1);
   run_moe_combine(3, 6, 256, 272, 256, 128, false, 1);
   run_moe_combine(4, 8, 128, 256, 512, 128, true, 2);
+  // Ragged segments (MoeCombineArgs::received): the blocks past the rows read back are neither
+  // multiplied nor sent (the sources' poison stays there); W = 1-4, FP8.
+  run_moe_combine(1, 2, 384, 256, 256, 128, true, 0, kMixedRows);
+  run_moe_combine(2, 4, 384, 256, 512, 256, true, 0, kMixedRows);
+  run_moe_combine(3, 6, 256, 200, 256, 128, false, 0, kMixedRows);
+  run_moe_combine(4, 8, 384, 256, 384, 128, true, 1, kMixedRows);
   run_moe_deadline(2, 4);
   run_moe_deadline(3, 3);
   run_moe_deadline(4, 8);

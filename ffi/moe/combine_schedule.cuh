@@ -43,7 +43,15 @@ struct GemmSchedule {
     uint64_t timeout_ns;
     const float* x_scale;  // FP8: h's scale (this rank's, one float)
     const float* w_scale;  // FP8: w2's scale
+    const int32_t* received;  // rows of segment (expert, source) at expert * world + source, or nullptr: all C
   };
+
+  // Block c lies wholly past the rows its source reads back: nothing to load, multiply or send (the
+  // store warp still counts it at its segment, so the segment's flag is released).
+  template <class Kernel>
+  static __device__ bool empty(typename Kernel::Params const& params, BlockCoord const& c) {
+    return params.op.received != nullptr && c.tile_m * Kernel::BLOCK_M >= params.op.received[c.owner];
+  }
 
   // Position p -> (segment, tile row inside it, block column). Segment (expert e, source s), owner
   // e * world + s; sources from rank + 1 round to rank (the local segments last), experts inside.
@@ -75,6 +83,7 @@ struct GemmSchedule {
     typename Kernel::WorkIter work(params);
     for (typename Kernel::Unit u; work.next(u);) {
       BlockCoord const c = block_coord(u.p, op, params.order);
+      if (empty<Kernel>(params, c)) continue;
       int const expert = c.owner / op.world, source = c.owner % op.world;
       auto k_iter = cute::make_coord_iterator(cute::idx2crd(0, k_shape), k_shape);
       mainloop.load(params.mainloop, pipeline, write_state, load_inputs,
@@ -99,11 +108,13 @@ struct GemmSchedule {
 
   // Block c's rows in its source's inbox (pitch n), once that source announced the call (lane 0 of
   // the store warp; a repeated poll of an announced source passes at its first load), or nullptr
-  // when that wait failed (recorded; the block is not stored).
+  // when that wait failed (recorded; the block is not stored), or for an empty block (nothing to
+  // send: its source never reads those rows).
   template <class Kernel>
   static __device__ typename Kernel::Element* destination(typename Kernel::Params const& params, BlockCoord const& c,
                                                           uint64_t epoch, int64_t* ld) {
     Params const& op = params.op;
+    if (empty<Kernel>(params, c)) return nullptr;
     int const expert = c.owner / op.world, source = c.owner % op.world;
     if (source != op.rank) {
       if (!wait::poll_flag(op.ready + source, epoch, params.call, op.timeout_ns, op.error, op.error_mirror, op.rank,
@@ -189,6 +200,7 @@ struct GemmSchedule {
     p.op.timeout_ns = args.timeout_ns;
     p.op.x_scale = args.x_scale;
     p.op.w_scale = args.w_scale;
+    p.op.received = args.received;
     return p;
   }
 };

@@ -27,7 +27,15 @@ struct GemmSchedule {
     uint64_t timeout_ns;
     const float* x_scales;  // FP8: every source's x_scale [world]
     const float* w_scale;   // FP8: w's scale
+    const int32_t* received;  // rows of segment (expert, source) at expert * world + source, or nullptr: all C
   };
+
+  // Block c lies wholly past the rows its source sent its expert: nothing to load or multiply, and
+  // its rows of y are stored as zeros (what the zero rows of x_send there would give).
+  template <class Kernel>
+  static __device__ bool empty(typename Kernel::Params const& params, BlockCoord const& c) {
+    return params.op.received != nullptr && c.tile_m * Kernel::BLOCK_M >= params.op.received[c.owner];
+  }
 
   // Position p -> (segment, tile row inside it, block column). A segment is (expert e, source s),
   // owner e * world + s: the store warp writes its block at y row owner * C + tile * 128, which is
@@ -67,7 +75,9 @@ struct GemmSchedule {
   // tile row source * seg_tiles + tile, loaded only after the whole warp has seen the segment's flag
   // carry this call's stamp (acquire, then the proxy fence that orders the TMA engine's reads after
   // it). B is batch `expert` of w either way. A CTA's consecutive blocks mostly share a segment, so
-  // a repeated wait is skipped.
+  // a repeated wait is skipped. An empty block loads nothing, but its segment's flag is still waited
+  // for: the pool's copy after the GEMM reads every segment, and every call must acquire a flag from
+  // every peer (the double-buffer argument).
   template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
   static __device__ void load(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
                               State& write_state, Inputs const& load_inputs, Inputs const& load_local,
@@ -91,6 +101,7 @@ struct GemmSchedule {
         ptx::fence_proxy_async_global();
         waited = c.owner;
       }
+      if (empty<Kernel>(params, c)) continue;
       int const m_block = (local ? 0 : source * op.seg_tiles) + c.tile_m;
       auto k_iter = cute::make_coord_iterator(cute::idx2crd(0, k_shape), k_shape);
       mainloop.load(local ? params.mainloop_local : params.mainloop, pipeline, write_state,
@@ -170,6 +181,7 @@ struct GemmSchedule {
     p.op.timeout_ns = args.timeout_ns;
     p.op.x_scales = args.x_scales;
     p.op.w_scale = args.w_scale;
+    p.op.received = args.received;
     return p;
   }
 };

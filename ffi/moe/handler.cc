@@ -112,7 +112,21 @@ struct Operands {
   const float* x_scales = nullptr;  // FP8: every source's x_scale [W]
   const float* w_scale = nullptr;   // FP8
   int64_t x_scale_count = 0;        // FP8: x_scales' length, W
+  const ffi::AnyBuffer* received = nullptr;  // int32 [E_local, W]: the rows each source sent each expert
 };
+
+// The rows of each (expert, source) segment, int32 [E_local, W] (received_rows in entwine_jax/moe/op.py).
+ffi::Error received_rows(const char* op, ffi::AnyBuffer const& received, int64_t e_local, int64_t world,
+                         const int32_t** out) {
+  auto const d = received.dimensions();
+  if (received.element_type() != ffi::DataType::S32 || d.size() != 2 || d[0] != e_local || d[1] != world) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": received must be int32 [E/W, W] = [" +
+                                       std::to_string(e_local) + ", " + std::to_string(world) + "], got dtype code " +
+                                       std::to_string(int(received.element_type())) + " " + dims_string(d));
+  }
+  *out = static_cast<const int32_t*>(received.untyped_data());
+  return ffi::Error::Success();
+}
 
 // The problem from x_send [E, C, K], w [E_local, K, N] (FP8: w_t [E_local, N, K]), y [E_local, W * C, N]
 // and the pool output [E_local, W * C, K] (or empty).
@@ -183,7 +197,8 @@ ffi::Error derive(MoeProblem const& problem, DType output, MoeGemmArgs const& ar
   for (const void* p : {args.x_send, args.inbox, args.w, static_cast<const void*>(args.y),
                         static_cast<const void*>(args.flags), static_cast<const void*>(args.error),
                         static_cast<const void*>(args.error_mirror), static_cast<const void*>(args.call.epoch),
-                        static_cast<const void*>(args.x_scales), static_cast<const void*>(args.w_scale)}) {
+                        static_cast<const void*>(args.x_scales), static_cast<const void*>(args.w_scale),
+                        static_cast<const void*>(args.received)}) {
     key.add(p);
   }
   *derived = memo.find(key);
@@ -209,7 +224,7 @@ ffi::Error derive_combine(MoeProblem const& problem, DType output, MoeCombineArg
   for (const void* p : {args.h, args.w, static_cast<const void*>(args.ready), static_cast<const void*>(args.arrivals),
                         static_cast<const void*>(args.error), static_cast<const void*>(args.error_mirror),
                         static_cast<const void*>(args.call.epoch), static_cast<const void*>(args.x_scale),
-                        static_cast<const void*>(args.w_scale)}) {
+                        static_cast<const void*>(args.w_scale), static_cast<const void*>(args.received)}) {
     key.add(p);
   }
   for (int q = 0; q < dc.world; ++q) {
@@ -348,6 +363,10 @@ ffi::Error RunMoeDispatch(cudaStream_t xla_stream, int32_t device, Operands cons
   args.w = ops.w.untyped_data();
   args.x_scales = ops.x_scales;
   args.w_scale = ops.w_scale;
+  if (ffi::Error e = received_rows(kOp, *ops.received, problem.experts / dc->world, dc->world, &args.received);
+      e.failure()) {
+    return e;
+  }
   args.y = y->untyped_data();
   args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
   args.error = dc->error_local;
@@ -396,10 +415,11 @@ ffi::Error RunMoeDispatch(cudaStream_t xla_stream, int32_t device, Operands cons
 }
 
 ffi::Error MoeDispatchGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x_send, ffi::AnyBuffer w,
-                               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> pool, int64_t comm_id,
-                               int64_t signature, MoeConfig config) {
+                               ffi::AnyBuffer received, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> pool,
+                               int64_t comm_id, int64_t signature, MoeConfig config) {
   return handler::guarded(kOp, [&]() -> ffi::Error {
     Operands ops{DType::kBF16, DType::kBF16, x_send, w};
+    ops.received = &received;
     if (ffi::Error e = handler::element_type(kOp, "x_send", x_send, &ops.input); e.failure()) return e;
     if (w.element_type() != x_send.element_type() || y->element_type() != x_send.element_type() ||
         pool->element_type() != x_send.element_type()) {
@@ -414,11 +434,13 @@ ffi::Error MoeDispatchGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::Any
 // float8_e4m3fn, x_scales f32 [W] (every source's scale, gathered before the call) and w_scale f32;
 // y bf16 or fp16; the pool in x_send's dtype (or empty).
 ffi::Error MoeDispatchGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x_send, ffi::AnyBuffer w_t,
-                                  ffi::AnyBuffer x_scales, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> y,
+                                  ffi::AnyBuffer x_scales, ffi::AnyBuffer w_scale, ffi::AnyBuffer received,
+                                  ffi::Result<ffi::AnyBuffer> y,
                                   ffi::Result<ffi::AnyBuffer> pool, int64_t comm_id, int64_t signature,
                                   MoeConfig config) {
   return handler::guarded(kOp, [&]() -> ffi::Error {
     Operands ops{DType::kE4M3, DType::kBF16, x_send, w_t};
+    ops.received = &received;
     if (ffi::Error e = handler::fp8_input(kOp, "x_send", x_send, &ops.input); e.failure()) return e;
     if (ffi::Error e = handler::fp8_weight(kOp, "w_t", w_t); e.failure()) return e;
     if (ffi::Error e = handler::element_type(kOp, "y", *y, &ops.output); e.failure()) return e;
@@ -445,6 +467,7 @@ struct CombineOperands {
   ffi::AnyBuffer h, w;
   const float* x_scale = nullptr;  // FP8 only
   const float* w_scale = nullptr;
+  const ffi::AnyBuffer* received = nullptr;  // int32 [E_local, W]: the rows each source reads back
 };
 
 // moe_gemm_combine's GEMM and return -> o_recv [E, C, H] at every source: the GEMM (XLA's stream)
@@ -485,6 +508,7 @@ ffi::Error RunMoeCombine(cudaStream_t xla_stream, int32_t device, CombineOperand
   args.w = ops.w.untyped_data();
   args.x_scale = ops.x_scale;
   args.w_scale = ops.w_scale;
+  if (ffi::Error e = received_rows(kCombineOp, *ops.received, hd[0], world, &args.received); e.failure()) return e;
   for (int q = 0; q < dc->world; ++q) {
     char* const heap = static_cast<char*>(q == dc->rank ? dc->heap : dc->peer_heap[q]);
     args.inbox[q] = heap + inbox_offset;
@@ -520,10 +544,11 @@ ffi::Error RunMoeCombine(cudaStream_t xla_stream, int32_t device, CombineOperand
 
 // 16-bit: h, w2 and o_recv of one dtype.
 ffi::Error MoeGemmCombineImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer h, ffi::AnyBuffer w2,
-                              ffi::Result<ffi::AnyBuffer> o_recv, int64_t comm_id, int64_t signature,
-                              MoeConfig config) {
+                              ffi::AnyBuffer received, ffi::Result<ffi::AnyBuffer> o_recv, int64_t comm_id,
+                              int64_t signature, MoeConfig config) {
   return handler::guarded(kCombineOp, [&]() -> ffi::Error {
     CombineOperands ops{DType::kBF16, DType::kBF16, h, w2};
+    ops.received = &received;
     if (ffi::Error e = handler::element_type(kCombineOp, "h", h, &ops.input); e.failure()) return e;
     if (w2.element_type() != h.element_type() || o_recv->element_type() != h.element_type()) {
       return ffi::Error::InvalidArgument(std::string(kCombineOp) + ": h, w2 and o_recv must share one dtype");
@@ -536,10 +561,12 @@ ffi::Error MoeGemmCombineImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyB
 // FP8 per tensor: h in float8_e4m3fn or float8_e5m2 (a gradient), w2_t [E_local, H, F] in
 // float8_e4m3fn, x_scale and w_scale f32 (this rank's); o_recv bf16 or fp16.
 ffi::Error MoeGemmCombineFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer h, ffi::AnyBuffer w2_t,
-                                 ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> o_recv,
+                                 ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, ffi::AnyBuffer received,
+                                 ffi::Result<ffi::AnyBuffer> o_recv,
                                  int64_t comm_id, int64_t signature, MoeConfig config) {
   return handler::guarded(kCombineOp, [&]() -> ffi::Error {
     CombineOperands ops{DType::kE4M3, DType::kBF16, h, w2_t};
+    ops.received = &received;
     if (ffi::Error e = handler::fp8_input(kCombineOp, "h", h, &ops.input); e.failure()) return e;
     if (ffi::Error e = handler::fp8_weight(kCombineOp, "w2_t", w2_t); e.failure()) return e;
     if (ffi::Error e = handler::element_type(kCombineOp, "o_recv", *o_recv, &ops.output); e.failure()) return e;
@@ -620,6 +647,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchGemm, entwine::MoeDispatchGemmImpl,
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Arg<ffi::AnyBuffer>()                     // x_send [E, C, K]
                                   .Arg<ffi::AnyBuffer>()                     // w [E_local, K, N]
+                                  .Arg<ffi::AnyBuffer>()                     // received: int32 [E_local, W]
                                   .Ret<ffi::AnyBuffer>()                     // y [E_local, W * C, N]
                                   .Ret<ffi::AnyBuffer>()                     // pool [E_local, W * C, K] (or empty)
                                   .Attr<int64_t>("comm_id")                  // comm_id
@@ -635,6 +663,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchGemmFp8, entwine::MoeDispatchGemmFp8Imp
                                   .Arg<ffi::AnyBuffer>()                     // w_t [E_local, N, K]: e4m3
                                   .Arg<ffi::AnyBuffer>()                     // x_scales: f32 [W]
                                   .Arg<ffi::AnyBuffer>()                     // w_scale: f32 [] or [1]
+                                  .Arg<ffi::AnyBuffer>()                     // received: int32 [E_local, W]
                                   .Ret<ffi::AnyBuffer>()                     // y [E_local, W * C, N]: bf16 or f16
                                   .Ret<ffi::AnyBuffer>()                     // pool [E_local, W * C, K] (or empty)
                                   .Attr<int64_t>("comm_id")                  // comm_id
@@ -648,6 +677,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGemmCombine, entwine::MoeGemmCombineImpl,
                                   .Ctx<ffi::DeviceOrdinal>()                 // device
                                   .Arg<ffi::AnyBuffer>()                     // h [E_local, W * C, F]
                                   .Arg<ffi::AnyBuffer>()                     // w2 [E_local, F, H]
+                                  .Arg<ffi::AnyBuffer>()                     // received: int32 [E_local, W]
                                   .Ret<ffi::AnyBuffer>()                     // o_recv [E, C, H]
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("signature")                // what the call is (stamps)
@@ -662,6 +692,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGemmCombineFp8, entwine::MoeGemmCombineFp8Impl,
                                   .Arg<ffi::AnyBuffer>()                     // w2_t [E_local, H, F]: e4m3
                                   .Arg<ffi::AnyBuffer>()                     // x_scale: f32 [] or [1] (h's)
                                   .Arg<ffi::AnyBuffer>()                     // w_scale: f32 [] or [1]
+                                  .Arg<ffi::AnyBuffer>()                     // received: int32 [E_local, W]
                                   .Ret<ffi::AnyBuffer>()                     // o_recv [E, C, H]: bf16 or f16
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("signature")                // what the call is (stamps)

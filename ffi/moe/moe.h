@@ -90,6 +90,9 @@ struct MoeGemmArgs {
   uint64_t timeout_ns;
   const float* x_scales = nullptr;  // FP8: every source's x_scale [world] (device)
   const float* w_scale = nullptr;   // FP8: w's scale (device, one float)
+  // [E_local, world] (device): the rows source s sent expert e, at e * world + s (nullptr: all C).
+  // A block wholly past them is neither loaded nor multiplied; y's rows there are stored as zeros.
+  const int32_t* received = nullptr;
 };
 
 // One source's transfer to one destination on the copy engines (launch_push_copy): the receiver
@@ -166,6 +169,9 @@ struct MoeCombineArgs {
   uint64_t timeout_ns;
   const float* x_scale = nullptr;  // FP8: h's scale (device, one float)
   const float* w_scale = nullptr;  // FP8: w2's scale (device, one float)
+  // [E_local, world] (device): the rows of h's segment (e, s) that its source reads back, at
+  // e * world + s (nullptr: all C). A block wholly past them is neither multiplied nor sent.
+  const int32_t* received = nullptr;
 };
 MoePlan moe_combine_plan(const MoeProblem& problem, const MoeConfig& config);
 
