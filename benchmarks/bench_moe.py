@@ -2,15 +2,19 @@
 # an expert axis of size 1, so that XLA's path (its all-to-all, trivial at one rank, and its batched
 # expert GEMMs) runs in the same process; path="fused" runs the kernels, which still move every
 # row through their inboxes. What it measures is the kernels' GEMMs and moves against XLA's GEMMs
-# and copies, not NVLink (ranks sharing one GPU cannot run XLA's all-to-all: NCCL).
-"""MoE MLP step, kernels (path="fused") against XLA (path="xla"), one GPU, expert axis of size 1.
+# and copies, not NVLink (ranks sharing one GPU cannot run XLA's all-to-all: NCCL). A third
+# program is the same MLP as MaxText's sparse path runs it at one rank (tokens sorted by expert,
+# jax.lax.ragged_dot over each expert's rows, no padding), the stock path users compare with.
+"""MoE MLP step: kernels (path="fused"), XLA (path="xla") and ragged_dot, one GPU, expert axis of size 1.
 
     python benchmarks/bench_moe.py [--iters 50] [--fp8]
 
-Shapes (T tokens, H, F, E experts, top k, capacity factor): Mixtral-8x7B's MLP at 4096 tokens,
-and a DeepSeek-V3-like layer (H 7168, F 2048) with 32 experts. One line per shape: median ms of a
-step (y and the gradients of sum(y * c) w.r.t. x, router, wi_0, wi_1, wo), the two paths' relative
-difference on y and on d wo, and the step of XLA over the kernels'.
+Shapes (T tokens, H, F, E experts, top k, capacity factor or None: dropless): Mixtral-8x7B's MLP at
+4096 tokens, and a DeepSeek-V3-like layer (H 7168, F 2048) with 32 experts, each with a capacity
+factor of 1 and dropless (C = T: the kernels skip each segment's blocks past the rows sent, XLA's
+path multiplies them). One line per shape: median ms of a step (y and the gradients of sum(y * c)
+w.r.t. x, router, wi_0, wi_1, wo), the other programs' steps over the kernels', and the relative
+difference of y and d wo between the kernels and XLA's path (and of y against ragged_dot, dropless).
 """
 import argparse
 import functools
@@ -25,9 +29,11 @@ import entwine_jax
 from entwine_jax import moe_layers
 from entwine_jax.tuning.timing import rel_err, time_interleaved
 
-# name: (T, H, F, E, k, capacity factor)
+# name: (T, H, F, E, k, capacity factor; None: dropless)
 SHAPES = {"mixtral-8x7b": (4096, 4096, 14336, 8, 2, 1.0),
-          "deepseek-like": (4096, 7168, 2048, 32, 8, 1.0)}
+          "deepseek-like": (4096, 7168, 2048, 32, 8, 1.0),
+          "mixtral dropless": (4096, 4096, 14336, 8, 2, None),
+          "deepseek dropless": (4096, 7168, 2048, 32, 8, None)}
 
 
 # x, router, wi_0, wi_1, wo, c. The router (and its gradient, out_specs) replicated: right at an axis of
@@ -44,6 +50,31 @@ def step_program(mesh, k: int, config, fp8):
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPECS, out_specs=SPECS[-1:] + SPECS[:-1],
                                  check_vma=False))
+
+
+def ragged_program(k: int):
+    """The MLP's step as MaxText's sparse path computes it at one rank (megablox off): the same
+    router, each token's k rows sorted by expert, ragged_dot on gate|up and on wo over each expert's
+    rows, the rows weighted and summed back per token (dropless)."""
+    def mlp(x, router, wi_0, wi_1, wo):
+        idx, weights = moe_layers.route(x, router, k)
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = order // k
+        sizes = jnp.bincount(flat, length=router.shape[1]).astype(jnp.int32)
+        w1 = jnp.concatenate([wi_0, wi_1], axis=2)
+        y = jax.lax.ragged_dot(x[token], w1, sizes, preferred_element_type=jnp.float32)
+        f = wi_0.shape[2]
+        h = (jax.nn.silu(y[:, :f]) * y[:, f:]).astype(x.dtype)
+        o = jax.lax.ragged_dot(h, wo, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        out = jnp.zeros(x.shape, jnp.float32).at[token].add(o.astype(jnp.float32) * weights.reshape(-1)[order][:, None])
+        return out.astype(x.dtype)
+
+    def step(x, router, wi_0, wi_1, wo, c):
+        y, pullback = jax.vjp(mlp, x, router, wi_0, wi_1, wo)
+        return (y, *pullback(c))
+
+    return jax.jit(step)
 
 
 def fused_targets(program, operands) -> set:
@@ -64,8 +95,8 @@ def main(argv=None) -> int:
     fp8 = "current" if args.fp8 else None
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, bf16{' fp8=current' if fp8 else ''}, expert "
           f"axis of size 1, median of {args.iters} steps (ms)")
-    print(f"{'shape':>14} {'T':>5} {'H':>5} {'F':>6} {'E':>3} {'k':>2} {'C':>5} | {'kernels':>8} {'xla':>8} | "
-          f"{'xla/kernels':>11} {'rel y':>8} {'rel dwo':>8}")
+    print(f"{'shape':>17} {'T':>5} {'H':>5} {'F':>6} {'E':>3} {'k':>2} {'C':>5} | {'kernels':>8} {'xla':>8} {'ragged':>8} | "
+          f"{'xla/kernels':>11} {'ragged/kern':>11} {'rel y':>8} {'rel dwo':>8} {'rel y rg':>8}")
     bad = 0
     for name, (t, h, f, e, k, factor) in SHAPES.items():
         keys = jax.random.split(jax.random.key(0), 6)
@@ -92,10 +123,21 @@ def main(argv=None) -> int:
             bound = 0.15 if fp8 else 2e-2
             ok = err_y < bound and err_dwo < bound
             bad += not ok
-            ms = time_interleaved({"kernels": (fused, operands), "xla": (xla, operands)}, args.iters, 5, 5)
+            programs = {"kernels": (fused, operands), "xla": (xla, operands)}
+            err_rg = float("nan")
+            if factor is None and not fp8:  # the stock path drops nothing and multiplies bf16
+                ragged = ragged_program(k)
+                ragged_operands = (x, router, wi_0, wi_1, wo, c)
+                err_rg = float(rel_err(got[0], ragged(*ragged_operands)[0]))
+                ok = ok and err_rg < bound
+                bad += err_rg >= bound
+                programs["ragged"] = (ragged, ragged_operands)
+            ms = time_interleaved(programs, args.iters, 5, 5)
         capacity = entwine_jax.moe.op.capacity_rows(t, k, e, factor)
-        print(f"{name:>14} {t:>5} {h:>5} {f:>6} {e:>3} {k:>2} {capacity:>5} | {ms['kernels']:8.3f} {ms['xla']:8.3f} | "
-              f"{ms['xla'] / ms['kernels']:11.3f} {err_y:8.1e} {err_dwo:8.1e}{'' if ok else '  PATHS DISAGREE'}")
+        rg = ms.get("ragged", float("nan"))
+        print(f"{name:>17} {t:>5} {h:>5} {f:>6} {e:>3} {k:>2} {capacity:>5} | {ms['kernels']:8.3f} {ms['xla']:8.3f} "
+              f"{rg:8.3f} | {ms['xla'] / ms['kernels']:11.3f} {rg / ms['kernels']:11.3f} {err_y:8.1e} {err_dwo:8.1e} "
+              f"{err_rg:8.1e}{'' if ok else '  PATHS DISAGREE'}")
     return 1 if bad else 0
 
 

@@ -255,3 +255,10 @@ def test_bench_moe_needs_a_gpu_and_its_step_is_the_mlps_vjp(capsys, monkeypatch)
         want = (y, *pullback(placed[5]))
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    # The stock-like program (MaxText's sparse path at one rank: ragged_dot over sorted rows) computes
+    # the same step as the dropless MLP.
+    dropless = bench_moe.step_program(mesh, k, entwine_jax.MoeConfig(path="xla"), None)
+    with jax.set_mesh(mesh):
+        want = dropless(*placed)
+    for a, b in zip(bench_moe.ragged_program(k)(*ops), want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
