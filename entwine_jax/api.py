@@ -131,7 +131,9 @@ def moe_dispatch_gemm(x, topk_idx, w1, *, axis_name, capacity=None, num_experts:
     y[l, q*C + i] is source rank q's i-th slot routed to local expert l (in its token, slot order),
     times w1[l]; rows no slot took are zero; fp32 accumulation, y in x.dtype (DeepEP low-latency's
     receive layout). handle (a MoeHandle of int32 arrays) is what moe_gemm_combine and the backward
-    need; its `dropped` counts this rank's slots lost to the capacity.
+    need; its `dropped` counts this rank's slots lost to the capacity, and where a kernel runs its
+    `received` [E_local, W] holds the rows each source sent each local expert (the kernels skip the
+    GEMM blocks past them), else None.
     capacity: C, the static rows per (source, expert), is round_up(T, 128) (None: dropless; a token
     naming one expert twice takes two rows, so even then rows past C can drop) or, with a factor f,
     max(128, round_up(ceil(f*T*k/E), 128)) (entwine_jax.moe.config.MoeConfig). A slot past C is

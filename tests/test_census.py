@@ -222,20 +222,21 @@ ENTRY %main (x: bf16[8,128,32], w: bf16[2,32,64], o: bf16[8,128,16], r: f32[8,12
   %w = bf16[2,32,64]{2,1,0} parameter(1)
   %o = bf16[8,128,16]{2,1,0} parameter(2)
   %r = f32[8,128]{1,0} parameter(3)
-  %d = (bf16[2,512,64]{2,1,0}, bf16[2,512,32]{2,1,0}) custom-call(%x, %w), custom_call_target="entwine_moe_dispatch_gemm", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_dispatch_gemm/ffi_call"}, backend_config={comm_id = 7 : i64}
+  %rc = s32[2,4]{1,0} parameter(11)
+  %d = (bf16[2,512,64]{2,1,0}, bf16[2,512,32]{2,1,0}) custom-call(%x, %w, %rc), custom_call_target="entwine_moe_dispatch_gemm", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_dispatch_gemm/ffi_call"}, backend_config={comm_id = 7 : i64}
   %t = bf16[2,512,16]{2,1,0} custom-call(%o), custom_call_target="entwine_moe_transfer", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/entwine_moves.moe_gemm_combine.bfloat16/ffi_call"}, backend_config={comm_id = 7 : i64}
   %u = f32[2,512]{1,0} custom-call(%r), custom_call_target="entwine_moe_transfer", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/entwine_moves.moe_dispatch_gemm.float32/ffi_call"}, backend_config={comm_id = 7 : i64}
   %q = f8e4m3fn[8,128,32]{2,1,0} convert(%x)
   %wt = f8e4m3fn[2,64,32]{2,1,0} parameter(4)
   %xs = f32[4]{0} parameter(5)
   %ws = f32[] parameter(6)
-  %f = (bf16[2,512,64]{2,1,0}, f8e4m3fn[2,512,32]{2,1,0}) custom-call(%q, %wt, %xs, %ws), custom_call_target="entwine_moe_dispatch_gemm_fp8", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_dispatch_gemm/ffi_call"}, backend_config={comm_id = 7 : i64}
+  %f = (bf16[2,512,64]{2,1,0}, f8e4m3fn[2,512,32]{2,1,0}) custom-call(%q, %wt, %xs, %ws, %rc), custom_call_target="entwine_moe_dispatch_gemm_fp8", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_dispatch_gemm/ffi_call"}, backend_config={comm_id = 7 : i64}
   %h = bf16[2,512,32]{2,1,0} parameter(7)
   %w2 = bf16[2,32,16]{2,1,0} parameter(8)
-  %c = bf16[8,128,16]{2,1,0} custom-call(%h, %w2), custom_call_target="entwine_moe_gemm_combine", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/ffi_call"}, backend_config={comm_id = 7 : i64}
+  %c = bf16[8,128,16]{2,1,0} custom-call(%h, %w2, %rc), custom_call_target="entwine_moe_gemm_combine", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/ffi_call"}, backend_config={comm_id = 7 : i64}
   %h8 = f8e4m3fn[2,512,32]{2,1,0} parameter(9)
   %w2t = f8e4m3fn[2,16,32]{2,1,0} parameter(10)
-  %c8 = f16[8,128,16]{2,1,0} custom-call(%h8, %w2t, %ws, %ws), custom_call_target="entwine_moe_gemm_combine_fp8", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/ffi_call"}, backend_config={comm_id = 7 : i64}
+  %c8 = f16[8,128,16]{2,1,0} custom-call(%h8, %w2t, %ws, %ws, %rc), custom_call_target="entwine_moe_gemm_combine_fp8", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/shard_map/moe_gemm_combine/ffi_call"}, backend_config={comm_id = 7 : i64}
   ROOT %y = bf16[2,512,64]{2,1,0} get-tuple-element(%d), index=0
 }
 """

@@ -637,27 +637,35 @@ def test_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, world)
     o_recv = h times w, sent home; both with the blocks past the handle's received rows skipped: zeros
     in y, NaN in the rows sent home): values and gradients equal the reference path's, each kernel
     called for its forward and the other op's backward. F, H and 2F differ, so a weight in the wrong
-    layout fails on its shape; C = 256 with fewer than 128 rows per segment, so every segment's second
-    block is skipped, and wrong counts show."""
+    layout fails on its shape. C = 256; rank 0 sends all its 160 tokens to experts 0 and 1 (two
+    blocks each), the others spread theirs (one block): counts too small would zero or NaN rows that
+    are read, and every kernel call's received is checked against a NumPy count."""
     from entwine_jax import callsite
     from entwine_jax.moe import fused, reference
     from entwine_jax.moe import op as moe_op
 
     attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
-    calls = []
+    calls, seen = [], []
+
+    def record(received):
+        jax.debug.callback(lambda r: seen.append(np.asarray(r).tolist()), received)
 
     def fake_dispatch(x_send, w, received, site, return_pool):
         calls.append("dispatch")
+        record(received)
         pool = reference.to_experts(x_send, axis_name="ep", world=world, op="moe_dispatch_gemm")
         return dispatch_contract(reference.expert_dot(pool, w).astype(x_send.dtype), received, world), pool
 
     def fake_combine(h, w, received, site, world_):
         calls.append("combine")
+        record(received)
         o = combine_contract(reference.expert_dot(h, w).astype(h.dtype), received, world_)
         return reference.to_sources(o, axis_name="ep", world=world_, op="moe_gemm_combine")
 
     mesh = make_mesh((world,), ("ep",))
-    x, idx, weights, w1, w2 = random_case(21, world, 2, 160, 2, 40, 24, jnp.bfloat16, "uniform")
+    t, e_local = 160, 2
+    x, idx, weights, w1, w2 = random_case(21, world, e_local, t, 2, 40, 24, jnp.bfloat16, "uniform")
+    idx[:t] = [0, 1]
     c = np.random.default_rng(22).standard_normal(x.shape).astype(np.float32)
     outs = {}
     for emulated in (False, True):
@@ -678,6 +686,11 @@ def test_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, world)
             loss = lambda x, weights, w1, w2: jnp.sum(f(x, args[1], weights, w1, w2).astype(jnp.float32) * cc)  # noqa
             outs[emulated] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(*[args[i] for i in (0, 2, 3, 4)])
     assert sorted(calls) == ["combine", "combine", "dispatch", "dispatch"], calls
+    jax.effects_barrier()
+    # received[l, s] of rank r: source s's slots of expert r * E_local + l.
+    counts = [[int(np.sum(idx[s * t:(s + 1) * t] == g)) for s in range(world)] for g in range(world * e_local)]
+    want = [counts[r * e_local:(r + 1) * e_local] for r in range(world)]
+    assert sorted(seen) == sorted(want * 4), (seen, want)
     (l_ref, g_ref), (l_emu, g_emu) = outs[False], outs[True]
     assert rel_err(np.asarray(l_emu, np.float32), np.asarray(l_ref, np.float32)) < 1e-6
     for name, a, b in zip(("x", "weights", "w1", "w2"), g_emu, g_ref):
@@ -717,3 +730,35 @@ def test_received_rows_count_each_sources_rows_per_expert(world, routing, capaci
             want[g, s] = min(int(np.sum(ids == g)), c)
     assert got.tolist() == want.tolist()
     assert (want == 0).any() or routing == "uniform"
+
+
+def test_kernel_calls_trace_their_operands():
+    """The 16-bit dispatch and combine kernels' calls as the ops make them on CUDA (traced here, no
+    GPU): the operands in the handlers' order, received [E_local, W] int32 last, and the outputs."""
+    from entwine_jax.moe import fused
+
+    mesh = make_mesh((2,), ("ep",))
+    attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
+    dispatch = fused.MoeCall(5, attrs, "entwine_moe_dispatch_gemm")
+    combine = fused.MoeCall(5, attrs, "entwine_moe_gemm_combine")
+
+    def body(x_send, w1, h, w2, received):
+        y, pool = fused.call(x_send, w1, received, dispatch, return_pool=True)
+        return y, pool, fused.call_combine(h, w2, received, combine, 2)
+
+    args = (jax.ShapeDtypeStruct((4, 128, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 64, 96), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, 256, 96), jnp.bfloat16), jax.ShapeDtypeStruct((2, 96, 48), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, 2), jnp.int32))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 5, out_specs=(P(),) * 3, check_vma=False)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(f)(*args)
+    calls = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "ffi_call"]
+    shapes = lambda vs: [(tuple(v.aval.shape), jnp.dtype(v.aval.dtype).name) for v in vs]  # noqa: E731
+    assert [c.params["target_name"] for c in calls] == ["entwine_moe_dispatch_gemm", "entwine_moe_gemm_combine"]
+    assert shapes(calls[0].invars) == [((4, 128, 64), "bfloat16"), ((2, 64, 96), "bfloat16"), ((2, 2), "int32")]
+    assert shapes(calls[0].outvars) == [((2, 256, 96), "bfloat16"), ((2, 256, 64), "bfloat16")]
+    assert shapes(calls[1].invars) == [((2, 256, 96), "bfloat16"), ((2, 96, 48), "bfloat16"), ((2, 2), "int32")]
+    assert shapes(calls[1].outvars) == [((4, 128, 48), "bfloat16")]
+    with pytest.raises(ValueError, match=r"received must be int32 \[E_local, W\] = \[2, 2\]"):
+        jax.make_jaxpr(jax.shard_map(lambda *a: body(*a[:4], a[4][:1]), mesh=mesh, in_specs=(P(),) * 5,
+                                     out_specs=(P(),) * 3, check_vma=False))(*args)

@@ -393,7 +393,8 @@ def _dispatch_fwd(x, w1, handle, plan):
 def _dispatch_bwd(plan, res, dy):
     pool, w1, handle = res
     # dx: a combine of dy with w1^T and unit weights (copying x[t] to k rows sums their gradients);
-    # dy has y's dtype, x's. Rows no slot sent come back too and are never read.
+    # dy has y's dtype, x's. Rows no slot sent (those the kernel computes at all) come back too and
+    # are never read.
     o_recv = combine_pool(dy, jnp.swapaxes(w1, 1, 2), plan, handle.received)
     dx = reference.from_segments(o_recv, jnp.ones(handle.expert.shape, F32), handle).astype(dy.dtype)
     # dw1[e] = pool[e]^T dy[e]: the pool's unused rows are zero and add nothing.

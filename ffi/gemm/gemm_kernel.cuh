@@ -559,8 +559,8 @@ struct GemmKernel {
       Element* const base = params.group.count > 1 ? params.group.out_of[g] : partial;
       Element* dst = base + row0 * ld + c.owner * params.part_col_step + int64_t(n_block) * BLOCK_N;
       // A schedule that stores into peers' memory picks each block's destination (lane 0 alone
-      // stores; it may wait there, bounded, for the peer to take the call; nullptr: the wait failed,
-      // the block is not stored but still released, which counts it).
+      // stores; it may wait there, bounded, for the peer to take the call; nullptr: the wait failed or
+      // the block is empty, and it is not stored but still released, which counts it).
       if constexpr (Schedule::kStoresToPeers) {
         if (lane == 0) dst = Schedule::template destination<GemmKernel>(params, c, epoch, &ld);
         __syncwarp();

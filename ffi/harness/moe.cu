@@ -445,7 +445,7 @@ struct CombineWorld {
   enum class Part { kCall, kLocalGemms, kLocalGemmsThenMove };
   Part part = Part::kCall;
   // The rows of h's segments their sources read back (MoeCombineArgs::received), as MoeCase::rows.
-  int rows = 0;
+  int rows_sent = 0;
   // stage + q * inbox_bytes: destination q's rows [E, C, H], whose block of rank r's experts only
   // rank r writes (its send buffer); allocated by allocate_stage().
   char* stage = nullptr;
@@ -595,12 +595,12 @@ struct CombineWorld {
       }
       std::array<float, 2> const scales = fp8_scales(r);
       CHECK_CUDA(cudaMemcpy(ranks[r].scales, scales.data(), sizeof scales, cudaMemcpyHostToDevice));
-      if (rows == 0) continue;
+      if (rows_sent == 0) continue;
       auto& got = ranks[r].received_host;
       got.assign(experts, 0);
       for (int e = 0; e < plan.e_local; ++e) {
         for (int q = 0; q < world; ++q) {
-          got[e * world + q] = rows > 0 ? std::min(rows, capacity) : mixed_rows(capacity, r, e, q, seed);
+          got[e * world + q] = rows_sent > 0 ? std::min(rows_sent, capacity) : mixed_rows(capacity, r, e, q, seed);
         }
       }
       if (!ranks[r].received) CHECK_CUDA(cudaMalloc(&ranks[r].received, got.size() * sizeof(int32_t)));
@@ -622,7 +622,7 @@ struct CombineWorld {
 
   // Every rank's o_recv against float64, over rows i % 16 == (e + q) % 16 of every segment:
   // o_recv_q[r*E_local + e, i] = h_r[e, q*C + i] @ w2_r[e]. The relative error (inf: a NaN row). With
-  // `rows`, the tiles wholly past a segment's rows are never sent: they must still hold the poison.
+  // rows_sent, the tiles wholly past a segment's rows are never sent: they must still hold the poison.
   double check() {
     int const el = plan.e_local, rows = world * capacity;
     double err2 = 0, ref2 = 0;
@@ -634,7 +634,7 @@ struct CombineWorld {
         for (int e = 0; e < el; ++e) {
           for (int i = (e + q) % 16; i < capacity; i += 16) {
             uint16_t const* out = got.data() + (size_t(r * el + e) * capacity + i) * n;
-            if (rows != 0 && i / 128 * 128 >= ranks[r].received_host[e * world + q]) {
+            if (rows_sent != 0 && i / 128 * 128 >= ranks[r].received_host[e * world + q]) {
               if (std::any_of(out, out + n, [](uint16_t v) { return v != 0xFFFF; })) return INFINITY;
               continue;
             }
@@ -672,9 +672,9 @@ struct CombineWorld {
 // float64, and a repeat bitwise; then a rank that never takes part: its peers' waits end with the
 // deadline naming it.
 void run_moe_combine(int world_size, int experts, int capacity, int f, int h, int block_n, bool bf16 = true,
-                     int fp8 = 0, int rows = 0) {
+                     int fp8 = 0, int rows_sent = 0) {
   CombineWorld world(world_size, experts, capacity, f, h, block_n, bf16, fp8);
-  world.rows = rows;
+  world.rows_sent = rows_sent;
   if (world.plan.error) {
     expect(false, world.name() + ": " + world.plan.error);
     return;
@@ -700,7 +700,7 @@ void run_moe_combine(int world_size, int experts, int capacity, int f, int h, in
   double const tol = bf16 ? 1e-2 : 2e-3;
   char buf[256];
   std::snprintf(buf, sizeof buf, "%s: 3 epochs, rel err %.2e (tol %.0e), repeats %s, error %u; missing rank: code=%u site=%d source=%d",
-                rows == 0 ? "" : " rows=mixed", worst, tol, repeat_same ? "bitwise equal" : "DIFFER", healthy.code, e.code, e.site, e.source);
+                rows_sent == kMixedRows ? " rows=mixed" : rows_sent > 0 ? " rows=fixed" : "", worst, tol, repeat_same ? "bitwise equal" : "DIFFER", healthy.code, e.code, e.site, e.source);
   bool const site_ok = world_size == 1 || e.site == kMoeWaitTransfer || e.site == kMoeWaitCombineReady;
   bool const missing_ok = world_size == 1 || (e.code == kErrorDeadline && site_ok && e.source == missing);
   expect(worst <= tol && repeat_same && healthy.code == 0 && missing_ok, world.name() + buf);

@@ -27,11 +27,12 @@ struct MoeConfig {
 // One rank's problem, inside a mesh axis of `world` ranks with `experts` experts, expert g on rank
 // g / E_local (E_local = experts / world). Every rank holds
 //   x_send [experts, capacity, k]: the rows it sends to each global expert, `capacity` per expert
-//     (unused rows hold anything: they come back as rows of y and nothing else reads them);
+//     (the op's rows past those sent are zeros: a block partly past them is multiplied whole);
 //   w [E_local, k, n]: its experts' weights (16-bit: row-major, N-major; FP8: w_t [E_local, n, k],
 //     K-major, e4m3, as the FP8 wgmma reads B);
 // and computes y [E_local, world * capacity, n] with
 //   y[e, q * capacity + i, :] = x_send_q[rank * E_local + e, i, :] @ w[e]
+// (zeros in the 128-row blocks wholly past the rows source q sent, MoeGemmArgs::received)
 // (FP8 per tensor: x_send e4m3 or e5m2, each source's rows times its x_scale, w's times w_scale,
 // y bf16 or fp16: a 128-row block has one source, so one alpha per block dequantises its sum)
 // (the receive pool is expert-major: expert e's A is the world * capacity rows that every source
