@@ -21,7 +21,6 @@
 #include "comm/wait.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "moe/moe.h"
-#include "moe/segments.cuh"
 
 namespace entwine::moe::combine {
 
@@ -55,14 +54,14 @@ struct GemmSchedule {
   }
 
   // Position p -> (segment, tile row inside it, block column). Segment (expert e, source s), owner
-  // e * world + s; sources from rank + 1 round to rank (the local segments last), experts inside;
-  // with received counts, the blocks with rows first, in that order, then the empty ones
-  // (moe/segments.cuh).
+  // e * world + s; sources from rank + 1 round to rank (the local segments last), experts inside.
   static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order) {
-    auto const owner_of = [&op](int j) {
-      return (j % op.e_local) * op.world + (op.rank + 1 + j / op.e_local) % op.world;
-    };
-    return ragged_block(p, op.e_local * op.world, order, op.received, owner_of);
+    int const per_seg = op.blocks_per_segment, per_source = op.e_local * per_seg;
+    int const d = p / per_source, expert = (p % per_source) / per_seg;
+    int const source = (op.rank + 1 + d) % op.world;
+    BlockCoord c{expert * op.world + source, 0, 0};
+    order.block(p % per_seg, c.tile_m, c.n_block);
+    return c;
   }
 
   // Announce the call to every peer first, from every CTA (the pitfalls above; the stamp is the same

@@ -8,7 +8,6 @@
 #include "comm/wait.cuh"
 #include "gemm/gemm_kernel.cuh"
 #include "moe/moe.h"
-#include "moe/segments.cuh"
 
 namespace entwine::moe {
 
@@ -44,15 +43,23 @@ struct GemmSchedule {
   // first (expert-major), then expert by expert the peers rank - 1, rank - 2, ...: both transfers
   // send expert-major (the copy engines: the transfer to rank r from r - d on its source's d-th
   // stream, experts in order; the SM push: expert by expert to all its destinations at once), and
-  // rank r is the first destination of r - 1. With received counts, the blocks with rows first, in
-  // that order, then the empty ones (moe/segments.cuh).
+  // rank r is the first destination of r - 1.
   static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order) {
-    auto const owner_of = [&op](int j) {
-      if (j < op.e_local) return j * op.world + op.rank;
-      int const peer = j - op.e_local, expert = peer / (op.world - 1);
-      return expert * op.world + (op.rank + op.world - 1 - peer % (op.world - 1)) % op.world;
-    };
-    return ragged_block(p, op.e_local * op.world, order, op.received, owner_of);
+    int const per_seg = op.blocks_per_segment, local_blocks = op.e_local * per_seg;
+    int expert, source, i;
+    if (p < local_blocks) {
+      source = op.rank;
+      expert = p / per_seg;
+      i = p % per_seg;
+    } else {
+      int const j = p - local_blocks, per_expert = (op.world - 1) * per_seg;
+      expert = j / per_expert;
+      source = (op.rank + op.world - 1 - (j % per_expert) / per_seg) % op.world;
+      i = j % per_seg;
+    }
+    BlockCoord c{expert * op.world + source, 0, 0};
+    order.block(i, c.tile_m, c.n_block);
+    return c;
   }
 
   // Announce the call to every peer first (the pushes into this rank's inbox wait for it). This
