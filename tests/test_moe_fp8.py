@@ -317,8 +317,6 @@ def test_fp8_mlp_lowers_to_the_fp8_kernels_on_cuda(monkeypatch):
     """Where the plans have the FP8 kernels (faked here: no GPU), an FP8 MLP's forward dispatch (e4m3
     rows) and its combine's backward dispatch (e5m2 rows) lower to the FP8 dispatch kernel, and its
     forward combine (e4m3 h) and its dispatch's backward dx (e5m2 dy) to the FP8 combine kernel."""
-    from jax.sharding import PartitionSpec as P
-
     from entwine_jax.moe import fused
     from entwine_jax.moe import op as moe_op
 
