@@ -854,3 +854,67 @@ def test_a_group_lowers_to_one_call_on_its_weights(fused_on_cpu, fp8_call, width
     fixed = 3 if fp8_call else 1  # x (and the two scales)
     assert len(operands.split(",")) == fixed + weights
     assert len(re.findall(r"tensor<", results)) == (2 if fp8_call else 1) + weights
+
+
+# --- the reference's FP8 dots keep fp32 sums on a GPU ----------------------------------------------
+
+# Primitives that pass an FP8 value on unchanged up to its layout or type: XLA sees through them when
+# it turns a dot of FP8 values into its FP8 GEMM.
+_CARRIERS = {"convert_element_type", "optimization_barrier", "transpose", "reshape", "squeeze",
+             "expand_dims", "broadcast_in_dim", "slice", "copy", "copy_p"}
+
+
+def fp8_dot_precisions(jaxpr) -> list:
+    """The precision of every dot_general (nested jaxprs too) whose two operands are FP8 values, or
+    FP8 values converted, transposed or reshaped (what XLA's GPU compiler runs as an FP8 GEMM)."""
+    from jax.extend.core import jaxprs_in_params
+    from_fp8, found = set(), []
+
+    def fp8_like(v):
+        return not hasattr(v, "val") and (v in from_fp8 or v.aval.dtype in (jnp.dtype(E4M3), jnp.dtype(E5M2)))
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _CARRIERS and any(fp8_like(v) for v in eqn.invars):
+            from_fp8.update(eqn.outvars)
+        if eqn.primitive.name == "dot_general" and all(fp8_like(v) for v in eqn.invars[:2]):
+            found.append(eqn.params["precision"])
+        for sub in jaxprs_in_params(eqn.params):
+            found += fp8_dot_precisions(sub)
+    return found
+
+
+def assert_fp8_dots_keep_fp32_sums(fn, *args):
+    """Every dot of FP8 values in jax.make_jaxpr(fn)(*args) has a precision other than DEFAULT, which
+    keeps XLA's GPU FP8 GEMM off cuBLASLt's fast (unpromoted) accumulation; returns how many there are."""
+    precisions = fp8_dot_precisions(jax.make_jaxpr(fn)(*args).jaxpr)
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert precisions and all(p == highest for p in precisions), precisions
+    return len(precisions)
+
+
+@pytest.mark.parametrize("op,sd", [("gemm_rs", 0), ("gemm_rs", -1), ("ag_gemm", 0), ("ag_gemm", -1)])
+@pytest.mark.parametrize("scales", ["per_rank", "shared"])
+def test_reference_fp8_dots_keep_fp32_sums(op, sd, scales):
+    # The forward's and the backward's dots of FP8 values on XLA's path (e5m2 dy, e4m3 x and w).
+    x = jax.random.normal(jax.random.key(30), (32, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(31), (64, 48), jnp.float32)
+    ws = fp8.current_scale(w)
+    gs = jnp.float32(2.0 ** -10)
+    x_spec = P(None, "tp") if op == "gemm_rs" else P(*(["tp", None] if sd == 0 else [None, "tp"]))
+    w_spec = P("tp", None) if op == "gemm_rs" else P(None, "tp")
+    out = [None, None]
+    out[sd if op == "gemm_rs" else -1] = "tp"
+
+    def loss(x, w):
+        def body(x, w):
+            xs = fp8.current_scale(x) if scales == "per_rank" else fp8.current_scale(jnp.ones(()))
+            if op == "gemm_rs":
+                return gemm_rs(x, w, axis_name="tp", scatter_dimension=sd, x_scale=xs, w_scale=ws, grad_scale=gs)
+            return ag_gemm(x, w, axis_name="tp", gather_dimension=sd, x_scale=xs, w_scale=ws, grad_scale=gs)
+        y = jax.shard_map(body, in_specs=(x_spec, w_spec), out_specs=P(*out))(x, w)
+        return jnp.sum(y.astype(jnp.float32))
+
+    with jax.set_mesh(make_mesh((W,), ("tp",))):
+        placed = (jax.device_put(x, x_spec), jax.device_put(w, w_spec))
+        # Forward, dx's op and dw: at least one dot each.
+        assert assert_fp8_dots_keep_fp32_sums(jax.value_and_grad(loss, argnums=(0, 1)), *placed) >= 3

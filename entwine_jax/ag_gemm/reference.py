@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from entwine_jax import fp8, opspec
-from entwine_jax._dot import dot_by_source, dot_f32, dot_last_first, dot_type
+from entwine_jax._dot import FP8_EXACT, dot_by_source, dot_f32, dot_last_first, dot_type
 
 
 def ag_gemm_reference(x, w, *, axis_name, gather_dimension: int):
@@ -38,7 +38,7 @@ def ag_gemm_reference_fp8(x, w, x_scale, w_scale, *, axis_name, gather_dimension
         return y.astype(out_dtype), g, scales
     if shared_scale:
         scales = jnp.broadcast_to(x_scale, (world,))
-        y = jax.tree.map(lambda w: dot_last_first(g, w) * x_scale, w)
+        y = jax.tree.map(lambda w: dot_last_first(g, w, precision=FP8_EXACT) * x_scale, w)
     else:
         # The kernels send each shard's scale with it.
         with opspec.moves("ag_gemm", jnp.float32):

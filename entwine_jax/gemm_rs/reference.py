@@ -4,7 +4,7 @@
 import jax
 
 from entwine_jax import fp8, opspec
-from entwine_jax._dot import dot_f32, dot_last_first, dot_type
+from entwine_jax._dot import FP8_EXACT, dot_f32, dot_last_first, dot_type
 
 
 def gemm_rs_reference(x, w, *, axis_name, scatter_dimension: int = 0):
@@ -51,7 +51,7 @@ def gemm_rs_reference_fp8(x, w, x_scale, w_scale, *, axis_name, scatter_dimensio
         # Operands quantised in the same program: the barrier keeps XLA from folding the FP8 rounding
         # away where it upcasts them for the dot (fp8.dequantize says why, and has its own).
         x, w = jax.lax.optimization_barrier((x, w))
-        y = dot_last_first(x, w) * (x_scale * w_scale)
+        y = dot_last_first(x, w, precision=FP8_EXACT) * (x_scale * w_scale)
     if jax.lax.axis_size(axis_name) > 1:
         # The kernels send each partial in out_dtype (the census counts that, not this fp32 sum's bytes).
         with opspec.moves("gemm_rs", out_dtype):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from entwine_jax import callsite, fp8, opspec
+from entwine_jax._dot import FP8_EXACT
 from entwine_jax.moe import fused, op, reference
 from entwine_jax.moe.config import MoeConfig
 from entwine_jax.moe.reference import COMBINE, DISPATCH, F32
@@ -53,7 +54,7 @@ def source_scales(x_scale, plan: op.Plan, shared: bool, name: str):
 def _scaled_expert_dot(a8, row_scales, w8, w_scale):
     """fp32 [E_local, R, N] = (a8 [E_local, R, K] @ w8 [E_local, K, N]) * row_scales[R] * w_scale:
     the FP8 operands multiplied exactly, the scales applied to the fp32 sums."""
-    acc = reference.expert_dot(_bf16(a8), _bf16(w8))
+    acc = reference.expert_dot(_bf16(a8), _bf16(w8), precision=FP8_EXACT)
     return acc * row_scales[None, :, None] * w_scale
 
 

@@ -119,9 +119,9 @@ def to_sources(pool, *, axis_name, world: int, op: str):
     return got.reshape((world * e_local, c) + rest)
 
 
-def expert_dot(a, w):
+def expert_dot(a, w, precision=None):
     """a [E_local, R, K] @ w [E_local, K, N] per expert -> [E_local, R, N] in fp32."""
-    return jnp.einsum("erk,ekn->ern", a, w, preferred_element_type=F32)
+    return jnp.einsum("erk,ekn->ern", a, w, precision=precision, preferred_element_type=F32)
 
 
 def expert_weight_grad(a, dy):
