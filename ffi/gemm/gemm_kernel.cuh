@@ -405,9 +405,10 @@ struct GemmKernel {
     WorkIter work(params);
     bool first = true;
     for (Unit u; work.next(u); first = false) {
+      BlockCoord const c = Schedule::block_coord(u.p, params.op, params.order);
       // An empty block (the schedule's word: moe, past its segment's rows) takes no k-tile from the
       // pipeline, as the TMA warp loads none for it; its sum is zero.
-      bool const empty = Schedule::template empty<GemmKernel>(params, Schedule::block_coord(u.p, params.op, params.order));
+      bool const empty = Schedule::template empty<GemmKernel>(params, c);
       int const k_count = empty ? 0 : u.k_end - u.k_begin;
       Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       // The FP8 mainloops add their promoted (block-scaled: scaled) partial sums into accum, so
@@ -424,7 +425,7 @@ struct GemmKernel {
       if constexpr (kFp8 && !kBlockScaled) {
         // Dequantise the whole sum (after a split block's two pieces met: one rounding, one factor).
         if (write) {
-          float const alpha = Schedule::template alpha<GemmKernel>(params, Schedule::block_coord(u.p, params.op, params.order));
+          float const alpha = Schedule::template alpha<GemmKernel>(params, c);
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < size(accum); ++i) accum(i) *= alpha;
         }

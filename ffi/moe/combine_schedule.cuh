@@ -50,7 +50,7 @@ struct GemmSchedule {
   // store warp still counts it at its segment, so the segment's flag is released).
   template <class Kernel>
   static __device__ bool empty(typename Kernel::Params const& params, BlockCoord const& c) {
-    return params.op.received != nullptr && c.tile_m * Kernel::BLOCK_M >= params.op.received[c.owner];
+    return past_received(params.op.received, c);
   }
 
   // Position p -> (segment, tile row inside it, block column). Segment (expert e, source s), owner

@@ -34,7 +34,7 @@ struct GemmSchedule {
   // its rows of y are stored as zeros (what the zero rows of x_send there would give).
   template <class Kernel>
   static __device__ bool empty(typename Kernel::Params const& params, BlockCoord const& c) {
-    return params.op.received != nullptr && c.tile_m * Kernel::BLOCK_M >= params.op.received[c.owner];
+    return past_received(params.op.received, c);
   }
 
   // Position p -> (segment, tile row inside it, block column). A segment is (expert e, source s),

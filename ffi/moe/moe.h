@@ -37,6 +37,14 @@ struct MoeConfig {
 // y bf16 or fp16: a 128-row block has one source, so one alpha per block dequantises its sum)
 // (the receive pool is expert-major: expert e's A is the world * capacity rows that every source
 // sent it, contiguous, each source's capacity rows in source order).
+// Block c of a segment lies wholly past the rows its source sent (received[owner], nullptr: every
+// segment full): both schedules' empty() hook.
+#ifdef __CUDACC__
+__device__ inline bool past_received(const int32_t* received, BlockCoord const& c) {
+  return received != nullptr && c.tile_m * kBlockM >= received[c.owner];
+}
+#endif
+
 struct MoeProblem {
   int32_t world = 1, rank = 0;
   int32_t experts = 1;    // E, a multiple of world
