@@ -135,9 +135,10 @@ def moe_dispatch_gemm(x, topk_idx, w1, *, axis_name, capacity=None, num_experts:
     `received` [E_local, W] holds the rows each source sent each local expert (the kernels skip the
     GEMM blocks past them), else None.
     capacity: C, the static rows per (source, expert), is round_up(T, 128) (None: dropless; a token
-    naming one expert twice takes two rows, so even then rows past C can drop) or, with a factor f,
-    max(128, round_up(ceil(f*T*k/E), 128)) (entwine_jax.moe.config.MoeConfig). A slot past C is
-    dropped: never sent, zero in the output, zero gradient.
+    naming one expert twice takes two rows, so even then rows past C can drop) or, with a factor f
+    (a finite number > 0), max(128, round_up(ceil(f*T*k/E), 128)), at most round_up(T*k, 128), the
+    slots a source has (entwine_jax.moe.config.MoeConfig). A slot past C is dropped: never sent,
+    zero in the output, zero gradient.
     num_experts: E, checked against W * w1.shape[0] when given.
     Differentiable in x and w1; the backward is a moe_gemm_combine (docs/design.md, "The pairing").
     FP8 (entwine_jax.fp8, per-tensor scales only): with x_scale and w_scale (float32 scalars; w_scale
@@ -148,13 +149,15 @@ def moe_dispatch_gemm(x, topk_idx, w1, *, axis_name, capacity=None, num_experts:
     read K-major: a transposed copy per call).
     """
     if capacity is not None:
-        config = dataclasses.replace(config or MoeConfig(), capacity=capacity)
+        # The config's type checked first: dataclasses.replace of anything else is a TypeError.
+        config = dataclasses.replace(moe_op._config("moe_dispatch_gemm", config)[0], capacity=capacity)
     if num_experts is not None:
         size = callsite.axis_size("moe_dispatch_gemm", callsite.hashable_axis(axis_name))
         e_local = w1.shape[0] if hasattr(w1, "shape") and w1.ndim == 3 else None
-        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts % size:
+        if (isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 1
+                or num_experts % size):
             raise ValueError(f"moe_dispatch_gemm: num_experts must be an int divisible by the size of axis "
-                             f"{axis_name!r} ({size}), got {num_experts!r}")
+                             f"{axis_name!r} ({size}) and > 0, got {num_experts!r}")
         if e_local is not None and num_experts != size * e_local:
             raise ValueError(f"moe_dispatch_gemm: w1.shape[0] must be num_experts / W = {num_experts // size} "
                              f"(the local experts), got w1 shape {tuple(w1.shape)}")

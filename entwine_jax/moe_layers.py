@@ -167,8 +167,28 @@ def route(x, router, k: int, norm_topk_prob: bool = True, *, score_func: str = "
           n_routing_groups: int = -1, topk_routing_group: int = -1, routed_scaling_factor: float = 1.0):
     """(topk_idx [T, k] int32, weights [T, k] fp32) of tokens x [T, H] under router [H, E], by the
     rules of the module docstring (routed_bias: None or [E]). No capacity drop: that needs sequences."""
-    return _route(x, router, k, norm_topk_prob, score_func, routed_bias, n_routing_groups, topk_routing_group,
-                  routed_scaling_factor)[:2]
+    # moe_mlp's checks, here too: without them a misspelt score_func ran sigmoid, and an x [B, S, H]
+    # with S = H contracted S with the router's H.
+    where = "route"
+    for name, v in (("x", x), ("router", router)):
+        check_array(where, name, v)
+    if router.ndim != 2:
+        raise ValueError(f"{where}: router must have rank 2 ([H, E]), got shape {tuple(router.shape)}")
+    h, e = router.shape
+    if x.ndim != 2 or x.shape[1] != h:
+        raise ValueError(f"{where}: x must have shape [T, H = {h}] (H: router.shape[0]), got {tuple(x.shape)}")
+    k = positive_int(where, "k", k)
+    if k > e:
+        raise ValueError(f"{where}: k must be <= the number of experts (router.shape[1] = {e}), got {k}")
+    check_choice(where, "norm_topk_prob", norm_topk_prob, (True, False))
+    routing = _check_routing(where, e, k, score_func, n_routing_groups, topk_routing_group, routed_scaling_factor,
+                             None)
+    if routed_bias is not None:
+        check_array(where, "routed_bias", routed_bias)
+        if tuple(routed_bias.shape) != (e,):
+            raise ValueError(f"{where}: routed_bias must have shape [E] = ({e},), got {tuple(routed_bias.shape)}")
+    routing.pop("capacity_factor")
+    return _route(x, router, k, norm_topk_prob, routed_bias=routed_bias, **routing)[:2]
 
 
 def _sequences(seq_shape: tuple, world: int) -> tuple[int, bool]:
@@ -183,8 +203,11 @@ def _capacity_drop(topk_idx, capacity_factor: float, num_experts: int, seq_len: 
     """topk_idx with each expert's slots past its capacity in their sequence set to -1 (MaxText's
     generate_masks: the slots counted in token order, a token's k slots in order)."""
     n, k = topk_idx.shape
-    # MaxText's C; at least 1 (its max(.., f) meant to avoid C = 0, which int() still gives for f < 1).
-    capacity = max(1, int(max(math.ceil(seq_len * k / num_experts) * capacity_factor, capacity_factor)))
+    # MaxText's C; at least 1 (its max(.., f) meant to avoid C = 0, which int() still gives for f < 1),
+    # at most the S*k slots of a sequence (no drop either way; a huge factor's C would overflow the
+    # int32 comparison below).
+    capacity = max(1, int(min(max(math.ceil(seq_len * k / num_experts) * capacity_factor, capacity_factor),
+                              seq_len * k)))
     onehot = jax.nn.one_hot(topk_idx.reshape(-1, (n if spans else seq_len) * k), num_experts, dtype=jnp.int32)
     position = jnp.cumsum(onehot, axis=1)  # [sequences, S*k, E]: each slot's 1-based place at its expert
     if spans and axis_name is not None:

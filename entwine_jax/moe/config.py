@@ -1,6 +1,7 @@
 # The MoE ops' printable config: the static capacity factor, the path, and the dispatch kernel's
 # knobs (its GEMM block and grid, the SM push).
 import dataclasses
+import math
 from typing import Optional
 
 import numpy as np
@@ -15,8 +16,9 @@ class MoeConfig:
     capacity: C, the static rows per (source rank, expert), a multiple of 128. None: dropless,
               C = round_up(T, 128), one row per token (a token naming one expert twice takes two,
               so rows past C can still drop); a factor f > 0: C = max(128, round_up(ceil(f*T*k/E),
-              128)), f times the balanced share. A slot past C is dropped (docs/design.md,
-              "Capacity, dropless and overflow").
+              128)), f times the balanced share, and at most round_up(T*k, 128) (a source never
+              sends one expert more than its T*k slots: a larger C would never fill). A slot past C
+              is dropped (docs/design.md, "Capacity, dropless and overflow").
     path:     "auto" / "fused" / "xla", as for GemmRsConfig (an axis of size 1 or float32 operands
               take the XLA path under "auto"; the reason is logged once per call site).
     block_n:  the dispatch GEMM's block width, 128 or 256; 0: 256 where N allows it, else 128.
@@ -35,8 +37,11 @@ class MoeConfig:
 
     def __post_init__(self):
         c = self.capacity
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
-            raise ValueError(f"MoeConfig: capacity must be None (dropless) or a number > 0, got {c!r}")
+        # NumPy scalars count as numbers (np.float32(1.25) as 1.25); inf is no factor (C = inf * T*k/E
+        # rows cannot be allocated), nor is nan.
+        number = isinstance(c, (int, float, np.integer, np.floating)) and not isinstance(c, (bool, np.bool_))
+        if c is not None and not (number and 0 < c < math.inf):
+            raise ValueError(f"MoeConfig: capacity must be None (dropless) or a finite number > 0, got {c!r}")
         if self.path not in PATHS:
             raise ValueError(f"MoeConfig: path must be one of {PATHS}, got {self.path!r}")
         for name, allowed in (("block_n", "0, 128 or 256"), ("gemm_sms", ">= 0"), ("raster_rows", ">= 1"),

@@ -150,6 +150,9 @@ def _dispatch_fwd(x, w1, xs, ws, gs, handle, plan, call, shared):
 
 def _dispatch_bwd(plan, call, shared, res, dy):
     pool8, rows, w8, ws, xs, gs, handle = res
+    # dy on the rows no slot took is the caller's activation's (inf or NaN where its slope at y's
+    # zeros is): zero there before it enters dy's current scale or dw1 (op._dispatch_bwd's reason).
+    dy = jnp.where(op.taken_rows(pool8, handle.received, plan.axis_size), dy, jnp.zeros((), dy.dtype))
     g8, g_scale = _cotangent(dy, gs, call)
     # dx: a combine of dy with w1^T on the expert side (the FP8 product, scaled), rows home in the
     # backward's dtype, summed with unit weights (copying x[t] to k rows sums their gradients).
@@ -224,7 +227,8 @@ def _combine_bwd(plan, call, res, dout):
     w_pool = op.to_experts(w_send, plan, DISPATCH)[..., None]
     h32 = _dequantized(h8, rows)
     dh = w_pool * g
-    dw2 = reference.expert_weight_grad(h32, w_pool * _dequantized(pool8, d_rows))
+    # h's rows no slot took never enter the forward, nor dw2 (op._combine_bwd's reason).
+    dw2 = reference.expert_weight_grad(jnp.where(w_pool != 0, h32, 0.0), w_pool * _dequantized(pool8, d_rows))
     # The router weights' gradient <dout[t], o row> = <g, h> per row, sent home (the combine's transfer).
     dw_recv = op.to_sources(jnp.sum(g * h32, axis=-1), plan, COMBINE)  # [E, C]
     sent = handle.expert >= 0

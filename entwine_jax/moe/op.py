@@ -47,10 +47,13 @@ def capacity_rows(tokens: int, k: int, num_experts: int, capacity: Optional[floa
     """C, the static rows of one (source, expert) segment (docs/design.md, "Capacity, dropless and
     overflow"), a multiple of 128: dropless, round_up(T, 128) (every token once; a token naming one
     expert twice needs two rows and can overflow); with a factor f, f times the balanced share
-    T*k/E, at least 128."""
+    T*k/E, at least 128 and at most round_up(T*k, 128)."""
     if capacity is None:
         return round_up(tokens, TILE)
-    return max(TILE, round_up(math.ceil(capacity * tokens * k / num_experts), TILE))
+    # A source has T*k slots in all: more rows than that per expert never fill, and a large factor
+    # (capacity=1e30) would otherwise ask for a buffer no one can allocate.
+    share = min(float(capacity) * tokens * k / num_experts, tokens * k)
+    return max(TILE, round_up(math.ceil(share), TILE))
 
 
 def _check_array(op: str, name: str, v, shape_words: str, ndim: int) -> None:
@@ -310,6 +313,19 @@ def kernel_rows(received, plan: Plan):
     return jnp.full((plan.e_local, plan.axis_size), plan.capacity, jnp.int32)
 
 
+def taken_rows(pool, received, world: int):
+    """[E_local, W*C, 1] bool: the pool's rows that some slot took. With the handle's counts (a kernel
+    ran) the first received[l, q] rows of each segment (an iota, fused into the user of the mask);
+    else the rows not all zero (a taken row of zeros counts as untaken, which adds nothing to a
+    weight gradient either way)."""
+    if received is None:
+        return jnp.any(pool != 0, axis=-1, keepdims=True)
+    rows = pool.shape[1]
+    segment = rows // world
+    i = jnp.arange(rows, dtype=jnp.int32)
+    return (i % segment < received[:, i // segment])[..., None]
+
+
 def dispatch_pool(x_send, w1, plan: Plan, received=None):
     """(y [E_local, W*C, N] in x_send.dtype, pool [E_local, W*C, H]) of x_send [E, C, H] and w1: the
     dispatch kernel (the moves and the GEMM, which starts on each source's rows as they arrive, and
@@ -397,8 +413,11 @@ def _dispatch_bwd(plan, res, dy):
     # are never read.
     o_recv = combine_pool(dy, jnp.swapaxes(w1, 1, 2), plan, handle.received)
     dx = reference.from_segments(o_recv, jnp.ones(handle.expert.shape, F32), handle).astype(dy.dtype)
-    # dw1[e] = pool[e]^T dy[e]: the pool's unused rows are zero and add nothing.
-    dw1 = reference.expert_weight_grad(pool, dy).astype(w1.dtype)
+    # dw1[e] = pool[e]^T dy[e]: the pool's unused rows are zero and add nothing, but only where dy is
+    # finite there: the caller's activation can make it inf or NaN on rows no slot took (sqrt or log
+    # of y's zeros), rows no dense program has. dy is taken as zero there.
+    dy_used = jnp.where(taken_rows(pool, handle.received, plan.axis_size), dy, jnp.zeros((), dy.dtype))
+    dw1 = reference.expert_weight_grad(pool, dy_used).astype(w1.dtype)
     return dx, dw1, None  # the handle is integers: no cotangent
 
 
@@ -423,7 +442,10 @@ def _combine_bwd(plan, res, dout):
     w_pool = to_experts(w_send, plan, DISPATCH)[..., None]
     g = g.astype(F32)
     dh = (w_pool * g).astype(h.dtype)
-    dw2 = reference.expert_weight_grad(h.astype(F32), w_pool * dy_pool.astype(F32)).astype(w2.dtype)
+    # h's rows no slot took are the caller's (an activation of y's zero rows, even inf or NaN): the
+    # forward never reads them, and neither does dw2 (their router weight is zero; 0 * NaN is not).
+    h_used = jnp.where(w_pool != 0, h.astype(F32), 0.0)
+    dw2 = reference.expert_weight_grad(h_used, w_pool * dy_pool.astype(F32)).astype(w2.dtype)
     # The router weights' gradient <dout[t], o row> = <g, h> per row, sent home (the combine's transfer).
     dw_recv = to_sources(jnp.sum(g * h.astype(F32), axis=-1), plan, COMBINE)  # [E, C]
     sent = handle.expert >= 0
