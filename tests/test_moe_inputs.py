@@ -239,6 +239,23 @@ def test_taken_rows_from_the_counts_and_from_the_pool_agree():
     np.testing.assert_array_equal(by_counts, by_pool)
 
 
+def test_combine_checks_h_against_the_handles_counts():
+    # A handle whose dispatch ran a kernel carries its counts [E_local, W]: an h of another layout is
+    # refused (the gap below is the reference path's, whose handle has no counts).
+    from entwine_jax.moe.reference import MoeHandle
+    mesh = make_mesh((2,), ("ep",))
+    x, idx, weights, w1, w2 = small()
+
+    def fn(x, idx, weights, w1, w2):
+        y, handle = moe_dispatch_gemm(x, idx, w1[..., :3], axis_name="ep")
+        handle = MoeHandle(handle.expert, handle.place, handle.dropped, jnp.zeros((2, 2), jnp.int32))
+        return moe_gemm_combine(y[:1], w2[:1], weights, handle, axis_name="ep")
+
+    with pytest.raises(ValueError, match=r"h must be in the layout of the handle's dispatch: h has E_local = 1 "
+                                         r"\(shape \(1, 256, 3\)\), the handle's received counts are \(2, 2\)"):
+        trace(fn, mesh, (x, idx, weights, w1, w2))
+
+
 # ---------------------------------------------------------------- a problem left open (by design)
 
 @pytest.mark.xfail(strict=True, reason="the MoeHandle carries no static E or C (its fields are int32 arrays whose "

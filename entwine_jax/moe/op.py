@@ -218,6 +218,12 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
     if tuple(weights.shape) != (t, k):
         raise ValueError(f"{COMBINE}: topk_weights must have shape [T, k] = {(t, k)} (the dispatch's topk_idx), "
                          f"got {tuple(weights.shape)}")
+    # Where a kernel ran, the handle's counts carry the dispatch's experts per rank (E_local and C are
+    # otherwise h's word alone: the handle's other arrays are [T, k]).
+    if handle.received is not None and tuple(handle.received.shape) != (e_local, size):
+        raise ValueError(f"{COMBINE}: h must be in the layout of the handle's dispatch: h has E_local = {e_local} "
+                         f"(shape {tuple(h.shape)}), the handle's received counts are "
+                         f"{tuple(handle.received.shape)} = [E_local, W]")
     moved = x if out_dtype is None else x._replace(x=jax.ShapeDtypeStruct(h.shape, out_dtype))
     reason = why_not_fused(moved, w2, axis_name=axis_name, axis_size=size, dimension=0, config=config)
     plan = Plan(axis_name=axis_name, axis_size=size, config=config, reason=reason, e_local=e_local,
