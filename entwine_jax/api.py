@@ -6,6 +6,7 @@
 import dataclasses
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -73,6 +74,10 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
     per 1x128 tile of this rank's shard, x's leading dims; gathered with it), w_scale
     [ceil(K/128), ceil(N_local/128)], a group one per weight (a tuple). Backward as for gemm_rs.
     """
+    if getattr(x, "ndim", None) == 1:
+        return _ag_gemm_rank1(x, w, axis_name=axis_name, gather_dimension=gather_dimension, config=config,
+                              return_gathered=return_gathered, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype,
+                              grad_dtype=grad_dtype, grad_scale=grad_scale)
     if fp8.requested(x, w, x_scale, w_scale, out_dtype, grad_dtype, grad_scale):
         return _ag_gemm_fp8(x, w, axis_name=axis_name, gather_dimension=gather_dimension, config=config,
                             return_gathered=return_gathered, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype,
@@ -84,6 +89,18 @@ def ag_gemm(x, w, *, axis_name, gather_dimension: int = 0, config: Optional[AgGe
         ag_op.check_group(x, w)
     return pairing.call("ag_gemm", x, w, axis_name=axis_name, dimension=gather_dimension, config=config,
                         return_gathered=return_gathered)
+
+
+def _ag_gemm_rank1(x, w, *, axis_name, gather_dimension, x_scale, w_scale, **kwargs):
+    """ag_gemm of a rank-1 x [K/W], whose one dim is the gathered contraction dim, as one row [1, K/W]:
+    the backward's reduce-scatter of dx (a gemm_rs) scatters a dim of rank >= 2 operands, and the
+    kernels see one row either way. Every output drops the row again."""
+    callsite.dimension("ag_gemm", "gather_dimension", gather_dimension, tuple(x.shape), "x")
+    if (isinstance(w_scale, (tuple, list)) or getattr(w_scale, "ndim", 0) == 2) and getattr(x_scale, "ndim", 0) == 1:
+        x_scale = x_scale[None]  # block scales: the tiles of x's one row
+    # Indexing keeps x's own dtype (a NumPy float64 x is refused as it would be at rank 2).
+    out = ag_gemm(x[None], w, axis_name=axis_name, gather_dimension=-1, x_scale=x_scale, w_scale=w_scale, **kwargs)
+    return jax.tree.map(lambda v: jax.lax.squeeze(v, (0,)), out)
 
 
 def _ag_gemm_fp8(x, w, *, axis_name, gather_dimension, config, return_gathered, x_scale, w_scale, out_dtype,

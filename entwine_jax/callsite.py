@@ -64,7 +64,12 @@ def kernel_dtype_reason(x_dtype, w_dtype, out_dtype=None) -> Optional[str]:
 
 
 def axis_size(op: str, axis_name) -> int:
-    """The size of the bound axis; ValueError when no enclosing shard_map binds it."""
+    """The size of the bound axis; ValueError when no enclosing shard_map binds it, or when a tuple
+    names one mesh axis twice."""
+    names = axis_names(axis_name)
+    if len(set(names)) != len(names):
+        # XLA aborts the process on a collective over a repeated axis.
+        raise ValueError(f"{op}: axis_name must name each mesh axis once, got {axis_name!r}")
     # jax raises NameError for an axis name that no enclosing shard_map binds.
     try:
         return jax.lax.axis_size(axis_name)

@@ -22,6 +22,7 @@ Scales are dequantisation factors (Flax's convention): ``current_scale(v)`` give
 A scale in the reciprocal convention (``448 / amax``) loses the operand (its quantised values all below
 1): caught at trace time where values are concrete, and in traced programs under
 ``ENTWINE_CHECK_FP8_SCALES=1`` (``check_scales``: a ``jax.debug.callback`` raising when the program runs).
+So is a scale that is not finite and > 0 (zero zeroes the output, NaN or infinity make it NaN).
 Inside ``shard_map`` each rank may hold its own ``x_scale`` (current scaling of its shard): gemm_rs
 scales each rank's partial product by that rank's scales before the sum; ag_gemm scales each gathered
 block (rows, or a K slice in the contraction layout) by its source's scale, which travels with the
@@ -57,6 +58,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from entwine_jax import callsite
 
@@ -252,12 +254,14 @@ def check(op: str, x, weights: tuple, x_scale, w_scale, out_dtype, grad_dtype, g
         xs = _scale(op, "x_scale", x_scale)
     if out_dtype is None:
         out_dtype = x_dtype if x_dtype in OUT_DTYPES else jnp.dtype(jnp.bfloat16)
-    if jnp.dtype(out_dtype) not in OUT_DTYPES:
-        raise ValueError(f"{op}: out_dtype must be bfloat16 or float16, got {jnp.dtype(out_dtype).name}")
-    grad_dtype = E5M2 if grad_dtype is None else jnp.dtype(grad_dtype)
-    if grad_dtype not in (E5M2,) + OUT_DTYPES:
+    if not _is_dtype_of(out_dtype, OUT_DTYPES):
+        raise ValueError(f"{op}: out_dtype must be bfloat16 or float16, got {_dtype_text(out_dtype)}")
+    if grad_dtype is None:
+        grad_dtype = E5M2
+    if not _is_dtype_of(grad_dtype, (E5M2,) + OUT_DTYPES):
         raise ValueError(f"{op}: grad_dtype must be float8_e5m2 (the hybrid recipe), bfloat16 or float16, got "
-                         f"{grad_dtype.name}")
+                         f"{_dtype_text(grad_dtype)}")
+    grad_dtype = jnp.dtype(grad_dtype)
     gs = None
     if grad_scale is not None:
         if block:
@@ -266,9 +270,49 @@ def check(op: str, x, weights: tuple, x_scale, w_scale, out_dtype, grad_dtype, g
         if grad_dtype != E5M2:
             raise ValueError(f"{op}: grad_scale scales float8_e5m2 gradients; grad_dtype is {grad_dtype.name}")
         gs = _scale(op, "grad_scale", grad_scale)
+    # The scales as passed (what the checks above made of them is traced under jit): concrete ones
+    # are checked now, traced ones by check_scales under ENTWINE_CHECK_FP8_SCALES=1.
+    for name, scale in [("x_scale", x_scale), ("grad_scale", grad_scale)] + (
+            [(f"w_scale[{i}]", s) for i, s in enumerate(w_scale)] if isinstance(w_scale, (tuple, list))
+            else [("w_scale", w_scale)]):
+        if scale is not None and not isinstance(scale, jax.core.Tracer):
+            if problem := _scale_values_problem(op, name, scale):
+                raise ValueError(problem)
     call = Fp8Call(out_dtype=jnp.dtype(out_dtype).name, grad_dtype=grad_dtype.name, x_dtype=x_dtype.name,
                    w_dtype=w_dtype.name, block=block)
     return xs, ws, gs, call
+
+
+def _is_dtype_of(dtype, dtypes: tuple) -> bool:
+    """Whether the dtype argument `dtype` names one of `dtypes` (False where it names no dtype, e.g. a
+    misspelt string, which jnp.dtype would answer with a TypeError)."""
+    try:
+        return jnp.dtype(dtype) in dtypes
+    except TypeError:
+        return False
+
+
+def _dtype_text(dtype) -> str:
+    """A dtype argument as an error message shows it: its name, or what was passed."""
+    try:
+        return jnp.dtype(dtype).name
+    except TypeError:
+        return repr(dtype)
+
+
+def _scale_values_problem(op: str, name: str, scale) -> Optional[str]:
+    """The message for a scale with an entry that is not finite and > 0, or None. Scales are
+    dequantisation factors (amax / 448): zero quantises its operand to the largest FP8 value and then
+    zeroes the product, NaN or infinity make the output NaN, and current_scale gives neither (1 for
+    an all-zero operand)."""
+    values = np.asarray(scale, np.float32)
+    bad = ~(np.isfinite(values) & (values > 0))
+    if not bad.any():
+        return None
+    where = np.argwhere(bad)[0]
+    at = f" at index {tuple(int(i) for i in where)}" if values.ndim else ""
+    return (f"{op}: {name} must be finite and > 0 (a dequantisation factor, amax / 448: fp8.current_scale), got "
+            f"{float(values[tuple(where)])}{at}")
 
 
 def _shape_text(shape) -> str:
@@ -347,7 +391,20 @@ def check_scales(op: str, operands: tuple) -> None:
     max-reduction per operand, so off by default)."""
     debug = os.environ.get("ENTWINE_CHECK_FP8_SCALES", "") not in ("", "0")
     for name, v, scale in operands:
-        if jnp.dtype(v.dtype) == E4M3:
+        if debug and isinstance(scale, jax.core.Tracer):
+            # The scale's own values, finite and > 0 (check() takes the concrete ones), named as the
+            # argument: the weight's (w, w1, w[i]; a group's per-tensor scale is the one w_scale, its
+            # block scales w_scale[i]) or else x's (x, or the MoE combine's h).
+            index = name[name.index("["):] if "[" in name and not is_scalar(scale) else ""
+            scale_name = "w_scale" + index if name.startswith("w") else "x_scale"
+
+            def raise_if_not_positive(value, scale_name=scale_name):
+                if problem := _scale_values_problem(op, scale_name, value):
+                    raise ValueError(problem)
+
+            jax.debug.callback(raise_if_not_positive, scale)
+        # An empty operand has no values to lose (and no largest one).
+        if jnp.dtype(v.dtype) == E4M3 or v.size == 0:
             continue
         concrete = not isinstance(v, jax.core.Tracer) and not isinstance(scale, jax.core.Tracer)
         if not (concrete or debug):

@@ -43,8 +43,26 @@ def _joined(dy, w):
 
 
 def _split(dw, widths):
-    """dw of the joined weights as the group's (widths: _joined's)."""
-    return dw if widths is None else tuple(jnp.split(dw, np.cumsum(widths)[:-1].tolist(), axis=1))
+    """dw of the joined weights as the group's (widths: _joined's); None (FP8 weights, constants to
+    differentiation) is None for each weight of a group."""
+    if widths is None:
+        return dw
+    if dw is None:
+        return (None,) * len(widths)
+    return tuple(jnp.split(dw, np.cumsum(widths)[:-1].tolist(), axis=1))
+
+
+def _zero_grads(op, plan, x, w, x_dtype, w_dtype):
+    """(dx, dw) of a call whose output is empty (N = 0, or an empty dim of x): zeros. The backward op
+    would contract or scatter the empty dim, which the ops refuse (XLA cannot lower it), and an FP8
+    cotangent has no current scale. x: the residual operand (gathered where the forward gathers: dx
+    has this rank's shard of its gathered dim); w: the weight, a group's joined."""
+    shape = list(x.shape)
+    if op.gathers:
+        shape[plan.dimension] //= plan.axis_size
+    names = callsite.varying_over(x, w, axis_name=plan.axis_name)
+    return (callsite.make_varying(jnp.zeros(shape, x_dtype), names),
+            callsite.make_varying(jnp.zeros(w.shape, w_dtype), names))
 
 
 def call_fp8(name: str, x, w, x_scale, w_scale, grad_scale, fp8_call: fp8.Fp8Call, *, axis_name, dimension, config,
@@ -101,6 +119,12 @@ def _paired_bwd(name, plan, res, cotangents):
     # output is unused: one reduce-scatter of zeros, so return it only where it is needed).
     dys, dg = cotangents if plan.return_gathered else (cotangents, None)
     dy, w, widths = _joined(dys, w)
+    if dy.size == 0:
+        dx, dw = _zero_grads(op, plan, x, w, x.dtype, w.dtype)
+        if dg is not None:  # the returned gathered operand's cotangent still reaches x
+            dx = dx + jax.lax.psum_scatter(dg, plan.axis_name, scatter_dimension=plan.dimension,
+                                           tiled=True).astype(dx.dtype)
+        return dx, _split(dw, widths)
     if plan.config.path == "xla" and op.reference_backward is not None:
         dx, dw = op.reference_backward(x, w, dy, axis_name=plan.axis_name, dimension=plan.dimension)
         return dx, _split(dw, widths)
@@ -154,7 +178,9 @@ def _paired_fp8_bwd(name, plan, fp8_call, res, cotangents):
     dy, w8, widths = _joined(dy, w8)
     dim = plan.dimension
     lead = tuple(range(x8.ndim - 1))
-    if not fp8_call.fp8_grads:
+    if dy.size == 0:
+        dx, dw = _zero_grads(registry.OPS[name], plan, x8, w8, jnp.float32, jnp.float32)
+    elif not fp8_call.fp8_grads:
         # The backward in bf16/fp16 on the dequantised weight and operand: the backward op in that dtype.
         dtype = jnp.dtype(fp8_call.grad_dtype)
         dy, w_t = dy.astype(dtype), fp8.dequantize(w8, ws, dtype).T
