@@ -167,8 +167,8 @@ def route(x, router, k: int, norm_topk_prob: bool = True, *, score_func: str = "
           n_routing_groups: int = -1, topk_routing_group: int = -1, routed_scaling_factor: float = 1.0):
     """(topk_idx [T, k] int32, weights [T, k] fp32) of tokens x [T, H] under router [H, E], by the
     rules of the module docstring (routed_bias: None or [E]). No capacity drop: that needs sequences."""
-    # moe_mlp's checks, here too: without them a misspelt score_func ran sigmoid, and an x [B, S, H]
-    # with S = H contracted S with the router's H.
+    # moe_mlp's checks: a misspelt score_func, or an x [B, S, H] with S = H (S contracted with the
+    # router's H), would otherwise route silently wrong.
     where = "route"
     for name, v in (("x", x), ("router", router)):
         check_array(where, name, v)
@@ -183,10 +183,7 @@ def route(x, router, k: int, norm_topk_prob: bool = True, *, score_func: str = "
     check_choice(where, "norm_topk_prob", norm_topk_prob, (True, False))
     routing = _check_routing(where, e, k, score_func, n_routing_groups, topk_routing_group, routed_scaling_factor,
                              None)
-    if routed_bias is not None:
-        check_array(where, "routed_bias", routed_bias)
-        if tuple(routed_bias.shape) != (e,):
-            raise ValueError(f"{where}: routed_bias must have shape [E] = ({e},), got {tuple(routed_bias.shape)}")
+    _check_routed_bias(where, routed_bias, e)
     routing.pop("capacity_factor")
     return _route(x, router, k, norm_topk_prob, routed_bias=routed_bias, **routing)[:2]
 
@@ -267,6 +264,14 @@ def _number(where: str, name: str, value, *, positive: bool, allow_none: bool = 
         kind = "a positive number" if positive else "a number >= 0"
         raise ValueError(f"{where}: {name} must be {kind}{' or None' if allow_none else ''}, got {value!r}")
     return float(value)
+
+
+def _check_routed_bias(where: str, routed_bias, e: int) -> None:
+    if routed_bias is not None:
+        check_array(where, "routed_bias", routed_bias)
+        if tuple(routed_bias.shape) != (e,):
+            raise ValueError(f"{where}: routed_bias must have shape [E] = ({e},) (whole, not split), got "
+                             f"{tuple(routed_bias.shape)}")
 
 
 def _check_routing(where: str, e: int, k: int, score_func, n_routing_groups, topk_routing_group,
@@ -374,11 +379,7 @@ def moe_mlp(x, router, wi_0, wi_1, wo, *, num_experts_per_tok: int, axis_name="e
                                       config)
     routing = _check_routing(where, e, k, score_func, n_routing_groups, topk_routing_group, routed_scaling_factor,
                              capacity_factor)
-    if routed_bias is not None:
-        check_array(where, "routed_bias", routed_bias)
-        if tuple(routed_bias.shape) != (e,):
-            raise ValueError(f"{where}: routed_bias must have shape [E] = ({e},) (whole, not split), got "
-                             f"{tuple(routed_bias.shape)}")
+    _check_routed_bias(where, routed_bias, e)
     world = bound_axis_size(where, axis_name)
     if e % world:
         raise ValueError(f"{where}: num_experts ({e}) must be divisible by the size of {axis_name!r} ({world})")

@@ -129,7 +129,7 @@ ROUTE_ERRORS = {  # route(x [6, 4], router [4, 8], 2, **changes): the message
     "router-H": (dict(router=np.ones((3, 8), np.float32)), r"route: x must have shape \[T, H = 3\]"),
     "groups": (dict(n_routing_groups=3, topk_routing_group=1), "route: n_routing_groups must be -1 or a positive int"),
     "half-groups": (dict(n_routing_groups=2), "route: n_routing_groups and topk_routing_group must both be -1"),
-    "bias": (dict(routed_bias=np.zeros(3, np.float32)), r"route: routed_bias must have shape \[E\] = \(8,\), got \(3,\)"),
+    "bias": (dict(routed_bias=np.zeros(3, np.float32)), r"route: routed_bias must have shape \[E\] = \(8,\) \(whole, not split\), got \(3,\)"),
     "scaling": (dict(routed_scaling_factor=-1.0), "route: routed_scaling_factor must be a positive number, got -1.0"),
     "x-list": (dict(x=[[1.0] * 4]), "route: x must be an array, got list"),
 }
