@@ -96,7 +96,7 @@ def _ag_gemm_rank1(x, w, *, axis_name, gather_dimension, x_scale, w_scale, **kwa
     the backward's reduce-scatter of dx (a gemm_rs) scatters a dim of rank >= 2 operands, and the
     kernels see one row either way. Every output drops the row again."""
     callsite.dimension("ag_gemm", "gather_dimension", gather_dimension, tuple(x.shape), "x")
-    if (isinstance(w_scale, (tuple, list)) or getattr(w_scale, "ndim", 0) == 2) and getattr(x_scale, "ndim", 0) == 1:
+    if fp8.block_scaled(w_scale) and getattr(x_scale, "ndim", 0) == 1:
         x_scale = x_scale[None]  # block scales: the tiles of x's one row
     # Indexing keeps x's own dtype (a NumPy float64 x is refused as it would be at rank 2).
     out = ag_gemm(x[None], w, axis_name=axis_name, gather_dimension=-1, x_scale=x_scale, w_scale=w_scale, **kwargs)

@@ -225,6 +225,11 @@ def _operand_dtype(op: str, name: str, v) -> jnp.dtype:
     return dtype
 
 
+def block_scaled(w_scale) -> bool:
+    """Whether w_scale asks for block scaling: a rank-2 block scale, or a group's tuple of them."""
+    return isinstance(w_scale, (tuple, list)) or getattr(w_scale, "ndim", 0) == 2
+
+
 def check(op: str, x, weights: tuple, x_scale, w_scale, out_dtype, grad_dtype, grad_scale, grouped: bool = False):
     """ValueError for an FP8 call that cannot run; returns (x_scale, w_scale, grad_scale) (float32
     scalars, or block scales with w_scale a tuple for a group; grad_scale None: current scaling) and
@@ -241,7 +246,7 @@ def check(op: str, x, weights: tuple, x_scale, w_scale, out_dtype, grad_dtype, g
     if (x_dtype == E4M3) != (w_dtype == E4M3):
         raise ValueError(f"{op}: mixed FP8 and high-precision operands (x {x_dtype}, w {w_dtype}): pass both "
                          f"quantised (float8_e4m3fn) or both in high precision (the op quantises them)")
-    block = isinstance(w_scale, (tuple, list)) or getattr(w_scale, "ndim", 0) == 2
+    block = block_scaled(w_scale)
     if block:
         xs, ws = _block_scales_checked(op, x, weights, x_scale, w_scale, grouped)
     else:

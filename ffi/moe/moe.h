@@ -37,14 +37,6 @@ struct MoeConfig {
 // y bf16 or fp16: a 128-row block has one source, so one alpha per block dequantises its sum)
 // (the receive pool is expert-major: expert e's A is the world * capacity rows that every source
 // sent it, contiguous, each source's capacity rows in source order).
-// Block c of a segment lies wholly past the rows its source sent (received[owner], nullptr: every
-// segment full): both schedules' empty() hook.
-#ifdef __CUDACC__
-__device__ inline bool past_received(const int32_t* received, BlockCoord const& c) {
-  return received != nullptr && c.tile_m * kBlockM >= received[c.owner];
-}
-#endif
-
 struct MoeProblem {
   int32_t world = 1, rank = 0;
   int32_t experts = 1;    // E, a multiple of world
@@ -52,6 +44,14 @@ struct MoeProblem {
   int32_t k = 0, n = 0;   // x's columns (w's rows), w's columns
   DType input = DType::kBF16;
 };
+
+// Block c of a segment lies wholly past the rows its source sent (received[owner], nullptr: every
+// segment full): both schedules' empty() hook.
+#ifdef __CUDACC__
+__device__ inline bool past_received(const int32_t* received, BlockCoord const& c) {
+  return received != nullptr && c.tile_m * kBlockM >= received[c.owner];
+}
+#endif
 
 // Everything static about one call. The inbox of rank r is [E_local][world][C][k] (source-slot s of
 // expert e at ((e * world + s) * C) rows); flag (s, e) of rank r, word s * E_local + e of each
