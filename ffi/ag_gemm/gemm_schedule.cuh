@@ -17,6 +17,8 @@ struct GemmSchedule {
   static constexpr int kMaxGroup = kMaxWeights;  // B: w, or a group of weights (AgGemmArgs)
   static constexpr bool kStoresToPeers = false;  // the kernel's output is this rank's
 
+  struct Cursor {};  // block_coord keeps no state between units
+
   struct Params {
     const uint64_t* gather_flags;   // flags[source * chunks + chunk] of this rank, parity 0
     bool gather_k;                  // contraction layout (AgProblem)
@@ -35,7 +37,7 @@ struct GemmSchedule {
   // the local shard's blocks first (no wait), then chunk by chunk, for each chunk the peers in the
   // order their pushes start (rank r-1 pushes to r first, see the handler). Contraction layout:
   // chunk by chunk (every block loops over all shards; source is unused).
-  static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order) {
+  static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order, Cursor&) {
     int const per_chunk = op.blocks_per_chunk;
     int source = 0, chunk, i;
     if (op.gather_k) {
@@ -127,7 +129,7 @@ struct GemmSchedule {
     Params const& op = params.op;
     typename Kernel::WorkIter work(params);
     for (typename Kernel::Unit u; work.next(u);) {
-      BlockCoord const c = block_coord(u.p, op, params.order);
+      BlockCoord const& c = u.c;
       int const chunk = c.tile_m / op.chunk_tiles;
       if (!op.gather_k) {
         bool const local = c.owner == op.rank;

@@ -50,7 +50,10 @@ struct ElementOf<DType::kE5M2> {
 //   kMaxGroup              how many operands side by side B may be (Params::group; 1: one)
 //   kStoresToPeers         true: destination() places each block (moe.combine: in peers' memory)
 //   Plan, Args             the op's plan and launch arguments (host)
-//   block_coord(p, op, order)        block p of the call's order -> (owner, tile row, block column)
+//   Cursor                           what one role keeps between its units (moe: where its walk over
+//                                    the ragged segments stands; else empty)
+//   block_coord(p, op, order, cursor)  block p of the call's order -> (owner, tile row, block column);
+//                                    a role asks for its units in increasing p (WorkIter)
 //   start<Kernel>(params)            first thing of every CTA (ag_gemm: announce the call)
 //   load<Kernel>(params, ...)        the TMA warp's loop over its units (ag_gemm: waits on chunks)
 //   release<Kernel>(params, c, e, parity)  after the store warp's copies of block c completed
@@ -193,10 +196,11 @@ struct GemmKernel {
     return local ? params.group.local_more[g - 1] : params.group.mainloop_more[g - 1];
   }
 
-  // One unit of a CTA's work: k-tiles [k_begin, k_end) of logical block p. slot >= 0: the block is
-  // split between this CTA and a neighbour, which meet in that workspace slot.
+  // One unit of a CTA's work: k-tiles [k_begin, k_end) of logical block p, at c in the output.
+  // slot >= 0: the block is split between this CTA and a neighbour, which meet in that workspace slot.
   struct Unit {
     int p, k_begin, k_end, slot;
+    BlockCoord c;
   };
 
   // A CTA's units, the same sequence for its three roles: the blocks blockIdx.x + i * grid below
@@ -204,9 +208,11 @@ struct GemmKernel {
   // Every share is at least one block long, so a block has at most two pieces: its head (from
   // k = 0) ends the share of CTA c and its tail starts the share of CTA c + 1; both use slot c.
   struct WorkIter {
+    Params const& params;
     WorkSchedule const& s;
     int p, it, end;  // next whole block; this CTA's k-tiles [it, end) of the split region
-    __device__ explicit WorkIter(Params const& params) : s(params.schedule), p(blockIdx.x) {
+    typename Schedule::Cursor cursor{};  // the schedule's state between this role's units
+    __device__ explicit WorkIter(Params const& params) : params(params), s(params.schedule), p(blockIdx.x) {
       // (< 2^31: the split region holds less than two grids' blocks)
       int64_t const split_iters = int64_t(s.num_blocks - s.split_first_block) * s.k_tiles;
       it = int(split_iters * blockIdx.x / s.grid);
@@ -216,18 +222,19 @@ struct GemmKernel {
       if (p < s.split_first_block) {
         u = Unit{p, 0, s.k_tiles, -1};
         p += s.grid;
-        return true;
+      } else {
+        if (it >= end) return false;
+        int const k_begin = it % s.k_tiles;
+        int const k_end = k_begin + end - it < s.k_tiles ? k_begin + end - it : s.k_tiles;
+        u = Unit{s.split_first_block + it / s.k_tiles, k_begin, k_end, -1};
+        if (k_begin > 0) {
+          u.slot = int(blockIdx.x) - 1;
+        } else if (k_end < s.k_tiles) {
+          u.slot = int(blockIdx.x);
+        }
+        it += k_end - k_begin;
       }
-      if (it >= end) return false;
-      int const k_begin = it % s.k_tiles;
-      int const k_end = k_begin + end - it < s.k_tiles ? k_begin + end - it : s.k_tiles;
-      u = Unit{s.split_first_block + it / s.k_tiles, k_begin, k_end, -1};
-      if (k_begin > 0) {
-        u.slot = int(blockIdx.x) - 1;
-      } else if (k_end < s.k_tiles) {
-        u.slot = int(blockIdx.x);
-      }
-      it += k_end - k_begin;
+      u.c = Schedule::block_coord(u.p, params.op, params.order, cursor);
       return true;
     }
   };
@@ -405,7 +412,7 @@ struct GemmKernel {
     WorkIter work(params);
     bool first = true;
     for (Unit u; work.next(u); first = false) {
-      BlockCoord const c = Schedule::block_coord(u.p, params.op, params.order);
+      BlockCoord const& c = u.c;
       // An empty block (the schedule's word: moe, past its segment's rows) takes no k-tile from the
       // pipeline, as the TMA warp loads none for it; its sum is zero.
       bool const empty = Schedule::template empty<GemmKernel>(params, c);
@@ -525,7 +532,7 @@ struct GemmKernel {
 
   // A unit's block in A's and B's tiles (gemm_rs: at its owner's offset) and its first k-tile.
   static __device__ auto unit_block(Params const& params, Unit const& u) {
-    BlockCoord const c = Schedule::block_coord(u.p, params.op, params.order);
+    BlockCoord const& c = u.c;
     int const m_block = int(c.owner * params.part_row_step / BLOCK_M) + c.tile_m;
     int const n_block = int(c.owner * params.part_col_step / BLOCK_N) + c.n_block;
     return make_coord(m_block, n_block, _, 0);
@@ -551,7 +558,7 @@ struct GemmKernel {
     for (bool more = work.next(next); more;) {
       Unit const u = next;
       more = work.next(next);
-      BlockCoord const c = Schedule::block_coord(u.p, params.op, params.order);
+      BlockCoord const& c = u.c;
       int64_t const row0 = c.owner * params.part_row_step + int64_t(c.tile_m) * BLOCK_M;
       int n_block = c.n_block;
       int const g = group_operand(params, n_block);

@@ -19,6 +19,8 @@ struct GemmSchedule {
   static constexpr int kMaxGroup = 1;           // B is w alone
   static constexpr bool kStoresToPeers = false;  // the kernel's output is this rank's
 
+  struct Cursor {};  // block_coord keeps no state between units
+
   struct Params {
     uint64_t* flags[kMaxWorld];  // parity 0 of each owner's flag array
     int blocks_per_partition;
@@ -35,7 +37,7 @@ struct GemmSchedule {
   // goes to partition (p + rank + 1) mod W, so every wave feeds all W owners at an even pace and
   // the ranks start on different owners; inside a partition, blocks run in the consumer's N-major
   // TileOrder (grouped rows for L2 reuse), which the consumer walks in the same order.
-  static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order) {
+  static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order, Cursor&) {
     int owner, i;
     if (op.interleave) {
       owner = (p % op.world + op.rank + 1) % op.world;

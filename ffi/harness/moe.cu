@@ -976,6 +976,10 @@ int moe_test_main() {
     rh.rows = kMixedRows;
     rh.bf16 = false;
     run_moe_case(rh, 2);
+    // A grid of 5 CTAs over 12 segments: each role's cursor walks many segments per call.
+    MoeCase rs{3, 12, 384, 256, 512, MoeConfig{256, 5, 2, 0}};
+    rs.rows = kMixedRows;
+    run_moe_case(rs, 3);
   }
   // FP8 per tensor (128-wide blocks; each source's rows scaled by its own x scale): e4m3 into bf16
   // and fp16, e5m2 x (a gradient's dispatch), both pushes, a K tail inside a k-tile.

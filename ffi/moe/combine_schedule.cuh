@@ -11,10 +11,10 @@
 //
 // Pitfalls: a block's stores go to a peer only after that peer announced the call (its inbox is
 // free: it finished reading its last call's); after a failed wait the block is not stored and no
-// flag is released (the outputs are poisoned), but every block of a peer's segment still arrives at
-// the segment's counter, or the counters stop returning to zero. Every CTA announces the call
-// before it may wait: a CTA that waits for a peer's announcement may hold the last free SM while
-// this grid's first CTA has not started.
+// flag is released (the outputs are poisoned), but every lead block of a peer's segment still
+// arrives at the segment's counter, or the counters stop returning to zero. Every CTA announces the
+// call before it may wait: a CTA that waits for a peer's announcement may hold the last free SM
+// while this grid's first CTA has not started.
 #pragma once
 
 #include "comm/push.cuh"
@@ -37,7 +37,7 @@ struct GemmSchedule {
     const uint64_t* ready;       // this rank's ready words: ready[s] = rank s's announcement
     uint32_t* arrivals;          // one counter per (local expert, source), zero between calls
     int world, rank, e_local, capacity, n;
-    int seg_tiles, blocks_per_segment, k_tiles;
+    int seg_tiles, k_tiles;
     DeviceError* error;
     DeviceError* error_mirror;
     uint64_t timeout_ns;
@@ -53,15 +53,19 @@ struct GemmSchedule {
     return past_received(params.op.received, c);
   }
 
-  // Position p -> (segment, tile row inside it, block column). Segment (expert e, source s), owner
-  // e * world + s; sources from rank + 1 round to rank (the local segments last), experts inside.
-  static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order) {
-    int const per_seg = op.blocks_per_segment, per_source = op.e_local * per_seg;
-    int const d = p / per_source, expert = (p % per_source) / per_seg;
-    int const source = (op.rank + 1 + d) % op.world;
-    BlockCoord c{expert * op.world + source, 0, 0};
-    order.block(p % per_seg, c.tile_m, c.n_block);
-    return c;
+  // The i-th segment in production order, as its owner e * world + s: sources from rank + 1 round
+  // to rank (the local segments last), experts inside.
+  static __device__ int segment_owner(int i, Params const& op) {
+    return (i % op.e_local) * op.world + (op.rank + 1 + i / op.e_local) % op.world;
+  }
+
+  // Position p -> (segment, tile row inside it, block column): the segments' lead blocks in
+  // production order, then their empty ones (segment_block).
+  using Cursor = SegmentCursor;
+  static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order, Cursor& cursor) {
+    return segment_block(
+        p, cursor, op.e_local * op.world, [&op](int i) { return segment_owner(i, op); }, op.received, op.seg_tiles,
+        order);
   }
 
   // Announce the call to every peer first, from every CTA (the pitfalls above; the stamp is the same
@@ -82,7 +86,7 @@ struct GemmSchedule {
     auto k_shape = cute::shape<3>(cute::get<0>(load_inputs));
     typename Kernel::WorkIter work(params);
     for (typename Kernel::Unit u; work.next(u);) {
-      BlockCoord const c = block_coord(u.p, op, params.order);
+      BlockCoord const& c = u.c;
       if (empty<Kernel>(params, c)) continue;
       int const expert = c.owner / op.world, source = c.owner % op.world;
       auto k_iter = cute::make_coord_iterator(cute::idx2crd(0, k_shape), k_shape);
@@ -130,19 +134,21 @@ struct GemmSchedule {
            int64_t(c.n_block) * Kernel::BLOCK_N;
   }
 
-  // After block c's stores completed: count it at its segment; the segment's last block releases
-  // the segment's flag in the source's memory (one system fence orders every block's stores, each
-  // made visible by its own CTA's fence before its arrival, before the flag) and zeroes the counter;
-  // not once this rank's call failed (a wait ran out). The local segments need no flag: this rank
-  // reads them after the GEMM in stream order.
+  // After block c's stores completed: count a lead block at its segment; the segment's last lead
+  // block releases the segment's flag in the source's memory (one system fence orders every block's
+  // stores, each made visible by its own CTA's fence before its arrival, before the flag) and zeroes
+  // the counter; not once this rank's call failed (a wait ran out). The other blocks are empty (no
+  // rows stored), so the flag goes out as soon as the rows landed, before the grid's empty blocks.
+  // The local segments need no flag: this rank reads them after the GEMM in stream order.
   template <class Kernel>
   static __device__ void release(typename Kernel::Params const& params, BlockCoord const& c, uint64_t epoch,
                                  int64_t) {
     Params const& op = params.op;
     int const expert = c.owner / op.world, source = c.owner % op.world;
-    if (source == op.rank) return;
+    int const lead = lead_tiles(op.received, c.owner, op.seg_tiles);
+    if (source == op.rank || c.tile_m >= lead) return;
     ptx::fence_proxy_async_global();
-    push::arrive(op.arrivals + expert * op.world + source, op.blocks_per_segment,
+    push::arrive(op.arrivals + expert * op.world + source, lead * params.order.n_blocks,
                  op.flags[source] + int64_t(op.rank) * op.e_local + expert, !wait::stopped(params.call, op.error),
                  params.call, epoch);
   }
@@ -193,7 +199,6 @@ struct GemmSchedule {
     p.op.capacity = pr.capacity;
     p.op.n = pr.n;
     p.op.seg_tiles = plan.seg_tiles;
-    p.op.blocks_per_segment = plan.seg_tiles * plan.n_blocks;
     p.op.k_tiles = plan.k_tiles;
     p.op.error = args.error;
     p.op.error_mirror = args.error_mirror;

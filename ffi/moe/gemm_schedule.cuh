@@ -21,7 +21,7 @@ struct GemmSchedule {
   struct Params {
     const uint64_t* flags;  // flags[source * e_local + expert] of this rank, parity 0
     int world, rank, e_local;
-    int seg_tiles, blocks_per_segment, k_tiles;
+    int seg_tiles, k_tiles;
     DeviceError* error;
     DeviceError* error_mirror;
     uint64_t timeout_ns;
@@ -37,29 +37,26 @@ struct GemmSchedule {
     return past_received(params.op.received, c);
   }
 
-  // Position p -> (segment, tile row inside it, block column). A segment is (expert e, source s),
-  // owner e * world + s: the store warp writes its block at y row owner * C + tile * 128, which is
-  // y[e, s * C + tile * 128] of y [E_local, world * C, n]. Order: the local source's segments
+  // The i-th segment in production order, as its owner e * world + s: the local source's segments
   // first (expert-major), then expert by expert the peers rank - 1, rank - 2, ...: both transfers
   // send expert-major (the copy engines: the transfer to rank r from r - d on its source's d-th
   // stream, experts in order; the SM push: expert by expert to all its destinations at once), and
   // rank r is the first destination of r - 1.
-  static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order) {
-    int const per_seg = op.blocks_per_segment, local_blocks = op.e_local * per_seg;
-    int expert, source, i;
-    if (p < local_blocks) {
-      source = op.rank;
-      expert = p / per_seg;
-      i = p % per_seg;
-    } else {
-      int const j = p - local_blocks, per_expert = (op.world - 1) * per_seg;
-      expert = j / per_expert;
-      source = (op.rank + op.world - 1 - (j % per_expert) / per_seg) % op.world;
-      i = j % per_seg;
-    }
-    BlockCoord c{expert * op.world + source, 0, 0};
-    order.block(i, c.tile_m, c.n_block);
-    return c;
+  static __device__ int segment_owner(int i, Params const& op) {
+    if (i < op.e_local) return i * op.world + op.rank;
+    int const j = i - op.e_local, expert = j / (op.world - 1);
+    return expert * op.world + (op.rank + op.world - 1 - j % (op.world - 1)) % op.world;
+  }
+
+  // Position p -> (segment, tile row inside it, block column): the segments' lead blocks in
+  // production order, then their empty ones (segment_block). The store warp writes block (owner,
+  // tile, column) at y row owner * C + tile * 128, which is y[e, s * C + tile * 128] of
+  // y [E_local, world * C, n].
+  using Cursor = SegmentCursor;
+  static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order, Cursor& cursor) {
+    return segment_block(
+        p, cursor, op.e_local * op.world, [&op](int i) { return segment_owner(i, op); }, op.received, op.seg_tiles,
+        order);
   }
 
   // Announce the call to every peer first (the pushes into this rank's inbox wait for it). This
@@ -91,7 +88,7 @@ struct GemmSchedule {
     auto k_shape = cute::shape<3>(cute::get<0>(load_inputs));
     typename Kernel::WorkIter work(params);
     for (typename Kernel::Unit u; work.next(u);) {
-      BlockCoord const c = block_coord(u.p, op, params.order);
+      BlockCoord const& c = u.c;
       int const expert = c.owner / op.world, source = c.owner % op.world;
       bool const local = source == op.rank;
       if (!local && c.owner != waited) {
@@ -174,7 +171,6 @@ struct GemmSchedule {
     p.op.rank = pr.rank;
     p.op.e_local = plan.e_local;
     p.op.seg_tiles = plan.seg_tiles;
-    p.op.blocks_per_segment = plan.seg_tiles * plan.n_blocks;
     p.op.k_tiles = plan.k_tiles;
     p.op.error = args.error;
     p.op.error_mirror = args.error_mirror;

@@ -45,11 +45,55 @@ struct MoeProblem {
   DType input = DType::kBF16;
 };
 
-// Block c of a segment lies wholly past the rows its source sent (received[owner], nullptr: every
-// segment full): both schedules' empty() hook.
 #ifdef __CUDACC__
-__device__ inline bool past_received(const int32_t* received, BlockCoord const& c) {
+// Both GEMM schedules' segments: `segments` of seg_tiles tile rows, with received[owner] rows each
+// (nullptr: every segment full). A segment's lead tile rows are those holding rows, and at least
+// one: an empty segment's first tile row stands for it (its flag is waited for, or released, there).
+// Host-callable too: tests/segment_order_check.cu checks the order on a CPU.
+__host__ __device__ inline int lead_tiles(const int32_t* received, int owner, int seg_tiles) {
+  if (received == nullptr) return seg_tiles;
+  int const rows = received[owner];
+  int const tiles = rows <= 0 ? 1 : rows / kBlockM + (rows % kBlockM != 0);
+  return tiles < seg_tiles ? tiles : seg_tiles;
+}
+
+// Block c lies wholly past the rows its source sent: both schedules' empty() hook.
+__host__ __device__ inline bool past_received(const int32_t* received, BlockCoord const& c) {
   return received != nullptr && c.tile_m * kBlockM >= received[c.owner];
+}
+
+// Where one role's walk over the segments stands (the schedules' Cursor): step = pass * segments +
+// the segment's index in the schedule's order (pass 0: lead blocks, pass 1: the others), first =
+// the position of that segment's first block of the pass.
+struct SegmentCursor {
+  int step = 0, first = 0;
+};
+
+// Position p -> block: first every segment's lead tile rows, then every segment's other tile rows
+// (all empty), segments in the schedule's order (owner_at(i): the i-th segment's owner), each
+// segment's rows of a pass in `order`'s raster. The persistent grid deals positions round-robin, so
+// every CTA gets an even share of the blocks with rows whatever the counts; dealt segment by
+// segment, the rows would fall to the CTAs whose index matches a segment's raster groups. With every
+// segment full this is the segment order alone. The roles ask for increasing p (WorkIter), so the
+// walk moves forward only, once over the segments per call and role; a smaller p starts it again.
+template <class OwnerAt>
+__host__ __device__ BlockCoord segment_block(int p, SegmentCursor& cursor, int segments, OwnerAt owner_at,
+                                    const int32_t* received, int seg_tiles, TileOrder const& order) {
+  if (p < cursor.first) cursor = SegmentCursor{};
+  for (; cursor.step < 2 * segments; ++cursor.step) {
+    bool const lead = cursor.step < segments;
+    int const owner = owner_at(lead ? cursor.step : cursor.step - segments);
+    int const lead_rows = lead_tiles(received, owner, seg_tiles);
+    int const tiles = lead ? lead_rows : seg_tiles - lead_rows;
+    if (p - cursor.first < tiles * order.n_blocks) {
+      BlockCoord c{owner, 0, 0};
+      TileOrder{tiles, order.n_blocks, order.raster_rows}.block(p - cursor.first, c.tile_m, c.n_block);
+      if (!lead) c.tile_m += lead_rows;
+      return c;
+    }
+    cursor.first += tiles * order.n_blocks;
+  }
+  return BlockCoord{owner_at(0), 0, 0};  // p past the call's blocks: never asked
 }
 #endif
 

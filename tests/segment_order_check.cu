@@ -1,0 +1,158 @@
+// The MoE schedules' block order (moe/moe.h: segment_block, lead_tiles, past_received) checked on a
+// CPU over seeded random problems, as the kernels' roles walk it. Built and run by
+// tests/test_segment_order.py; prints "ok <cases>" or the first violation, and exits nonzero on one.
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "moe/moe.h"
+
+namespace {
+
+using entwine::BlockCoord;
+using entwine::kBlockM;
+using entwine::SegmentCursor;
+using entwine::TileOrder;
+
+int failures = 0;
+
+// The schedule's segment order as segment_block asks it (a host and device callable, as the
+// kernels' own).
+struct OwnerAt {
+  const int* owners;
+  __host__ __device__ int operator()(int i) const { return owners[i]; }
+};
+
+void fail(const char* what, int segments, int seg_tiles, int n_blocks, int p) {
+  if (failures++ < 5) {
+    std::printf("FAIL %s (segments %d, seg_tiles %d, n_blocks %d, p %d)\n", what, segments, seg_tiles, n_blocks, p);
+  }
+}
+
+// One problem: `owners` is the schedule's segment order (a permutation of 0 .. segments), received
+// the rows per owner (empty: every segment full), raster the plan's raster rows, grid the CTAs.
+void check(std::vector<int> const& owners, std::vector<int32_t> const& received, int seg_tiles, int n_blocks,
+           int raster, int grid) {
+  int const segments = int(owners.size());
+  int const blocks = segments * seg_tiles * n_blocks;
+  const int32_t* rows = received.empty() ? nullptr : received.data();
+  TileOrder const order{seg_tiles, n_blocks, raster < seg_tiles ? raster : seg_tiles};
+  OwnerAt const owner_at{owners.data()};
+
+  // Every position from a fresh cursor; every block exactly once.
+  std::vector<BlockCoord> at(blocks);
+  std::vector<int> seen(blocks, 0);
+  for (int p = 0; p < blocks; ++p) {
+    SegmentCursor fresh;
+    BlockCoord const c = entwine::segment_block(p, fresh, segments, owner_at, rows, seg_tiles, order);
+    at[p] = c;
+    if (c.owner < 0 || c.owner >= segments || c.tile_m < 0 || c.tile_m >= seg_tiles || c.n_block < 0 ||
+        c.n_block >= n_blocks) {
+      fail("block out of range", segments, seg_tiles, n_blocks, p);
+      return;
+    }
+    ++seen[(c.owner * seg_tiles + c.tile_m) * n_blocks + c.n_block];
+  }
+  for (int b = 0; b < blocks; ++b) {
+    if (seen[b] != 1) fail("a block not visited exactly once", segments, seg_tiles, n_blocks, b);
+  }
+
+  // The lead blocks (every tile row with rows, at least one per segment) come first, then the rest,
+  // all of them empty; each segment's lead blocks total lead_tiles * n_blocks.
+  int lead_blocks = 0;
+  for (int s = 0; s < segments; ++s) {
+    int const lead = entwine::lead_tiles(rows, s, seg_tiles);
+    // At least one: an empty segment's flag is waited for (dispatch) or released (combine) there.
+    if (lead < 1 || lead > seg_tiles) fail("lead tile rows out of [1, seg_tiles]", segments, seg_tiles, n_blocks, s);
+    lead_blocks += lead * n_blocks;
+  }
+  for (int p = 0; p < blocks; ++p) {
+    bool const lead = at[p].tile_m < entwine::lead_tiles(rows, at[p].owner, seg_tiles);
+    if (lead != (p < lead_blocks)) fail("lead blocks not first", segments, seg_tiles, n_blocks, p);
+    if (!lead && !entwine::past_received(rows, at[p])) fail("a block with rows after the leads", segments, seg_tiles, n_blocks, p);
+    bool const has_rows = rows == nullptr || at[p].tile_m * kBlockM < rows[at[p].owner];
+    if (has_rows == entwine::past_received(rows, at[p])) fail("past_received disagrees", segments, seg_tiles, n_blocks, p);
+  }
+
+  // Full segments: the segment order, each segment in the plan's raster.
+  if (rows == nullptr) {
+    for (int p = 0; p < blocks; ++p) {
+      int const per_seg = seg_tiles * n_blocks;
+      BlockCoord want{owners[p / per_seg], 0, 0};
+      order.block(p % per_seg, want.tile_m, want.n_block);
+      if (want.owner != at[p].owner || want.tile_m != at[p].tile_m || want.n_block != at[p].n_block) {
+        fail("full segments out of segment order", segments, seg_tiles, n_blocks, p);
+      }
+    }
+  }
+
+  // Each CTA's role walks its positions cta, cta + grid, ... with one cursor (WorkIter), then a
+  // smaller position restarts the walk: the same blocks as fresh cursors.
+  for (int cta = 0; cta < grid; ++cta) {
+    SegmentCursor cursor;
+    for (int p = cta; p < blocks; p += grid) {
+      BlockCoord const c = entwine::segment_block(p, cursor, segments, owner_at, rows, seg_tiles, order);
+      if (c.owner != at[p].owner || c.tile_m != at[p].tile_m || c.n_block != at[p].n_block) {
+        fail("a walking cursor disagrees", segments, seg_tiles, n_blocks, p);
+      }
+    }
+    if (cta < blocks) {
+      BlockCoord const c = entwine::segment_block(cta, cursor, segments, owner_at, rows, seg_tiles, order);
+      if (c.owner != at[cta].owner || c.tile_m != at[cta].tile_m || c.n_block != at[cta].n_block) {
+        fail("a restarted cursor disagrees", segments, seg_tiles, n_blocks, cta);
+      }
+    }
+  }
+
+  // The round-robin deal gives every CTA an even share of the blocks with rows when no segment is
+  // empty (they are then exactly the lead blocks, a prefix of the positions).
+  bool none_empty = rows != nullptr;
+  for (int s = 0; rows != nullptr && s < segments; ++s) none_empty = none_empty && rows[s] > 0;
+  if (none_empty) {
+    std::vector<int> share(grid, 0);
+    for (int p = 0; p < blocks; ++p) {
+      if (!entwine::past_received(rows, at[p])) ++share[p % grid];
+    }
+    int lo = share[0], hi = share[0];
+    for (int v : share) {
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+    }
+    if (hi - lo > 1) fail("an uneven share of the blocks with rows", segments, seg_tiles, n_blocks, hi - lo);
+  }
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 rng(20261205);
+  auto uniform = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  int cases = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    int const segments = uniform(1, 40), seg_tiles = uniform(1, 9), n_blocks = uniform(1, 7);
+    int const raster = uniform(1, 10), grid = uniform(1, 140);
+    std::vector<int> owners(segments);
+    for (int i = 0; i < segments; ++i) owners[i] = i;
+    std::shuffle(owners.begin(), owners.end(), rng);
+    int const capacity = seg_tiles * kBlockM;
+    // Full segments (nullptr), then counts from empty to over-full, some negative.
+    check(owners, {}, seg_tiles, n_blocks, raster, grid);
+    std::vector<int32_t> received(segments);
+    for (int32_t& r : received) {
+      int const kind = uniform(0, 9);
+      r = kind == 0 ? 0 : kind == 1 ? capacity : kind == 2 ? capacity + uniform(1, 300) : kind == 3 ? -uniform(1, 5)
+                                                                                       : uniform(1, capacity);
+    }
+    check(owners, received, seg_tiles, n_blocks, raster, grid);
+    for (int32_t& r : received) r = uniform(1, capacity);
+    check(owners, received, seg_tiles, n_blocks, raster, grid);
+    cases += 3;
+  }
+  if (failures) {
+    std::printf("%d violations\n", failures);
+    return 1;
+  }
+  std::printf("ok %d cases\n", cases);
+  return 0;
+}
