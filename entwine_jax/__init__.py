@@ -1,7 +1,7 @@
 # entwine_jax: fused, overlapped GEMM + ReduceScatter (gemm_rs) and AllGather + GEMM (ag_gemm) for
 # tensor-parallel JAX on Hopper GPUs; each is the other's backward. Both run the fused CUDA kernels
 # where they can run and the XLA reference everywhere else. The MoE pair (moe_dispatch_gemm,
-# moe_gemm_combine), also each the other's backward, has its XLA reference only so far. Importing the
+# moe_gemm_combine) is likewise each the other's backward, fused where it can run. Importing the
 # package loads the ops and their configs only: no tuner loop, benchmark or command line;
 # entwine_jax.census and entwine_jax.layers load on first use (flax is slow to import).
 from entwine_jax._extension import status as extension_status

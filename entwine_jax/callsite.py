@@ -27,10 +27,6 @@ def hashable_axis(axis_name):
     return tuple(axis_name) if isinstance(axis_name, list) else axis_name
 
 
-def axis_names(axis_name) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def check_operands(op: str, x, w, w_rank: str, fp8: bool = False) -> None:
     """ValueError unless x and w are arrays of one supported dtype and w is 2-D (`w_rank`: its shape
     in words, e.g. "[K, N]"). fp8: an FP8 call, whose dtypes entwine_jax.fp8 has checked."""
@@ -66,7 +62,7 @@ def kernel_dtype_reason(x_dtype, w_dtype, out_dtype=None) -> Optional[str]:
 def axis_size(op: str, axis_name) -> int:
     """The size of the bound axis; ValueError when no enclosing shard_map binds it, or when a tuple
     names one mesh axis twice."""
-    names = axis_names(axis_name)
+    names = comm.axis_tuple(axis_name)
     if len(set(names)) != len(names):
         # XLA aborts the process on a collective over a repeated axis.
         raise ValueError(f"{op}: axis_name must name each mesh axis once, got {axis_name!r}")
@@ -181,7 +177,7 @@ def make_varying(v, names):
 def varying_over(*operands, axis_name=()) -> list:
     """Every axis any operand (an array or a tuple of them) varies over, plus `axis_name`'s: what
     the op's outputs vary over."""
-    names = set(axis_names(axis_name))
+    names = set(comm.axis_tuple(axis_name))
     for v in jax.tree.leaves(operands):
         names |= varying_axes(v)
     return sorted(names, key=str)

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import callsite
+from entwine_jax import callsite, comm
 
 __all__ = ["E4M3", "E5M2", "BLOCK", "quantize", "dequantize", "current_scale", "scales_1x128", "scales_128x128",
            "quantize_1x128", "quantize_128x128"]
@@ -434,7 +434,7 @@ def shared_over(scale, x, axis_name) -> bool:
     vary over the axis while x does. Without type checks (check_vma=False) nothing varies, nothing is
     known, and the scale counts as each rank's own."""
     varying_x, varying_s = callsite.varying_axes(x), callsite.varying_axes(scale)
-    return all(a in varying_x and a not in varying_s for a in callsite.axis_names(axis_name))
+    return all(a in varying_x and a not in varying_s for a in comm.axis_tuple(axis_name))
 
 
 def cotangent(v, dtype: str):

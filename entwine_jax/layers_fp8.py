@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import fp8_ops as flax_fp8
 
-from entwine_jax import callsite
+from entwine_jax import callsite, comm
 from entwine_jax import fp8 as fp8_ops
 
 
@@ -61,7 +61,7 @@ def _global_amax(v, axis_name):
     # The largest |v| over every rank's shard, over axis_name and every other axis v varies over (a
     # data-parallel axis): the delayed-scaling state stays the same on every device, so its
     # "gradient" is not summed over the axes it is replicated on.
-    axes = tuple(sorted(set(callsite.axis_names(axis_name)) | callsite.varying_axes(v), key=str))
+    axes = tuple(sorted(set(comm.axis_tuple(axis_name)) | callsite.varying_axes(v), key=str))
     return jax.lax.pmax(jnp.max(jnp.abs(v)).astype(jnp.float32), axes)
 
 

@@ -1,7 +1,6 @@
 # The small-call rule of path="auto" (entwine_jax.tuning.crossover): a call whose GEMM or transfer is
 # too short for the overlap to pay the fused op's fixed cost takes XLA, with a reason that says so;
 # the design suite's shapes and the grouped projections of a 70B layer take the fused path.
-import logging
 
 import jax
 import jax.numpy as jnp

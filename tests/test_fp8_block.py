@@ -530,7 +530,7 @@ class SimulatedKernels:
                          shared_scale=False, x_dtype="float8_e4m3fn", block_scaled=False):
         return dict(error="block-scaled FP8 needs cols % 128 == 0" if block_scaled and cols % 128 else None,
                     rows_pad=_up(rows, 128), cols_pad=_up(cols, 16), n_pad=_up(n, 128), chunks=1, chunk_tiles=1,
-                    num_blocks=1, grid=1, k_tiles=1, inbox_bytes=0, flags=1, push_grid=0, sms_needed=2)
+                    num_blocks=1, grid=1, k_tiles=1, inbox_bytes=0, push_grid=0, sms_needed=2)
 
 
 @pytest.fixture

@@ -50,7 +50,6 @@ class AgPlan:
     grid: int  # GEMM CTAs
     k_tiles: int
     inbox_bytes: int  # the W gathered shards
-    flags: int  # flag words per source rank
     push_grid: int  # CTAs of the SM push (0: the copy engines push)
     sms_needed: int  # SMs the GEMM and the push (or the chunk releases) hold at once
 

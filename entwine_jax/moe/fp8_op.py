@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from entwine_jax import callsite, fp8, opspec
+from entwine_jax import callsite, comm, fp8, opspec
 from entwine_jax._dot import FP8_EXACT
 from entwine_jax.moe import fused, op, reference
 from entwine_jax.moe.config import MoeConfig
@@ -46,7 +46,7 @@ def source_scales(x_scale, plan: op.Plan, shared: bool, name: str):
         return jnp.broadcast_to(x_scale.astype(F32), (world,))
     send = jnp.broadcast_to(x_scale.astype(F32), (plan.num_experts, _SCALE_WORDS))
     # Typed as varying over the axis: a scale the types cannot tell apart moves as each rank's own.
-    send = callsite.make_varying(send, callsite.axis_names(plan.axis_name))
+    send = callsite.make_varying(send, comm.axis_tuple(plan.axis_name))
     got = op.to_experts(send, plan, name)  # [E_local, W * 4], every local expert the same
     return got[0].reshape(world, _SCALE_WORDS)[:, 0]
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Optional
 import jax
 import jax.numpy as jnp
 
-from entwine_jax import _log, callsite, fp8, opspec
+from entwine_jax import _log, callsite, comm, fp8, opspec
 from entwine_jax.moe import fused, reference
 from entwine_jax.moe.config import MoeConfig
 from entwine_jax.moe.reference import COMBINE, DISPATCH, F32, TILE, MoeHandle, round_up
@@ -307,7 +307,7 @@ def received_rows(handle: MoeHandle, plan: Plan):
         return counts[:, None]
     send = jnp.broadcast_to(counts[:, None], (plan.num_experts, _ROW_WORDS))
     # Typed as varying over the axis: every rank's own counts.
-    send = callsite.make_varying(send, callsite.axis_names(plan.axis_name))
+    send = callsite.make_varying(send, comm.axis_tuple(plan.axis_name))
     got = to_experts(send, plan, DISPATCH)  # [E_local, W * _ROW_WORDS]
     return got.reshape(plan.e_local, plan.axis_size, _ROW_WORDS)[..., 0]
 

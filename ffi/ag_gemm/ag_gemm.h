@@ -10,6 +10,7 @@
 
 #include "comm/config.h"
 #include "comm/protocol.h"
+#include "comm/transfer.h"
 #include "gemm/gemm.h"
 
 namespace entwine {
@@ -119,17 +120,6 @@ struct AgGemmArgs {
   void* y_more[kMaxWeights - 1] = {};
 };
 
-// The wait that opens a transfer stream (transfer.cu): no byte goes to the receiver before its GEMM
-// has announced the call in this rank's ready word.
-struct TransferArgs {
-  const uint64_t* ready;       // ready[peer] in this rank's heap
-  int rank, peer;              // peer = (rank + d) % W, the receiver of this stream's pushes
-  DeviceError* error;
-  DeviceError* error_mirror;
-  CallEpoch call;
-  uint64_t timeout_ns;
-};
-
 // The SM push (push_sms > 0): one kernel copies the local shard into every peer's inbox with 16-byte
 // stores and releases each chunk itself, so a call enqueues one launch instead of a copy and a
 // release kernel per chunk and peer (whose enqueueing bounds a small push on the copy engines). It
@@ -160,16 +150,13 @@ constexpr int32_t kAgGemmWaitSiteBase = 2 * kWaitSitesPerOp;
 constexpr int32_t kWaitGatherChunk = kAgGemmWaitSiteBase + 0;  // the GEMM: a chunk of rows of a peer's shard
 constexpr int32_t kWaitInboxReady = kAgGemmWaitSiteBase + 1;   // a transfer: the receiver has not started the call
 
-// The transfer kernels (transfer.cu). The receiver wait opens each transfer stream. The release
-// follows each chunk's copy: once `stream`'s earlier work is complete, it fences system-wide and
-// stores the call's epoch into `flag` (of parity 0; the kernel adds the parity). Both must find an
-// SM while the GEMM runs: its persistent grid leaves at least one SM free (config.gemm_sms).
-cudaError_t launch_wait_receiver(const TransferArgs& args, cudaStream_t stream);
-cudaError_t launch_release(uint64_t* flag, const CallEpoch& call, cudaStream_t stream);
-// The SM push of a plan with push_grid > 0: its CTAs, in one group per peer (or several peers per
-// group when the grid is smaller), wait for their receivers' announcements, copy chunk by chunk and
-// the last CTA of a group done with a chunk of a peer releases it. Its grid must find SMs beside the
-// GEMM's (plan.sms_needed).
+// The copy engines' transfers open each stream with comm::launch_wait_receiver (site
+// kWaitInboxReady) and release each chunk with comm::launch_release (comm/transfer.h); the GEMM's
+// persistent grid leaves an SM for them (config.gemm_sms). The SM push of a plan with push_grid > 0:
+// its CTAs, in one group per peer (or several peers per group when the grid is smaller), wait for
+// their receivers' announcements, copy chunk by chunk and the last CTA of a group done with a chunk
+// of a peer releases it. Its grid must find SMs beside the GEMM's (plan.sms_needed). prepare_transfer_kernels
+// loads the push's module and comm's transfer kernels.
 cudaError_t launch_push(const AgPlan& plan, const PushArgs& args, cudaStream_t stream);
 cudaError_t prepare_transfer_kernels();
 
@@ -185,7 +172,7 @@ extern const comm::OpHooks kHooks;
 // The GEMM that consumes the gathered operand as it arrives (its TMA warp waits on each chunk's
 // flag; ag_gemm/gemm_schedule.cuh), dispatched to the instantiation of (input, output,
 // plan.config.block_n) by code generated from the kernel table (cmake/gemm_kernels.cmake). The
-// transfers are the handler's (copy engines, no SMs).
+// transfers are the handler's (the copy engines, or the SM push: launch_push).
 using GemmPlan = AgPlan;
 using GemmArgs = AgGemmArgs;
 cudaError_t launch_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);

@@ -251,8 +251,6 @@ struct GemmSchedule {
         }
       }
     }
-    p.world = pr.world;
-    p.rank = pr.rank;
     // The store warp writes block (source, tile row, column) to y at row source * part_row_step + ...
     p.part_row_step = pr.gather_k ? 0 : pr.rows;
     p.part_col_step = 0;

@@ -325,15 +325,16 @@ ffi::Error enqueue_copy_engine_pushes(comm::DeviceComm& dc, AgPlan const& plan, 
     cudaStream_t const stream = dc.side[d - 1];
     ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(stream, dc.start, 0));
     char* const peer_heap = static_cast<char*>(dc.peer_heap[peer]);
-    TransferArgs receiver{};
+    comm::ReceiverWait receiver{};
     receiver.ready = own_ready + peer;
     receiver.rank = rank;
-    receiver.peer = peer;
+    receiver.dest = peer;
+    receiver.site = kWaitInboxReady;
     receiver.error = dc.error_local;
     receiver.error_mirror = dc.error_device;
     receiver.call = epoch;
     receiver.timeout_ns = timeout_ns;
-    ENTWINE_RETURN_IF_CUDA(kOp, launch_wait_receiver(receiver, stream));
+    ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_wait_receiver(receiver, stream));
     char* const peer_inbox = peer_heap + inbox_offset;
     uint64_t* const peer_flags = reinterpret_cast<uint64_t*>(peer_heap + dc.layout.flags_offset());
     if (is_fp8(ops.input) && plan.scale_k_blocks > 0) {
@@ -351,7 +352,7 @@ ffi::Error enqueue_copy_engine_pushes(comm::DeviceComm& dc, AgPlan const& plan, 
     for (int c = 0; c < plan.chunks; ++c) {
       ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(peer_inbox + rank * plan.shard_bytes + c * chunk_bytes,
                                                   shard + c * chunk_bytes, chunk_bytes, cudaMemcpyDeviceToDevice, stream));
-      ENTWINE_RETURN_IF_CUDA(kOp, launch_release(peer_flags + rank * plan.chunks + c, epoch, stream));
+      ENTWINE_RETURN_IF_CUDA(kOp, comm::launch_release(peer_flags + rank * plan.chunks + c, epoch, stream));
     }
     ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc.side_done[d - 1], stream));
   }
@@ -459,39 +460,12 @@ ffi::Error RunAgGemm(cudaStream_t xla_stream, int32_t device, Operands const& op
   AgPlan const& plan = derived->plan;
 
   timer.lap(comm::kPhaseChecks);
-  bool const sm_push = plan.push_grid > 0 && dc->world > 1;
-  // The SM push and the GEMM both on XLA's stream, the GEMM as the push's programmatic dependent: its
-  // CTAs start once the push's are resident, and its grid completes only after the push's
-  // (gemm_kernel.cuh). No fork or join. ENTWINE_PROFILE=1 forks the push instead, so that events
-  // time the GEMM window alone (comm::last_call_ms).
-  bool const chained = sm_push && !comm::profiling();
-  if (!chained) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
-  timer.lap(comm::kPhaseFork);
-  // The side streams to join: side stream 0 alone for a forked SM push, one per peer for the copy engines.
-  int const side_streams = chained ? 0 : sm_push ? 1 : dc->world - 1;
-  if (chained) {
-    if (ffi::Error e = enqueue_sm_push(*dc, plan, ops, epoch_args, xla_stream); e.failure()) return e;
-    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
-  } else {
-    // Forked pushes: the GEMM first, on XLA's stream (no fork to join): its local shard needs nothing
-    // from a peer, so it starts while the host still enqueues the pushes.
-    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
-    if (sm_push) {
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->side[0], dc->start, 0));
-      if (ffi::Error e = enqueue_sm_push(*dc, plan, ops, epoch_args, dc->side[0]); e.failure()) return e;
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->side_done[0], dc->side[0]));
-    } else if (ffi::Error e = enqueue_copy_engine_pushes(*dc, plan, ops, epoch_args); e.failure()) {
-      return e;
-    }
-  }
-  if (ffi::Error e = copy_gathered(*dc, plan, ops, *gathered, xla_stream); e.failure()) return e;
-  // The GEMM window, for ENTWINE_PROFILE=1 (comm::last_call_ms).
-  if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
-  timer.lap(comm::kPhaseLaunch);
-  for (int d = 1; d <= side_streams; ++d) {
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->side_done[d - 1], 0));
-  }
-  timer.lap(comm::kPhaseJoin);
+  ffi::Error const pushed = handler::run_pushes_and_gemm(
+      kOp, *dc, plan.push_grid > 0 && dc->world > 1, derived->gemm, xla_stream, timer,
+      [&](cudaStream_t stream) { return enqueue_sm_push(*dc, plan, ops, epoch_args, stream); },
+      [&] { return enqueue_copy_engine_pushes(*dc, plan, ops, epoch_args); },
+      [&] { return copy_gathered(*dc, plan, ops, *gathered, xla_stream); });
+  if (pushed.failure()) return pushed;
   // The next call's epoch, once this whole call is done (outputs poisoned if the call failed anywhere).
   comm::CallEnd end = handler::call_end(*dc, epoch_args);
   end.add_output(y->untyped_data(), int64_t(y->size_bytes()));

@@ -1,41 +1,16 @@
-// The kernels of ag_gemm's transfers; each reads the call's epoch from the device, so a CUDA graph
-// can replay it (docs/design.md, "Graph safety").
-// Copy engines (config.push_sms = 0), two one-warp kernels per transfer stream:
-//  - The receiver wait opens a transfer stream: it announces this rank's call, then waits, bounded,
-//    until the receiver has announced it (so the receiver has finished reading its inbox in every
-//    earlier call). Every kernel that starts a call announces it before it waits (the GEMM too), so
-//    an announcement never waits behind another rank's.
-//  - The release follows each chunk's copy (so runs after the copy engine completed its writes): one
-//    system fence, then the epoch into the receiver's flag (docs/design.md, "Memory ordering"). A
-//    stream memory operation (cuStreamWriteValue64) in its place let the receiving GEMM observe the
-//    flag before the chunk's data (two processes sharing one H200): the release is an SM sequence.
-// SMs (config.push_sms > 0): one kernel waits, copies and releases everything (push_shard).
+// The SM push of ag_gemm's transfers (config.push_sms > 0): one kernel waits, copies and releases
+// everything (push_shard); it reads the call's epoch from the device, so a CUDA graph can replay it
+// (docs/design.md, "Graph safety"). On the copy engines (push_sms = 0) the handler enqueues each
+// transfer stream's receiver wait, then each chunk's copy and release (comm/transfer.h). Every kernel
+// that starts a call announces it before it waits (the GEMM too), so an announcement never waits
+// behind another rank's.
 #include "ag_gemm/ag_gemm.h"
-#include "comm/flag.cuh"
 #include "comm/ptx.cuh"
 #include "comm/push.cuh"
 #include "comm/wait.cuh"
 
 namespace entwine {
 namespace {
-
-__global__ void __launch_bounds__(32) wait_receiver(TransferArgs a) {
-  // Announce this rank's call before waiting for the receiver's: a rank's announcement never waits
-  // behind its GEMM's start, which needs SMs that waiting kernels may hold.
-  if (threadIdx.x == 0) wait::announce(a.call);
-  __syncwarp();
-  uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
-  wait::wait_flag_warp(a.ready, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, a.peer, 0,
-                       kWaitInboxReady);
-}
-
-__global__ void __launch_bounds__(32) release_chunk(uint64_t* flag, CallEpoch call) {
-  if (threadIdx.x == 0) {
-    uint64_t const epoch = ptx::load_relaxed_sys(call.epoch);
-    ptx::fence_acq_rel_sys();
-    flag::store(flag, call, epoch);
-  }
-}
 
 // The CTAs form min(W-1, grid) groups, group g serving the peers rank + d with (d - 1) % groups == g,
 // so that every link carries a push from the start. A group's CTAs copy their shares of each (chunk,
@@ -103,16 +78,6 @@ __global__ void __launch_bounds__(kPushThreads) push_shard(PushArgs a) {
 
 }  // namespace
 
-cudaError_t launch_wait_receiver(const TransferArgs& args, cudaStream_t stream) {
-  wait_receiver<<<1, 32, 0, stream>>>(args);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_release(uint64_t* flag, const CallEpoch& call, cudaStream_t stream) {
-  release_chunk<<<1, 32, 0, stream>>>(flag, call);
-  return cudaGetLastError();
-}
-
 cudaError_t launch_push(const AgPlan& plan, const PushArgs& args, cudaStream_t stream) {
   push_shard<<<plan.push_grid, kPushThreads, 0, stream>>>(args);
   return cudaGetLastError();
@@ -120,8 +85,7 @@ cudaError_t launch_push(const AgPlan& plan, const PushArgs& args, cudaStream_t s
 
 cudaError_t prepare_transfer_kernels() {
   cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, wait_receiver);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, release_chunk);
+  cudaError_t err = comm::prepare_transfer_kernels();
   return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, push_shard);
 }
 

@@ -9,7 +9,7 @@
 #define ENTWINE_CONFIG_MEMBER(type, name, value) type name = value;
 
 // Appends "name=value" to std::string `out_`, reading the member from `config_` (see
-// entwine::config_string).
+// ENTWINE_CONFIG_STRING).
 #define ENTWINE_CONFIG_APPEND(type, name, value) \
   out_ += std::string(out_.size() > 1 ? ", " : "") + #name "=" + std::to_string(config_.name);
 

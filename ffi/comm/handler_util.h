@@ -268,6 +268,48 @@ struct HostTimer {
   }
 };
 
+// The pushes and the GEMM that consumes them as they land (an op whose GEMM waits), from the end of
+// the call's checks to the join of its side streams. An SM push (sm_push) and the GEMM are chained on
+// XLA's stream, the GEMM as the push's programmatic dependent: its CTAs start once the push's are
+// resident, and its grid completes only after the push's (gemm_kernel.cuh); no fork or join.
+// ENTWINE_PROFILE=1 forks the push instead, so that events time the GEMM window alone
+// (comm::last_call_ms). Otherwise the GEMM goes first on XLA's stream (its local operand needs nothing
+// from a peer, so it starts while the host still enqueues the pushes), then the pushes on side
+// streams: push_on(stream) enqueues the SM push (side stream 0), copy_engine_pushes() the copy
+// engines' (one side stream per peer). after_gemm(): XLA's stream's work between the GEMM and the join.
+template <class Gemm, class PushOn, class CopyEnginePushes, class AfterGemm>
+ffi::Error run_pushes_and_gemm(const char* op, comm::DeviceComm& dc, bool sm_push, Gemm const& gemm,
+                               cudaStream_t xla_stream, HostTimer& timer, PushOn const& push_on,
+                               CopyEnginePushes const& copy_engine_pushes, AfterGemm const& after_gemm) {
+  bool const chained = sm_push && !comm::profiling();
+  if (!chained) ENTWINE_RETURN_IF_CUDA(op, cudaEventRecord(dc.start, xla_stream));
+  timer.lap(comm::kPhaseFork);
+  // The side streams to join: side stream 0 alone for a forked SM push, one per peer for the copy engines.
+  int const side_streams = chained ? 0 : sm_push ? 1 : dc.world - 1;
+  if (chained) {
+    if (ffi::Error e = push_on(xla_stream); e.failure()) return e;
+    ENTWINE_RETURN_IF_CUDA(op, gemm.enqueue(xla_stream, /*dependent=*/true));
+  } else {
+    ENTWINE_RETURN_IF_CUDA(op, gemm.enqueue(xla_stream));
+    if (sm_push) {
+      ENTWINE_RETURN_IF_CUDA(op, cudaStreamWaitEvent(dc.side[0], dc.start, 0));
+      if (ffi::Error e = push_on(dc.side[0]); e.failure()) return e;
+      ENTWINE_RETURN_IF_CUDA(op, cudaEventRecord(dc.side_done[0], dc.side[0]));
+    } else if (ffi::Error e = copy_engine_pushes(); e.failure()) {
+      return e;
+    }
+  }
+  if (ffi::Error e = after_gemm(); e.failure()) return e;
+  // The GEMM window, for ENTWINE_PROFILE=1 (comm::last_call_ms).
+  if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(op, cudaEventRecord(dc.producer_done, xla_stream));
+  timer.lap(comm::kPhaseLaunch);
+  for (int d = 1; d <= side_streams; ++d) {
+    ENTWINE_RETURN_IF_CUDA(op, cudaStreamWaitEvent(xla_stream, dc.side_done[d - 1], 0));
+  }
+  timer.lap(comm::kPhaseJoin);
+  return ffi::Error::Success();
+}
+
 // Restores the caller's current device: XLA's thread may rely on it after we return. Usually XLA's
 // thread is on the call's device already, and nothing is set either way.
 struct DeviceGuard {

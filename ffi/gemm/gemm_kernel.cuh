@@ -156,7 +156,7 @@ struct GemmKernel {
   struct Params {
     typename CollectiveMainloop::Params mainloop;        // A: x (gemm_rs) or the gathered inbox (ag_gemm)
     typename CollectiveMainloop::Params mainloop_local;  // A: the local shard (ag_gemm; unused by gemm_rs)
-    int m, n, k, l, m_local, world, rank;
+    int m, n, k, l, m_local;
     int l_local;                  // batches of the local operand (0 or 1: one; a batched local A)
     int64_t part_row_step;        // block (owner q, ...) is stored at row q * part_row_step ...
     int64_t part_col_step;        // ... and column q * part_col_step of the output

@@ -128,8 +128,6 @@ struct GemmSchedule {
     p.m = shape.m;
     p.n = shape.n;
     p.k = shape.k;
-    p.world = shape.world;
-    p.rank = shape.rank;
     p.part_row_step = shape.part_row0(1);
     p.part_col_step = shape.part_col0(1);
     p.order = plan.order;

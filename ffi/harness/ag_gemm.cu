@@ -194,7 +194,7 @@ int ag_push_main() {
       for (int k = 0; k < wd.plan.chunks; ++k) {
         CHECK_CUDA(cudaMemcpyAsync(wd.ranks[1].inbox + k * chunk_bytes, reinterpret_cast<char*>(wd.ranks[0].x) + k * chunk_bytes,
                                    chunk_bytes, cudaMemcpyDeviceToDevice, s));
-        CHECK_CUDA(launch_release(wd.ranks[1].flags + k, wd.call_epoch(), s));
+        CHECK_CUDA(comm::launch_release(wd.ranks[1].flags + k, wd.call_epoch(), s));
       }
     });
     std::vector<AgPlan> plans;

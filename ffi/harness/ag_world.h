@@ -184,8 +184,8 @@ struct AgWorld {
       }
       for (int d = 1; d < c.world; ++d) {
         int const q = (r + d) % c.world;
-        TransferArgs const receiver{ranks[r].ready + q, r, q, error, nullptr, call_epoch(), timeout_ns};
-        CHECK_CUDA(launch_wait_receiver(receiver, ranks[r].transfer[d]));
+        comm::ReceiverWait const receiver{ranks[r].ready + q, r, q, kWaitInboxReady, error, nullptr, call_epoch(), timeout_ns};
+        CHECK_CUDA(comm::launch_wait_receiver(receiver, ranks[r].transfer[d]));
         if (c.fp8 && c.block_scaled) {
           // The shard's [k_blocks, rows] scales into columns r*rows .. of q's [k_blocks, W * rows].
           size_t const row_bytes = size_t(plan.rows_pad) * sizeof(float);
@@ -200,7 +200,7 @@ struct AgWorld {
           CHECK_CUDA(cudaMemcpyAsync(ranks[q].inbox + r * plan.shard_bytes + k * chunk_bytes,
                                      reinterpret_cast<char*>(ranks[r].x) + k * chunk_bytes, chunk_bytes,
                                      cudaMemcpyDeviceToDevice, ranks[r].transfer[d]));
-          CHECK_CUDA(launch_release(ranks[q].flags + r * plan.chunks + k, call_epoch(), ranks[r].transfer[d]));
+          CHECK_CUDA(comm::launch_release(ranks[q].flags + r * plan.chunks + k, call_epoch(), ranks[r].transfer[d]));
         }
       }
     }

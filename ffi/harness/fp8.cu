@@ -312,7 +312,7 @@ int fp8_bench_main() {
           CHECK_CUDA(cudaMemcpyAsync(wd.ranks[1].inbox + k * chunk_bytes,
                                      reinterpret_cast<char*>(wd.ranks[0].x) + k * chunk_bytes, chunk_bytes,
                                      cudaMemcpyDeviceToDevice, s));
-          CHECK_CUDA(launch_release(wd.ranks[1].flags + k, wd.call_epoch(), s));
+          CHECK_CUDA(comm::launch_release(wd.ranks[1].flags + k, wd.call_epoch(), s));
         }
       };
       push_ms[fp8] = median_ms(push, s, 5, 30);

@@ -177,8 +177,6 @@ struct GemmSchedule {
                                          static_cast<ElementB const*>(args.w), Kernel::kFp8 ? pr.k : pr.n,
                                          int64_t(pr.k) * pr.n);
     p.mainloop_local = p.mainloop;
-    p.world = pr.world;
-    p.rank = pr.rank;
     p.part_row_step = 0;
     p.part_col_step = 0;
     p.order = plan.order;

@@ -155,8 +155,6 @@ struct GemmSchedule {
                                          int64_t(pr.k) * pr.n);
     p.mainloop_local = Kernel::mainloop_params(p.m_local, p.n, p.k, p.l_local, local, seg, w, ldb,
                                                int64_t(pr.k) * pr.n);
-    p.world = pr.world;
-    p.rank = pr.rank;
     // The store warp writes block (owner = e * world + s, tile, column) at y row owner * C + tile * 128.
     p.part_row_step = pr.capacity;
     p.part_col_step = 0;

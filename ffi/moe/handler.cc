@@ -378,33 +378,12 @@ ffi::Error RunMoeDispatch(cudaStream_t xla_stream, int32_t device, Operands cons
   MoePlan const& plan = derived->plan;
 
   timer.lap(comm::kPhaseChecks);
-  bool const sm_push = plan.push_grid > 0 && dc->world > 1;
-  // As ag_gemm: the SM push and the GEMM chained on XLA's stream (the GEMM its programmatic
-  // dependent), unless ENTWINE_PROFILE=1 forks the push so that events time the GEMM alone.
-  bool const chained = sm_push && !comm::profiling();
-  if (!chained) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->start, xla_stream));
-  timer.lap(comm::kPhaseFork);
-  int const side_streams = chained ? 0 : sm_push ? 1 : dc->world - 1;
-  if (chained) {
-    if (ffi::Error e = enqueue_sm_push(*dc, plan, args.x_send, epoch_args, xla_stream); e.failure()) return e;
-    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream, /*dependent=*/true));
-  } else {
-    ENTWINE_RETURN_IF_CUDA(kOp, derived->gemm.enqueue(xla_stream));
-    if (sm_push) {
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(dc->side[0], dc->start, 0));
-      if (ffi::Error e = enqueue_sm_push(*dc, plan, args.x_send, epoch_args, dc->side[0]); e.failure()) return e;
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->side_done[0], dc->side[0]));
-    } else if (ffi::Error e = enqueue_copy_engine_pushes(*dc, plan, args.x_send, epoch_args); e.failure()) {
-      return e;
-    }
-  }
-  if (ffi::Error e = copy_pool(*dc, plan, args.x_send, *pool, xla_stream); e.failure()) return e;
-  if (comm::profiling()) ENTWINE_RETURN_IF_CUDA(kOp, cudaEventRecord(dc->producer_done, xla_stream));
-  timer.lap(comm::kPhaseLaunch);
-  for (int d = 1; d <= side_streams; ++d) {
-    ENTWINE_RETURN_IF_CUDA(kOp, cudaStreamWaitEvent(xla_stream, dc->side_done[d - 1], 0));
-  }
-  timer.lap(comm::kPhaseJoin);
+  ffi::Error const pushed = handler::run_pushes_and_gemm(
+      kOp, *dc, plan.push_grid > 0 && dc->world > 1, derived->gemm, xla_stream, timer,
+      [&](cudaStream_t stream) { return enqueue_sm_push(*dc, plan, args.x_send, epoch_args, stream); },
+      [&] { return enqueue_copy_engine_pushes(*dc, plan, args.x_send, epoch_args); },
+      [&] { return copy_pool(*dc, plan, args.x_send, *pool, xla_stream); });
+  if (pushed.failure()) return pushed;
   // The next call's epoch, once this whole call is done (outputs poisoned if it failed anywhere).
   comm::CallEnd end = handler::call_end(*dc, epoch_args);
   end.add_output(y->untyped_data(), int64_t(y->size_bytes()));

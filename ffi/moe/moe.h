@@ -119,7 +119,7 @@ struct MoePlan {
   int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or one for the releases)
   TileOrder order;        // the blocks of one segment, in production order
   WorkSchedule schedule;  // the GEMM's blocks, grid and k-tiles (no split tail)
-  Scaling scaling = Scaling::kTensor;  // picks the GEMM instantiation (16-bit only for now)
+  Scaling scaling = Scaling::kTensor;  // picks the GEMM instantiation (per tensor only)
 };
 MoePlan moe_plan(const MoeProblem& problem, const MoeConfig& config);
 // The plan of moe_transfer, the segments' all-to-all alone (no GEMM): the moves of the MoE ops

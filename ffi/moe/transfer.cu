@@ -1,39 +1,16 @@
 // moe_dispatch_gemm's transfers; every kernel reads the call's epoch from the device, so a CUDA
 // graph can replay it (docs/design.md, "Graph safety"). Copy engines (config.push_sms = 0): one
-// source's segments for one destination, each copied into the destination's inbox and released by
-// a one-warp kernel. SMs (push_sms > 0): one kernel copies and releases every segment (push_segments).
-// The release is an SM sequence (system fence, then the stamp), not a stream memory operation, for
-// the reason ag_gemm's transfers give (a stream write could be seen before the copy's data).
-#include "comm/flag.cuh"
+// source's segments for one destination, each copied into the destination's inbox between comm's
+// receiver wait and one release per segment (comm/transfer.h). SMs (push_sms > 0): one kernel
+// copies and releases every segment (push_segments).
 #include "comm/ptx.cuh"
 #include "comm/push.cuh"
+#include "comm/transfer.h"
 #include "comm/wait.cuh"
 #include "moe/moe.h"
 
 namespace entwine {
 namespace {
-
-// Opens a transfer: announces this rank's call first (its own GEMM may not have started: it needs
-// SMs that waiting kernels could hold, and a receiver waits for this announcement), then waits,
-// bounded, until the destination has announced the call: it has finished reading its inbox in
-// every earlier call.
-__global__ void __launch_bounds__(32) wait_receiver(MoeTransferArgs a) {
-  if (threadIdx.x == 0) wait::announce(a.call);
-  __syncwarp();
-  uint64_t const epoch = ptx::load_relaxed_sys(a.call.epoch);
-  wait::wait_flag_warp(a.ready, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, a.dest, 0,
-                       kMoeWaitInboxReady);
-}
-
-// After the stream's copy of one segment completed: one system fence, then the stamp into the
-// destination's flag (docs/design.md, "Memory ordering").
-__global__ void __launch_bounds__(32) release_segment(uint64_t* flag, CallEpoch call) {
-  if (threadIdx.x == 0) {
-    uint64_t const epoch = ptx::load_relaxed_sys(call.epoch);
-    ptx::fence_acq_rel_sys();
-    flag::store(flag, call, epoch);
-  }
-}
 
 // moe_transfer's receiver: announce (the peers' transfers into this rank's inbox wait for it), then
 // every (source, expert) segment of the peers, warp by warp; a failed wait records the source and
@@ -109,17 +86,15 @@ cudaError_t launch_push(const MoePlan& plan, const MoePushArgs& args, cudaStream
 // inbox whose owner is past this call or failing, and the flags they release carry this call's
 // stamp, which only this call reads; every output of a failed call is poisoned.
 cudaError_t launch_push_copy(const MoePlan& plan, const MoeTransferArgs& a, cudaStream_t stream) {
-  wait_receiver<<<1, 32, 0, stream>>>(a);
-  cudaError_t err = cudaGetLastError();
+  comm::ReceiverWait const receiver{a.ready, a.rank, a.dest, kMoeWaitInboxReady, a.error, a.error_mirror, a.call,
+                                    a.timeout_ns};
+  cudaError_t err = comm::launch_wait_receiver(receiver, stream);
   int const e_local = plan.e_local, world = plan.shape.world;
   for (int e = 0; e < e_local && err == cudaSuccess; ++e) {
     char const* from = static_cast<char const*>(a.x_send) + (int64_t(a.dest) * e_local + e) * plan.slice_bytes;
     char* to = a.inbox + (int64_t(e) * world + a.rank) * plan.slice_bytes;
     err = cudaMemcpyAsync(to, from, plan.slice_bytes, cudaMemcpyDeviceToDevice, stream);
-    if (err == cudaSuccess) {
-      release_segment<<<1, 32, 0, stream>>>(a.flags + int64_t(a.rank) * e_local + e, a.call);
-      err = cudaGetLastError();
-    }
+    if (err == cudaSuccess) err = comm::launch_release(a.flags + int64_t(a.rank) * e_local + e, a.call, stream);
   }
   return err;
 }
@@ -131,9 +106,8 @@ cudaError_t launch_wait_segments(const MoeWaitArgs& args, cudaStream_t stream) {
 
 cudaError_t prepare_transfer_kernels() {
   cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, wait_receiver);
+  cudaError_t err = comm::prepare_transfer_kernels();
   if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, wait_segments);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, release_segment);
   return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, push_segments);
 }
 
