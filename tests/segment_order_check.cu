@@ -70,9 +70,10 @@ void check(std::vector<int> const& owners, std::vector<int32_t> const& received,
   for (int p = 0; p < blocks; ++p) {
     bool const lead = at[p].tile_m < entwine::lead_tiles(rows, at[p].owner, seg_tiles);
     if (lead != (p < lead_blocks)) fail("lead blocks not first", segments, seg_tiles, n_blocks, p);
-    if (!lead && !entwine::past_received(rows, at[p])) fail("a block with rows after the leads", segments, seg_tiles, n_blocks, p);
+    bool const past = entwine::past_received(rows, at[p]);
+    if (!lead && !past) fail("a block with rows after the leads", segments, seg_tiles, n_blocks, p);
     bool const has_rows = rows == nullptr || at[p].tile_m * kBlockM < rows[at[p].owner];
-    if (has_rows == entwine::past_received(rows, at[p])) fail("past_received disagrees", segments, seg_tiles, n_blocks, p);
+    if (has_rows == past) fail("past_received disagrees", segments, seg_tiles, n_blocks, p);
   }
 
   // Full segments: the segment order, each segment in the plan's raster.

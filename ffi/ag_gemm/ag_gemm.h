@@ -155,8 +155,8 @@ constexpr int32_t kWaitInboxReady = kAgGemmWaitSiteBase + 1;   // a transfer: th
 // persistent grid leaves an SM for them (config.gemm_sms). The SM push of a plan with push_grid > 0:
 // its CTAs, in one group per peer (or several peers per group when the grid is smaller), wait for
 // their receivers' announcements, copy chunk by chunk and the last CTA of a group done with a chunk
-// of a peer releases it. Its grid must find SMs beside the GEMM's (plan.sms_needed). prepare_transfer_kernels
-// loads the push's module and comm's transfer kernels.
+// of a peer releases it. Its grid must find SMs beside the GEMM's (plan.sms_needed).
+// prepare_transfer_kernels loads the push's module and comm's transfer kernels.
 cudaError_t launch_push(const AgPlan& plan, const PushArgs& args, cudaStream_t stream);
 cudaError_t prepare_transfer_kernels();
 

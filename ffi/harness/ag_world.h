@@ -184,7 +184,8 @@ struct AgWorld {
       }
       for (int d = 1; d < c.world; ++d) {
         int const q = (r + d) % c.world;
-        comm::ReceiverWait const receiver{ranks[r].ready + q, r, q, kWaitInboxReady, error, nullptr, call_epoch(), timeout_ns};
+        comm::ReceiverWait const receiver{ranks[r].ready + q, r, q, kWaitInboxReady, error, nullptr, call_epoch(),
+                                          timeout_ns};
         CHECK_CUDA(comm::launch_wait_receiver(receiver, ranks[r].transfer[d]));
         if (c.fp8 && c.block_scaled) {
           // The shard's [k_blocks, rows] scales into columns r*rows .. of q's [k_blocks, W * rows].
