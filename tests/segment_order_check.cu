@@ -18,10 +18,11 @@ using entwine::TileOrder;
 int failures = 0;
 
 // The schedule's segment order as segment_block asks it (a host and device callable, as the
-// kernels' own).
+// kernels' own): group g's j-th segment is owners[g * per_group + j].
 struct OwnerAt {
   const int* owners;
-  __host__ __device__ int operator()(int i) const { return owners[i]; }
+  int per_group;
+  __host__ __device__ int operator()(int g, int j) const { return owners[g * per_group + j]; }
 };
 
 void fail(const char* what, int segments, int seg_tiles, int n_blocks, int p) {
@@ -30,22 +31,24 @@ void fail(const char* what, int segments, int seg_tiles, int n_blocks, int p) {
   }
 }
 
-// One problem: `owners` is the schedule's segment order (a permutation of 0 .. segments), received
-// the rows per owner (empty: every segment full), raster the plan's raster rows, grid the CTAs.
-void check(std::vector<int> const& owners, std::vector<int32_t> const& received, int seg_tiles, int n_blocks,
-           int raster, int grid) {
-  int const segments = int(owners.size());
+// One problem: `owners` is the schedule's segment order (a permutation of 0 .. segments) in groups
+// of per_group, received the rows per owner (empty: every segment full), raster the plan's raster
+// rows (clamped to a group's tile rows, as the plan does), grid the CTAs.
+void check(std::vector<int> const& owners, int per_group, std::vector<int32_t> const& received, int seg_tiles,
+           int n_blocks, int raster, int grid) {
+  int const segments = int(owners.size()), groups = segments / per_group;
   int const blocks = segments * seg_tiles * n_blocks;
   const int32_t* rows = received.empty() ? nullptr : received.data();
-  TileOrder const order{seg_tiles, n_blocks, raster < seg_tiles ? raster : seg_tiles};
-  OwnerAt const owner_at{owners.data()};
+  int const group_tiles = per_group * seg_tiles;
+  TileOrder const order{group_tiles, n_blocks, raster < group_tiles ? raster : group_tiles};
+  OwnerAt const owner_at{owners.data(), per_group};
 
   // Every position from a fresh cursor; every block exactly once.
   std::vector<BlockCoord> at(blocks);
   std::vector<int> seen(blocks, 0);
   for (int p = 0; p < blocks; ++p) {
     SegmentCursor fresh;
-    BlockCoord const c = entwine::segment_block(p, fresh, segments, owner_at, rows, seg_tiles, order);
+    BlockCoord const c = entwine::segment_block(p, fresh, groups, per_group, owner_at, rows, seg_tiles, order);
     at[p] = c;
     if (c.owner < 0 || c.owner >= segments || c.tile_m < 0 || c.tile_m >= seg_tiles || c.n_block < 0 ||
         c.n_block >= n_blocks) {
@@ -76,15 +79,38 @@ void check(std::vector<int> const& owners, std::vector<int32_t> const& received,
     if (has_rows == past) fail("past_received disagrees", segments, seg_tiles, n_blocks, p);
   }
 
-  // Full segments: the segment order, each segment in the plan's raster.
+  // Full segments: the group order, each group's segments stacked in order and run in the plan's
+  // raster over the stack.
   if (rows == nullptr) {
     for (int p = 0; p < blocks; ++p) {
-      int const per_seg = seg_tiles * n_blocks;
-      BlockCoord want{owners[p / per_seg], 0, 0};
-      order.block(p % per_seg, want.tile_m, want.n_block);
+      int const per_group_blocks = group_tiles * n_blocks;
+      int tile = 0, n_block = 0;
+      order.block(p % per_group_blocks, tile, n_block);
+      BlockCoord const want{owners[p / per_group_blocks * per_group + tile / seg_tiles], tile % seg_tiles, n_block};
       if (want.owner != at[p].owner || want.tile_m != at[p].tile_m || want.n_block != at[p].n_block) {
-        fail("full segments out of segment order", segments, seg_tiles, n_blocks, p);
+        fail("full segments out of group order", segments, seg_tiles, n_blocks, p);
       }
+    }
+  }
+
+  // In either pass a group's blocks are consecutive positions, and a group's segments keep their
+  // order inside a stack: within one block column, a segment's tile rows come after those of the
+  // segments before it in the group, in increasing tile row.
+  std::vector<int> group_of(segments), index_in_group(segments);
+  for (int i = 0; i < segments; ++i) {
+    group_of[owners[i]] = i / per_group;
+    index_in_group[owners[i]] = i % per_group;
+  }
+  for (int p = 1; p < blocks; ++p) {
+    BlockCoord const a = at[p - 1], b = at[p];
+    bool const a_lead = p - 1 < lead_blocks, b_lead = p < lead_blocks;
+    if (a_lead == b_lead && group_of[b.owner] < group_of[a.owner]) {
+      fail("a group's blocks not consecutive", segments, seg_tiles, n_blocks, p);
+    }
+    if (a_lead == b_lead && group_of[a.owner] == group_of[b.owner] && a.n_block == b.n_block &&
+        (index_in_group[b.owner] < index_in_group[a.owner] ||
+         (a.owner == b.owner && b.tile_m <= a.tile_m))) {
+      fail("a stack out of segment order", segments, seg_tiles, n_blocks, p);
     }
   }
 
@@ -93,13 +119,13 @@ void check(std::vector<int> const& owners, std::vector<int32_t> const& received,
   for (int cta = 0; cta < grid; ++cta) {
     SegmentCursor cursor;
     for (int p = cta; p < blocks; p += grid) {
-      BlockCoord const c = entwine::segment_block(p, cursor, segments, owner_at, rows, seg_tiles, order);
+      BlockCoord const c = entwine::segment_block(p, cursor, groups, per_group, owner_at, rows, seg_tiles, order);
       if (c.owner != at[p].owner || c.tile_m != at[p].tile_m || c.n_block != at[p].n_block) {
         fail("a walking cursor disagrees", segments, seg_tiles, n_blocks, p);
       }
     }
     if (cta < blocks) {
-      BlockCoord const c = entwine::segment_block(cta, cursor, segments, owner_at, rows, seg_tiles, order);
+      BlockCoord const c = entwine::segment_block(cta, cursor, groups, per_group, owner_at, rows, seg_tiles, order);
       if (c.owner != at[cta].owner || c.tile_m != at[cta].tile_m || c.n_block != at[cta].n_block) {
         fail("a restarted cursor disagrees", segments, seg_tiles, n_blocks, cta);
       }
@@ -131,23 +157,25 @@ int main() {
   auto uniform = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   int cases = 0;
   for (int trial = 0; trial < 400; ++trial) {
-    int const segments = uniform(1, 40), seg_tiles = uniform(1, 9), n_blocks = uniform(1, 7);
+    // per_group: the ranks (one segment per source in an expert's group), groups: the local experts.
+    int const per_group = uniform(1, 8), segments = per_group * uniform(1, 12);
+    int const seg_tiles = uniform(1, 9), n_blocks = uniform(1, 7);
     int const raster = uniform(1, 10), grid = uniform(1, 140);
     std::vector<int> owners(segments);
     for (int i = 0; i < segments; ++i) owners[i] = i;
     std::shuffle(owners.begin(), owners.end(), rng);
     int const capacity = seg_tiles * kBlockM;
     // Full segments (nullptr), then counts from empty to over-full, some negative.
-    check(owners, {}, seg_tiles, n_blocks, raster, grid);
+    check(owners, per_group, {}, seg_tiles, n_blocks, raster, grid);
     std::vector<int32_t> received(segments);
     for (int32_t& r : received) {
       int const kind = uniform(0, 9);
       r = kind == 0 ? 0 : kind == 1 ? capacity : kind == 2 ? capacity + uniform(1, 300) : kind == 3 ? -uniform(1, 5)
                                                                                        : uniform(1, capacity);
     }
-    check(owners, received, seg_tiles, n_blocks, raster, grid);
+    check(owners, per_group, received, seg_tiles, n_blocks, raster, grid);
     for (int32_t& r : received) r = uniform(1, capacity);
-    check(owners, received, seg_tiles, n_blocks, raster, grid);
+    check(owners, per_group, received, seg_tiles, n_blocks, raster, grid);
     cases += 3;
   }
   if (failures) {

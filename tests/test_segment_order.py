@@ -1,7 +1,8 @@
 """The MoE kernels' block order (ffi/moe/moe.h, segment_block) on a CPU: tests/segment_order_check.cu,
 built with nvcc against the repository's headers (no GPU, no CUTLASS), walks seeded random problems
 as the kernels' roles do and checks that every block is visited once, the blocks with rows come
-first and deal evenly over the grid, and full segments keep the segment order."""
+first and deal evenly over the grid, each group's segments (an expert's, one per source) stacked in
+order, and full segments keep the group order."""
 import os
 import pathlib
 import shutil

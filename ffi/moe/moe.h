@@ -18,7 +18,7 @@ namespace entwine {
 #define ENTWINE_MOE_CONFIG_FIELDS(X)                                                                  \
   X(int64_t, block_n, 256)    /* GEMM block: 128 x block_n x 64, block_n in {128, 256} */              \
   X(int64_t, gemm_sms, 131)   /* persistent grid; leaves an SM for the release kernels */             \
-  X(int64_t, raster_rows, 8)  /* a segment's blocks run in groups of this many tile rows (L2 reuse) */ \
+  X(int64_t, raster_rows, 8)  /* an expert's blocks run in groups of this many tile rows (L2 reuse) */ \
   X(int64_t, push_sms, 0)     /* 0: copy engines push the segments; > 0: one SM push kernel of that many CTAs */
 struct MoeConfig {
   ENTWINE_MOE_CONFIG_FIELDS(ENTWINE_CONFIG_MEMBER)
@@ -62,38 +62,52 @@ __host__ __device__ inline bool past_received(const int32_t* received, BlockCoor
   return received != nullptr && c.tile_m * kBlockM >= received[c.owner];
 }
 
-// Where one role's walk over the segments stands (the schedules' Cursor): step = pass * segments +
-// the segment's index in the schedule's order (pass 0: lead blocks, pass 1: the others), first =
-// the position of that segment's first block of the pass.
+// Where one role's walk over the segment groups stands (the schedules' Cursor): step = pass * groups +
+// the group's index in the schedule's order (pass 0: lead blocks, pass 1: the others), first = the
+// position of that group's first block of the pass.
 struct SegmentCursor {
   int step = 0, first = 0;
 };
 
-// Position p -> block: first every segment's lead tile rows, then every segment's other tile rows
-// (all empty), segments in the schedule's order (owner_at(i): the i-th segment's owner), each
-// segment's rows of a pass in `order`'s raster. The persistent grid deals positions round-robin, so
-// every CTA gets an even share of the blocks with rows whatever the counts; dealt segment by
-// segment, the rows would fall to the CTAs whose index matches a segment's raster groups. With every
-// segment full this is the segment order alone. The roles ask for increasing p (WorkIter), so the
-// walk moves forward only, once over the segments per call and role; a smaller p starts it again.
+// Position p -> block. The segments come in `groups` groups of `per_group` (owner_at(g, j): the
+// owner of group g's j-th segment; the schedules group an expert's segments, one per source), and a
+// group's tile rows of a pass are its segments' stacked in order, run in `order`'s raster over the
+// stack: the blocks in flight at once then share the expert's weight columns across sources, read
+// from HBM once instead of once per source (a segment of few tile rows shares little by itself).
+// First every group's lead tile rows, then every group's other tile rows (all empty), groups in the
+// schedule's order. The persistent grid deals positions round-robin, so every CTA gets an even
+// share of the blocks with rows whatever the counts; dealt group by group, the rows would fall to the
+// CTAs whose index matches a group's raster. With every segment full this is the group order alone.
+// The roles ask for increasing p (WorkIter), so the walk moves forward only, once over the groups
+// per call and role; a smaller p starts it again. Per block, two loops over one group's segments.
 template <class OwnerAt>
-__host__ __device__ BlockCoord segment_block(int p, SegmentCursor& cursor, int segments, OwnerAt owner_at,
-                                    const int32_t* received, int seg_tiles, TileOrder const& order) {
+__host__ __device__ BlockCoord segment_block(int p, SegmentCursor& cursor, int groups, int per_group, OwnerAt owner_at,
+                                             const int32_t* received, int seg_tiles, TileOrder const& order) {
   if (p < cursor.first) cursor = SegmentCursor{};
-  for (; cursor.step < 2 * segments; ++cursor.step) {
-    bool const lead = cursor.step < segments;
-    int const owner = owner_at(lead ? cursor.step : cursor.step - segments);
-    int const lead_rows = lead_tiles(received, owner, seg_tiles);
-    int const tiles = lead ? lead_rows : seg_tiles - lead_rows;
+  for (; cursor.step < 2 * groups; ++cursor.step) {
+    bool const lead = cursor.step < groups;
+    int const group = lead ? cursor.step : cursor.step - groups;
+    // A segment's rows of this pass: its lead tile rows, or the others after them.
+    auto rows_of = [&](int owner, int& skip) {
+      int const lead_rows = lead_tiles(received, owner, seg_tiles);
+      skip = lead ? 0 : lead_rows;
+      return lead ? lead_rows : seg_tiles - lead_rows;
+    };
+    int tiles = 0, skip = 0;
+    for (int j = 0; j < per_group; ++j) tiles += rows_of(owner_at(group, j), skip);
     if (p - cursor.first < tiles * order.n_blocks) {
-      BlockCoord c{owner, 0, 0};
-      TileOrder{tiles, order.n_blocks, order.raster_rows}.block(p - cursor.first, c.tile_m, c.n_block);
-      if (!lead) c.tile_m += lead_rows;
-      return c;
+      int tile = 0, n_block = 0;
+      TileOrder{tiles, order.n_blocks, order.raster_rows}.block(p - cursor.first, tile, n_block);
+      for (int j = 0;; ++j) {
+        int const owner = owner_at(group, j);
+        int const rows = rows_of(owner, skip);
+        if (tile < rows || j == per_group - 1) return BlockCoord{owner, skip + tile, n_block};
+        tile -= rows;
+      }
     }
     cursor.first += tiles * order.n_blocks;
   }
-  return BlockCoord{owner_at(0), 0, 0};  // p past the call's blocks: never asked
+  return BlockCoord{owner_at(0, 0), 0, 0};  // p past the call's blocks: never asked
 }
 #endif
 
@@ -117,7 +131,7 @@ struct MoePlan {
   int64_t flags;          // flag words per parity: world * e_local
   int32_t push_grid;      // CTAs of the SM push (launch_push), 0: the copy engines push
   int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or one for the releases)
-  TileOrder order;        // the blocks of one segment, in production order
+  TileOrder order;        // the blocks of one expert (its segments stacked), in production order
   WorkSchedule schedule;  // the GEMM's blocks, grid and k-tiles (no split tail)
   Scaling scaling = Scaling::kTensor;  // picks the GEMM instantiation (per tensor only)
 };
