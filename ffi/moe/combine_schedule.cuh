@@ -2,8 +2,8 @@
 // this rank's experts (CUTLASS's L mode, as the dispatch's), each finished block stored by the store
 // warp straight into its source rank's inbox, at the rows of expert rank * E_local + e, and each
 // (expert, source) segment released by one flag in that source's memory once its last block landed.
-// Expert by expert, each expert's rows of every source stacked (its weight read once for all of
-// them), the peers' first (from rank + 1), the local ones last: remote ranks wait for theirs.
+// Expert by expert the peers' segments stacked (from rank + 1; the expert's weight read once for
+// all of them), the local ones last: remote ranks wait for theirs.
 // FP8 per tensor: h (e4m3, or e5m2 for a gradient) and w2_t (e4m3, K-major) with this rank's two
 // scales, one alpha for every block; the rows travel in the 16-bit output type.
 //
@@ -54,19 +54,13 @@ struct GemmSchedule {
     return past_received(params.op.received, c);
   }
 
-  // Segment j of expert group e in production order, as its owner e * world + s: sources from
-  // rank + 1 round to rank (the local segment last).
-  static __device__ int segment_owner(int expert, int j, Params const& op) {
-    return expert * op.world + (op.rank + 1 + j) % op.world;
-  }
-
-  // Position p -> (segment, tile row inside it, block column): the lead blocks of every expert's
-  // segments stacked, expert by expert, then their empty ones (segment_block).
+  // Position p -> (segment, tile row inside it, block column): expert by expert the peers'
+  // segments stacked, from rank + 1 round, then the local ones; the lead blocks first, then the empty
+  // ones (segment_block, ExpertGroups).
   using Cursor = SegmentCursor;
   static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order, Cursor& cursor) {
-    return segment_block(
-        p, cursor, op.e_local, op.world, [&op](int e, int j) { return segment_owner(e, j, op); }, op.received,
-        op.seg_tiles, order);
+    return segment_block(p, cursor, ExpertGroups(op.e_local, op.world, op.rank, 1, false), op.received, op.seg_tiles,
+                         order);
   }
 
   // Announce the call to every peer first, from every CTA (the pitfalls above; the stamp is the same

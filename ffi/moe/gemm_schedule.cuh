@@ -1,9 +1,8 @@
 // moe_dispatch_gemm's schedule of the shared GEMM (gemm/gemm_kernel.cuh): a GEMM batched over the
 // local experts (CUTLASS's L mode: A and B batch e are expert e's rows and weight). The kernel
-// announces the call as it starts; blocks visit the experts one after another, each expert's rows
-// of every source stacked (the local source's first, read in place from x_send, no wait; then the
-// peers', rank - 1 first, the order the pushes arrive); the TMA warp waits on a segment's flag
-// before it loads a byte of it.
+// announces the call as it starts; blocks visit the local source's rows first (read in place from
+// x_send, no wait), then expert by expert the peers' segments stacked, rank - 1 first (the order the
+// pushes arrive); the TMA warp waits on a segment's flag before it loads a byte of it.
 #pragma once
 
 #include "comm/wait.cuh"
@@ -38,26 +37,17 @@ struct GemmSchedule {
     return past_received(params.op.received, c);
   }
 
-  // Segment j of expert group e in production order, as its owner e * world + s: the local source's
-  // first (read in place, no wait), then rank - 1, rank - 2, ..., the order the pushes arrive in (both
-  // transfers send expert-major: the copy engines from rank r - d on its d-th stream, experts in
-  // order; the SM push expert by expert to all its destinations at once; rank r is the first
-  // destination of r - 1).
-  static __device__ int segment_owner(int expert, int j, Params const& op) {
-    return expert * op.world + (op.rank + op.world - j) % op.world;
-  }
-
-  // Position p -> (segment, tile row inside it, block column): the lead blocks of every expert's
-  // segments stacked, expert by expert, then their empty ones (segment_block). The pushes send
-  // expert-major, so the segments come in the order the GEMM takes them; only the first expert's
-  // peer blocks have no more slack than its local blocks (each push's first C rows).
-  // The store warp writes block (owner, tile, column) at y row owner * C + tile * 128, which is
-  // y[e, s * C + tile * 128] of y [E_local, world * C, n].
+  // Position p -> (segment, tile row inside it, block column): the local source's segments first
+  // (read in place, no wait), expert by expert, then each expert's peer segments stacked, rank - 1
+  // first (the order the pushes arrive: both transfers send expert-major, the copy engines from rank
+  // r - d on its d-th stream, the SM push expert by expert to all its destinations at once, and rank
+  // r is the first destination of r - 1); the lead blocks first, then the empty ones (segment_block,
+  // ExpertGroups). The store warp writes block (owner, tile, column) at y row owner * C + tile * 128,
+  // which is y[e, s * C + tile * 128] of y [E_local, world * C, n].
   using Cursor = SegmentCursor;
   static __device__ BlockCoord block_coord(int p, Params const& op, TileOrder const& order, Cursor& cursor) {
-    return segment_block(
-        p, cursor, op.e_local, op.world, [&op](int e, int j) { return segment_owner(e, j, op); }, op.received,
-        op.seg_tiles, order);
+    return segment_block(p, cursor, ExpertGroups(op.e_local, op.world, op.rank, -1, true), op.received, op.seg_tiles,
+                         order);
   }
 
   // Announce the call to every peer first (the pushes into this rank's inbox wait for it). This

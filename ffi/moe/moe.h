@@ -69,24 +69,25 @@ struct SegmentCursor {
   int step = 0, first = 0;
 };
 
-// Position p -> block. The segments come in `groups` groups of `per_group` (owner_at(g, j): the
-// owner of group g's j-th segment; the schedules group an expert's segments, one per source), and a
+// Position p -> block. The segments come in groups (Groups: count, size(g), owner(g, j): the owner
+// of group g's j-th segment; the schedules group one expert's segments of several sources), and a
 // group's tile rows of a pass are its segments' stacked in order, run in `order`'s raster over the
-// stack: the blocks in flight at once then share the expert's weight columns across sources, read
-// from HBM once instead of once per source (a segment of few tile rows shares little by itself).
+// stack: the blocks in flight at once then share the expert's weight columns across those sources,
+// read from HBM once instead of once per source (a segment of few tile rows shares little by itself).
 // First every group's lead tile rows, then every group's other tile rows (all empty), groups in the
 // schedule's order. The persistent grid deals positions round-robin, so every CTA gets an even
 // share of the blocks with rows whatever the counts; dealt group by group, the rows would fall to the
 // CTAs whose index matches a group's raster. With every segment full this is the group order alone.
 // The roles ask for increasing p (WorkIter), so the walk moves forward only, once over the groups
 // per call and role; a smaller p starts it again. Per block, two loops over one group's segments.
-template <class OwnerAt>
-__host__ __device__ BlockCoord segment_block(int p, SegmentCursor& cursor, int groups, int per_group, OwnerAt owner_at,
+template <class Groups>
+__host__ __device__ BlockCoord segment_block(int p, SegmentCursor& cursor, Groups const& groups,
                                              const int32_t* received, int seg_tiles, TileOrder const& order) {
   if (p < cursor.first) cursor = SegmentCursor{};
-  for (; cursor.step < 2 * groups; ++cursor.step) {
-    bool const lead = cursor.step < groups;
-    int const group = lead ? cursor.step : cursor.step - groups;
+  for (; cursor.step < 2 * groups.count; ++cursor.step) {
+    bool const lead = cursor.step < groups.count;
+    int const group = lead ? cursor.step : cursor.step - groups.count;
+    int const size = groups.size(group);
     // A segment's rows of this pass: its lead tile rows, or the others after them.
     auto rows_of = [&](int owner, int& skip) {
       int const lead_rows = lead_tiles(received, owner, seg_tiles);
@@ -94,21 +95,45 @@ __host__ __device__ BlockCoord segment_block(int p, SegmentCursor& cursor, int g
       return lead ? lead_rows : seg_tiles - lead_rows;
     };
     int tiles = 0, skip = 0;
-    for (int j = 0; j < per_group; ++j) tiles += rows_of(owner_at(group, j), skip);
+    for (int j = 0; j < size; ++j) tiles += rows_of(groups.owner(group, j), skip);
     if (p - cursor.first < tiles * order.n_blocks) {
       int tile = 0, n_block = 0;
       TileOrder{tiles, order.n_blocks, order.raster_rows}.block(p - cursor.first, tile, n_block);
       for (int j = 0;; ++j) {
-        int const owner = owner_at(group, j);
+        int const owner = groups.owner(group, j);
         int const rows = rows_of(owner, skip);
-        if (tile < rows || j == per_group - 1) return BlockCoord{owner, skip + tile, n_block};
+        if (tile < rows || j == size - 1) return BlockCoord{owner, skip + tile, n_block};
         tile -= rows;
       }
     }
     cursor.first += tiles * order.n_blocks;
   }
-  return BlockCoord{owner_at(0, 0), 0, 0};  // p past the call's blocks: never asked
+  return BlockCoord{groups.owner(0, 0), 0, 0};  // p past the call's blocks: never asked
 }
+
+// The two schedules' groups, one expert's segments each (owner = expert * world + source): one group
+// per local expert holding the local source's segment alone, and one per local expert holding its
+// W - 1 peers' segments stacked, peers in `step` order from the rank (step -1: rank - 1, rank - 2,
+// ..., the order the dispatch's pushes arrive; +1: rank + 1, ...). local_first: the local groups,
+// expert by expert, before the peers' (the dispatch: its local rows need no wait and cover the
+// pushes' time); else after them (the combine: the rows remote ranks wait for go first). The
+// local segments stay alone so that this slack is kept; the peers' stacks share the weight reads
+// (W - 1 sources: none at W = 2).
+struct ExpertGroups {
+  int e_local, world, rank, step;
+  bool local_first;
+  int count;  // groups: e_local, and e_local more with peers
+  __host__ __device__ ExpertGroups(int e_local_, int world_, int rank_, int step_, bool local_first_)
+      : e_local(e_local_), world(world_), rank(rank_), step(step_), local_first(local_first_),
+        count(world_ > 1 ? 2 * e_local_ : e_local_) {}
+  __host__ __device__ bool local(int g) const { return world == 1 || (g < e_local) == local_first; }
+  __host__ __device__ int size(int g) const { return local(g) ? 1 : world - 1; }
+  __host__ __device__ int owner(int g, int j) const {
+    int const expert = g % e_local;
+    int const source = local(g) ? rank : ((rank + step * (j + 1)) % world + world) % world;
+    return expert * world + source;
+  }
+};
 #endif
 
 // Everything static about one call. The inbox of rank r is [E_local][world][C][k] (source-slot s of

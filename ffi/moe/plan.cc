@@ -85,8 +85,8 @@ const char* plan_gemm(const MoeProblem& p, const MoeConfig& c, MoePlan* plan) {
   plan->num_blocks = int32_t(blocks);
   plan->grid = c.gemm_sms < plan->num_blocks ? int32_t(c.gemm_sms) : plan->num_blocks;
   plan->flags = int64_t(p.world) * plan->e_local;
-  // The raster runs over an expert's tile rows of every source (segment_block stacks them).
-  int32_t const expert_tiles = p.world * plan->seg_tiles;
+  // The raster runs over a stack of an expert's segments (segment_block: at most W - 1 of them).
+  int32_t const expert_tiles = (p.world > 1 ? p.world - 1 : 1) * plan->seg_tiles;
   plan->order = TileOrder{expert_tiles, plan->n_blocks,
                           c.raster_rows < expert_tiles ? int32_t(c.raster_rows) : expert_tiles};
   plan->schedule = WorkSchedule{plan->num_blocks, plan->grid, plan->k_tiles, plan->num_blocks};
