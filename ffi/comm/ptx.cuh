@@ -57,8 +57,6 @@ __device__ __forceinline__ uint4 load_cg_16(const void* p) {
 // The calling thread's bulk copies are complete: their global writes are performed (cute's
 // tma_store_wait waits only for the reads of shared memory).
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// The same for every bulk-copy group but the newest one this thread committed.
-__device__ __forceinline__ void bulk_wait_but_newest() { asm volatile("cp.async.bulk.wait_group 1;" ::: "memory"); }
 // Orders completed async-proxy global writes before this thread's later generic-proxy operations.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 

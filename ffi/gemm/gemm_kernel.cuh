@@ -163,7 +163,6 @@ struct GemmKernel {
     WorkSchedule schedule;        // blocks, grid, k-tiles, split region (none without a workspace)
     char* split_workspace;        // gemm/gemm.h: arrival counters, ready sequences, fp32 partial blocks
     TileOrder order;              // blocks of one owner's group of tile rows, in production order
-    bool release_late;            // store_and_release: each block released after the next one's copies
     Element* out;                 // slot 0 of the output (gemm_rs: the partial; ag_gemm: y)
     CallEpoch call;               // the epoch word and the parity strides
     typename Schedule::Params op;
@@ -556,10 +555,6 @@ struct GemmKernel {
     Element* const partial = params.out + parity * params.call.slot_stride / int64_t(sizeof(Element));
     WorkIter work(params);
     Unit next;
-    // params.release_late: a block's release waits for the next block's copies to be issued, so the
-    // store warp waits for its writes only after they had that long to complete.
-    bool held = false;
-    BlockCoord held_c{};
     for (bool more = work.next(next); more;) {
       Unit const u = next;
       more = work.next(next);
@@ -580,8 +575,7 @@ struct GemmKernel {
       }
       ptx::named_barrier_sync(kFullBarrier, kMathThreads + kStoreThreads);
       bool const skip = ptx::load_shared_word(skip_word) != 0;
-      bool const copied = !skip && dst != nullptr;
-      if (lane == 0 && copied) {
+      if (lane == 0 && !skip && dst != nullptr) {
         for (int row = 0; row < BLOCK_M; ++row) {
           SM90_BULK_COPY_S2G::copy(stage + row * kStagePitch, dst + int64_t(row) * ld, kRowBytes);
         }
@@ -595,22 +589,9 @@ struct GemmKernel {
       // Release: the copies' writes are complete (wait_group 0, not .read); the schedule may then
       // publish them (gemm_rs: its flags; ag_gemm: nothing, stream order releases y).
       if (lane == 0 && !skip) {
-        if (!params.release_late) {
-          ptx::bulk_wait();
-          Schedule::template release<GemmKernel>(params, c, epoch, parity);
-        } else {
-          if (held) {
-            if (copied) ptx::bulk_wait_but_newest(); else ptx::bulk_wait();
-            Schedule::template release<GemmKernel>(params, held_c, epoch, parity);
-          }
-          held = true;
-          held_c = c;
-        }
+        ptx::bulk_wait();
+        Schedule::template release<GemmKernel>(params, c, epoch, parity);
       }
-    }
-    if (lane == 0 && held) {
-      ptx::bulk_wait();
-      Schedule::template release<GemmKernel>(params, held_c, epoch, parity);
     }
     __syncwarp();
     Schedule::template finish<GemmKernel>(params, lane);

@@ -98,7 +98,6 @@ struct ProducerArgs {
   // in these args because the kernel's parameters read them from here (gemm_rs/gemm_schedule.cuh).
   bool interleave = true;         // false: plain row-major tile order
   bool publish = true;            // false: no flags
-  bool release_late = false;      // true: each block's flags after the next block's copies (gemm_kernel.cuh)
   comm::CallEnd end;              // the folded end, as in ConsumerArgs: no outputs (end.done nullptr: none)
 };
 

@@ -144,7 +144,6 @@ struct GemmSchedule {
     p.op.rank = shape.rank;
     p.op.interleave = args.interleave;
     p.op.publish = args.publish;
-    p.release_late = args.release_late;
     p.op.x_scale = args.x_scale;
     p.op.w_scale = args.w_scale;
     p.op.end = args.end;

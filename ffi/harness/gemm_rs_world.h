@@ -361,11 +361,10 @@ void run_case(Case const& c, int epochs, bool sequential = false, bool check_par
 // One producer configuration of rank 0 of `world` as a launcher (a fresh epoch per launch), in
 // the world's types.
 inline std::function<void()> producer_launcher(World& world, ProblemShape const& s, GemmRsConfig const& cfg, bool interleave,
-                                        bool publish, cudaStream_t stream, bool release_late = false) {
+                                        bool publish, cudaStream_t stream) {
   ProducerArgs a = world.producer_args(0);
   a.interleave = interleave;
   a.publish = publish;
-  a.release_late = release_late;
   DType const input = world.c.input(), output = world.c.output();
   GemmRsPlan const plan = Case::plan_of(s, cfg, input);
   return [=]() mutable { CHECK_CUDA(gemm_rs::launch_gemm(input, output, plan, a, stream)); };
