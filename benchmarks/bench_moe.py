@@ -124,12 +124,18 @@ def main(argv=None) -> int:
             bound = 0.15 if fp8 else 2e-2
             ok = err_y < bound and err_dwo < bound
             programs = {"kernels": (fused, operands), "xla": (xla, operands)}
-            err_rg = float("nan")
+            err_rg, ragged_failed = float("nan"), ""
             if factor is None and not fp8:  # the stock path drops nothing and multiplies bf16
                 ragged = ragged_program(mesh, k)
-                err_rg = float(rel_err(got[0], ragged(*operands)[0]))
-                ok = ok and err_rg < bound
-                programs["ragged"] = (ragged, operands)
+                try:
+                    err_rg = float(rel_err(got[0], ragged(*operands)[0]))
+                except jax.errors.JaxRuntimeError as e:
+                    # XLA expands ragged_dot into dense dots over every expert's masked copy of the
+                    # rows: at DeepSeek's shape its buffers can outgrow the GPU. Said in the row.
+                    ragged_failed = f"  ragged: {str(e).splitlines()[0][:120]}"
+                else:
+                    ok = ok and err_rg < bound
+                    programs["ragged"] = (ragged, operands)
             bad += not ok
             # In the mesh, as above: outside it the kernels' program would be traced again without
             # its mesh and take XLA's path.
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
         rg = ms.get("ragged", float("nan"))
         print(f"{name:>17} {t:>5} {h:>5} {f:>6} {e:>3} {k:>2} {capacity:>5} | {ms['kernels']:8.3f} {ms['xla']:8.3f} "
               f"{rg:8.3f} | {ms['xla'] / ms['kernels']:11.3f} {rg / ms['kernels']:11.3f} {err_y:8.1e} {err_dwo:8.1e} "
-              f"{err_rg:8.1e}{'' if ok else '  PATHS DISAGREE'}")
+              f"{err_rg:8.1e}{'' if ok else '  PATHS DISAGREE'}{ragged_failed}")
     return 1 if bad else 0
 
 
