@@ -202,7 +202,9 @@ int main() {
             std::vector<int> seen(e_local * world, 0);
             for (int i = 0; i < g.count; ++i) {
               bool const local = g.size(i) == 1 && g.owner(i, 0) % world == rank;
-              if (world > 1 && local != ((i < e_local) == local_first)) fail("local groups on the wrong side", 0, 0, 0, i);
+              if (world > 1 && local != ((i < e_local) == local_first)) {
+                fail("local groups on the wrong side", 0, 0, 0, i);
+              }
               for (int j = 0; j < g.size(i); ++j) {
                 int const o = g.owner(i, j);
                 ++seen[o];

@@ -23,8 +23,8 @@ class MoeConfig:
               take the XLA path under "auto"; the reason is logged once per call site).
     block_n:  the dispatch GEMM's block width, 128 or 256; 0: 256 where N allows it, else 128.
     gemm_sms: the dispatch GEMM's persistent grid; 0: every SM the push leaves.
-    raster_rows: an expert's GEMM blocks (its rows from every source, stacked) run in groups of this
-                 many tile rows (L2 reuse of w).
+    raster_rows: an expert's GEMM blocks (its local segment alone, its peers' segments stacked) run
+                 in groups of this many tile rows (L2 reuse of w).
     push_sms: 0: the copy engines move the tokens (no SM); n > 0: an SM push of n CTAs ahead of the
               dispatch GEMM (the moves without a GEMM always take the copy engines).
     """

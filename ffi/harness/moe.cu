@@ -839,8 +839,8 @@ int moe_combine_bench(CublasLt const* lt) {
 // Every rank's call as one CUDA graph, replayed in interleaved rounds: fused (each GEMM takes a
 // segment as soon as it has landed), the same kernels in sequence (every transfer and the receiver's
 // wait, then the GEMM), the GEMMs alone (every segment already in place: flags at the largest stamp),
-// the whole call with its flags so (nowait) and the transfers alone. All W ranks share this GPU, so a call's time is every rank's work on one
-// GPU, and a push is HBM to HBM: the overlap measured is of GEMM and copy on shared SMs and memory,
+// the whole call with its flags so (nowait) and the transfers alone. All W ranks share this GPU, so
+// a call's time is every rank's work on one GPU, and a push is HBM to HBM: the overlap measured is of GEMM and copy on shared SMs and memory,
 // not of GEMM and NVLink. cuBLASLt times the same expert GEMMs, one after another (LD_LIBRARY_PATH
 // must find libcublasLt.so.13; the column is NaN otherwise). Then moe_combine_bench's rows.
 int moe_bench_main() {
@@ -900,11 +900,13 @@ int moe_bench_main() {
           for (auto& r : world.ranks)
             CHECK_CUDA(cudaMemsetAsync(r.flags, 0xFF, 2 * world.plan.flags * sizeof(uint64_t), origin));
           replay(exec)();
-          for (auto& r : world.ranks) CHECK_CUDA(cudaMemsetAsync(r.flags, 0, 2 * world.plan.flags * sizeof(uint64_t), origin));
+          for (auto& r : world.ranks)
+            CHECK_CUDA(cudaMemsetAsync(r.flags, 0, 2 * world.plan.flags * sizeof(uint64_t), origin));
         };
       };
       std::vector<float> const ms = interleaved_median_ms(
-          {replay(fused), replay(sequence), replay(transfers), without_waits(gemms), without_waits(fused)}, origin, 3, 10, 3);
+          {replay(fused), replay(sequence), replay(transfers), without_waits(gemms), without_waits(fused)}, origin, 3,
+          10, 3);
       float const gemm_ms = ms[3];
       // The same GEMMs by cuBLASLt: expert e's A is its inbox block [W*C, K] (the inbox is
       // expert-major).

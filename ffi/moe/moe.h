@@ -156,7 +156,7 @@ struct MoePlan {
   int64_t flags;          // flag words per parity: world * e_local
   int32_t push_grid;      // CTAs of the SM push (launch_push), 0: the copy engines push
   int32_t sms_needed;     // SMs the call needs at once: the GEMM's and the push's (or one for the releases)
-  TileOrder order;        // the blocks of one expert (its segments stacked), in production order
+  TileOrder order;        // the blocks of one stack of an expert's segments (ExpertGroups), in production order
   WorkSchedule schedule;  // the GEMM's blocks, grid and k-tiles (no split tail)
   Scaling scaling = Scaling::kTensor;  // picks the GEMM instantiation (per tensor only)
 };
