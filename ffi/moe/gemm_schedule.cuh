@@ -62,8 +62,8 @@ struct GemmSchedule {
   // (mainloop_local); a peer's block's A is batch `expert` of the inbox [E_local][world * C, k], at
   // tile row source * seg_tiles + tile, loaded only after the whole warp has seen the segment's flag
   // carry this call's stamp (acquire, then the proxy fence that orders the TMA engine's reads after
-  // it). B is batch `expert` of w either way. A CTA's consecutive blocks mostly share a segment, so
-  // a repeated wait is skipped. An empty block loads nothing, but its segment's flag is still waited
+  // it). B is batch `expert` of w either way. A wait for the segment this CTA waited for last is
+  // skipped (consecutive blocks of a CTA often share one). An empty block loads nothing, but its segment's flag is still waited
   // for: the pool's copy after the GEMM reads every segment, and every call must acquire a flag from
   // every peer (the double-buffer argument).
   template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>

@@ -86,9 +86,9 @@ const char* plan_gemm(const MoeProblem& p, const MoeConfig& c, MoePlan* plan) {
   plan->grid = c.gemm_sms < plan->num_blocks ? int32_t(c.gemm_sms) : plan->num_blocks;
   plan->flags = int64_t(p.world) * plan->e_local;
   // The raster runs over a stack of an expert's segments (segment_block: at most W - 1 of them).
-  int32_t const expert_tiles = (p.world > 1 ? p.world - 1 : 1) * plan->seg_tiles;
-  plan->order = TileOrder{expert_tiles, plan->n_blocks,
-                          c.raster_rows < expert_tiles ? int32_t(c.raster_rows) : expert_tiles};
+  int32_t const stack_tiles = (p.world > 1 ? p.world - 1 : 1) * plan->seg_tiles;
+  plan->order = TileOrder{stack_tiles, plan->n_blocks,
+                          c.raster_rows < stack_tiles ? int32_t(c.raster_rows) : stack_tiles};
   plan->schedule = WorkSchedule{plan->num_blocks, plan->grid, plan->k_tiles, plan->num_blocks};
   plan->scaling = Scaling::kTensor;
   return nullptr;
