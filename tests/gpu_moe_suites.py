@@ -161,9 +161,10 @@ class MoeSuites(Rank):
         router = rng.standard_normal((h, experts), np.float32).astype(dtype)
         wi_0, wi_1 = ((rng.standard_normal((experts, h, f), np.float32) / np.sqrt(h)).astype(dtype) for _ in range(2))
         wo = (rng.standard_normal((experts, f, h), np.float32) / np.sqrt(f)).astype(dtype)
-        # The default config (path 'auto') on the fp16 cases: the kernels must be what it picks (at
-        # W = 1 'auto' keeps XLA's path: nothing moves).
-        config = MoeConfig() if dtype == jnp.float16 and w_ > 1 else MoeConfig(path="fused")
+        # The default config (path 'auto', the copy engines) on the fp16 cases: the kernels must be
+        # what it picks (at W = 1 'auto' keeps XLA's path: nothing moves); the SM push, which moves
+        # only the rows sent, on the bf16 ones (forward, and the combine's backward dispatch).
+        config = MoeConfig() if dtype == jnp.float16 and w_ > 1 else MoeConfig(path="fused", push_sms=8)
         mlp = functools.partial(moe_layers.moe_mlp, num_experts_per_tok=k, axis_name="tp", config=config, fp8=fp8)
 
         def body(x, router, wi_0, wi_1, wo, c):

@@ -479,7 +479,7 @@ def test_routed_ops_are_not_run_by_the_dense_pairing():
     with pytest.raises(ValueError, match="is a routed op"):
         pairing.call("moe_gemm_combine", jnp.zeros((4, 4)), jnp.zeros((4, 4)), axis_name="ep", dimension=0,
                      config=None)
-    assert entwine_jax.MoeHandle._fields == ("expert", "place", "dropped", "received")
+    assert entwine_jax.MoeHandle._fields == ("expert", "place", "dropped", "received", "sent")
 
 
 def test_specs_plan_and_forward_match_the_public_ops():
@@ -619,6 +619,21 @@ def past_received(received, world: int, rows: int):
     return (block_start[None, None, :] >= received[:, :, None]).reshape(e_local, rows)
 
 
+def moved_pool(x_send, received, sent, world: int):
+    """The dispatch kernel's pool [E_local, W*C, H] of x_send [E, C, H]: each segment's rows sent
+    (sent [E]) rounded up to whole 128-row blocks move (the SM push moves no more; the inbox past them
+    holds older calls' rows, NaN here), and the pool keeps the received rows so rounded, zeros past
+    them."""
+    from entwine_jax.moe import reference
+
+    assert sent.shape == (x_send.shape[0],) and sent.dtype == jnp.int32, (sent.shape, sent.dtype)
+    block_start = jnp.arange(x_send.shape[1]) // 128 * 128  # [C]
+    moved = block_start[None, :] < sent[:, None]
+    stale = jnp.where(moved[..., None], x_send, jnp.array(jnp.nan, x_send.dtype))
+    pool = reference.to_experts(stale, axis_name="ep", world=world, op="moe_dispatch_gemm")
+    return jnp.where(past_received(received, world, pool.shape[1])[..., None], jnp.zeros((), pool.dtype), pool)
+
+
 def dispatch_contract(y, received, world: int):
     """The dispatch kernel's y [E_local, W*C, N]: zeros in the blocks past the received rows."""
     return jnp.where(past_received(received, world, y.shape[1])[..., None], jnp.zeros((), y.dtype), y)
@@ -639,21 +654,23 @@ def test_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, world)
     called for its forward and the other op's backward. F, H and 2F differ, so a weight in the wrong
     layout fails on its shape. C = 256; rank 0 sends all its 160 tokens to experts 0 and 1 (two
     blocks each), the others spread theirs (one block): counts too small would zero or NaN rows that
-    are read, and every kernel call's received is checked against a NumPy count."""
+    are read (the rows past the sent counts move as NaN), and every kernel call's received and sent
+    are checked against a NumPy count."""
     from entwine_jax import callsite
     from entwine_jax.moe import fused, reference
     from entwine_jax.moe import op as moe_op
 
     attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
-    calls, seen = [], []
+    calls, seen, seen_sent = [], [], []
 
-    def record(received):
-        jax.debug.callback(lambda r: seen.append(np.asarray(r).tolist()), received)
+    def record(received, into=seen):
+        jax.debug.callback(lambda r: into.append(np.asarray(r).tolist()), received)
 
-    def fake_dispatch(x_send, w, received, site, return_pool):
+    def fake_dispatch(x_send, w, received, sent, site, return_pool):
         calls.append("dispatch")
         record(received)
-        pool = reference.to_experts(x_send, axis_name="ep", world=world, op="moe_dispatch_gemm")
+        record(sent, seen_sent)
+        pool = moved_pool(x_send, received, sent, world)
         return dispatch_contract(reference.expert_dot(pool, w).astype(x_send.dtype), received, world), pool
 
     def fake_combine(h, w, received, site, world_):
@@ -691,6 +708,9 @@ def test_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, world)
     counts = [[int(np.sum(idx[s * t:(s + 1) * t] == g)) for s in range(world)] for g in range(world * e_local)]
     want = [counts[r * e_local:(r + 1) * e_local] for r in range(world)]
     assert sorted(seen) == sorted(want * 4), (seen, want)
+    # sent[g] of source s: its slots of expert g (each dispatch call, forward and the combine's backward).
+    want_sent = [[counts[g][s] for g in range(world * e_local)] for s in range(world)]
+    assert sorted(seen_sent) == sorted(want_sent * 2), (seen_sent, want_sent)
     (l_ref, g_ref), (l_emu, g_emu) = outs[False], outs[True]
     assert rel_err(np.asarray(l_emu, np.float32), np.asarray(l_ref, np.float32)) < 1e-6
     for name, a, b in zip(("x", "weights", "w1", "w2"), g_emu, g_ref):
@@ -734,7 +754,8 @@ def test_received_rows_count_each_sources_rows_per_expert(world, routing, capaci
 
 def test_kernel_calls_trace_their_operands():
     """The 16-bit dispatch and combine kernels' calls as the ops make them on CUDA (traced here, no
-    GPU): the operands in the handlers' order, received [E_local, W] int32 last, and the outputs."""
+    GPU): the operands in the handlers' order, received [E_local, W] int32 (and the dispatch's sent
+    [E] int32) last, and the outputs."""
     from entwine_jax.moe import fused
 
     mesh = make_mesh((2,), ("ep",))
@@ -742,23 +763,27 @@ def test_kernel_calls_trace_their_operands():
     dispatch = fused.MoeCall(5, attrs, "entwine_moe_dispatch_gemm")
     combine = fused.MoeCall(5, attrs, "entwine_moe_gemm_combine")
 
-    def body(x_send, w1, h, w2, received):
-        y, pool = fused.call(x_send, w1, received, dispatch, return_pool=True)
+    def body(x_send, w1, h, w2, received, sent):
+        y, pool = fused.call(x_send, w1, received, sent, dispatch, return_pool=True)
         return y, pool, fused.call_combine(h, w2, received, combine, 2)
 
     args = (jax.ShapeDtypeStruct((4, 128, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 64, 96), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 256, 96), jnp.bfloat16), jax.ShapeDtypeStruct((2, 96, 48), jnp.bfloat16),
-            jax.ShapeDtypeStruct((2, 2), jnp.int32))
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 5, out_specs=(P(),) * 3, check_vma=False)
+            jax.ShapeDtypeStruct((2, 2), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 6, out_specs=(P(),) * 3, check_vma=False)
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(f)(*args)
     calls = [e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "ffi_call"]
     shapes = lambda vs: [(tuple(v.aval.shape), jnp.dtype(v.aval.dtype).name) for v in vs]  # noqa: E731
     assert [c.params["target_name"] for c in calls] == ["entwine_moe_dispatch_gemm", "entwine_moe_gemm_combine"]
-    assert shapes(calls[0].invars) == [((4, 128, 64), "bfloat16"), ((2, 64, 96), "bfloat16"), ((2, 2), "int32")]
+    assert shapes(calls[0].invars) == [((4, 128, 64), "bfloat16"), ((2, 64, 96), "bfloat16"), ((2, 2), "int32"),
+                                       ((4,), "int32")]
     assert shapes(calls[0].outvars) == [((2, 256, 96), "bfloat16"), ((2, 256, 64), "bfloat16")]
     assert shapes(calls[1].invars) == [((2, 256, 96), "bfloat16"), ((2, 96, 48), "bfloat16"), ((2, 2), "int32")]
     assert shapes(calls[1].outvars) == [((4, 128, 48), "bfloat16")]
     with pytest.raises(ValueError, match=r"received must be int32 \[E_local, W\] = \[2, 2\]"):
-        jax.make_jaxpr(jax.shard_map(lambda *a: body(*a[:4], a[4][:1]), mesh=mesh, in_specs=(P(),) * 5,
+        jax.make_jaxpr(jax.shard_map(lambda *a: body(*a[:4], a[4][:1], a[5]), mesh=mesh, in_specs=(P(),) * 6,
+                                     out_specs=(P(),) * 3, check_vma=False))(*args)
+    with pytest.raises(ValueError, match=r"sent must be int32 \[E\] = \[4\], got int32\[2\]"):
+        jax.make_jaxpr(jax.shard_map(lambda *a: body(*a[:5], a[5][:2]), mesh=mesh, in_specs=(P(),) * 6,
                                      out_specs=(P(),) * 3, check_vma=False))(*args)

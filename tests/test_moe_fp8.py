@@ -11,7 +11,7 @@ import pytest
 from entwine_jax import census, fp8, moe_dispatch_gemm, moe_gemm_combine
 
 from test_gemm_rs import make_mesh
-from test_moe import EP, combine_contract, dispatch_contract, run
+from test_moe import EP, combine_contract, dispatch_contract, moved_pool, run
 
 F32 = jnp.float32
 
@@ -278,7 +278,7 @@ def test_e5m2_operand_is_refused():
 def test_fp8_kernel_call_traces_its_operands():
     """The FP8 dispatch kernel's call as the op makes it on CUDA (traced and lowered here, no GPU): x_send
     and w_t in FP8, every source's scale [W] and w's, y in out_dtype and the pool in x_send's dtype,
-    the config as int64 attributes."""
+    received [E_local, W] and sent [E] int32, the config as int64 attributes."""
     from jax.sharding import PartitionSpec as P
 
     from entwine_jax.moe import fused
@@ -287,19 +287,21 @@ def test_fp8_kernel_call_traces_its_operands():
     site = fused.MoeCall(comm_id=5, attributes=(("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8),
                                                 ("push_sms", 0)), target="entwine_moe_dispatch_gemm_fp8")
 
-    def body(x_send, w_t, xs, ws, received):
-        return fused.call_fp8(x_send, w_t, xs, ws, received, site, jnp.bfloat16)
+    def body(x_send, w_t, xs, ws, received, sent):
+        return fused.call_fp8(x_send, w_t, xs, ws, received, sent, site, jnp.bfloat16)
 
     args = (jax.ShapeDtypeStruct((4, 128, 64), fp8.E5M2), jax.ShapeDtypeStruct((2, 96, 64), fp8.E4M3),
-            jax.ShapeDtypeStruct((2,), F32), jax.ShapeDtypeStruct((), F32), jax.ShapeDtypeStruct((2, 2), jnp.int32))
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 5, out_specs=(P(), P()), check_vma=False)
+            jax.ShapeDtypeStruct((2,), F32), jax.ShapeDtypeStruct((), F32), jax.ShapeDtypeStruct((2, 2), jnp.int32),
+            jax.ShapeDtypeStruct((4,), jnp.int32))
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 6, out_specs=(P(), P()), check_vma=False)
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(f)(*args)
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     call = next(e for e in jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name == "ffi_call")
     assert call.params["target_name"] == "entwine_moe_dispatch_gemm_fp8"
     assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.invars] == [
-        ((4, 128, 64), fp8.E5M2), ((2, 96, 64), fp8.E4M3), ((2,), F32), ((), F32), ((2, 2), jnp.int32)]
+        ((4, 128, 64), fp8.E5M2), ((2, 96, 64), fp8.E4M3), ((2,), F32), ((), F32), ((2, 2), jnp.int32),
+        ((4,), jnp.int32)]
     assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars] == [
         ((2, 256, 96), jnp.dtype(jnp.bfloat16)), ((2, 256, 64), fp8.E5M2)]
     line = next(line for line in text.splitlines() if "entwine_moe_dispatch_gemm_fp8" in line)
@@ -418,9 +420,9 @@ def test_fp8_kernels_get_their_operands_in_the_layouts_they_read(monkeypatch, wo
     attrs = (("block_n", 128), ("gemm_sms", 64), ("raster_rows", 8), ("push_sms", 0))
     calls = []
 
-    def fake_dispatch(x_send, w_t, x_scales, w_scale, received, site, out_dtype):
+    def fake_dispatch(x_send, w_t, x_scales, w_scale, received, sent, site, out_dtype):
         calls.append(("dispatch", jnp.dtype(x_send.dtype).name))
-        pool = reference.to_experts(x_send, axis_name="ep", world=world, op="moe_dispatch_gemm")
+        pool = moved_pool(x_send, received, sent, world)
         rows = jnp.repeat(x_scales, pool.shape[1] // world)[None, :, None]
         y = jnp.einsum("erk,enk->ern", pool.astype(F32), w_t.astype(F32)) * rows * jnp.reshape(w_scale, ())
         return dispatch_contract(y.astype(out_dtype), received, world), pool

@@ -68,11 +68,11 @@ def _dequantized(v8, row_scales):
     return _bf16(v8).astype(F32) * row_scales[None, :, None]
 
 
-def dispatch_pool(x_send8, scales, w_t8, w_scale, plan: op.Plan, out_dtype, name: str, received=None):
+def dispatch_pool(x_send8, scales, w_t8, w_scale, plan: op.Plan, out_dtype, name: str, received=None, sent=None):
     """(y [E_local, W*C, N] in out_dtype, pool [E_local, W*C, K] in x_send8's dtype) of x_send8 [E, C, K]
     (e4m3, or e5m2 for a gradient) with every source's scale `scales` [W], times w_t8 [E_local, N, K]
-    (e4m3) and w_scale: the FP8 dispatch kernel where the plan has one, on CUDA (skipping the blocks
-    past `received`, the handle's counts); else the moves (op.to_experts) and XLA's GEMM."""
+    (e4m3) and w_scale: the FP8 dispatch kernel where the plan has one, on CUDA (op.dispatch_pool's
+    `received` and `sent`); else the moves (op.to_experts) and XLA's GEMM."""
     def apart(x_send8, scales, w_t8, w_scale, move):
         pool8 = move(x_send8)
         rows = _rows_of_sources(scales, pool8.shape[1])
@@ -82,13 +82,13 @@ def dispatch_pool(x_send8, scales, w_t8, w_scale, plan: op.Plan, out_dtype, name
         return apart(x_send8, scales, w_t8, w_scale, lambda v: op.to_experts(v, plan, name))
     names = callsite.varying_over(x_send8, scales, w_t8, w_scale, axis_name=plan.axis_name)
 
-    def kernel(x_send8, scales, w_t8, w_scale, rows):
-        return callsite.typed_like(names, *fused.call_fp8(x_send8, w_t8, scales, w_scale, rows, plan.gemm_call,
-                                                          out_dtype))
+    def kernel(x_send8, scales, w_t8, w_scale, rows, sent):
+        return callsite.typed_like(names, *fused.call_fp8(x_send8, w_t8, scales, w_scale, rows, sent,
+                                                          plan.gemm_call, out_dtype))
 
     xla_move = functools.partial(reference.to_experts, axis_name=plan.axis_name, world=plan.axis_size, op=name)
-    return callsite.dispatch(None, lambda *a: apart(*a[:-1], xla_move), kernel, x_send8, scales, w_t8, w_scale,
-                             op.kernel_rows(received, plan))
+    return callsite.dispatch(None, lambda *a: apart(*a[:-2], xla_move), kernel, x_send8, scales, w_t8, w_scale,
+                             op.kernel_rows(received, plan), op.kernel_sent(sent, plan))
 
 
 def combine_pool(h8, h_scale, w_t8, w_scale, plan: op.Plan, out_dtype, name: str, received=None):
@@ -134,7 +134,7 @@ def _dispatch_forward(x, w1, xs, ws, handle, plan, call, shared):
     src = source_scales(xs, plan, shared, DISPATCH)
     # The e4m3 rows move; the kernel reads w K-major (w_t, a transposed copy per call).
     y, pool8 = dispatch_pool(op.send_rows(x8, handle, plan), src, jnp.swapaxes(w8, 1, 2), ws, plan, call.out_dtype,
-                             DISPATCH, handle.received)
+                             DISPATCH, handle.received, handle.sent)
     return y, (pool8, _rows_of_sources(src, pool8.shape[1]), w8, ws)
 
 
@@ -217,7 +217,7 @@ def _combine_bwd(plan, call, res, dout):
     send = op.send_rows(d8, handle, plan)
     if call.fp8_grads:
         # The FP8 dispatch (kernel) of e5m2 rows times w2^T: w2 [E_local, F, H] is that GEMM's w_t.
-        g, pool8 = dispatch_pool(send, d_src, w8, ws, plan, call.out_dtype, DISPATCH, handle.received)
+        g, pool8 = dispatch_pool(send, d_src, w8, ws, plan, call.out_dtype, DISPATCH, handle.received, handle.sent)
         g = g.astype(F32)
     else:
         pool8 = op.to_experts(send, plan, DISPATCH)

@@ -179,10 +179,18 @@ def _received(received, e_local: int, world: int):
     return received
 
 
-def call(x_send, w1, received, site: MoeCall, return_pool: bool):
+def _sent(sent, experts: int):
+    """The dispatch kernel's sent operand, int32 [E] (MoePushArgs::sent)."""
+    if tuple(sent.shape) != (experts,) or sent.dtype != jnp.int32:
+        raise ValueError(f"sent must be int32 [E] = [{experts}], got {sent.dtype}{list(sent.shape)}")
+    return sent
+
+
+def call(x_send, w1, received, sent, site: MoeCall, return_pool: bool):
     """One rank's fused dispatch and expert GEMM inside shard_map: (y [E_local, W * C, N], the pool
     [E_local, W * C, H] or None). received [E_local, W]: the rows each source sent each expert (the
-    blocks past them are zeros in y, never computed)."""
+    blocks past them are zeros in y, never computed); sent [E]: the rows this rank sends each expert
+    (the SM push moves only those, in whole 128-row blocks)."""
     experts, capacity, k = x_send.shape
     e_local, n = w1.shape[0], w1.shape[2]
     world = experts // e_local
@@ -193,14 +201,15 @@ def call(x_send, w1, received, site: MoeCall, return_pool: bool):
                                     f"{comm.attributes_text(attributes)}, from {comm.call_site()}")
     y, pool = _ffi.fused_call(site.target, [jax.ShapeDtypeStruct((e_local, world * capacity, n), x_send.dtype),
                                             jax.ShapeDtypeStruct(pool_shape, x_send.dtype)],
-                              x_send, w1, _received(received, e_local, world), comm_id=np.int64(site.comm_id),
+                              x_send, w1, _received(received, e_local, world), _sent(sent, experts),
+                              comm_id=np.int64(site.comm_id),
                               signature=np.int64(signature), config=attributes)
     return y, (pool if return_pool else None)
 
 
-def call_fp8(x_send, w_t, x_scales, w_scale, received, site: MoeCall, out_dtype):
+def call_fp8(x_send, w_t, x_scales, w_scale, received, sent, site: MoeCall, out_dtype):
     """One rank's FP8 dispatch and expert GEMM inside shard_map: x_send [E, C, K] e4m3 or e5m2, w_t
-    [E_local, N, K] e4m3, x_scales [W] (every source's), w_scale, received (as call's) -> (y [E_local,
+    [E_local, N, K] e4m3, x_scales [W] (every source's), w_scale, received and sent (as call's) -> (y [E_local,
     W * C, N] in out_dtype, the pool [E_local, W * C, K] in x_send's dtype)."""
     experts, capacity, k = x_send.shape
     e_local, n = w_t.shape[0], w_t.shape[1]
@@ -212,7 +221,7 @@ def call_fp8(x_send, w_t, x_scales, w_scale, received, site: MoeCall, out_dtype)
     y, pool = _ffi.fused_call(site.target, [jax.ShapeDtypeStruct((e_local, world * capacity, n), out_dtype),
                                             jax.ShapeDtypeStruct((e_local, world * capacity, k), x_send.dtype)],
                               x_send, w_t, x_scales.astype(jnp.float32), jnp.reshape(w_scale, ()).astype(jnp.float32),
-                              _received(received, e_local, world), comm_id=np.int64(site.comm_id),
+                              _received(received, e_local, world), _sent(sent, experts), comm_id=np.int64(site.comm_id),
                               signature=np.int64(signature), config=attributes)
     return y, pool
 

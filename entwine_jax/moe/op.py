@@ -298,11 +298,10 @@ def to_sources(pool, plan: Plan, op: str):
 _ROW_WORDS = 4
 
 
-def received_rows(handle: MoeHandle, plan: Plan):
-    """[E_local, W] int32: the rows source s sends this rank's expert l, at [l, s] (MoeHandle.received):
-    every rank's counts moved to their experts' ranks before the dispatch's kernel, which skips the
-    blocks past them, as the combine's does."""
-    counts = reference.sent_rows(handle, num_experts=plan.num_experts)
+def received_rows(counts, plan: Plan):
+    """[E_local, W] int32: the rows source s sends this rank's expert l, at [l, s] (MoeHandle.received),
+    of every rank's counts [E] (reference.sent_rows): moved to their experts' ranks before the
+    dispatch's kernel, which skips the blocks past them, as the combine's does."""
     if plan.axis_size == 1:
         return counts[:, None]
     send = jnp.broadcast_to(counts[:, None], (plan.num_experts, _ROW_WORDS))
@@ -319,6 +318,14 @@ def kernel_rows(received, plan: Plan):
     return jnp.full((plan.e_local, plan.axis_size), plan.capacity, jnp.int32)
 
 
+def kernel_sent(sent, plan: Plan):
+    """What the dispatch kernel's SM push reads as MoePushArgs::sent: the handle's counts, or every
+    segment full."""
+    if sent is not None:
+        return sent
+    return jnp.full((plan.num_experts,), plan.capacity, jnp.int32)
+
+
 def taken_rows(pool, received, world: int):
     """[E_local, W*C, 1] bool: the pool's rows that some slot took. With the handle's counts (a kernel
     ran) the first received[l, q] rows of each segment (an iota, fused into the user of the mask);
@@ -332,11 +339,12 @@ def taken_rows(pool, received, world: int):
     return (i % segment < received[:, i // segment])[..., None]
 
 
-def dispatch_pool(x_send, w1, plan: Plan, received=None):
+def dispatch_pool(x_send, w1, plan: Plan, received=None, sent=None):
     """(y [E_local, W*C, N] in x_send.dtype, pool [E_local, W*C, H]) of x_send [E, C, H] and w1: the
-    dispatch kernel (the moves and the GEMM, which starts on each source's rows as they arrive, and
-    skips the blocks past `received`, the handle's counts) where the plan has one, on CUDA; else the
-    moves (to_experts) and XLA's GEMM."""
+    dispatch kernel (the moves, of the rows `sent` only with the SM push, and the GEMM, which starts on
+    each source's rows as they arrive, and skips the blocks past `received`; both the handle's counts)
+    where the plan has one, on CUDA; else the moves (to_experts) and XLA's GEMM. The pool's rows past
+    `received` rounded up to whole 128-row blocks are zeros."""
     def apart(x_send, w1):
         pool = to_experts(x_send, plan, DISPATCH)
         return reference.expert_dot(pool, w1).astype(x_send.dtype), pool
@@ -345,12 +353,12 @@ def dispatch_pool(x_send, w1, plan: Plan, received=None):
         return apart(x_send, w1)
     names = callsite.varying_over(x_send, w1, axis_name=plan.axis_name)
 
-    def kernel(x_send, w1, rows):
-        return callsite.typed_like(names, *fused.call(x_send, w1, rows, plan.gemm_call, return_pool=True))
+    def kernel(x_send, w1, rows, sent):
+        return callsite.typed_like(names, *fused.call(x_send, w1, rows, sent, plan.gemm_call, return_pool=True))
 
     reference_pool = functools.partial(reference.dispatch_pool, axis_name=plan.axis_name, world=plan.axis_size)
-    return callsite.dispatch(None, lambda x_send, w1, _: reference_pool(x_send, w1), kernel, x_send, w1,
-                             kernel_rows(received, plan))
+    return callsite.dispatch(None, lambda x_send, w1, *_: reference_pool(x_send, w1), kernel, x_send, w1,
+                             kernel_rows(received, plan), kernel_sent(sent, plan))
 
 
 def combine_pool(h, w2, plan: Plan, received=None):
@@ -377,7 +385,8 @@ def layout(topk_idx, plan: Plan) -> MoeHandle:
     handle = reference.layout(topk_idx, num_experts=plan.num_experts, capacity=plan.capacity)
     if plan.gemm_call is None and plan.combine_call is None:
         return handle
-    return handle._replace(received=received_rows(handle, plan))
+    counts = reference.sent_rows(handle, num_experts=plan.num_experts)
+    return handle._replace(received=received_rows(counts, plan), sent=counts)
 
 
 def send_rows(rows, handle: MoeHandle, plan: Plan):
@@ -390,7 +399,7 @@ def send_rows(rows, handle: MoeHandle, plan: Plan):
 def forward_dispatch(x, w1, plan: Plan, gathered: bool = False):
     """(y, handle) of a planned dispatch (x: a RoutedInput); no differentiation rule (dispatch() has it)."""
     handle = layout(x.topk_idx, plan)
-    return dispatch_pool(send_rows(x.x, handle, plan), w1, plan, handle.received)[0], handle
+    return dispatch_pool(send_rows(x.x, handle, plan), w1, plan, handle.received, handle.sent)[0], handle
 
 
 def forward_combine(x, w2, plan: Plan, gathered: bool = False):
@@ -404,11 +413,11 @@ def forward_combine(x, w2, plan: Plan, gathered: bool = False):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dispatch(x, w1, handle, plan):
-    return dispatch_pool(send_rows(x, handle, plan), w1, plan, handle.received)[0]
+    return dispatch_pool(send_rows(x, handle, plan), w1, plan, handle.received, handle.sent)[0]
 
 
 def _dispatch_fwd(x, w1, handle, plan):
-    y, pool = dispatch_pool(send_rows(x, handle, plan), w1, plan, handle.received)
+    y, pool = dispatch_pool(send_rows(x, handle, plan), w1, plan, handle.received, handle.sent)
     return y, (pool, w1, handle)
 
 
@@ -442,7 +451,8 @@ def _combine_fwd(h, w2, weights, handle, plan):
 def _combine_bwd(plan, res, dout):
     h, w2, weights, handle = res
     # dout's rows dispatched in the handle's layout, times w2^T: g = dout row @ w2^T on the expert side.
-    g, dy_pool = dispatch_pool(send_rows(dout, handle, plan), jnp.swapaxes(w2, 1, 2), plan, handle.received)
+    g, dy_pool = dispatch_pool(send_rows(dout, handle, plan), jnp.swapaxes(w2, 1, 2), plan, handle.received,
+                               handle.sent)
     # The router weights travel beside them (a dispatch's transfer): [E, C] -> [E_local, W*C, 1].
     w_send = reference.to_segments(weights.astype(F32), handle, num_experts=plan.num_experts, capacity=plan.capacity)
     w_pool = to_experts(w_send, plan, DISPATCH)[..., None]

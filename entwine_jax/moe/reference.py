@@ -36,11 +36,14 @@ class MoeHandle(NamedTuple):
     place [T, k]:  each sent slot's row i in its (this rank, expert) segment, else -1;
     dropped []:    this rank's slots (its tokens') lost to the capacity C;
     received [E_local, W]: the rows source s sent this rank's expert l, at [l, s], where a kernel
-                   reads them (it skips the GEMM blocks past them), else None."""
+                   reads them (it skips the GEMM blocks past them), else None;
+    sent [E]:      the rows this rank sends each expert, where a kernel pushes them (an SM push
+                   moves only those, in whole 128-row blocks), else None."""
     expert: jax.Array
     place: jax.Array
     dropped: jax.Array
     received: Optional[jax.Array] = None
+    sent: Optional[jax.Array] = None
 
 
 def round_up(n, m: int):

@@ -113,6 +113,7 @@ struct MoeWorld {
     float* x_scales = nullptr;  // FP8: every source's x scale [world]; then w's
     int32_t* received = nullptr;  // [E_local, world] with MoeCase::rows, else nullptr
     std::vector<int32_t> received_host;
+    int32_t* sent = nullptr;  // [experts] with MoeCase::rows (the peers' received), else nullptr
     char* inbox = nullptr;
     uint64_t* flags = nullptr;  // two parities of plan.flags words
     uint64_t* ready = nullptr;  // kMaxWorld words: ready[s] = the last call rank s announced
@@ -142,6 +143,7 @@ struct MoeWorld {
       CHECK_CUDA(cudaMalloc(&r.w, size_t(c.w_elems()) * c.in_bytes()));
       CHECK_CUDA(cudaMalloc(&r.x_scales, (c.world + 1) * sizeof(float)));
       if (c.rows != 0) CHECK_CUDA(cudaMalloc(&r.received, size_t(c.experts) * sizeof(int32_t)));
+      if (c.rows != 0) CHECK_CUDA(cudaMalloc(&r.sent, size_t(c.experts) * sizeof(int32_t)));
       CHECK_CUDA(cudaMalloc(&r.y, size_t(c.y_rows()) * c.n * 2));
       CHECK_CUDA(cudaMalloc(&r.inbox, plan.inbox_bytes));
       // Stale rows a wrong wait would read show as NaN in y.
@@ -162,6 +164,7 @@ struct MoeWorld {
       cudaFree(r.w);
       cudaFree(r.x_scales);
       cudaFree(r.received);
+      cudaFree(r.sent);
       cudaFree(r.y);
       cudaFree(r.inbox);
       cudaFree(r.flags);
@@ -212,6 +215,13 @@ struct MoeWorld {
       }
       CHECK_CUDA(cudaMemcpy(ranks[r].received, rows.data(), rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     }
+    // What each source sends each destination's expert: the destination's received rows.
+    for (int q = 0; c.rows != 0 && q < c.world; ++q) {
+      std::vector<int32_t> sent(c.experts);
+      for (int r = 0; r < c.world; ++r)
+        for (int e = 0; e < c.e_local(); ++e) sent[r * c.e_local() + e] = ranks[r].received_host[e * c.world + q];
+      CHECK_CUDA(cudaMemcpy(ranks[q].sent, sent.data(), sent.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    }
     CHECK_CUDA(cudaGetLastError());
     CHECK_CUDA(cudaDeviceSynchronize());
   }
@@ -232,6 +242,8 @@ struct MoeWorld {
     a.ready = ranks[r].ready;
     a.arrivals = ranks[r].arrivals;
     a.slice_bytes = plan.slice_bytes;
+    a.row_bytes = plan.slice_bytes / c.capacity;
+    a.sent = ranks[r].sent;
     a.e_local = plan.e_local;
     a.rank = r;
     a.world = c.world;
@@ -348,6 +360,43 @@ struct MoeWorld {
     return o;
   }
 
+  // After a call: every rank's receive pool (launch_copy_pool, as the handler copies it out) holds
+  // source q's rows of segment (e, q) byte for byte up to its received rows rounded up to whole
+  // 128-row blocks, zeros past them; the pool starts poisoned. Returns the number of wrong segments.
+  int check_pool() {
+    int64_t const row_bytes = plan.slice_bytes / c.capacity;
+    int64_t const pool_bytes = int64_t(c.e_local()) * c.world * plan.slice_bytes;
+    std::vector<std::vector<char>> send(c.world, std::vector<char>(size_t(c.experts) * plan.slice_bytes));
+    for (int q = 0; q < c.world; ++q)
+      CHECK_CUDA(cudaMemcpy(send[q].data(), ranks[q].x_send, send[q].size(), cudaMemcpyDeviceToHost));
+    char* pool = nullptr;
+    CHECK_CUDA(cudaMalloc(&pool, pool_bytes));
+    std::vector<char> got(pool_bytes);
+    int wrong = 0;
+    for (int r = 0; r < c.world; ++r) {
+      CHECK_CUDA(cudaMemset(pool, 0xFF, pool_bytes));
+      MoePoolArgs a{static_cast<const char*>(ranks[r].x_send) + int64_t(r) * c.e_local() * plan.slice_bytes,
+                    ranks[r].inbox, pool, ranks[r].received, plan.slice_bytes, row_bytes, c.capacity, c.e_local(), r,
+                    c.world};
+      CHECK_CUDA(moe::launch_copy_pool(a, nullptr));
+      CHECK_CUDA(cudaMemcpy(got.data(), pool, got.size(), cudaMemcpyDeviceToHost));
+      for (int e = 0; e < c.e_local(); ++e) {
+        for (int q = 0; q < c.world; ++q) {
+          int const i = e * c.world + q;
+          int64_t const moved = segment_rows(c.rows != 0 ? ranks[r].received_host.data() : nullptr, i, c.capacity) *
+                                row_bytes;
+          char const* seg = got.data() + i * plan.slice_bytes;
+          char const* want = send[q].data() + (int64_t(r) * c.e_local() + e) * plan.slice_bytes;
+          bool ok = std::memcmp(seg, want, moved) == 0;
+          ok = ok && std::all_of(seg + moved, seg + plan.slice_bytes, [](char b) { return b == 0; });
+          wrong += !ok;
+        }
+      }
+    }
+    cudaFree(pool);
+    return wrong;
+  }
+
   DeviceError read_error() const { return read_device_error(error); }
 };
 
@@ -369,12 +418,14 @@ void run_moe_case(MoeCase const& c, int epochs) {
   world.poison_outputs();
   world.call();
   bool const bitwise = world.outputs() == first;
+  int const pool_wrong = world.check_pool();
   DeviceError const e = world.read_error();
   double const tol = c.bf16 ? 1e-2 : 2e-3;
-  char buf[160];
-  std::snprintf(buf, sizeof buf, ": %d blocks, %d epochs, rel err %.2e (tol %.0e), bitwise repeat %s, error %u",
-                plan.num_blocks, epochs, worst, tol, bitwise ? "yes" : "NO", e.code);
-  expect(worst <= tol && bitwise && e.code == 0, describe(c) + buf);
+  char buf[192];
+  std::snprintf(buf, sizeof buf,
+                ": %d blocks, %d epochs, rel err %.2e (tol %.0e), bitwise repeat %s, pool segments wrong %d, error %u",
+                plan.num_blocks, epochs, worst, tol, bitwise ? "yes" : "NO", pool_wrong, e.code);
+  expect(worst <= tol && bitwise && pool_wrong == 0 && e.code == 0, describe(c) + buf);
 }
 
 // moe_transfer's moves alone (no GEMM): after each call every rank's inbox holds, at segment
@@ -862,9 +913,10 @@ int moe_bench_main() {
   for (Shape const sh : shapes) {
     // The copy engines and the SM push in bf16, then FP8 (e4m3 x e4m3 into bf16, 128-wide blocks);
     // then bf16 and FP8 with a quarter of every segment's rows sent (a dropless capacity when E / k
-    // = 4, as Mixtral's: the blocks past them skipped).
-    for (int variant : {0, 1, 2, 3, 4}) {
-      int const push_sms = variant == 1 ? 8 : 0;
+    // = 4, as Mixtral's: the blocks past them skipped; the copy engines move whole segments), and
+    // bf16 so with the SM push, which moves only the rows sent.
+    for (int variant : {0, 1, 2, 3, 4, 5}) {
+      int const push_sms = variant == 1 || variant == 5 ? 8 : 0;
       bool const fp8 = variant == 2 || variant == 4;
       MoeCase c{sh.world, sh.experts, sh.capacity, sh.k, sh.n, moe_config_for(sh.world, fp8 ? 128 : 256, 8, push_sms)};
       c.fp8 = fp8 ? 1 : 0;
@@ -977,6 +1029,22 @@ int moe_test_main() {
     MoeCase rc{world, 2 * world, 384, 256, 512, moe_config_for(world, world == 3 ? 128 : 256, 8, world == 2 ? 4 : 0)};
     rc.rows = kMixedRows;
     run_moe_case(rc, 3);
+  }
+  // The SM push moves only the rows sent (whole 128-row blocks of them): the inbox past them holds
+  // the last epoch's rows, which no computed block may read; W = 3 and 4, FP8, a K tail.
+  for (int world : {3, 4}) {
+    MoeCase rp{world, 2 * world, 384, 256, 512, moe_config_for(world, world == 3 ? 128 : 256, 8, 4)};
+    rp.rows = kMixedRows;
+    run_moe_case(rp, 3);
+  }
+  {
+    MoeCase rp{3, 6, 256, 272, 384, moe_config_for(3, 128, 8, 2)};
+    rp.rows = kMixedRows;
+    rp.fp8 = 2;
+    run_moe_case(rp, 3);
+    MoeCase rk{2, 4, 384, 200, 256, moe_config_for(2, 128, 2, 1)};
+    rk.rows = kMixedRows;
+    run_moe_case(rk, 3);
   }
   {
     MoeCase rc{3, 6, 256, 272, 384, moe_config_for(3, 128)};

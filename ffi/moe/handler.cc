@@ -113,6 +113,7 @@ struct Operands {
   const float* w_scale = nullptr;   // FP8
   int64_t x_scale_count = 0;        // FP8: x_scales' length, W
   const ffi::AnyBuffer* received = nullptr;  // int32 [E_local, W]: the rows each source sent each expert
+  const ffi::AnyBuffer* sent = nullptr;      // int32 [E]: the rows this rank sends each expert
 };
 
 // The rows of each (expert, source) segment, int32 [E_local, W] (received_rows in entwine_jax/moe/op.py).
@@ -125,6 +126,18 @@ ffi::Error received_rows(const char* op, ffi::AnyBuffer const& received, int64_t
                                        std::to_string(int(received.element_type())) + " " + dims_string(d));
   }
   *out = static_cast<const int32_t*>(received.untyped_data());
+  return ffi::Error::Success();
+}
+
+// The rows this rank sends each expert, int32 [E] (sent_rows in entwine_jax/moe/reference.py).
+ffi::Error sent_rows(ffi::AnyBuffer const& sent, int64_t experts, const int32_t** out) {
+  auto const d = sent.dimensions();
+  if (sent.element_type() != ffi::DataType::S32 || d.size() != 1 || d[0] != experts) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": sent must be int32 [E] = [" + std::to_string(experts) +
+                                       "], got dtype code " + std::to_string(int(sent.element_type())) + " " +
+                                       dims_string(d));
+  }
+  *out = static_cast<const int32_t*>(sent.untyped_data());
   return ffi::Error::Success();
 }
 
@@ -251,8 +264,8 @@ ffi::Error derive_combine(MoeProblem const& problem, DType output, MoeCombineArg
 }
 
 // The SM push on `stream`: waits for every receiver, pushes every segment, releases each.
-ffi::Error enqueue_sm_push(comm::DeviceComm& dc, MoePlan const& plan, const void* x_send, CallEpoch const& epoch,
-                           cudaStream_t stream) {
+ffi::Error enqueue_sm_push(comm::DeviceComm& dc, MoePlan const& plan, const void* x_send, const int32_t* sent,
+                           CallEpoch const& epoch, cudaStream_t stream) {
   size_t const inbox_offset = dc.layout.region_offset(moe::inbox_region);
   MoePushArgs push{};
   push.x_send = x_send;
@@ -265,6 +278,8 @@ ffi::Error enqueue_sm_push(comm::DeviceComm& dc, MoePlan const& plan, const void
   push.ready = reinterpret_cast<uint64_t*>(static_cast<char*>(dc.heap) + dc.layout.ready_offset());
   push.arrivals = static_cast<uint32_t*>(dc.workspace(&moe::kHooks));
   push.slice_bytes = plan.slice_bytes;
+  push.row_bytes = plan.slice_bytes / plan.shape.capacity;
+  push.sent = sent;
   push.e_local = plan.e_local;
   push.rank = dc.rank;
   push.world = dc.world;
@@ -319,22 +334,22 @@ MoeWaitArgs wait_args(comm::DeviceComm const& dc, MoePlan const& plan, CallEpoch
 }
 
 // The receive pool as an output [E_local, W * C, K], on XLA's stream after the GEMM (which acquired
-// every segment): the peers' segments from the inbox, this rank's own from x_send.
-ffi::Error copy_pool(comm::DeviceComm const& dc, MoePlan const& plan, const void* x_send, ffi::AnyBuffer& pool,
-                     cudaStream_t xla_stream) {
+// every segment): the peers' segments from the inbox, this rank's own from x_send (MoePoolArgs).
+ffi::Error copy_pool(comm::DeviceComm const& dc, MoePlan const& plan, const void* x_send, const int32_t* received,
+                     ffi::AnyBuffer& pool, cudaStream_t xla_stream) {
   if (pool.element_count() == 0) return ffi::Error::Success();
-  char const* const own_inbox = static_cast<char const*>(dc.heap) + dc.layout.region_offset(moe::inbox_region);
-  char const* const own_rows = static_cast<char const*>(x_send) + int64_t(dc.rank) * plan.e_local * plan.slice_bytes;
-  char* const out = static_cast<char*>(pool.untyped_data());
-  int const world = dc.world;
-  for (int e = 0; e < plan.e_local; ++e) {
-    for (int s = 0; s < world; ++s) {
-      int64_t const segment = (int64_t(e) * world + s) * plan.slice_bytes;
-      char const* const from = s == dc.rank ? own_rows + e * plan.slice_bytes : own_inbox + segment;
-      ENTWINE_RETURN_IF_CUDA(kOp, cudaMemcpyAsync(out + segment, from, plan.slice_bytes, cudaMemcpyDeviceToDevice,
-                                                  xla_stream));
-    }
-  }
+  MoePoolArgs a{};
+  a.own_rows = static_cast<char const*>(x_send) + int64_t(dc.rank) * plan.e_local * plan.slice_bytes;
+  a.inbox = static_cast<char const*>(dc.heap) + dc.layout.region_offset(moe::inbox_region);
+  a.pool = static_cast<char*>(pool.untyped_data());
+  a.received = received;
+  a.slice_bytes = plan.slice_bytes;
+  a.row_bytes = plan.slice_bytes / plan.shape.capacity;
+  a.capacity = plan.shape.capacity;
+  a.e_local = plan.e_local;
+  a.rank = dc.rank;
+  a.world = dc.world;
+  ENTWINE_RETURN_IF_CUDA(kOp, moe::launch_copy_pool(a, xla_stream));
   return ffi::Error::Success();
 }
 
@@ -367,6 +382,8 @@ ffi::Error RunMoeDispatch(cudaStream_t xla_stream, int32_t device, Operands cons
       e.failure()) {
     return e;
   }
+  const int32_t* sent = nullptr;
+  if (ffi::Error e = sent_rows(*ops.sent, problem.experts, &sent); e.failure()) return e;
   args.y = y->untyped_data();
   args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
   args.error = dc->error_local;
@@ -380,9 +397,9 @@ ffi::Error RunMoeDispatch(cudaStream_t xla_stream, int32_t device, Operands cons
   timer.lap(comm::kPhaseChecks);
   ffi::Error const pushed = handler::run_pushes_and_gemm(
       kOp, *dc, plan.push_grid > 0 && dc->world > 1, derived->gemm, xla_stream, timer,
-      [&](cudaStream_t stream) { return enqueue_sm_push(*dc, plan, args.x_send, epoch_args, stream); },
+      [&](cudaStream_t stream) { return enqueue_sm_push(*dc, plan, args.x_send, sent, epoch_args, stream); },
       [&] { return enqueue_copy_engine_pushes(*dc, plan, args.x_send, epoch_args); },
-      [&] { return copy_pool(*dc, plan, args.x_send, *pool, xla_stream); });
+      [&] { return copy_pool(*dc, plan, args.x_send, args.received, *pool, xla_stream); });
   if (pushed.failure()) return pushed;
   // The next call's epoch, once this whole call is done (outputs poisoned if it failed anywhere).
   comm::CallEnd end = handler::call_end(*dc, epoch_args);
@@ -394,11 +411,13 @@ ffi::Error RunMoeDispatch(cudaStream_t xla_stream, int32_t device, Operands cons
 }
 
 ffi::Error MoeDispatchGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x_send, ffi::AnyBuffer w,
-                               ffi::AnyBuffer received, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> pool,
-                               int64_t comm_id, int64_t signature, MoeConfig config) {
+                               ffi::AnyBuffer received, ffi::AnyBuffer sent, ffi::Result<ffi::AnyBuffer> y,
+                               ffi::Result<ffi::AnyBuffer> pool, int64_t comm_id, int64_t signature,
+                               MoeConfig config) {
   return handler::guarded(kOp, [&]() -> ffi::Error {
     Operands ops{DType::kBF16, DType::kBF16, x_send, w};
     ops.received = &received;
+    ops.sent = &sent;
     if (ffi::Error e = handler::element_type(kOp, "x_send", x_send, &ops.input); e.failure()) return e;
     if (w.element_type() != x_send.element_type() || y->element_type() != x_send.element_type() ||
         pool->element_type() != x_send.element_type()) {
@@ -414,12 +433,13 @@ ffi::Error MoeDispatchGemmImpl(cudaStream_t xla_stream, int32_t device, ffi::Any
 // y bf16 or fp16; the pool in x_send's dtype (or empty).
 ffi::Error MoeDispatchGemmFp8Impl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer x_send, ffi::AnyBuffer w_t,
                                   ffi::AnyBuffer x_scales, ffi::AnyBuffer w_scale, ffi::AnyBuffer received,
-                                  ffi::Result<ffi::AnyBuffer> y,
+                                  ffi::AnyBuffer sent, ffi::Result<ffi::AnyBuffer> y,
                                   ffi::Result<ffi::AnyBuffer> pool, int64_t comm_id, int64_t signature,
                                   MoeConfig config) {
   return handler::guarded(kOp, [&]() -> ffi::Error {
     Operands ops{DType::kE4M3, DType::kBF16, x_send, w_t};
     ops.received = &received;
+    ops.sent = &sent;
     if (ffi::Error e = handler::fp8_input(kOp, "x_send", x_send, &ops.input); e.failure()) return e;
     if (ffi::Error e = handler::fp8_weight(kOp, "w_t", w_t); e.failure()) return e;
     if (ffi::Error e = handler::element_type(kOp, "y", *y, &ops.output); e.failure()) return e;
@@ -593,12 +613,14 @@ ffi::Error MoeTransferImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuff
     if (!sm_push) ENTWINE_RETURN_IF_CUDA(kTransferOp, cudaEventRecord(dc->start, xla_stream));
     timer.lap(comm::kPhaseFork);
     if (sm_push) {
-      if (ffi::Error e = enqueue_sm_push(*dc, plan, send.untyped_data(), epoch_args, xla_stream); e.failure()) return e;
+      // Every row moves: the rows sent are not known here.
+      ffi::Error const e = enqueue_sm_push(*dc, plan, send.untyped_data(), nullptr, epoch_args, xla_stream);
+      if (e.failure()) return e;
     } else if (ffi::Error e = enqueue_copy_engine_pushes(*dc, plan, send.untyped_data(), epoch_args); e.failure()) {
       return e;
     }
     ENTWINE_RETURN_IF_CUDA(kTransferOp, moe::launch_wait_segments(wait_args(*dc, plan, epoch_args), xla_stream));
-    if (ffi::Error e = copy_pool(*dc, plan, send.untyped_data(), *recv, xla_stream); e.failure()) return e;
+    if (ffi::Error e = copy_pool(*dc, plan, send.untyped_data(), nullptr, *recv, xla_stream); e.failure()) return e;
     timer.lap(comm::kPhaseLaunch);
     for (int d = 1; !sm_push && d < dc->world; ++d) {
       ENTWINE_RETURN_IF_CUDA(kTransferOp, cudaStreamWaitEvent(xla_stream, dc->side_done[d - 1], 0));
@@ -627,6 +649,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchGemm, entwine::MoeDispatchGemmImpl,
                                   .Arg<ffi::AnyBuffer>()                     // x_send [E, C, K]
                                   .Arg<ffi::AnyBuffer>()                     // w [E_local, K, N]
                                   .Arg<ffi::AnyBuffer>()                     // received: int32 [E_local, W]
+                                  .Arg<ffi::AnyBuffer>()                     // sent: int32 [E]
                                   .Ret<ffi::AnyBuffer>()                     // y [E_local, W * C, N]
                                   .Ret<ffi::AnyBuffer>()                     // pool [E_local, W * C, K] (or empty)
                                   .Attr<int64_t>("comm_id")                  // comm_id
@@ -643,6 +666,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeDispatchGemmFp8, entwine::MoeDispatchGemmFp8Imp
                                   .Arg<ffi::AnyBuffer>()                     // x_scales: f32 [W]
                                   .Arg<ffi::AnyBuffer>()                     // w_scale: f32 [] or [1]
                                   .Arg<ffi::AnyBuffer>()                     // received: int32 [E_local, W]
+                                  .Arg<ffi::AnyBuffer>()                     // sent: int32 [E]
                                   .Ret<ffi::AnyBuffer>()                     // y [E_local, W * C, N]: bf16 or f16
                                   .Ret<ffi::AnyBuffer>()                     // pool [E_local, W * C, K] (or empty)
                                   .Attr<int64_t>("comm_id")                  // comm_id

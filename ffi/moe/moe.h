@@ -217,11 +217,37 @@ struct MoePushArgs {
   const uint64_t* ready;           // ready[0 .. world) in this rank's heap: the receivers' announcements
   uint32_t* arrivals;              // kMoePushCounters counters, zero between calls (the op's workspace)
   int64_t slice_bytes;             // MoePlan::slice_bytes
+  int64_t row_bytes;               // one row: k elements
+  // [experts] (device): the rows this rank sends expert d * E_local + e (nullptr: all C). A segment
+  // moves them rounded up to whole 128-row blocks (segment_rows): the receiver's GEMM reads every
+  // block holding a row, and the rows past those sent in it are the send buffer's zeros.
+  const int32_t* sent = nullptr;
   int32_t e_local, rank, world;
   DeviceError* error;
   DeviceError* error_mirror;
   CallEpoch call;
   uint64_t timeout_ns;
+};
+
+// The rows of a segment that move, and that the pool copies: `rows` (sent or received) rounded up to
+// whole 128-row blocks, at most C (nullptr counts: all C).
+__host__ __device__ inline int64_t segment_rows(const int32_t* counts, int index, int32_t capacity) {
+  if (counts == nullptr) return capacity;
+  int64_t const rows = counts[index] <= 0 ? 0 : (int64_t(counts[index]) + kBlockM - 1) / kBlockM * kBlockM;
+  return rows < capacity ? rows : capacity;
+}
+
+// The receive pool as an output [E_local, world * C, k] (launch_copy_pool, after the GEMM acquired
+// every segment): segment (e, s) from this rank's x_send (s == rank) or its inbox, its received rows
+// rounded up to whole blocks copied (the rows that moved) and the rest zeros, as the op's send
+// buffer has them: the inbox past the rows that moved holds older calls' rows.
+struct MoePoolArgs {
+  const char* own_rows;     // x_send's segments of this rank's experts: [E_local][C] rows
+  const char* inbox;        // this rank's inbox [E_local][world][C] rows
+  char* pool;               // [E_local][world][C] rows
+  const int32_t* received;  // [E_local, world] (device), as MoeGemmArgs::received (nullptr: all C)
+  int64_t slice_bytes, row_bytes;
+  int32_t capacity, e_local, rank, world;
 };
 
 // The waits of moe_dispatch_gemm (DeviceError::site; tile: the expert of the waited segment).
@@ -285,6 +311,8 @@ cudaError_t launch_push_copy(const MoePlan& plan, const MoeTransferArgs& args, c
 // The SM push of a plan with push_grid > 0 (world > 1): on the GEMM's stream, before the GEMM
 // (enqueued with `dependent`: PreparedGemm::enqueue(stream, true)).
 cudaError_t launch_push(const MoePlan& plan, const MoePushArgs& args, cudaStream_t stream);
+// The pool copy (MoePoolArgs) on `stream`.
+cudaError_t launch_copy_pool(const MoePoolArgs& args, cudaStream_t stream);
 cudaError_t prepare_transfer_kernels();
 // moe_transfer's wait for every peer's segments (MoeWaitArgs), on the receiver's stream.
 cudaError_t launch_wait_segments(const MoeWaitArgs& args, cudaStream_t stream);

@@ -1,8 +1,10 @@
 // moe_dispatch_gemm's transfers; every kernel reads the call's epoch from the device, so a CUDA
 // graph can replay it (docs/design.md, "Graph safety"). Copy engines (config.push_sms = 0): one
-// source's segments for one destination, each copied into the destination's inbox between comm's
-// receiver wait and one release per segment (comm/transfer.h). SMs (push_sms > 0): one kernel
-// copies and releases every segment (push_segments).
+// source's segments for one destination, each copied whole (C rows: their sizes are the host's) into
+// the destination's inbox between comm's receiver wait and one release per segment (comm/transfer.h).
+// SMs (push_sms > 0): one kernel copies the rows sent and releases every segment (push_segments).
+#include <algorithm>
+
 #include "comm/ptx.cuh"
 #include "comm/push.cuh"
 #include "comm/transfer.h"
@@ -50,12 +52,14 @@ __global__ void __launch_bounds__(kMoePushThreads) push_segments(MoePushArgs a) 
   push::wait_destinations(g, dest_ok, a.ready, epoch, a.call, a.timeout_ns, a.error, a.error_mirror, a.rank, a.world,
                           kMoeWaitInboxReady);
 
-  int64_t const vectors = a.slice_bytes / 16;
   int64_t const stride = int64_t(g.members) * kMoePushThreads;
+  int32_t const capacity = int32_t(a.slice_bytes / a.row_bytes);
   for (int e = 0; e < a.e_local; ++e) {
     for (int d = 1 + g.group; d <= g.peers; d += g.groups) {
       int const dest = (a.rank + d) % a.world;
       if (dest_ok[dest]) {
+        // Whole blocks of 128 rows: a multiple of 16 bytes whatever k is (C * row_bytes is one).
+        int64_t const vectors = segment_rows(a.sent, dest * a.e_local + e, capacity) * a.row_bytes / 16;
         // Rows x_send[dest * E_local + e] into source slot `rank` of the destination's expert e.
         auto const* from = reinterpret_cast<const uint4*>(static_cast<const char*>(a.x_send) +
                                                           (int64_t(dest) * a.e_local + e) * a.slice_bytes);
@@ -71,9 +75,34 @@ __global__ void __launch_bounds__(kMoePushThreads) push_segments(MoePushArgs a) 
   }
 }
 
+// MoePoolArgs: blockIdx.y is the segment (e, s); its CTAs stride over its 16-byte vectors.
+constexpr int kPoolThreads = 256;
+__global__ void __launch_bounds__(kPoolThreads) copy_pool_segments(MoePoolArgs a) {
+  int const segment = blockIdx.y, e = segment / a.world, s = segment % a.world;
+  char const* const from = s == a.rank ? a.own_rows + e * a.slice_bytes : a.inbox + segment * a.slice_bytes;
+  // Whole blocks of 128 rows: the boundary falls on a 16-byte vector whatever k is.
+  int64_t const copied = segment_rows(a.received, segment, a.capacity) * a.row_bytes / 16;
+  auto const* in = reinterpret_cast<const uint4*>(from);
+  auto* out = reinterpret_cast<uint4*>(a.pool + segment * a.slice_bytes);
+  int64_t const vectors = a.slice_bytes / 16;
+  int64_t const stride = int64_t(gridDim.x) * kPoolThreads;
+  for (int64_t i = int64_t(blockIdx.x) * kPoolThreads + threadIdx.x; i < vectors; i += stride) {
+    out[i] = i < copied ? in[i] : make_uint4(0, 0, 0, 0);
+  }
+}
+
 }  // namespace
 
 namespace moe {
+
+cudaError_t launch_copy_pool(const MoePoolArgs& args, cudaStream_t stream) {
+  // Enough CTAs per segment for the copy to run at memory speed, at most 64 (C / 128 blocks of rows).
+  int64_t const vectors = args.slice_bytes / 16;
+  int const per_segment = int(std::clamp<int64_t>((vectors + 4 * kPoolThreads - 1) / (4 * kPoolThreads), 1, 64));
+  dim3 const grid(per_segment, args.e_local * args.world);
+  copy_pool_segments<<<grid, kPoolThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_push(const MoePlan& plan, const MoePushArgs& args, cudaStream_t stream) {
   push_segments<<<plan.push_grid, kMoePushThreads, 0, stream>>>(args);
@@ -108,6 +137,7 @@ cudaError_t prepare_transfer_kernels() {
   cudaFuncAttributes attr;
   cudaError_t err = comm::prepare_transfer_kernels();
   if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, wait_segments);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, copy_pool_segments);
   return err != cudaSuccess ? err : cudaFuncGetAttributes(&attr, push_segments);
 }
 
