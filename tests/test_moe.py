@@ -787,3 +787,35 @@ def test_kernel_calls_trace_their_operands():
     with pytest.raises(ValueError, match=r"sent must be int32 \[E\] = \[4\], got int32\[2\]"):
         jax.make_jaxpr(jax.shard_map(lambda *a: body(*a[:5], a[5][:2]), mesh=mesh, in_specs=(P(),) * 6,
                                      out_specs=(P(),) * 3, check_vma=False))(*args)
+
+
+def test_default_config_pushes_by_sms_where_the_layout_is_mostly_empty():
+    """A call without a config takes the SM push (which moves only the rows sent) where the rows
+    routed fill at most an eighth of the static layout's E x C rows, else the copy engines (whole
+    segments); a config the caller gave is kept, push_sms included."""
+    import dataclasses
+
+    from entwine_jax import opspec
+    from entwine_jax.moe import op as moe_op
+
+    assert moe_op.default_push(MoeConfig(), "default", 4096, 8, 256, 4096).push_sms == 8  # DeepSeek-V3: 1/32
+    assert moe_op.default_push(MoeConfig(), "default", 4096, 2, 8, 4096).push_sms == 0  # Mixtral: 1/4
+    assert moe_op.default_push(MoeConfig(), "default", 512, 2, 8, 1024).push_sms == 8  # exactly 1/8
+    assert moe_op.default_push(MoeConfig(), "the call", 4096, 8, 256, 4096).push_sms == 0
+    assert moe_op.default_push(MoeConfig(push_sms=4), "default", 4096, 8, 256, 4096).push_sms == 4
+    mesh = make_mesh((2,), ("ep",))
+    seen = {}
+
+    def body(x, idx, w1, config):
+        plan = moe_op.plan_dispatch(opspec.RoutedInput(x, idx), w1, axis_name="ep", config=config)
+        seen[config] = dataclasses.replace(plan.config)
+        return x
+
+    for experts_per_rank, config in ((8, None), (2, None), (8, MoeConfig())):
+        # 256 tokens per rank.
+        args = (jnp.zeros((512, 64), jnp.bfloat16), jnp.zeros((512, 2), jnp.int32),
+                jnp.zeros((2 * experts_per_rank, 64, 32), jnp.bfloat16))
+        _trace(lambda x, idx, w1: body(x, idx, w1, config), mesh, args)
+        # 16 experts of 2 per token, C = 256: 1/16 of the rows; 4 experts: 1/2.
+        want = 8 if experts_per_rank == 8 and config is None else 0
+        assert seen[config].push_sms == want, (experts_per_rank, config, seen[config])

@@ -25,8 +25,11 @@ class MoeConfig:
     gemm_sms: the dispatch GEMM's persistent grid; 0: every SM the push leaves.
     raster_rows: an expert's GEMM blocks (its local segment alone, its peers' segments stacked) run
                  in groups of this many tile rows (L2 reuse of w).
-    push_sms: 0: the copy engines move the tokens (no SM); n > 0: an SM push of n CTAs ahead of the
-              dispatch GEMM (the moves without a GEMM always take the copy engines).
+    push_sms: 0: the copy engines move the tokens (no SM), every segment's C rows (their sizes are
+              the host's); n > 0: an SM push of n CTAs ahead of the dispatch GEMM, which moves only
+              the rows sent, in whole 128-row blocks (the moves without a GEMM always take the copy
+              engines). A call without a config takes the SM push (8 CTAs) where the rows routed fill
+              at most an eighth of the E x C rows (moe.op.default_push), else the copy engines.
     """
 
     capacity: Optional[float] = None

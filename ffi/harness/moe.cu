@@ -914,13 +914,14 @@ int moe_bench_main() {
     // The copy engines and the SM push in bf16, then FP8 (e4m3 x e4m3 into bf16, 128-wide blocks);
     // then bf16 and FP8 with a quarter of every segment's rows sent (a dropless capacity when E / k
     // = 4, as Mixtral's: the blocks past them skipped; the copy engines move whole segments), and
-    // bf16 so with the SM push, which moves only the rows sent.
-    for (int variant : {0, 1, 2, 3, 4, 5}) {
-      int const push_sms = variant == 1 || variant == 5 ? 8 : 0;
+    // bf16 so with the SM push, which moves only the rows sent; then bf16 with an eighth of the rows
+    // (E / k = 8), both pushes.
+    for (int variant : {0, 1, 2, 3, 4, 5, 6, 7}) {
+      int const push_sms = variant == 1 || variant == 5 || variant == 7 ? 8 : 0;
       bool const fp8 = variant == 2 || variant == 4;
       MoeCase c{sh.world, sh.experts, sh.capacity, sh.k, sh.n, moe_config_for(sh.world, fp8 ? 128 : 256, 8, push_sms)};
       c.fp8 = fp8 ? 1 : 0;
-      c.rows = variant >= 3 ? sh.capacity / 4 : 0;
+      c.rows = variant >= 6 ? sh.capacity / 8 : variant >= 3 ? sh.capacity / 4 : 0;
       MoeWorld world(c);
       world.fill_inputs(21);
       cudaStream_t origin;
