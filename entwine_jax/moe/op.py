@@ -136,10 +136,10 @@ def default_config(x, w, size: int, dimension: int) -> tuple[MoeConfig, str]:
 
 
 # The SM push moves each segment's rows sent (whole 128-row blocks of them), the copy engines all C
-# rows (their sizes are the host's). Measured on one H100 with a quarter of every segment's rows
-# sent (docs/performance.md, "Only the rows sent"): the SM push 1.08-1.21x faster where segments are
-# short next to their GEMM, 0.96x where they are long (its 8 SMs are the GEMM's loss); with an
-# eighth or less the bytes saved grow and the GEMM's loss does not.
+# rows (their sizes are the host's). Measured on one H100 with a quarter and an eighth of every
+# segment's rows sent (docs/performance.md, "Only the rows sent"): the SM push 1.08-1.24x faster
+# where segments are short next to their GEMM; where they are long 0.96x with a quarter (its 8 SMs
+# are the GEMM's loss) and equal with an eighth, as the bytes saved grow.
 DEFAULT_PUSH_SMS = 8
 SM_PUSH_MAX_FILL = 1 / 8
 

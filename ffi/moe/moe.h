@@ -217,7 +217,7 @@ struct MoePushArgs {
   const uint64_t* ready;           // ready[0 .. world) in this rank's heap: the receivers' announcements
   uint32_t* arrivals;              // kMoePushCounters counters, zero between calls (the op's workspace)
   int64_t slice_bytes;             // MoePlan::slice_bytes
-  int64_t row_bytes;               // one row: k elements
+  int64_t row_bytes;               // one row's bytes (k elements)
   // [experts] (device): the rows this rank sends expert d * E_local + e (nullptr: all C). A segment
   // moves them rounded up to whole 128-row blocks (segment_rows): the receiver's GEMM reads every
   // block holding a row, and the rows past those sent in it are the send buffer's zeros.
