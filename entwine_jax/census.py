@@ -50,7 +50,9 @@ gemm_rs custom call      (W-1) x output bytes (its reduce-scatter; the output is
 ag_gemm custom call      (W-1) x input bytes of x (its all-gather; padded)
 =======================  ==========================================================
 
-(An op's custom call: what its spec's ``moved`` says one rank sends, W - 1 times.)
+(An op's custom call: what its spec's ``moved`` says one rank sends, W - 1 times. The MoE ops'
+calls count their static layout, C rows per (source, expert): an upper bound where the SM push or
+the combine kernel moves only the rows routed, whose number no program shows.)
 
 **Mesh axes**: from ``replica_groups=mesh['dp'=2,'tp'=4] {'tp'}`` where XLA prints the mesh with the
 program's axis names; otherwise the groups (explicit ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]`` or
