@@ -129,10 +129,10 @@ def main(argv=None) -> int:
                 ragged = ragged_program(mesh, k)
                 try:
                     err_rg = float(rel_err(got[0], ragged(*operands)[0]))
-                except jax.errors.JaxRuntimeError as e:
+                except jax.errors.JaxRuntimeError as failure:  # not `e`: the experts' count
                     # XLA expands ragged_dot into dense dots over every expert's masked copy of the
                     # rows: at DeepSeek's shape its buffers can outgrow the GPU. Said in the row.
-                    ragged_failed = f"  ragged: {str(e).splitlines()[0][:120]}"
+                    ragged_failed = f"  ragged: {str(failure).splitlines()[0][:120]}"
                 else:
                     ok = ok and err_rg < bound
                     programs["ragged"] = (ragged, operands)
