@@ -171,19 +171,21 @@ def prepare(x_send, w1, *, axis_name, axis_size: int, config) -> MoeCall:
     return MoeCall(comm_id=cid, attributes=attributes, target=target(is_fp8(x_send.dtype)))
 
 
+def _counts(name: str, words: str, counts, shape: tuple):
+    """A kernel's row-count operand `name`, int32 of `shape` (`words` names its dims)."""
+    if tuple(counts.shape) != shape or counts.dtype != jnp.int32:
+        raise ValueError(f"{name} must be int32 {words} = {list(shape)}, got {counts.dtype}{list(counts.shape)}")
+    return counts
+
+
 def _received(received, e_local: int, world: int):
     """The kernels' received operand, int32 [E_local, W] (MoeGemmArgs::received)."""
-    if tuple(received.shape) != (e_local, world) or received.dtype != jnp.int32:
-        raise ValueError(f"received must be int32 [E_local, W] = [{e_local}, {world}], got {received.dtype}"
-                         f"{list(received.shape)}")
-    return received
+    return _counts("received", "[E_local, W]", received, (e_local, world))
 
 
 def _sent(sent, experts: int):
     """The dispatch kernel's sent operand, int32 [E] (MoePushArgs::sent)."""
-    if tuple(sent.shape) != (experts,) or sent.dtype != jnp.int32:
-        raise ValueError(f"sent must be int32 [E] = [{experts}], got {sent.dtype}{list(sent.shape)}")
-    return sent
+    return _counts("sent", "[E]", sent, (experts,))
 
 
 def call(x_send, w1, received, sent, site: MoeCall, return_pool: bool):

@@ -376,8 +376,7 @@ struct MoeWorld {
     for (int r = 0; r < c.world; ++r) {
       CHECK_CUDA(cudaMemset(pool, 0xFF, pool_bytes));
       MoePoolArgs a{static_cast<const char*>(ranks[r].x_send) + int64_t(r) * c.e_local() * plan.slice_bytes,
-                    ranks[r].inbox, pool, ranks[r].received, plan.slice_bytes, row_bytes, c.capacity, c.e_local(), r,
-                    c.world};
+                    ranks[r].inbox, pool, ranks[r].received, plan.slice_bytes, row_bytes, c.e_local(), r, c.world};
       CHECK_CUDA(moe::launch_copy_pool(a, nullptr));
       CHECK_CUDA(cudaMemcpy(got.data(), pool, got.size(), cudaMemcpyDeviceToHost));
       for (int e = 0; e < c.e_local(); ++e) {

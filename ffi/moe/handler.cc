@@ -6,6 +6,7 @@
 // XLA's and joined back; and moe::kHooks. No kernel syntax; no allocation, free, synchronisation,
 // IPC or peer-access call (see gemm_rs).
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include <cuda_runtime.h>
@@ -116,29 +117,30 @@ struct Operands {
   const ffi::AnyBuffer* sent = nullptr;      // int32 [E]: the rows this rank sends each expert
 };
 
-// The rows of each (expert, source) segment, int32 [E_local, W] (received_rows in entwine_jax/moe/op.py).
-ffi::Error received_rows(const char* op, ffi::AnyBuffer const& received, int64_t e_local, int64_t world,
-                         const int32_t** out) {
-  auto const d = received.dimensions();
-  if (received.element_type() != ffi::DataType::S32 || d.size() != 2 || d[0] != e_local || d[1] != world) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": received must be int32 [E/W, W] = [" +
-                                       std::to_string(e_local) + ", " + std::to_string(world) + "], got dtype code " +
-                                       std::to_string(int(received.element_type())) + " " + dims_string(d));
+// A row-count operand of `name`: int32 of exactly `dims` (`words` names them in the message).
+ffi::Error row_counts(const char* op, const char* name, const char* words, ffi::AnyBuffer const& counts,
+                      std::initializer_list<int64_t> dims, const int32_t** out) {
+  auto const d = counts.dimensions();
+  bool ok = counts.element_type() == ffi::DataType::S32 && d.size() == dims.size();
+  std::string want;
+  size_t i = 0;
+  for (int64_t v : dims) {
+    ok = ok && d[i] == v;
+    want += (i++ == 0 ? "" : ", ") + std::to_string(v);
   }
-  *out = static_cast<const int32_t*>(received.untyped_data());
+  if (!ok) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + name + " must be int32 " + words + " = [" + want +
+                                       "], got dtype code " + std::to_string(int(counts.element_type())) + " " +
+                                       dims_string(d));
+  }
+  *out = static_cast<const int32_t*>(counts.untyped_data());
   return ffi::Error::Success();
 }
 
-// The rows this rank sends each expert, int32 [E] (sent_rows in entwine_jax/moe/reference.py).
-ffi::Error sent_rows(ffi::AnyBuffer const& sent, int64_t experts, const int32_t** out) {
-  auto const d = sent.dimensions();
-  if (sent.element_type() != ffi::DataType::S32 || d.size() != 1 || d[0] != experts) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": sent must be int32 [E] = [" + std::to_string(experts) +
-                                       "], got dtype code " + std::to_string(int(sent.element_type())) + " " +
-                                       dims_string(d));
-  }
-  *out = static_cast<const int32_t*>(sent.untyped_data());
-  return ffi::Error::Success();
+// The rows of each (expert, source) segment, int32 [E_local, W] (received_rows in entwine_jax/moe/op.py).
+ffi::Error received_rows(const char* op, ffi::AnyBuffer const& received, int64_t e_local, int64_t world,
+                         const int32_t** out) {
+  return row_counts(op, "received", "[E/W, W]", received, {e_local, world}, out);
 }
 
 // The problem from x_send [E, C, K], w [E_local, K, N] (FP8: w_t [E_local, N, K]), y [E_local, W * C, N]
@@ -345,7 +347,6 @@ ffi::Error copy_pool(comm::DeviceComm const& dc, MoePlan const& plan, const void
   a.received = received;
   a.slice_bytes = plan.slice_bytes;
   a.row_bytes = plan.slice_bytes / plan.shape.capacity;
-  a.capacity = plan.shape.capacity;
   a.e_local = plan.e_local;
   a.rank = dc.rank;
   a.world = dc.world;
@@ -382,8 +383,9 @@ ffi::Error RunMoeDispatch(cudaStream_t xla_stream, int32_t device, Operands cons
       e.failure()) {
     return e;
   }
+  // The rows this rank sends each expert (sent_rows in entwine_jax/moe/reference.py).
   const int32_t* sent = nullptr;
-  if (ffi::Error e = sent_rows(*ops.sent, problem.experts, &sent); e.failure()) return e;
+  if (ffi::Error e = row_counts(kOp, "sent", "[E]", *ops.sent, {problem.experts}, &sent); e.failure()) return e;
   args.y = y->untyped_data();
   args.flags = reinterpret_cast<const uint64_t*>(own + dc->layout.flags_offset());
   args.error = dc->error_local;

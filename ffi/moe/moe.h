@@ -246,8 +246,8 @@ struct MoePoolArgs {
   const char* inbox;        // this rank's inbox [E_local][world][C] rows
   char* pool;               // [E_local][world][C] rows
   const int32_t* received;  // [E_local, world] (device), as MoeGemmArgs::received (nullptr: all C)
-  int64_t slice_bytes, row_bytes;
-  int32_t capacity, e_local, rank, world;
+  int64_t slice_bytes, row_bytes;  // one segment (C rows), one row
+  int32_t e_local, rank, world;
 };
 
 // The waits of moe_dispatch_gemm (DeviceError::site; tile: the expert of the waited segment).

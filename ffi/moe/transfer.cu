@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kPoolThreads) copy_pool_segments(MoePoolArgs a
   int const segment = blockIdx.y, e = segment / a.world, s = segment % a.world;
   char const* const from = s == a.rank ? a.own_rows + e * a.slice_bytes : a.inbox + segment * a.slice_bytes;
   // Whole blocks of 128 rows: the boundary falls on a 16-byte vector whatever k is.
-  int64_t const copied = segment_rows(a.received, segment, a.capacity) * a.row_bytes / 16;
+  int64_t const copied = segment_rows(a.received, segment, int32_t(a.slice_bytes / a.row_bytes)) * a.row_bytes / 16;
   auto const* in = reinterpret_cast<const uint4*>(from);
   auto* out = reinterpret_cast<uint4*>(a.pool + segment * a.slice_bytes);
   int64_t const vectors = a.slice_bytes / 16;
