@@ -48,7 +48,11 @@ set(ENTWINE_GEMM_TABLE
   "moe.combine e4m3 bf16 128"
   "moe.combine e4m3 fp16 128"
   "moe.combine e5m2 bf16 128"
-  "moe.combine e5m2 fp16 128")
+  "moe.combine e5m2 fp16 128"
+  "moe.wgrad bf16 bf16 128"
+  "moe.wgrad bf16 bf16 256"
+  "moe.wgrad fp16 fp16 128"
+  "moe.wgrad fp16 fp16 256")
 
 # Sets ENTWINE_GEMM_SOURCES to the generated files (instances and dispatches).
 function(entwine_generate_gemm_kernels out_dir)

@@ -188,6 +188,13 @@ class MoeSuites(Rank):
         others = census.select(custom_call=False).counts("owner")
         if not fused.get("moe_dispatch_gemm") or others:
             raise AssertionError(f"{what}: fused calls {fused}, XLA collectives {others} (expected none)")
+        # dw1 and dw2 by the weight-gradient kernel over the rows received (every case's H and 2F, F
+        # and H are whole blocks).
+        with jax.set_mesh(self.mesh):
+            text = fn.lower(*args).as_text()
+        wgrads = text.count("@entwine_moe_weight_grad(")
+        if wgrads != 2:
+            raise AssertionError(f"{what}: {wgrads} weight-gradient kernel calls in the program (expected 2)")
         self.log(f"{what}: running")
         with jax.set_mesh(self.mesh):
             outs = [self.local(v) for v in fn(*args)]

@@ -161,8 +161,9 @@ def _dispatch_bwd(plan, call, shared, res, dy):
     kernel_plan = plan if call.fp8_grads else dataclasses.replace(plan, combine_call=None)
     o_recv = combine_pool(g8, g_scale, w8, ws, kernel_plan, call.backward_dtype, COMBINE, handle.received)
     dx = reference.from_segments(o_recv, jnp.ones(handle.expert.shape, F32), handle)
-    # dw1[e] = pool[e]^T dy[e] in fp32 from the dequantised operands (rows no slot took are zero).
-    dw1 = reference.expert_weight_grad(_dequantized(pool8, rows), _bf16(g8).astype(F32) * g_scale)
+    # dw1[e] = pool[e]^T dy[e] from the dequantised operands (rows no slot took are zero): the
+    # weight-gradient kernel over the rows received (operands in the output dtype), or XLA's in fp32.
+    dw1 = op.weight_grad(_dequantized(pool8, rows), _bf16(g8).astype(F32) * g_scale, plan, handle.received, F32)
     return (fp8.cotangent(dx, call.x_dtype), fp8.cotangent(dw1, call.w_dtype)) + _no_scale_grads(xs, ws, gs) + (None,)
 
 
@@ -228,7 +229,8 @@ def _combine_bwd(plan, call, res, dout):
     h32 = _dequantized(h8, rows)
     dh = w_pool * g
     # h's rows no slot took never enter the forward, nor dw2 (op._combine_bwd's reason).
-    dw2 = reference.expert_weight_grad(jnp.where(w_pool != 0, h32, 0.0), w_pool * _dequantized(pool8, d_rows))
+    dw2 = op.weight_grad(jnp.where(w_pool != 0, h32, 0.0), w_pool * _dequantized(pool8, d_rows), plan,
+                         handle.received, F32)
     # The router weights' gradient <dout[t], o row> = <g, h> per row, sent home (the combine's transfer).
     dw_recv = op.to_sources(jnp.sum(g * h32, axis=-1), plan, COMBINE)  # [E, C]
     sent = handle.expert >= 0

@@ -150,6 +150,7 @@ class MoeCall:
     comm_id: int
     attributes: tuple  # the kernel config's fields, (name, value) pairs
     target: str
+    dtype: Any = None  # the weight-gradient kernel's operand dtype (its caller casts to it)
 
 
 def prepare(x_send, w1, *, axis_name, axis_size: int, config) -> MoeCall:
@@ -394,3 +395,56 @@ def transfer(send, site: MoeCall, world: int):
     (out,) = _ffi.fused_call(site.target, [recv], send, comm_id=np.int64(site.comm_id), signature=np.int64(signature),
                              push_sms=np.int64(dict(site.attributes)["push_sms"]))
     return out
+
+
+# -- The experts' weight gradients over the rows received (a local GEMM with a ragged K) --
+
+
+def wgrad_target() -> str:
+    """The XLA FFI target name of moe_weight_grad (spelled once, in the extension)."""
+    return _extension.ext().MOE_WEIGHT_GRAD_TARGET
+
+
+def _wgrad_plan(world: int, e_local: int, capacity: int, m: int, n: int, dtype, config) -> dict:
+    """The weight-gradient GEMM's plan (the C++ MoeWgradPlan); PlanError with its rule."""
+    if (reason := kernels_reason()) is not None:
+        raise NoExtension(reason)
+    ext = _extension.ext()
+    if not hasattr(ext, "moe_wgrad_plan"):
+        raise NoExtension("the CUDA extension was built without the MoE weight-gradient kernel")
+    # Nothing waits: every SM is the GEMM's.
+    d = dict(ext.moe_wgrad_plan(int(world), int(e_local), int(capacity), int(m), int(n), jnp.dtype(dtype).name,
+                                block_n(config, n, dtype), _extension.sm_count(), int(config.raster_rows)))
+    if d["error"] is not None:
+        raise PlanError(d["error"], False)
+    return d
+
+
+def prepare_wgrad(comm_id: int, *, world: int, e_local: int, capacity: int, m: int, n: int, dtype,
+                  config) -> tuple[Optional[MoeCall], Optional[str]]:
+    """(the MoeCall of the weight-gradient GEMM dw [E_local, m, n] over segments of `capacity` rows of
+    `dtype` on the communicator comm_id (its device's kernels were prepared with it), None), or (None,
+    why XLA's GEMM over the whole layout runs it)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return None, f"{jnp.dtype(dtype).name} operands (the kernel takes bfloat16/float16)"
+    try:
+        _wgrad_plan(world, e_local, capacity, m, n, dtype, config)
+    except NoExtension as e:
+        return None, str(e)
+    except PlanError as e:
+        return None, f"the kernel cannot run it: {e.rule}"
+    attributes = (("block_n", block_n(config, n, dtype)), ("gemm_sms", _extension.sm_count()),
+                  ("raster_rows", int(config.raster_rows)), ("push_sms", 0))
+    return MoeCall(comm_id=int(comm_id), attributes=attributes, target=wgrad_target(), dtype=jnp.dtype(dtype)), None
+
+
+def weight_grad(a, dy, received, site: MoeCall, world: int):
+    """One rank's weight gradients dw [E_local, M, N] = a[e]^T dy[e] over each segment's received rows
+    (the rows past them, inside a segment's last k-tile, must be zero in a or dy): a [E_local, W*C, M]
+    and dy [E_local, W*C, N] in one 16-bit dtype, received int32 [E_local, W]."""
+    e_local, _, m = a.shape
+    out = jax.ShapeDtypeStruct((e_local, m, dy.shape[2]), a.dtype)
+    attributes = {name: np.int64(v) for name, v in site.attributes}
+    (dw,) = _ffi.fused_call(site.target, [out], jnp.swapaxes(a, 1, 2), dy, _received(received, e_local, world),
+                            comm_id=np.int64(site.comm_id), config=attributes)
+    return dw

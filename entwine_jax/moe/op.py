@@ -35,6 +35,9 @@ class Plan:
     # The combine kernel's, for a combine's forward or a dispatch's backward (dy times w1^T sent
     # home), or None.
     combine_call: Any = None
+    # The weight-gradient GEMM's fused.MoeCall over the rows received (a dispatch's dw1, a combine's
+    # dw2), or None: XLA's GEMM over the whole layout.
+    wgrad_call: Any = None
     dimension: ClassVar[int] = 0
     return_gathered: ClassVar[bool] = False
 
@@ -130,6 +133,23 @@ def prepare_combine(plan: Plan, f: int, h: int, dtype, out_dtype=None) -> tuple[
     return callsite.prepare(COMBINE, why, lambda: fused.prepare_combine(rows, w_aval, **kw))
 
 
+def prepare_wgrad(plan: Plan, op: str, m: int, n: int, dtype) -> tuple[Any, Optional[str]]:
+    """(the fused.MoeCall of the weight-gradient GEMM dw [E_local, m, n] over the plan's segments in
+    `dtype`, None), or (None, why XLA's GEMM over the whole layout runs it: said once where the op's
+    other kernels run). It runs where a kernel of the op runs (the handle's counts exist then), on
+    that kernel's communicator."""
+    site = plan.gemm_call or plan.combine_call
+    if site is None:
+        return None, "no kernel of the op runs (no counts of the rows received)"
+    call, reason = fused.prepare_wgrad(site.comm_id, world=plan.axis_size, e_local=plan.e_local,
+                                       capacity=plan.capacity, m=m, n=n, dtype=dtype, config=plan.config)
+    if reason is not None:
+        _log.log_once((op, "wgrad", m, n, str(dtype), plan.capacity), _log.fallback_level(plan.config.path),
+                      "%s: its weight gradient [E_local, %d, %d] is XLA's GEMM over every row of the layout: %s",
+                      op, m, n, reason)
+    return call, reason
+
+
 def default_config(x, w, size: int, dimension: int) -> tuple[MoeConfig, str]:
     """(config, source) of a call without one: dropless, path auto."""
     return MoeConfig(), "default"
@@ -196,6 +216,9 @@ def plan_dispatch(x, w1, *, axis_name, dimension=0, config: Optional[MoeConfig] 
     backward = (xs.dtype, None) if out_dtype is None else (fp8.E5M2, out_dtype)
     combine_call = prepare_combine(plan, n, h, *backward)[0]
     plan = dataclasses.replace(plan, gemm_call=gemm_call, combine_call=combine_call)
+    # dw1 [E_local, H, N] over the rows received (an FP8 call's operands dequantised to out_dtype).
+    plan = dataclasses.replace(plan, wgrad_call=prepare_wgrad(plan, DISPATCH, h, n,
+                                                                  xs.dtype if out_dtype is None else out_dtype)[0])
     site = (f"x={xs.dtype}{list(xs.shape)} topk_idx{list(topk_idx.shape)} w1={w1.dtype}{list(w1.shape)} "
             f"axis={axis_name!r} (size {size}) C={capacity}" + ("" if out_dtype is None else f" FP8 -> {out_dtype}"))
     key = (tuple(xs.shape), tuple(topk_idx.shape), tuple(w1.shape), str(xs.dtype), axis_name, capacity, str(out_dtype))
@@ -255,6 +278,9 @@ def plan_combine(x, w2, *, axis_name, dimension=0, config: Optional[MoeConfig] =
     forward = (h.dtype, None) if out_dtype is None else (fp8.E4M3, out_dtype)
     combine_call, combine_reason = prepare_combine(plan, f, w2.shape[2], *forward)
     plan = dataclasses.replace(plan, combine_call=combine_call)
+    # dw2 [E_local, F, H] over the rows received (an FP8 call's operands dequantised to out_dtype).
+    wgrad_dtype = h.dtype if out_dtype is None else out_dtype
+    plan = dataclasses.replace(plan, wgrad_call=prepare_wgrad(plan, COMBINE, f, w2.shape[2], wgrad_dtype)[0])
     site = (f"h={h.dtype}{list(h.shape)} w2={w2.dtype}{list(w2.shape)} T={t} k={k} axis={axis_name!r} (size {size})"
             + ("" if out_dtype is None else f" FP8 -> {out_dtype}"))
     key = (tuple(h.shape), tuple(w2.shape), (t, k), str(h.dtype), axis_name, str(out_dtype))
@@ -400,6 +426,26 @@ def combine_pool(h, w2, plan: Plan, received=None):
     return callsite.dispatch(None, lambda h, w2, _: reference_pool(h, w2), kernel, h, w2, kernel_rows(received, plan))
 
 
+def weight_grad(a, dy, plan: Plan, received, out_dtype):
+    """dw [E_local, M, N] in out_dtype, per expert a[e]^T dy[e] (a [E_local, W*C, M], dy [E_local, W*C,
+    N], both zero on the rows no slot took): the weight-gradient kernel over each segment's rows
+    received, the handle's counts (its operands in its 16-bit dtype), where the plan has one, on
+    CUDA; else XLA's GEMM over every row of the layout, in fp32."""
+    def apart(a, dy, *_):
+        return reference.expert_weight_grad(a, dy).astype(out_dtype)
+
+    call = plan.wgrad_call
+    if call is None or received is None:
+        return apart(a, dy)
+    names = callsite.varying_over(a, dy, axis_name=plan.axis_name)
+
+    def kernel(a, dy, rows):
+        dw = fused.weight_grad(a.astype(call.dtype), dy.astype(call.dtype), rows, call, plan.axis_size)
+        return callsite.typed_like(names, dw.astype(out_dtype))
+
+    return callsite.dispatch(None, apart, kernel, a, dy, received)
+
+
 def layout(topk_idx, plan: Plan) -> MoeHandle:
     """This rank's routing; with the counts the kernels skip by where the plan has a kernel."""
     handle = reference.layout(topk_idx, num_experts=plan.num_experts, capacity=plan.capacity)
@@ -452,7 +498,7 @@ def _dispatch_bwd(plan, res, dy):
     # finite there: the caller's activation can make it inf or NaN on rows no slot took (sqrt or log
     # of y's zeros), rows no dense program has. dy is taken as zero there.
     dy_used = jnp.where(taken_rows(pool, handle.received, plan.axis_size), dy, jnp.zeros((), dy.dtype))
-    dw1 = reference.expert_weight_grad(pool, dy_used).astype(w1.dtype)
+    dw1 = weight_grad(pool, dy_used, plan, handle.received, w1.dtype)
     return dx, dw1, None  # the handle is integers: no cotangent
 
 
@@ -481,7 +527,7 @@ def _combine_bwd(plan, res, dout):
     # h's rows no slot took are the caller's (an activation of y's zero rows, even inf or NaN): the
     # forward never reads them, and neither does dw2 (their router weight is zero; 0 * NaN is not).
     h_used = jnp.where(w_pool != 0, h.astype(F32), 0.0)
-    dw2 = reference.expert_weight_grad(h_used, w_pool * dy_pool.astype(F32)).astype(w2.dtype)
+    dw2 = weight_grad(h_used, w_pool * dy_pool.astype(F32), plan, handle.received, w2.dtype)
     # The router weights' gradient <dout[t], o row> = <g, h> per row, sent home (the combine's transfer).
     dw_recv = to_sources(jnp.sum(g * h.astype(F32), axis=-1), plan, COMBINE)  # [E, C]
     sent = handle.expert >= 0

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <new>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
@@ -62,8 +63,16 @@ struct ElementOf<DType::kE5M2> {
 //   alpha<Kernel>(params, c)         FP8 per tensor: the factor that dequantises block c's fp32 sum
 //   empty<Kernel>(params, c)         true: block c has no rows to multiply (its sum is zero; the
 //                                    schedule's load() loads nothing for it)
+//   kRaggedK, k_tiles<Kernel>(params, c)  optional (moe.wgrad): block c's own k-tile count, which the
+//                                    math warps take instead of the unit's (whole blocks: no split)
 //   load_scales<Kernel>(params, ...) FP8 per block: the scale-load warp's loop over the TMA warp's units
 //   make_params<Kernel>(plan, args)  the kernel parameters of a plan (host)
+// Whether a schedule gives each block a k-tile count of its own (Schedule::kRaggedK).
+template <class S, class = void>
+struct RaggedK : std::false_type {};
+template <class S>
+struct RaggedK<S, std::void_t<decltype(S::kRaggedK)>> : std::bool_constant<S::kRaggedK> {};
+
 template <DType kInput, DType kOutput, int BLOCK_N_, class Schedule_, Scaling kScaling = Scaling::kTensor>
 struct GemmKernel {
   // ---- core config ---------------------------------------------------------------------------
@@ -416,7 +425,8 @@ struct GemmKernel {
       // An empty block (the schedule's word: moe, past its segment's rows) takes no k-tile from the
       // pipeline, as the TMA warp loads none for it; its sum is zero.
       bool const empty = Schedule::template empty<GemmKernel>(params, c);
-      int const k_count = empty ? 0 : u.k_end - u.k_begin;
+      int k_count = empty ? 0 : u.k_end - u.k_begin;
+      if constexpr (RaggedK<Schedule>::value) k_count = empty ? 0 : Schedule::template k_tiles<GemmKernel>(params, c);
       Tensor accum = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
       // The FP8 mainloops add their promoted (block-scaled: scaled) partial sums into accum, so
       // accum starts at zero.
@@ -549,8 +559,9 @@ struct GemmKernel {
   // other lanes keep the barrier counts whole-warp.
   static __device__ void store_and_release(Params const& params, Element const* stage, uint32_t* skip_word, int lane) {
     constexpr int kRowBytes = BLOCK_N * sizeof(Element);
-    // The call's epoch and its parity's output slot (CallEpoch; slot_stride 0: one output).
-    uint64_t const epoch = ptx::load_relaxed_sys(params.call.epoch);
+    // The call's epoch and its parity's output slot (CallEpoch; slot_stride 0: one output; no epoch
+    // word: a local GEMM, epoch 0).
+    uint64_t const epoch = params.call.epoch != nullptr ? ptx::load_relaxed_sys(params.call.epoch) : 0;
     int64_t const parity = int64_t(epoch & 1);
     Element* const partial = params.out + parity * params.call.slot_stride / int64_t(sizeof(Element));
     WorkIter work(params);

@@ -389,6 +389,8 @@ int ag_push_main();
 // moe.cu
 int moe_test_main();
 int moe_bench_main();
+int moe_wgrad_test_main();
+int moe_wgrad_bench_main();
 // fp8.cu
 int fp8_test_main();
 int fp8_bench_main();

@@ -6,6 +6,8 @@
 //                                     epochs, deadline, graphs
 //   entwine_harness moe test          moe_dispatch_gemm, static capacity: W in {1,2,3,4}, E in {W, 2W},
 //                                     C in {128, 256}, several epochs, deadline, graphs
+//   entwine_harness moe wgrad test    the MoE weight gradients over ragged rows, W in {1,2,3,4}
+//   entwine_harness moe wgrad bench   the same with all, 1/4, 1/8 of the rows vs cuBLASLt
 //   entwine_harness ag bench          ag_gemm's GEMM alone (chunks released) vs cuBLASLt
 //   entwine_harness ag push           one push alone, copy engines vs SM push, shards of 0.25-67 MB
 //   entwine_harness sanitize [sequential]   two small cases (for compute-sanitizer)
@@ -55,6 +57,12 @@ int main(int argc, char** argv) {
   if (mode == "ag" && argc > 2 && std::string(argv[2]) == "sanitize") return ag_sanitize_main();
   if (mode == "moe" && argc > 2 && std::string(argv[2]) == "test") return moe_test_main();
   if (mode == "moe" && argc > 2 && std::string(argv[2]) == "bench") return moe_bench_main();
+  if (mode == "moe" && argc > 3 && std::string(argv[2]) == "wgrad" && std::string(argv[3]) == "test") {
+    return moe_wgrad_test_main();
+  }
+  if (mode == "moe" && argc > 3 && std::string(argv[2]) == "wgrad" && std::string(argv[3]) == "bench") {
+    return moe_wgrad_bench_main();
+  }
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "test") return fp8_test_main();
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "bench") return fp8_bench_main();
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "accuracy") return fp8_accuracy_main();
@@ -74,7 +82,7 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
-               "       entwine_harness ag test | ag sanitize | ag bench | ag push | moe test | moe bench | fp8 test | fp8 bench | fp8 accuracy | api\n"
+               "       entwine_harness ag test | ag sanitize | ag bench | ag push | moe test | moe bench | moe wgrad test | moe wgrad bench | fp8 test | fp8 bench | fp8 accuracy | api\n"
                "       entwine_harness fp8block test | fp8block bench\n"
                "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n"
                "       entwine_harness energy M N K [seconds] [names] | energy suite [seconds] [shapes]\n");

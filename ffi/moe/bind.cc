@@ -1,6 +1,7 @@
 // moe's part of the nanobind module (see bind.h): the FFI targets of moe_dispatch_gemm,
-// moe_gemm_combine, their FP8 twins and moe_transfer (MOE_DISPATCH_GEMM_TARGET,
-// MOE_DISPATCH_GEMM_FP8_TARGET, MOE_GEMM_COMBINE_TARGET, MOE_GEMM_COMBINE_FP8_TARGET, MOE_TRANSFER_TARGET),
+// moe_gemm_combine, their FP8 twins, moe_transfer and the experts' weight gradients
+// (MOE_DISPATCH_GEMM_TARGET, MOE_DISPATCH_GEMM_FP8_TARGET, MOE_GEMM_COMBINE_TARGET,
+// MOE_GEMM_COMBINE_FP8_TARGET, MOE_TRANSFER_TARGET, MOE_WEIGHT_GRAD_TARGET),
 // their plans, which Python asks instead of restating the kernels' shape rules, and its communicator
 // hooks.
 #include <string>
@@ -21,6 +22,7 @@ extern "C" XLA_FFI_Error* MoeDispatchGemmFp8(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* MoeGemmCombine(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* MoeGemmCombineFp8(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* MoeTransfer(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* MoeWeightGrad(XLA_FFI_CallFrame* call_frame);
 
 namespace entwine::moe {
 
@@ -67,6 +69,9 @@ void bind(nb::module_& m, FfiTargets& targets) {
   targets.push_back({kCombineTarget, reinterpret_cast<void*>(MoeGemmCombine), false});
   targets.push_back({kCombineFp8Target, reinterpret_cast<void*>(MoeGemmCombineFp8), true});
   targets.push_back({kTransferTarget, reinterpret_cast<void*>(MoeTransfer), false});
+  constexpr const char* kWeightGradTarget = "entwine_moe_weight_grad";
+  m.attr("MOE_WEIGHT_GRAD_TARGET") = kWeightGradTarget;
+  targets.push_back({kWeightGradTarget, reinterpret_cast<void*>(MoeWeightGrad), false});
   comm::register_op(&kHooks);
   m.def("moe_plan",
         [](int world, int experts, int capacity, int k, int n, std::string const& x_dtype, int block_n, int gemm_sms,
@@ -91,6 +96,22 @@ void bind(nb::module_& m, FfiTargets& targets) {
         nb::arg("block_n"), nb::arg("gemm_sms"), nb::arg("raster_rows"),
         "moe_gemm_combine's plan (ffi/moe/moe.h) of h [experts/world, world * capacity, k] (bfloat16, float16, "
         "float8_e4m3fn or float8_e5m2) and w2 [experts/world, k, n] (FP8: w2_t [experts/world, n, k]), as moe_plan's.");
+  m.def("moe_wgrad_plan",
+        [](int world, int e_local, int capacity, int m, int n, std::string const& dtype, int block_n, int gemm_sms,
+           int raster_rows) {
+          MoeWgradPlan const p = moe_wgrad_plan(MoeWgradProblem{world, e_local, capacity, m, n, input_dtype(dtype)},
+                                                MoeConfig{block_n, gemm_sms, raster_rows, 0});
+          nb::dict d;
+          d["error"] = rule_or_none(p.error);
+          d["num_blocks"] = p.schedule.num_blocks;
+          d["grid"] = p.schedule.grid;
+          return d;
+        },
+        nb::arg("world"), nb::arg("e_local"), nb::arg("capacity"), nb::arg("m"), nb::arg("n"), nb::arg("dtype"),
+        nb::arg("block_n"), nb::arg("gemm_sms"), nb::arg("raster_rows"),
+        "The experts' weight-gradient GEMM's plan (ffi/moe/moe.h, MoeWgradPlan) of a_t [e_local, m, world * "
+        "capacity] and dy [e_local, world * capacity, n] (bfloat16 or float16): {error: None or the violated rule, "
+        "num_blocks, grid}.");
   m.def("moe_transfer_plan",
         [](int world, int experts, int capacity, int64_t row_bytes, int push_sms) {
           MoePlan const p = moe_transfer_plan(world, 0, experts, capacity, row_bytes, push_sms);

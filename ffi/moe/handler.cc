@@ -636,6 +636,59 @@ ffi::Error MoeTransferImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuff
   });
 }
 
+// moe_weight_grad: dw [E_local, M, N] = a^T dy per local expert over the rows received, a_t [E_local,
+// M, W * C] (the pool or h transposed), dy [E_local, W * C, N] and received int32 [E_local, W], one
+// 16-bit dtype (moe/wgrad_schedule.cuh). A local GEMM on XLA's stream: no epoch, no flag, no wait;
+// the communicator (the op's, on this device) only proves that setup prepared its kernels here.
+ffi::Error MoeWeightGradImpl(cudaStream_t xla_stream, int32_t device, ffi::AnyBuffer a_t, ffi::AnyBuffer dy,
+                             ffi::AnyBuffer received, ffi::Result<ffi::AnyBuffer> dw, int64_t comm_id,
+                             MoeConfig config) {
+  constexpr const char* kWgradOp = "entwine moe_weight_grad";
+  return handler::guarded(kWgradOp, [&]() -> ffi::Error {
+    if (comm::find(comm_id, device) == nullptr) {
+      return ffi::Error::InvalidArgument(std::string(kWgradOp) + ": no communicator " + std::to_string(comm_id) +
+                                         " on device " + std::to_string(device) +
+                                         " (entwine_jax.comm.acquire_comm makes it, at trace time)");
+    }
+    DType input = DType::kBF16;
+    if (ffi::Error e = handler::element_type(kWgradOp, "a_t", a_t, &input); e.failure()) return e;
+    if (dy.element_type() != a_t.element_type() || dw->element_type() != a_t.element_type()) {
+      return ffi::Error::InvalidArgument(std::string(kWgradOp) + ": a_t, dy and dw must share one dtype");
+    }
+    auto ad = a_t.dimensions(), yd = dy.dimensions(), wd = dw->dimensions(), rd = received.dimensions();
+    bool ok = ad.size() == 3 && yd.size() == 3 && wd.size() == 3 && rd.size() == 2 && rd[1] > 0;
+    ok = ok && yd[0] == ad[0] && yd[1] == ad[2] && wd[0] == ad[0] && wd[1] == ad[1] && wd[2] == yd[2] &&
+         rd[0] == ad[0] && ad[2] % rd[1] == 0;
+    if (!ok) {
+      return ffi::Error::InvalidArgument(std::string(kWgradOp) +
+                                         ": expected a_t [E_local, M, W*C], dy [E_local, W*C, N], received [E_local, "
+                                         "W] and dw [E_local, M, N]; got a_t " + dims_string(ad) + ", dy " +
+                                         dims_string(yd) + ", received " + dims_string(rd) + ", dw " +
+                                         dims_string(wd));
+    }
+    const int32_t* counts = nullptr;
+    if (ffi::Error e = row_counts(kWgradOp, "received", "[E_local, W]", received, {rd[0], rd[1]}, &counts);
+        e.failure()) {
+      return e;
+    }
+    MoeWgradProblem const problem{int32_t(rd[1]), int32_t(ad[0]), int32_t(ad[2] / rd[1]), int32_t(ad[1]),
+                                  int32_t(yd[2]), input};
+    MoeWgradPlan const plan = moe_wgrad_plan(problem, config);
+    if (plan.error != nullptr) {
+      return ffi::Error::InvalidArgument(std::string(kWgradOp) + ": " + plan.error + " (M=" +
+                                         std::to_string(problem.m) + ", N=" + std::to_string(problem.n) + ", C=" +
+                                         std::to_string(problem.capacity) + ", config " +
+                                         ENTWINE_CONFIG_STRING(config, ENTWINE_MOE_CONFIG_FIELDS) + ")");
+    }
+    DeviceGuard guard;
+    ENTWINE_RETURN_IF_CUDA(kWgradOp, guard.set(device));
+    MoeWgradArgs const args{a_t.untyped_data(), dy.untyped_data(), dw->untyped_data(), counts};
+    ENTWINE_RETURN_IF_CUDA(kWgradOp, moe::wgrad::launch_gemm(input, input, plan, args, xla_stream));
+    ENTWINE_RETURN_IF_CUDA(kWgradOp, cudaGetLastError());
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 }  // namespace entwine
 
@@ -701,6 +754,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGemmCombineFp8, entwine::MoeGemmCombineFp8Impl,
                                   .Ret<ffi::AnyBuffer>()                     // o_recv [E, C, H]: bf16 or f16
                                   .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<int64_t>("signature")                // what the call is (stamps)
+                                  .Attr<entwine::MoeConfig>("config"),       // config
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Command-buffer compatible: the counts are read on the device, nothing per call on the host.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeWeightGrad, entwine::MoeWeightGradImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // xla_stream
+                                  .Ctx<ffi::DeviceOrdinal>()                 // device
+                                  .Arg<ffi::AnyBuffer>()                     // a_t [E_local, M, W * C]
+                                  .Arg<ffi::AnyBuffer>()                     // dy [E_local, W * C, N]
+                                  .Arg<ffi::AnyBuffer>()                     // received: int32 [E_local, W]
+                                  .Ret<ffi::AnyBuffer>()                     // dw [E_local, M, N]
+                                  .Attr<int64_t>("comm_id")                  // comm_id
                                   .Attr<entwine::MoeConfig>("config"),       // config
                               {ffi::Traits::kCmdBufferCompatible});
 

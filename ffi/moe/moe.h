@@ -293,6 +293,37 @@ struct MoeCombineArgs {
 };
 MoePlan moe_combine_plan(const MoeProblem& problem, const MoeConfig& config);
 
+// The experts' weight gradients over the rows received (moe/wgrad_schedule.cuh): for each local expert
+// e, dw[e] = a[e]^T dy[e] over the rows of its segments that hold rows, a [E_local, world * C, m] and
+// dy [E_local, world * C, n] in the pool's layout. The GEMM reads a transposed, a_t [E_local, m,
+// world * C] (K-major A), and dy as B [E_local, world * C, n] (N-major), 16-bit; its K loop visits,
+// per source segment, the k-tiles up to its received rows (rounded up to whole k-tiles: the rows past
+// them inside the last k-tile must be zero in a or dy), so it multiplies the rows routed instead of
+// E/k times them. An expert with no rows gets zeros. dw [E_local, m, n] in the operands' type.
+struct MoeWgradProblem {
+  int32_t world = 1;
+  int32_t e_local = 1;
+  int32_t capacity = 0;  // C, rows per (source, expert) segment: a multiple of 128
+  int32_t m = 0, n = 0;  // dw's rows (a's columns) and columns (dy's)
+  DType input = DType::kBF16;
+};
+struct MoeWgradPlan {
+  const char* error;        // nullptr, or the rule the problem or config violates
+  MoeConfig config;         // block_n, gemm_sms and raster_rows are read
+  MoeWgradProblem shape;
+  int32_t seg_k_tiles;      // k-tiles of one segment: C / BLOCK_K
+  TileOrder order;          // one expert's blocks in production order
+  WorkSchedule schedule;    // every expert's blocks, expert by expert; no split tail
+  Scaling scaling = Scaling::kTensor;  // picks the GEMM instantiation (16-bit only)
+};
+MoeWgradPlan moe_wgrad_plan(const MoeWgradProblem& problem, const MoeConfig& config);
+struct MoeWgradArgs {
+  const void* a_t;          // [E_local, m, world * C]
+  const void* dy;           // [E_local, world * C, n]
+  void* dw;                 // [E_local, m, n]
+  const int32_t* received;  // [E_local, world] (device): rows of segment (e, s) at e * world + s
+};
+
 namespace comm {
 struct OpHooks;
 }
@@ -336,6 +367,15 @@ cudaError_t launch_gemm(DType input, DType output, const GemmPlan& plan, const G
 cudaError_t prepare_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
 cudaError_t prepare_gemms();
 }  // namespace combine
+
+// The weight gradients' GEMM (moe/wgrad_schedule.cuh), from the kernel table's "moe.wgrad" rows.
+namespace wgrad {
+using GemmPlan = MoeWgradPlan;
+using GemmArgs = MoeWgradArgs;
+cudaError_t launch_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, cudaStream_t stream);
+cudaError_t prepare_gemm(DType input, DType output, const GemmPlan& plan, const GemmArgs& args, PreparedGemm* out);
+cudaError_t prepare_gemms();
+}  // namespace wgrad
 
 }  // namespace moe
 

@@ -137,11 +137,47 @@ MoePlan moe_combine_plan(const MoeProblem& p, const MoeConfig& c) {
   return plan;
 }
 
+MoeWgradPlan moe_wgrad_plan(const MoeWgradProblem& p, const MoeConfig& c) {
+  MoeWgradPlan plan{};
+  plan.config = c;
+  plan.shape = p;
+  auto fail = [&](const char* rule) {
+    plan.error = rule;
+    return plan;
+  };
+  if (is_fp8(p.input)) return fail("the weight gradients' GEMM takes bf16 or fp16 operands");
+  if (p.world < 1 || p.world > kMaxWorld) return fail("world size must be in [1, 8]");
+  if (c.block_n != 128 && c.block_n != 256) return fail("config.block_n must be 128 or 256");
+  if (c.gemm_sms < 1) return fail("config.gemm_sms must be >= 1");
+  if (c.raster_rows < 1) return fail("config.raster_rows must be >= 1");
+  if (p.e_local < 1 || p.m <= 0 || p.n <= 0) return fail("E_local, M and N must be positive");
+  // A segment's first k-tile starts a k-tile (BLOCK_K divides 128), its rows 16-byte aligned (TMA).
+  if (p.capacity <= 0 || p.capacity % kBlockM != 0) return fail("capacity % 128 == 0 (a segment of whole k-tiles)");
+  // The store warp writes whole 128 x block_n blocks of dw at its row pitch n.
+  if (p.m % kBlockM != 0) return fail("M (dw's rows) must be a multiple of 128");
+  if (p.n % c.block_n != 0) return fail("N must be a multiple of config.block_n");
+  if (int64_t(p.world) * p.capacity >= (int64_t(1) << 31) || int64_t(p.e_local) * p.m >= (int64_t(1) << 31)) {
+    return fail("world * capacity (or E_local * M) is 2^31 rows or more");
+  }
+  plan.seg_k_tiles = p.capacity / block_k(p.input);
+  int32_t const m_blocks = p.m / kBlockM, n_blocks = int32_t(p.n / c.block_n);
+  int64_t const blocks = int64_t(p.e_local) * m_blocks * n_blocks;
+  if (blocks >= (int64_t(1) << 31)) return fail("the GEMM has 2^31 blocks or more");
+  plan.order = TileOrder{m_blocks, n_blocks, c.raster_rows < m_blocks ? int32_t(c.raster_rows) : m_blocks};
+  // A persistent grid dealing blocks round-robin: every CTA gets blocks of every expert, so its share
+  // of the ragged work is near the mean whatever the counts. k_tiles: the most a block can have (the
+  // units are whole blocks; the math warps take each block's own count).
+  int32_t const grid = c.gemm_sms < blocks ? int32_t(c.gemm_sms) : int32_t(blocks);
+  plan.schedule = WorkSchedule{int32_t(blocks), grid, p.world * plan.seg_k_tiles, int32_t(blocks)};
+  return plan;
+}
+
 namespace moe {
 
 cudaError_t prepare_kernels() {
   cudaError_t err = prepare_gemms();
   if (err == cudaSuccess) err = combine::prepare_gemms();
+  if (err == cudaSuccess) err = wgrad::prepare_gemms();
   return err != cudaSuccess ? err : prepare_transfer_kernels();
 }
 
