@@ -10,7 +10,7 @@
 
 namespace entwine::ag_gemm {
 
-struct GemmSchedule {
+struct GemmSchedule : gemm::QuietHooks {
   using Plan = GemmPlan;
   using Args = GemmArgs;
   static constexpr bool kLocalOperand = true;  // A: the local shard (x) or the gathered inbox
@@ -144,13 +144,8 @@ struct GemmSchedule {
     }
   }
 
-  template <class Kernel>
-  static __device__ void release(typename Kernel::Params const&, BlockCoord const&, uint64_t, int64_t) {}
-
-  // The call's end is its own kernel (the copy-engine path's release kernels read the epoch on
-  // their own streams): nothing to fold.
-  template <class Kernel>
-  static __device__ void finish(typename Kernel::Params const&, int) {}
+  // release, finish: QuietHooks'. y is read after the call (stream order); the call's end is its own
+  // kernel (the copy-engine path's release kernels read the epoch on their own streams): nothing to fold.
 
   // Every block has rows to multiply.
   template <class Kernel>

@@ -67,6 +67,20 @@ struct ElementOf<DType::kE5M2> {
 //                                    math warps take instead of the unit's (whole blocks: no split)
 //   load_scales<Kernel>(params, ...) FP8 per block: the scale-load warp's loop over the TMA warp's units
 //   make_params<Kernel>(plan, args)  the kernel parameters of a plan (host)
+// (QuietHooks below holds empty start, release, finish and load_scales for a schedule to derive from.)
+// The hooks a schedule leaves empty when its GEMM announces nothing, publishes nothing and loads no
+// scales: a schedule derives from it and defines the others (a derived hook hides the empty one).
+struct QuietHooks {
+  template <class Kernel>
+  static __device__ void start(typename Kernel::Params const&) {}
+  template <class Kernel>
+  static __device__ void release(typename Kernel::Params const&, BlockCoord const&, uint64_t, int64_t) {}
+  template <class Kernel>
+  static __device__ void finish(typename Kernel::Params const&, int) {}
+  template <class Kernel, class... Loaders>
+  static __device__ void load_scales(typename Kernel::Params const&, Loaders&...) {}
+};
+
 // Whether a schedule gives each block a k-tile count of its own (Schedule::kRaggedK).
 template <class S, class = void>
 struct RaggedK : std::false_type {};

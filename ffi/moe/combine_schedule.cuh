@@ -25,7 +25,7 @@
 
 namespace entwine::moe::combine {
 
-struct GemmSchedule {
+struct GemmSchedule : gemm::QuietHooks {
   using Plan = GemmPlan;
   using Args = GemmArgs;
   static constexpr bool kLocalOperand = false;  // A is h alone
@@ -93,10 +93,8 @@ struct GemmSchedule {
     mainloop.load_tail(pipeline, write_state);
   }
 
-  // Per-tensor scales only (no block-scaled rows in the table for this schedule): no scale loads.
-  template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
-  static __device__ void load_scales(typename Kernel::Params const&, Mainloop&, Pipeline&, State&, Inputs const&,
-                                     Inputs const&, Storage&) {}
+  // load_scales, finish: QuietHooks' (per-tensor scales only: no block-scaled rows in the table for
+  // this schedule).
 
   // FP8 per tensor: every block's factor is h's scale times w2's (both this rank's, inputs of the
   // call written before it in stream order). Not called for 16-bit operands.
@@ -147,9 +145,6 @@ struct GemmSchedule {
                  op.flags[source] + int64_t(op.rank) * op.e_local + expert, !wait::stopped(params.call, op.error),
                  params.call, epoch);
   }
-
-  template <class Kernel>
-  static __device__ void finish(typename Kernel::Params const&, int) {}
 
   // A = h as E_local batches of [world * C, F] (batch stride world * C * F); B = w2 as E_local batches
   // of [F, H] (16-bit: pitch H) or w2_t's of [H, F] (FP8, K-major: pitch F), batch stride F * H. The

@@ -11,7 +11,7 @@
 
 namespace entwine::moe {
 
-struct GemmSchedule {
+struct GemmSchedule : gemm::QuietHooks {
   using Plan = GemmPlan;
   using Args = GemmArgs;
   static constexpr bool kLocalOperand = true;  // A: the local source's x_send slice, or the inbox
@@ -100,17 +100,8 @@ struct GemmSchedule {
     mainloop.load_tail(pipeline, write_state);
   }
 
-  // No scale loads: the op's FP8 is per tensor (block-scaled kernels are not in the table for it).
-  template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
-  static __device__ void load_scales(typename Kernel::Params const&, Mainloop&, Pipeline&, State&, Inputs const&,
-                                     Inputs const&, Storage&) {}
-
-  // y is read after the call joins (stream order): a stored block needs no release.
-  template <class Kernel>
-  static __device__ void release(typename Kernel::Params const&, BlockCoord const&, uint64_t, int64_t) {}
-
-  template <class Kernel>
-  static __device__ void finish(typename Kernel::Params const&, int) {}
+  // load_scales, release, finish: QuietHooks'. The op's FP8 is per tensor (no scale loads), and y is
+  // read after the call joins (stream order): a stored block needs no release.
 
   // FP8 per tensor: block c's factor, its source's x scale times w's (a block lies in one source's
   // segment). The scales are inputs of the call, written before it (stream order).

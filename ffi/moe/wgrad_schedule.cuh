@@ -9,7 +9,7 @@
 
 namespace entwine::moe::wgrad {
 
-struct GemmSchedule {
+struct GemmSchedule : gemm::QuietHooks {
   using Plan = GemmPlan;
   using Args = GemmArgs;
   static constexpr bool kLocalOperand = false;   // A is a_t alone
@@ -48,9 +48,6 @@ struct GemmSchedule {
     return c;
   }
 
-  template <class Kernel>
-  static __device__ void start(typename Kernel::Params const&) {}
-
   // The TMA warp: per block, one load per segment with rows, from that segment's first k-tile.
   template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
   static __device__ void load(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
@@ -73,16 +70,7 @@ struct GemmSchedule {
     mainloop.load_tail(pipeline, write_state);
   }
 
-  // 16-bit only: no scales.
-  template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
-  static __device__ void load_scales(typename Kernel::Params const&, Mainloop&, Pipeline&, State&, Inputs const&,
-                                     Inputs const&, Storage&) {}
-
-  template <class Kernel>
-  static __device__ void release(typename Kernel::Params const&, BlockCoord const&, uint64_t, int64_t) {}
-
-  template <class Kernel>
-  static __device__ void finish(typename Kernel::Params const&, int) {}
+  // start, load_scales, release, finish: QuietHooks' (16-bit operands; dw is read after the call).
 
   // An expert without rows: its blocks load nothing and are stored as zeros.
   template <class Kernel>
