@@ -569,6 +569,46 @@ def test_kernel_plans_state_their_rules():
     assert (d["e_local"], d["inbox_bytes"], d["push_grid"]) == (2, 2 * 3 * 128 * 4, 0)
 
 
+def test_weight_gradient_plan_states_its_rules(caplog):
+    """The weight-gradient kernel's plan (where the extension is built): dw [E_local, M, N] in whole
+    128 x block_n blocks over segments of whole k-tiles, 16-bit only; each refusal is a rule, and the
+    op's preparation turns it into XLA's GEMM over the layout, said once per call site."""
+    import dataclasses
+
+    from entwine_jax import _extension
+    from entwine_jax.moe import fused
+    from entwine_jax.moe import op as moe_op
+
+    if _extension.module()[0] is None or not hasattr(_extension.ext(), "moe_wgrad_plan"):
+        pytest.skip("the CUDA extension with the MoE weight-gradient kernel is not built here")
+    d = fused._wgrad_plan(2, 4, 256, 1024, 2048, jnp.bfloat16, MoeConfig())
+    assert (d["num_blocks"], d["grid"]) == (4 * (1024 // 128) * (2048 // 256), _extension.sm_count())
+    assert fused._wgrad_plan(3, 1, 128, 128, 384, jnp.float16, MoeConfig())["num_blocks"] == 3  # block_n 128
+    for args, rule in (((2, 4, 256, 200, 2048, jnp.bfloat16), "M .* multiple of 128"),
+                       ((2, 4, 256, 1024, 200, jnp.bfloat16), "multiple of config.block_n"),
+                       ((2, 4, 200, 1024, 2048, jnp.bfloat16), "capacity % 128 == 0"),
+                       ((2, 4, 256, 1024, 2048, jnp.float8_e4m3fn), "bf16 or fp16 operands")):
+        with pytest.raises(_extension.PlanError, match=rule):
+            fused._wgrad_plan(*args, MoeConfig(block_n=128) if args[4] == 200 else MoeConfig())
+    call, reason = fused.prepare_wgrad(7, world=2, e_local=4, capacity=256, m=1024, n=2048, dtype=jnp.bfloat16,
+                                       config=MoeConfig())
+    assert reason is None and call.comm_id == 7 and call.dtype == jnp.bfloat16
+    assert dict(call.attributes)["block_n"] == 256 and call.target == "entwine_moe_weight_grad"
+    assert "float32 operands" in fused.prepare_wgrad(7, world=2, e_local=4, capacity=256, m=1024, n=2048,
+                                                     dtype=jnp.float32, config=MoeConfig())[1]
+    # A plan whose kernels run (faked) but whose dw has H = 200: XLA's GEMM, logged once.
+    plan = moe_op.Plan(axis_name="ep", axis_size=2, config=MoeConfig(), reason=None, e_local=4, capacity=256,
+                       gemm_call=call)
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        for _ in range(2):
+            got, why = moe_op.prepare_wgrad(plan, "moe_dispatch_gemm", 200, 2048, jnp.bfloat16)
+            assert got is None and "multiple of 128" in why
+    said = [r.getMessage() for r in caplog.records if "weight gradient [E_local, 200, 2048]" in r.getMessage()]
+    assert len(said) == 1 and "XLA's GEMM over every row of the layout" in said[0], said
+    assert moe_op.prepare_wgrad(dataclasses.replace(plan, gemm_call=None), "moe_dispatch_gemm", 1024, 2048,
+                                jnp.bfloat16)[0] is None
+
+
 def test_auto_path_takes_the_kernels_on_cuda(monkeypatch):
     """path 'auto' on a CUDA mesh takes the kernels for 16-bit inputs; it keeps the reference where
     the user asks, for float32, and at axis size 1 (path 'fused' still runs them there)."""
