@@ -45,6 +45,25 @@ struct ElementOf<DType::kE5M2> {
   using type = cutlass::float_e5m2_t;
 };
 
+// The hooks a schedule leaves empty when its GEMM announces nothing, publishes nothing and loads no
+// scales: a schedule derives from it and defines the others (a derived hook hides the empty one).
+struct QuietHooks {
+  template <class Kernel>
+  static __device__ void start(typename Kernel::Params const&) {}
+  template <class Kernel>
+  static __device__ void release(typename Kernel::Params const&, BlockCoord const&, uint64_t, int64_t) {}
+  template <class Kernel>
+  static __device__ void finish(typename Kernel::Params const&, int) {}
+  template <class Kernel, class... Loaders>
+  static __device__ void load_scales(typename Kernel::Params const&, Loaders&...) {}
+};
+
+// Whether a schedule gives each block a k-tile count of its own (Schedule::kRaggedK).
+template <class S, class = void>
+struct RaggedK : std::false_type {};
+template <class S>
+struct RaggedK<S, std::void_t<decltype(S::kRaggedK)>> : std::bool_constant<S::kRaggedK> {};
+
 // The GEMM of one (input, output, BLOCK_N, op schedule) row of the kernel table. What is the op's is
 // its Schedule (gemm_rs/gemm_schedule.cuh, ag_gemm/gemm_schedule.cuh), a type with:
 //   Params                 what only the schedule reads (Params::op)
@@ -67,26 +86,7 @@ struct ElementOf<DType::kE5M2> {
 //                                    math warps take instead of the unit's (whole blocks: no split)
 //   load_scales<Kernel>(params, ...) FP8 per block: the scale-load warp's loop over the TMA warp's units
 //   make_params<Kernel>(plan, args)  the kernel parameters of a plan (host)
-// (QuietHooks below holds empty start, release, finish and load_scales for a schedule to derive from.)
-// The hooks a schedule leaves empty when its GEMM announces nothing, publishes nothing and loads no
-// scales: a schedule derives from it and defines the others (a derived hook hides the empty one).
-struct QuietHooks {
-  template <class Kernel>
-  static __device__ void start(typename Kernel::Params const&) {}
-  template <class Kernel>
-  static __device__ void release(typename Kernel::Params const&, BlockCoord const&, uint64_t, int64_t) {}
-  template <class Kernel>
-  static __device__ void finish(typename Kernel::Params const&, int) {}
-  template <class Kernel, class... Loaders>
-  static __device__ void load_scales(typename Kernel::Params const&, Loaders&...) {}
-};
-
-// Whether a schedule gives each block a k-tile count of its own (Schedule::kRaggedK).
-template <class S, class = void>
-struct RaggedK : std::false_type {};
-template <class S>
-struct RaggedK<S, std::void_t<decltype(S::kRaggedK)>> : std::bool_constant<S::kRaggedK> {};
-
+// (QuietHooks above holds empty start, release, finish and load_scales for a schedule to derive from.)
 template <DType kInput, DType kOutput, int BLOCK_N_, class Schedule_, Scaling kScaling = Scaling::kTensor>
 struct GemmKernel {
   // ---- core config ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ namespace entwine::moe::wgrad {
 struct GemmSchedule : gemm::QuietHooks {
   using Plan = GemmPlan;
   using Args = GemmArgs;
-  static constexpr bool kLocalOperand = false;   // A is a_t alone
+  static constexpr bool kLocalOperand = false;   // A is a_t alone (the pool or h, transposed)
   static constexpr int kMaxGroup = 1;            // B is dy alone
   static constexpr bool kStoresToPeers = false;  // dw is this rank's
   static constexpr bool kRaggedK = true;         // k_tiles() gives each block's count
