@@ -153,17 +153,34 @@ struct GemmSchedule : gemm::QuietHooks {
     return false;
   }
 
-  // FP8 per tensor: block c's factor, its source's x scale times w's. A peer's scale was pushed before its
-  // shard's first chunk, so the release of the chunk this block's rows came from published it too;
-  // this thread is ordered after the TMA warp's acquire of that flag (the mbarrier of the loads it
-  // consumed), and reads the slot past L1 (ld.global.cv).
+  // FP8 per tensor: block c's factor, its source's x scale times w's (the contraction layout with
+  // per-shard scales: w's alone, each K slice's x scale being k_scale's). A peer's scale was pushed
+  // before its shard's first chunk, so the release of the chunk this block's rows came from published
+  // it too; this thread is ordered after the TMA warp's acquire of that flag (the mbarrier of the
+  // loads it consumed), and reads the slot past L1 (ld.global.cv).
   template <class Kernel>
   static __device__ float alpha(typename Kernel::Params const& params, BlockCoord const& c) {
     Params const& op = params.op;
-    float const x_scale = op.shared_scale || op.gather_k || c.owner == op.rank
-                              ? *op.x_scale
-                              : __ldcv(reinterpret_cast<const float*>(op.peer_scales + c.owner * kScaleSlotBytes));
+    if (op.gather_k && !op.shared_scale) return *op.w_scale;
+    float const x_scale = op.shared_scale || op.gather_k || c.owner == op.rank ? *op.x_scale : peer_scale(op, c.owner);
     return x_scale * *op.w_scale;
+  }
+
+  // FP8 per tensor, the contraction layout with per-shard scales: k-tile t of a block is K slice
+  // t / k_tiles_per_source of the K loop (the local shard, then the peers from r-1 down), scaled by
+  // its source's x scale as the k-tile's sum is promoted. The math warps read it after acquiring the
+  // k-tile's stage, so after the TMA warp's acquire of the chunk's flag (as alpha's read).
+  static constexpr bool kScaledK = true;
+  template <class Kernel>
+  static __device__ float k_scale(typename Kernel::Params const& params, BlockCoord const&, int t) {
+    Params const& op = params.op;
+    if (!op.gather_k || op.shared_scale) return 1.0f;
+    int const d = t / op.k_tiles_per_source;
+    return d == 0 ? *op.x_scale : peer_scale(op, (op.rank + op.world - d) % op.world);
+  }
+
+  static __device__ float peer_scale(Params const& op, int source) {
+    return __ldcv(reinterpret_cast<const float*>(op.peer_scales + source * kScaleSlotBytes));
   }
 
   // Rows layout: A = the inbox [world * rows, cols] (peers) or x [rows, cols] (local), B = w.

@@ -48,10 +48,6 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
       return fail("block-scaled FP8 needs cols (each shard's K) % 128 == 0 (one k-tile per scale block)");
     }
   }
-  if (fp8 && !block_scaled && p.gather_k && !p.shared_scale) {
-    return fail("FP8 gather_k needs one x scale shared by every shard (shared_scale): a per-shard scale would "
-                "scale each K slice of the accumulator, which the kernel does not do");
-  }
   auto round_up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
   int64_t const rows_pad = round_up(p.rows, kBlockM), cols_pad = round_up(p.cols, align_k(p.input)),
                 n_pad = round_up(p.n, c.block_n);

@@ -60,33 +60,37 @@ int fp8_test_main() {
   run_case(Case{2 * 256, 512, 16384, 2, true, base, false, true}, 1);
   run_graph<World>(Case{2 * 512, 1024, 208, 2, true, GemmRsConfig{128, 0, 16, 512}, false, true}, 4);
 
-  // ag_gemm: rows layout with each shard's own scale (gather_k only with a shared one).
-  for (int world : {1, 2, 4, 8}) {
+  // ag_gemm: both layouts with each shard's own scale (the contraction layout scales each K slice by
+  // its source's as the k-tile's sum is promoted), and the contraction layout with a shared one.
+  for (int world : {1, 2, 3, 4, 8}) {
     for (bool gather_k : {false, true}) {
       for (bool bf16 : {true, false}) {
-        run_ag_case(AgCase{256, 384, 512, world, bf16, gather_k, ag_config_for(world, 128), true, gather_k}, 3);
+        run_ag_case(AgCase{256, 384, 512, world, bf16, gather_k, ag_config_for(world, 128), true, false}, 3);
       }
     }
+    run_ag_case(AgCase{256, 384, 512, world, true, true, ag_config_for(world, 128), true, true}, 2);
   }
   run_ag_case(AgCase{256, 384, 512, 4, true, false, ag_config_for(4, 128), true, true}, 2);
   run_ag_case(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3), true, false}, 2);
-  run_ag_case(AgCase{768, 208, 384, 4, false, true, ag_config_for(4, 128, 4, 6), true, true}, 2);
+  run_ag_case(AgCase{768, 208, 384, 4, false, true, ag_config_for(4, 128, 4, 6), true, false}, 2);
   run_ag_case(AgCase{1024, 1024, 2048, 8, true, false, ag_config_for(8, 128, 8, 8), true, false}, 2);
   run_graph<AgWorld>(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3), true, false}, 4);
   // The SM push of 1-byte shards, each shard's scale in its slot (or none, shared): every world,
   // both layouts, odd chunk counts, one CTA; under a graph.
   for (int world : {2, 4, 8}) {
     for (bool gather_k : {false, true}) {
-      run_ag_case(AgCase{256, 384, 512, world, true, gather_k, ag_config_for(world, 128, 8, 8, 4), true, gather_k}, 3);
+      run_ag_case(AgCase{256, 384, 512, world, true, gather_k, ag_config_for(world, 128, 8, 8, 4), true, false}, 3);
     }
   }
+  run_ag_case(AgCase{256, 384, 512, 4, true, true, ag_config_for(4, 128, 8, 8, 4), true, true}, 2);
   run_ag_case(AgCase{768, 208, 384, 2, false, false, ag_config_for(2, 128, 2, 3, 1), true, false}, 2);
   run_ag_case(AgCase{768, 208, 384, 4, true, true, ag_config_for(4, 128, 4, 6, 8), true, true}, 2);
   run_graph<AgWorld>(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3, 4), true, false}, 4);
 
   // x in e5m2, w_t in e4m3 (the hybrid recipe's backward: an e5m2 gradient times the weight), both ops:
   // gemm_rs over rows and columns (K tail, persistent grid, split tail); ag_gemm's rows layout with
-  // per-shard scales and its contraction layout with a shared one, on the copy engines and the SM push.
+  // per-shard scales and its contraction layout with per-shard and shared ones, on the copy engines and
+  // the SM push.
   for (int world : {2, 4}) {
     for (bool bf16 : {true, false}) {
       run_case(Case{world * 256, 512, 384, world, bf16, base, false, true, true}, 2);
@@ -96,13 +100,13 @@ int fp8_test_main() {
   run_case(Case{2 * 1024, 1024, 4000, 2, true, GemmRsConfig{128, 7, 8, 512, 8, 1}, false, true, true}, 2);
   for (bool gather_k : {false, true}) {
     for (bool bf16 : {true, false}) {
-      run_ag_case(AgCase{256, 384, 512, 4, bf16, gather_k, ag_config_for(4, 128), true, gather_k, true}, 2);
+      run_ag_case(AgCase{256, 384, 512, 4, bf16, gather_k, ag_config_for(4, 128), true, bf16 && gather_k, true}, 2);
     }
   }
   run_ag_case(AgCase{768, 208, 384, 2, true, false, ag_config_for(2, 128, 2, 3, 4), true, false, true}, 2);
-  run_ag_case(AgCase{768, 208, 384, 4, false, true, ag_config_for(4, 128, 4, 6, 8), true, true, true}, 2);
+  run_ag_case(AgCase{768, 208, 384, 4, false, true, ag_config_for(4, 128, 4, 6, 8), true, false, true}, 2);
 
-  // The plans' FP8 rules: K padded to 16 (not 8), 128-wide blocks only, gather_k with a shared scale.
+  // The plans' FP8 rules: K padded to 16 (not 8), 128-wide blocks only, gather_k with any scales.
   GemmRsPlan const padded = gemm_rs_plan(GemmRsProblem{256, 256, 200, 1, 0, false, DType::kE4M3}, base);
   expect(padded.error == nullptr && padded.shape.k == 208 && padded.schedule.k_tiles == 2,
          "fp8 gemm_rs plan: K 200 pads to 208, 2 k-tiles of 128");
@@ -112,8 +116,8 @@ int fp8_test_main() {
   expect(ag.error == nullptr && ag.cols_pad == 208 && ag.shard_bytes == 128 * 208 &&
              ag.inbox_bytes == 2 * ag.shard_bytes + 2 * kScaleSlotBytes,
          "fp8 ag plan: cols 200 pad to 208, 1-byte shards, one scale slot per source");
-  expect(ag_plan(AgProblem{128, 256, 256, 2, 0, true, DType::kE4M3, false}, AgGemmConfig{128}).error != nullptr,
-         "fp8 ag plan: gather_k with per-shard scales is refused");
+  expect(ag_plan(AgProblem{128, 256, 256, 2, 0, true, DType::kE4M3, false}, AgGemmConfig{128}).error == nullptr,
+         "fp8 ag plan: gather_k with per-shard scales is planned");
   AgPlan const pushed = ag_plan(AgProblem{128, 208, 256, 2, 0, false, DType::kE4M3, false}, AgGemmConfig{128, 100, 8, 8, 64});
   expect(pushed.error == nullptr && pushed.push_grid == 4 && pushed.sms_needed == pushed.grid + 4,
          "fp8 ag plan: the SM push's grid counts the 16-byte vectors of a 1-byte chunk (26624 bytes: 4 CTAs)");
