@@ -137,7 +137,7 @@ struct GemmSchedule : gemm::QuietHooks {
       } else {
         // The K loop: the local shard, then the peers in arrival order (r-1 first).
         for (int d = 0; d < op.world; ++d) {
-          int const source = (op.rank + op.world - d) % op.world;
+          int const source = slice_source(op, d);
           visit(d == 0, c.tile_m, c.n_block, d == 0 ? 0 : source, source, chunk);
         }
       }
@@ -162,7 +162,7 @@ struct GemmSchedule : gemm::QuietHooks {
   static __device__ float alpha(typename Kernel::Params const& params, BlockCoord const& c) {
     Params const& op = params.op;
     if (op.gather_k && !op.shared_scale) return *op.w_scale;
-    float const x_scale = op.shared_scale || op.gather_k || c.owner == op.rank ? *op.x_scale : peer_scale(op, c.owner);
+    float const x_scale = op.shared_scale || c.owner == op.rank ? *op.x_scale : peer_scale(op, c.owner);
     return x_scale * *op.w_scale;
   }
 
@@ -176,8 +176,11 @@ struct GemmSchedule : gemm::QuietHooks {
     Params const& op = params.op;
     if (!op.gather_k || op.shared_scale) return 1.0f;
     int const d = t / op.k_tiles_per_source;
-    return d == 0 ? *op.x_scale : peer_scale(op, (op.rank + op.world - d) % op.world);
+    return d == 0 ? *op.x_scale : peer_scale(op, slice_source(op, d));
   }
+
+  // Contraction layout: the source of a block's d-th K slice (the local shard, then r-1 down).
+  static __device__ int slice_source(Params const& op, int d) { return (op.rank + op.world - d) % op.world; }
 
   static __device__ float peer_scale(Params const& op, int source) {
     return __ldcv(reinterpret_cast<const float*>(op.peer_scales + source * kScaleSlotBytes));
