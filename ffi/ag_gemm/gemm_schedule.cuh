@@ -172,6 +172,10 @@ struct GemmSchedule : gemm::QuietHooks {
   // k-tile's stage, so after the TMA warp's acquire of the chunk's flag (as alpha's read).
   static constexpr bool kScaledK = true;
   template <class Kernel>
+  static __device__ bool scales_k(typename Kernel::Params const& params) {
+    return params.op.gather_k && !params.op.shared_scale;
+  }
+  template <class Kernel>
   static __device__ float k_scale(typename Kernel::Params const& params, BlockCoord const&, int t) {
     Params const& op = params.op;
     if (!op.gather_k || op.shared_scale) return 1.0f;

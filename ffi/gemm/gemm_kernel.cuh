@@ -273,53 +273,41 @@ struct GemmKernel {
 
   // The FP8 mainloop of the math warpgroups: wgmma sums at most 128 products (one k-tile's 4 k-steps)
   // in its own accumulator, whose mantissa is short of fp32's, before the sum is promoted (added into
-  // the fp32 accum). A promotion must wait for the wgmmas that wrote its partial sum; with nothing
-  // else issued the tensor pipe would idle during that wait. So each warpgroup multiplies a k-tile
-  // in two batches, its block's left and right 64 columns (64 x 64 wgmmas, a partial sum of 32
-  // registers each: the registers of one 64 x 128 partial), and promotes one half while the next
-  // half runs: the left half of k-tile t runs while the right half of t - 1 is promoted, the right
-  // half of t while the left half of t is. A warpgroup releases a stage once both halves that read
-  // it completed. ptxas serialises every wgmma of a loop in which a batch stays in flight across
-  // the loop's back edge while an older one is read, so the overlap runs in straight-line trips of
-  // kFp8Trip k-tiles, each ending with every batch complete: one wait with nothing else issued per
-  // trip instead of one per k-tile (the other warpgroup's wgmmas fill the pipe during it).
-  static constexpr int kFp8Trip = 4;
-  using HalfMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<ElementA, ElementB, float, Shape<_64, Int<BLOCK_N / 2>, Int<BLOCK_K / 4>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::K>(),
-      Layout<Shape<_2, _1, _1>>{}));
-
-  template <int kHalf, class FragA, class FragB, class Frag>
-  static __device__ __forceinline__ void fp8_issue(HalfMma& half_mma, FragA const& a, FragB const& b, int stage,
+  // the fp32 accum). A promotion waits for the warpgroup's wgmmas in flight, which idles the tensor
+  // pipe when both warpgroups wait at once; so warpgroup 1 promotes half a k-tile out of step with
+  // warpgroup 0, and the other warpgroup's wgmmas fill the pipe during each wait. Warpgroup 0's
+  // windows are whole k-tiles; warpgroup 1's are the second half of k-tile w-1 with the first half of
+  // k-tile w (the first and last windows half). Every window holds at most 128 products. A
+  // warpgroup releases a stage once the wgmmas that read it completed.
+  template <int kFirst, int kCount, class FragA, class FragB, class Frag>
+  static __device__ __forceinline__ void fp8_steps(TiledMma& tiled_mma, FragA const& a, FragB const& b, int stage,
                                                    Frag& partial) {
-    // The batch's first wgmma overwrites the partial sum instead of adding to it.
-    half_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(partial);
-    warpgroup_arrive();
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < size<2>(a); ++k) {
-      cute::gemm(half_mma, a(_, 0, k, stage), b(_, kHalf, k, stage), partial(_, 0, 0));
-      half_mma.accumulate_ = GMMA::ScaleOut::One;
+    for (int k = kFirst; k < kFirst + kCount; ++k) {
+      cute::gemm(tiled_mma, a(_, _, k, stage), b(_, _, k, stage), partial);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     }
-    warpgroup_commit_batch();
   }
 
-  // Waits until at most kInFlight younger batches run, then adds the half's partial sum into its
-  // columns of accum: a 64 x 128 wgmma fragment holds its 8-column groups in order, so the left
-  // half is accum's first 32 registers and the right half the next 32.
-  // scale: the k-tile's factor where the schedule has one (ScaledK), else unused.
-  template <int kHalf, int kInFlight, class Frag, class Accum>
-  static __device__ __forceinline__ void fp8_promote(Frag& partial, Accum& accum, float scale) {
-    warpgroup_wait<kInFlight>();
+  // A window's first wgmma overwrites the partial sum instead of adding to it.
+  template <class Frag>
+  static __device__ __forceinline__ void fp8_open_window(TiledMma& tiled_mma, Frag& partial) {
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(partial);
-    constexpr int kSize = size(Frag{});
-    static_assert(2 * kSize == size(Accum{}), "two halves make the block");
+    warpgroup_arrive();
+  }
+
+  template <class Frag, class Accum>
+  static __device__ __forceinline__ void fp8_promote(Frag& partial, Accum& accum, float scale = 1.0f) {
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(partial);
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kSize; ++i) {
+    for (int i = 0; i < size(accum); ++i) {
       if constexpr (ScaledK<Schedule>::value) {
-        accum(kHalf * kSize + i) = fmaf(partial(i), scale, accum(kHalf * kSize + i));
+        accum(i) = fmaf(partial(i), scale, accum(i));
       } else {
-        accum(kHalf * kSize + i) += partial(i);
+        accum(i) += partial(i);
       }
     }
   }
@@ -334,62 +322,66 @@ struct GemmKernel {
     }
   }
 
-  // One trip of kTiles k-tiles from k-tile t, every batch complete at its end (above).
-  template <int kTiles, class FragA, class FragB, class Frag, class Accum>
-  static __device__ __forceinline__ void fp8_trip(HalfMma& half_mma, FragA const& a, FragB const& b,
-                                                  MainloopPipeline& pipeline, PipelineState& read_state,
-                                                  PipelineState& release_state, Frag& left, Frag& right,
-                                                  Accum& accum, Params const& params, BlockCoord const& c, int t) {
-    float right_scale = 1.0f;  // the factor of the k-tile whose right half is in flight
-    CUTLASS_PRAGMA_UNROLL
-    for (int u = 0; u < kTiles; ++u) {
-      pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
-      int const stage = read_state.index();
-      ++read_state;
-      float const scale = fp8_k_scale(params, c, t + u);
-      fp8_issue<0>(half_mma, a, b, stage, left);
-      if (u > 0) {
-        fp8_promote<1, 1>(right, accum, right_scale);
-        pipeline.consumer_release(release_state);
-        ++release_state;
-      }
-      fp8_issue<1>(half_mma, a, b, stage, right);
-      fp8_promote<0, 1>(left, accum, scale);
-      right_scale = scale;
-    }
-    fp8_promote<1, 0>(right, accum, right_scale);
-    pipeline.consumer_release(release_state);
-    ++release_state;
-  }
-
   template <class Accum>
-  static __device__ __forceinline__ void fp8_mma(MainloopPipeline& pipeline, PipelineState read_state, Accum& accum,
-                                                 int k_count, int math_group,
-                                                 typename CollectiveMainloop::TensorStorage& shared,
-                                                 Params const& params, BlockCoord const& c, int k_begin) {
+  static __device__ void fp8_mma(MainloopPipeline& pipeline, PipelineState read_state, Accum& accum, int k_count,
+                                 int math_group, typename CollectiveMainloop::TensorStorage& shared,
+                                 Params const& params, BlockCoord const& c, int k_begin) {
     using SmemLayoutA = typename CollectiveMainloop::SmemLayoutA;
     using SmemLayoutB = typename CollectiveMainloop::SmemLayoutB;
     Tensor sA = make_tensor(make_smem_ptr(shared.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared.smem_B.data()), SmemLayoutB{});
-    HalfMma half_mma;
+    TiledMma tiled_mma;
     // The operands' shared-memory descriptors depend only on the warpgroup.
-    auto thread_mma = half_mma.get_slice(math_group * cutlass::NumThreadsPerWarpGroup);
+    auto thread_mma = tiled_mma.get_slice(math_group * cutlass::NumThreadsPerWarpGroup);
     Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
-    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, 2 halves, MMA_K, PIPE)
-    static_assert(size<1>(decltype(tCrB){}) == 2, "B's two column halves");
-    Tensor left = partition_fragment_C(half_mma, Shape<Int<BLOCK_M>, Int<BLOCK_N / 2>>{});
-    Tensor right = partition_fragment_C(half_mma, Shape<Int<BLOCK_M>, Int<BLOCK_N / 2>>{});
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+    constexpr int kSteps = size<2>(decltype(tCrA){});                     // wgmma k-steps per k-tile
+    constexpr int kHalf = kSteps / 2;
+    static_assert(kSteps % 2 == 0, "a window is two halves of a k-tile's steps");
+    Tensor partial = make_fragment_like(accum);
     PipelineState release_state = read_state;
-    int t = 0;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; t + kFp8Trip <= k_count; t += kFp8Trip) {
-      fp8_trip<kFp8Trip>(half_mma, tCrA, tCrB, pipeline, read_state, release_state, left, right, accum, params, c,
-                         k_begin + t);
-    }
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; t < k_count; ++t) {
-      fp8_trip<1>(half_mma, tCrA, tCrB, pipeline, read_state, release_state, left, right, accum, params, c,
-                  k_begin + t);
+    // Scaled k-tiles need windows of whole k-tiles (one factor each): both warpgroups in step.
+    bool whole = false;
+    if constexpr (ScaledK<Schedule>::value) whole = Schedule::template scales_k<GemmKernel>(params);
+    if (math_group == 0 || whole) {
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int t = 0; t < k_count; ++t) {
+        pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+        int const stage = read_state.index();
+        ++read_state;
+        fp8_open_window(tiled_mma, partial);
+        fp8_steps<0, kSteps>(tiled_mma, tCrA, tCrB, stage, partial);
+        fp8_promote(partial, accum, fp8_k_scale(params, c, k_begin + t));
+        pipeline.consumer_release(release_state);
+        ++release_state;
+      }
+    } else if (k_count > 0) {
+      pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+      int stage = read_state.index();
+      ++read_state;
+      fp8_open_window(tiled_mma, partial);
+      fp8_steps<0, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
+      fp8_promote(partial, accum);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int t = 1; t < k_count; ++t) {
+        // The first half reads a k-tile already here: issued before waiting for the next one, it
+        // keeps the tensor pipe busy while warpgroup 0 promotes and waits.
+        fp8_open_window(tiled_mma, partial);
+        fp8_steps<kHalf, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
+        pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+        int const next = read_state.index();
+        ++read_state;
+        warpgroup_arrive();  // the wait's loop sits between the two halves' wgmmas
+        fp8_steps<0, kHalf>(tiled_mma, tCrA, tCrB, next, partial);
+        fp8_promote(partial, accum);
+        pipeline.consumer_release(release_state);
+        ++release_state;
+        stage = next;
+      }
+      fp8_open_window(tiled_mma, partial);
+      fp8_steps<kHalf, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
+      fp8_promote(partial, accum);
+      pipeline.consumer_release(release_state);
     }
     warpgroup_fence_operand(accum);
   }
