@@ -7,7 +7,7 @@
 # ffi/<op>/<schedule>_schedule.cuh, its dispatch declared in ffi/<op>/<op>.h in that namespace.
 # FP8 inputs (e4m3: both operands e4m3; e5m2: x e5m2, w_t e4m3) run 128-wide blocks only
 # (ffi/gemm/gemm.h, kFp8BlockN). An optional fifth field is the FP8 scaling (ffi/gemm/gemm.h,
-# Scaling): "tensor" (the default) or "block".
+# Scaling): "tensor" (the default), "block" or "slice".
 set(ENTWINE_GEMM_TABLE
   "gemm_rs bf16 bf16 128"
   "gemm_rs bf16 bf16 256"
@@ -33,6 +33,10 @@ set(ENTWINE_GEMM_TABLE
   "ag_gemm e4m3 fp16 128 block"
   "ag_gemm e5m2 bf16 128 block"
   "ag_gemm e5m2 fp16 128 block"
+  "ag_gemm e4m3 bf16 128 slice"
+  "ag_gemm e4m3 fp16 128 slice"
+  "ag_gemm e5m2 bf16 128 slice"
+  "ag_gemm e5m2 fp16 128 slice"
   "moe bf16 bf16 128"
   "moe bf16 bf16 256"
   "moe fp16 fp16 128"
@@ -84,8 +88,8 @@ function(entwine_generate_gemm_kernels out_dir)
     if(field_count GREATER 4)
       list(GET fields 4 SCALING)
     endif()
-    if(NOT SCALING MATCHES "^(tensor|block)$")
-      message(FATAL_ERROR "gemm kernel table row \"${row}\": scaling must be tensor or block")
+    if(NOT SCALING MATCHES "^(tensor|block|slice)$")
+      message(FATAL_ERROR "gemm kernel table row \"${row}\": scaling must be tensor, block or slice")
     endif()
     string(TOUPPER "${INPUT}" INPUT_UPPER)
     string(TOUPPER "${OUTPUT}" OUTPUT_UPPER)
@@ -93,6 +97,9 @@ function(entwine_generate_gemm_kernels out_dir)
     if(SCALING STREQUAL "block")
       set(NAME "${NAME}_block")
       set(SCALING_ENUM "Scaling::kBlock")
+    elseif(SCALING STREQUAL "slice")
+      set(NAME "${NAME}_slice")
+      set(SCALING_ENUM "Scaling::kSlice")
     else()
       set(SCALING_ENUM "Scaling::kTensor")
     endif()

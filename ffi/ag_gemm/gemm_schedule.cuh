@@ -153,32 +153,27 @@ struct GemmSchedule : gemm::QuietHooks {
     return false;
   }
 
-  // FP8 per tensor: block c's factor, its source's x scale times w's (the contraction layout with
-  // per-shard scales: w's alone, each K slice's x scale being k_scale's). A peer's scale was pushed
+  // FP8 per tensor: block c's factor, its source's x scale times w's (Scaling::kSlice, the contraction
+  // layout with per-shard scales: w's alone, each K slice's x scale being k_scale's). A peer's scale was pushed
   // before its shard's first chunk, so the release of the chunk this block's rows came from published
   // it too; this thread is ordered after the TMA warp's acquire of that flag (the mbarrier of the
   // loads it consumed), and reads the slot past L1 (ld.global.cv).
   template <class Kernel>
   static __device__ float alpha(typename Kernel::Params const& params, BlockCoord const& c) {
     Params const& op = params.op;
-    if (op.gather_k && !op.shared_scale) return *op.w_scale;
-    float const x_scale = op.shared_scale || c.owner == op.rank ? *op.x_scale : peer_scale(op, c.owner);
+    if constexpr (Kernel::kSliceScaled) return *op.w_scale;
+    // the contraction layout's blocks take every source's rows: one scale, shared (else kSlice)
+    float const x_scale = op.shared_scale || op.gather_k || c.owner == op.rank ? *op.x_scale : peer_scale(op, c.owner);
     return x_scale * *op.w_scale;
   }
 
-  // FP8 per tensor, the contraction layout with per-shard scales: k-tile t of a block is K slice
+  // Scaling::kSlice (the contraction layout with per-shard scales): k-tile t of a block is K slice
   // t / k_tiles_per_source of the K loop (the local shard, then the peers from r-1 down), scaled by
   // its source's x scale as the k-tile's sum is promoted. The math warps read it after acquiring the
   // k-tile's stage, so after the TMA warp's acquire of the chunk's flag (as alpha's read).
-  static constexpr bool kScaledK = true;
-  template <class Kernel>
-  static __device__ bool scales_k(typename Kernel::Params const& params) {
-    return params.op.gather_k && !params.op.shared_scale;
-  }
   template <class Kernel>
   static __device__ float k_scale(typename Kernel::Params const& params, BlockCoord const&, int t) {
     Params const& op = params.op;
-    if (!op.gather_k || op.shared_scale) return 1.0f;
     int const d = t / op.k_tiles_per_source;
     return d == 0 ? *op.x_scale : peer_scale(op, slice_source(op, d));
   }

@@ -72,7 +72,8 @@ AgPlan ag_plan(const AgProblem& p, const AgGemmConfig& c) {
   int64_t const scale_bytes = block_scaled ? int64_t(plan.scale_k_blocks) * p.world * rows_pad * int64_t(sizeof(float))
                                            : p.world * kScaleSlotBytes;
   plan.inbox_bytes = plan.scales_offset + (fp8 ? scale_bytes : 0);
-  plan.scaling = p.scaling;
+  // The contraction layout with a scale per shard scales each K slice on its own (gemm.h, kSlice).
+  plan.scaling = fp8 && !block_scaled && p.gather_k && !p.shared_scale ? Scaling::kSlice : p.scaling;
   plan.flags = int64_t(p.world) * plan.chunks;
   // The SM push splits each chunk over the CTAs of a peer's group, kPushThreads 16-byte vectors at a
   // time: a CTA beyond one vector per thread of a chunk, for every peer, would only wait and count.

@@ -28,7 +28,11 @@ constexpr int kFp8BlockN = 128;
 // sum (the schedule's alpha). kBlock (DeepSeek-V3 / TransformerEngine block scaling): x has one
 // scale per row and kScaleBlock-wide K block, w_t one per kScaleBlock x kScaleBlock block, applied
 // by the mainloop to each k-tile's partial sum (a k-tile is one K block: BLOCK_K == kScaleBlock).
-enum class Scaling : int32_t { kTensor = 0, kBlock = 1 };
+// kSlice (ag_gemm's contraction layout with a scale per shard): per tensor, but x's factor changes
+// from one K slice to the next, so the mainloop scales each k-tile's partial sum by its slice's
+// factor (the schedule's k_scale) and alpha is w's alone. Its own instantiation: the kTensor loop
+// lets the two math warpgroups run half a k-tile apart, which one factor per k-tile does not allow.
+enum class Scaling : int32_t { kTensor = 0, kBlock = 1, kSlice = 2 };
 constexpr int kScaleBlock = 128;
 
 // Production order of the GEMM blocks of one group of tile rows (a partition, a chunk): groups of

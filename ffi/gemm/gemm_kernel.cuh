@@ -64,13 +64,6 @@ struct RaggedK : std::false_type {};
 template <class S>
 struct RaggedK<S, std::void_t<decltype(S::kRaggedK)>> : std::bool_constant<S::kRaggedK> {};
 
-// Whether a schedule scales each k-tile of an FP8 (per tensor) sum by a factor of its own
-// (Schedule::kScaledK).
-template <class S, class = void>
-struct ScaledK : std::false_type {};
-template <class S>
-struct ScaledK<S, std::void_t<decltype(S::kScaledK)>> : std::bool_constant<S::kScaledK> {};
-
 // The GEMM of one (input, output, BLOCK_N, op schedule) row of the kernel table. What is the op's is
 // its Schedule (gemm_rs/gemm_schedule.cuh, ag_gemm/gemm_schedule.cuh), a type with:
 //   Params                 what only the schedule reads (Params::op)
@@ -91,7 +84,7 @@ struct ScaledK<S, std::void_t<decltype(S::kScaledK)>> : std::bool_constant<S::kS
 //                                    schedule's load() loads nothing for it)
 //   kRaggedK, k_tiles<Kernel>(params, c)  optional (moe.wgrad): block c's own k-tile count, which the
 //                                    math warps take instead of the unit's (whole blocks: no split)
-//   kScaledK, k_scale<Kernel>(params, c, t)  optional (ag_gemm): FP8 per tensor: the factor of block c's
+//   k_scale<Kernel>(params, c, t)    Scaling::kSlice rows only (ag_gemm): the factor of block c's
 //                                    k-tile t, applied as its sum is promoted (alpha leaves it out)
 //   load_scales<Kernel>(params, ...) FP8 per block: the scale-load warp's loop over the TMA warp's units
 //   make_params<Kernel>(plan, args)  the kernel parameters of a plan (host)
@@ -110,6 +103,8 @@ struct GemmKernel {
   static constexpr bool kFp8 = is_fp8(kInput);
   static constexpr bool kBlockScaled = kScaling == Scaling::kBlock;
   static_assert(!kBlockScaled || kFp8, "block scaling is for FP8 operands");
+  static constexpr bool kSliceScaled = kScaling == Scaling::kSlice;
+  static_assert(!kSliceScaled || kFp8, "per-slice scaling is for FP8 operands");
   // B's operands side by side (Params::group): block-scaled kernels read one (the op joins a group).
   static constexpr int kMaxGroup = kBlockScaled ? 1 : Schedule::kMaxGroup;
   static_assert(!is_fp8(kOutput), "FP8 is an input type only");
@@ -278,7 +273,8 @@ struct GemmKernel {
   // warpgroup 0, and the other warpgroup's wgmmas fill the pipe during each wait. Warpgroup 0's
   // windows are whole k-tiles; warpgroup 1's are the second half of k-tile w-1 with the first half of
   // k-tile w (the first and last windows half). Every window holds at most 128 products. A
-  // warpgroup releases a stage once the wgmmas that read it completed.
+  // warpgroup releases a stage once the wgmmas that read it completed. Per-slice scaling (kSliceScaled)
+  // promotes each k-tile times its own factor, so there both warpgroups take whole k-tiles, in step.
   template <int kFirst, int kCount, class FragA, class FragB, class Frag>
   static __device__ __forceinline__ void fp8_steps(TiledMma& tiled_mma, FragA const& a, FragB const& b, int stage,
                                                    Frag& partial) {
@@ -304,7 +300,7 @@ struct GemmKernel {
     warpgroup_fence_operand(partial);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); ++i) {
-      if constexpr (ScaledK<Schedule>::value) {
+      if constexpr (kSliceScaled) {
         accum(i) = fmaf(partial(i), scale, accum(i));
       } else {
         accum(i) += partial(i);
@@ -312,10 +308,10 @@ struct GemmKernel {
     }
   }
 
-  // The factor of block c's k-tile t (1 without ScaledK). Read after the k-tile's stage was
+  // The factor of block c's k-tile t (1 unless kSliceScaled). Read after the k-tile's stage was
   // acquired: the schedule may read what the k-tile's producer published with it.
   static __device__ __forceinline__ float fp8_k_scale(Params const& params, BlockCoord const& c, int t) {
-    if constexpr (ScaledK<Schedule>::value) {
+    if constexpr (kSliceScaled) {
       return Schedule::template k_scale<GemmKernel>(params, c, t);
     } else {
       return 1.0f;
@@ -340,10 +336,7 @@ struct GemmKernel {
     static_assert(kSteps % 2 == 0, "a window is two halves of a k-tile's steps");
     Tensor partial = make_fragment_like(accum);
     PipelineState release_state = read_state;
-    // Scaled k-tiles need windows of whole k-tiles (one factor each): both warpgroups in step.
-    bool whole = false;
-    if constexpr (ScaledK<Schedule>::value) whole = Schedule::template scales_k<GemmKernel>(params);
-    if (math_group == 0 || whole) {
+    if (math_group == 0 || kSliceScaled) {
       CUTLASS_PRAGMA_NO_UNROLL
       for (int t = 0; t < k_count; ++t) {
         pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));

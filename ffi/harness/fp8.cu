@@ -116,8 +116,12 @@ int fp8_test_main() {
   expect(ag.error == nullptr && ag.cols_pad == 208 && ag.shard_bytes == 128 * 208 &&
              ag.inbox_bytes == 2 * ag.shard_bytes + 2 * kScaleSlotBytes,
          "fp8 ag plan: cols 200 pad to 208, 1-byte shards, one scale slot per source");
-  expect(ag_plan(AgProblem{128, 256, 256, 2, 0, true, DType::kE4M3, false}, AgGemmConfig{128}).error == nullptr,
-         "fp8 ag plan: gather_k with per-shard scales is planned");
+  AgPlan const sliced = ag_plan(AgProblem{128, 256, 256, 2, 0, true, DType::kE4M3, false}, AgGemmConfig{128});
+  expect(sliced.error == nullptr && sliced.scaling == Scaling::kSlice && ag.scaling == Scaling::kTensor &&
+             ag_plan(AgProblem{128, 256, 256, 2, 0, true, DType::kE4M3, true}, AgGemmConfig{128}).scaling ==
+                 Scaling::kTensor,
+         "fp8 ag plan: gather_k with per-shard scales runs the per-slice kernel; shared scales and the rows "
+         "layout the per-tensor one");
   AgPlan const pushed = ag_plan(AgProblem{128, 208, 256, 2, 0, false, DType::kE4M3, false}, AgGemmConfig{128, 100, 8, 8, 64});
   expect(pushed.error == nullptr && pushed.push_grid == 4 && pushed.sms_needed == pushed.grid + 4,
          "fp8 ag plan: the SM push's grid counts the 16-byte vectors of a 1-byte chunk (26624 bytes: 4 CTAs)");
@@ -217,7 +221,8 @@ CublasLt const* prepare_fp8_bench() {
 
 // The FP8 GEMMs against cuBLASLt's FP8 GEMM (same types, scales and accumulation), in interleaved
 // rounds: gemm_rs's producer on the design suite (W = 2 partitions), ag_gemm's GEMM alone (chunks
-// released, per-shard scales in the rows layout) on its bench shapes; then the push of an FP8 shard
+// released; per-shard scales in the rows layout, the contraction layout with a shared scale and with
+// per-shard ones, the per-slice kernel) on its bench shapes; then the push of an FP8 shard
 // against a bf16 one.
 int fp8_bench_main() {
   CublasLt const* lt = prepare_fp8_bench();
@@ -248,16 +253,19 @@ int fp8_bench_main() {
                 ms[3], cublas, 2.0 * c.m * c.n * c.k / (ms[3] * 1e-3) / 1e12, cublas / ms[3]);
   }
 
-  std::printf("# ag_gemm GEMM alone (chunks released), e4m3 -> bf16, W = 2 (rows: per-shard scales)\n");
+  std::printf("# ag_gemm GEMM alone (chunks released), e4m3 -> bf16, W = 2 (rows: per-shard scales; contraction: "
+              "one shared scale; contr-slice: per-shard scales, each K slice scaled in the mainloop)\n");
   std::printf("%-11s %6s %6s %6s %10s %10s %12s\n", "layout", "M", "N", "K", "ms", "cublas_ms", "cublas/ours");
   struct Shape {
     int tokens, embed, mlp;
   };
-  for (bool gather_k : {false, true}) {
+  for (int layout = 0; layout < 3; ++layout) {
+    bool const gather_k = layout > 0, shared_scale = layout == 1;
+    char const* const name = layout == 0 ? "rows" : layout == 1 ? "contraction" : "contr-slice";
     for (Shape sh : {Shape{8192, 4096, 14336}, Shape{16384, 4096, 14336}, Shape{8192, 8192, 28672}}) {
       int const world = 2, n = sh.mlp / world;
       AgCase c{gather_k ? sh.tokens : sh.tokens / world, gather_k ? sh.embed / world : sh.embed, n, world, true, gather_k,
-               AgGemmConfig{128, sms - 1, 8, 8}, true, gather_k};
+               AgGemmConfig{128, sms - 1, 8, 8}, true, shared_scale};
       AgWorld wd(c);
       wd.fill_inputs(5);
       CHECK_CUDA(cudaMemset(wd.ranks[0].flags, 0xFF, 2 * wd.plan.flags * sizeof(uint64_t)));
@@ -291,7 +299,7 @@ int fp8_bench_main() {
       }
       std::vector<float> const ms = interleaved_median_ms(launches, stream, 10, 30, 5);
       float const cublas = ms.size() > 1 ? ms[1] : NAN;
-      std::printf("%-11s %6lld %6d %6lld %10.4f %10.4f %12.3f\n", gather_k ? "contraction" : "rows", (long long)m, n,
+      std::printf("%-11s %6lld %6d %6lld %10.4f %10.4f %12.3f\n", name, (long long)m, n,
                   (long long)k, ms[0], cublas, cublas / ms[0]);
       if (wd.read_error().code != 0) std::printf("  device error recorded!\n");
       cudaFree(a_full);
