@@ -167,23 +167,31 @@ struct GemmSchedule : gemm::QuietHooks {
     return x_scale * *op.w_scale;
   }
 
-  // Scaling::kSlice (the contraction layout with per-shard scales): k-tile t of a block is K slice
-  // t / k_tiles_per_source of the K loop (the local shard, then the peers from r-1 down), scaled by
-  // its source's x scale as the k-tile's sum is promoted. The math warps read it after acquiring the
-  // k-tile's stage, so after the TMA warp's acquire of the chunk's flag (as alpha's read).
+  // Scaling::kSlice (the contraction layout with per-shard scales): k-tile t of a block lies in K slice
+  // t / k_tiles_per_source of the K loop (the local shard, then the peers from r-1 down), whose sums
+  // are scaled by its source's x scale as they are promoted. The math warps read the factor after
+  // acquiring the slice's first stage, so after the TMA warp's acquire of the chunk's flag (as
+  // alpha's read), with ld.global.cv.
+  struct KSlice {
+    int k_tiles;          // the slice's k-tiles from t on
+    float const* factor;  // its x scale: the rank's own, or the source's slot in the inbox
+  };
   template <class Kernel>
-  static __device__ float k_scale(typename Kernel::Params const& params, BlockCoord const&, int t) {
+  static __device__ KSlice k_slice(typename Kernel::Params const& params, BlockCoord const&, int t) {
     Params const& op = params.op;
     int const d = t / op.k_tiles_per_source;
-    return d == 0 ? *op.x_scale : peer_scale(op, slice_source(op, d));
+    float const* const factor = d == 0 ? op.x_scale : scale_slot(op, slice_source(op, d));
+    return KSlice{(d + 1) * op.k_tiles_per_source - t, factor};
   }
 
   // Contraction layout: the source of a block's d-th K slice (the local shard, then r-1 down).
   static __device__ int slice_source(Params const& op, int d) { return (op.rank + op.world - d) % op.world; }
 
-  static __device__ float peer_scale(Params const& op, int source) {
-    return __ldcv(reinterpret_cast<const float*>(op.peer_scales + source * kScaleSlotBytes));
+  // A source's x scale slot in the inbox; a peer's is read past L1 (ld.global.cv): the peer writes it.
+  static __device__ float const* scale_slot(Params const& op, int source) {
+    return reinterpret_cast<const float*>(op.peer_scales + source * kScaleSlotBytes);
   }
+  static __device__ float peer_scale(Params const& op, int source) { return __ldcv(scale_slot(op, source)); }
 
   // Rows layout: A = the inbox [world * rows, cols] (peers) or x [rows, cols] (local), B = w.
   // Contraction layout: A = the inbox as a batch of world shards [rows, cols] (peers, batch =

@@ -84,8 +84,9 @@ struct RaggedK<S, std::void_t<decltype(S::kRaggedK)>> : std::bool_constant<S::kR
 //                                    schedule's load() loads nothing for it)
 //   kRaggedK, k_tiles<Kernel>(params, c)  optional (moe.wgrad): block c's own k-tile count, which the
 //                                    math warps take instead of the unit's (whole blocks: no split)
-//   k_scale<Kernel>(params, c, t)    Scaling::kSlice rows only (ag_gemm): the factor of block c's
-//                                    k-tile t, applied as its sum is promoted (alpha leaves it out)
+//   KSlice, k_slice<Kernel>(params, c, t)  Scaling::kSlice rows only (ag_gemm): the K slice of block c's
+//                                    k-tile t: the k-tiles left in it from t, and where its factor lies,
+//                                    applied as their sums are promoted (alpha leaves it out)
 //   load_scales<Kernel>(params, ...) FP8 per block: the scale-load warp's loop over the TMA warp's units
 //   make_params<Kernel>(plan, args)  the kernel parameters of a plan (host)
 // (QuietHooks above holds empty start, release, finish and load_scales for a schedule to derive from.)
@@ -274,7 +275,7 @@ struct GemmKernel {
   // windows are whole k-tiles; warpgroup 1's are the second half of k-tile w-1 with the first half of
   // k-tile w (the first and last windows half). Every window holds at most 128 products. A
   // warpgroup releases a stage once the wgmmas that read it completed. Per-slice scaling (kSliceScaled)
-  // promotes each k-tile times its own factor, so there both warpgroups take whole k-tiles, in step.
+  // runs that loop once per K slice (fp8_run), promoting each slice's sums times its factor.
   template <int kFirst, int kCount, class FragA, class FragB, class Frag>
   static __device__ __forceinline__ void fp8_steps(TiledMma& tiled_mma, FragA const& a, FragB const& b, int stage,
                                                    Frag& partial) {
@@ -308,13 +309,64 @@ struct GemmKernel {
     }
   }
 
-  // The factor of block c's k-tile t (1 unless kSliceScaled). Read after the k-tile's stage was
-  // acquired: the schedule may read what the k-tile's producer published with it.
-  static __device__ __forceinline__ float fp8_k_scale(Params const& params, BlockCoord const& c, int t) {
-    if constexpr (kSliceScaled) {
-      return Schedule::template k_scale<GemmKernel>(params, c, t);
-    } else {
-      return 1.0f;
+  // One run of k-tiles whose sums share one factor (per tensor: the whole K loop, factor 1). The
+  // run's first window opens on its first k-tile and its last closes on its last, so warpgroup 1's
+  // out-of-step windows never straddle two runs.
+  template <class FragA, class FragB, class Frag, class Accum>
+  static __device__ __forceinline__ void fp8_run(MainloopPipeline& pipeline, PipelineState& read_state,
+                                                 PipelineState& release_state, TiledMma& tiled_mma,
+                                                 FragA const& tCrA, FragB const& tCrB, Frag& partial, Accum& accum,
+                                                 int k_count, int math_group, float const* factor) {
+    constexpr int kSteps = size<2>(FragA{});  // wgmma k-steps per k-tile
+    constexpr int kHalf = kSteps / 2;
+    static_assert(kSteps % 2 == 0, "a window is two halves of a k-tile's steps");
+    float scale = 1.0f;
+    if (math_group == 0) {
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int t = 0; t < k_count; ++t) {
+        pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+        int const stage = read_state.index();
+        ++read_state;
+        fp8_open_window(tiled_mma, partial);
+        fp8_steps<0, kSteps>(tiled_mma, tCrA, tCrB, stage, partial);
+        // read after the run's first stage was acquired (the schedule's ordering argument), and
+        // while its wgmmas run
+        if constexpr (kSliceScaled) {
+          if (t == 0) scale = __ldcv(factor);
+        }
+        fp8_promote(partial, accum, scale);
+        pipeline.consumer_release(release_state);
+        ++release_state;
+      }
+    } else if (k_count > 0) {
+      pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+      int stage = read_state.index();
+      ++read_state;
+      fp8_open_window(tiled_mma, partial);
+      fp8_steps<0, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
+      if constexpr (kSliceScaled) scale = __ldcv(factor);
+      fp8_promote(partial, accum, scale);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int t = 1; t < k_count; ++t) {
+        // The first half reads a k-tile already here: issued before waiting for the next one, it
+        // keeps the tensor pipe busy while warpgroup 0 promotes and waits.
+        fp8_open_window(tiled_mma, partial);
+        fp8_steps<kHalf, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
+        pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
+        int const next = read_state.index();
+        ++read_state;
+        warpgroup_arrive();  // the wait's loop sits between the two halves' wgmmas
+        fp8_steps<0, kHalf>(tiled_mma, tCrA, tCrB, next, partial);
+        fp8_promote(partial, accum, scale);
+        pipeline.consumer_release(release_state);
+        ++release_state;
+        stage = next;
+      }
+      fp8_open_window(tiled_mma, partial);
+      fp8_steps<kHalf, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
+      fp8_promote(partial, accum, scale);
+      pipeline.consumer_release(release_state);
+      ++release_state;
     }
   }
 
@@ -331,50 +383,20 @@ struct GemmKernel {
     auto thread_mma = tiled_mma.get_slice(math_group * cutlass::NumThreadsPerWarpGroup);
     Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
     Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-    constexpr int kSteps = size<2>(decltype(tCrA){});                     // wgmma k-steps per k-tile
-    constexpr int kHalf = kSteps / 2;
-    static_assert(kSteps % 2 == 0, "a window is two halves of a k-tile's steps");
     Tensor partial = make_fragment_like(accum);
     PipelineState release_state = read_state;
-    if (math_group == 0 || kSliceScaled) {
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int t = 0; t < k_count; ++t) {
-        pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
-        int const stage = read_state.index();
-        ++read_state;
-        fp8_open_window(tiled_mma, partial);
-        fp8_steps<0, kSteps>(tiled_mma, tCrA, tCrB, stage, partial);
-        fp8_promote(partial, accum, fp8_k_scale(params, c, k_begin + t));
-        pipeline.consumer_release(release_state);
-        ++release_state;
+    if constexpr (kSliceScaled) {
+      // Runs of k-tiles of one K slice, each scaled by its slice's factor (the schedule's k_slice).
+      for (int t = 0; t < k_count;) {
+        typename Schedule::KSlice const slice = Schedule::template k_slice<GemmKernel>(params, c, k_begin + t);
+        int const run = slice.k_tiles < k_count - t ? slice.k_tiles : k_count - t;
+        fp8_run(pipeline, read_state, release_state, tiled_mma, tCrA, tCrB, partial, accum, run, math_group,
+                slice.factor);
+        t += run;
       }
-    } else if (k_count > 0) {
-      pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
-      int stage = read_state.index();
-      ++read_state;
-      fp8_open_window(tiled_mma, partial);
-      fp8_steps<0, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
-      fp8_promote(partial, accum);
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int t = 1; t < k_count; ++t) {
-        // The first half reads a k-tile already here: issued before waiting for the next one, it
-        // keeps the tensor pipe busy while warpgroup 0 promotes and waits.
-        fp8_open_window(tiled_mma, partial);
-        fp8_steps<kHalf, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
-        pipeline.consumer_wait(read_state, pipeline.consumer_try_wait(read_state));
-        int const next = read_state.index();
-        ++read_state;
-        warpgroup_arrive();  // the wait's loop sits between the two halves' wgmmas
-        fp8_steps<0, kHalf>(tiled_mma, tCrA, tCrB, next, partial);
-        fp8_promote(partial, accum);
-        pipeline.consumer_release(release_state);
-        ++release_state;
-        stage = next;
-      }
-      fp8_open_window(tiled_mma, partial);
-      fp8_steps<kHalf, kHalf>(tiled_mma, tCrA, tCrB, stage, partial);
-      fp8_promote(partial, accum);
-      pipeline.consumer_release(release_state);
+    } else {
+      fp8_run(pipeline, read_state, release_state, tiled_mma, tCrA, tCrB, partial, accum, k_count, math_group,
+              nullptr);
     }
     warpgroup_fence_operand(accum);
   }
