@@ -168,6 +168,15 @@ def quantize_128x128(w, dtype=E4M3):
     return quantize(w, scale, dtype), scale
 
 
+def current_scale_over(v, axis_name, dtype=E4M3):
+    """The largest of every rank's current_scale(v) over axis_name: one scale, the same on every rank
+    (a scalar all-reduce). The layers and the backward take it for a gather over the contracted
+    dimension: there the kernels take per-shard scales too, but on a per-slice loop measured 5.5%
+    slower than the shared scale's (docs/design.md, "FP8 operands"). A constant to differentiation,
+    as the ops treat every scale (pmax has no derivative rule)."""
+    return jax.lax.pmax(jax.lax.stop_gradient(current_scale(v, dtype)), axis_name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Call:
     """The static part of an FP8 call (hashable, a custom_vjp nondiff argument)."""
@@ -434,10 +443,13 @@ def cotangent(v, dtype: str):
     return None if jnp.dtype(dtype) == E4M3 else v.astype(dtype)
 
 
-def quantized_cotangent(dy, grad_scale):
-    """(dy in e5m2, its scale): grad_scale, else this rank's current scale of dy."""
+def quantized_cotangent(dy, grad_scale, shared_axis=None):
+    """(dy in e5m2, its scale): grad_scale; else the current scale of dy, this rank's own or, with
+    shared_axis, the largest over that axis (current_scale_over)."""
     if grad_scale is not None:
         gs = grad_scale
+    elif shared_axis is not None:
+        gs = current_scale_over(dy, shared_axis, E5M2)
     else:
         gs = current_scale(dy, E5M2)
     return quantize(dy, gs, E5M2), gs

@@ -318,7 +318,8 @@ def column_parallel_linear(x, kernel, bias=None, *, axis_name="tp", gather: Opti
     x, kernel = x.astype(dtype), kernel.astype(dtype)
     if fp8 is not None:
         kernel2d = kernel.reshape(kernel.shape[0], -1)
-        fp8_kwargs, finish = fp8_call_arguments(where, fp8, x, kernel2d, axis_name, dtype)
+        fp8_kwargs, finish = fp8_call_arguments(where, fp8, x, kernel2d, axis_name, dtype,
+                                                contracted_gather=gather == "hidden")
         y = finish(ag_gemm(x, kernel2d, axis_name=axis_name, gather_dimension=_SPLIT_DIM[gather], config=config,
                            **fp8_kwargs))
         y = y.reshape(tuple(y.shape[:-1]) + tuple(kernel.shape[1:]))
@@ -481,7 +482,7 @@ def _column_parallel_group(x, kernels: tuple, biases, *, axis_name, gather, dtyp
     x = x.astype(dtype)
     group = tuple(k.astype(dtype).reshape(k.shape[0], -1) for k in kernels)
     # The group's outputs are cast to dtype below: the call's finishing function is that cast.
-    fp8_kwargs, _ = fp8_call_arguments(where, fp8, x, group, axis_name, dtype)
+    fp8_kwargs, _ = fp8_call_arguments(where, fp8, x, group, axis_name, dtype, contracted_gather=gather == "hidden")
     ys = ag_gemm(x, group, axis_name=axis_name, gather_dimension=_SPLIT_DIM[gather], config=config, **fp8_kwargs)
     ys = tuple(y.astype(dtype) for y in ys)
     out = []

@@ -115,11 +115,12 @@ def _history_scale(scale, history, dtype):
     return jnp.reshape(flax_fp8.compute_scale(jnp.max(history), scale, largest), ())
 
 
-def fp8_call_arguments(where: str, fp8, x, kernel, axis_name, dtype):
+def fp8_call_arguments(where: str, fp8, x, kernel, axis_name, dtype, contracted_gather: bool = False):
     """(the FP8 keyword arguments of an op call on x and kernel inside shard_map, a function applied to
     its output; `where` names the caller in errors) for `fp8`:
     None (a bf16/fp16 call), "current" (each rank's current scales of its own x and kernel shard, e5m2
-    gradients at their current scale), "block" (each rank's current block
+    gradients at their current scale; contracted_gather, an ag_gemm over x's last dimension: x's
+    scale the largest over the axis, for the kernels' faster shared-scale loop), "block" (each rank's current block
     scales of its x (1x128) and kernel (128x128) shards, this step's, no history; the gradients per
     1x128 tile) or a delayed-scaling state (scales from the amax histories, the same on every rank,
     updated through the gradient as Flax does). kernel: one [K, N] array, or with "current" and "block"
@@ -133,7 +134,7 @@ def fp8_call_arguments(where: str, fp8, x, kernel, axis_name, dtype):
         return dict(x_scale=fp8_ops.scales_1x128(x), w_scale=w_scale, out_dtype=out_dtype), lambda y: y.astype(dtype)
     group = kernel if isinstance(kernel, tuple) else None
     if fp8 == "current":
-        x_scale = fp8_ops.current_scale(x)
+        x_scale = fp8_ops.current_scale_over(x, axis_name) if contracted_gather else fp8_ops.current_scale(x)
         # A group's kernels share one scale: the largest of theirs.
         w_scale = (jnp.max(jnp.stack([fp8_ops.current_scale(k) for k in group])) if group
                    else fp8_ops.current_scale(kernel))

@@ -197,9 +197,12 @@ def _paired_fp8_bwd(name, plan, fp8_call, res, cotangents):
         dx, dw = _block_scaled_bwd(back, plan, fp8_call, x8, x_scales, w8, ws, dy)
     else:
         # dx: the backward op in FP8 on e5m2 dy (each rank's block or partial scaled by its own grad
-        # scale, also where the backward gathers over the contracted dimension: the kernels scale
-        # each K slice by its source's) and the e4m3 weight.
-        d8, gs = fp8.quantized_cotangent(dy, grad_scale)
+        # scale) and the e4m3 weight.
+        # A backward that gathers over the contracted dimension (a forward scatter over the last one)
+        # takes one dy scale on every rank by default (the current scale over the axis): the kernels'
+        # shared-scale loop, faster than their per-slice one.
+        contracted = back.gathers and dim == dy.ndim - 1
+        d8, gs = fp8.quantized_cotangent(dy, grad_scale, plan.axis_name if contracted else None)
         # The config of the e5m2 operand: the FP8 kernels' blocks are 128 wide only.
         config = _backward_config(plan, back, d8, w8.T)
         back_plan = back.plan(d8, w8.T, axis_name=plan.axis_name, dimension=dim, config=config,

@@ -224,10 +224,11 @@ def _spy_plans(monkeypatch, name: str) -> list:
     return seen
 
 
-def test_gemm_rs_fp8_last_dim_backward_keeps_each_ranks_grad_scale(monkeypatch):
-    # A scatter over the last dimension: the backward gathers dy over its contracted dimension. Each
-    # rank quantises its own dy block with its own current scale (the kernels scale each K slice by
-    # its source's; no collective of the scales), and the backward's plan is told it is not shared.
+def test_gemm_rs_fp8_last_dim_backward_shares_its_grad_scale(monkeypatch):
+    # A scatter over the last dimension: the backward gathers dy over its contracted dimension, where
+    # the kernels run faster with one scale on every rank. The default grad scale is then the largest current
+    # scale over the axis (here the current scale of the whole cotangent), and the backward's plan
+    # is told it is shared.
     x = jax.random.normal(jax.random.key(30), (32, 64), jnp.float32)
     w = jax.random.normal(jax.random.key(31), (64, 48), jnp.float32)
     c = jax.random.normal(jax.random.key(32), (32, 48), jnp.float32)
@@ -242,23 +243,22 @@ def test_gemm_rs_fp8_last_dim_backward_keeps_each_ranks_grad_scale(monkeypatch):
         return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32))
 
     dx, dw = grads(loss, (x, w, c), (P(None, "tp"), P("tp", None), P()), (0, 1))
-    assert [p.get("shared_scale") for p in backward_plans] == [False]
-    blocks = [c[:, r * 12:(r + 1) * 12] for r in range(W)]
-    g = np.concatenate([_dequantized_e5m2(b, fp8.current_scale(b, E5M2)) for b in blocks], axis=1)
+    assert [p.get("shared_scale") for p in backward_plans] == [True]
+    g = _dequantized_e5m2(c, fp8.current_scale(c, E5M2))
     wd = f64(fp8.quantize(w, ws)) * float(ws)
     xd = f64(fp8.quantize(x, xs)) * float(xs)
     assert rel_err(dx, g @ wd.T) <= BF16_TOL
     assert rel_err(dw, xd.T @ g) <= 1e-5
 
 
-def test_gather_layer_current_scaling_keeps_each_ranks_x_scale(monkeypatch):
-    # fp8="current" on a column-parallel layer: each rank's own x scale in both layouts, also where it
-    # gathers the hidden (contracted) dimension, whose K slices the kernels scale by their sources'
-    # scales; the op's plan is told the scale is not shared.
+def test_hidden_gather_layer_current_scaling_shares_the_x_scale(monkeypatch):
+    # fp8="current" on a column-parallel layer gathering the hidden (contracted) dimension: one x scale
+    # over the axis, so the op's plan is told the scale is shared (the kernels' faster loop there);
+    # the rows layout keeps each rank's own scale.
     from entwine_jax import layers
     x = jax.random.normal(jax.random.key(33), (16, 64), jnp.float32).astype(jnp.bfloat16)
     k = jax.random.normal(jax.random.key(34), (64, 32), jnp.float32).astype(jnp.bfloat16)
-    for gather, x_spec, expected in (("hidden", P(None, "tp"), False), ("rows", P("tp", None), False)):
+    for gather, x_spec, expected in (("hidden", P(None, "tp"), True), ("rows", P("tp", None), False)):
         plans = _spy_plans(monkeypatch, "ag_gemm")
         run(lambda x, k: layers.column_parallel_linear(x, k, axis_name="tp", gather=gather, fp8="current"),
             (x, k), (x_spec, P(None, "tp")), P(None, "tp"))
@@ -694,18 +694,6 @@ def test_fp8_plans_take_x_dtype():
         ext.ag_gemm_fp8_plan(128, 200, 256, 2, False, 128, 100, 8, 8, 0, x_dtype="float8_e4m3fnuz")
 
 
-def test_fp8_contraction_plan_takes_per_shard_scales():
-    # The contraction layout's kernels scale each K slice by its source's x scale (docs/design.md,
-    # "FP8 operands"): per-shard scales plan like a shared one, with one scale slot per source.
-    if (reason := ag_plan.fp8_reason()) is not None:
-        pytest.skip(f"the FP8 plans need the extension with its FP8 kernels: {reason}")
-    config = AgGemmConfig(block_n=128)
-    for world in (2, 3, 4):
-        own = ag_plan.ag_plan(128, 256, 256, world, True, config, 100, fp8=True, shared_scale=False)
-        shared = ag_plan.ag_plan(128, 256, 256, world, True, config, 100, fp8=True, shared_scale=True)
-        assert own.inbox_bytes == shared.inbox_bytes == world * 128 * 256 + world * 16
-
-
 # --- Scales that zero the output (the reciprocal convention, 448 / amax) ---------------------------------
 
 def _rs_island(mesh, scale):
@@ -714,6 +702,18 @@ def _rs_island(mesh, scale):
         return gemm_rs(x, w, axis_name="tp", x_scale=scale(x), w_scale=scale(w))
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None),
                                  check_vma=False))
+
+
+def test_fp8_contraction_plan_takes_per_shard_scales():
+    # The contraction layout with per-shard scales runs the per-slice kernels (docs/design.md, "FP8
+    # operands"): it plans like a shared scale, with one scale slot per source.
+    if (reason := ag_plan.fp8_reason()) is not None:
+        pytest.skip(f"the FP8 plans need the extension with its FP8 kernels: {reason}")
+    config = AgGemmConfig(block_n=128)
+    for world in (2, 3, 4):
+        own = ag_plan.ag_plan(128, 256, 256, world, True, config, 100, fp8=True, shared_scale=False)
+        shared = ag_plan.ag_plan(128, 256, 256, world, True, config, 100, fp8=True, shared_scale=True)
+        assert own.inbox_bytes == shared.inbox_bytes == world * 128 * 256 + world * 16
 
 
 def test_reciprocal_scales_are_caught_when_concrete():
