@@ -171,7 +171,7 @@ def quantize_128x128(w, dtype=E4M3):
 def current_scale_over(v, axis_name, dtype=E4M3):
     """The largest of every rank's current_scale(v) over axis_name: one scale, the same on every rank
     (a scalar all-reduce). The layers and the backward take it for a gather over the contracted
-    dimension: there the kernels take per-shard scales too, but on a per-slice loop measured 5.5%
+    dimension: there the kernels take per-shard scales too, but on a per-slice loop measured 6-8%
     slower than the shared scale's (docs/design.md, "FP8 operands"). A constant to differentiation,
     as the ops treat every scale (pmax has no derivative rule)."""
     return jax.lax.pmax(jax.lax.stop_gradient(current_scale(v, dtype)), axis_name)
