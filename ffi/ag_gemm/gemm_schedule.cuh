@@ -154,7 +154,7 @@ struct GemmSchedule : gemm::QuietHooks {
   }
 
   // FP8 per tensor: block c's factor, its source's x scale times w's (Scaling::kSlice, the contraction
-  // layout with per-shard scales: w's alone, each K slice's x scale being k_scale's). A peer's scale was pushed
+  // layout with per-shard scales: w's alone, each K slice's x scale being k_slice's). A peer's scale was pushed
   // before its shard's first chunk, so the release of the chunk this block's rows came from published
   // it too; this thread is ordered after the TMA warp's acquire of that flag (the mbarrier of the
   // loads it consumed), and reads the slot past L1 (ld.global.cv).
