@@ -51,7 +51,7 @@ class Fp8Suites(Rank):
         ext = _extension.ext()
         # every op's FP8 target the module names, and nothing else (a new FP8 op adds its own)
         named = {getattr(ext, a) for a in dir(ext) if a.endswith("_FP8_TARGET")}
-        if set(ext.fp8_targets()) != named or ext.GEMM_RS_FP8_TARGET not in named or ext.AG_GEMM_FP8_TARGET not in named:
+        if set(ext.fp8_targets()) != named | {ext.GEMM_RS_FP8_TARGET, ext.AG_GEMM_FP8_TARGET}:
             raise AssertionError(f"fp8_targets() lists {ext.fp8_targets()}, the module names {sorted(named)}")
         w_, r = self.world, self.rank
         f8 = lambda a: a.astype(np.float64)

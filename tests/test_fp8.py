@@ -226,9 +226,9 @@ def _spy_plans(monkeypatch, name: str) -> list:
 
 def test_gemm_rs_fp8_last_dim_backward_shares_its_grad_scale(monkeypatch):
     # A scatter over the last dimension: the backward gathers dy over its contracted dimension, where
-    # the kernels run faster with one scale on every rank. The default grad scale is then the largest current
-    # scale over the axis (here the current scale of the whole cotangent), and the backward's plan
-    # is told it is shared.
+    # the kernels run faster with one scale on every rank. The default grad scale is then the largest
+    # current scale over the axis (here the current scale of the whole cotangent), and the backward's
+    # plan is told it is shared.
     x = jax.random.normal(jax.random.key(30), (32, 64), jnp.float32)
     w = jax.random.normal(jax.random.key(31), (64, 48), jnp.float32)
     c = jax.random.normal(jax.random.key(32), (32, 48), jnp.float32)

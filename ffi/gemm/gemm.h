@@ -29,9 +29,9 @@ constexpr int kFp8BlockN = 128;
 // scale per row and kScaleBlock-wide K block, w_t one per kScaleBlock x kScaleBlock block, applied
 // by the mainloop to each k-tile's partial sum (a k-tile is one K block: BLOCK_K == kScaleBlock).
 // kSlice (ag_gemm's contraction layout with a scale per shard): per tensor, but x's factor changes
-// from one K slice to the next, so the mainloop scales each k-tile's partial sum by its slice's
-// factor (the schedule's k_scale) and alpha is w's alone. Its own instantiation: the kTensor loop
-// lets the two math warpgroups run half a k-tile apart, which one factor per k-tile does not allow.
+// from one K slice to the next, so the mainloop runs once per slice and scales its partial sums by
+// the slice's factor (the schedule's k_slice); alpha is w's alone. Its own instantiation, so that the
+// kTensor kernels keep their code (docs/design.md, "FP8 operands").
 enum class Scaling : int32_t { kTensor = 0, kBlock = 1, kSlice = 2 };
 constexpr int kScaleBlock = 128;
 
