@@ -118,8 +118,11 @@ def dequantize(v8, scale, dtype=jnp.float32):
 
 def _scale_of_amax(amax, dtype):
     """amax / the largest finite value of `dtype`; 1 where amax is 0 (any scale represents zeros) or not
-    finite (no scale does)."""
-    return jnp.where((amax > 0) & jnp.isfinite(amax), amax / float(jnp.finfo(dtype).max), jnp.float32(1.0))
+    finite (no scale does). Written as a product with the float32 reciprocal: XLA turns a division by a
+    constant into that product when it compiles, while an eager division rounds once; the product makes
+    the scale the same bits in both, so a reference computed outside jit quantises as the op does."""
+    reciprocal = np.float32(1.0 / float(jnp.finfo(dtype).max))
+    return jnp.where((amax > 0) & jnp.isfinite(amax), amax * reciprocal, jnp.float32(1.0))
 
 
 def current_scale(v, dtype=E4M3):
