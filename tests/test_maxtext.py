@@ -47,13 +47,15 @@ VARIANTS = {
 # fp8 / fp8_gpu under bf16 compute, 3 steps on losses of ~6.7: measured up to 2.2e-3 (fp8_gpu) and
 # 1.2e-3 (fp8), the tolerance docs/maxtext.md writes. Under float32 the FP8 projections stay stock.
 FP8_LOSS_TOL = 3e-3
-# Step 0 (equal parameters), stock at tensor 4 x fsdp 2 against routed: stock sums the row-parallel
-# partial products rounded to bf16, and the next projections' e4m3 quantisation amplifies that rounding;
-# routed sums them in fp32, as MaxText's own model does without tensor parallelism (docs/maxtext.md).
-FP8_STEP0_OFFSET = {"fp8_gpu": 2.2e-3, "fp8": 4.2e-4}
-# Routed against stock without tensor parallelism at step 0: bf16 rounding elsewhere in the partitioned
-# program (measured 5e-7 fp8_gpu, 2.5e-5 fp8; 3.2e-5 without FP8).
-UNSHARDED_STEP0_TOL = 5e-5
+# Step 0 (equal parameters): stock at tensor 4 x fsdp 2 sums the row-parallel partial products rounded
+# to bf16, and the next projections' e4m3 quantisation amplifies that rounding; routed sums them in
+# fp32, as MaxText's own model does without tensor parallelism (docs/maxtext.md). Routed against that
+# model: bf16 rounding elsewhere in the partitioned program (measured 5e-7 fp8_gpu; fp8 2.5e-5 on jax
+# 0.12.0.1, 7.7e-5 on 0.12.1; 3.2e-5 without FP8).
+UNSHARDED_STEP0_TOL = 1e-4
+# Stock's own offset from that model is at least this many times routed's (measured 8x to over 1000x
+# on jax 0.12.0.1 and 0.12.1; its size, 4e-4 to 2.2e-3, moves with the release and the mesh).
+STOCK_OFFSET_FACTOR = 4
 ROW_SITES = {"mlp/wo", "attention/out"}
 GROUPS = {"attention/qkv", "mlp/wi"}
 COLUMN_SITES = {"mlp/wi_0", "mlp/wi_1", "attention/query", "attention/key", "attention/value"}
@@ -144,11 +146,14 @@ def test_fp8_losses_match_stock_maxtext(train_main, tmp_path, name):
     assert "f8E4M3FN" in routed_ir and "f8E5M2" in routed_ir
     assert max(abs(a - b) for a, b in zip(stock, routed)) <= FP8_LOSS_TOL, (stock, routed)
     # The step-0 offset is stock's bf16 sum of the tensor-parallel partial products: MaxText's own FP8 model
-    # without tensor parallelism (fsdp 8) gives routed's step-0 loss.
+    # without tensor parallelism (fsdp 8) gives routed's step-0 loss, and stock lies well away from it.
     unsharded, _, _ = _train(train_main, tmp_path, name + "_fsdp8", ["ici_tensor_parallelism=1",
                              "ici_fsdp_parallelism=8", "dtype=bfloat16", "steps=1", *FP8_RECIPES[name]], routed=False)
-    assert abs(routed[0] - unsharded[0]) <= UNSHARDED_STEP0_TOL, (routed, unsharded)
-    assert abs(stock[0] - routed[0]) == pytest.approx(FP8_STEP0_OFFSET[name], abs=1e-4), (stock, routed)
+    routed_offset, stock_offset = abs(routed[0] - unsharded[0]), abs(stock[0] - unsharded[0])
+    print(f"{name}: step 0 from MaxText's model without tensor parallelism: routed {routed_offset:.2e}, "
+          f"stock {stock_offset:.2e}")
+    assert routed_offset <= UNSHARDED_STEP0_TOL, (routed, unsharded)
+    assert stock_offset >= STOCK_OFFSET_FACTOR * routed_offset, (stock, routed, unsharded)
 
 
 @pytest.mark.parametrize("name", list(FP8_RECIPES))
