@@ -127,8 +127,8 @@ def _scale_of_amax(amax, dtype):
 
 def current_scale(v, dtype=E4M3):
     """The scale that maps amax(|v|) onto the largest finite value of the FP8 `dtype` (float32, shape
-    ()); 1 where v is all zeros (any scale represents it) or not finite (no scale does)."""
-    return _scale_of_amax(jnp.max(jnp.abs(v)).astype(jnp.float32), dtype)
+    ()); 1 where v is all zeros or empty (any scale represents it) or not finite (no scale does)."""
+    return _scale_of_amax(jnp.max(jnp.abs(v), initial=0).astype(jnp.float32), dtype)
 
 
 def _block_scales(v, dims: tuple, dtype):
@@ -470,7 +470,9 @@ def dequantize_by_source(g8, scales, dim: int, dtype, world: int):
         per = jnp.repeat(scales, g8.shape[dim] // world).reshape(shape)
     elif dim == g8.ndim - 1:
         lead = tuple(g8.shape[:-1])
-        per = expand_scale(scales.reshape(lead + (world, -1)), lead + (world, g8.shape[-1] // world))
+        # The tiles per source by count, not -1: an operand without rows has no scales to infer it from.
+        per = expand_scale(scales.reshape(lead + (world, scales.shape[-1] // world)),
+                           lead + (world, g8.shape[-1] // world))
         per = per.reshape(g8.shape)
     else:
         per = expand_scale(scales, g8.shape)

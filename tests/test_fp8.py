@@ -171,6 +171,14 @@ def test_high_precision_operands_are_quantised_by_the_op():
     assert np.abs(f64(fp8.quantize(x, xs))).max() == 448.0
 
 
+def test_current_scale_of_nothing_is_one():
+    # An empty operand (no tokens, N = 0) has no amax: any scale represents it, as for zeros.
+    for v in (jnp.zeros((0, 256)), jnp.zeros((256, 0), jnp.bfloat16), jnp.zeros((4, 4))):
+        for dtype in (E4M3, E5M2):
+            assert float(fp8.current_scale(v, dtype)) == 1.0
+            assert float(jax.jit(fp8.current_scale, static_argnums=1)(v, dtype)) == 1.0
+
+
 def test_axis_of_size_one():
     x8, xs = quantized(18, (8, 16))
     w8, ws = quantized(19, (16, 8))

@@ -272,3 +272,26 @@ def test_block_scaled_group_equals_its_layers(mesh, gather):
         for a, b in zip(apply(True)(*args), apply(False)(*args)):
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
             assert a.shape == b.shape and np.abs(a - b).max() <= 1e-2 * np.abs(b).max()
+
+
+@pytest.mark.parametrize("fp8", [None, "current", "block"])
+def test_an_empty_batch_passes_every_fp8_mode(fp8):
+    # No tokens (a data-parallel rank's last, empty microbatch): the hidden-sharded pair gives an empty
+    # output and zero gradients in every mode; current scales of nothing are 1, block scales are none.
+    world = 2
+    mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
+    x, k1, k2 = jnp.zeros((0, 256), jnp.float32), jnp.ones((256, 256), jnp.float32), jnp.ones((256, 128), jnp.float32)
+
+    def block(x, k1, k2):
+        h = layers.column_parallel_linear(x, k1, axis_name="tp", gather="hidden", fp8=fp8)
+        return layers.row_parallel_linear(h, k2, axis_name="tp", scatter="hidden", fp8=fp8)
+
+    specs = (P(None, "tp"), P(None, "tp"), P("tp", None))
+    f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=P(None, "tp"))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, s) for a, s in zip((x, k1, k2), specs)]
+        y = jax.jit(f)(*args)
+        grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)))(*args)
+    assert y.shape == (0, 128)
+    assert [g.shape for g in grads] == [(0, 256), (256, 256), (256, 128)]
+    assert not any(np.asarray(g).any() for g in grads)

@@ -122,6 +122,10 @@ EMPTY = {
     "ag_gemm N=0": (ag_gemm, (8, 16), (16, 0), P("tp", None), P(None, "tp"), P(None, "tp"), {}),
     "ag_gemm N=0 contraction": (ag_gemm, (8, 16), (16, 0), P(None, "tp"), P(None, "tp"), P(None, "tp"),
                                 dict(gather_dimension=-1)),
+    "ag_gemm M=0 contraction": (ag_gemm, (0, 256), (256, 8), P(None, "tp"), P(None, "tp"), P(None, "tp"),
+                                dict(gather_dimension=-1)),
+    "ag_gemm M=0 batched contraction": (ag_gemm, (2, 0, 200), (200, 8), P(None, None, "tp"), P(None, "tp"),
+                                        P(None, None, "tp"), dict(gather_dimension=-1)),
 }
 
 
