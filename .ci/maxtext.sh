@@ -34,8 +34,8 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('ma
   "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   # The [tpu] extra carries MaxText's dependencies (plain `maxtext` installs none); it runs on CPU
-  # with hardware=cpu. MaxText 0.2.5 asks for jax>=0.11.1; jax is pinned to the release the FP8 loss
-  # offsets of tests/test_maxtext.py were measured with (jax 0.12.1 gives other CPU losses).
+  # with hardware=cpu. MaxText 0.2.5 asks for jax>=0.11.1; jax is pinned so that the losses the tests
+  # compare come from one release (they pass on 0.12.0.1 and 0.12.1; each release moves them a little).
   "$VENV/bin/python" -m pip install --quiet "maxtext[tpu]==$MAXTEXT_VERSION" "jax==0.12.0.1" pytest
 fi
 "$VENV/bin/python" -c 'import jax, flax, maxtext; print("jax", jax.__version__, "flax", flax.__version__)'
