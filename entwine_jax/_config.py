@@ -12,11 +12,24 @@ HEURISTIC_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.f
                                                 jnp.float8_e5m2))
 
 
-def check_int(name: str, value, lo: int, where: str) -> None:
-    """ValueError unless `value` is an int (a NumPy integer too, never a bool) >= lo."""
+# The kernels' config structs hold 32-bit ints (each field decoded by name from the FFI attribute).
+FIELD_MAX = 2**31 - 1
+
+
+def check_int(name: str, value, lo: int, where: str, hi: int = None) -> None:
+    """ValueError unless `value` is an int (a NumPy integer too, never a bool) >= lo, and <= hi unless
+    hi is None (a config field: FIELD_MAX)."""
     # bool is an int subclass; True as a grid size is always a mistake.
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
         raise ValueError(f"{where}: {name} must be an int >= {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{where}: {name} must be <= {hi}, got {value!r}")
+
+
+def check_int_choice(name: str, value, choices: tuple, where: str) -> None:
+    """ValueError unless `value` is an int (not a bool, nor a float equal to one) among `choices`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value not in choices:
+        raise ValueError(f"{where}: {name} must be one of {choices}, got {value!r}")
 
 
 def check_shape_args(where: str, sizes: dict, world, dtype) -> None:

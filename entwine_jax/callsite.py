@@ -66,12 +66,21 @@ def axis_size(op: str, axis_name) -> int:
     if len(set(names)) != len(names):
         # XLA aborts the process on a collective over a repeated axis.
         raise ValueError(f"{op}: axis_name must name each mesh axis once, got {axis_name!r}")
+    # jax.lax.axis_size reads an int as a positional axis of an array, not as a name.
+    if any(isinstance(n, (int, np.integer)) for n in names):
+        raise ValueError(f"{op}: axis_name must be a mesh axis name (a str) or a tuple of them, got {axis_name!r}")
     # jax raises NameError for an axis name that no enclosing shard_map binds.
     try:
-        return jax.lax.axis_size(axis_name)
+        size = jax.lax.axis_size(axis_name)
     except NameError as e:
         raise ValueError(f"{op}: axis_name {axis_name!r} is not bound; call {op} inside jax.shard_map "
                          f"over a mesh with that axis ({e})") from None
+    # An axis that jax.vmap binds has a size too, but no devices behind it to move data between.
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None)
+    if manual is not None and not set(names) <= set(manual):
+        raise ValueError(f"{op}: axis_name {axis_name!r} is not an axis of an enclosing jax.shard_map (an axis "
+                         f"jax.vmap binds is not one); call {op} inside jax.shard_map over a mesh with that axis")
+    return size
 
 
 def dimension(op: str, name: str, value, shape: tuple, what: str) -> int:

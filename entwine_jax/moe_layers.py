@@ -371,6 +371,9 @@ def moe_mlp(x, router, wi_0, wi_1, wo, *, num_experts_per_tok: int, axis_name="e
         check_array(where, name, v)
     if x.ndim < 2:
         raise ValueError(f"{where}: x must have rank >= 2 ([..., tokens, H]), got shape {tuple(x.shape)}")
+    if 0 in x.shape:
+        # The ops refuse empty operands too; said here, before the routing's options divide by them.
+        raise ValueError(f"{where}: every dim of x must be > 0 (tokens and H), got shape {tuple(x.shape)}")
     h = x.shape[-1]
     if router.ndim != 2 or router.shape[0] != h:
         raise ValueError(f"{where}: router must have shape [H = {h}, E], got {tuple(router.shape)}")

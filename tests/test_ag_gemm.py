@@ -212,6 +212,8 @@ def test_bad_dtypes():
     ("raster_rows", 0, "raster_rows must be an int >= 1"), ("max_chunks", 65, "max_chunks must be <= 64"),
     ("push", "dma", "push must be one of"), ("push_sms", 65, "push_sms must be <= 64"),
     ("push_sms", -1, "push_sms must be an int >= 0"), ("path", "gpu", "path must be one of"),
+    ("block_n", 128.0, r"block_n must be one of \(128, 256\), got 128.0"),
+    ("gemm_sms", 2**31, "gemm_sms must be <= 2147483647"), ("raster_rows", 2**31, "raster_rows must be <= 2147483647"),
 ])
 def test_config_validation(field, value, match):
     with pytest.raises(ValueError, match=match):

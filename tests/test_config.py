@@ -29,6 +29,11 @@ def test_frozen_and_hashable():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(block_n=64), r"block_n must be one of \(128, 256\), got 64"),
     (dict(block_n="128"), r"block_n must be one of \(128, 256\), got '128'"),
+    (dict(block_n=256.0), r"block_n must be one of \(128, 256\), got 256.0"),
+    (dict(consumer_block=512.0), r"consumer_block must be one of \(128, 256, 512\), got 512.0"),
+    # The kernels' config fields are int32: a larger value is named here, not by the extension's binding.
+    (dict(producer_sms=2**31), r"producer_sms must be <= 2147483647, got 2147483648"),
+    (dict(raster_rows=2**31), r"raster_rows must be <= 2147483647, got 2147483648"),
     (dict(producer_sms=-1), r"producer_sms must be an int >= 0, got -1"),
     (dict(producer_sms=1.5), r"producer_sms must be an int >= 0, got 1.5"),
     (dict(consumer_grid=0), r"consumer_grid must be an int >= 1, got 0"),

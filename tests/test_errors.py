@@ -29,6 +29,7 @@ ERRORS = [
     ((2, 8), (8, 4, 1), dict(axis_name="tp"), r"w must have rank 2 .*got rank 3"),
     ((2, 8), (6, 4), dict(axis_name="tp"), r"x.shape\[-1\] \(K_local\) must equal w.shape\[0\], got 8 and 6"),
     ((2, 8), (8, 4), dict(axis_name="sp"), r"axis_name 'sp' is not bound; call gemm_rs inside jax.shard_map"),
+    ((2, 8), (8, 4), dict(axis_name=0), r"axis_name must be a mesh axis name \(a str\) or a tuple of them, got 0"),
     ((2, 8), (8, 4), dict(axis_name="tp", scatter_dimension=2),
      r"scatter_dimension must be an int in \[-2, 2\) for an output of rank 2 \(shape \(2, 4\)\), got 2"),
     ((2, 8), (8, 4), dict(axis_name="tp", scatter_dimension=-3), r"scatter_dimension must be an int in \[-2, 2\).*got -3"),
@@ -48,6 +49,17 @@ ERRORS = [
 def test_shape_and_argument_errors(x_shape, w_shape, kwargs, match):
     with pytest.raises(ValueError, match="gemm_rs: " + match):
         trace(x_shape, w_shape, **kwargs)
+
+
+def test_an_axis_of_vmap_is_not_a_mesh_axis():
+    # jax.vmap(axis_name=...) binds a name with a size but no devices: the ops say so, before JAX's
+    # own error from deep inside the call.
+    from entwine_jax import ag_gemm
+    x, w = jnp.ones((4, 8, 16)), jnp.ones((4, 16, 8))
+    for op in (gemm_rs, ag_gemm):
+        with pytest.raises(ValueError, match=rf"{op.__name__}: axis_name 'i' is not an axis of an enclosing "
+                                             r"jax.shard_map \(an axis jax.vmap binds is not one\)"):
+            jax.eval_shape(jax.vmap(lambda x, w, op=op: op(x, w, axis_name="i"), axis_name="i"), x, w)
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.complex64])

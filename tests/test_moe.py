@@ -348,6 +348,50 @@ def test_check_grads():
                     atol=2e-2, rtol=2e-2)
 
 
+def test_second_derivatives_see_zero_tokens_and_zero_weights():
+    # A token of zeros and a router weight of 0 on a sent slot are ordinary inputs: the gradient of a
+    # gradient (a gradient penalty) through them matches float64 autodiff of the dense math. The ops'
+    # backward must not mask them out by their values.
+    world, e_local, t, k, h, f = 3, 2, 4, 2, 5, 3
+    e = world * e_local
+    rng = np.random.default_rng(3)
+    idx = np.stack([rng.permutation(e)[:k] for _ in range(world * t)]).astype(np.int32)
+    x = rng.normal(size=(world * t, h)).astype(np.float32)
+    x[1] = 0.0
+    weights = rng.random((world * t, k)).astype(np.float32)
+    weights[2, 0] = 0.0
+    w1 = (rng.normal(size=(e, h, 2 * f)) / 2).astype(np.float32)
+    w2 = (rng.normal(size=(e, f, h)) / 2).astype(np.float32)
+    cot = rng.normal(size=(world * t, h)).astype(np.float32)
+    act = lambda y: jnp.tanh(y[..., :f]) * (1 + y[..., f:])  # noqa: E731  (a slope at zero)
+
+    def ops(x, i, wt, w1, w2):
+        y, handle = moe_dispatch_gemm(x, i, w1, axis_name="ep")
+        return moe_gemm_combine(act(y), w2, wt, handle, axis_name="ep")
+
+    def dense(x, i, wt, w1, w2):
+        y = jnp.einsum("th,tkhn->tkn", x, w1[i])
+        return jnp.einsum("tk,tkh->th", wt, jnp.einsum("tkf,tkfh->tkh", act(y), w2[i]))
+
+    def penalty_grads(fn, i):
+        # d/d(x, weights) of |dL/dx|^2 + |dL/dw1|^2 + |dL/dw2|^2, L = sum(out * cot).
+        def penalty(x, wt, w1, w2):
+            grads = jax.grad(lambda *a: jnp.sum(fn(a[0], i, *a[1:]) * cot), argnums=(0, 2, 3))(x, wt, w1, w2)
+            return sum(jnp.sum(g ** 2) for g in grads)
+        return jax.grad(penalty, argnums=(0, 1))
+
+    mesh = make_mesh((world,), ("ep",))
+    f_ops = jax.shard_map(ops, mesh=mesh, in_specs=(EP,) * 5, out_specs=EP)
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, EP) for a in (x, idx, weights, w1, w2)]
+        got = jax.jit(penalty_grads(f_ops, placed[1]))(placed[0], *placed[2:])
+    with jax.enable_x64():
+        want = penalty_grads(dense, jnp.asarray(idx))(*[jnp.asarray(a, jnp.float64) for a in (x, weights, w1, w2)])
+    for g, w_ in zip(got, want):
+        assert rel_err(g, np.asarray(w_)) <= 1e-5
+    assert np.abs(np.asarray(want[0][1])).max() > 0.1 and abs(float(want[1][2, 0])) > 0.1  # the cases are live
+
+
 def test_reason_is_logged_once(caplog):
     mesh = make_mesh((2,), ("ep",))
     args = random_case(2, 2, 2, 4, 2, 8, 4, jnp.float32, "uniform")
@@ -520,7 +564,9 @@ def test_config_path_and_printed_choice(monkeypatch, capsys):
 def test_config_kernel_fields_are_checked():
     assert "push_sms=4" in str(MoeConfig(push_sms=4))
     for kwargs, match in (({"block_n": 64}, "block_n must be 0, 128 or 256"), ({"push_sms": 65}, "push_sms in"),
-                          ({"raster_rows": 0}, "raster_rows >= 1"), ({"gemm_sms": 1.5}, "gemm_sms must be an int"),
+                          ({"raster_rows": 0}, r"raster_rows in \[1, 2147483647\]"),
+                          ({"gemm_sms": 2**31}, r"gemm_sms must be in \[0, 2147483647\]"),
+                          ({"gemm_sms": 1.5}, "gemm_sms must be an int"),
                           ({"push_sms": True}, "push_sms must be an int")):
         with pytest.raises(ValueError, match=match):
             MoeConfig(**kwargs)

@@ -497,3 +497,31 @@ def test_the_reference_paths_fp8_gemm_is_exact_on_the_gpu(k):
     rel = np.abs(got - exact) / exact
     # fp32 sums of exact products: ~1e-6; an FP8 tensor-core accumulator: ~1e-3 (docs/performance.md).
     assert rel.mean() < 1e-5 and rel.max() < 1e-4, (rel.mean(), rel.max())
+
+
+def test_a_token_of_zeros_keeps_its_gradient():
+    # dx = dy @ w1^T whatever x is: a token of zeros (padding, or one that underflows e4m3 next to a
+    # large one) gets the gradient the bf16 call gives, within FP8's rounding of dy and w1.
+    world = 2
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(world * 4, 8)).astype(np.float32)
+    x[0] = 0.0
+    x[5] = 2e-5 * rng.normal(size=8)
+    x[6] = 50.0
+    idx = np.array([[1], [0], [1], [0]] * world, np.int32)
+    w1 = (rng.normal(size=(2, 8, 8)) / np.sqrt(8)).astype(np.float32)
+    cot = rng.normal(size=(2, world * 128, 8)).astype(np.float32)
+    mesh = make_mesh((world,), ("ep",))
+
+    def dx_of(call):
+        f = jax.shard_map(lambda x, i, w1: call(x, i, w1), mesh=mesh, in_specs=(EP,) * 3, out_specs=EP)
+        with jax.set_mesh(mesh):
+            i_, w1_, c_ = (jax.device_put(a, EP) for a in (idx, w1, cot))
+            loss = lambda x: jnp.sum(f(x, i_, w1_).astype(F32)[:, :c_.shape[1]] * c_)  # noqa: E731
+            return np.asarray(jax.jit(jax.grad(loss))(jax.device_put(x, EP)), np.float64)
+
+    half = dx_of(lambda x, i, w1: moe_dispatch_gemm(x, i, w1, axis_name="ep")[0])
+    eight = dx_of(dispatch_fp8)
+    for t in (0, 5):
+        assert np.abs(half[t]).max() > 0.1
+        assert rel(eight[t], half[t]) <= 0.15

@@ -358,6 +358,12 @@ def test_functional_errors():
         moe_layers.moe_mlp([1.0], router, wi, wi, wo, num_experts_per_tok=K)
     with pytest.raises(ValueError, match=r"moe_mlp: x must have rank >= 2"):
         moe_layers.moe_mlp(jnp.ones(H), router, wi, wi, wo, num_experts_per_tok=K)
+    # No tokens: said before the capacity factor or the load-balance loss would divide by them.
+    for options in ({}, {"capacity_factor": 1.0}, {"return_aux": True}):
+        with pytest.raises(ValueError, match=r"moe_mlp: every dim of x must be > 0 \(tokens and H\), got shape "
+                                             r"\(0, 16\)"):
+            trace(mesh, lambda _, x, o=options: moe_layers.moe_mlp(x, num_experts_per_tok=K, router=router, wi_0=wi,
+                                                                    wi_1=wi, wo=wo, **o), {}, {}, (0, H))
 
 
 # ---------------------------------------------------------------- routing options, capacity factor, load-balance loss

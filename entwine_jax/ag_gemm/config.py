@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from entwine_jax import _extension
-from entwine_jax._config import BLOCK_N, PATHS, check_int, check_shape_args
+from entwine_jax._config import BLOCK_N, FIELD_MAX, PATHS, check_int, check_int_choice, check_shape_args
 from entwine_jax.tuning import crossover
 
 PUSHES = ("auto", "sm", "ce")
@@ -40,10 +40,9 @@ class AgGemmConfig:
     path: str = "auto"
 
     def __post_init__(self):
-        if self.block_n not in BLOCK_N or isinstance(self.block_n, bool):
-            raise ValueError(f"AgGemmConfig: block_n must be one of {BLOCK_N}, got {self.block_n!r}")
-        check_int("gemm_sms", self.gemm_sms, 0, "AgGemmConfig")
-        check_int("raster_rows", self.raster_rows, 1, "AgGemmConfig")
+        check_int_choice("block_n", self.block_n, BLOCK_N, "AgGemmConfig")
+        check_int("gemm_sms", self.gemm_sms, 0, "AgGemmConfig", FIELD_MAX)
+        check_int("raster_rows", self.raster_rows, 1, "AgGemmConfig", FIELD_MAX)
         check_int("max_chunks", self.max_chunks, 1, "AgGemmConfig")
         if self.max_chunks > 64:
             raise ValueError(f"AgGemmConfig: max_chunks must be <= 64, got {self.max_chunks!r}")

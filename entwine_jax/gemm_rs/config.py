@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from entwine_jax import _extension
-from entwine_jax._config import BLOCK_N, PATHS, check_int, check_shape_args, ffi_attribute
+from entwine_jax._config import (BLOCK_N, FIELD_MAX, PATHS, check_int, check_int_choice, check_shape_args,
+                                 ffi_attribute)
 from entwine_jax.gemm_rs import plan
 
 _CONSUMER_BLOCK = (128, 256, 512)
@@ -47,17 +48,14 @@ class GemmRsConfig:
     path: str = "auto"
 
     def __post_init__(self):
-        if self.block_n not in BLOCK_N or isinstance(self.block_n, bool):
-            raise ValueError(f"GemmRsConfig: block_n must be one of {BLOCK_N}, got {self.block_n!r}")
-        check_int("producer_sms", self.producer_sms, 0, "GemmRsConfig")
+        check_int_choice("block_n", self.block_n, BLOCK_N, "GemmRsConfig")
+        check_int("producer_sms", self.producer_sms, 0, "GemmRsConfig", FIELD_MAX)
         check_int("consumer_grid", self.consumer_grid, 1, "GemmRsConfig")
         if self.consumer_grid > _CONSUMER_GRID_MAX:
             raise ValueError(f"GemmRsConfig: consumer_grid must be <= {_CONSUMER_GRID_MAX} (the consumer kernel's "
                              f"limit), got {self.consumer_grid!r}")
-        if self.consumer_block not in _CONSUMER_BLOCK or isinstance(self.consumer_block, bool):
-            raise ValueError(
-                f"GemmRsConfig: consumer_block must be one of {_CONSUMER_BLOCK}, got {self.consumer_block!r}")
-        check_int("raster_rows", self.raster_rows, 1, "GemmRsConfig")
+        check_int_choice("consumer_block", self.consumer_block, _CONSUMER_BLOCK, "GemmRsConfig")
+        check_int("raster_rows", self.raster_rows, 1, "GemmRsConfig", FIELD_MAX)
         # 0 and 1 too: bench --configs and JSON tables spell it as an int.
         if self.split_tail not in (True, False) or not isinstance(self.split_tail, (bool, np.bool_, int, np.integer)):
             raise ValueError(f"GemmRsConfig: split_tail must be a bool, got {self.split_tail!r}")

@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from entwine_jax._config import PATHS
+from entwine_jax._config import FIELD_MAX, PATHS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +55,9 @@ class MoeConfig:
                 raise ValueError(f"MoeConfig: {name} must be an int ({allowed}), got {v!r}")
         if self.block_n not in (0, 128, 256):
             raise ValueError(f"MoeConfig: block_n must be 0, 128 or 256, got {self.block_n}")
-        if self.gemm_sms < 0 or self.raster_rows < 1 or not 0 <= self.push_sms <= 64:
-            raise ValueError(f"MoeConfig: gemm_sms must be >= 0, raster_rows >= 1 and push_sms in [0, 64], got "
-                             f"{self.gemm_sms}, {self.raster_rows}, {self.push_sms}")
+        if not (0 <= self.gemm_sms <= FIELD_MAX and 1 <= self.raster_rows <= FIELD_MAX and 0 <= self.push_sms <= 64):
+            raise ValueError(f"MoeConfig: gemm_sms must be in [0, {FIELD_MAX}], raster_rows in [1, {FIELD_MAX}] and "
+                             f"push_sms in [0, 64], got {self.gemm_sms}, {self.raster_rows}, {self.push_sms}")
 
     def __str__(self) -> str:
         return (f"MoeConfig(capacity={self.capacity}, path={self.path}, block_n={self.block_n}, "

@@ -152,8 +152,13 @@ def _dispatch_bwd(plan, call, shared, res, dy):
     pool8, rows, w8, ws, xs, gs, handle = res
     # dy on the rows no slot took is the caller's activation's (inf or NaN where its slope at y's
     # zeros is): zero there before it enters dy's current scale or dw1 (op._dispatch_bwd's reason).
-    dy = jnp.where(op.taken_rows(pool8, handle.received, plan.axis_size), dy, jnp.zeros((), dy.dtype))
-    g8, g_scale = _cotangent(dy, gs, call)
+    taken = op.taken_rows(pool8, handle.received, plan.axis_size)
+    g8, g_scale = _cotangent(jnp.where(taken, dy, jnp.zeros((), dy.dtype)), gs, call)
+    if handle.received is None:
+        # Told by values, a taken row of zeros (a token of zeros, or one under e4m3's smallest value)
+        # looks untaken: its dy is quantised too, with the taken rows' scale, since dx reads it.
+        kept = op.on_taken_rows(dy, taken, None)
+        g8 = fp8.quantize(kept, g_scale, fp8.E5M2) if call.fp8_grads else kept.astype(call.grad_dtype)
     # dx: a combine of dy with w1^T on the expert side (the FP8 product, scaled), rows home in the
     # backward's dtype, summed with unit weights (copying x[t] to k rows sums their gradients).
     # The FP8 combine (kernel) of e5m2 rows times w1^T (w1 [E_local, H, N] is that GEMM's w_t); a
@@ -229,8 +234,8 @@ def _combine_bwd(plan, call, res, dout):
     h32 = _dequantized(h8, rows)
     dh = w_pool * g
     # h's rows no slot took never enter the forward, nor dw2 (op._combine_bwd's reason).
-    dw2 = op.weight_grad(jnp.where(w_pool != 0, h32, 0.0), w_pool * _dequantized(pool8, d_rows), plan,
-                         handle.received, F32)
+    h_used = op.on_taken_rows(h32, w_pool != 0, handle.received)
+    dw2 = op.weight_grad(h_used, w_pool * _dequantized(pool8, d_rows), plan, handle.received, F32)
     # The router weights' gradient <dout[t], o row> = <g, h> per row, sent home (the combine's transfer).
     dw_recv = op.to_sources(jnp.sum(g * h32, axis=-1), plan, COMBINE)  # [E, C]
     sent = handle.expert >= 0

@@ -385,6 +385,18 @@ def taken_rows(pool, received, world: int):
     return (i % segment < received[:, i // segment])[..., None]
 
 
+def on_taken_rows(v, taken, received):
+    """v on the rows some slot took, zero on the others, whose values are the caller's function of
+    zero rows (inf or NaN where its slope at zero is). With the handle's counts (`received`) `taken`
+    is exact. Without them it is a mask of values (rows not all zero, or with a router weight), which
+    also drops a taken row that happens to be zero: there v's finite values are kept as well, so that
+    dx and a second derivative see that row (a finite value on a row no slot took meets a zero row or
+    weight and adds nothing)."""
+    if received is None:
+        taken = taken | jnp.isfinite(v)
+    return jnp.where(taken, v, jnp.zeros((), v.dtype))
+
+
 def dispatch_pool(x_send, w1, plan: Plan, received=None, sent=None):
     """(y [E_local, W*C, N] in x_send.dtype, pool [E_local, W*C, H]) of x_send [E, C, H] and w1: the
     dispatch kernel (the moves, of the rows `sent` only with the SM push, and the GEMM, which starts on
@@ -497,7 +509,7 @@ def _dispatch_bwd(plan, res, dy):
     # dw1[e] = pool[e]^T dy[e]: the pool's unused rows are zero and add nothing, but only where dy is
     # finite there: the caller's activation can make it inf or NaN on rows no slot took (sqrt or log
     # of y's zeros), rows no dense program has. dy is taken as zero there.
-    dy_used = jnp.where(taken_rows(pool, handle.received, plan.axis_size), dy, jnp.zeros((), dy.dtype))
+    dy_used = on_taken_rows(dy, taken_rows(pool, handle.received, plan.axis_size), handle.received)
     dw1 = weight_grad(pool, dy_used, plan, handle.received, w1.dtype)
     return dx, dw1, None  # the handle is integers: no cotangent
 
@@ -526,7 +538,7 @@ def _combine_bwd(plan, res, dout):
     dh = (w_pool * g).astype(h.dtype)
     # h's rows no slot took are the caller's (an activation of y's zero rows, even inf or NaN): the
     # forward never reads them, and neither does dw2 (their router weight is zero; 0 * NaN is not).
-    h_used = jnp.where(w_pool != 0, h.astype(F32), 0.0)
+    h_used = on_taken_rows(h.astype(F32), w_pool != 0, handle.received)
     dw2 = weight_grad(h_used, w_pool * dy_pool.astype(F32), plan, handle.received, w2.dtype)
     # The router weights' gradient <dout[t], o row> = <g, h> per row, sent home (the combine's transfer).
     dw_recv = to_sources(jnp.sum(g * h.astype(F32), axis=-1), plan, COMBINE)  # [E, C]
