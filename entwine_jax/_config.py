@@ -1,6 +1,8 @@
 # What every op's config shares: the paths a call can take, the GEMM block widths the kernels are
 # built for, the check of an integer field and of a heuristic's arguments, and how a field becomes an
 # FFI attribute.
+from typing import Optional
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -16,7 +18,7 @@ HEURISTIC_DTYPES = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.f
 FIELD_MAX = 2**31 - 1
 
 
-def check_int(name: str, value, lo: int, where: str, hi: int = None) -> None:
+def check_int(name: str, value, lo: int, where: str, hi: Optional[int] = None) -> None:
     """ValueError unless `value` is an int (a NumPy integer too, never a bool) >= lo, and <= hi unless
     hi is None (a config field: FIELD_MAX)."""
     # bool is an int subclass; True as a grid size is always a mistake.
