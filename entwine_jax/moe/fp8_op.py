@@ -153,12 +153,11 @@ def _dispatch_bwd(plan, call, shared, res, dy):
     # dy on the rows no slot took is the caller's activation's (inf or NaN where its slope at y's
     # zeros is): zero there before it enters dy's current scale or dw1 (op._dispatch_bwd's reason).
     taken = op.taken_rows(pool8, handle.received, plan.axis_size)
-    g8, g_scale = _cotangent(jnp.where(taken, dy, jnp.zeros((), dy.dtype)), gs, call)
-    if handle.received is None:
-        # Told by values, a taken row of zeros (a token of zeros, or one under e4m3's smallest value)
-        # looks untaken: its dy is quantised too, with the taken rows' scale, since dx reads it.
-        kept = op.on_taken_rows(dy, taken, None)
-        g8 = fp8.quantize(kept, g_scale, fp8.E5M2) if call.fp8_grads else kept.astype(call.grad_dtype)
+    if call.fp8_grads and gs is None:
+        gs = fp8.current_scale(jnp.where(taken, dy, jnp.zeros((), dy.dtype)), fp8.E5M2)
+    # Told by values, a taken row of zeros (a token of zeros, or one under e4m3's smallest value) looks
+    # untaken: on_taken_rows keeps its dy, quantised with the taken rows' scale, since dx reads it.
+    g8, g_scale = _cotangent(op.on_taken_rows(dy, taken, handle.received), gs, call)
     # dx: a combine of dy with w1^T on the expert side (the FP8 product, scaled), rows home in the
     # backward's dtype, summed with unit weights (copying x[t] to k rows sums their gradients).
     # The FP8 combine (kernel) of e5m2 rows times w1^T (w1 [E_local, H, N] is that GEMM's w_t); a
