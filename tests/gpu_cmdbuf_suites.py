@@ -1,5 +1,5 @@
 """gpu_ranks suites under XLA's command buffers (CUDA graphs): `cmdbuf` (both ops recorded and
-replayed, every result checked, the device epoch against the handler's executions) and
+replayed, bf16 and FP8, every result checked, the device epoch against the handler's executions) and
 `cmdbufmissing` (a replayed call whose peer never came traps at the deadline)."""
 
 from __future__ import annotations
@@ -177,6 +177,41 @@ class CmdbufSuites(Rank):
             ws = [host(seed, q, (k, n), 6) for q in range(w_)]
             return [rs_local(seed), self.reference(xs, ws), ag_local(seed, False)]
 
+        # FP8 (e4m3 operands, per-tensor scales): the hashed values k/16 are exact in e4m3, and the
+        # scales come from the seed and the rank inside the program, so a replay that kept a recorded
+        # scale instead of reading this run's would give the previous seed's result.
+        e4m3 = jnp.float8_e4m3fn
+        rs8_config = self.fused_config(m, n, k, e4m3)
+        ag8_config = dataclasses.replace(entwine_jax.ag_heuristic_config(rows, n_ag, cols, w_, e4m3), path="fused")
+
+        def scale(seed, rank, salt, xp):
+            return ((seed + rank + salt) % xp.int32(5) + 1).astype(xp.float32) / 64
+
+        def rs8(seed):
+            q = jax.lax.axis_index("tp")
+            return entwine_jax.gemm_rs(dev(seed, (m, k), 7).astype(e4m3), dev(seed, (k, n), 8).astype(e4m3),
+                                       axis_name="tp", config=rs8_config, x_scale=scale(seed, q, 1, jnp),
+                                       w_scale=scale(seed, q, 2, jnp))
+
+        def rs8_local(seed):
+            s = np.int32(seed)
+            xs = [host(seed, q, (m, k), 7).astype(np.float64) * scale(s, np.int32(q), 1, np) for q in range(w_)]
+            ws = [host(seed, q, (k, n), 8).astype(np.float64) * scale(s, np.int32(q), 2, np) for q in range(w_)]
+            return [self.reference(xs, ws)]
+
+        def ag8(seed):
+            # One x_scale for every shard (rows layout), this rank's w_scale.
+            q = jax.lax.axis_index("tp")
+            return entwine_jax.ag_gemm(dev(seed, (rows, cols), 9).astype(e4m3), dev(seed, (cols, n_ag), 10).astype(e4m3),
+                                       axis_name="tp", gather_dimension=0, config=ag8_config,
+                                       x_scale=scale(seed, 0, 3, jnp), w_scale=scale(seed, q, 4, jnp))
+
+        def ag8_local(seed):
+            s = np.int32(seed)
+            xs = [host(seed, q, (rows, cols), 9).astype(np.float64) * scale(s, np.int32(0), 3, np) for q in range(w_)]
+            ws = [host(seed, q, (cols, n_ag), 10).astype(np.float64) * scale(s, np.int32(q), 4, np) for q in range(w_)]
+            return [self.ag_reference(xs, ws, False)[0]]
+
         layers = 3
 
         def scanned(seed):
@@ -200,6 +235,8 @@ class CmdbufSuites(Rank):
              True),
             ("ag_gemm contraction", program(lambda s: ag(s, True), P(None, "tp")), 1, lambda s: [ag_local(s, True)],
              True),
+            ("FP8 gemm_rs", program(rs8, P("tp", None)), 1, rs8_local, True),
+            ("FP8 ag_gemm rows", program(ag8, P(None, "tp")), 1, ag8_local, True),
             ("three independent calls", program(independent, (P("tp", None), P("tp", None), P(None, "tp"))), 3,
              independent_local, True),
             (f"scan of {layers} steps of both ops", program(scanned, (P(None, "tp", None), P(None, None, "tp"))),

@@ -10,14 +10,14 @@ from gpu_harness import Rank
 
 def fp8_rounded(v, dtype=None):
     """float64 of v quantised to FP8 (default float8_e4m3fn) with its current scale and dequantised,
-    as the ops do: scale = amax / the type's largest value, rounded to f32."""
+    as the ops do: scale = amax times the float32 reciprocal of the type's largest value, in f32."""
     import ml_dtypes
     import numpy as np
 
     dtype = dtype or ml_dtypes.float8_e4m3fn
     v = np.asarray(v, np.float64)
     top = float(ml_dtypes.finfo(dtype).max)
-    s = np.float32(np.abs(v).max() / top)
+    s = np.float32(np.abs(v).max()) * np.float32(1.0 / top)
     return np.clip(v / s, -top, top).astype(dtype).astype(np.float64) * s
 
 

@@ -34,7 +34,8 @@ Suites:
   agmissing  as `missing`, for ag_gemm (the SM push): the ranks waiting for the absent rank's
            chunks or announcement report it.
   cmdbuf   XLA command buffers (CUDA graphs) on for fusions, custom calls, loops and conditionals,
-           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts, both pushes), three
+           graphs of any size: gemm_rs (two call sites), ag_gemm (both layouts, both pushes), FP8
+           gemm_rs and ag_gemm (scales made in the program from the seed), three
            independent fused calls in one program and a lax.scan of both
            ops, 20 runs each on operands generated in the program from fresh seeds, every
            result checked; the device epoch must advance once per call while the handlers execute
