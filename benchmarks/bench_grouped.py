@@ -86,10 +86,12 @@ def main(argv=None) -> int:
             # The fused call with every weight an operand of its own (x, then the G weights; FP8: their
             # scales after them), nothing concatenated.
             text = grouped.lower(xm, *wm).as_text()
-            call = re.search(r"custom_call @entwine_ag_gemm\(([^)]*)\)", text)
-            if call is None or len(call.group(1).split(",")) != 1 + len(ws) + (2 if args.fp8 else 0) or \
-                    "stablehlo.concatenate" in text:
-                print(f"{name}: the grouped call did not lower to one fused call on the weights in place",
+            target = "entwine_ag_gemm_fp8" if args.fp8 else "entwine_ag_gemm"
+            call = re.search(rf"custom_call @{target}\(([^)]*)\)", text)
+            operands = len(call.group(1).split(",")) if call else 0
+            if operands != 1 + len(ws) + (2 if args.fp8 else 0) or "stablehlo.concatenate" in text:
+                print(f"{name}: the grouped call did not lower to one fused call on the weights in place "
+                      f"({target}: {operands} operands; concatenate: {'stablehlo.concatenate' in text})",
                       file=sys.stderr)
                 return 1
             err = rel_err(jnp.concatenate(grouped(xm, *wm), axis=1), ref)

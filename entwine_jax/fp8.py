@@ -53,6 +53,7 @@ operands' scales vary).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Optional
 
@@ -60,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import callsite, comm
+from entwine_jax import _log, callsite, comm
 
 __all__ = ["E4M3", "E5M2", "BLOCK", "quantize", "dequantize", "current_scale", "scales_1x128", "scales_128x128",
            "quantize_1x128", "quantize_128x128"]
@@ -70,6 +71,19 @@ E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients: more range, less precision
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 HIGH_DTYPES = OUT_DTYPES + (jnp.dtype(jnp.float32),)
 BLOCK = 128  # the edge of a scaling block: 1x128 tiles of x, 128x128 blocks of w
+
+
+def narrow_blocks(op: str, config, source: str):
+    """An FP8 call's config: 128-wide GEMM blocks whatever config.block_n says (the FP8 kernels run no
+    wider block: its promoted fp32 sum would not fit the math warps' registers), so a config written
+    for 16-bit operands (AgGemmConfig's default is 256) still runs the kernels. A config the user
+    passed (source "override") is told so once."""
+    if config.block_n == BLOCK:
+        return config
+    if source == "override":
+        _log.log_once((op, "fp8 block_n", config), logging.INFO,
+                      "%s: FP8 operands run 128-wide blocks, not config.block_n = %d", op, config.block_n)
+    return dataclasses.replace(config, block_n=BLOCK)
 
 
 def blocks(n: int) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from entwine_jax import AgGemmConfig, _extension, ag_gemm, callsite, comm, fp8, gemm_rs
+from entwine_jax import AgGemmConfig, _extension, _log, ag_gemm, callsite, comm, fp8, gemm_rs
 from entwine_jax.ag_gemm import fused as ag_fused
 from entwine_jax.ag_gemm import plan as ag_plan
 from entwine_jax.gemm_rs import fused as rs_fused
@@ -576,18 +576,19 @@ def _fp8_calls(text):
     return calls
 
 
-def _lowered_block_grads(grad_dtype):
+def _lowered_block_grads(grad_dtype, block_n=128):
     """The lowered text (for CUDA) of the gradients of an ag_gemm -> gemm_rs block in FP8 on the fused
-    path (path "fused": the crossover would send these small shapes to XLA). Both backward calls have N
-    a multiple of 256, where a bf16 call's heuristic takes 256-wide blocks and FP8 takes 128 only."""
+    path (path "fused": the crossover would send these small shapes to XLA), both configs block_n wide.
+    Both backward calls have N a multiple of 256, where a bf16 call's heuristic takes 256-wide blocks
+    and FP8 takes 128 only."""
     mesh = make_mesh((W,), ("tp",))
 
     def block(x, w1, w2):
         h = ag_gemm(x, w1, axis_name="tp", x_scale=fp8.current_scale(x), w_scale=S, grad_dtype=grad_dtype,
-                    config=AgGemmConfig(path="fused", block_n=128))
+                    config=AgGemmConfig(path="fused", block_n=block_n))
         h = jnp.tanh(h.astype(jnp.float32))
         return gemm_rs(h, w2, axis_name="tp", x_scale=fp8.current_scale(h), w_scale=S, grad_dtype=grad_dtype,
-                       config=GemmRsConfig(path="fused"))
+                       config=GemmRsConfig(path="fused", block_n=block_n))
 
     specs = (P("tp", None), P(None, "tp"), P("tp", None))
 
@@ -612,6 +613,22 @@ def test_fp8_backward_lowers_to_the_fused_fp8_calls(fused_on_cpu, caplog):
     # The backward ag_gemm returns its gathered e5m2 dy (for dw): [W, rows, cols] of x's type.
     gathered = re.findall(r"custom_call @entwine_ag_gemm_fp8\(.*-> \(tensor<[^>]*>, tensor<([\dx]*)x(\w+)>", text)
     assert sorted(gathered) == [("4x128x256", "f8E4M3FN"), ("4x128x256", "f8E5M2")]
+
+
+def test_an_fp8_call_runs_128_wide_blocks_whatever_its_config(fused_on_cpu, caplog):
+    # A config written for 16-bit operands (AgGemmConfig's default block_n is 256) still runs every FP8
+    # call, forward and backward, on the kernels in 128-wide blocks, and each op says so once.
+    _log.reset_once()
+    with caplog.at_level(logging.INFO, logger="entwine_jax"):
+        text = _lowered_block_grads(grad_dtype=None, block_n=256)
+        _lowered_block_grads(grad_dtype=None, block_n=256)
+    assert len(_fp8_calls(text)) == 4
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "XLA reference path" in m]
+    told = sorted(m.split(":")[0] for m in messages if "FP8 operands run 128-wide blocks, not config.block_n = 256" in m)
+    assert told == ["ag_gemm", "gemm_rs"]
+    widths = re.findall(r"custom_call @entwine_\w+_fp8\(.*block_n = (\d+)", text)
+    assert widths == ["128"] * 4, widths
 
 
 def test_hidden_layout_runs_every_fp8_call_on_the_kernels(fused_on_cpu, caplog):

@@ -16,7 +16,7 @@ PUSHES = ("auto", "sm", "ce")
 class AgGemmConfig:
     """Configuration of one ag_gemm call (mirrors entwine::AgGemmConfig in ffi/ag_gemm/ag_gemm.h).
 
-    block_n:     GEMM block 128 x block_n x 64; 128 or 256.
+    block_n:     GEMM block 128 x block_n x 64; 128 or 256 (FP8 operands: 128 always).
     gemm_sms:    the GEMM's persistent grid; 0: every SM the push leaves (all but push_sms with the
                  SM push, all but one with the copy engines, whose one-warp chunk releases need an SM
                  while the GEMM's CTAs wait for chunks).

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, _log, callsite, opspec
+from entwine_jax import _extension, _log, callsite, fp8, opspec
 from entwine_jax.ag_gemm import fused
 from entwine_jax.ag_gemm import plan as _plan
 from entwine_jax.ag_gemm.config import AgGemmConfig, ag_heuristic_config, push_budget, push_of
@@ -220,6 +220,8 @@ def plan(x, w, *, axis_name, dimension, config: Optional[AgGemmConfig], return_g
     if widths:
         config = _group_config(widths, config, source)
     _check_config(config)
+    if out_dtype is not None:
+        config = fp8.narrow_blocks(OP, config, source)
     block_scaled = bool(block_scaled) and out_dtype is not None
     shared_scale = bool(shared_scale) and not block_scaled
     fused_call, reason = _prepare(x, w, axis_name, size, gd, config, out_dtype, shared_scale, block_scaled)

@@ -23,7 +23,7 @@ _CONSUMER_GRID_MAX = 64
 class GemmRsConfig:
     """Configuration of one gemm_rs call.
 
-    block_n:        producer GEMM block 128 x block_n x 64; 128 or 256.
+    block_n:        producer GEMM block 128 x block_n x 64; 128 or 256 (FP8 operands: 128 always).
     producer_sms:   the persistent GEMM grid; 0: the SMs the consumer and ENTWINE_SM_RESERVE leave
                     (resolved by the handler on the GPU). Any value is safe: the GEMM never waits.
     consumer_grid:  the communication budget x: CTAs of the reduction kernel.

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Optional
 
 import jax
 
-from entwine_jax import callsite, opspec
+from entwine_jax import callsite, fp8, opspec
 from entwine_jax.gemm_rs import fused, table
 from entwine_jax.gemm_rs import plan as kernel_plan
 from entwine_jax.gemm_rs.config import GemmRsConfig, get_default_config
@@ -160,6 +160,8 @@ def plan(x, w, *, axis_name, dimension, config: Optional[GemmRsConfig], return_g
     if config is None:
         config, source = default_config(x, w, size, sd)
     _check_config(config)
+    if out_dtype is not None:
+        config = fp8.narrow_blocks(OP, config, source)
     block_scaled = bool(block_scaled) and out_dtype is not None
     fused_call, reason = _prepare(x, w, axis_name, size, sd, config, out_dtype, block_scaled)
     p = Plan(axis_name=axis_name, axis_size=size, dimension=sd, config=config, reason=reason,
