@@ -9,9 +9,11 @@ INC=/tmp/cutlass/cutlass_library/source/include
 HARNESS=OFF; [ "${1:-}" = harness ] && HARNESS=ON
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 T0=$SECONDS
+# A warm machine keeps the last call's wheel and install: replace both.
+rm -rf /tmp/wheel
 if ! python3 -m pip wheel -q --no-build-isolation --no-deps "$REPO" -w /tmp/wheel \
     -Ccmake.define.ENTWINE_CUTLASS_INCLUDE=$INC -Ccmake.define.ENTWINE_BUILD_HARNESS=$HARNESS > /tmp/build.log 2>&1; then
   tail -40 /tmp/build.log; echo "device_build: FAILED"; exit 1
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/wheel/entwine_jax-*.whl || exit 1
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site /tmp/wheel/entwine_jax-*.whl || exit 1
 echo "device_build: built in $((SECONDS - T0)) s, installed in /tmp/site"

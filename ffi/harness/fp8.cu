@@ -339,4 +339,96 @@ int fp8_bench_main() {
   return 0;
 }
 
+// Where ag_gemm's FP8 GEMM loses to cuBLASLt: its GEMM alone (chunks released) at max_chunks 1-8 and
+// raster 8 / 16 (a chunk bounds the raster: 8 chunks of a 4096-row shard are 4 tile rows), beside
+// gemm_rs's producer on the same [M, K] x [K, N] (plain, and with order and flags) and cuBLASLt, in
+// one interleaved round per shape and layout; and the rows layout at W = 1 (no inbox, no waits).
+// profile: the first shape's rows layout only, each variant launched twice and not timed (for ncu).
+int fp8_order_main(bool profile) {
+  CublasLt const* lt = prepare_fp8_bench();
+  int const sms = sm_count();
+  struct Shape {
+    int tokens, embed, mlp;
+  };
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::printf("# fp8 order: ms of the GEMM alone, e4m3 -> bf16, W = 2; cublas/ours per column\n");
+  for (int layout = 0; layout < (profile ? 1 : 2); ++layout) {
+    bool const gather_k = layout > 0;
+    for (Shape sh : {Shape{8192, 4096, 14336}, Shape{16384, 4096, 14336}, Shape{8192, 8192, 28672}}) {
+      if (profile && sh.tokens != 8192) continue;
+      int const world = 2, n = sh.mlp / world;
+      std::vector<std::unique_ptr<AgWorld>> worlds;
+      std::vector<std::string> names;
+      std::vector<std::function<void()>> launches;
+      for (int chunks : {8, 4, 2, 1, 0}) {
+        for (int raster : {8, 16}) {
+          // chunks 0: one rank holding every row (W = 1), one chunk
+          int const ranks = chunks == 0 ? 1 : world;
+          if (chunks == 0 && (gather_k || raster == 8)) continue;
+          AgCase c{gather_k ? sh.tokens : sh.tokens / ranks, gather_k ? sh.embed / ranks : sh.embed, n, ranks, true,
+                   gather_k, AgGemmConfig{128, sms - 1, raster, chunks == 0 ? 1 : chunks}, true, gather_k};
+          worlds.push_back(std::make_unique<AgWorld>(c));
+          AgWorld& wd = *worlds.back();
+          wd.fill_inputs(5);
+          if (ranks > 1) {
+            fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(wd.ranks[0].inbox), wd.plan.scales_offset, 77);
+            std::vector<float> const ones(size_t(world) * kScaleSlotBytes / sizeof(float), 1.0f);
+            CHECK_CUDA(cudaMemcpy(wd.ranks[0].inbox + wd.plan.scales_offset, ones.data(),
+                                  ones.size() * sizeof(float), cudaMemcpyHostToDevice));
+          }
+          auto& r0 = wd.ranks[0];
+          AgGemmArgs a{r0.x, r0.inbox, r0.w, r0.y, r0.flags, wd.error, nullptr, wd.call_epoch(), wd.timeout_ns};
+          a.x_scale = r0.scales;
+          a.w_scale = r0.scales + 1;
+          AgPlan const plan = wd.plan;
+          launches.push_back([a, plan, stream]() {
+            CHECK_CUDA(ag_gemm::launch_gemm(DType::kE4M3, DType::kBF16, plan, a, stream));
+          });
+          names.push_back((chunks == 0 ? "w1_c" : "c") + std::to_string(plan.chunks) + "r" + std::to_string(raster));
+        }
+      }
+      // Every chunk released: flags of all ones (above any epoch).
+      for (auto& wd : worlds) CHECK_CUDA(cudaMemset(wd->ranks[0].flags, 0xFF, 2 * wd->plan.flags * sizeof(uint64_t)));
+      int const m = sh.tokens, k = sh.embed;  // both layouts: y [tokens, n], K the whole embedding
+      Case pc{m, n, k, 2, true, GemmRsConfig{}, false, true};
+      World pw(pc);
+      pw.fill_inputs(3);
+      ProblemShape const ps{m, n, k, 2, 0};
+      for (int raster : {8, 16}) {
+        GemmRsConfig const cfg{128, sms, 16, 512, raster};
+        launches.push_back(producer_launcher(pw, ps, cfg, false, false, stream));
+        names.push_back("plain_r" + std::to_string(raster));
+        launches.push_back(producer_launcher(pw, ps, cfg, true, true, stream));
+        names.push_back("rs_r" + std::to_string(raster));
+      }
+      if (lt) {
+        CublasLt::Fp8Scales const scales{pw.ranks[0].scales, pw.ranks[0].scales + 1};
+        auto run = lt->gemm(m, n, k, pw.ranks[0].x, pw.ranks[0].w, pw.ranks[0].partial[1], stream, &scales);
+        if (run) {
+          launches.push_back(run);
+          names.push_back("cublas");
+        }
+      }
+      if (profile) {
+        for (size_t i = 0; i < launches.size(); ++i) {
+          std::printf("profile launches %zu-%zu: %s\n", 2 * i, 2 * i + 1, names[i].c_str());
+          launches[i]();
+          launches[i]();
+        }
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        continue;
+      }
+      std::vector<float> const ms = interleaved_median_ms(launches, stream, 10, 30, 5);
+      float const cublas = names.back() == "cublas" ? ms.back() : NAN;
+      std::printf("%s M %d N %d K %d:", gather_k ? "contraction" : "rows", m, n, k);
+      for (size_t i = 0; i < ms.size(); ++i) std::printf(" %s %.4f (%.3f)", names[i].c_str(), ms[i], cublas / ms[i]);
+      std::printf("\n");
+      for (auto& wd : worlds)
+        if (wd->read_error().code != 0) std::printf("  device error recorded!\n");
+    }
+  }
+  return 0;
+}
+
 }  // namespace entwine::harness

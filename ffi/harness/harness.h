@@ -396,6 +396,7 @@ int fp8_test_main();
 int fp8_bench_main();
 CublasLt const* prepare_fp8_bench();
 int fp8_accuracy_main();
+int fp8_order_main(bool profile);
 // fp8_block.cu
 int fp8block_test_main();
 int fp8block_bench_main();

@@ -66,6 +66,9 @@ int main(int argc, char** argv) {
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "test") return fp8_test_main();
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "bench") return fp8_bench_main();
   if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "accuracy") return fp8_accuracy_main();
+  if (mode == "fp8" && argc > 2 && std::string(argv[2]) == "order") {
+    return fp8_order_main(argc > 3 && std::string(argv[3]) == "profile");
+  }
   if (mode == "fp8block" && argc > 2 && std::string(argv[2]) == "test") return fp8block_test_main();
   if (mode == "fp8block" && argc > 2 && std::string(argv[2]) == "bench") return fp8block_bench_main();
   if (mode == "bench") return bench_main(argc > 2 && argv[2][0] ? argv[2] : nullptr, argc > 3 ? argv[3] : nullptr);
