@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "usage: entwine_harness test | sanitize [sequential] | bench [out.jsonl] [fused|producer|consumer]\n"
-               "       entwine_harness ag test | ag sanitize | ag bench | ag push | moe test | moe bench | moe wgrad test | moe wgrad bench | fp8 test | fp8 bench | fp8 accuracy | api\n"
+               "       entwine_harness ag test | ag sanitize | ag bench | ag push | moe test | moe bench | moe wgrad test | moe wgrad bench | fp8 test | fp8 bench | fp8 accuracy | fp8 order [profile] | api\n"
                "       entwine_harness fp8block test | fp8block bench\n"
                "       entwine_harness producer M N K block_n producer_sms raster_rows [plain]\n"
                "       entwine_harness energy M N K [seconds] [names] | energy suite [seconds] [shapes]\n");
