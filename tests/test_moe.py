@@ -572,11 +572,12 @@ def test_config_kernel_fields_are_checked():
             MoeConfig(**kwargs)
 
 
-def test_kernel_plans_state_their_rules():
+def test_kernel_plans_state_their_rules(caplog):
     """The extension's plans (where it is built): the dispatch kernel's and moe_transfer's rules, as
     entwine_jax.moe.fused asks them."""
-    from entwine_jax import _extension
+    from entwine_jax import _extension, _log
     from entwine_jax.moe import fused
+    _log.reset_once()
 
     if _extension.module()[0] is None or fused.kernels_reason() is not None:
         pytest.skip("the CUDA extension with the MoE kernels is not built here")
@@ -592,8 +593,13 @@ def test_kernel_plans_state_their_rules():
         plan = fused.moe_plan(2, 8, 256, 1024, 2048, jnp.float8_e4m3fn, MoeConfig(gemm_sms=64))
         assert plan.inbox_bytes == 4 * 2 * 256 * 1024 and plan.num_blocks == 4 * 2 * 2 * 2048 // 128
         assert fused.moe_plan(2, 8, 256, 1024, 2048, jnp.float8_e5m2, MoeConfig(gemm_sms=64)).grid == 64
-        with pytest.raises(_extension.PlanError, match="128-wide blocks"):
-            fused.moe_plan(2, 8, 256, 1024, 2048, jnp.float8_e4m3fn, MoeConfig(gemm_sms=64, block_n=256))
+        # A config asking for 256-wide blocks gets 128-wide ones with FP8 (the extension's rule below).
+        with caplog.at_level(logging.INFO, logger="entwine_jax"):
+            assert fused.moe_plan(2, 8, 256, 1024, 2048, jnp.float8_e4m3fn,
+                                  MoeConfig(gemm_sms=64, block_n=256)).num_blocks == plan.num_blocks
+        assert "moe: FP8 operands run 128-wide blocks, not config.block_n = 256" in caplog.text
+        asked = _extension.ext().moe_plan(2, 8, 256, 1024, 2048, "float8_e4m3fn", 256, 64, 8, 0)
+        assert "128-wide blocks" in asked["error"]
         with pytest.raises(_extension.PlanError, match="% 16 for FP8"):
             fused.moe_plan(2, 8, 256, 1000, 2048, jnp.float8_e4m3fn, MoeConfig(gemm_sms=64))
     # The combine kernel: h [E_local, W*C, F] -> o_recv [E, C, H]; FP8 h (e4m3 or e5m2) in 128-wide
@@ -606,8 +612,9 @@ def test_kernel_plans_state_their_rules():
             h8, w8 = h.update(dtype=jnp.float8_e5m2), w2.update(dtype=jnp.float8_e4m3fn)
             d8 = fused._combine_plan(2, h8, w8, MoeConfig(gemm_sms=64))
             assert (d8["inbox_bytes"], d8["num_blocks"]) == (8 * 256 * 2048 * 2, 4 * 2 * 2 * 2048 // 128)
-            with pytest.raises(_extension.PlanError, match="128-wide blocks"):
-                fused._combine_plan(2, h8, w8, MoeConfig(gemm_sms=64, block_n=256))
+            assert fused._combine_plan(2, h8, w8, MoeConfig(gemm_sms=64, block_n=256))["num_blocks"] == d8["num_blocks"]
+            asked = _extension.ext().moe_combine_plan(2, 8, 256, 1024, 2048, "float8_e5m2", 256, 64, 8)
+            assert "128-wide blocks" in asked["error"]
         with pytest.raises(_extension.PlanError, match="capacity % 128 == 0"):
             fused._combine_plan(2, h.update(shape=(4, 400, 1024)), w2, MoeConfig(gemm_sms=64))
     # A float32 [E, C] of router weights: 4-byte rows, any dtype moves.

@@ -21,7 +21,7 @@ class MoeConfig:
               is dropped (docs/design.md, "Capacity, dropless and overflow").
     path:     "auto" / "fused" / "xla", as for GemmRsConfig (an axis of size 1 or float32 operands
               take the XLA path under "auto"; the reason is logged once per call site).
-    block_n:  the dispatch GEMM's block width, 128 or 256; 0: 256 where N allows it, else 128.
+    block_n:  the dispatch GEMM's block width, 128 or 256; 0: 256 where N allows it, else 128 (FP8: 128 always).
     gemm_sms: the dispatch GEMM's persistent grid; 0: every SM the push leaves.
     raster_rows: an expert's GEMM blocks (its local segment alone, its peers' segments stacked) run
                  in groups of this many tile rows (L2 reuse of w).

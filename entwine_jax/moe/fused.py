@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from entwine_jax import _extension, _ffi, callsite, comm
+from entwine_jax import _extension, _ffi, callsite, comm, fp8
 from entwine_jax._extension import NoExtension, PlanError
 from entwine_jax.comm import Unavailable
 
@@ -73,10 +73,12 @@ def launch_sms(config) -> tuple[int, int]:
 
 def block_n(config, n: int, dtype) -> int:
     """The GEMM block's width: config's, or 256 where N allows it (fewer, wider blocks), else 128; FP8
-    blocks are 128 wide."""
+    blocks are 128 wide whatever the config asks (a config asking for 256 is told once)."""
+    if is_fp8(dtype):
+        return fp8.narrow_blocks("moe", config, "override").block_n if config.block_n else fp8.BLOCK
     if config.block_n:
         return int(config.block_n)
-    return 128 if is_fp8(dtype) or n % 256 else 256
+    return 128 if n % 256 else 256
 
 
 def moe_plan(world: int, experts: int, capacity: int, k: int, n: int, dtype, config) -> MoePlan:
