@@ -71,19 +71,21 @@ E5M2 = jnp.dtype(jnp.float8_e5m2)  # gradients: more range, less precision
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 HIGH_DTYPES = OUT_DTYPES + (jnp.dtype(jnp.float32),)
 BLOCK = 128  # the edge of a scaling block: 1x128 tiles of x, 128x128 blocks of w
+# The FP8 kernels' GEMM block width: the promoted fp32 sum of a wider block does not fit the math
+# warps' registers (docs/design.md, "FP8 operands").
+GEMM_BLOCK_N = 128
 
 
 def narrow_blocks(op: str, config, source: str):
-    """An FP8 call's config: 128-wide GEMM blocks whatever config.block_n says (the FP8 kernels run no
-    wider block: its promoted fp32 sum would not fit the math warps' registers), so a config written
+    """An FP8 call's config: GEMM_BLOCK_N-wide blocks whatever config.block_n says, so a config written
     for 16-bit operands (AgGemmConfig's default is 256) still runs the kernels. A config the user
     passed (source "override") is told so once."""
-    if config.block_n == BLOCK:
+    if config.block_n == GEMM_BLOCK_N:
         return config
     if source == "override":
-        _log.log_once((op, "fp8 block_n", config), logging.INFO,
-                      "%s: FP8 operands run 128-wide blocks, not config.block_n = %d", op, config.block_n)
-    return dataclasses.replace(config, block_n=BLOCK)
+        _log.log_once((op, "fp8 block_n", config), logging.INFO, "%s: FP8 operands run %d-wide blocks, not "
+                      "config.block_n = %d", op, GEMM_BLOCK_N, config.block_n)
+    return dataclasses.replace(config, block_n=GEMM_BLOCK_N)
 
 
 def blocks(n: int) -> int:

@@ -75,7 +75,7 @@ def block_n(config, n: int, dtype) -> int:
     """The GEMM block's width: config's, or 256 where N allows it (fewer, wider blocks), else 128; FP8
     blocks are 128 wide whatever the config asks (a config asking for 256 is told once)."""
     if is_fp8(dtype):
-        return fp8.narrow_blocks("moe", config, "override").block_n if config.block_n else fp8.BLOCK
+        return fp8.narrow_blocks("moe", config, "override").block_n if config.block_n else fp8.GEMM_BLOCK_N
     if config.block_n:
         return int(config.block_n)
     return 128 if n % 256 else 256
