@@ -219,6 +219,23 @@ CublasLt const* prepare_fp8_bench() {
   return lt;
 }
 
+// Rank 0's FP8 ag_gemm GEMM of `wd` as a launcher on `stream`, every chunk released: flags above any
+// epoch, and where there are peers their shards in the inbox as random e4m3 bytes with scales of 1.
+std::function<void()> released_fp8_gemm(AgWorld& wd, cudaStream_t stream) {
+  CHECK_CUDA(cudaMemset(wd.ranks[0].flags, 0xFF, 2 * wd.plan.flags * sizeof(uint64_t)));
+  if (wd.c.world > 1) {
+    fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(wd.ranks[0].inbox), wd.plan.scales_offset, 77);
+    std::vector<float> const ones(size_t(wd.c.world) * kScaleSlotBytes / sizeof(float), 1.0f);
+    CHECK_CUDA(cudaMemcpy(wd.ranks[0].inbox + wd.plan.scales_offset, ones.data(), ones.size() * sizeof(float),
+                          cudaMemcpyHostToDevice));
+  }
+  auto& r0 = wd.ranks[0];
+  AgGemmArgs a{r0.x, r0.inbox, r0.w, r0.y, r0.flags, wd.error, nullptr, wd.call_epoch(), wd.timeout_ns};
+  a.x_scale = r0.scales;
+  a.w_scale = r0.scales + 1;
+  return [a, plan = wd.plan, stream]() { CHECK_CUDA(ag_gemm::launch_gemm(DType::kE4M3, DType::kBF16, plan, a, stream)); };
+}
+
 // The FP8 GEMMs against cuBLASLt's FP8 GEMM (same types, scales and accumulation), in interleaved
 // rounds: gemm_rs's producer on the design suite (W = 2 partitions), ag_gemm's GEMM alone (chunks
 // released; per-shard scales in the rows layout, the contraction layout with a shared scale and with
@@ -268,20 +285,9 @@ int fp8_bench_main() {
                AgGemmConfig{128, sms - 1, 8, 8}, true, shared_scale};
       AgWorld wd(c);
       wd.fill_inputs(5);
-      CHECK_CUDA(cudaMemset(wd.ranks[0].flags, 0xFF, 2 * wd.plan.flags * sizeof(uint64_t)));
-      // The peers' shards and scales in the inbox: e4m3 bytes, scales of 1.
-      fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(wd.ranks[0].inbox), wd.plan.scales_offset, 77);
-      std::vector<float> const ones(size_t(world) * kScaleSlotBytes / sizeof(float), 1.0f);
-      CHECK_CUDA(cudaMemcpy(wd.ranks[0].inbox + wd.plan.scales_offset, ones.data(), ones.size() * sizeof(float),
-                            cudaMemcpyHostToDevice));
       auto& r0 = wd.ranks[0];
       cudaStream_t const stream = r0.gemm;
-      AgGemmArgs a{r0.x, r0.inbox, r0.w, r0.y, r0.flags, wd.error, nullptr, wd.call_epoch(), wd.timeout_ns};
-      a.x_scale = r0.scales;
-      a.w_scale = r0.scales + 1;
-      AgPlan const plan = wd.plan;
-      std::vector<std::function<void()>> launches{
-          [&, a, plan]() { CHECK_CUDA(ag_gemm::launch_gemm(DType::kE4M3, DType::kBF16, plan, a, stream)); }};
+      std::vector<std::function<void()>> launches{released_fp8_gemm(wd, stream)};
       int64_t const m = c.y_rows(), k = gather_k ? int64_t(world) * c.cols : c.cols;
       uint8_t *a_full = nullptr, *w_full = nullptr;
       uint16_t* ref_out = nullptr;
@@ -371,25 +377,10 @@ int fp8_order_main(bool profile) {
           worlds.push_back(std::make_unique<AgWorld>(c));
           AgWorld& wd = *worlds.back();
           wd.fill_inputs(5);
-          if (ranks > 1) {
-            fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(wd.ranks[0].inbox), wd.plan.scales_offset, 77);
-            std::vector<float> const ones(size_t(world) * kScaleSlotBytes / sizeof(float), 1.0f);
-            CHECK_CUDA(cudaMemcpy(wd.ranks[0].inbox + wd.plan.scales_offset, ones.data(),
-                                  ones.size() * sizeof(float), cudaMemcpyHostToDevice));
-          }
-          auto& r0 = wd.ranks[0];
-          AgGemmArgs a{r0.x, r0.inbox, r0.w, r0.y, r0.flags, wd.error, nullptr, wd.call_epoch(), wd.timeout_ns};
-          a.x_scale = r0.scales;
-          a.w_scale = r0.scales + 1;
-          AgPlan const plan = wd.plan;
-          launches.push_back([a, plan, stream]() {
-            CHECK_CUDA(ag_gemm::launch_gemm(DType::kE4M3, DType::kBF16, plan, a, stream));
-          });
-          names.push_back((chunks == 0 ? "w1_c" : "c") + std::to_string(plan.chunks) + "r" + std::to_string(raster));
+          launches.push_back(released_fp8_gemm(wd, stream));
+          names.push_back((chunks == 0 ? "w1_c" : "c") + std::to_string(wd.plan.chunks) + "r" + std::to_string(raster));
         }
       }
-      // Every chunk released: flags of all ones (above any epoch).
-      for (auto& wd : worlds) CHECK_CUDA(cudaMemset(wd->ranks[0].flags, 0xFF, 2 * wd->plan.flags * sizeof(uint64_t)));
       int const m = sh.tokens, k = sh.embed;  // both layouts: y [tokens, n], K the whole embedding
       Case pc{m, n, k, 2, true, GemmRsConfig{}, false, true};
       World pw(pc);
