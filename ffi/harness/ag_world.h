@@ -336,4 +336,13 @@ AgGemmConfig ag_config_for(int world, int block_n, int raster_rows = 8, int max_
 
 void run_ag_case(AgCase const& c, int epochs);
 
+// A build of ag_gemm's GEMM (fp8_order_variants.cu): its name, its launch of a plan, and whether it
+// runs the contraction layout (else the rows layout only).
+struct AgVariant {
+  const char* name;
+  cudaError_t (*launch)(AgPlan const&, AgGemmArgs const&, cudaStream_t);
+  bool contraction;
+};
+std::vector<AgVariant> fp8_order_variants();
+
 }  // namespace entwine::harness

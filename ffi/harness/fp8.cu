@@ -220,11 +220,13 @@ CublasLt const* prepare_fp8_bench() {
 }
 
 // Rank 0's FP8 ag_gemm GEMM of `wd` as a launcher on `stream`, every chunk released: flags above any
-// epoch, and where there are peers their shards in the inbox as random e4m3 bytes with scales of 1.
-std::function<void()> released_fp8_gemm(AgWorld& wd, cudaStream_t stream) {
+// epoch, the inbox's shards random e4m3 bytes, and where there are peers their scales 1.
+// `variant`: a build of the GEMM (fp8_order_variants.cu; nullptr: the shipped e4m3 -> bf16 one).
+std::function<void()> released_fp8_gemm(AgWorld& wd, cudaStream_t stream, AgVariant const* variant = nullptr) {
   CHECK_CUDA(cudaMemset(wd.ranks[0].flags, 0xFF, 2 * wd.plan.flags * sizeof(uint64_t)));
+  // the whole inbox, the local shard's slot included (a build may read it for the local blocks)
+  fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(wd.ranks[0].inbox), wd.plan.scales_offset, 77);
   if (wd.c.world > 1) {
-    fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(wd.ranks[0].inbox), wd.plan.scales_offset, 77);
     std::vector<float> const ones(size_t(wd.c.world) * kScaleSlotBytes / sizeof(float), 1.0f);
     CHECK_CUDA(cudaMemcpy(wd.ranks[0].inbox + wd.plan.scales_offset, ones.data(), ones.size() * sizeof(float),
                           cudaMemcpyHostToDevice));
@@ -233,6 +235,9 @@ std::function<void()> released_fp8_gemm(AgWorld& wd, cudaStream_t stream) {
   AgGemmArgs a{r0.x, r0.inbox, r0.w, r0.y, r0.flags, wd.error, nullptr, wd.call_epoch(), wd.timeout_ns};
   a.x_scale = r0.scales;
   a.w_scale = r0.scales + 1;
+  if (variant != nullptr) {
+    return [a, plan = wd.plan, stream, launch = variant->launch]() { CHECK_CUDA(launch(plan, a, stream)); };
+  }
   return [a, plan = wd.plan, stream]() { CHECK_CUDA(ag_gemm::launch_gemm(DType::kE4M3, DType::kBF16, plan, a, stream)); };
 }
 
@@ -362,24 +367,39 @@ int fp8_order_main(bool profile) {
   for (int layout = 0; layout < (profile ? 1 : 2); ++layout) {
     bool const gather_k = layout > 0;
     for (Shape sh : {Shape{8192, 4096, 14336}, Shape{16384, 4096, 14336}, Shape{8192, 8192, 28672}}) {
-      if (profile && (sh.tokens != 8192 || sh.embed != 4096)) continue;
+      // profile: the shape where the builds differ most
+      if (profile && sh.embed != 8192) continue;
       int const world = 2, n = sh.mlp / world;
       std::vector<std::unique_ptr<AgWorld>> worlds;
       std::vector<std::string> names;
       std::vector<std::function<void()>> launches;
-      for (int chunks : {8, 4, 2, 1, 0}) {
-        for (int raster : {8, 16}) {
-          // chunks 0: one rank holding every row (W = 1), one chunk
-          int const ranks = chunks == 0 ? 1 : world;
-          if (chunks == 0 && (gather_k || raster == 8)) continue;
-          AgCase c{gather_k ? sh.tokens : sh.tokens / ranks, gather_k ? sh.embed / ranks : sh.embed, n, ranks, true,
-                   gather_k, AgGemmConfig{128, sms - 1, raster, chunks == 0 ? 1 : chunks}, true, gather_k};
-          worlds.push_back(std::make_unique<AgWorld>(c));
-          AgWorld& wd = *worlds.back();
-          wd.fill_inputs(5);
-          launches.push_back(released_fp8_gemm(wd, stream));
-          names.push_back((chunks == 0 ? "w1_c" : "c") + std::to_string(wd.plan.chunks) + "r" + std::to_string(raster));
-        }
+      // ag_gemm's GEMM at W = 2 (8 chunks: the bench's config; 1 chunk in raster groups of 8: the
+      // producer's block order), and the builds of fp8_order_variants.cu: in the rows layout in the
+      // producer's order and at W = 1 (one rank holding every row, one chunk), in the contraction
+      // layout in the bench's config.
+      struct Run {
+        int ranks, chunks, raster;
+        AgVariant const* variant;
+      };
+      std::vector<AgVariant> const variants = fp8_order_variants();
+      std::vector<Run> runs{{world, 8, 8, nullptr}, {world, 1, 8, nullptr}};
+      if (!gather_k) {
+        for (AgVariant const& v : variants) runs.push_back(Run{world, 1, 8, &v});
+        runs.push_back(Run{1, 1, 16, nullptr});
+        for (AgVariant const& v : variants) runs.push_back(Run{1, 1, 16, &v});
+      } else {
+        for (AgVariant const& v : variants)
+          if (v.contraction) runs.push_back(Run{world, 8, 8, &v});
+      }
+      for (Run const& r : runs) {
+        AgCase c{gather_k ? sh.tokens : sh.tokens / r.ranks, gather_k ? sh.embed / r.ranks : sh.embed, n, r.ranks, true,
+                 gather_k, AgGemmConfig{128, sms - 1, r.raster, r.chunks}, true, gather_k};
+        worlds.push_back(std::make_unique<AgWorld>(c));
+        AgWorld& wd = *worlds.back();
+        wd.fill_inputs(5);
+        launches.push_back(released_fp8_gemm(wd, stream, r.variant));
+        names.push_back((r.variant != nullptr ? std::string(r.variant->name) + "_" : std::string()) +
+                        (r.ranks == 1 ? "w1_c" : "c") + std::to_string(wd.plan.chunks) + "r" + std::to_string(r.raster));
       }
       int const m = sh.tokens, k = sh.embed;  // both layouts: y [tokens, n], K the whole embedding
       Case pc{m, n, k, 2, true, GemmRsConfig{}, false, true};
@@ -390,9 +410,9 @@ int fp8_order_main(bool profile) {
         GemmRsConfig const cfg{128, sms, 16, 512, raster};
         launches.push_back(producer_launcher(pw, ps, cfg, false, false, stream));
         names.push_back("plain_r" + std::to_string(raster));
-        launches.push_back(producer_launcher(pw, ps, cfg, true, true, stream));
-        names.push_back("rs_r" + std::to_string(raster));
       }
+      launches.push_back(producer_launcher(pw, ps, GemmRsConfig{128, sms, 16, 512, 8}, true, true, stream));
+      names.push_back("rs_r8");
       if (lt) {
         CublasLt::Fp8Scales const scales{pw.ranks[0].scales, pw.ranks[0].scales + 1};
         auto run = lt->gemm(m, n, k, pw.ranks[0].x, pw.ranks[0].w, pw.ranks[0].partial[1], stream, &scales);
