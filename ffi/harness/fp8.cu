@@ -350,11 +350,11 @@ int fp8_bench_main() {
   return 0;
 }
 
-// Where ag_gemm's FP8 GEMM loses to cuBLASLt: its GEMM alone (chunks released) at max_chunks 1-8 and
-// raster 8 / 16 (a chunk bounds the raster: 8 chunks of a 4096-row shard are 4 tile rows), beside
-// gemm_rs's producer on the same [M, K] x [K, N] (plain, and with order and flags) and cuBLASLt, in
-// one interleaved round per shape and layout; and the rows layout at W = 1 (no inbox, no waits).
-// profile: the first shape's rows layout only, each variant launched twice and not timed (for ncu).
+// Where ag_gemm's FP8 GEMM loses to cuBLASLt: its GEMM alone (chunks released) in the bench's config
+// and in the producer's block order, the builds of fp8_order_variants.cu, the rows layout at W = 1
+// (no peer, no waits), beside gemm_rs's producer on the same [M, K] x [K, N] (plain, and with order
+// and flags) and cuBLASLt, in one interleaved round per shape and layout. profile: the rows layout of
+// 8192 x 14336 x 8192 only, each launch made twice and not timed (for ncu).
 int fp8_order_main(bool profile) {
   CublasLt const* lt = prepare_fp8_bench();
   int const sms = sm_count();

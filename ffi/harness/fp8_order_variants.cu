@@ -1,6 +1,6 @@
 // Builds of ag_gemm's FP8 GEMM (e4m3 -> bf16) for `fp8 order` only, each changing ag_gemm's TMA warp
-// (the one part of its GEMM that differs from the producer's in the rows layout), to time what the
-// chunk wait and the per-block loop cost against the producer's loop on the same GEMM.
+// (where its GEMM differs most from the producer's in the rows layout), to time what the chunk wait
+// and the per-block loop cost against the producer's loop on the same GEMM.
 #include "ag_gemm/gemm_schedule.cuh"
 #include "harness/ag_world.h"
 
