@@ -98,6 +98,39 @@ struct UnitLoop : ag_gemm::GemmSchedule {
   }
 };
 
+// The shipped loop (the wait inline, or none) with every block's A read from the gathered inbox,
+// the local rows too (its own slot, filled by the harness): rows layout only, for timing only. Against
+// the shipped loop it shows what reading the local shard x (its own descriptors) costs.
+template <bool kWait>
+struct InboxA : ag_gemm::GemmSchedule {
+  template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
+  static __device__ void load(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
+                              State& write_state, Inputs const& load_inputs, Inputs const&, Storage& smem) {
+    Params const& op = params.op;
+    int const lane = cutlass::canonical_lane_idx();
+    uint64_t const epoch = ptx::load_relaxed_sys(params.call.epoch);
+    const uint64_t* const flags = op.gather_flags + int64_t(epoch & 1) * params.call.flags_stride;
+    int waited_source = -1, waited_chunk = -1;
+    bool ok = true;
+    auto k_shape = cute::shape<3>(cute::get<0>(load_inputs));
+    for_each_load<Kernel>(params, [&](bool local, int m_block, int n_block, int, int source, int chunk) {
+      if (kWait && !local && (source != waited_source || chunk != waited_chunk)) {
+        ok = ok && wait::wait_flag_warp(flags + source * op.chunks + chunk, epoch, params.call, op.timeout_ns, op.error,
+                                        op.error_mirror, op.rank, source, chunk, kWaitGatherChunk);
+        ptx::fence_proxy_async_global();
+        waited_source = source;
+        waited_chunk = chunk;
+      }
+      auto k_iter = cute::make_coord_iterator(cute::idx2crd(0, k_shape), k_shape);
+      int const row_block = local ? op.rank * op.shard_tiles + m_block : m_block;
+      mainloop.load(params.mainloop, pipeline, write_state, load_inputs, cute::make_coord(row_block, n_block, cute::_, 0),
+                    k_iter, op.k_tiles_per_source, lane, 0u, smem);
+      write_state.advance(op.k_tiles_per_source);
+    });
+    mainloop.load_tail(pipeline, write_state);
+  }
+};
+
 template <class Schedule>
 cudaError_t launch_variant(AgPlan const& plan, AgGemmArgs const& args, cudaStream_t stream) {
   using Kernel = gemm::GemmKernel<DType::kE4M3, DType::kBF16, kFp8BlockN, Schedule>;
@@ -114,7 +147,9 @@ std::vector<AgVariant> fp8_order_variants() {
   return {{"noinline_wait", launch_variant<BlockLoop<true>>, true},
           {"no_wait", launch_variant<BlockLoop<false>>, true},
           {"tma_units", launch_variant<ProducerLoad>, false},
-          {"unit_loop", launch_variant<UnitLoop>, false}};
+          {"unit_loop", launch_variant<UnitLoop>, false},
+          {"inbox_a", launch_variant<InboxA<true>>, false},
+          {"inbox_a_no_wait", launch_variant<InboxA<false>>, false}};
 }
 
 }  // namespace entwine::harness
