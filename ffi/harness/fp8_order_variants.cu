@@ -98,9 +98,10 @@ struct UnitLoop : ag_gemm::GemmSchedule {
   }
 };
 
-// The shipped loop (the wait inline, or none) with every block's A read from the gathered inbox,
-// the local rows too (its own slot, filled by the harness): rows layout only, for timing only. Against
-// the shipped loop it shows what reading the local shard x (its own descriptors) costs.
+// The shipped loop (the wait inline with kWait, else none) with every block's A read from the
+// gathered inbox, the local rows too (its own slot, filled by the harness): rows layout only, for
+// timing only. Against the shipped loop it shows what reading the local shard x through descriptors
+// of its own costs, and without the wait what the wait's code costs in a loop with one descriptor set.
 template <bool kWait>
 struct InboxA : ag_gemm::GemmSchedule {
   template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
