@@ -19,9 +19,15 @@ __device__ __noinline__ bool wait_chunk_out_of_line(const uint64_t* flag, uint64
   return ok;
 }
 
-// The shipped loop (for_each_load, the descriptors chosen per block) with the chunk wait out of line
-// (kWait), or without it (for timing only, every chunk released).
-template <bool kWait>
+// How a build waits for a peer's chunk: as the shipped loop does, in a function that is not inlined,
+// or not at all (for timing only, every chunk released).
+enum class Wait { kInline, kOutOfLine, kNone };
+
+// The shipped loop (for_each_load) with its wait as kWait says. kInboxA: every block's A read from the
+// gathered inbox with its descriptors, the local rows too (their own slot, filled by the harness; rows
+// layout only); else each block's descriptors chosen at run time, as shipped. Against the shipped loop
+// they show what the wait's code costs, and what reading x through descriptors of its own costs.
+template <Wait kWait, bool kInboxA>
 struct BlockLoop : ag_gemm::GemmSchedule {
   template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
   static __device__ void load(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
@@ -35,16 +41,29 @@ struct BlockLoop : ag_gemm::GemmSchedule {
     bool ok = true;
     auto k_shape = cute::shape<3>(cute::get<0>(load_inputs));
     for_each_load<Kernel>(params, [&](bool local, int m_block, int n_block, int batch, int source, int chunk) {
-      if (kWait && !local && (source != waited_source || chunk != waited_chunk)) {
-        ok = ok && wait_chunk_out_of_line(flags + source * op.chunks + chunk, epoch, params.call, op, source, chunk);
+      if (kWait != Wait::kNone && !local && (source != waited_source || chunk != waited_chunk)) {
+        uint64_t const* const flag = flags + source * op.chunks + chunk;
+        if constexpr (kWait == Wait::kOutOfLine) {
+          ok = ok && wait_chunk_out_of_line(flag, epoch, params.call, op, source, chunk);
+        } else {
+          ok = ok && wait::wait_flag_warp(flag, epoch, params.call, op.timeout_ns, op.error, op.error_mirror, op.rank,
+                                          source, chunk, kWaitGatherChunk);
+          ptx::fence_proxy_async_global();
+        }
         waited_source = source;
         waited_chunk = chunk;
       }
       auto k_iter = cute::make_coord_iterator(cute::idx2crd(0, k_shape), k_shape);
-      int const weight = Kernel::group_operand(params, n_block);
-      mainloop.load(Kernel::mainloop_of(params, weight, local), pipeline, write_state,
-                    local ? load_local : load_inputs, cute::make_coord(m_block, n_block, cute::_, batch), k_iter,
-                    op.k_tiles_per_source, lane, 0u, smem);
+      if constexpr (kInboxA) {
+        int const row_block = local ? op.rank * op.shard_tiles + m_block : m_block;
+        mainloop.load(params.mainloop, pipeline, write_state, load_inputs, cute::make_coord(row_block, n_block, cute::_, 0),
+                      k_iter, op.k_tiles_per_source, lane, 0u, smem);
+      } else {
+        int const weight = Kernel::group_operand(params, n_block);
+        mainloop.load(Kernel::mainloop_of(params, weight, local), pipeline, write_state,
+                      local ? load_local : load_inputs, cute::make_coord(m_block, n_block, cute::_, batch), k_iter,
+                      op.k_tiles_per_source, lane, 0u, smem);
+      }
       write_state.advance(op.k_tiles_per_source);
     });
     mainloop.load_tail(pipeline, write_state);
@@ -98,40 +117,6 @@ struct UnitLoop : ag_gemm::GemmSchedule {
   }
 };
 
-// The shipped loop (the wait inline with kWait, else none) with every block's A read from the
-// gathered inbox, the local rows too (its own slot, filled by the harness): rows layout only, for
-// timing only. Against the shipped loop it shows what reading the local shard x through descriptors
-// of its own costs, and without the wait what the wait's code costs in a loop with one descriptor set.
-template <bool kWait>
-struct InboxA : ag_gemm::GemmSchedule {
-  template <class Kernel, class Mainloop, class Pipeline, class State, class Inputs, class Storage>
-  static __device__ void load(typename Kernel::Params const& params, Mainloop& mainloop, Pipeline& pipeline,
-                              State& write_state, Inputs const& load_inputs, Inputs const&, Storage& smem) {
-    Params const& op = params.op;
-    int const lane = cutlass::canonical_lane_idx();
-    uint64_t const epoch = ptx::load_relaxed_sys(params.call.epoch);
-    const uint64_t* const flags = op.gather_flags + int64_t(epoch & 1) * params.call.flags_stride;
-    int waited_source = -1, waited_chunk = -1;
-    bool ok = true;
-    auto k_shape = cute::shape<3>(cute::get<0>(load_inputs));
-    for_each_load<Kernel>(params, [&](bool local, int m_block, int n_block, int, int source, int chunk) {
-      if (kWait && !local && (source != waited_source || chunk != waited_chunk)) {
-        ok = ok && wait::wait_flag_warp(flags + source * op.chunks + chunk, epoch, params.call, op.timeout_ns, op.error,
-                                        op.error_mirror, op.rank, source, chunk, kWaitGatherChunk);
-        ptx::fence_proxy_async_global();
-        waited_source = source;
-        waited_chunk = chunk;
-      }
-      auto k_iter = cute::make_coord_iterator(cute::idx2crd(0, k_shape), k_shape);
-      int const row_block = local ? op.rank * op.shard_tiles + m_block : m_block;
-      mainloop.load(params.mainloop, pipeline, write_state, load_inputs, cute::make_coord(row_block, n_block, cute::_, 0),
-                    k_iter, op.k_tiles_per_source, lane, 0u, smem);
-      write_state.advance(op.k_tiles_per_source);
-    });
-    mainloop.load_tail(pipeline, write_state);
-  }
-};
-
 template <class Schedule>
 cudaError_t launch_variant(AgPlan const& plan, AgGemmArgs const& args, cudaStream_t stream) {
   using Kernel = gemm::GemmKernel<DType::kE4M3, DType::kBF16, kFp8BlockN, Schedule>;
@@ -145,12 +130,12 @@ cudaError_t launch_variant(AgPlan const& plan, AgGemmArgs const& args, cudaStrea
 }  // namespace
 
 std::vector<AgVariant> fp8_order_variants() {
-  return {{"noinline_wait", launch_variant<BlockLoop<true>>, true},
-          {"no_wait", launch_variant<BlockLoop<false>>, true},
+  return {{"noinline_wait", launch_variant<BlockLoop<Wait::kOutOfLine, false>>, true},
+          {"no_wait", launch_variant<BlockLoop<Wait::kNone, false>>, true},
           {"tma_units", launch_variant<ProducerLoad>, false},
           {"unit_loop", launch_variant<UnitLoop>, false},
-          {"inbox_a", launch_variant<InboxA<true>>, false},
-          {"inbox_a_no_wait", launch_variant<InboxA<false>>, false}};
+          {"inbox_a", launch_variant<BlockLoop<Wait::kInline, true>>, false},
+          {"inbox_a_no_wait", launch_variant<BlockLoop<Wait::kNone, true>>, false}};
 }
 
 }  // namespace entwine::harness
