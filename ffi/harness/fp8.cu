@@ -226,6 +226,9 @@ std::function<void()> released_fp8_gemm(AgWorld& wd, cudaStream_t stream, AgVari
   CHECK_CUDA(cudaMemset(wd.ranks[0].flags, 0xFF, 2 * wd.plan.flags * sizeof(uint64_t)));
   // the whole inbox, the local shard's slot included (a build may read it for the local blocks)
   fill_random_fp8<<<264, 256>>>(reinterpret_cast<uint8_t*>(wd.ranks[0].inbox), wd.plan.scales_offset, 77);
+  // rank 0's own slot (at 0) holds its x, so a build reading the local rows there computes the same y
+  CHECK_CUDA(cudaMemcpy2D(wd.ranks[0].inbox, wd.plan.cols_pad, wd.ranks[0].x, wd.c.cols, wd.c.cols, wd.c.rows,
+                          cudaMemcpyDeviceToDevice));
   if (wd.c.world > 1) {
     std::vector<float> const ones(size_t(wd.c.world) * kScaleSlotBytes / sizeof(float), 1.0f);
     CHECK_CUDA(cudaMemcpy(wd.ranks[0].inbox + wd.plan.scales_offset, ones.data(), ones.size() * sizeof(float),
@@ -435,6 +438,20 @@ int fp8_order_main(bool profile) {
       std::printf("%s M %d N %d K %d:", gather_k ? "contraction" : "rows", m, n, k);
       for (size_t i = 0; i < ms.size(); ++i) std::printf(" %s %.4f (%.3f)", names[i].c_str(), ms[i], cublas / ms[i]);
       std::printf("\n");
+      // Every build computes the same blocks in the same k order: its y must be bitwise that of the
+      // shipped build with the same ranks (the first run of that world size).
+      std::string differ;
+      std::vector<uint16_t> expected, got;
+      for (size_t i = 0; i < runs.size(); ++i) {
+        AgWorld const& wd = *worlds[i];
+        size_t const count = size_t(wd.c.y_rows()) * wd.c.n;
+        bool const first_of_world = i == 0 || runs[i].ranks != runs[i - 1].ranks;
+        (first_of_world ? expected : got).resize(count);
+        CHECK_CUDA(cudaMemcpy((first_of_world ? expected : got).data(), wd.ranks[0].y, count * 2, cudaMemcpyDeviceToHost));
+        if (!first_of_world && got != expected) differ += " " + names[i];
+      }
+      std::printf("  outputs: %s\n", differ.empty() ? "every build bitwise equal to the shipped one of its world size"
+                                                     : ("DIFFER:" + differ).c_str());
       for (auto& wd : worlds)
         if (wd->read_error().code != 0) std::printf("  device error recorded!\n");
     }
