@@ -391,7 +391,7 @@ int fp8_order_main(bool profile) {
       std::vector<Run> runs{{world, 8, 8, nullptr}, {world, 1, 8, nullptr}};
       if (!gather_k) {
         for (AgVariant const& v : variants) runs.push_back(Run{world, 1, 8, &v});
-        // What the buffers' placement alone moves the time by: the shipped c1 r8 on new allocations.
+        // How far one build moves on other buffers, at another place in the round: the shipped c1 r8 again.
         runs.push_back(Run{world, 1, 8, nullptr, true});
         runs.push_back(Run{1, 1, 16, nullptr});
         for (AgVariant const& v : variants) runs.push_back(Run{1, 1, 16, &v});
