@@ -350,6 +350,10 @@ def test_traced_zero_scale_is_caught_under_the_debug_flag(monkeypatch):
         jax.block_until_ready(f(*args, jnp.float32(0.01)))  # a good scale runs
         with pytest.raises(Exception, match=r"gemm_rs: x_scale must be finite and > 0 .*got 0.0"):
             jax.block_until_ready(f(*args, jnp.float32(0.0)))
+        # A good scale runs again after the failed call, and its effects replace the failed call's on
+        # JAX's runtime token (which JAX would otherwise raise again when the interpreter exits).
+        jax.block_until_ready(f(*args, jnp.float32(0.01)))
+        jax.effects_barrier()
 
 
 @pytest.mark.parametrize("kwargs,match", [
