@@ -613,7 +613,8 @@ def _module_reason(dense, site: _Site, inputs, slice_bounds) -> Optional[str]:
     if getattr(dense, "kernel_scale", None) is not None or is_fp8_dtype(getattr(dense, "weight_dtype", None)):
         return "quantised weights (kernel_scale / fp8 weight_dtype)"
     # The FP8 ops (XLA path and kernels alike) write bf16 or fp16; Flax's FP8 dot writes the compute
-    # dtype. Rounding a float32 model's projections to bf16 moved the losses 8.6e-3 in 3 steps (D7).
+    # dtype. Rounding a float32 model's projections to bf16 moved the losses 8.6e-3 in 3 steps
+    # (docs/maxtext.md, "FP8 under float32 compute stays MaxText's").
     if jnp.dtype(dense.dtype) not in fp8_ops.OUT_DTYPES and _fp8_state(dense, site) is not None:
         return _FP8_FLOAT32.format(dtype=jnp.dtype(dense.dtype).name)
     if dense.bias is not None:

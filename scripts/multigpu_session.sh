@@ -22,7 +22,7 @@ if step build; then
 fi
 export PYTHONPATH=/tmp/site
 cd /tmp
-if step gemm_rs; then  # the design suite after the graph-safe protocol, W = every GPU, one process
+if step gemm_rs; then  # the design suite, W = every GPU, one process
   say "gemm_rs design suite W=$W"
   timeout 900 python3 -P "$REPO/benchmarks/bench.py" --suite design --world "$W" --profile \
     --json "$OUT/gemm_rs_w$W.json" > "$OUT/gemm_rs_w$W.log" 2>&1; tail -3 "$OUT/gemm_rs_w$W.log"

@@ -95,7 +95,7 @@ class HeapSuites(Rank):
         worst = max(worst, self.check(self.local(f(gx, gw)), ref, f"heapgrow site 9 (M={m}) after the lone trace"))
         del f, gx, gw
         heap, gained = record(9)
-        # What the old heaps cost when they were kept: the sum of every heap; now the last one alone.
+        # A grown heap frees the one it replaces: the memory gained is about the last heap, not the sum.
         if gained > 1.5 * heap:
             raise AssertionError(f"device memory gained per process {gained / mib:.0f} MiB > 1.5 x the last heap "
                                  f"{heap / mib:.0f} MiB: " + "; ".join(lines))

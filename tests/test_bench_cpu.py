@@ -185,8 +185,7 @@ def test_smoke_shape_divides_by_the_world():
 
 def test_progress_counts_timed_rounds_not_compiles(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain counter, whether or not tqdm is installed
-    # Two shapes, 2 configs each, 4 calls in batches of 2: 2 timed rounds per shape, 4 in all
-    # (the old bar counted 2 x (4 + 2) compiles).
+    # Two shapes, 2 configs each, 4 calls in batches of 2: 2 timed rounds per shape, 4 in all.
     assert bench.main(["--shapes", "64x128x32,128x128x32", "--world", "2", "--iters", "4", "--batch", "2",
                        "--warmup", "1", "--configs", ";consumer_grid=2"]) == 0
     err = capsys.readouterr().err

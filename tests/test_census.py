@@ -148,7 +148,7 @@ def test_backward_is_attributed(mesh):
     assert c.select(owner="gemm_rs", kind="reduce-scatter").count == 2
     assert c.select(scope="transpose(jvp())", owner="ag_gemm").count >= 1
     assert all(col.axes == ("tp",) for col in c.select(owner=("ag_gemm", "gemm_rs")))
-    # What the old train-step check asked: no XLA collective over tp outside a given scope.
+    # No XLA collective over tp outside a given scope.
     assert not c.select(owner="xla", axis="tp", kind=("all-gather", "reduce-scatter"))
 
 

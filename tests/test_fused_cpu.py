@@ -640,7 +640,7 @@ def test_a_failed_setup_is_undone_and_retried(monkeypatch):
 ])
 def test_concurrent_command_buffers_refuse_the_fused_path(flags, refused, monkeypatch):
     # Two fused calls of one communicator must never overlap; under CONCURRENT scheduling with custom
-    # calls in command buffers XLA may overlap them (their kernels trapped, issue 37): the fused path
+    # calls in command buffers XLA may overlap them (their kernels trapped): the fused path
     # is refused with a reason naming the flag, and the XLA reference runs.
     reason = comm.command_buffer_hazard(flags)
     assert (reason is not None) == refused

@@ -364,7 +364,7 @@ def test_refined_candidates():
     needs_plan()  # the split rule and the tile rows are the kernels' plan
     best = GemmRsConfig(block_n=256, producer_sms=124, consumer_grid=8)
     # 16384x8192x3584, W=2: 2 x 64 x 32 = 4096 blocks on 124 CTAs leave 4 of them in the last wave,
-    # 120 CTAs idle for 56 k-tiles each: the split applies (producer_schedule in ffi/gemm_rs/launch.cu).
+    # 120 CTAs idle for 56 k-tiles each: the split applies (producer_schedule in ffi/gemm_rs/plan.cc).
     r = tuner.refined_candidates(best, 16384, 8192, 3584, 2)
     # The winner first, then the split tail and 16-row raster groups at the winning budget.
     assert r == [best, dataclasses.replace(best, split_tail=True), dataclasses.replace(best, raster_rows=16)]

@@ -1,5 +1,6 @@
 # The small-call rules of path="auto", with their constants in one place (to be refined by
-# measurements on several GPUs: tests/gpu_ranks.py --suite push and --suite smallshapes print them).
+# measurements on several GPUs: `entwine_harness ag push` and tests/gpu_ranks.py --suite
+# smallshapes print them).
 # 1. Fused or XLA: the overlap can hide at most the shorter of the call's GEMM and its transfer, and
 #    the fused op pays a fixed cost XLA does not (its side streams, flag round trips, and for ag_gemm
 #    the pushes). Where the hideable time is below that fixed cost, XLA's GEMM + collective is at
@@ -24,8 +25,8 @@ class Costs:
     fixed_scale: float = 1.0
     # Shards up to this many bytes are pushed by the SM copy kernel: below it the copy engines' cost
     # is their enqueueing (flat ~65 us up to ~30 MB on one H200), above it the SMs the copy kernel
-    # takes from the GEMM cost more than the launches it saves. An estimate until --suite push has
-    # measured both paths on NVLink.
+    # takes from the GEMM cost more than the launches it saves. An estimate until `entwine_harness ag push`
+    # has measured both paths on NVLink.
     sm_push_max_shard_bytes: int = 16 << 20
     # CTAs of the SM push (the GEMM keeps the other SMs): 16 CTAs of 512 threads keep 8192 16-byte
     # stores in flight, the order of what saturated an NVLink direction with SM-issued loads.

@@ -69,7 +69,7 @@ def default_candidates(m: int, n: int, k: int, world: int, dtype, sm_count: Opti
 
 def _split_applies(m: int, n: int, k: int, world: int, config: GemmRsConfig) -> bool:
     """Whether split_tail=True changes the producer's schedule of a row scatter (the kernels' plan:
-    producer_schedule() in ffi/gemm_rs/launch.cu); elsewhere the flag runs the same schedule as
+    producer_schedule() in ffi/gemm_rs/plan.cc); elsewhere the flag runs the same schedule as
     without it."""
     plan = _plan_of(m, n, k, world, dataclasses.replace(config, split_tail=True))
     return plan is not None and plan.split

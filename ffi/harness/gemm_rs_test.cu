@@ -91,7 +91,7 @@ int test_main() {
   run_case(Case{8 * 128, 2560, 512, 8, false, GemmRsConfig{256, 0, 4, 512}}, 2);
   run_case(Case{2 * 2048, 4096, 1024, 2, true, GemmRsConfig{128, 0, 32, 512}}, 2);
   // Persistent grids G that split their tail in K: B blocks, R = B % G, T k-tiles with
-  // (G - R) * T >= 16 * G (producer.cuh). Odd grids, K tails, both widths and dtypes, rows and columns.
+  // (G - R) * T >= 16 * G (kSplitMinIdleKTiles, gemm_rs/plan.cc). Odd grids, K tails, both widths and dtypes, rows and columns.
   run_case(Case{2 * 1024, 1024, 2000, 2, true, GemmRsConfig{128, 7, 8, 512, 8, 1}}, 3);     // B 128, R 2, T 32
   run_case(Case{2 * 1024, 1024, 2000, 2, false, GemmRsConfig{128, 7, 8, 512, 8, 1}}, 2);    // B 128, R 2, T 32
   run_case(Case{4 * 512, 1024, 1480, 4, false, GemmRsConfig{256, 7, 8, 256, 8, 1}}, 2);     // B 64, R 1, T 24

@@ -369,7 +369,7 @@ struct CublasLt {
   }
 };
 
-// The design suite of the benchmarks (entwine_jax/timing.py DESIGN_SUITE; M, N, K of one rank's GEMM;
+// The design suite of the benchmarks (entwine_jax/tuning/timing.py DESIGN_SUITE; M, N, K of one rank's GEMM;
 // W = 2 partitions).
 inline constexpr std::array<int, 3> kDesignSuite[] = {
     {4096, 8192, 1024}, {8192, 8192, 1024},  {16384, 8192, 1024},  {8192, 8192, 3584},

@@ -5,12 +5,16 @@
 //   entwine_harness ag test           ag_gemm: both layouts, W in {1,2,4,8}, both pushes, several
 //                                     epochs, deadline, graphs
 //   entwine_harness moe test          moe_dispatch_gemm, static capacity: W in {1,2,3,4}, E in {W, 2W},
-//                                     C in {128, 256}, several epochs, deadline, graphs
+//                                     C in {128, 256, 384}, both pushes, several epochs, deadline,
+//                                     graphs; likewise moe_gemm_combine's GEMM
+//   entwine_harness moe bench         each fused MoE call vs the same kernels one after the other,
+//                                     the GEMMs alone, the transfers alone and cuBLASLt
 //   entwine_harness moe wgrad test    the MoE weight gradients over ragged rows, W in {1,2,3,4}
 //   entwine_harness moe wgrad bench   the same with all, 1/4, 1/8 of the rows vs cuBLASLt
 //   entwine_harness ag bench          ag_gemm's GEMM alone (chunks released) vs cuBLASLt
 //   entwine_harness ag push           one push alone, copy engines vs SM push, shards of 0.25-67 MB
-//   entwine_harness sanitize [sequential]   two small cases (for compute-sanitizer)
+//   entwine_harness sanitize [sequential]   small gemm_rs cases (for compute-sanitizer)
+//   entwine_harness ag sanitize       small ag_gemm cases, both pushes (for compute-sanitizer)
 //   entwine_harness bench [out.jsonl] [fused|producer|consumer]   fused one-rank grid sweep,
 //                                     producer alone (order/flag costs), consumer bandwidth sweep
 //   entwine_harness producer M N K block_n producer_sms raster_rows [plain]   (three launches, for ncu)
@@ -29,6 +33,9 @@
 //                                     on the design suite; an FP8 shard's push time vs a bf16 one
 //   entwine_harness fp8 accuracy      the FP8 accumulation's error (positive operands, K to 32768)
 //                                     against float64, ours and cuBLASLt's
+//   entwine_harness fp8 order [profile]   ag_gemm's FP8 GEMM beside builds of its TMA warp
+//                                     (fp8_order_variants.cu), the producer's GEMM and cuBLASLt,
+//                                     every build's y checked bitwise (profile: one case, for ncu)
 //   entwine_harness fp8block test     block-scaled FP8 (x per row and 128-wide K block, w_t per
 //                                     128x128 block; x in e4m3 or e5m2): gemm_rs's GEMM and fused
 //                                     call, ag_gemm's fused call in both layouts and both pushes,
