@@ -43,18 +43,17 @@ class Costs:
 COSTS = Costs()
 
 
-def push_engine(shard_bytes: int, costs: Optional[Costs] = None) -> str:
+def push_engine(shard_bytes: int) -> str:
     """What pushes a (padded) shard of `shard_bytes` to the peers by default: a copy kernel on a
     few SMs ("sm") or the copy engines ("ce")."""
-    costs = costs or COSTS
-    return "sm" if shard_bytes <= costs.sm_push_max_shard_bytes else "ce"
+    return "sm" if shard_bytes <= COSTS.sm_push_max_shard_bytes else "ce"
 
 
-def fused_cannot_win(fixed_us: float, flops: float, moved_bytes: float, costs: Optional[Costs] = None) -> Optional[str]:
+def fused_cannot_win(fixed_us: float, flops: float, moved_bytes: float) -> Optional[str]:
     """Why path="auto" should leave a call with this GEMM (flops) and transfer (bytes into each GPU)
     to XLA, or None when the fused op can win; fixed_us: the op's fixed device cost beyond XLA's, as
     the op declares it for this call."""
-    costs = costs or COSTS
+    costs = COSTS
     fixed = fixed_us * costs.fixed_scale
     gemm_us = flops / (costs.gemm_tflops * 1e12) * 1e6
     transfer_us = moved_bytes / (costs.link_gbps * 1e9) * 1e6
